@@ -1,0 +1,258 @@
+"""The codec: tensors in, self-describing frames out, and back, bit for bit.
+
+:class:`Codec` holds a :class:`~comm_codec.codebooks.CodebookSet` (the model) and drives
+the numba kernels (the coder). Encoding is one pass over the data per stream after a
+cheap planning pass that sizes every chunk, so the frame is allocated once at its exact
+size: encode allocates the frame plus O(chunks) scratch, decode the output plus
+O(chunks) scratch (and one chunk of scratch per thread for chunks with a zero mask).
+
+Example::
+
+    >>> import torch, comm_codec as cc
+    >>> codec = cc.Codec()
+    >>> g = torch.randn(1000, dtype=torch.bfloat16) * 1e-3
+    >>> frame = codec.encode(g, kind="gradient")
+    >>> torch.equal(codec.decode(frame).view(torch.int16), g.view(torch.int16))
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import numba
+import numpy as np
+import torch
+
+from . import frame as _frame
+from .codebooks import CodebookSet
+from .frame import FrameError
+from .huffman import Codebook
+from .kernels import cpu as _cpu
+from .streams import as_bits, spec_for
+
+__all__ = ["Codec", "DEFAULT_CHUNK_ELEMS"]
+
+log = logging.getLogger(__name__)
+
+# 64 Ki elements: 128 KiB of bf16 per chunk stays in L2 while its streams are coded, and
+# a 25 MB gradient bucket still splits into ~200 chunks for the threads.
+DEFAULT_CHUNK_ELEMS = 1 << 16
+_MAX_CHUNK_ELEMS = 1 << 26
+
+
+class _Tables:
+    """Kernel-ready tables for one tuple of per-stream books."""
+
+    __slots__ = ("ids", "enc_code", "enc_len", "dec", "raw")
+
+    def __init__(self, books: list[Codebook]):
+        ns = len(books)
+        self.ids = np.array([b.id_int if not b.raw else 0 for b in books], dtype=np.uint64)
+        self.enc_code = np.zeros((ns, 256), dtype=np.uint32)
+        self.enc_len = np.zeros((ns, 256), dtype=np.uint8)
+        self.dec = np.zeros((ns, 1 << 12), dtype=np.uint16)
+        self.raw = np.array([b.raw for b in books], dtype=np.bool_)
+        for s, book in enumerate(books):
+            self.enc_code[s], self.enc_len[s], self.dec[s] = book.tables()
+
+
+class Codec:
+    """Encode tensors into frames and decode them, with fixed codebooks.
+
+    A codec is cheap to keep and safe to share between threads; reuse one per process.
+
+    Args:
+        codebooks: the :class:`CodebookSet` to code with; None loads
+            :meth:`CodebookSet.default` (the books shipped in ``codebooks/``).
+        threads: numba threads for encode/decode; None uses numba's setting
+            (``NUMBA_NUM_THREADS`` / ``numba.set_num_threads``).
+        chunk_elems: elements per independently decodable chunk.
+        checksum: store and verify a checksum per chunk (detects corruption of the
+            payload; the header is always CRC-checked).
+
+    Raises:
+        TypeError: codebooks is not a CodebookSet.
+        ValueError: threads or chunk_elems out of range.
+    """
+
+    def __init__(
+        self,
+        codebooks: CodebookSet | None = None,
+        threads: int | None = None,
+        chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+        checksum: bool = True,
+    ):
+        if codebooks is None:
+            codebooks = CodebookSet.default()
+        if not isinstance(codebooks, CodebookSet):
+            raise TypeError(f"codebooks must be a CodebookSet or None, got {type(codebooks).__name__}")
+        if threads is not None and not 1 <= int(threads) <= numba.config.NUMBA_NUM_THREADS:
+            raise ValueError(
+                f"threads must be in 1..{numba.config.NUMBA_NUM_THREADS} (NUMBA_NUM_THREADS), got {threads}"
+            )
+        if not 8 <= int(chunk_elems) <= _MAX_CHUNK_ELEMS:
+            raise ValueError(f"chunk_elems must be in 8..{_MAX_CHUNK_ELEMS}, got {chunk_elems}")
+        self.codebooks = codebooks
+        self.threads = None if threads is None else int(threads)
+        self.chunk_elems = int(chunk_elems)
+        self.checksum = bool(checksum)
+        self._enc_cache: dict = {}
+        self._dec_cache: dict = {}
+
+    # -- encode -------------------------------------------------------------------------
+    def encode(self, tensor: torch.Tensor, kind: str = "gradient") -> torch.Tensor:
+        """Encode a tensor into a frame.
+
+        Args:
+            tensor: a CPU tensor of a supported dtype (see
+                :data:`comm_codec.streams.SUPPORTED_DTYPES`), any shape; non-contiguous
+                tensors are copied first.
+            kind: which books to use: "gradient", "reduced_gradient", "activation",
+                "weight", "optimizer_state" (see :class:`CodebookSet`).
+
+        Returns:
+            The frame: a 1-D torch.uint8 tensor, at most header + raw size long.
+
+        Raises:
+            TypeError: not a tensor, or an unsupported dtype.
+            ValueError: a tensor not on the CPU, or an unknown kind.
+        """
+        bits, spec = as_bits(tensor)
+        tables = self._encode_tables(kind, spec)
+        numel = bits.size
+        ns = spec.nstreams
+        nchunks = -(-numel // self.chunk_elems)
+        cflags = np.zeros(nchunks, dtype=np.uint8)
+        refs = np.zeros(nchunks, dtype=np.uint8)
+        sizes = np.zeros((nchunks, ns), dtype=np.uint32)
+        args = (self.chunk_elems, spec.exp_shift)
+        with self._threads():
+            if nchunks:
+                _cpu.plan_chunks(bits, *args, tables.enc_len, tables.raw, cflags, refs, sizes)
+            counts = _frame.chunk_counts(numel, self.chunk_elems, nchunks)
+            lengths = _frame.payload_bytes(cflags.astype(np.int64), sizes, counts)
+            hsize = _frame.header_size(ns, nchunks)
+            offsets = (hsize + np.concatenate(([0], np.cumsum(lengths)[:-1]))).astype(np.int64)
+            total = int(hsize + lengths.sum())
+            out = torch.empty(total, dtype=torch.uint8)
+            out8 = out.numpy()
+            checksums = np.zeros(nchunks, dtype=np.uint32)
+            if nchunks:
+                _cpu.encode_chunks(
+                    bits, *args, tables.enc_code, tables.enc_len, cflags, refs, sizes,
+                    offsets, out8, out8.view(np.uint64), checksums, self.checksum,
+                )
+        table = np.zeros(nchunks, dtype=_frame.table_dtype(ns))
+        table["cflags"], table["ref"], table["checksum"] = cflags, refs, checksums
+        table["sizes"] = sizes
+        flags = _frame.FLAG_CHECKSUM if self.checksum else 0
+        _frame.write_header(out8, spec, numel, self.chunk_elems, flags, tables.ids, table)
+        return out
+
+    # -- decode -------------------------------------------------------------------------
+    def decode(self, frame, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode a frame back into the tensor it was made from.
+
+        Args:
+            frame: a frame from :meth:`encode` (1-D torch.uint8 tensor, numpy uint8
+                array or bytes).
+            out: optional CPU tensor to write into: same dtype and number of elements as
+                the encoded tensor, contiguous, any shape.
+
+        Returns:
+            A 1-D tensor of the original dtype (or ``out``), bit-identical to the input.
+
+        Raises:
+            FrameError: the frame is truncated, corrupted, not a comm_codec frame, of
+                an unknown version, or made with codebooks this codec does not hold.
+            TypeError: frame or out of the wrong type or dtype.
+            ValueError: out of the wrong size, non-contiguous, or not on the CPU.
+        """
+        buf = _frame._as_u8(frame)
+        params = _frame.get_frame_parameters(buf)
+        spec = params.spec
+        tables = self._decode_tables(params.book_ids)
+        if out is None:
+            result = torch.empty(params.numel, dtype=spec.dtype)
+        else:
+            result = self._check_out(out, params)
+        if params.nchunks == 0:
+            return result
+        if buf.ctypes.data % 8:
+            buf = buf.copy()  # a frame sliced out of a larger buffer; kernels read words
+        bits, _ = as_bits(result)
+        table = params.table
+        status = np.zeros(params.nchunks, dtype=np.int32)
+        with self._threads():
+            _cpu.decode_chunks(
+                buf, buf.view(np.uint64), params.numel, params.chunk_elems, spec.exp_shift, tables.dec,
+                np.ascontiguousarray(table["cflags"]), np.ascontiguousarray(table["ref"]),
+                np.ascontiguousarray(table["sizes"]).reshape(params.nchunks, spec.nstreams),
+                params.offsets, np.ascontiguousarray(table["checksum"]), params.checksums,
+                bits, status,
+            )
+        bad = np.nonzero(status)[0]
+        if bad.size:
+            first = int(bad[0])
+            raise FrameError(
+                f"chunk {first} of {params.nchunks} is bad: {_cpu.STATUS_MESSAGES[int(status[first])]}"
+                + (f" ({bad.size} chunks bad)" if bad.size > 1 else "")
+            )
+        return result
+
+    # -- helpers --------------------------------------------------------------------------
+    def _encode_tables(self, kind: str, spec) -> _Tables:
+        key = (kind, spec.name)
+        tables = self._enc_cache.get(key)
+        if tables is None:
+            books = [self.codebooks.get(kind, spec.name, s) for s in range(spec.nstreams)]
+            tables = self._enc_cache[key] = _Tables(books)
+        return tables
+
+    def _decode_tables(self, ids: tuple) -> _Tables:
+        tables = self._dec_cache.get(ids)
+        if tables is None:
+            books = []
+            for s, book_id in enumerate(ids):
+                if book_id == "0" * 16:
+                    books.append(Codebook.raw_book())
+                    continue
+                book = self.codebooks.by_id(book_id)
+                if book is None:
+                    raise FrameError(
+                        f"frame stream {s} was coded with codebook {book_id}, which this codec's "
+                        "codebook set does not hold; decode with the books it was encoded with"
+                    )
+                books.append(book)
+            tables = self._dec_cache[ids] = _Tables(books)
+        return tables
+
+    @staticmethod
+    def _check_out(out, params) -> torch.Tensor:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if out.dtype != params.spec.dtype:
+            raise TypeError(f"out has dtype {out.dtype}, the frame holds {params.spec.dtype}")
+        if out.numel() != params.numel:
+            raise ValueError(f"out has {out.numel()} elements, the frame holds {params.numel}")
+        if out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError("out must be a contiguous CPU tensor")
+        return out
+
+    @contextlib.contextmanager
+    def _threads(self):
+        if self.threads is None:
+            yield
+            return
+        # numba's thread count is per calling thread; restore it for the caller.
+        previous = numba.get_num_threads()
+        numba.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            numba.set_num_threads(previous)
+
+    def __repr__(self) -> str:
+        return f"Codec(codebooks={self.codebooks!r}, threads={self.threads}, chunk_elems={self.chunk_elems})"

@@ -1,0 +1,284 @@
+"""The frame: the self-describing byte layout of one coded tensor.
+
+One format serves the wire, files, the CPU and the GPU. Everything is little-endian.
+Every section starts on an 8-byte boundary so that kernels can move whole 64-bit words.
+The full specification, with a worked example, is in ``docs/frame_format.md``; the
+summary::
+
+    header   magic "CCFR" | version u8 | dtype u8 | nstreams u8 | flags u8
+             numel u64 | chunk_elems u32 | nchunks u32              (24 bytes)
+    books    nstreams x u64 book id (0 = stream stored raw)
+    table    nchunks x entry: cflags u8 | ref u8 | 0 u16 | checksum u32 | nstreams x size u32
+             (entry padded to a multiple of 8 bytes)
+    crc      u32 CRC-32 of everything above | u32 zero
+    payload  per chunk: [mask bitmap][stream 0][stream 1]..., each padded to 8 bytes
+
+Chunk flags: ``MASK`` (elements whose bits are all zero are left out of the streams and
+marked by a 0 in an LSB-first bitmap of the chunk), ``ZERO`` (every element is +0.0: no
+payload at all), ``RAW0 << s`` (stream s of this chunk is stored uncoded). ``ref`` is the
+chunk's reference exponent: stream-0 symbols are coded as ``(byte - (ref << exp_shift))
+mod 256``. The checksum is a 64-bit multiply-xor hash of the chunk's payload words folded
+to 32 bits; it changes under any change confined to one word.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import numpy as np
+
+from . import streams as _streams
+
+__all__ = [
+    "FrameError",
+    "FrameParameters",
+    "MAGIC",
+    "VERSION",
+    "HEADER_BYTES",
+    "FLAG_CHECKSUM",
+    "CHUNK_MASK",
+    "CHUNK_ZERO",
+    "CHUNK_RAW0",
+    "get_frame_parameters",
+    "header_size",
+    "table_dtype",
+    "pad8",
+]
+
+MAGIC = b"CCFR"
+VERSION = 1
+HEADER_BYTES = 24
+FLAG_CHECKSUM = 0x01
+_KNOWN_FLAGS = FLAG_CHECKSUM
+CHUNK_MASK = 0x01
+CHUNK_ZERO = 0x02
+CHUNK_RAW0 = 0x10  # stream s raw: CHUNK_RAW0 << s, s < 4
+
+_HEAD = np.dtype(
+    [
+        ("magic", "S4"),
+        ("version", "u1"),
+        ("dtype", "u1"),
+        ("nstreams", "u1"),
+        ("flags", "u1"),
+        ("numel", "<u8"),
+        ("chunk_elems", "<u4"),
+        ("nchunks", "<u4"),
+    ]
+)
+assert _HEAD.itemsize == HEADER_BYTES
+
+
+class FrameError(ValueError):
+    """A frame is truncated, corrupted, foreign, or needs a codebook this codec lacks."""
+
+
+def pad8(n):
+    """Round a byte count (or an integer array of them) up to a multiple of 8."""
+    return (n + 7) & ~7
+
+
+def table_dtype(nstreams: int) -> np.dtype:
+    """Return the numpy structured dtype of one chunk-table entry."""
+    return np.dtype(
+        {
+            "names": ["cflags", "ref", "reserved", "checksum", "sizes"],
+            "formats": ["u1", "u1", "<u2", "<u4", ("<u4", (nstreams,))],
+            "offsets": [0, 1, 2, 4, 8],
+            "itemsize": pad8(8 + 4 * nstreams),
+        }
+    )
+
+
+def header_size(nstreams: int, nchunks: int) -> int:
+    """Return the bytes before the first chunk payload: header, book ids, table, crc."""
+    return HEADER_BYTES + 8 * nstreams + nchunks * table_dtype(nstreams).itemsize + 8
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameParameters:
+    """What a frame's header says (see :func:`get_frame_parameters`).
+
+    Attributes:
+        version: format version.
+        spec: the element dtype's stream layout.
+        numel: number of elements.
+        chunk_elems: elements per chunk (the last may hold fewer).
+        nchunks: number of chunks.
+        book_ids: the codebook id of each stream ("0"*16 for raw).
+        checksums: whether chunk payloads carry checksums.
+        header_bytes: bytes before the payload.
+        frame_bytes: the frame's total length.
+        table: the chunk table (numpy structured array).
+        offsets: byte offset of each chunk's payload.
+    """
+
+    version: int
+    spec: _streams.StreamSpec
+    numel: int
+    chunk_elems: int
+    nchunks: int
+    book_ids: tuple
+    checksums: bool
+    header_bytes: int
+    frame_bytes: int
+    table: np.ndarray
+    offsets: np.ndarray
+
+    @property
+    def dtype(self):
+        return self.spec.dtype
+
+
+def write_header(buf: np.ndarray, spec, numel, chunk_elems, flags, book_ids, table) -> None:
+    """Write header, book ids, chunk table and CRC into the start of ``buf`` (uint8)."""
+    ns = spec.nstreams
+    head = np.zeros(1, dtype=_HEAD)
+    head[0] = (MAGIC, VERSION, spec.code, ns, flags, numel, chunk_elems, len(table))
+    pos = HEADER_BYTES
+    buf[:pos] = head.view(np.uint8)
+    buf[pos : pos + 8 * ns] = np.asarray(book_ids, dtype="<u8").view(np.uint8)
+    pos += 8 * ns
+    tbytes = table.view(np.uint8).reshape(-1)
+    buf[pos : pos + tbytes.size] = tbytes
+    pos += tbytes.size
+    crc = zlib.crc32(buf[:pos])
+    buf[pos : pos + 8] = np.array([crc, 0], dtype="<u4").view(np.uint8)
+
+
+def _fail(msg: str):
+    raise FrameError(msg)
+
+
+def get_frame_parameters(frame) -> FrameParameters:
+    """Parse and check a frame's header and chunk table (not its payload).
+
+    Args:
+        frame: the frame, as a 1-D uint8 torch tensor, numpy array, or bytes.
+
+    Returns:
+        A :class:`FrameParameters`.
+
+    Raises:
+        FrameError: the bytes are not a comm_codec frame (bad magic), are of another
+            version, are truncated, or their header fails its CRC or its consistency
+            checks; the message says which.
+    """
+    buf = _as_u8(frame)
+    n = buf.size
+    if n < HEADER_BYTES:
+        _fail(f"frame too short: {n} bytes, a header alone is {HEADER_BYTES}")
+    head = buf[:HEADER_BYTES].view(_HEAD)[0]
+    if bytes(head["magic"]) != MAGIC:
+        _fail(f"not a comm_codec frame: magic {bytes(buf[:4])!r}, expected {MAGIC!r}")
+    if head["version"] != VERSION:
+        _fail(f"unsupported frame version {int(head['version'])}; this build reads version {VERSION}")
+    spec = _streams.spec_for_code(int(head["dtype"]))
+    if spec is None:
+        _fail(f"unknown dtype code {int(head['dtype'])} in frame header")
+    ns = int(head["nstreams"])
+    if ns != spec.nstreams:
+        _fail(f"frame says {ns} streams, but {spec.name} has {spec.nstreams}")
+    flags = int(head["flags"])
+    if flags & ~_KNOWN_FLAGS:
+        _fail(f"unknown frame flags 0x{flags:02x}")
+    numel, chunk_elems, nchunks = int(head["numel"]), int(head["chunk_elems"]), int(head["nchunks"])
+    if numel and chunk_elems == 0:
+        _fail("frame has elements but chunk_elems is 0")
+    expected_chunks = -(-numel // chunk_elems) if numel else 0
+    if nchunks != expected_chunks:
+        _fail(f"frame has {nchunks} chunks, expected {expected_chunks} for {numel} elements")
+    hsize = header_size(ns, nchunks)
+    if n < hsize:
+        _fail(f"frame truncated: {n} bytes, its header and chunk table alone need {hsize}")
+    crc_pos = hsize - 8
+    crc = int(buf[crc_pos : crc_pos + 4].view("<u4")[0])
+    if crc != zlib.crc32(buf[:crc_pos]):
+        _fail("frame header is corrupted (CRC-32 mismatch)")
+    ids = buf[HEADER_BYTES : HEADER_BYTES + 8 * ns].view("<u8")
+    tdt = table_dtype(ns)
+    table = buf[HEADER_BYTES + 8 * ns : crc_pos].view(tdt)
+    offsets, total = _payload_layout(table, spec, numel, chunk_elems, ids, hsize)
+    if total != n:
+        what = "truncated" if total > n else "longer than its chunk table says"
+        _fail(f"frame {what}: {n} bytes, the chunk table describes {total}")
+    return FrameParameters(
+        version=VERSION,
+        spec=spec,
+        numel=numel,
+        chunk_elems=chunk_elems,
+        nchunks=nchunks,
+        book_ids=tuple("%016x" % int(x) for x in ids),
+        checksums=bool(flags & FLAG_CHECKSUM),
+        header_bytes=hsize,
+        frame_bytes=total,
+        table=table,
+        offsets=offsets,
+    )
+
+
+def chunk_counts(numel: int, chunk_elems: int, nchunks: int) -> np.ndarray:
+    """Return the number of elements in each chunk."""
+    counts = np.full(nchunks, chunk_elems, dtype=np.int64)
+    if nchunks:
+        counts[-1] = numel - (nchunks - 1) * chunk_elems
+    return counts
+
+
+def payload_bytes(cflags: np.ndarray, sizes: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Return each chunk's payload length: padded mask plus padded streams."""
+    mask = np.where(cflags & CHUNK_MASK, pad8((counts + 7) // 8), 0)
+    return mask + pad8(sizes.astype(np.int64)).sum(axis=1)
+
+
+def _payload_layout(table, spec, numel, chunk_elems, ids, hsize):
+    ns = spec.nstreams
+    nchunks = len(table)
+    if nchunks == 0:
+        return np.zeros(0, dtype=np.int64), hsize
+    cflags = table["cflags"].astype(np.int64)
+    sizes = table["sizes"].astype(np.int64).reshape(nchunks, ns)
+    counts = chunk_counts(numel, chunk_elems, nchunks)
+    raw_bits = sum(CHUNK_RAW0 << s for s in range(ns))
+    if np.any(cflags & ~(CHUNK_MASK | CHUNK_ZERO | raw_bits)):
+        bad = int(np.nonzero(cflags & ~(CHUNK_MASK | CHUNK_ZERO | raw_bits))[0][0])
+        _fail(f"chunk {bad} has unknown flags 0x{int(cflags[bad]):02x}")
+    zero = (cflags & CHUNK_ZERO) != 0
+    if np.any(zero & (((cflags & CHUNK_MASK) != 0) | (sizes.sum(axis=1) != 0))):
+        bad = int(np.nonzero(zero & (((cflags & CHUNK_MASK) != 0) | (sizes.sum(axis=1) != 0)))[0][0])
+        _fail(f"chunk {bad} is flagged all-zero but has a mask or payload")
+    for s in range(ns):
+        raw = (cflags & (CHUNK_RAW0 << s)) != 0
+        if int(ids[s]) == 0 and np.any(~raw & ~zero):
+            bad = int(np.nonzero(~raw & ~zero)[0][0])
+            _fail(f"stream {s} has no codebook, but chunk {bad} says it is coded")
+        # A raw stream holds one byte per element present; a coded one at most 20 bits.
+        too_big = np.where(raw, sizes[:, s] > counts, sizes[:, s] > (counts * 20 + 7) // 8)
+        if np.any(too_big & ~zero):
+            bad = int(np.nonzero(too_big)[0][0])
+            _fail(f"chunk {bad} stream {s} size {int(sizes[bad, s])} is impossible for {int(counts[bad])} elements")
+        if np.any(raw & ~((cflags & CHUNK_MASK) != 0) & ~zero & (sizes[:, s] != counts)):
+            bad = int(np.nonzero(raw & ~((cflags & CHUNK_MASK) != 0) & ~zero & (sizes[:, s] != counts))[0][0])
+            _fail(f"chunk {bad} stream {s} is raw but holds {int(sizes[bad, s])} bytes for {int(counts[bad])} elements")
+    lengths = payload_bytes(cflags, sizes, counts)
+    offsets = hsize + np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    return offsets.astype(np.int64), int(hsize + lengths.sum())
+
+
+def _as_u8(frame) -> np.ndarray:
+    import torch
+
+    if isinstance(frame, torch.Tensor):
+        if frame.dtype != torch.uint8 or frame.dim() != 1:
+            raise TypeError(f"a frame is a 1-D torch.uint8 tensor, got {frame.dtype} with shape {tuple(frame.shape)}")
+        if frame.device.type != "cpu":
+            frame = frame.cpu()
+        return frame.contiguous().numpy()
+    if isinstance(frame, (bytes, bytearray, memoryview)):
+        return np.frombuffer(frame, dtype=np.uint8)
+    if isinstance(frame, np.ndarray):
+        if frame.dtype != np.uint8 or frame.ndim != 1:
+            raise TypeError(f"a frame is a 1-D uint8 array, got {frame.dtype} with shape {frame.shape}")
+        return frame
+    raise TypeError(f"a frame is a 1-D torch.uint8 tensor, got {type(frame).__name__}")

@@ -1,0 +1,447 @@
+"""Canonical, length-limited Huffman codebooks over the 256 byte symbols.
+
+A :class:`Codebook` is the *model* half of the codec: code lengths, nothing else. The
+coder half (the numba kernels) only ever sees the tables derived from it.
+
+Choices, and why:
+
+* **Maximum code length 12.** The decoder reads 12 bits and looks the symbol up in one
+  4096-entry table (8 KiB of uint16, resident in L1 next to the input). 11 bits (huff0's
+  choice) halves the table but, for a book that must keep every symbol codable, squeezes
+  the common symbols harder; 12 keeps that loss under 0.1 % on real exponent streams.
+* **Every symbol is codable, through an escape.** A fixed book will meet symbols its
+  warmup never saw. Giving all 256 symbols a direct code would reserve 1/16 of the code
+  space at 12 bits for symbols that almost never occur — about 3 % on a 2.7-bit exponent
+  stream. Instead, symbols rarer than 2**-13 share one *escape* code followed by the
+  symbol's 8 raw bits. The escape always exists when any symbol is escaped, so nothing
+  is uncodable and the common symbols keep their ideal lengths.
+* **Optimal length limiting**: package-merge (Larmore & Hirschberg 1990) over integer
+  weights, so the book is the best possible prefix code under the limit.
+* **Deterministic**: probabilities are quantised to integers (2**30 scale) before any
+  comparison; every sort is by (weight, symbol), leaves before packages on ties; canonical
+  codes are assigned by (length, symbol) with the escape as symbol 256. The same counts
+  give the same book, byte for byte, on every machine and rank.
+* **Raw books**: a stream that coding would shrink by less than ``RAW_THRESHOLD_BITS``
+  is stored raw — a book that says so, with id 0.
+
+Serialized form (inside a codebook-set JSON file; see ``codebooks/README.md``)::
+
+    {"format": 1, "raw": false, "max_length": 12, "escape_length": 11,
+     "lengths": ["0000000000000000", ...16 rows of 16 hex digits, one per symbol...],
+     "id": "3f2a9c0d1e5b7a64"}
+
+A length of 0 means "coded through the escape". The id is the first 8 bytes of a
+BLAKE2b digest of the lengths; loading checks it and the Kraft inequality.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+__all__ = [
+    "Codebook",
+    "CodebookError",
+    "MAX_CODE_LENGTH",
+    "DECODE_BITS",
+    "RAW_THRESHOLD_BITS",
+    "entropy_bits",
+    "optimal_lengths",
+]
+
+MAX_CODE_LENGTH = 12
+DECODE_BITS = 12
+# A coded stream must beat raw by at least this much per symbol to be worth its time.
+RAW_THRESHOLD_BITS = 7.85
+# Symbols rarer than this go through the escape code.
+_ESCAPE_BELOW = 2.0**-13
+_WEIGHT_SCALE = 1 << 30
+# Smallest weight the escape gets, so that unseen symbols stay codable at <= 12 bits.
+_ESCAPE_FLOOR = _WEIGHT_SCALE >> 20
+_FORMAT = 1
+_ESCAPE = 256
+# Decode-table entry layout (uint16): symbol in bits 0-7, length in bits 8-11, escape flag.
+DEC_LEN_SHIFT = 8
+DEC_ESCAPE_FLAG = 0x8000
+
+
+class CodebookError(ValueError):
+    """A codebook file or dict is malformed: bad lengths, wrong id, Kraft violated."""
+
+
+def _package_merge(weights: list[int], limit: int) -> list[int]:
+    """Return optimal code lengths (<= limit) for positive integer weights.
+
+    Items are kept as (weight, tie, counts) where counts maps item -> occurrences; ties
+    are broken by position in the sorted leaf list, leaves before packages, so the
+    result depends only on the weights.
+    """
+    n = len(weights)
+    if n == 1:
+        return [1]
+    if (1 << limit) < n:
+        raise ValueError(f"{n} symbols cannot be coded in {limit} bits")
+    order = sorted(range(n), key=lambda i: (weights[i], i))
+    leaves = []
+    for rank, i in enumerate(order):
+        counts = np.zeros(n, dtype=np.int32)
+        counts[i] = 1
+        leaves.append((weights[i], 0, rank, counts))
+    current = list(leaves)
+    for _ in range(limit - 1):
+        packages = []
+        for k in range(len(current) // 2):
+            a, b = current[2 * k], current[2 * k + 1]
+            packages.append((a[0] + b[0], 1, k, a[3] + b[3]))
+        # Stable merge by (weight, leaf-first, position).
+        current = sorted(leaves + packages, key=lambda item: item[:3])
+    lengths = np.zeros(n, dtype=np.int32)
+    for item in current[: 2 * n - 2]:
+        lengths += item[3]
+    return [int(x) for x in lengths]
+
+
+def _reverse_bits(code: int, length: int) -> int:
+    out = 0
+    for _ in range(length):
+        out = (out << 1) | (code & 1)
+        code >>= 1
+    return out
+
+
+def _quantize(counts) -> np.ndarray:
+    """Turn counts or probabilities into deterministic integer weights (sum ~ 2**30)."""
+    c = np.asarray(counts, dtype=np.float64)
+    if c.shape != (256,):
+        raise ValueError(f"counts must have 256 entries, got shape {c.shape}")
+    if not np.all(np.isfinite(c)) or np.any(c < 0):
+        raise ValueError("counts must be finite and non-negative")
+    total = float(c.sum())
+    if total <= 0:
+        raise ValueError("cannot build a codebook from zero observations (all counts are 0)")
+    return np.floor(c / total * _WEIGHT_SCALE).astype(np.int64)
+
+
+class Codebook:
+    """A canonical Huffman code over byte symbols, or the "store raw" book.
+
+    Build one with :meth:`from_counts`; the encoder and decoder tables are derived and
+    cached. Two books with equal lengths are equal and share an :attr:`id`.
+
+    Attributes:
+        lengths: uint8[256], the code length of each symbol; 0 = coded through the escape.
+        escape_length: length of the escape code, 0 when no symbol is escaped.
+        raw: True for the book that stores its stream uncoded.
+        id: 16 hex digits, a digest of the lengths ("0000000000000000" for raw).
+    """
+
+    __slots__ = ("lengths", "escape_length", "raw", "id", "_tables")
+
+    def __init__(self, lengths, escape_length: int = 0, raw: bool = False):
+        """Make a book from code lengths, checking that they form a prefix code.
+
+        Args:
+            lengths: 256 code lengths in 0..12 (0 = escaped).
+            escape_length: the escape code's length, required (1..12) iff any length is 0.
+            raw: make the raw book (lengths and escape_length are then ignored).
+
+        Raises:
+            CodebookError: lengths out of range, a missing escape, or lengths that
+                violate the Kraft inequality (no prefix code has them).
+        """
+        self.raw = bool(raw)
+        self._tables = None
+        if self.raw:
+            self.lengths = np.full(256, 8, dtype=np.uint8)
+            self.escape_length = 0
+            self.id = "0" * 16
+            return
+        arr = np.asarray(lengths)
+        if arr.shape != (256,) or not np.issubdtype(arr.dtype, np.integer):
+            raise CodebookError(f"a codebook needs 256 integer code lengths, got {arr.shape}")
+        if arr.min() < 0 or arr.max() > MAX_CODE_LENGTH:
+            raise CodebookError(
+                f"code lengths must lie in 0..{MAX_CODE_LENGTH}, got {int(arr.min())}..{int(arr.max())}"
+            )
+        escaped = bool((arr == 0).any())
+        if escaped and not 1 <= escape_length <= MAX_CODE_LENGTH:
+            raise CodebookError(
+                f"some symbols are escaped (length 0) but escape_length is {escape_length}; "
+                f"expected 1..{MAX_CODE_LENGTH}"
+            )
+        if not escaped and escape_length != 0:
+            raise CodebookError("escape_length must be 0 when no symbol is escaped")
+        kraft = sum(1 << (MAX_CODE_LENGTH - int(x)) for x in arr if x) + (
+            (1 << (MAX_CODE_LENGTH - escape_length)) if escaped else 0
+        )
+        if kraft > 1 << MAX_CODE_LENGTH:
+            raise CodebookError(
+                f"code lengths violate the Kraft inequality (sum 2^-l = {kraft / (1 << MAX_CODE_LENGTH):.6f} > 1)"
+            )
+        self.lengths = arr.astype(np.uint8)
+        self.escape_length = int(escape_length)
+        self.id = self._digest()
+
+    # -- construction -------------------------------------------------------------
+    @classmethod
+    def from_counts(cls, counts, raw_threshold: float | None = RAW_THRESHOLD_BITS) -> "Codebook":
+        """Build the optimal length-limited book for a symbol distribution.
+
+        Args:
+            counts: 256 non-negative counts or probabilities (not all zero).
+            raw_threshold: return the raw book when the coded stream would cost at
+                least this many bits per symbol; None never returns raw.
+
+        Returns:
+            A :class:`Codebook`.
+
+        Raises:
+            ValueError: wrong shape, negative or non-finite counts, or all zeros.
+        """
+        w = _quantize(counts)
+        direct = [s for s in range(256) if w[s] >= _ESCAPE_BELOW * _WEIGHT_SCALE]
+        escaped = [s for s in range(256) if w[s] < _ESCAPE_BELOW * _WEIGHT_SCALE]
+        symbols = list(direct)
+        weights = [int(w[s]) for s in direct]
+        if escaped:
+            symbols.append(_ESCAPE)
+            weights.append(max(int(w[escaped].sum()), _ESCAPE_FLOOR))
+        lens = _package_merge(weights, MAX_CODE_LENGTH)
+        lengths = np.zeros(256, dtype=np.uint8)
+        esc_len = 0
+        for s, length in zip(symbols, lens):
+            if s == _ESCAPE:
+                esc_len = length
+            else:
+                lengths[s] = length
+        book = cls(lengths, esc_len)
+        if raw_threshold is not None and book.expected_bits(counts) >= raw_threshold:
+            return cls.raw_book()
+        return book
+
+    @classmethod
+    def raw_book(cls) -> "Codebook":
+        """Return the book that stores its stream uncoded (8 bits per symbol)."""
+        return cls(None, raw=True)
+
+    # -- properties -----------------------------------------------------------------
+    def symbol_bits(self) -> np.ndarray:
+        """Return the cost in bits of each of the 256 symbols under this book."""
+        if self.raw:
+            return np.full(256, 8, dtype=np.int64)
+        bits = self.lengths.astype(np.int64)
+        bits[bits == 0] = self.escape_length + 8
+        return bits
+
+    def expected_bits(self, counts) -> float:
+        """Return the mean bits per symbol this book spends on a distribution.
+
+        Args:
+            counts: 256 non-negative counts or probabilities.
+
+        Returns:
+            Bits per symbol (8.0 for the raw book).
+        """
+        c = np.asarray(counts, dtype=np.float64)
+        total = c.sum()
+        if total <= 0:
+            return 0.0
+        return float((c * self.symbol_bits()).sum() / total)
+
+    def _digest(self) -> str:
+        h = hashlib.blake2b(digest_size=8, person=b"comm_codec.hf1")
+        h.update(self.lengths.tobytes())
+        h.update(bytes([self.escape_length]))
+        digest = h.hexdigest()
+        # Id 0 is reserved for the raw book in frames.
+        return "0000000000000001" if digest == "0" * 16 else digest
+
+    @property
+    def id_int(self) -> int:
+        """The id as the unsigned 64-bit integer stored in frame headers."""
+        return int(self.id, 16)
+
+    # -- tables for the kernels -------------------------------------------------------
+    def tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Return ``(enc_code, enc_len, dec)`` tables for the kernels (cached).
+
+        enc_code (uint32[256]) holds each symbol's code bit-reversed for LSB-first
+        packing, an escaped symbol's being the escape code followed by its 8 bits;
+        enc_len (uint8[256]) the total bits; dec (uint16[4096]) maps the next 12 input
+        bits to symbol | length << 8 | escape flag, 0 where no code starts (an
+        incomplete code).
+        """
+        if self._tables is None:
+            self._tables = self._build_tables()
+        return self._tables
+
+    def _canonical_codes(self) -> dict[int, tuple[int, int]]:
+        entries = [(int(self.lengths[s]), s) for s in range(256) if self.lengths[s]]
+        if self.escape_length:
+            entries.append((self.escape_length, _ESCAPE))
+        entries.sort()
+        codes, code, prev = {}, 0, entries[0][0]
+        for length, sym in entries:
+            code <<= length - prev
+            prev = length
+            codes[sym] = (code, length)
+            code += 1
+        return codes
+
+    def _build_tables(self):
+        enc_code = np.zeros(256, dtype=np.uint32)
+        enc_len = np.zeros(256, dtype=np.uint8)
+        dec = np.zeros(1 << DECODE_BITS, dtype=np.uint16)
+        if self.raw:
+            enc_code[:] = np.arange(256, dtype=np.uint32)
+            enc_len[:] = 8
+            return enc_code, enc_len, dec
+        codes = self._canonical_codes()
+        for sym, (code, length) in codes.items():
+            rev = _reverse_bits(code, length)
+            if sym == _ESCAPE:
+                entry = DEC_ESCAPE_FLAG | (length << DEC_LEN_SHIFT)
+            else:
+                entry = sym | (length << DEC_LEN_SHIFT)
+            dec[rev :: 1 << length] = entry
+        if self.escape_length:
+            esc_code, esc_len = codes[_ESCAPE]
+            esc_rev = _reverse_bits(esc_code, esc_len)
+        for s in range(256):
+            if self.lengths[s]:
+                code, length = codes[s]
+                enc_code[s], enc_len[s] = _reverse_bits(code, length), length
+            else:
+                enc_code[s], enc_len[s] = esc_rev | (s << esc_len), esc_len + 8
+        return enc_code, enc_len, dec
+
+    # -- serialization --------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """Return the book as a JSON-ready dict (see the module docstring)."""
+        if self.raw:
+            return {"format": _FORMAT, "raw": True, "id": self.id}
+        hexes = "".join("%x" % x for x in self.lengths)
+        return {
+            "format": _FORMAT,
+            "raw": False,
+            "max_length": MAX_CODE_LENGTH,
+            "escape_length": self.escape_length,
+            "lengths": [hexes[i : i + 16] for i in range(0, 256, 16)],
+            "id": self.id,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Codebook":
+        """Rebuild a book from :meth:`to_dict` output, checking format, Kraft and id.
+
+        Args:
+            data: the dict.
+
+        Returns:
+            The :class:`Codebook`.
+
+        Raises:
+            CodebookError: unknown format version, malformed fields, Kraft violated, or
+                an id that does not match the lengths (a corrupted or edited file).
+        """
+        if not isinstance(data, dict):
+            raise CodebookError(f"a codebook must be a JSON object, got {type(data).__name__}")
+        if data.get("format") != _FORMAT:
+            raise CodebookError(
+                f"unsupported codebook format {data.get('format')!r}; this version reads format {_FORMAT}"
+            )
+        if data.get("raw"):
+            book = cls.raw_book()
+        else:
+            if data.get("max_length", MAX_CODE_LENGTH) != MAX_CODE_LENGTH:
+                raise CodebookError(
+                    f"codebook max_length {data.get('max_length')!r} is not {MAX_CODE_LENGTH}"
+                )
+            rows = data.get("lengths")
+            if not isinstance(rows, list) or not all(isinstance(r, str) for r in rows):
+                raise CodebookError("codebook 'lengths' must be a list of hex strings")
+            text = "".join(rows)
+            if len(text) != 256:
+                raise CodebookError(f"codebook 'lengths' must hold 256 hex digits, got {len(text)}")
+            try:
+                lengths = np.array([int(ch, 16) for ch in text], dtype=np.int64)
+            except ValueError as exc:
+                raise CodebookError(f"codebook 'lengths' is not hexadecimal: {exc}") from None
+            esc = data.get("escape_length", 0)
+            if not isinstance(esc, int):
+                raise CodebookError("codebook 'escape_length' must be an integer")
+            book = cls(lengths, esc)
+        if "id" in data and data["id"] != book.id:
+            raise CodebookError(
+                f"codebook id {data['id']!r} does not match its lengths (digest {book.id}); "
+                "the file is corrupted or was edited"
+            )
+        return book
+
+    # -- comparisons ----------------------------------------------------------------
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Codebook) and self.id == other.id and self.raw == other.raw
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def __repr__(self) -> str:
+        if self.raw:
+            return "Codebook(raw)"
+        used = int((self.lengths > 0).sum())
+        return (
+            f"Codebook(id={self.id}, direct={used}, escape_length={self.escape_length}, "
+            f"max_length={int(self.lengths.max())})"
+        )
+
+
+def entropy_bits(counts) -> float:
+    """Return the Shannon entropy, in bits per symbol, of a 256-symbol distribution.
+
+    Args:
+        counts: non-negative counts or probabilities.
+
+    Returns:
+        Entropy in bits (0.0 for an empty distribution).
+    """
+    c = np.asarray(counts, dtype=np.float64)
+    total = c.sum()
+    if total <= 0:
+        return 0.0
+    p = c[c > 0] / total
+    return float(-(p * np.log2(p)).sum())
+
+
+def optimal_lengths(counts) -> np.ndarray:
+    """Return unlimited-length optimal Huffman code lengths (0 for absent symbols).
+
+    Used as the "ideal per-chunk Huffman" yardstick in benchmarks and reports, not by
+    the codec.
+
+    Args:
+        counts: 256 non-negative integer counts.
+
+    Returns:
+        int64[256] code lengths.
+    """
+    import heapq
+
+    c = np.asarray(counts, dtype=np.int64)
+    present = [int(s) for s in np.nonzero(c)[0]]
+    lengths = np.zeros(256, dtype=np.int64)
+    if len(present) == 1:
+        lengths[present[0]] = 1
+        return lengths
+    heap = [(int(c[s]), s, (s,)) for s in present]
+    heapq.heapify(heap)
+    tie = 256
+    while len(heap) > 1:
+        wa, _, a = heapq.heappop(heap)
+        wb, _, b = heapq.heappop(heap)
+        for s in a + b:
+            lengths[s] += 1
+        heapq.heappush(heap, (wa + wb, tie, a + b))
+        tie += 1
+    return lengths
+
