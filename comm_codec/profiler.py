@@ -1,0 +1,233 @@
+"""Warmup profiler: symbol statistics of the first steps, averaged into fixed codebooks.
+
+The single-stage method (Huffman coding with fixed books built from averaged warmup
+statistics): every observation's per-stream symbol histogram is *normalized* to a
+distribution, the distributions are averaged per (kind, dtype, stream), and one book is
+built from the average. Averaging normalized distributions keeps one huge tensor from
+drowning the statistics of many small ones, which is what a book must fit.
+
+Histograms are taken by the same numba kernel that defines the encoder's symbols
+(per-chunk relative exponents, exact zeros left out), so a book fits what it will code.
+
+Distributed: :meth:`WarmupProfiler.build` with a process group all-reduces the summed
+distributions and observation counts before building, so every rank builds
+byte-identical books; :func:`check_same_books` verifies that ranks hold the same set.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+import numpy as np
+import torch
+
+from .codebooks import CodebookSet, check_kind
+from .codec import DEFAULT_CHUNK_ELEMS
+from .huffman import Codebook, entropy_bits
+from .kernels import cpu as _cpu
+from .streams import as_bits, spec_for
+
+__all__ = ["WarmupProfiler", "check_same_books", "stream_counts"]
+
+log = logging.getLogger(__name__)
+
+
+def stream_counts(tensor: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> tuple[np.ndarray, int]:
+    """Return the per-stream symbol counts the encoder would see, and the zero count.
+
+    Args:
+        tensor: a CPU tensor of a supported dtype (copied to the CPU if on a GPU).
+        chunk_elems: the codec's chunk size (the reference exponent is per chunk).
+
+    Returns:
+        ``(counts, zeros)``: int64[nstreams, 256] counts over the nonzero elements, and
+        the number of exact (+0.0) zeros.
+
+    Raises:
+        TypeError: unsupported dtype.
+    """
+    if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
+        tensor = tensor.detach().cpu()
+    bits, spec = as_bits(tensor)
+    counts = np.zeros((spec.nstreams, 256), dtype=np.int64)
+    zeros = 0
+    if bits.size:
+        zeros = int(_cpu.stream_histograms(bits, chunk_elems, spec.exp_shift, counts))
+    return counts, zeros
+
+
+class WarmupProfiler:
+    """Accumulate symbol distributions per (kind, dtype, stream) and build books.
+
+    Args:
+        chunk_elems: the chunk size of the codec the books are for.
+
+    Example::
+
+        prof = WarmupProfiler()
+        for step in range(warmup_steps):
+            ...
+            prof.observe(param.grad, kind="gradient")
+        books = prof.build()
+    """
+
+    def __init__(self, chunk_elems: int = DEFAULT_CHUNK_ELEMS):
+        self.chunk_elems = int(chunk_elems)
+        # (kind, dtype name) -> [sum of normalized distributions (ns x 256), observations,
+        #                        raw counts (ns x 256), zeros, elements]
+        self._acc: dict[tuple[str, str], list] = {}
+        self.observations = 0
+
+    def observe(self, tensor: torch.Tensor, kind: str = "gradient") -> None:
+        """Add one tensor's symbol distributions to the statistics of its kind.
+
+        Args:
+            tensor: a tensor of a supported dtype (CPU, or GPU: copied to host).
+            kind: one of :data:`comm_codec.KINDS`.
+
+        Raises:
+            ValueError: unknown kind.
+            TypeError: unsupported dtype.
+        """
+        check_kind(kind)
+        spec = spec_for(tensor.dtype)
+        if tensor.numel() == 0:
+            return
+        counts, zeros = stream_counts(tensor, self.chunk_elems)
+        key = (kind, spec.name)
+        acc = self._acc.get(key)
+        if acc is None:
+            ns = spec.nstreams
+            acc = self._acc[key] = [np.zeros((ns, 256)), 0, np.zeros((ns, 256), np.int64), 0, 0]
+        totals = counts.sum(axis=1, keepdims=True)
+        if totals[0, 0] > 0:  # an all-zero tensor has no symbol distribution
+            acc[0] += counts / totals
+            acc[1] += 1
+        acc[2] += counts
+        acc[3] += zeros
+        acc[4] += tensor.numel()
+        self.observations += 1
+
+    def kinds(self) -> list[tuple[str, str]]:
+        """Return the (kind, dtype) pairs observed so far."""
+        return sorted(self._acc)
+
+    def build(self, process_group=None, meta: dict | None = None) -> CodebookSet:
+        """Build a :class:`CodebookSet` from the averaged distributions.
+
+        Args:
+            process_group: a torch.distributed group to sum statistics over first (all
+                ranks must call build, having observed the same (kind, dtype) pairs);
+                None builds from this process's statistics alone.
+            meta: extra metadata to store in the set.
+
+        Returns:
+            The books, with entropy and expected bits per book in their stats.
+
+        Raises:
+            ValueError: nothing (or only all-zero tensors) was observed.
+            RuntimeError: ranks observed different (kind, dtype) pairs.
+        """
+        keys = self.kinds()
+        world = 1
+        sums = {k: (self._acc[k][0].copy(), float(self._acc[k][1]), self._acc[k][2].copy()) for k in keys}
+        if process_group is not None or _dist_ready():
+            import torch.distributed as dist
+
+            if process_group is not None or dist.is_initialized():
+                world = dist.get_world_size(process_group)
+                _check_same_keys(keys, process_group)
+                for k in keys:
+                    dist_sum, n_obs, raw = sums[k]
+                    packed = torch.from_numpy(np.concatenate([dist_sum.ravel(), [n_obs], raw.ravel().astype(np.float64)]))
+                    dist.all_reduce(packed, group=process_group)
+                    arr = packed.numpy()
+                    ns = dist_sum.shape[0]
+                    sums[k] = (arr[: ns * 256].reshape(ns, 256), float(arr[ns * 256]),
+                               arr[ns * 256 + 1:].reshape(ns, 256))
+        books, stats = {}, {}
+        for (kind, dtype) in keys:
+            dist_sum, n_obs, raw = sums[(kind, dtype)]
+            if n_obs == 0:
+                continue
+            avg = dist_sum / n_obs
+            for s in range(avg.shape[0]):
+                book = Codebook.from_counts(avg[s])
+                books[(kind, dtype, s)] = book
+                stats[(kind, dtype, s)] = {
+                    "entropy_bits": round(entropy_bits(avg[s]), 4),
+                    "expected_bits": round(book.expected_bits(avg[s]), 4),
+                    "observations": int(n_obs),
+                }
+        if not books:
+            raise ValueError(
+                "cannot build codebooks from zero observations: call observe() on nonzero tensors first"
+            )
+        info = {
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "observations": int(sum(v[1] for v in sums.values())),
+            "world_size": world,
+            "chunk_elems": self.chunk_elems,
+            "method": "average of normalized per-observation distributions",
+        }
+        info.update(meta or {})
+        result = CodebookSet(books, info, stats)
+        log.info("built %d codebooks from %d observations (world size %d), digest %s",
+                 len(books), info["observations"], world, result.digest[:12])
+        return result
+
+
+def _dist_ready() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return dist.is_available() and dist.is_initialized()
+
+
+def _gather_strings(text: str, process_group) -> list[str]:
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(out, text, group=process_group)
+    return out
+
+
+def _check_same_keys(keys, process_group) -> None:
+    text = ";".join("%s/%s" % k for k in keys)
+    seen = _gather_strings(text, process_group)
+    if len(set(seen)) != 1:
+        raise RuntimeError(
+            "ranks observed different tensor kinds/dtypes before building books: "
+            + " | ".join(f"rank {r}: {s or '(none)'}" for r, s in enumerate(seen))
+        )
+
+
+def check_same_books(books: CodebookSet, process_group=None) -> None:
+    """Verify that every rank holds the same codebook set; all ranks must call it.
+
+    Args:
+        books: this rank's set.
+        process_group: the group to check over (default: the world).
+
+    Raises:
+        RuntimeError: the sets differ; the message names the ranks and the first
+            (kind, dtype, stream) whose book differs, on every rank.
+    """
+    listing = "\n".join("%s/%s/%d=%s" % (*k, b.id) for k, b in books.items())
+    seen = _gather_strings(books.digest + "\n" + listing, process_group)
+    if len(set(seen)) == 1:
+        return
+    mine = dict(line.split("=") for line in seen[0].splitlines()[1:] if "=" in line)
+    for rank, other in enumerate(seen):
+        theirs = dict(line.split("=") for line in other.splitlines()[1:] if "=" in line)
+        for key in sorted(set(mine) | set(theirs)):
+            if mine.get(key) != theirs.get(key):
+                raise RuntimeError(
+                    f"codebooks differ across ranks: {key} is {mine.get(key, 'missing')} on rank 0 "
+                    f"but {theirs.get(key, 'missing')} on rank {rank}; load the same codebook file on "
+                    "every rank or build them with WarmupProfiler.build(process_group=...)"
+                )
+    raise RuntimeError("codebook set digests differ across ranks")
+
