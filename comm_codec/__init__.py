@@ -7,7 +7,7 @@ Quick use::
     frame = codec.encode(grad, kind="gradient")   # 1-D torch.uint8, self-describing
     same = codec.decode(frame)                    # 1-D, original dtype, bit-exact
 
-See ``docs/frame_format.md`` for the frame layout and ``codebooks/README.md`` for books.
+See ``comm_codec/frame_format.md`` for the frame layout and ``codebooks/README.md`` for books.
 """
 
 from .codebooks import KINDS, CodebookSet

@@ -2,7 +2,7 @@
 
 One format serves the wire, files, the CPU and the GPU. Everything is little-endian.
 Every section starts on an 8-byte boundary so that kernels can move whole 64-bit words.
-The full specification, with a worked example, is in ``docs/frame_format.md``; the
+The full specification is in ``comm_codec/frame_format.md``; the
 summary::
 
     header   magic "CCFR" | version u8 | dtype u8 | nstreams u8 | flags u8

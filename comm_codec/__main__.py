@@ -1,0 +1,7 @@
+"""``python -m comm_codec`` is the ``comm-codec`` command line."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

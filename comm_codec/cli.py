@@ -1,0 +1,114 @@
+"""The ``comm-codec`` command line (also ``python -m comm_codec``).
+
+Each subcommand lives in the module that owns its concept and registers a parser here;
+errors a user can cause (missing files, corrupt input, bad options) print one clear line
+to stderr and exit with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from . import __version__
+
+__all__ = ["main"]
+
+log = logging.getLogger("comm_codec")
+
+
+def _cmd_inspect(args) -> int:
+    """Print what a frame file's header says."""
+    import numpy as np
+
+    from .frame import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, get_frame_parameters
+
+    data = np.fromfile(args.file, dtype=np.uint8)
+    p = get_frame_parameters(data)
+    raw = p.numel * p.spec.itemsize
+    print(f"file        {args.file}")
+    print(f"frame       comm_codec v{p.version}, {p.frame_bytes} bytes, header {p.header_bytes}")
+    print(f"tensor      {p.spec.name}, {p.numel} elements ({raw} bytes raw), ratio {raw / max(1, p.frame_bytes):.3f}")
+    print(f"chunks      {p.nchunks} x {p.chunk_elems} elements, checksums {'on' if p.checksums else 'off'}")
+    flags = p.table["cflags"].astype(int)
+    print(f"            {int((flags & CHUNK_ZERO).astype(bool).sum())} all-zero, "
+          f"{int((flags & CHUNK_MASK).astype(bool).sum())} zero-masked")
+    for s, book in enumerate(p.book_ids):
+        nraw = int(((flags & (CHUNK_RAW0 << s)) != 0).sum())
+        print(f"stream {s}    book {book if int(book, 16) else 'raw'}, {nraw} of {p.nchunks} chunks raw")
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    from . import bench
+
+    return bench.run(args.rest)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="comm-codec",
+        description="Lossless fixed-codebook Huffman coding for distributed training traffic and checkpoints.",
+    )
+    parser.add_argument("--version", action="version", version=f"comm_codec {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("inspect", help="show the header of a frame file")
+    p.add_argument("file")
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("bench", help="codec benchmark against zstd, bz2 and zipnn (see --help)",
+                       add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_bench)
+
+    for register in _registrars():
+        register(sub)
+    return parser
+
+
+def _registrars():
+    """Subcommands defined by other modules (imported lazily to keep startup fast)."""
+    from importlib import import_module
+
+    found = []
+    for name in ("profile_cli", "demo", "checkpoint_cli"):
+        try:
+            module = import_module(f"comm_codec.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"comm_codec.{name}":
+                raise
+            continue
+        found.append(module.register)
+    return found
+
+
+def main(argv=None) -> int:
+    """Run the command line.
+
+    Args:
+        argv: arguments (default: sys.argv[1:]).
+
+    Returns:
+        The exit status: 0 on success, 2 for user errors (bad input, missing files).
+    """
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from .frame import FrameError
+    from .huffman import CodebookError
+
+    try:
+        return int(args.func(args) or 0)
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+        print(f"comm-codec: error: {exc.strerror}: {exc.filename}", file=sys.stderr)
+    except (FrameError, CodebookError, ValueError, TypeError) as exc:
+        print(f"comm-codec: error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("comm-codec: interrupted", file=sys.stderr)
+        return 130
+    return 2
