@@ -1,0 +1,264 @@
+"""DDP communication hook: gradients cross the wire Huffman-coded with fixed codebooks.
+
+Usage, like PyTorch's own hooks::
+
+    from comm_codec.ddp import HuffmanState, huffman_hook
+    state = HuffmanState(process_group=None, warmup_steps=5)
+    ddp_model.register_comm_hook(state, huffman_hook)
+    ...
+    state.stats()   # {"bytes_in": ..., "bytes_out": ..., "ratio": ..., ...}
+
+During the first ``warmup_steps`` backward passes the hook all-reduces plainly (exactly
+as DDP's default hook: divide by the world size, then sum) while a
+:class:`~comm_codec.profiler.WarmupProfiler` observes the gradient buckets and their
+averages. Then every rank builds the books from the statistics summed over all ranks —
+identical by construction, and checked by digest — and the hook switches to the
+two-phase compressed all-reduce of :mod:`comm_codec.collectives`, whose result is the
+rank-order sum of the raw gradients divided by the world size, bit-identical on every
+rank. With ``warmup_steps=0`` the hook codes from the first step with the given books
+(or the shipped defaults).
+
+The compressed all-reduce of a bucket runs on one worker thread per state, in bucket
+order, so it overlaps with the rest of the backward pass as DDP's own all-reduce does;
+the numba kernels and gloo release the GIL.
+"""
+
+# No "from __future__ import annotations": DDP's register_comm_hook compares the hook's
+# annotations with its own types, so they must be real objects.
+import concurrent.futures
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from . import collectives
+from .codebooks import CodebookSet
+from .codec import Codec
+from .profiler import WarmupProfiler, check_same_books
+from .stats import CommStats
+
+__all__ = ["HuffmanState", "huffman_hook"]
+
+log = logging.getLogger(__name__)
+
+_CASTS = {None: None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+_CODED = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class HuffmanState:
+    """State of :func:`huffman_hook`: books, warmup, statistics.
+
+    Args:
+        process_group: the group to all-reduce over (None: the default group).
+        codebooks: a :class:`CodebookSet`, a path to a saved one, or None: the shipped
+            defaults, or books built online when ``warmup_steps`` > 0.
+        warmup_steps: backward passes to profile (plain all-reduce) before building books
+            and compressing; 0 compresses from the start. Requires ``codebooks=None``.
+        cast: None (lossless) or "bf16": cast fp32 buckets to bf16 before coding, like
+            PyTorch's bf16_compress_hook. **Lossy**: gradients are rounded to bf16.
+        min_bucket_bytes: buckets smaller than this are all-reduced plainly (their
+            frames' headers would cost more than coding saves).
+        threads: numba threads for the codec (None: numba's setting).
+        log_every: log a traffic line every this many steps on rank 0 (0: never).
+        writer: optional TensorBoard ``SummaryWriter``; scalars go under comm_codec/.
+
+    Raises:
+        ValueError: a negative warmup, both codebooks and warmup given, an unknown cast,
+            or negative sizes.
+        TypeError: codebooks of the wrong type.
+    """
+
+    __slots__ = (
+        # what users tune
+        "process_group", "warmup_steps", "cast", "min_bucket_bytes", "threads", "log_every", "writer",
+        # internal state
+        "codebooks", "codec", "profiler", "step", "verified", "_executor", "_pid",
+        # statistics
+        "_stats",
+    )
+
+    def __init__(self, process_group=None, codebooks=None, warmup_steps: int = 0, cast=None,
+                 min_bucket_bytes: int = 4096, threads: int | None = None, log_every: int = 50, writer=None):
+        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        if codebooks is not None and warmup_steps:
+            raise ValueError("give either codebooks (fixed books) or warmup_steps > 0 (books built online), not both")
+        if cast not in _CASTS:
+            raise ValueError(f"cast must be None or 'bf16', got {cast!r}")
+        if not isinstance(min_bucket_bytes, int) or min_bucket_bytes < 0:
+            raise ValueError(f"min_bucket_bytes must be an integer >= 0, got {min_bucket_bytes!r}")
+        if not isinstance(log_every, int) or log_every < 0:
+            raise ValueError(f"log_every must be an integer >= 0, got {log_every!r}")
+        if isinstance(codebooks, (str, os.PathLike)):
+            codebooks = CodebookSet.load(codebooks)
+        if codebooks is not None and not isinstance(codebooks, CodebookSet):
+            raise TypeError(f"codebooks must be a CodebookSet, a path or None, got {type(codebooks).__name__}")
+        self.process_group = process_group
+        self.warmup_steps = warmup_steps
+        self.cast = cast
+        self.min_bucket_bytes = min_bucket_bytes
+        self.threads = threads
+        self.log_every = log_every
+        self.writer = writer
+        self.codebooks = codebooks if codebooks is not None or warmup_steps else CodebookSet.default()
+        self.codec = Codec(self.codebooks, threads=threads) if self.codebooks is not None else None
+        self.profiler = WarmupProfiler() if warmup_steps else None
+        self.step = 0
+        self.verified = False
+        self._executor = None
+        self._pid = None
+        self._stats = CommStats()
+        log.info("HuffmanState: warmup_steps=%d, cast=%s, books=%s", warmup_steps, cast,
+                 "online" if self.codebooks is None else self.codebooks.digest[:12])
+
+    # -- public -------------------------------------------------------------------------
+    @property
+    def warming_up(self) -> bool:
+        """True while the hook still profiles instead of compressing."""
+        return self.step < self.warmup_steps
+
+    def stats(self) -> dict:
+        """Return traffic statistics: bytes_in, bytes_out, ratio, bytes_saved, seconds, steps..."""
+        d = self._stats.as_dict()
+        d["warming_up"] = self.warming_up
+        d["books"] = self.codebooks.digest if self.codebooks is not None else None
+        return d
+
+    def reset_stats(self) -> None:
+        """Zero the traffic counters (the step count stays)."""
+        steps = self._stats.steps
+        self._stats.reset()
+        self._stats.add(steps=steps)
+
+    # -- pickling: without the process group, executor or writer --------------------------------
+    def __getstate__(self):
+        return {
+            "warmup_steps": self.warmup_steps, "cast": self.cast, "min_bucket_bytes": self.min_bucket_bytes,
+            "threads": self.threads, "log_every": self.log_every, "step": self.step,
+            "codebooks": self.codebooks.to_dict() if self.codebooks is not None else None,
+            "stats": self._stats.__getstate__(),
+        }
+
+    def __setstate__(self, state):
+        self.process_group = None
+        self.writer = None
+        self.warmup_steps = state["warmup_steps"]
+        self.cast = state["cast"]
+        self.min_bucket_bytes = state["min_bucket_bytes"]
+        self.threads = state["threads"]
+        self.log_every = state["log_every"]
+        self.step = state["step"]
+        books = state["codebooks"]
+        self.codebooks = CodebookSet.from_dict(books, "<pickled HuffmanState>") if books is not None else None
+        self.codec = Codec(self.codebooks, threads=self.threads) if self.codebooks is not None else None
+        # A state pickled mid-warmup resumes profiling from scratch for the steps left.
+        self.profiler = WarmupProfiler() if self.codebooks is None else None
+        self.verified = False
+        self._executor = None
+        self._pid = None
+        self._stats = CommStats()
+        self._stats.__setstate__(state["stats"])
+
+    # -- internal -----------------------------------------------------------------------
+    def _submit(self, fn):
+        if self._executor is None or self._pid != os.getpid():
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="comm_codec")
+            self._pid = os.getpid()
+        return self._executor.submit(fn)
+
+    def _ensure_books(self) -> None:
+        """Build books after warmup (collectively) and check all ranks hold the same."""
+        if self.codebooks is None:
+            if self.profiler is None or not self.profiler.kinds():
+                raise RuntimeError("warmup ended without observing any gradient bucket")
+            self.codebooks = self.profiler.build(self.process_group, meta={"source": "online DDP warmup",
+                                                                         "steps": self.warmup_steps})
+            self.codec = Codec(self.codebooks, threads=self.threads)
+            self.profiler = None
+        if not self.verified:
+            check_same_books(self.codebooks, self.process_group)
+            self.verified = True
+            log.info("comm_codec: compressing gradients with books %s", self.codebooks.digest[:12])
+
+    def _end_of_step(self) -> None:
+        self.step += 1
+        self._stats.add(steps=1)
+        if self.log_every and self.step % self.log_every == 0 and dist.get_rank(self.process_group) == 0:
+            d = self._stats.as_dict()
+            log.info("comm_codec step %d: ratio %.3f, %.1f MB saved, encode %.2fs decode %.2fs",
+                     self.step, d["ratio"], d["bytes_saved"] / 1e6, d["encode_seconds"], d["decode_seconds"])
+        if self.writer is not None:
+            d = self._stats.as_dict()
+            for key in ("ratio", "bytes_in", "bytes_out", "encode_seconds", "decode_seconds"):
+                self.writer.add_scalar(f"comm_codec/{key}", d[key], self.step)
+
+
+def _plain_all_reduce(state, bucket) -> torch.futures.Future:
+    """DDP's default hook: divide, then sum (so warmup results equal the default's)."""
+    group = state.process_group
+    tensor = bucket.buffer()
+    tensor.div_(dist.get_world_size(group))
+    fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+    state._stats.add(raw_calls=1)
+    return fut.then(lambda f: f.value()[0])
+
+
+def huffman_hook(state: "HuffmanState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """All-reduce a gradient bucket with Huffman-coded frames; the DDP comm-hook contract.
+
+    Args:
+        state: a :class:`HuffmanState`.
+        bucket: the gradient bucket DDP hands the hook.
+
+    Returns:
+        A future holding the averaged bucket (written in place in ``bucket.buffer()``).
+
+    Raises:
+        (through the future, on every rank) :class:`comm_codec.collectives.CollectiveError`
+        when a frame fails to decode on any rank; RuntimeError when ranks hold different
+        books.
+    """
+    tensor = bucket.buffer()
+    is_last = bucket.is_last()
+    if state.warming_up:
+        state.profiler.observe(tensor, "gradient")
+        fut = _plain_all_reduce(state, bucket)
+
+        def after(f, last=is_last):
+            result = f.value()
+            state.profiler.observe(result, "reduced_gradient")
+            if last:
+                state._end_of_step()
+            return result
+
+        return fut.then(after)
+
+    # Every collective after warmup is issued from the one worker thread, in bucket order:
+    # collectives issued from two threads could interleave differently on each rank.
+    def work():
+        group = state.process_group
+        small = tensor.numel() * tensor.element_size() < state.min_bucket_bytes
+        if tensor.dtype not in _CODED or tensor.device.type != "cpu" or small:
+            tensor.div_(dist.get_world_size(group))
+            dist.all_reduce(tensor, group=group)
+            state._stats.add(raw_calls=1)
+        else:
+            state._ensure_books()
+            cast = _CASTS[state.cast] if tensor.dtype == torch.float32 else None
+            collectives.all_reduce(tensor, state.codec, group, average=True, cast=cast, stats=state._stats)
+        if is_last:
+            state._end_of_step()
+        return tensor
+
+    result = torch.futures.Future()
+
+    def done(cf):
+        exc = cf.exception()
+        if exc is not None:
+            result.set_exception(exc)
+        else:
+            result.set_result(cf.result())
+
+    state._submit(work).add_done_callback(done)
+    return result
