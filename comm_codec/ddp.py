@@ -35,7 +35,7 @@ import torch.distributed as dist
 from . import collectives
 from .codebooks import CodebookSet
 from .codec import Codec
-from .profiler import WarmupProfiler, check_same_books
+from .profiler import WarmupProfiler, check_same_books, coding_cost
 from .stats import CommStats
 
 __all__ = ["HuffmanState", "huffman_hook"]
@@ -62,24 +62,33 @@ class HuffmanState:
         threads: numba threads for the codec (None: numba's setting).
         log_every: log a traffic line every this many steps on rank 0 (0: never).
         writer: optional TensorBoard ``SummaryWriter``; scalars go under comm_codec/.
+        drift_every: every this many steps, measure on bucket 0 how much the fixed books
+            lose against optimal codes built for that bucket (``stats()["drift"]``, a
+            fraction); 0 = off. Costs one histogram pass over one bucket.
+        refresh_threshold: when the measured loss (largest over ranks) exceeds this
+            fraction, profile ``refresh_steps`` more steps (still compressing) and swap
+            in rebuilt books on every rank at the same step; None = never.
+        refresh_steps: steps profiled for a refresh.
 
     Raises:
         ValueError: a negative warmup, both codebooks and warmup given, an unknown cast,
-            or negative sizes.
+            negative sizes, or a refresh threshold without drift measurement.
         TypeError: codebooks of the wrong type.
     """
 
     __slots__ = (
         # what users tune
         "process_group", "warmup_steps", "cast", "min_bucket_bytes", "threads", "log_every", "writer",
+        "drift_every", "refresh_threshold", "refresh_steps",
         # internal state
-        "codebooks", "codec", "profiler", "step", "verified", "_executor", "_pid",
+        "codebooks", "codec", "profiler", "step", "verified", "_executor", "_pid", "_refresh_until",
         # statistics
-        "_stats",
+        "_stats", "drift", "refreshes",
     )
 
     def __init__(self, process_group=None, codebooks=None, warmup_steps: int = 0, cast=None,
-                 min_bucket_bytes: int = 4096, threads: int | None = None, log_every: int = 50, writer=None):
+                 min_bucket_bytes: int = 4096, threads: int | None = None, log_every: int = 50, writer=None,
+                 drift_every: int = 0, refresh_threshold: float | None = None, refresh_steps: int = 3):
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         if codebooks is not None and warmup_steps:
@@ -90,6 +99,12 @@ class HuffmanState:
             raise ValueError(f"min_bucket_bytes must be an integer >= 0, got {min_bucket_bytes!r}")
         if not isinstance(log_every, int) or log_every < 0:
             raise ValueError(f"log_every must be an integer >= 0, got {log_every!r}")
+        if not isinstance(drift_every, int) or drift_every < 0:
+            raise ValueError(f"drift_every must be an integer >= 0 (0 = off), got {drift_every!r}")
+        if refresh_threshold is not None and not (refresh_threshold > 0 and drift_every):
+            raise ValueError("refresh_threshold must be > 0 and needs drift_every > 0 (drift is what triggers a refresh)")
+        if not isinstance(refresh_steps, int) or refresh_steps < 1:
+            raise ValueError(f"refresh_steps must be an integer >= 1, got {refresh_steps!r}")
         if isinstance(codebooks, (str, os.PathLike)):
             codebooks = CodebookSet.load(codebooks)
         if codebooks is not None and not isinstance(codebooks, CodebookSet):
@@ -101,6 +116,12 @@ class HuffmanState:
         self.threads = threads
         self.log_every = log_every
         self.writer = writer
+        self.drift_every = drift_every
+        self.refresh_threshold = refresh_threshold
+        self.refresh_steps = refresh_steps
+        self.drift = None
+        self.refreshes = 0
+        self._refresh_until = None
         self.codebooks = codebooks if codebooks is not None or warmup_steps else CodebookSet.default()
         self.codec = Codec(self.codebooks, threads=threads) if self.codebooks is not None else None
         self.profiler = WarmupProfiler() if warmup_steps else None
@@ -123,6 +144,8 @@ class HuffmanState:
         d = self._stats.as_dict()
         d["warming_up"] = self.warming_up
         d["books"] = self.codebooks.digest if self.codebooks is not None else None
+        d["drift"] = self.drift
+        d["refreshes"] = self.refreshes
         return d
 
     def reset_stats(self) -> None:
@@ -136,6 +159,8 @@ class HuffmanState:
         return {
             "warmup_steps": self.warmup_steps, "cast": self.cast, "min_bucket_bytes": self.min_bucket_bytes,
             "threads": self.threads, "log_every": self.log_every, "step": self.step,
+            "drift_every": self.drift_every, "refresh_threshold": self.refresh_threshold,
+            "refresh_steps": self.refresh_steps, "refreshes": self.refreshes,
             "codebooks": self.codebooks.to_dict() if self.codebooks is not None else None,
             "stats": self._stats.__getstate__(),
         }
@@ -149,6 +174,12 @@ class HuffmanState:
         self.threads = state["threads"]
         self.log_every = state["log_every"]
         self.step = state["step"]
+        self.drift_every = state["drift_every"]
+        self.refresh_threshold = state["refresh_threshold"]
+        self.refresh_steps = state["refresh_steps"]
+        self.refreshes = state["refreshes"]
+        self.drift = None
+        self._refresh_until = None
         books = state["codebooks"]
         self.codebooks = CodebookSet.from_dict(books, "<pickled HuffmanState>") if books is not None else None
         self.codec = Codec(self.codebooks, threads=self.threads) if self.codebooks is not None else None
@@ -180,6 +211,38 @@ class HuffmanState:
             check_same_books(self.codebooks, self.process_group)
             self.verified = True
             log.info("comm_codec: compressing gradients with books %s", self.codebooks.digest[:12])
+
+    def _measure_drift(self, tensor: torch.Tensor) -> None:
+        """Sample how much the fixed books lose on this bucket; start a refresh if asked.
+
+        The loss is the fractional excess of the fixed books over optimal Huffman codes
+        for the bucket's own histograms. With a refresh threshold, ranks agree on the
+        largest loss (one small all-reduce), so all decide the same at the same step.
+        """
+        fixed, optimal, _ = coding_cost(tensor, self.codebooks, "gradient")
+        loss = fixed / optimal - 1.0 if optimal else 0.0
+        if self.refresh_threshold is not None:
+            t = torch.tensor([loss], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+            loss = float(t)
+            if loss > self.refresh_threshold and self._refresh_until is None:
+                log.info("comm_codec: books lose %.2f%% (> %.2f%%) at step %d; re-profiling for %d steps",
+                         100 * loss, 100 * self.refresh_threshold, self.step, self.refresh_steps)
+                self.profiler = WarmupProfiler()
+                self._refresh_until = self.step + self.refresh_steps
+        self.drift = loss
+
+    def _maybe_swap_books(self) -> None:
+        """At the end of a refresh window, build new books collectively and swap them in."""
+        if self._refresh_until is None or self.step < self._refresh_until:
+            return
+        books = self.profiler.build(self.process_group, meta={"source": "DDP refresh", "step": self.step})
+        self.codebooks = books
+        self.codec = Codec(books, threads=self.threads)
+        self.profiler = None
+        self._refresh_until = None
+        self.refreshes += 1
+        log.info("comm_codec: swapped in refreshed books %s at step %d", books.digest[:12], self.step)
 
     def _end_of_step(self) -> None:
         self.step += 1
@@ -221,6 +284,7 @@ def huffman_hook(state: "HuffmanState", bucket: dist.GradBucket) -> torch.future
     """
     tensor = bucket.buffer()
     is_last = bucket.is_last()
+    index = bucket.index()
     if state.warming_up:
         state.profiler.observe(tensor, "gradient")
         fut = _plain_all_reduce(state, bucket)
@@ -245,10 +309,18 @@ def huffman_hook(state: "HuffmanState", bucket: dist.GradBucket) -> torch.future
             state._stats.add(raw_calls=1)
         else:
             state._ensure_books()
+            if state.drift_every and index == 0 and state.step % state.drift_every == 0:
+                state._measure_drift(tensor)
+            refreshing = state._refresh_until is not None
+            if refreshing:
+                state.profiler.observe(tensor, "gradient")
             cast = _CASTS[state.cast] if tensor.dtype == torch.float32 else None
             collectives.all_reduce(tensor, state.codec, group, average=True, cast=cast, stats=state._stats)
+            if refreshing:
+                state.profiler.observe(tensor, "reduced_gradient")
         if is_last:
             state._end_of_step()
+            state._maybe_swap_books()
         return tensor
 
     result = torch.futures.Future()

@@ -24,11 +24,11 @@ import torch
 
 from .codebooks import CodebookSet, check_kind
 from .codec import DEFAULT_CHUNK_ELEMS
-from .huffman import Codebook, entropy_bits
+from .huffman import Codebook, entropy_bits, optimal_lengths
 from .kernels import cpu as _cpu
 from .streams import as_bits, spec_for
 
-__all__ = ["WarmupProfiler", "check_same_books", "stream_counts"]
+__all__ = ["WarmupProfiler", "check_same_books", "stream_counts", "coding_cost"]
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,43 @@ class WarmupProfiler:
         acc[3] += zeros
         acc[4] += tensor.numel()
         self.observations += 1
+
+    # -- helpers that find the tensors of a training step ------------------------------
+    def observe_gradients(self, model: torch.nn.Module, kind: str = "gradient") -> None:
+        """Observe every parameter gradient of a model (call after backward)."""
+        for p in model.parameters():
+            if p.grad is not None:
+                self.observe(p.grad, kind)
+
+    def observe_parameters(self, model: torch.nn.Module, kind: str = "weight") -> None:
+        """Observe every parameter of a model."""
+        for p in model.parameters():
+            self.observe(p.detach(), kind)
+
+    def observe_optimizer(self, optimizer: torch.optim.Optimizer, kind: str = "optimizer_state") -> None:
+        """Observe every floating-point tensor in an optimizer's state (Adam moments...)."""
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 1:
+                    self.observe(value.detach(), kind)
+
+    def attach_activations(self, modules, kind: str = "activation") -> list:
+        """Observe the output of each module on every forward (forward hooks).
+
+        Args:
+            modules: an iterable of modules (e.g. the blocks of a transformer).
+            kind: the kind to file the outputs under.
+
+        Returns:
+            The hook handles; call ``.remove()`` on each to stop observing.
+        """
+        def hook(module, inputs, output):
+            if isinstance(output, (tuple, list)):
+                output = output[0]
+            if isinstance(output, torch.Tensor):
+                self.observe(output.detach(), kind)
+
+        return [m.register_forward_hook(hook) for m in modules]
 
     def kinds(self) -> list[tuple[str, str]]:
         """Return the (kind, dtype) pairs observed so far."""
@@ -231,3 +268,38 @@ def check_same_books(books: CodebookSet, process_group=None) -> None:
                 )
     raise RuntimeError("codebook set digests differ across ranks")
 
+
+
+def coding_cost(tensor: torch.Tensor, books: CodebookSet, kind: str = "gradient",
+                chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> tuple[float, float, float]:
+    """Measure what a fixed book costs on a tensor against the tensor's own optimum.
+
+    Zeros are left out of all three figures (the codec masks them where they are
+    common), so the comparison is of the books alone.
+
+    Args:
+        tensor: the data.
+        books: the set whose (kind, dtype) books are measured.
+        kind: which books.
+        chunk_elems: the codec's chunk size.
+
+    Returns:
+        ``(fixed_bits, optimal_bits, entropy_bits)``: total bits under the fixed books,
+        under optimal Huffman codes built for this tensor's own histograms (per stream,
+        never worse than raw), and the Shannon bound of those histograms.
+
+    Raises:
+        TypeError: unsupported dtype. ValueError: no book for this kind and dtype.
+    """
+    counts, _ = stream_counts(tensor, chunk_elems)
+    spec = spec_for(tensor.dtype)
+    fixed = optimal = entropy = 0.0
+    for s in range(spec.nstreams):
+        c = counts[s]
+        total = float(c.sum())
+        if total == 0:
+            continue
+        fixed += float((c * books.get(kind, spec.name, s).symbol_bits()).sum())
+        optimal += min(float((c * optimal_lengths(c)).sum()), 8.0 * total)
+        entropy += entropy_bits(c) * total
+    return fixed, optimal, entropy

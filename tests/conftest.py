@@ -1,0 +1,79 @@
+"""Shared fixtures and helpers for the codec-core tests.
+
+Hypothesis runs with no example database (nothing is written outside tests/) and no
+deadline (the first call of a numba kernel may compile).
+"""
+
+from __future__ import annotations
+
+import numba
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+import comm_codec as cc
+
+settings.register_profile(
+    "comm_codec",
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.load_profile("comm_codec")
+
+# Most threads a Codec may be given on this machine (tests use 1 and this).
+MAX_THREADS = min(2, numba.config.NUMBA_NUM_THREADS)
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def int_view(t: torch.Tensor) -> torch.Tensor:
+    """View a tensor's elements as same-width integers (bit patterns)."""
+    return t.view(_INT_VIEW[t.element_size()])
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Assert that two tensors have the same dtype, shape and bit pattern; return True.
+
+    float8/int8/uint8 are compared as uint8, 16-bit types as int16, 32-bit ones as int32,
+    so NaN payloads and -0.0 count and NaN == NaN.
+    """
+    assert a.dtype == b.dtype, f"dtype {a.dtype} != {b.dtype}"
+    assert a.shape == b.shape, f"shape {tuple(a.shape)} != {tuple(b.shape)}"
+    ia, ib = int_view(a.contiguous()), int_view(b.contiguous())
+    if not torch.equal(ia, ib):
+        diff = (ia != ib).reshape(-1).nonzero().reshape(-1)
+        first = int(diff[0])
+        raise AssertionError(
+            f"{diff.numel()} of {a.numel()} elements differ; first at flat index {first}: "
+            f"bits {int(ia.reshape(-1)[first]):#x} != {int(ib.reshape(-1)[first]):#x}"
+        )
+    return True
+
+
+def random_bits(n: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """Return n elements of dtype with uniformly random bit patterns (NaN, Inf, -0.0 included)."""
+    width = torch.empty(0, dtype=dtype).element_size()
+    if width == 1:
+        ints = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator)
+    else:
+        lo = -(1 << (8 * width - 1))
+        ints = torch.randint(lo, -lo, (n,), dtype=_INT_VIEW[width], generator=generator)
+    return ints.view(dtype)
+
+
+@pytest.fixture(scope="session")
+def default_books() -> cc.CodebookSet:
+    return cc.CodebookSet.default()
+
+
+@pytest.fixture(scope="session")
+def codec(default_books) -> cc.Codec:
+    """A codec with the shipped books and default settings."""
+    return cc.Codec(default_books)
+
+
+@pytest.fixture(scope="session")
+def small_codec(default_books) -> cc.Codec:
+    """A codec with 64-element chunks, so that small inputs span many chunks."""
+    return cc.Codec(default_books, chunk_elems=64)
