@@ -6,12 +6,15 @@ deadline (the first call of a numba kernel may compile).
 
 from __future__ import annotations
 
+import zlib
+
 import numba
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
 import comm_codec as cc
+from comm_codec import frame as _frame
 
 settings.register_profile(
     "comm_codec",
@@ -77,3 +80,21 @@ def codec(default_books) -> cc.Codec:
 def small_codec(default_books) -> cc.Codec:
     """A codec with 64-element chunks, so that small inputs span many chunks."""
     return cc.Codec(default_books, chunk_elems=64)
+
+
+def fix_header_crc(data) -> bytes:
+    """Return a frame's bytes with the header CRC recomputed after an edit.
+
+    Uses comm_codec.frame's layout: CRC-32 over bytes[0:header_size-8], stored
+    little-endian at header_size-8, with nstreams and nchunks read from the header.
+    Frames too short to hold their CRC are returned unchanged.
+    """
+    buf = bytearray(bytes(data))
+    if len(buf) < _frame.HEADER_BYTES:
+        return bytes(buf)
+    nstreams = buf[6]
+    nchunks = int.from_bytes(buf[20:24], "little")
+    end = _frame.header_size(nstreams, nchunks) - 8
+    if end + 4 <= len(buf):
+        buf[end : end + 4] = zlib.crc32(bytes(buf[:end])).to_bytes(4, "little")
+    return bytes(buf)
