@@ -14,6 +14,7 @@ from .codebooks import KINDS, CodebookSet
 from .codec import Codec
 from .frame import FrameError, get_frame_parameters
 from .huffman import Codebook, CodebookError
+from .profiler import WarmupProfiler
 from .streams import SUPPORTED_DTYPES
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "FrameError",
     "KINDS",
     "SUPPORTED_DTYPES",
+    "WarmupProfiler",
     "get_frame_parameters",
     "__version__",
 ]

@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 # 64 Ki elements: 128 KiB of bf16 per chunk stays in L2 while its streams are coded, and
 # a 25 MB gradient bucket still splits into ~200 chunks for the threads.
 DEFAULT_CHUNK_ELEMS = 1 << 16
-_MAX_CHUNK_ELEMS = 1 << 26
 
 
 class _Tables:
@@ -92,8 +91,8 @@ class Codec:
             raise ValueError(
                 f"threads must be in 1..{numba.config.NUMBA_NUM_THREADS} (NUMBA_NUM_THREADS), got {threads}"
             )
-        if not 8 <= int(chunk_elems) <= _MAX_CHUNK_ELEMS:
-            raise ValueError(f"chunk_elems must be in 8..{_MAX_CHUNK_ELEMS}, got {chunk_elems}")
+        if not 8 <= int(chunk_elems) <= _frame.MAX_CHUNK_ELEMS:
+            raise ValueError(f"chunk_elems must be in 8..{_frame.MAX_CHUNK_ELEMS}, got {chunk_elems}")
         self.codebooks = codebooks
         self.threads = None if threads is None else int(threads)
         self.chunk_elems = int(chunk_elems)
@@ -113,7 +112,10 @@ class Codec:
                 "weight", "optimizer_state" (see :class:`CodebookSet`).
 
         Returns:
-            The frame: a 1-D torch.uint8 tensor, at most header + raw size long.
+            The frame: a 1-D torch.uint8 tensor. Never longer than the raw tensor plus
+            the header (:func:`comm_codec.frame.header_size`) plus at most 7 bytes of
+            padding per chunk and stream: a stream that coding would not shrink is
+            stored raw.
 
         Raises:
             TypeError: not a tensor, or an unsupported dtype.
@@ -152,7 +154,7 @@ class Codec:
         return out
 
     # -- decode -------------------------------------------------------------------------
-    def decode(self, frame, out: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(self, frame, out: torch.Tensor | None = None, max_output_bytes: int | None = None) -> torch.Tensor:
         """Decode a frame back into the tensor it was made from.
 
         Args:
@@ -160,6 +162,9 @@ class Codec:
                 array or bytes).
             out: optional CPU tensor to write into: same dtype and number of elements as
                 the encoded tensor, contiguous, any shape.
+            max_output_bytes: refuse frames that decode to more bytes than this (a frame
+                of all-zero chunks is tiny whatever its size, so a few bytes from an
+                untrusted peer can otherwise ask for gigabytes); None: no limit.
 
         Returns:
             A 1-D tensor of the original dtype (or ``out``), bit-identical to the input.
@@ -173,6 +178,10 @@ class Codec:
         buf = _frame._as_u8(frame)
         params = _frame.get_frame_parameters(buf)
         spec = params.spec
+        if max_output_bytes is not None and params.numel * spec.itemsize > max_output_bytes:
+            raise FrameError(
+                f"frame decodes to {params.numel * spec.itemsize} bytes, more than max_output_bytes={max_output_bytes}"
+            )
         tables = self._decode_tables(params.book_ids)
         if out is None:
             result = torch.empty(params.numel, dtype=spec.dtype)

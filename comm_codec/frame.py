@@ -18,7 +18,8 @@ marked by a 0 in an LSB-first bitmap of the chunk), ``ZERO`` (every element is +
 payload at all), ``RAW0 << s`` (stream s of this chunk is stored uncoded). ``ref`` is the
 chunk's reference exponent: stream-0 symbols are coded as ``(byte - (ref << exp_shift))
 mod 256``. The checksum is a 64-bit multiply-xor hash of the chunk's payload words folded
-to 32 bits; it changes under any change confined to one word.
+to 32 bits: the 64-bit hash changes under any change confined to one word, the folded
+value misses such a change with probability 2**-32.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "MAGIC",
     "VERSION",
     "HEADER_BYTES",
+    "MAX_CHUNK_ELEMS",
     "FLAG_CHECKSUM",
     "CHUNK_MASK",
     "CHUNK_ZERO",
@@ -48,6 +50,7 @@ __all__ = [
 
 MAGIC = b"CCFR"
 VERSION = 1
+MAX_CHUNK_ELEMS = 1 << 26
 HEADER_BYTES = 24
 FLAG_CHECKSUM = 0x01
 _KNOWN_FLAGS = FLAG_CHECKSUM
@@ -184,8 +187,8 @@ def get_frame_parameters(frame) -> FrameParameters:
     if flags & ~_KNOWN_FLAGS:
         _fail(f"unknown frame flags 0x{flags:02x}")
     numel, chunk_elems, nchunks = int(head["numel"]), int(head["chunk_elems"]), int(head["nchunks"])
-    if numel and chunk_elems == 0:
-        _fail("frame has elements but chunk_elems is 0")
+    if numel and not 0 < chunk_elems <= MAX_CHUNK_ELEMS:
+        _fail(f"frame chunk_elems {chunk_elems} is outside 1..{MAX_CHUNK_ELEMS}")
     expected_chunks = -(-numel // chunk_elems) if numel else 0
     if nchunks != expected_chunks:
         _fail(f"frame has {nchunks} chunks, expected {expected_chunks} for {numel} elements")
@@ -193,8 +196,8 @@ def get_frame_parameters(frame) -> FrameParameters:
     if n < hsize:
         _fail(f"frame truncated: {n} bytes, its header and chunk table alone need {hsize}")
     crc_pos = hsize - 8
-    crc = int(buf[crc_pos : crc_pos + 4].view("<u4")[0])
-    if crc != zlib.crc32(buf[:crc_pos]):
+    crc, pad = (int(x) for x in buf[crc_pos : crc_pos + 8].view("<u4"))
+    if crc != zlib.crc32(buf[:crc_pos]) or pad != 0:
         _fail("frame header is corrupted (CRC-32 mismatch)")
     ids = buf[HEADER_BYTES : HEADER_BYTES + 8 * ns].view("<u8")
     tdt = table_dtype(ns)
@@ -237,6 +240,8 @@ def _payload_layout(table, spec, numel, chunk_elems, ids, hsize):
     nchunks = len(table)
     if nchunks == 0:
         return np.zeros(0, dtype=np.int64), hsize
+    if np.any(table["reserved"] != 0):
+        _fail(f"chunk {int(np.nonzero(table['reserved'])[0][0])} has a nonzero reserved field")
     cflags = table["cflags"].astype(np.int64)
     sizes = table["sizes"].astype(np.int64).reshape(nchunks, ns)
     counts = chunk_counts(numel, chunk_elems, nchunks)
@@ -280,5 +285,5 @@ def _as_u8(frame) -> np.ndarray:
     if isinstance(frame, np.ndarray):
         if frame.dtype != np.uint8 or frame.ndim != 1:
             raise TypeError(f"a frame is a 1-D uint8 array, got {frame.dtype} with shape {frame.shape}")
-        return frame
+        return np.ascontiguousarray(frame)
     raise TypeError(f"a frame is a 1-D torch.uint8 tensor, got {type(frame).__name__}")

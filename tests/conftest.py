@@ -20,6 +20,7 @@ settings.register_profile(
     "comm_codec",
     database=None,
     deadline=None,
+    print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.load_profile("comm_codec")

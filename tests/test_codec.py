@@ -1,0 +1,371 @@
+"""Codec round trips: bit-exact over dtypes, sizes, distributions and settings; API contract."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import comm_codec as cc
+from comm_codec import frame as _frame
+from comm_codec.profiler import WarmupProfiler
+from conftest import MAX_THREADS, bits_equal, int_view, random_bits
+
+_CODECS: dict = {}
+
+
+def make_codec(chunk_elems: int, checksum: bool, threads: int) -> cc.Codec:
+    key = (chunk_elems, checksum, threads)
+    if key not in _CODECS:
+        _CODECS[key] = cc.Codec(cc.CodebookSet.default(), threads=threads,
+                                chunk_elems=chunk_elems, checksum=checksum)
+    return _CODECS[key]
+
+
+# -- inputs -----------------------------------------------------------------------------------------
+def make_tensor(dtype, n, dist, seed, scale=1.0) -> torch.Tensor:
+    """Build a 1-D test tensor; every distribution is a function of its arguments only."""
+    g = torch.Generator().manual_seed(seed)
+    if dist == "zeros":
+        return torch.zeros(n, dtype=dtype)
+    if dist == "bits":
+        return random_bits(n, dtype, g)
+    if dist == "bits_specials":
+        x = random_bits(n, dtype, g).clone()
+        if n:
+            specials = special_bits(dtype)
+            idx = torch.randint(0, n, (min(n, 3 * len(specials)),), generator=g)
+            vals = torch.tensor(specials * 3, dtype=torch.int64)[: idx.numel()]
+            iv = int_view(x)
+            iv[idx] = vals.to(iv.dtype) if iv.dtype != torch.uint8 else (vals & 0xFF).to(torch.uint8)
+        return x
+    # normal / mostly_zeros / runs
+    v = torch.randn(n, generator=g) * scale
+    if dtype in (torch.int8, torch.uint8):
+        v = v.round().clamp(-128, 127).to(torch.int8)
+        x = v.view(torch.uint8).clone() if dtype == torch.uint8 else v
+    else:
+        x = v.to(dtype)
+    if dist == "mostly_zeros":
+        keep = torch.rand(n, generator=g) < 0.05
+        int_view(x)[~keep] = 0
+    elif dist == "runs":  # zero runs of random lengths, as embedding-gradient rows
+        pos = 0
+        while pos < n:
+            run = int(torch.randint(1, 200, (1,), generator=g))
+            if torch.rand(1, generator=g) < 0.5:
+                int_view(x)[pos : pos + run] = 0
+            pos += run
+    return x
+
+
+def special_bits(dtype) -> list[int]:
+    """Bit patterns of NaNs (with payloads), ±Inf, -0.0, the smallest/largest subnormals, ±max."""
+    return {
+        torch.float32: [0x7FC00000, 0x7F800001, 0xFFC00123, 0x7FBFFFFF, 0x7F800000, 0xFF800000,
+                        0x80000000, 0x00000001, 0x80000001, 0x007FFFFF, 0x7F7FFFFF, 0xFF7FFFFF],
+        torch.bfloat16: [0x7FC0, 0x7F81, 0xFFC1, 0x7FFF, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x8001,
+                         0x007F, 0x7F7F, 0xFF7F],
+        torch.float16: [0x7E00, 0x7C01, 0xFE3F, 0x7FFF, 0x7C00, 0xFC00, 0x8000, 0x0001, 0x8001,
+                        0x03FF, 0x7BFF, 0xFBFF],
+        torch.float8_e4m3fn: [0x7F, 0xFF, 0x80, 0x01, 0x81, 0x07, 0x7E, 0xFE],
+        torch.float8_e5m2: [0x7D, 0x7E, 0xFF, 0x7C, 0xFC, 0x80, 0x01, 0x81, 0x03, 0x7B, 0xFB],
+        torch.int8: [0x80, 0x7F, 0xFF, 0x01],
+        torch.uint8: [0xFF, 0x80, 0x7F, 0x01],
+    }[dtype]
+
+
+def _signed(bits: list[int], width: int) -> list[int]:
+    top = 1 << (8 * width)
+    return [b - top if width > 1 and b >= top // 2 else b for b in bits]
+
+
+def tensor_of_bits(bits: list[int], dtype) -> torch.Tensor:
+    width = torch.empty(0, dtype=dtype).element_size()
+    itype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[width]
+    return torch.tensor(_signed(bits, width), dtype=itype).view(dtype)
+
+
+DISTS = ["normal", "zeros", "mostly_zeros", "runs", "bits", "bits_specials"]
+
+
+# -- round trips ----------------------------------------------------------------------------------
+@settings(max_examples=60)
+@given(
+    dtype=st.sampled_from(cc.SUPPORTED_DTYPES),
+    n=st.integers(0, 5000),
+    dist=st.sampled_from(DISTS),
+    log_scale=st.floats(-8, 4),
+    seed=st.integers(0, 2**31),
+    chunk_elems=st.sampled_from([8, 64, 65536]),
+    checksum=st.booleans(),
+    threads=st.sampled_from(sorted({1, MAX_THREADS})),
+    kind=st.sampled_from(cc.KINDS),
+)
+def test_round_trip_is_bit_exact(dtype, n, dist, log_scale, seed, chunk_elems, checksum, threads, kind):
+    x = make_tensor(dtype, n, dist, seed, scale=10.0**log_scale)
+    codec = make_codec(chunk_elems, checksum, threads)
+    f = codec.encode(x, kind=kind)
+    assert f.dtype == torch.uint8 and f.dim() == 1
+    p = cc.get_frame_parameters(f)
+    assert (p.dtype, p.numel, p.chunk_elems, p.checksums) == (dtype, n, chunk_elems, checksum)
+    assert p.nchunks == -(-n // chunk_elems)
+    bits_equal(codec.decode(f), x)
+
+
+@settings(max_examples=60)
+@given(
+    dtype=st.sampled_from(cc.SUPPORTED_DTYPES),
+    n=st.integers(0, 5000),
+    seed=st.integers(0, 2**31),
+    chunk_elems=st.sampled_from([8, 64, 65536]),
+    checksum=st.booleans(),
+    specials=st.booleans(),
+)
+def test_frames_never_grow_much_beyond_raw(dtype, n, seed, chunk_elems, checksum, specials):
+    x = make_tensor(dtype, n, "bits_specials" if specials else "bits", seed)
+    codec = make_codec(chunk_elems, checksum, 1)
+    f = codec.encode(x)
+    ns = x.element_size()
+    nchunks = -(-n // chunk_elems)
+    bound = n * ns + _frame.header_size(ns, nchunks) + 8 * ns * nchunks + 8 * nchunks + 16
+    assert len(f) <= bound
+    bits_equal(codec.decode(f), x)
+
+
+@settings(max_examples=30)
+@given(dtype=st.sampled_from(cc.SUPPORTED_DTYPES), n=st.integers(1, 3000), seed=st.integers(0, 2**31),
+       dist=st.sampled_from(["normal", "mostly_zeros", "bits"]))
+def test_frames_are_deterministic_across_threads_and_calls(dtype, n, seed, dist):
+    # Same input, same books -> same bytes, whatever the thread count (design principle 5).
+    x = make_tensor(dtype, n, dist, seed, scale=1e-2)
+    frames = [make_codec(64, True, t).encode(x).numpy().tobytes() for t in sorted({1, MAX_THREADS})]
+    frames.append(make_codec(64, True, 1).encode(x.clone()).numpy().tobytes())
+    assert len(set(frames)) == 1
+
+
+def test_compresses_typical_bf16_gradients(codec):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(1 << 17, generator=g) * 1e-3).to(torch.bfloat16)
+    f = codec.encode(x, kind="gradient")
+    assert len(f) < 0.8 * x.numel() * 2
+    bits_equal(codec.decode(f), x)
+    z = torch.zeros(1 << 17, dtype=torch.bfloat16)
+    z[::1000] = 1.0
+    assert len(codec.encode(z)) < 0.1 * z.numel() * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16,
+                                   torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8], ids=str)
+@pytest.mark.parametrize("zeros", [0, 50, 2000])
+def test_special_values_round_trip(small_codec, codec, dtype, zeros):
+    # NaN payloads, ±Inf, -0.0 and subnormals among many +0.0 (masked chunks) and alone.
+    specials = special_bits(dtype)
+    bits = (specials * 7)[: 5 * len(specials)]
+    bits = [0] * zeros + bits + [0] * zeros
+    x = tensor_of_bits(bits, dtype)
+    for c in (small_codec, codec):
+        y = c.decode(c.encode(x))
+        bits_equal(y, x)
+    if dtype.is_floating_point and dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        assert torch.isnan(y).any() and (torch.signbit(y) & (y == 0)).any()
+
+
+def test_negative_zero_is_not_treated_as_zero(small_codec):
+    x = torch.zeros(1000, dtype=torch.float32)
+    x[::7] = -0.0
+    f = small_codec.encode(x)
+    flags = cc.get_frame_parameters(f).table["cflags"]
+    assert not (flags & _frame.CHUNK_ZERO).all()
+    bits_equal(small_codec.decode(f), x)
+
+
+# -- decode into out, frame forms ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sample():
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(1200, generator=g) * 1e-2).to(torch.bfloat16)
+    x[100:400] = 0
+    return x
+
+
+def test_decode_into_out_writes_and_returns_it(small_codec, sample):
+    f = small_codec.encode(sample)
+    out = torch.full((40, 30), float("nan"), dtype=torch.bfloat16)  # any shape, same numel
+    res = small_codec.decode(f, out=out)
+    assert res is out
+    bits_equal(out.reshape(-1), sample)
+    # Into a contiguous slice of a larger buffer; its neighbours are untouched.
+    big = torch.full((1300,), 7.0, dtype=torch.bfloat16)
+    res = small_codec.decode(f, out=big[50:1250])
+    assert res.data_ptr() == big[50:1250].data_ptr()
+    bits_equal(big[50:1250], sample)
+    assert (big[:50] == 7).all() and (big[1250:] == 7).all()
+
+
+def test_decode_out_errors(small_codec, sample):
+    f = small_codec.encode(sample)
+    with pytest.raises(TypeError, match="out has dtype torch.float16, the frame holds torch.bfloat16"):
+        small_codec.decode(f, out=torch.empty(1200, dtype=torch.float16))
+    with pytest.raises(ValueError, match="out has 1199 elements, the frame holds 1200"):
+        small_codec.decode(f, out=torch.empty(1199, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous"):
+        small_codec.decode(f, out=torch.empty(30, 40, dtype=torch.bfloat16).t())
+    with pytest.raises(ValueError, match="contiguous"):
+        small_codec.decode(f, out=torch.empty(2400, dtype=torch.bfloat16)[::2])
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        small_codec.decode(f, out=torch.empty(1200, dtype=torch.bfloat16, device="meta"))
+    with pytest.raises(TypeError, match="out must be a torch.Tensor"):
+        small_codec.decode(f, out=np.empty(1200, dtype=np.float32))
+
+
+def test_frames_from_numpy_bytes_and_buffers_decode(small_codec, sample):
+    f = small_codec.encode(sample)
+    arr = f.numpy()
+    for form in (arr, arr.copy(), arr.tobytes(), bytearray(arr.tobytes()), memoryview(arr.tobytes())):
+        bits_equal(small_codec.decode(form), sample)
+
+
+@pytest.mark.parametrize("offset", [1, 3, 4, 5, 7, 8, 9])
+def test_frame_sliced_at_unaligned_offset_decodes(small_codec, sample, offset):
+    f = small_codec.encode(sample)
+    big = torch.full((len(f) + 24,), 0xAB, dtype=torch.uint8)
+    big[offset : offset + len(f)] = f
+    view = big[offset : offset + len(f)]
+    bits_equal(small_codec.decode(view), sample)
+    bits_equal(small_codec.decode(big.numpy()[offset : offset + len(f)]), sample)
+    assert (big[offset : offset + len(f)] == f).all()  # the caller's buffer is not modified
+
+
+def test_strided_numpy_frame_decodes(small_codec, sample):
+    # A 1-D uint8 numpy array that is a strided view (every other byte of a buffer) is
+    # still "a numpy uint8 array"; the torch path makes such frames contiguous first.
+    f = small_codec.encode(sample).numpy()
+    doubled = np.repeat(f, 2)[::2]
+    assert not doubled.flags.c_contiguous and np.array_equal(doubled, f)
+    bits_equal(small_codec.decode(doubled), sample)
+
+
+def test_strided_torch_frame_decodes(small_codec, sample):
+    f = small_codec.encode(sample)
+    doubled = f.repeat_interleave(2)[::2]
+    assert not doubled.is_contiguous()
+    bits_equal(small_codec.decode(doubled), sample)
+
+
+@pytest.mark.parametrize("dtype", cc.SUPPORTED_DTYPES, ids=str)
+def test_non_contiguous_input_is_encoded_correctly(small_codec, dtype):
+    base = make_tensor(dtype, 50 * 37, "normal", 11, scale=0.01).reshape(50, 37)
+    for x in (base.t(), base[:, ::2], base[3:40:3, 1:30:4]):
+        assert not x.is_contiguous()
+        f = small_codec.encode(x)
+        assert f.numpy().tobytes() == small_codec.encode(x.contiguous()).numpy().tobytes()
+        bits_equal(small_codec.decode(f), x.reshape(-1))
+
+
+def test_any_shape_and_scalar_inputs(small_codec):
+    x = torch.randn(3, 4, 5, dtype=torch.float32)
+    bits_equal(small_codec.decode(small_codec.encode(x)), x.reshape(-1))
+    s = torch.tensor(2.5, dtype=torch.bfloat16)
+    bits_equal(small_codec.decode(small_codec.encode(s)), s.reshape(1))
+    w = torch.randn(10, requires_grad=True)
+    bits_equal(small_codec.decode(small_codec.encode(w)), w.detach())
+
+
+# -- misuse and foreign frames --------------------------------------------------------------------
+def _books_from(x: torch.Tensor) -> cc.CodebookSet:
+    prof = WarmupProfiler(chunk_elems=64)
+    prof.observe(x, kind="gradient")
+    return prof.build()
+
+
+def test_wrong_codebook_raises_frame_error_naming_the_id():
+    g = torch.Generator().manual_seed(5)
+    a = (torch.randn(20000, generator=g) * 1e-3).to(torch.bfloat16)
+    b = (torch.randn(20000, generator=g) ** 5).to(torch.bfloat16)  # heavy tails: other exponents
+    codec_a = cc.Codec(_books_from(a), chunk_elems=64)
+    codec_b = cc.Codec(_books_from(b), chunk_elems=64)
+    id_a = codec_a.codebooks.get("gradient", "bf16", 0).id
+    assert id_a != codec_b.codebooks.get("gradient", "bf16", 0).id
+    f = codec_a.encode(a)
+    assert cc.get_frame_parameters(f).book_ids[0] == id_a
+    with pytest.raises(cc.FrameError, match=f"frame stream 0 was coded with codebook {id_a}, which this codec"):
+        codec_b.decode(f)
+    bits_equal(codec_a.decode(f), a)
+
+
+def test_unknown_kind_raises_value_error(codec):
+    with pytest.raises(ValueError, match="unknown tensor kind 'gradients'; expected one of gradient, "
+                                          "reduced_gradient, activation, weight, optimizer_state"):
+        codec.encode(torch.zeros(4), kind="gradients")
+
+
+def test_non_cpu_tensor_raises_value_error(codec):
+    with pytest.raises(ValueError, match="expected a CPU tensor, got one on meta"):
+        codec.encode(torch.empty(16, dtype=torch.bfloat16, device="meta"))
+
+
+def test_not_a_tensor_raises_type_error(codec):
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        codec.encode(np.zeros(4, dtype=np.float32))
+
+
+def test_codec_argument_errors():
+    with pytest.raises(TypeError, match="codebooks must be a CodebookSet or None, got dict"):
+        cc.Codec({})
+    with pytest.raises(ValueError, match="chunk_elems must be in 8"):
+        cc.Codec(chunk_elems=7)
+    with pytest.raises(ValueError, match="threads must be in 1"):
+        cc.Codec(threads=0)
+    with pytest.raises(ValueError, match="threads must be in 1"):
+        cc.Codec(threads=10_000)
+
+
+def test_codec_restores_numba_thread_count():
+    import numba
+
+    before = numba.get_num_threads()
+    c = cc.Codec(threads=1, chunk_elems=64)
+    c.decode(c.encode(torch.randn(1000)))
+    assert numba.get_num_threads() == before
+
+
+def test_default_codec_uses_default_books():
+    c = cc.Codec()
+    assert c.codebooks is cc.CodebookSet.default()
+    f = c.encode(torch.randn(5000).to(torch.bfloat16) * 1e-3)
+    assert cc.get_frame_parameters(f).book_ids[0] == c.codebooks.get("gradient", "bf16", 0).id
+
+
+def test_one_codec_shared_by_python_threads(small_codec):
+    # "safe to share between threads": concurrent encodes and decodes stay bit-exact.
+    import threading
+
+    failures = []
+
+    def work(i):
+        dtype = cc.SUPPORTED_DTYPES[i % len(cc.SUPPORTED_DTYPES)]
+        for k in range(15):
+            x = make_tensor(dtype, 3000 + 37 * k, "mostly_zeros" if k % 2 else "normal", i * 100 + k, 1e-2)
+            try:
+                bits_equal(small_codec.decode(small_codec.encode(x)), x)
+            except AssertionError as exc:
+                failures.append((i, k, str(exc)))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+
+
+def test_max_output_bytes_refuses_large_frames(codec):
+    x = torch.zeros(1 << 16, dtype=torch.float32)  # all-zero chunks: a tiny frame for 256 KiB
+    f = codec.encode(x)
+    assert f.numel() < 200
+    with pytest.raises(cc.FrameError, match=r"decodes to 262144 bytes, more than max_output_bytes=1000"):
+        codec.decode(f, max_output_bytes=1000)
+    bits_equal(codec.decode(f, max_output_bytes=1 << 18), x)

@@ -1,0 +1,261 @@
+"""Warmup profiler (averaging semantics) and codebook sets (files, lookups, defaults)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import comm_codec as cc
+from comm_codec.profiler import WarmupProfiler, stream_counts
+from conftest import bits_equal
+
+
+def _two_tensors():
+    g = torch.Generator().manual_seed(1)
+    big = (torch.randn(200_000, generator=g) * 1e-3).to(torch.bfloat16)
+    # Small and shaped differently: exponents spread evenly over 40 octaves.
+    e = torch.randint(-20, 20, (600,), generator=g).float()
+    small = (torch.exp2(e) * torch.sign(torch.randn(600, generator=g))).to(torch.bfloat16)
+    return big, small
+
+
+def _normalized(counts: np.ndarray) -> np.ndarray:
+    return counts / counts.sum(axis=1, keepdims=True)
+
+
+def test_books_come_from_the_mean_of_normalized_distributions():
+    big, small = _two_tensors()
+    prof = WarmupProfiler()
+    prof.observe(big, kind="gradient")
+    prof.observe(small, kind="gradient")
+    books = prof.build()
+    (c1, z1), (c2, z2) = stream_counts(big), stream_counts(small)
+    assert z1 == int((big.view(torch.int16) == 0).sum()) and c1.sum(axis=1).tolist() == [big.numel() - z1] * 2
+    avg = (_normalized(c1) + _normalized(c2)) / 2
+    for s in range(2):
+        want = cc.Codebook.from_counts(avg[s])
+        assert books[("gradient", "bf16", s)].id == want.id, s
+        stats = books.stats(("gradient", "bf16", s))
+        assert stats["observations"] == 2
+        assert stats["expected_bits"] == pytest.approx(want.expected_bits(avg[s]), abs=1e-4)
+    # The test can tell averaging from pooling: pooled counts give another exponent book.
+    pooled = cc.Codebook.from_counts((c1 + c2)[0])
+    assert pooled.id != books[("gradient", "bf16", 0)].id
+    assert prof.kinds() == [("gradient", "bf16")] and prof.observations == 2
+
+
+def test_kinds_and_dtypes_are_kept_apart():
+    big, small = _two_tensors()
+    prof = WarmupProfiler()
+    prof.observe(big, kind="gradient")
+    prof.observe(small, kind="weight")
+    prof.observe(big.float(), kind="gradient")
+    books = prof.build()
+    assert books.keys() == sorted(
+        [("gradient", "bf16", 0), ("gradient", "bf16", 1), ("weight", "bf16", 0), ("weight", "bf16", 1)]
+        + [("gradient", "fp32", s) for s in range(4)]
+    )
+    c2, _ = stream_counts(small)
+    assert books[("weight", "bf16", 0)].id == cc.Codebook.from_counts(_normalized(c2)[0]).id
+
+
+def test_profiler_books_code_what_they_profiled():
+    big, small = _two_tensors()
+    prof = WarmupProfiler(chunk_elems=4096)
+    prof.observe(big)
+    codec = cc.Codec(prof.build(), chunk_elems=4096)
+    f = codec.encode(big)
+    assert len(f) < big.numel() * 2 * 0.8
+    bits_equal(codec.decode(f), big)
+
+
+def test_build_with_zero_observations_raises():
+    with pytest.raises(ValueError, match="cannot build codebooks from zero observations"):
+        WarmupProfiler().build()
+    prof = WarmupProfiler()
+    prof.observe(torch.zeros(100, dtype=torch.bfloat16))
+    prof.observe(torch.empty(0, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="cannot build codebooks from zero observations"):
+        prof.build()
+
+
+def test_all_zero_tensors_do_not_dilute_the_average():
+    big, _ = _two_tensors()
+    a, b = WarmupProfiler(), WarmupProfiler()
+    a.observe(big)
+    b.observe(big)
+    b.observe(torch.zeros(5000, dtype=torch.bfloat16))
+    assert a.build()[("gradient", "bf16", 0)] == b.build()[("gradient", "bf16", 0)]
+
+
+def test_observe_errors():
+    prof = WarmupProfiler()
+    with pytest.raises(ValueError, match="unknown tensor kind 'grad'"):
+        prof.observe(torch.ones(4), kind="grad")
+    with pytest.raises(TypeError, match="cannot code dtype torch.float64"):
+        prof.observe(torch.ones(4, dtype=torch.float64))
+
+
+def test_warmup_profiler_is_public():
+    # design.md's contract: prof = cc.WarmupProfiler(); prof.observe(...); prof.build()
+    assert cc.WarmupProfiler is WarmupProfiler
+
+
+# -- codebook sets ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def some_books():
+    big, small = _two_tensors()
+    prof = WarmupProfiler()
+    prof.observe(big, kind="gradient")
+    prof.observe(small.to(torch.float16), kind="activation")
+    prof.observe((big.float() * 100).round().clamp(-128, 127).to(torch.int8), kind="weight")
+    return prof.build(meta={"source": "test"})
+
+
+def test_save_load_round_trip(tmp_path, some_books):
+    p1, p2, p3 = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    some_books.save(p1)
+    some_books.save(p2)
+    assert p1.read_bytes() == p2.read_bytes()
+    loaded = cc.CodebookSet.load(p1)
+    assert loaded.digest == some_books.digest and loaded == some_books
+    assert loaded.keys() == some_books.keys()
+    for key, book in some_books.items():
+        assert loaded[key] == book and loaded.stats(key) == some_books.stats(key)
+    assert loaded.meta == some_books.meta and loaded.meta["source"] == "test"
+    loaded.save(p3)
+    assert p3.read_bytes() == p1.read_bytes()
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["a.json", "b.json", "c.json"]  # no temp files left
+    # A codec with the loaded books decodes frames made with the originals.
+    x = torch.randn(3000).to(torch.bfloat16) * 1e-3
+    bits_equal(cc.Codec(loaded).decode(cc.Codec(some_books).encode(x)), x)
+
+
+def test_digest_depends_on_every_book(some_books):
+    items = dict(some_books.items())
+    key = ("gradient", "bf16", 0)
+    items[key] = cc.Codebook.raw_book()
+    assert cc.CodebookSet(items).digest != some_books.digest
+    assert cc.CodebookSet(dict(some_books.items())).digest == some_books.digest
+
+
+def test_load_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        cc.CodebookSet.load(tmp_path / "nope.json")
+
+
+def _saved(tmp_path, books) -> tuple:
+    path = tmp_path / "books.json"
+    books.save(path)
+    return path, json.loads(path.read_text())
+
+
+def test_load_corrupt_json(tmp_path, some_books):
+    path, _ = _saved(tmp_path, some_books)
+    path.write_bytes(b"{not json")
+    with pytest.raises(cc.CodebookError, match=f"{path}: not a valid codebook file \\(bad JSON"):
+        cc.CodebookSet.load(path)
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(cc.CodebookError, match="not a valid codebook file"):
+        cc.CodebookSet.load(path)
+
+
+def test_load_truncated_file(tmp_path, some_books):
+    path, _ = _saved(tmp_path, some_books)
+    text = path.read_bytes()
+    for cut in (0, 1, len(text) // 3, len(text) - 3):
+        path.write_bytes(text[:cut])
+        with pytest.raises(cc.CodebookError, match=str(path)):
+            cc.CodebookSet.load(path)
+
+
+def test_load_wrong_version_and_format(tmp_path, some_books):
+    path, data = _saved(tmp_path, some_books)
+    path.write_text(json.dumps({**data, "version": 2}))
+    with pytest.raises(cc.CodebookError, match=f"{path}: codebook file version 2; this build reads version 1"):
+        cc.CodebookSet.load(path)
+    path.write_text(json.dumps({**data, "format": "zstd.dict"}))
+    with pytest.raises(cc.CodebookError, match="not a comm_codec codebook file"):
+        cc.CodebookSet.load(path)
+    path.write_text(json.dumps([1, 2, 3]))
+    with pytest.raises(cc.CodebookError, match="not a comm_codec codebook file"):
+        cc.CodebookSet.load(path)
+
+
+def test_load_tampered_book_id_names_the_file_and_entry(tmp_path, some_books):
+    path, data = _saved(tmp_path, some_books)
+    i = next(k for k, e in enumerate(data["books"]) if not e["book"]["raw"])
+    entry = data["books"][i]
+    entry["book"]["id"] = "%016x" % (int(entry["book"]["id"], 16) ^ 0x100)
+    path.write_text(json.dumps(data))
+    where = f"{entry['kind']}/{entry['dtype']}/{entry['stream']}"
+    with pytest.raises(cc.CodebookError, match=f"{path}: book entry {i} \\({where}\\): codebook id"):
+        cc.CodebookSet.load(path)
+
+
+def test_load_malformed_entries(tmp_path, some_books):
+    path, data = _saved(tmp_path, some_books)
+    del data["books"][0]["kind"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(cc.CodebookError, match=f"{path}: book entry 0 is malformed"):
+        cc.CodebookSet.load(path)
+    _, data = _saved(tmp_path, some_books)
+    data["books"][0]["dtype"] = "fp64"
+    path.write_text(json.dumps(data))
+    with pytest.raises(cc.CodebookError, match=str(path)):
+        cc.CodebookSet.load(path)
+
+
+def test_fallback_reduced_gradient_uses_gradient():
+    g0 = cc.Codebook.from_counts(0.6 ** np.arange(256))
+    books = cc.CodebookSet({("gradient", "bf16", 0): g0, ("gradient", "bf16", 1): cc.Codebook.raw_book()})
+    assert books.get("reduced_gradient", "bf16", 0) is g0
+    assert books.get("reduced_gradient", torch.bfloat16, 1).raw
+    codec = cc.Codec(books)
+    x = torch.randn(4000).to(torch.bfloat16)
+    f = codec.encode(x, kind="reduced_gradient")
+    assert cc.get_frame_parameters(f).book_ids == (g0.id, "0" * 16)
+    bits_equal(codec.decode(f), x)
+    with pytest.raises(ValueError, match="codebook set has no book for fp32 stream 0"):
+        books.get("gradient", "fp32", 0)
+    with pytest.raises(ValueError, match="unknown tensor kind"):
+        books.get("gradients", "bf16", 0)
+
+
+def test_codebook_set_argument_errors():
+    raw = cc.Codebook.raw_book()
+    with pytest.raises(ValueError, match="unknown tensor kind"):
+        cc.CodebookSet({("grads", "bf16", 0): raw})
+    with pytest.raises(ValueError, match="bf16 has streams 0..1, got 2"):
+        cc.CodebookSet({("gradient", "bf16", 2): raw})
+    with pytest.raises(TypeError, match="must be a Codebook"):
+        cc.CodebookSet({("gradient", "bf16", 0): "raw"})
+    with pytest.raises(TypeError, match="cannot code dtype"):
+        cc.CodebookSet({("gradient", torch.float64, 0): raw})
+
+
+def test_union_prefers_the_right_operand():
+    a = cc.Codebook.from_counts(0.6 ** np.arange(256))
+    b = cc.Codebook.from_counts(0.7 ** np.arange(256))
+    left = cc.CodebookSet({("gradient", "int8", 0): a}, meta={"x": 1})
+    right = cc.CodebookSet({("gradient", "int8", 0): b, ("weight", "int8", 0): a}, meta={"y": 2})
+    both = left | right
+    assert both[("gradient", "int8", 0)] is b and both[("weight", "int8", 0)] is a
+    assert both.meta == {"x": 1, "y": 2} and len(both) == 2
+
+
+def test_default_covers_every_kind_and_dtype():
+    books = cc.CodebookSet.default()
+    assert books is cc.CodebookSet.default()  # loaded once
+    for kind in cc.KINDS:
+        for dtype in cc.SUPPORTED_DTYPES:
+            name = cc.streams.spec_for(dtype).name
+            for s in range(torch.empty(0, dtype=dtype).element_size()):
+                assert (kind, name, s) in books, (kind, name, s)
+    assert len(books) == len(cc.KINDS) * (2 + 2 + 4 + 1 + 1 + 1 + 1)
+    # Exponent streams of float types are coded; the shipped file is self-consistent.
+    assert not books[("gradient", "bf16", 0)].raw
+    assert all(book == cc.Codebook.from_dict(book.to_dict()) for _, book in books.items())
