@@ -314,8 +314,9 @@ def send(tensor: torch.Tensor, dst: int, codec: Codec | None = None, group=None,
     codec = codec or Codec()
     stats = stats if stats is not None else CommStats()
     frame = _encode(codec, tensor.reshape(-1), kind, None, stats)
-    dist.send(torch.tensor([frame.numel()], dtype=torch.int64), dst, group=group)
-    dist.send(frame, dst, group=group)
+    peer = _global_rank(group, dst)
+    dist.send(torch.tensor([frame.numel()], dtype=torch.int64), peer, group=group)
+    dist.send(frame, peer, group=group)
     stats.add(bytes_in=tensor.numel() * tensor.element_size(), bytes_out=frame.numel() + 8, calls=1)
 
 
@@ -338,14 +339,23 @@ def recv(tensor: torch.Tensor, src: int, codec: Codec | None = None, group=None,
     out = _check_tensor(tensor)
     codec = codec or Codec()
     stats = stats if stats is not None else CommStats()
+    peer = _global_rank(group, src)
     size = torch.empty(1, dtype=torch.int64)
-    dist.recv(size, src, group=group)
+    dist.recv(size, peer, group=group)
     if not 0 < int(size) < 1 << 40:
         raise FrameError(f"peer {src} announced an impossible frame size {int(size)}")
     frame = torch.empty(int(size), dtype=torch.uint8)
-    dist.recv(frame, src, group=group)
+    dist.recv(frame, peer, group=group)
+    dtype = get_frame_parameters(frame).dtype
+    if dtype != out.dtype:
+        raise FrameError(f"peer {src} sent a {dtype} tensor, expected {out.dtype}")
     _decode(codec, frame, out.numel(), out.dtype, stats, out=out)
     return tensor
+
+
+def _global_rank(group, rank: int) -> int:
+    """torch.distributed's send/recv take global ranks; ours take ranks in the group."""
+    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 class _RowParallelAllReduce(torch.autograd.Function):

@@ -82,6 +82,7 @@ class HuffmanState:
         "drift_every", "refresh_threshold", "refresh_steps",
         # internal state
         "codebooks", "codec", "profiler", "step", "verified", "_executor", "_pid", "_refresh_until",
+        "_comm_group",
         # statistics
         "_stats", "drift", "refreshes",
     )
@@ -129,7 +130,10 @@ class HuffmanState:
         self.verified = False
         self._executor = None
         self._pid = None
+        self._comm_group = None
         self._stats = CommStats()
+        if dist.is_available() and dist.is_initialized():
+            self._group()
         log.info("HuffmanState: warmup_steps=%d, cast=%s, books=%s", warmup_steps, cast,
                  "online" if self.codebooks is None else self.codebooks.digest[:12])
 
@@ -162,6 +166,9 @@ class HuffmanState:
             "drift_every": self.drift_every, "refresh_threshold": self.refresh_threshold,
             "refresh_steps": self.refresh_steps, "refreshes": self.refreshes,
             "codebooks": self.codebooks.to_dict() if self.codebooks is not None else None,
+            # Warmup statistics travel too: a state saved at the end of warmup builds
+            # its books from them at the first compressed step after resuming.
+            "profiler": self.profiler,
             "stats": self._stats.__getstate__(),
         }
 
@@ -183,15 +190,31 @@ class HuffmanState:
         books = state["codebooks"]
         self.codebooks = CodebookSet.from_dict(books, "<pickled HuffmanState>") if books is not None else None
         self.codec = Codec(self.codebooks, threads=self.threads) if self.codebooks is not None else None
-        # A state pickled mid-warmup resumes profiling from scratch for the steps left.
-        self.profiler = WarmupProfiler() if self.codebooks is None else None
+        self.profiler = state.get("profiler")
+        if self.profiler is None and self.codebooks is None:
+            self.profiler = WarmupProfiler()
         self.verified = False
         self._executor = None
         self._pid = None
+        self._comm_group = None
         self._stats = CommStats()
         self._stats.__setstate__(state["stats"])
 
     # -- internal -----------------------------------------------------------------------
+    def _group(self):
+        """The group the worker thread talks on: a twin of process_group, its own.
+
+        DDP itself issues collectives on the autograd thread (e.g. the map of unused
+        parameters with find_unused_parameters=True); ours run on a worker thread, and two
+        threads' collectives on one group may be ordered differently on each rank.
+        Creating a group is collective: all ranks do it at the same point (here, or at
+        their first hook call).
+        """
+        if self._comm_group is None:
+            ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
+            self._comm_group = dist.new_group(ranks=ranks)
+        return self._comm_group
+
     def _submit(self, fn):
         if self._executor is None or self._pid != os.getpid():
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="comm_codec")
@@ -203,12 +226,12 @@ class HuffmanState:
         if self.codebooks is None:
             if self.profiler is None or not self.profiler.kinds():
                 raise RuntimeError("warmup ended without observing any gradient bucket")
-            self.codebooks = self.profiler.build(self.process_group, meta={"source": "online DDP warmup",
-                                                                         "steps": self.warmup_steps})
+            self.codebooks = self.profiler.build(self._group(), meta={"source": "online DDP warmup",
+                                                                      "steps": self.warmup_steps})
             self.codec = Codec(self.codebooks, threads=self.threads)
             self.profiler = None
         if not self.verified:
-            check_same_books(self.codebooks, self.process_group)
+            check_same_books(self.codebooks, self._group())
             self.verified = True
             log.info("comm_codec: compressing gradients with books %s", self.codebooks.digest[:12])
 
@@ -223,7 +246,7 @@ class HuffmanState:
         loss = fixed / optimal - 1.0 if optimal else 0.0
         if self.refresh_threshold is not None:
             t = torch.tensor([loss], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group())
             loss = float(t)
             if loss > self.refresh_threshold and self._refresh_until is None:
                 log.info("comm_codec: books lose %.2f%% (> %.2f%%) at step %d; re-profiling for %d steps",
@@ -236,7 +259,7 @@ class HuffmanState:
         """At the end of a refresh window, build new books collectively and swap them in."""
         if self._refresh_until is None or self.step < self._refresh_until:
             return
-        books = self.profiler.build(self.process_group, meta={"source": "DDP refresh", "step": self.step})
+        books = self.profiler.build(self._group(), meta={"source": "DDP refresh", "step": self.step})
         self.codebooks = books
         self.codec = Codec(books, threads=self.threads)
         self.profiler = None
@@ -300,8 +323,9 @@ def huffman_hook(state: "HuffmanState", bucket: dist.GradBucket) -> torch.future
 
     # Every collective after warmup is issued from the one worker thread, in bucket order:
     # collectives issued from two threads could interleave differently on each rank.
+    group = state._group()  # on the calling thread, before any worker runs
+
     def work():
-        group = state.process_group
         small = tensor.numel() * tensor.element_size() < state.min_bucket_bytes
         if tensor.dtype not in _CODED or tensor.device.type != "cpu" or small:
             tensor.div_(dist.get_world_size(group))
@@ -323,14 +347,19 @@ def huffman_hook(state: "HuffmanState", bucket: dist.GradBucket) -> torch.future
             state._maybe_swap_books()
         return tensor
 
-    result = torch.futures.Future()
+    # The worker's outcome, tensor or exception, is passed on as a value and raised in a
+    # .then callback: DDP then reports the exception itself, not a failed cast to Tensor.
+    outcome = torch.futures.Future()
 
     def done(cf):
         exc = cf.exception()
-        if exc is not None:
-            result.set_exception(exc)
-        else:
-            result.set_result(cf.result())
+        outcome.set_result(exc if exc is not None else cf.result())
+
+    def unwrap(f):
+        value = f.value()
+        if isinstance(value, BaseException):
+            raise value
+        return value
 
     state._submit(work).add_done_callback(done)
-    return result
+    return outcome.then(unwrap)

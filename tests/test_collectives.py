@@ -1,0 +1,459 @@
+"""Multi-process tests of comm_codec.collectives on real gloo groups (2 and 3 ranks).
+
+Every rank builds every rank's input from a seed, so each can compute the expected
+result on its own: for reductions, the documented semantics -- the float32 sum in rank
+order (divided by W for an average), rounded to the tensor's dtype once; for gathers
+and point-to-point, the sender's bits. Results are compared bit for bit (NaN payloads
+and -0.0 included). Worker functions (``_w_*``) run on every rank via dist_utils.
+"""
+
+import hashlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import comm_codec as cc
+import dist_utils
+from comm_codec import collectives
+from comm_codec.collectives import CollectiveError
+from comm_codec.stats import CommStats
+
+WORLDS = [2, 3]
+WORLD_IDS = [f"world{w}" for w in WORLDS]
+FLOATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ALL_DTYPES = dict(FLOATS, fp8_e4m3=torch.float8_e4m3fn, fp8_e5m2=torch.float8_e5m2,
+                  int8=torch.int8, uint8=torch.uint8)
+
+
+# ----------------------------------------------------------------------------------------
+# Helpers (run inside the ranks)
+# ----------------------------------------------------------------------------------------
+def _sizes(world):
+    return [0, 1, world - 1, 1000, 100003]
+
+
+def _float_input(rank, n, dtype, salt=0):
+    """Gradient-like values of many scales, with +0/-0 runs, subnormals, Inf and NaN."""
+    g = torch.Generator().manual_seed(1_000_003 * rank + 7919 * n + salt)
+    scale = 10.0 ** torch.randint(-6, 1, (n,), generator=g).float()
+    x = torch.randn(n, generator=g) * scale
+    u = torch.rand(n, generator=g)
+    x[u < 0.30] = 0.0
+    x[(u >= 0.30) & (u < 0.33)] = -0.0
+    tiny = torch.finfo(dtype).smallest_normal
+    x[(u >= 0.33) & (u < 0.34)] = tiny / 4  # subnormal in dtype
+    x = x.to(dtype)
+    if n > 50:
+        # A few non-finite values, where at most one rank has one (the sum stays defined).
+        x[rank::997][:1] = float("inf") if rank % 2 == 0 else float("-inf")
+        x[10 + rank] = float("nan")
+    return x
+
+
+def _random_bits(rank, n, dtype, salt=0):
+    """Uniformly random bit patterns of dtype (every NaN, Inf and -0.0 included)."""
+    g = torch.Generator().manual_seed(1_000_003 * rank + 7919 * n + salt)
+    width = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * width,), dtype=torch.uint8, generator=g)
+    return raw.view(dtype)
+
+
+def _rank_order(parts, dtype, average):
+    acc = None
+    for p in parts:
+        acc = p.float().clone() if acc is None else acc.add_(p.float())
+    if average:
+        acc.div_(len(parts))
+    return acc.to(dtype)
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def _assert_bits(got, expected, what):
+    assert got.dtype == expected.dtype and got.numel() == expected.numel(), (what, got.dtype, expected.dtype)
+    a, b = _bits(got.reshape(-1)), _bits(expected.reshape(-1))
+    if not torch.equal(a, b):
+        width = got.element_size()
+        bad = (a != b).nonzero().reshape(-1)
+        i = int(bad[0]) // width
+        raise AssertionError(f"{what}: {bad.numel()} bytes differ; first in element {i}: got "
+                             f"{got.reshape(-1)[i].item()!r}, expected {expected.reshape(-1)[i].item()!r}")
+
+
+def _digest(t):
+    return hashlib.sha256(_bits(t).numpy().tobytes()).hexdigest()
+
+
+def _shard_sizes(n, world):
+    return [(r + 1) * n // world - r * n // world for r in range(world)]
+
+
+# ----------------------------------------------------------------------------------------
+# all_reduce
+# ----------------------------------------------------------------------------------------
+def _w_all_reduce(rank, world, dtype_name, average):
+    dtype = FLOATS[dtype_name]
+    codec = cc.Codec()
+    out = []
+    for n in _sizes(world):
+        x = _float_input(rank, n, dtype)
+        expected = _rank_order([_float_input(r, n, dtype) for r in range(world)], dtype, average)
+        stats = CommStats()
+        result = collectives.all_reduce(x, codec, average=average, stats=stats)
+        assert result is x, "all_reduce must work in place and return its argument"
+        _assert_bits(x, expected, f"rank {rank}: all_reduce {dtype_name} n={n} average={average}")
+        out.append({"n": n, "digest": _digest(x), "stats": stats.as_dict()})
+    return out
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+@pytest.mark.parametrize("dtype_name", list(FLOATS))
+@pytest.mark.parametrize("average", [False, True], ids=["sum", "average"])
+def test_all_reduce_bit_exact_rank_order(world, dtype_name, average):
+    results = dist_utils.run(_w_all_reduce, world, dtype_name, average)
+    itemsize = FLOATS[dtype_name].itemsize
+    for i, n in enumerate(_sizes(world)):
+        assert len({r[i]["digest"] for r in results}) == 1, f"n={n}: ranks disagree"
+        shards = _shard_sizes(n, world)
+        for rank, r in enumerate(results):
+            s = r[i]["stats"]
+            assert s["calls"] == 1
+            # What a plain all-reduce would send from this rank: the other ranks' shards
+            # in phase 1, this rank's reduced shard to every other rank in phase 2.
+            assert s["bytes_in"] == (n - shards[rank] + (world - 1) * shards[rank]) * itemsize
+            assert s["bytes_out"] > 0
+            if n >= 1000:
+                assert s["encode_seconds"] > 0 and s["decode_seconds"] > 0
+
+
+def _w_all_reduce_compresses(rank, world):
+    """Gradient-like bf16 data really shrinks on the wire (ratio > 1)."""
+    g = torch.Generator().manual_seed(rank)
+    x = (torch.randn(200_000, generator=g) * 1e-3).to(torch.bfloat16)
+    stats = CommStats()
+    collectives.all_reduce(x, average=True, stats=stats)
+    return stats.as_dict()
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+def test_all_reduce_stats_show_compression(world):
+    for s in dist_utils.run(_w_all_reduce_compresses, world):
+        assert s["ratio"] > 1.1, s
+        assert s["ratio"] == pytest.approx(s["bytes_in"] / s["bytes_out"])
+        assert s["comm_seconds"] >= s["encode_seconds"] > 0
+
+
+def _w_all_reduce_cast(rank, world):
+    """cast=bf16 on fp32 input: each contribution rounded to bf16, rank-order float32
+    sum, rounded to bf16 once, widened back to fp32 on every rank."""
+    n = 5000
+    x = _float_input(rank, n, torch.float32, salt=5)
+    parts = [_float_input(r, n, torch.float32, salt=5).to(torch.bfloat16) for r in range(world)]
+    expected = _rank_order(parts, torch.bfloat16, True).float()
+    collectives.all_reduce(x, average=True, cast=torch.bfloat16)
+    _assert_bits(x, expected, f"rank {rank}: all_reduce cast=bf16")
+    return _digest(x)
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+def test_all_reduce_cast_bf16_semantics(world):
+    assert len(set(dist_utils.run(_w_all_reduce_cast, world))) == 1
+
+
+def _w_all_reduce_subgroups(rank, world):
+    """A group of the last two ranks, and a group of one (no communication at all)."""
+    pair = dist.new_group([world - 2, world - 1])
+    solo = dist.new_group([0])
+    out = {}
+    if rank >= world - 2:
+        x = _float_input(rank, 777, torch.bfloat16)
+        expected = _rank_order([_float_input(r, 777, torch.bfloat16) for r in (world - 2, world - 1)],
+                               torch.bfloat16, True)
+        collectives.all_reduce(x, group=pair, average=True)
+        _assert_bits(x, expected, f"rank {rank}: sub-group all_reduce")
+        out["pair"] = _digest(x)
+    if rank == 0:
+        x = _float_input(0, 100, torch.float32)
+        before = x.clone()
+        stats = CommStats()
+        collectives.all_reduce(x, group=solo, average=True, stats=stats)
+        _assert_bits(x, before, "one-rank group: the average of one tensor is itself")
+    return out
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+def test_all_reduce_on_sub_groups(world):
+    results = dist_utils.run(_w_all_reduce_subgroups, world)
+    assert results[-1]["pair"] == results[-2]["pair"]
+
+
+# ----------------------------------------------------------------------------------------
+# all_gather, reduce_scatter
+# ----------------------------------------------------------------------------------------
+def _w_all_gather(rank, world):
+    stats = CommStats()
+    calls = 0
+    for name, dtype in ALL_DTYPES.items():
+        for n in (0, 1, 1000, 70001):  # 70001: more than one 64 Ki-element chunk
+            x = _random_bits(rank, n, dtype, salt=3)
+            outputs = [torch.empty(n, dtype=dtype) for _ in range(world)]
+            result = collectives.all_gather(outputs, x, stats=stats)
+            calls += 1
+            assert result is outputs
+            for r in range(world):
+                _assert_bits(outputs[r], _random_bits(r, n, dtype, salt=3),
+                             f"rank {rank}: all_gather {name} n={n}, slot {r}")
+        # Realistic floats too (coded, not just raw-stored random bits), 2-D outputs.
+        if dtype.is_floating_point and dtype.itemsize >= 2:
+            x = _float_input(rank, 4096, dtype).view(64, 64)
+            outputs = [torch.empty(64, 64, dtype=dtype) for _ in range(world)]
+            collectives.all_gather(outputs, x, stats=stats)
+            calls += 1
+            for r in range(world):
+                _assert_bits(outputs[r], _float_input(r, 4096, dtype), f"rank {rank}: all_gather {name} 2-D")
+    s = stats.as_dict()
+    assert s["calls"] == calls
+    return s
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+def test_all_gather_bit_exact_every_dtype(world):
+    for s in dist_utils.run(_w_all_gather, world):
+        assert s["bytes_in"] > 0 and s["bytes_out"] > 0
+
+
+def _w_reduce_scatter(rank, world, dtype_name, average):
+    dtype = FLOATS[dtype_name]
+    stats = CommStats()
+    for n in (0, 1, 1000, 30001):
+        inputs = [_float_input(rank, n, dtype, salt=100 + j) for j in range(world)]
+        output = torch.empty(n, dtype=dtype)
+        result = collectives.reduce_scatter(output, inputs, average=average, stats=stats)
+        assert result is output
+        expected = _rank_order([_float_input(r, n, dtype, salt=100 + rank) for r in range(world)], dtype, average)
+        _assert_bits(output, expected, f"rank {rank}: reduce_scatter {dtype_name} n={n} average={average}")
+    return stats.as_dict()
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+@pytest.mark.parametrize("dtype_name", list(FLOATS))
+@pytest.mark.parametrize("average", [False, True], ids=["sum", "average"])
+def test_reduce_scatter_bit_exact_rank_order(world, dtype_name, average):
+    for s in dist_utils.run(_w_reduce_scatter, world, dtype_name, average):
+        assert s["calls"] == 4 and s["bytes_in"] > 0
+
+
+# ----------------------------------------------------------------------------------------
+# send / recv
+# ----------------------------------------------------------------------------------------
+def _w_send_recv(rank, world):
+    """Ring: rank 0 sends to 1 first, every other rank receives first, so nobody waits
+    on a send that no one receives."""
+    dst, src = (rank + 1) % world, (rank - 1) % world
+    stats = CommStats()
+    checked = 0
+    for name, dtype in ALL_DTYPES.items():
+        for n in (0, 1, 5000):
+            make = _float_input if dtype in FLOATS.values() else _random_bits
+            x = make(rank, n, dtype)
+            out = torch.empty(n, dtype=dtype)
+            if rank == 0:
+                collectives.send(x, dst, stats=stats)
+                collectives.recv(out, src, stats=stats)
+            else:
+                collectives.recv(out, src, stats=stats)
+                collectives.send(x, dst, stats=stats)
+            _assert_bits(out, make(src, n, dtype), f"rank {rank}: recv {name} n={n} from {src}")
+            checked += 1
+    return stats.as_dict(), checked
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+def test_send_recv_bit_exact(world):
+    for s, checked in dist_utils.run(_w_send_recv, world):
+        assert s["calls"] == checked  # send counts a call; recv only decodes
+        assert s["bytes_in"] > 0 and s["decode_seconds"] > 0
+
+
+def _w_recv_mismatch(rank, world):
+    """The receiver's tensor does not match what was sent: recv must say so (FrameError)."""
+    out = {}
+    for label, send_t, recv_t in (
+        ("numel", torch.randn(100), torch.empty(99)),
+        ("dtype", torch.randn(100), torch.empty(100, dtype=torch.bfloat16)),
+    ):
+        if rank == 0:
+            collectives.send(send_t, 1)
+        elif rank == 1:
+            try:
+                collectives.recv(recv_t, 0)
+                out[label] = None
+            except cc.FrameError as exc:
+                out[label] = str(exc)
+        dist.barrier()
+    return out
+
+
+def test_recv_rejects_wrong_numel_and_dtype():
+    """recv's docstring: FrameError when "its size or dtype does not match tensor"."""
+    results = dist_utils.run(_w_recv_mismatch, 2)
+    assert results[1]["numel"] is not None and "frame holds 100 elements, expected 99" in results[1]["numel"]
+    assert results[1]["dtype"] is not None, "a float32 frame was silently converted into a bfloat16 tensor"
+
+
+def _w_send_recv_subgroup(rank, world):
+    """send/recv take ranks *in the group* (their docstrings): in the group of ranks
+    [1, 2], group rank 0 (global 1) sends to group rank 1 (global 2)."""
+    group = dist.new_group([1, 2])
+    try:
+        if rank == 1:
+            collectives.send(torch.arange(10, dtype=torch.float32), 1, group=group)
+        elif rank == 2:
+            out = torch.empty(10)
+            collectives.recv(out, 0, group=group)
+            return out.tolist()
+    except ValueError as exc:  # returned, not raised: the group stays usable for other tests
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def test_send_recv_ranks_are_group_ranks():
+    results = dist_utils.run(_w_send_recv_subgroup, 3, timeout=30)
+    assert results[1] is None, f"send to group rank 1 failed: {results[1]}"
+    assert results[2] == [float(i) for i in range(10)], f"recv from group rank 0 failed: {results[2]}"
+
+
+# ----------------------------------------------------------------------------------------
+# row_parallel_all_reduce
+# ----------------------------------------------------------------------------------------
+def _w_row_parallel(rank, world):
+    """A row-parallel linear: rank r holds columns r of the weight and of the input."""
+    torch.manual_seed(0)
+    weight = torch.randn(16, 24) * 0.1  # out x in, the same on every rank
+    x = torch.randn(4, 24)
+    upstream = torch.randn(4, 16)
+    lo, hi = rank * 24 // world, (rank + 1) * 24 // world
+    stats = CommStats()
+
+    # (1) The op alone: forward = rank-order sum of the partials, backward = identity.
+    partial = (x[:, lo:hi] @ weight[:, lo:hi].T).detach().requires_grad_()
+    y = collectives.row_parallel_all_reduce(partial, stats=stats)
+    assert y.requires_grad and y.shape == partial.shape
+    (y * upstream).sum().backward()
+    _assert_bits(partial.grad, upstream, f"rank {rank}: gradient through the all-reduce")
+    partials = [(x[:, a:b] @ weight[:, a:b].T) for a, b in
+                ((r * 24 // world, (r + 1) * 24 // world) for r in range(world))]
+    _assert_bits(y.detach(), _rank_order(partials, torch.float32, False), f"rank {rank}: forward sum")
+    assert not torch.equal(partial.detach(), y.detach())  # it did communicate
+
+    # (2) In a layer, against the single-process reference.
+    xr = x[:, lo:hi].clone().requires_grad_()
+    wr = weight[:, lo:hi].clone().requires_grad_()
+    y2 = collectives.row_parallel_all_reduce(xr @ wr.T, stats=stats)
+    (y2 * upstream).sum().backward()
+    x_ref, w_ref = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    y_ref = x_ref @ w_ref.T
+    (y_ref * upstream).sum().backward()
+    torch.testing.assert_close(y2.detach(), y_ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xr.grad, x_ref.grad[:, lo:hi], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(wr.grad, w_ref.grad[:, lo:hi], rtol=1e-5, atol=1e-6)
+    return {"y": _digest(y2.detach()), "stats": stats.as_dict()}
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+def test_row_parallel_all_reduce_forward_sum_backward_identity(world):
+    results = dist_utils.run(_w_row_parallel, world)
+    assert len({r["y"] for r in results}) == 1
+    for r in results:
+        assert r["stats"]["calls"] == 2 and r["stats"]["bytes_in"] > 0
+
+
+# ----------------------------------------------------------------------------------------
+# Errors: raised on every rank, and the group stays usable
+# ----------------------------------------------------------------------------------------
+def _flip_payload_byte(frame):
+    params = cc.get_frame_parameters(frame)
+    assert params.frame_bytes > params.header_bytes, "no payload to corrupt"
+    frame = frame.clone()
+    frame[params.header_bytes] ^= 0xA5
+    return frame
+
+
+def _catch(fn):
+    try:
+        fn()
+    except CollectiveError as exc:
+        return str(exc)
+    return None
+
+
+def _w_errors(rank, world):
+    out = {}
+    n = 30000
+    codec = cc.Codec()
+
+    # (1) Phase 1: rank 1 receives a corrupted shard from rank 0.
+    real_exchange = collectives._exchange_frames
+
+    def bad_exchange(frames, group):
+        received = real_exchange(frames, group)
+        received[0] = _flip_payload_byte(received[0])
+        return received
+
+    if rank == 1:
+        collectives._exchange_frames = bad_exchange
+    try:
+        out["phase1"] = _catch(lambda: collectives.all_reduce(_float_input(rank, n, torch.bfloat16), codec))
+    finally:
+        collectives._exchange_frames = real_exchange
+
+    # (2) Phase 2: rank 0's reduced shard is corrupted after encoding.
+    bad = cc.Codec()
+    real_encode = bad.encode
+
+    def bad_encode(tensor, kind="gradient"):
+        frame = real_encode(tensor, kind)
+        return _flip_payload_byte(frame) if kind == "reduced_gradient" else frame
+
+    bad.encode = bad_encode
+    mine = bad if rank == 0 else codec
+    out["phase2"] = _catch(lambda: collectives.all_reduce(_float_input(rank, n, torch.float32), mine))
+
+    # (3) all_gather: rank 0's frame is corrupted.
+    bad.encode = lambda tensor, kind="activation": _flip_payload_byte(real_encode(tensor, kind))
+    outputs = [torch.empty(n, dtype=torch.float16) for _ in range(world)]
+    out["gather"] = _catch(lambda: collectives.all_gather(outputs, _float_input(rank, n, torch.float16), mine))
+
+    # (4) Misuse is refused before any communication, on every rank alike.
+    try:
+        collectives.reduce_scatter(torch.empty(4), [torch.empty(4)] * (world + 1))
+        out["misuse"] = None
+    except ValueError as exc:
+        out["misuse"] = str(exc)
+
+    # (5) The group is still in step.
+    t = torch.full((1000,), float(rank + 1), dtype=torch.bfloat16)
+    collectives.all_reduce(t, codec)
+    out["after"] = t[0].item()
+    return out
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+def test_corrupt_frames_raise_collective_error_on_every_rank(world):
+    results = dist_utils.run(_w_errors, world, timeout=45)
+    for rank, r in enumerate(results):
+        assert r["phase1"] is not None, f"rank {rank}: corrupt phase-1 shard went unnoticed"
+        assert "compressed collective failed: rank 1: shard 1 from rank 0: " in r["phase1"]
+        assert "checksum" in r["phase1"]
+        assert r["phase2"] is not None, f"rank {rank}: corrupt reduced shard went unnoticed"
+        for other in range(1, world):
+            assert f"rank {other}: reduced shard from rank 0: " in r["phase2"], r["phase2"]
+        assert "rank 0:" not in r["phase2"].replace("from rank 0", "")
+        assert r["gather"] is not None and "rank 1: frame from rank 0: " in r["gather"], r["gather"]
+        assert r["misuse"] == f"input_list needs one tensor per rank ({world}), got {world + 1}"
+        assert r["after"] == sum(range(1, world + 1))
+    for key in ("phase1", "phase2", "gather"):
+        assert len({r[key] for r in results}) == 1, f"{key}: ranks report different errors"
