@@ -36,9 +36,12 @@ __all__ = ["Codec", "DEFAULT_CHUNK_ELEMS"]
 
 log = logging.getLogger(__name__)
 
-# 64 Ki elements: 128 KiB of bf16 per chunk stays in L2 while its streams are coded, and
-# a 25 MB gradient bucket still splits into ~200 chunks for the threads.
-DEFAULT_CHUNK_ELEMS = 1 << 16
+# 16 Ki elements. Smaller chunks follow the scale of each layer more closely through
+# their reference exponent: on TinyLM's bf16 gradient buckets the frame ratio was 1.425
+# with 64 Ki-element chunks, 1.470 with 32 Ki, 1.497 with 16 Ki, 1.509 with 8 Ki, while
+# the fixed per-chunk cost (table entry, lane lengths, padding: ~40 bytes) stays ~0.2 %.
+# 32 KiB of bf16 per chunk also stays in L1/L2 while its streams are coded.
+DEFAULT_CHUNK_ELEMS = 1 << 14
 
 
 class _Tables:

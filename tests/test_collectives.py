@@ -197,7 +197,7 @@ def _w_all_gather(rank, world):
     stats = CommStats()
     calls = 0
     for name, dtype in ALL_DTYPES.items():
-        for n in (0, 1, 1000, 70001):  # 70001: more than one 64 Ki-element chunk
+        for n in (0, 1, 1000, 70001):  # 70001: several 16 Ki-element chunks
             x = _random_bits(rank, n, dtype, salt=3)
             outputs = [torch.empty(n, dtype=dtype) for _ in range(world)]
             result = collectives.all_gather(outputs, x, stats=stats)

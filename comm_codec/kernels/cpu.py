@@ -120,7 +120,7 @@ def _chunk_ref(bits, lo, hi, exp_shift):
     if exp_shift < 0:
         return 0
     hist = np.zeros(256, dtype=np.int64)
-    step = max(1, (hi - lo) // 1024)
+    step = max(1, (hi - lo) // 256)
     sh, _, top, ra, mask = _params(bits, 0, -1, 0)
     for i in range(lo, hi, step):
         if bits[i] != 0:
