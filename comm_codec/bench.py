@@ -24,7 +24,7 @@ Measurements, per dataset and codec:
   is checked to be unchanged after compressing it.
 * throughput: GB/s (1e9 bytes/s) of *uncompressed* bytes for encode and decode alike,
   best of ``--repeat`` after a warmup call, with 1 and 2 threads, on one large input per
-  dataset (real data: the evaluation buckets concatenated and tiled to ``--bulk-mb``).
+  dataset (real data: the evaluation buckets concatenated, tiled and cut to ``--bulk-mb``).
 * bounds: the Shannon bound of the encoder's streams and an ideal per-chunk Huffman
   coder (definitions in :data:`DEFINITIONS`, printed with the table).
 """
@@ -88,6 +88,10 @@ _ZIPNN_DTYPES = {
 }
 _ACT_MODULE = re.compile(r"blocks\.\d+\.(attn|mlp)")
 _MB = 1 << 20
+# A timed one-thread call that got less CPU than this share of its wall time was sharing
+# its core with another process: its GB/s understates the codec. (A two-thread call below
+# twice this ran on fewer than two cores: contention, or a codec that did not use both.)
+_BUSY_SHARE = 0.85
 
 
 # -- data ---------------------------------------------------------------------------------
@@ -119,11 +123,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _tiled(buckets: list, min_bytes: int) -> Callable[[], torch.Tensor]:
+def _tiled(buckets: list, nbytes: int) -> Callable[[], torch.Tensor]:
+    """Return a maker of the throughput input: the buckets concatenated, tiled, cut to nbytes."""
+
     def make() -> torch.Tensor:
         flat = torch.cat([b.reshape(-1) for b in buckets])
-        reps = max(1, -(-min_bytes // _nbytes(flat)))
-        return flat.repeat(reps) if reps > 1 else flat
+        numel = max(1, nbytes // flat.element_size())
+        reps = -(-numel // flat.numel())
+        return (flat.repeat(reps) if reps > 1 else flat)[:numel].clone()
 
     return make
 
@@ -407,24 +414,30 @@ def _threads_available() -> tuple:
 
 # -- measurement --------------------------------------------------------------------------
 def _timed(comp: _Comparator, fn: Callable, t: torch.Tensor, reps: int, warmup: bool, prepare: bool):
-    """Best wall time of fn over reps calls (after an untimed warmup), and the last result."""
-    arg = None
+    """Time fn: best wall time of reps calls after an untimed warmup, the last result, and
+    the best call's CPU time / wall time (about 1 for one thread on an idle core; less
+    when other processes took the core)."""
     if warmup:
         out = fn(comp.prepare(t) if prepare else None)
-    best = math.inf
+    best, share = math.inf, 1.0
     for _ in range(max(1, reps)):
         arg = comp.prepare(t) if prepare else None
+        cpu = time.process_time()
         start = time.perf_counter()
         out = fn(arg)
-        best = min(best, time.perf_counter() - start)
+        wall = time.perf_counter() - start
+        cpu = time.process_time() - cpu
+        if wall < best:
+            best, share = wall, cpu / wall if wall > 0 else 1.0
         del arg
-    return best, out
+    return best, out, share
 
 
 def _measure(ds: _Dataset, comp: _Comparator, bulk: torch.Tensor, args) -> dict:
     row = {"dataset": ds.name, "dtype": ds.spec_name, "kind": ds.kind, "codec": comp.name,
            "ratio": None, "exact": None, "input_unchanged": None, "enc_gbps": {}, "dec_gbps": {},
-           "ratio_bulk": None, "eval_bytes": None, "bulk_bytes": None, "notes": [], "error": None}
+           "ratio_bulk": None, "eval_bytes": None, "bulk_bytes": None, "cpu_share_1t": None, "cpu_share_2t": None,
+           "notes": [], "error": None}
     try:
         comp.setup(ds)
     except _Unsupported as exc:
@@ -473,25 +486,34 @@ def _measure(ds: _Dataset, comp: _Comparator, bulk: torch.Tensor, args) -> dict:
         row["bulk_bytes"] = nbytes
         ref = _as_u8(bulk)
         threads_ok = _threads_available()
-        frames = {}
+        frames, shares = {}, {}
         for th in comp.enc_threads:
             if th not in threads_ok:
                 continue
-            best, payload = _timed(comp, lambda x, th=th: comp.encode(x, th), bulk, args.repeat,
-                                   args.warmup, prepare=True)
+            best, payload, share = _timed(comp, lambda x, th=th: comp.encode(x, th), bulk, args.repeat,
+                                          args.warmup, prepare=True)
             row["enc_gbps"][str(th)] = nbytes / best / 1e9
+            shares.setdefault(th, []).append(share)
             frames[th] = payload
         row["ratio_bulk"] = nbytes / comp.size(frames[1])
         for th in comp.dec_threads:
             if th not in threads_ok:
                 continue
-            best, out = _timed(comp, lambda _, th=th: comp.decode(frames[1], th), bulk, args.repeat,
-                               args.warmup, prepare=False)
+            best, out, share = _timed(comp, lambda _, th=th: comp.decode(frames[1], th), bulk, args.repeat,
+                                      args.warmup, prepare=False)
             row["dec_gbps"][str(th)] = nbytes / best / 1e9
+            shares.setdefault(th, []).append(share)
             row["exact"] &= bool(np.array_equal(_as_u8(out), ref))
         for th, payload in frames.items():  # frames made with more threads must decode too
             if th != 1:
                 row["exact"] &= bool(np.array_equal(_as_u8(comp.decode(payload, 1)), ref))
+        row["cpu_share_1t"] = min(shares[1])
+        if row["cpu_share_1t"] < _BUSY_SHARE:
+            row["notes"].append(f"CPU CONTENDED: a best 1T call got {row['cpu_share_1t']:.0%} of a core")
+        if 2 in shares:
+            row["cpu_share_2t"] = min(shares[2])
+            if row["cpu_share_2t"] < 2 * _BUSY_SHARE:
+                row["notes"].append(f"a best 2T call ran on {row['cpu_share_2t']:.2f} cores")
         if 2 not in threads_ok:
             row["notes"].append("2 threads unavailable (NUMBA_NUM_THREADS < 2)")
     except Exception as exc:  # a comparator failing is a result, not a crash
@@ -569,9 +591,10 @@ def _targets(rows: list) -> list:
     by = {(r["dataset"], r["dtype"], r["codec"]): r for r in rows}
     checks = []
 
-    def add(what, value, target, ok, unit=""):
+    def add(what, value, target, ok, unit="", timed=()):
         checks.append({"check": what, "value": value, "target": target, "unit": unit,
-                       "status": "n/a" if value is None else ("PASS" if ok else "MISS")})
+                       "status": "n/a" if value is None else ("PASS" if ok else "MISS"),
+                       "contended": any(_contended(r) for r in timed if r)})
 
     for ds in ("lm-bf16/gradient", "lm-bf16/weight"):
         fixed = by.get((ds, "bf16", "comm_codec:fixed"))
@@ -594,15 +617,16 @@ def _targets(rows: list) -> list:
             continue
         enc1, dec1 = cc["enc_gbps"].get("1"), cc["dec_gbps"].get("1")
         enc2, dec2 = cc["enc_gbps"].get("2"), cc["dec_gbps"].get("2")
-        add(f"{ds} bf16: encode 1T", enc1, ">= 1.5 GB/s", enc1 is not None and enc1 >= 1.5, " GB/s")
-        add(f"{ds} bf16: decode 1T", dec1, ">= 1.0 GB/s", dec1 is not None and dec1 >= 1.0, " GB/s")
+        add(f"{ds} bf16: encode 1T", enc1, ">= 1.5 GB/s", enc1 is not None and enc1 >= 1.5, " GB/s", (cc,))
+        add(f"{ds} bf16: decode 1T", dec1, ">= 1.0 GB/s", dec1 is not None and dec1 >= 1.0, " GB/s", (cc,))
         for label, mine, key in (("encode", enc1, "enc_gbps"), ("decode", dec1, "dec_gbps")):
             theirs = zn[key].get("1") if zn else None
             value = mine / theirs if mine and theirs else None
-            add(f"{ds} bf16: {label} 1T vs zipnn 1T", value, ">= 2x", value is not None and value >= 2.0, "x")
+            add(f"{ds} bf16: {label} 1T vs zipnn 1T", value, ">= 2x", value is not None and value >= 2.0, "x",
+                (cc, zn))
         for label, one, two in (("encode", enc1, enc2), ("decode", dec1, dec2)):
             value = two / one if one and two else None
-            add(f"{ds} bf16: {label} 2T / 1T", value, ">= 1.8x", value is not None and value >= 1.8, "x")
+            add(f"{ds} bf16: {label} 2T / 1T", value, ">= 1.8x", value is not None and value >= 1.8, "x", (cc,))
     bad = [f"{r['dataset']} {r['dtype']} {r['codec']}" for r in rows
            if r["codec"].startswith("comm_codec") and (r["exact"] is False or r["error"])]
     checks.append({"check": "comm_codec round trips bit-exact (all rows)", "value": len(bad), "target": "0 failures",
@@ -610,15 +634,31 @@ def _targets(rows: list) -> list:
     return checks
 
 
+def _contended(row: dict) -> bool:
+    share1, share2 = row.get("cpu_share_1t"), row.get("cpu_share_2t")
+    return (share1 is not None and share1 < _BUSY_SHARE) or (share2 is not None and share2 < 2 * _BUSY_SHARE)
+
+
 def _format_targets(checks: list) -> str:
     lines = ["targets:"]
     for c in checks:
         value = "n/a" if c["value"] is None else (
             f"{c['value']:.2f}{c['unit']}" if isinstance(c["value"], float) else f"{c['value']}{c['unit']}")
-        lines.append(f"  {c['status']:<5} {c['check']:<58} {value:>12}   target {c['target']}")
+        status = c["status"] + ("*" if c.get("contended") else "")
+        lines.append(f"  {status:<5} {c['check']:<58} {value:>12}   target {c['target']}")
         if c.get("detail"):
             lines.append("        " + ", ".join(c["detail"]))
+    if any(c.get("contended") for c in checks):
+        lines.append("  * timed on a CPU shared with other processes (or a 2T call that got < 2 cores): "
+                     "rerun on an idle machine before trusting it")
     return "\n".join(lines)
+
+
+def _loadavg():
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:  # pragma: no cover - platforms without it
+        return None
 
 
 def _environment() -> dict:
@@ -633,12 +673,16 @@ def _environment() -> dict:
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
         "numba_num_threads": numba.config.NUMBA_NUM_THREADS,
+        "loadavg_at_start": _loadavg(),
         **{name: version(name) for name in ("torch", "numba", "numpy", "zstandard", "zipnn", "comm_codec")},
     }
 
 
 # -- entry point ----------------------------------------------------------------------------
 def _parse_args(argv):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # "comm-codec bench -- --quick": the separator reaches us
+        argv = argv[1:]
     p = argparse.ArgumentParser(prog="comm-codec bench", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke run: small sizes, one repetition (< 1 min)")
     p.add_argument("--json", metavar="PATH", help="also write every row, the targets and the settings as JSON")
@@ -723,11 +767,18 @@ def run(argv=None) -> int:
     print(f"comm_codec codec benchmark ({'quick' if args.quick else 'default'} mode, {elapsed:.0f} s)")
     print("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
     print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
-    print(f"throughput inputs: >= {args.bulk_mb:g} MiB per dataset (real data: the evaluation buckets "
-          f"concatenated and tiled), synthetic {args.synthetic_mb:g} MiB; best of {args.repeat}"
+    print(f"throughput inputs: {args.bulk_mb:g} MiB per real dataset (its evaluation buckets concatenated, "
+          f"tiled where shorter, cut to size), the whole {args.synthetic_mb:g} MiB synthetic tensor; best of {args.repeat}"
           f"{' after a warmup call' if args.warmup else ', no warmup'}")
     for line in DEFINITIONS:
         print("  * " + line)
+    contended = [r for r in rows if r.get("cpu_share_1t") is not None and r["cpu_share_1t"] < _BUSY_SHARE]
+    env["loadavg_at_end"] = _loadavg()
+    print(f"machine load (1-min average): {env['loadavg_at_start']} at start, {env['loadavg_at_end']} at end, "
+          f"{os.cpu_count()} cores")
+    if contended:
+        print(f"WARNING: {len(contended)} of the timed rows ran on a contended CPU (a best one-thread call got "
+              f"< {_BUSY_SHARE:.0%} of a core): other processes were running; their GB/s understate the codecs.")
     print()
     print(_format_table(rows))
     print()
@@ -740,3 +791,7 @@ def run(argv=None) -> int:
             fh.write("\n")
         log.info("wrote %s", args.json)
     return 0
+
+
+if __name__ == "__main__":  # python -m comm_codec.bench
+    sys.exit(run())

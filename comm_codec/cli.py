@@ -96,7 +96,12 @@ def main(argv=None) -> int:
         The exit status: 0 on success, 2 for user errors (bad input, missing files).
     """
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    # The benchmark has its own options (comm_codec.bench); hand it whatever follows.
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "bench":
+        args.rest = [*extra, *args.rest]
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from .frame import FrameError

@@ -41,8 +41,9 @@ def stream_counts(tensor: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS) 
         chunk_elems: the codec's chunk size (the reference exponent is per chunk).
 
     Returns:
-        ``(counts, zeros)``: int64[nstreams, 256] counts over the nonzero elements, and
-        the number of exact (+0.0) zeros.
+        ``(counts, zeros)``: int64[nstreams, 256] symbol counts — exact (+0.0) zeros
+        included only in chunks where they are rare (at most 1/8), since the encoder
+        masks them out of chunks where they are common — and the number of zeros.
 
     Raises:
         TypeError: unsupported dtype.
@@ -274,8 +275,8 @@ def coding_cost(tensor: torch.Tensor, books: CodebookSet, kind: str = "gradient"
                 chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> tuple[float, float, float]:
     """Measure what a fixed book costs on a tensor against the tensor's own optimum.
 
-    Zeros are left out of all three figures (the codec masks them where they are
-    common), so the comparison is of the books alone.
+    Zeros count as :func:`stream_counts` counts them (where the codec codes them), so
+    the comparison is of the books alone.
 
     Args:
         tensor: the data.

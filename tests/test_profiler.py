@@ -259,3 +259,15 @@ def test_default_covers_every_kind_and_dtype():
     # Exponent streams of float types are coded; the shipped file is self-consistent.
     assert not books[("gradient", "bf16", 0)].raw
     assert all(book == cc.Codebook.from_dict(book.to_dict()) for _, book in books.items())
+
+
+def test_stream_counts_counts_rare_zeros_and_leaves_out_common_ones():
+    from comm_codec.profiler import stream_counts
+
+    x = torch.randn(16384, dtype=torch.bfloat16)
+    x[:1000] = 0  # 6 % zeros in the one chunk: coded inline, so counted
+    counts, zeros = stream_counts(x, chunk_elems=16384)
+    assert zeros == 1000 and counts[0].sum() == 16384
+    x[:4000] = 0  # 24 %: the encoder masks them, so they are not counted
+    counts, zeros = stream_counts(x, chunk_elems=16384)
+    assert zeros == 4000 and counts[0].sum() == 16384 - 4000

@@ -1,0 +1,101 @@
+"""CLI smoke tests: the real ``python -m comm_codec`` in a subprocess, exit codes and messages."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import comm_codec as cc
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*args, cwd=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "comm_codec", *args], capture_output=True, text=True,
+                          cwd=cwd or REPO, timeout=timeout)
+
+
+def test_version_and_help():
+    r = run("--version")
+    assert r.returncode == 0 and "comm_codec" in r.stdout
+    r = run("--help")
+    assert r.returncode == 0
+    for command in ("inspect", "bench", "profile", "demo"):
+        assert command in r.stdout
+
+
+def test_inspect_frame(tmp_path):
+    frame = cc.Codec().encode(torch.randn(50000, dtype=torch.bfloat16) * 1e-3, kind="gradient")
+    path = tmp_path / "g.ccf"
+    frame.numpy().tofile(path)
+    r = run("inspect", str(path))
+    assert r.returncode == 0, r.stderr
+    assert "bf16, 50000 elements (100000 bytes raw)" in r.stdout
+    assert "stream 1    book raw" in r.stdout
+
+
+def test_inspect_errors(tmp_path):
+    r = run("inspect", str(tmp_path / "missing"))
+    assert r.returncode == 2 and "No such file or directory" in r.stderr and "Traceback" not in r.stderr
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"hello world, not a frame at all")
+    r = run("inspect", str(junk))
+    assert r.returncode == 2 and "not a comm_codec frame" in r.stderr
+
+
+def test_unknown_option_is_a_usage_error():
+    r = run("inspect", "--bogus", "x")
+    assert r.returncode == 2 and "unrecognized arguments: --bogus" in r.stderr
+
+
+def test_bench_quick_synthetic_prints_a_table():
+    r = run("bench", "--quick", "--skip-real", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "comm_codec" in r.stdout and "zstd" in r.stdout
+
+
+def test_profile_checkpoint(tmp_path):
+    from safetensors.torch import save_file
+
+    src = tmp_path / "w.safetensors"
+    save_file({"a.weight": torch.randn(20000, dtype=torch.bfloat16) * 0.02,
+               "b.weight": torch.randn(300, 40) * 0.02}, str(src))
+    out = tmp_path / "books.json"
+    r = run("profile", "--checkpoint", str(src), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    books = cc.CodebookSet.load(out)
+    assert ("weight", "bf16", 0) in books and ("weight", "fp32", 0) in books
+    assert "weight" in r.stdout and "entropy" in r.stdout
+
+
+def test_profile_entry_with_holdout(tmp_path):
+    (tmp_path / "my_entry.py").write_text(textwrap.dedent("""
+        import torch
+        def train(prof, steps):
+            torch.manual_seed(0)
+            for step in range(steps):
+                prof.observe(torch.randn(30000, dtype=torch.bfloat16) * 1e-3, "gradient")
+                prof.step()
+    """))
+    out = tmp_path / "books.json"
+    r = run("profile", "--entry", "my_entry:train", "--steps", "2", "--holdout", "2", "--out", str(out),
+            cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "held-out steps" in r.stdout and "vs per-step opt" in r.stdout
+    assert ("gradient", "bf16", 0) in cc.CodebookSet.load(out)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["profile"], "give exactly one of --entry module:function or --checkpoint FILE"),
+    (["profile", "--entry", "nomodule_xyz:f"], "cannot import 'nomodule_xyz'"),
+    (["profile", "--entry", "badformat"], "--entry must be module:function"),
+    (["profile", "--checkpoint", "/nonexistent/file.safetensors"], "No such file or directory"),
+])
+def test_profile_errors(args, message):
+    r = run(*args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
