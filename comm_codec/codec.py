@@ -30,7 +30,7 @@ from .codebooks import CodebookSet
 from .frame import FrameError
 from .huffman import Codebook
 from .kernels import cpu as _cpu
-from .streams import as_bits, spec_for
+from .streams import as_bits
 
 __all__ = ["Codec", "DEFAULT_CHUNK_ELEMS"]
 

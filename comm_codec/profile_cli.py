@@ -29,8 +29,7 @@ import numpy as np
 import torch
 
 from .codebooks import CodebookSet
-from .huffman import optimal_lengths
-from .profiler import WarmupProfiler, stream_counts
+from .profiler import WarmupProfiler, book_cost, stream_counts
 from .streams import SUPPORTED_DTYPES, spec_for
 
 __all__ = ["SteppedProfiler", "register", "report", "profile_checkpoint"]
@@ -95,20 +94,13 @@ def report(books: CodebookSet, heldout: dict | None = None) -> str:
                      f"{e if e is not None else 8.0:>8.3f}{ratio:>8.3f}  {'raw' if book.raw else book.id}")
     if heldout:
         lines.append("")
-        lines.append("held-out steps (books built from earlier steps), zeros excluded:")
+        lines.append("held-out steps (books built from earlier steps):")
         lines.append(f"{'kind':<17}{'dtype':<9}{'steps':>6}{'fixed bits':>14}{'vs per-step opt':>17}{'vs Shannon':>12}")
         for (kind, dtype), steps in sorted(heldout.items()):
             fixed = optimal = shannon = 0.0
             for counts in steps:
-                for s in range(counts.shape[0]):
-                    c = counts[s]
-                    n = float(c.sum())
-                    if not n:
-                        continue
-                    fixed += float((c * books.get(kind, dtype, s).symbol_bits()).sum())
-                    optimal += min(float((c * optimal_lengths(c)).sum()), 8 * n)
-                    p = c[c > 0] / n
-                    shannon += float(-(p * np.log2(p)).sum()) * n
+                f, o, h = book_cost(books, kind, dtype, counts)
+                fixed, optimal, shannon = fixed + f, optimal + o, shannon + h
             if optimal:
                 lines.append(f"{kind:<17}{dtype:<9}{len(steps):>6}{fixed:>14.0f}"
                              f"{100 * (fixed / optimal - 1):>+16.2f}%{100 * (fixed / shannon - 1):>+11.2f}%")

@@ -28,7 +28,7 @@ from .huffman import Codebook, entropy_bits, optimal_lengths
 from .kernels import cpu as _cpu
 from .streams import as_bits, spec_for
 
-__all__ = ["WarmupProfiler", "check_same_books", "stream_counts", "coding_cost"]
+__all__ = ["WarmupProfiler", "check_same_books", "stream_counts", "coding_cost", "book_cost"]
 
 log = logging.getLogger(__name__)
 
@@ -271,9 +271,39 @@ def check_same_books(books: CodebookSet, process_group=None) -> None:
 
 
 
+def book_cost(books: CodebookSet, kind: str, dtype, counts: np.ndarray) -> tuple[float, float, float]:
+    """Price per-stream symbol counts under fixed books, optimal codes and Shannon.
+
+    Args:
+        books: the set whose (kind, dtype) books are priced.
+        kind: which books.
+        dtype: torch dtype or short name.
+        counts: int64[nstreams, 256] counts (e.g. from :func:`stream_counts`).
+
+    Returns:
+        ``(fixed_bits, optimal_bits, entropy_bits)``: total bits under the fixed books,
+        under optimal Huffman codes built for these very counts (per stream, never worse
+        than raw), and the Shannon bound of the counts.
+
+    Raises:
+        ValueError: no book for this kind and dtype.
+    """
+    name = spec_for(dtype).name
+    fixed = optimal = entropy = 0.0
+    for s in range(counts.shape[0]):
+        c = counts[s]
+        total = float(c.sum())
+        if total == 0:
+            continue
+        fixed += float((c * books.get(kind, name, s).symbol_bits()).sum())
+        optimal += min(float((c * optimal_lengths(c)).sum()), 8.0 * total)
+        entropy += entropy_bits(c) * total
+    return fixed, optimal, entropy
+
+
 def coding_cost(tensor: torch.Tensor, books: CodebookSet, kind: str = "gradient",
                 chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> tuple[float, float, float]:
-    """Measure what a fixed book costs on a tensor against the tensor's own optimum.
+    """Measure what fixed books cost on a tensor against the tensor's own optimum.
 
     Zeros count as :func:`stream_counts` counts them (where the codec codes them), so
     the comparison is of the books alone.
@@ -285,22 +315,10 @@ def coding_cost(tensor: torch.Tensor, books: CodebookSet, kind: str = "gradient"
         chunk_elems: the codec's chunk size.
 
     Returns:
-        ``(fixed_bits, optimal_bits, entropy_bits)``: total bits under the fixed books,
-        under optimal Huffman codes built for this tensor's own histograms (per stream,
-        never worse than raw), and the Shannon bound of those histograms.
+        ``(fixed_bits, optimal_bits, entropy_bits)`` as :func:`book_cost`.
 
     Raises:
         TypeError: unsupported dtype. ValueError: no book for this kind and dtype.
     """
     counts, _ = stream_counts(tensor, chunk_elems)
-    spec = spec_for(tensor.dtype)
-    fixed = optimal = entropy = 0.0
-    for s in range(spec.nstreams):
-        c = counts[s]
-        total = float(c.sum())
-        if total == 0:
-            continue
-        fixed += float((c * books.get(kind, spec.name, s).symbol_bits()).sum())
-        optimal += min(float((c * optimal_lengths(c)).sum()), 8.0 * total)
-        entropy += entropy_bits(c) * total
-    return fixed, optimal, entropy
+    return book_cost(books, kind, tensor.dtype, counts)

@@ -13,8 +13,8 @@ gradients and activations:
 
 Observations are one flat bucket per step and kind — what the hook profiles and codes.
 
-All bit counts exclude exact zeros (the codec masks them; see coding_cost). Prints a
-table; ``--json`` writes the rows.
+Bit counts take exact zeros where the codec codes them inline (see stream_counts).
+Prints a table; ``--json`` writes the rows.
 
     python launch_scripts/bench_profiler.py [--steps 60] [--warmup 10] [--quick]
 """
@@ -29,7 +29,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 
 try:
@@ -37,9 +36,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from comm_codec.codebooks import CodebookSet
-from comm_codec.huffman import Codebook, entropy_bits, optimal_lengths
-from comm_codec.profiler import WarmupProfiler, stream_counts
+from comm_codec.profiler import WarmupProfiler, book_cost, stream_counts
 from comm_codec.tinylm import TinyLM, batches, load_corpus
 
 log = logging.getLogger("bench_profiler")
@@ -94,19 +91,6 @@ def build(steps_data, lo, hi, shared):
     return prof.build()
 
 
-def gaps(books: CodebookSet, counts: np.ndarray, kind: str, dtype: str):
-    fixed = opt = shannon = 0.0
-    for s in range(counts.shape[0]):
-        c = counts[s]
-        n = float(c.sum())
-        if not n:
-            continue
-        fixed += float((c * books.get(kind, dtype, s).symbol_bits()).sum())
-        opt += min(float((c * optimal_lengths(c)).sum()), 8 * n)
-        shannon += entropy_bits(c) * n
-    return fixed, opt, shannon
-
-
 def quality(args, corpus, rows):
     for dtype in (torch.bfloat16, torch.float32):
         name = "bf16" if dtype == torch.bfloat16 else "fp32"
@@ -121,7 +105,7 @@ def quality(args, corpus, rows):
                 counts = step_counts(data[step][kind])
                 for label, books, k in (("per-kind", per_kind, kind), ("shared", shared, "gradient"),
                                         ("refreshed", refreshed, kind)):
-                    fixed, opt, sh = gaps(books, counts, k, name)
+                    fixed, opt, sh = book_cost(books, k, name, counts)
                     rows.append({"dtype": name, "kind": kind, "books": label, "step": step,
                                  "vs_optimal": fixed / opt - 1, "vs_shannon": fixed / sh - 1})
 
@@ -178,7 +162,7 @@ def main(argv=None) -> int:
     overhead(args, corpus, o)
 
     print(f"Fixed books from steps 0..{args.warmup - 1}, applied to steps {args.warmup}..{args.steps - 1} "
-          "(TinyLM on stdlib text; zeros excluded)")
+          "(TinyLM on stdlib text)")
     print(f"{'dtype':<6}{'kind':<12}{'books':<11}{'mean vs per-step opt':>22}{'worst':>9}{'mean vs Shannon':>17}")
     summary = {}
     for dtype in ("bf16", "fp32"):
