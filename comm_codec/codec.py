@@ -30,6 +30,7 @@ from .codebooks import CodebookSet
 from .frame import FrameError
 from .huffman import Codebook
 from .kernels import cpu as _cpu
+from .kernels import torch_threads_kept
 from .streams import as_bits
 
 __all__ = ["Codec", "DEFAULT_CHUNK_ELEMS"]
@@ -255,14 +256,12 @@ class Codec:
 
     @contextlib.contextmanager
     def _threads(self):
-        if self.threads is None:
-            yield
-            return
-        # numba's thread count is per calling thread; restore it for the caller.
-        previous = numba.get_num_threads()
-        numba.set_num_threads(self.threads)
+        previous = numba.get_num_threads()  # per calling thread; restored for the caller
+        if self.threads is not None:
+            numba.set_num_threads(self.threads)
         try:
-            yield
+            with torch_threads_kept():
+                yield
         finally:
             numba.set_num_threads(previous)
 

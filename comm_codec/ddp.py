@@ -201,6 +201,13 @@ class HuffmanState:
         self._stats.__setstate__(state["stats"])
 
     # -- internal -----------------------------------------------------------------------
+    def _observe(self, tensor: torch.Tensor, kind: str) -> None:
+        """Profile a bucket as it will be coded: cast first when the cast applies."""
+        cast = _CASTS[self.cast]
+        if cast is not None and tensor.dtype == torch.float32:
+            tensor = tensor.to(cast)
+        self.profiler.observe(tensor, kind)
+
     def _group(self):
         """The group the worker thread talks on: a twin of process_group, its own.
 
@@ -309,12 +316,12 @@ def huffman_hook(state: "HuffmanState", bucket: dist.GradBucket) -> torch.future
     is_last = bucket.is_last()
     index = bucket.index()
     if state.warming_up:
-        state.profiler.observe(tensor, "gradient")
+        state._observe(tensor, "gradient")
         fut = _plain_all_reduce(state, bucket)
 
         def after(f, last=is_last):
             result = f.value()
-            state.profiler.observe(result, "reduced_gradient")
+            state._observe(result, "reduced_gradient")
             if last:
                 state._end_of_step()
             return result
@@ -337,11 +344,11 @@ def huffman_hook(state: "HuffmanState", bucket: dist.GradBucket) -> torch.future
                 state._measure_drift(tensor)
             refreshing = state._refresh_until is not None
             if refreshing:
-                state.profiler.observe(tensor, "gradient")
+                state._observe(tensor, "gradient")
             cast = _CASTS[state.cast] if tensor.dtype == torch.float32 else None
             collectives.all_reduce(tensor, state.codec, group, average=True, cast=cast, stats=state._stats)
             if refreshing:
-                state.profiler.observe(tensor, "reduced_gradient")
+                state._observe(tensor, "reduced_gradient")
         if is_last:
             state._end_of_step()
             state._maybe_swap_books()

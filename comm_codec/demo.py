@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import hashlib
 import logging
+import os
 import socket
 import sys
 import time
@@ -157,7 +158,7 @@ def train(config: TrainConfig, group=None) -> dict:
 
     params = sum(p.numel() for p in model.parameters())
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    # What one rank sends in a ring all-reduce of every gradient, as CommStats counts it.
+    # Bytes all ranks send per step in ring all-reduces of every gradient (CommStats's count).
     plain_step = 2 * (world - 1) / world * grad_bytes * world
     if main:
         _print_header(config, params, world, warmup)
@@ -224,8 +225,8 @@ def _same_parameters(model: torch.nn.Module, group) -> tuple[bool, str]:
 
 def _print_header(config: TrainConfig, params: int, world: int, warmup: int) -> None:
     cast = ", cast to bf16 for the wire (lossy)" if config.cast and config.dtype == "fp32" else ""
-    print(f"comm_codec demo: TinyLM ({params / 1e3:.0f}K parameters, {config.dtype}) on {world} processes "
-          f"(gloo, 127.0.0.1), {config.batch} x 128 bytes of Python stdlib source per rank and step")
+    print(f"comm_codec: TinyLM ({params / 1e3:.0f}K parameters, {config.dtype}) on {world} processes "
+          f"({dist.get_backend()}), {config.batch} x 128 bytes of Python stdlib source per rank and step")
     if config.codebooks:
         print(f"gradients: DDP + huffman_hook, coded from step 1 with the books in {config.codebooks}{cast}")
     else:
@@ -285,6 +286,12 @@ def _cmd_demo(args) -> int:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     config = TrainConfig.from_args(args)
     port = args.port or _free_port()
+    # The workers inherit these. numba's OpenMP layer sets the OpenMP thread count of the
+    # thread that first runs a parallel kernel to NUMBA_NUM_THREADS (default: all cores),
+    # overriding torch.set_num_threads: keep both at the per-process budget so that the
+    # ranks do not oversubscribe the cores.
+    for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ.setdefault(var, str(config.threads))
     # Workers are quiet unless -v: their INFO lines would break the table.
     level = logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING
     try:

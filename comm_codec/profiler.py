@@ -26,6 +26,7 @@ from .codebooks import CodebookSet, check_kind
 from .codec import DEFAULT_CHUNK_ELEMS
 from .huffman import Codebook, entropy_bits, optimal_lengths
 from .kernels import cpu as _cpu
+from .kernels import torch_threads_kept
 from .streams import as_bits, spec_for
 
 __all__ = ["WarmupProfiler", "check_same_books", "stream_counts", "coding_cost", "book_cost"]
@@ -54,7 +55,8 @@ def stream_counts(tensor: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS) 
     counts = np.zeros((spec.nstreams, 256), dtype=np.int64)
     zeros = 0
     if bits.size:
-        zeros = int(_cpu.stream_histograms(bits, chunk_elems, spec.exp_shift, counts))
+        with torch_threads_kept():
+            zeros = int(_cpu.stream_histograms(bits, chunk_elems, spec.exp_shift, counts))
     return counts, zeros
 
 

@@ -369,3 +369,18 @@ def test_max_output_bytes_refuses_large_frames(codec):
     with pytest.raises(cc.FrameError, match=r"decodes to 262144 bytes, more than max_output_bytes=1000"):
         codec.decode(f, max_output_bytes=1000)
     bits_equal(codec.decode(f, max_output_bytes=1 << 18), x)
+
+
+def test_kernels_leave_torch_thread_count_alone(codec):
+    from comm_codec.profiler import stream_counts
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(100000, dtype=torch.bfloat16)
+        codec.decode(codec.encode(x))
+        cc.Codec(threads=1).decode(cc.Codec(threads=1).encode(x))
+        stream_counts(x)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -267,6 +267,13 @@ def test_cast_bf16_equals_bf16_rounded_rank_order_average(world):
     _check_exact_report(results, 4, 0)
 
 
+def test_cast_bf16_with_online_warmup_builds_bf16_books():
+    """Regression: warmup profiled only the fp32 buckets, so no bf16 book existed for the
+    cast shards and the first compressed step failed ("no book for bf16 stream 0")."""
+    results = dist_utils.run(_w_exact, 2, "fp32", 4, 2, cast="bf16", ddp_kw={"bucket_cap_mb": 0.02})
+    _check_exact_report(results, 4, 2)
+
+
 # ----------------------------------------------------------------------------------------
 # 2, 4, 8. Training: matches plain DDP; cast=bf16 stays close; stats
 # ----------------------------------------------------------------------------------------
