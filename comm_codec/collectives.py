@@ -43,6 +43,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _ACC_DTYPE = {torch.float32: torch.float32, torch.bfloat16: torch.float32, torch.float16: torch.float32}
+# Pipelining: at most this many pieces, each at least this many elements per rank.
+_PIECES = 4
+_MIN_PIECE = 1 << 18
 
 
 class CollectiveError(RuntimeError):
@@ -96,79 +99,126 @@ def _decode(codec: Codec, frame: torch.Tensor, numel: int, dtype, stats: CommSta
     if out is not None:
         out.copy_(result)
         return out
-    return result if result.dtype == dtype else result.to(dtype)
+    return result if dtype is None or result.dtype == dtype else result.to(dtype)
 
 
-def _exchange_frames(frames: list[torch.Tensor], group) -> list[torch.Tensor]:
-    """Send frames[r] to rank r (uneven all_to_all_single); return the frames received."""
-    world = len(frames)
-    send_sizes = torch.tensor([f.numel() for f in frames], dtype=torch.int64)
-    recv_sizes = torch.empty(world, dtype=torch.int64)
-    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
-    send = torch.cat(frames)
-    recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
-    dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes.tolist(),
-                           input_split_sizes=send_sizes.tolist(), group=group)
-    return list(torch.split(recv, recv_sizes.tolist()))
+class _Exchange:
+    """Phase 1 in flight: shards sent to their owners with an async all_to_all_single."""
+
+    __slots__ = ("work", "recv", "recv_sizes", "send", "bounds")
+
+    def __init__(self, frames: list[torch.Tensor], bounds, group):
+        world = len(frames)
+        send_sizes = torch.tensor([f.numel() for f in frames], dtype=torch.int64)
+        self.recv_sizes = torch.empty(world, dtype=torch.int64)
+        dist.all_to_all_single(self.recv_sizes, send_sizes, group=group)
+        self.send = torch.cat(frames)  # kept alive until the exchange completes
+        self.recv = torch.empty(int(self.recv_sizes.sum()), dtype=torch.uint8)
+        self.work = dist.all_to_all_single(self.recv, self.send, output_split_sizes=self.recv_sizes.tolist(),
+                                           input_split_sizes=send_sizes.tolist(), group=group, async_op=True)
+        self.bounds = bounds
+
+    def frames(self) -> list[torch.Tensor]:
+        self.work.wait()
+        return list(torch.split(self.recv, self.recv_sizes.tolist()))
 
 
-def _gather_frames(frame: torch.Tensor, group, error: str | None) -> tuple[list[torch.Tensor], int]:
-    """All-gather one variable-size frame per rank (padded); return frames and padded size.
-
-    A rank with an error sends size -1, and every rank raises before the data exchange.
-    """
-    world = dist.get_world_size(group)
-    size = torch.tensor([-1 if error else frame.numel()], dtype=torch.int64)
-    sizes = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    sizes = [int(s) for s in sizes]
-    if min(sizes) < 0:
-        messages = [None] * world
-        dist.all_gather_object(messages, error, group=group)
-        failed = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m)
-        raise CollectiveError(f"compressed collective failed: {failed}")
-    longest = max(sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: frame.numel()] = frame
-    gathered = torch.empty(world * longest, dtype=torch.uint8)
-    dist.all_gather(list(gathered.view(world, longest)), padded, group=group)
-    return [gathered[r * longest: r * longest + sizes[r]] for r in range(world)], longest
-
-
-def _reduce_owned(tensor, bounds, codec, group, kind, cast, average, stats, rank, world):
-    """Phase 1: exchange shards; return (this rank's reduced shard, error message)."""
+def _start_exchange(tensor, bounds, codec, group, kind, cast, stats, rank) -> _Exchange:
+    """Encode the shards this rank does not own and start sending them to their owners."""
     frames = []
     for r, (lo, hi) in enumerate(bounds):
         if r == rank:
             frames.append(torch.empty(0, dtype=torch.uint8))  # own shard never travels
         else:
             frames.append(_encode(codec, tensor[lo:hi], kind, cast, stats))
-    received = _exchange_frames(frames, group)
     lo, hi = bounds[rank]
-    sent = sum(f.numel() for f in frames)
-    stats.add(bytes_in=(tensor.numel() - (hi - lo)) * tensor.element_size(), bytes_out=sent + 16 * world)
+    stats.add(bytes_in=(tensor.numel() - (hi - lo)) * tensor.element_size(),
+              bytes_out=sum(f.numel() for f in frames) + 16 * len(bounds))
+    return _Exchange(frames, bounds, group)
+
+
+def _finish_reduce(exchange: _Exchange, tensor, codec, cast, average, stats, rank, world):
+    """Phase 1 done: decode the shards received and sum them in rank order.
+
+    Returns:
+        ``(reduced shard in the coded dtype, None)`` or ``(None, error message)``.
+    """
+    received = exchange.frames()
+    lo, hi = exchange.bounds[rank]
     acc_dtype = _ACC_DTYPE.get(tensor.dtype, tensor.dtype)
     acc = None
-    error = None
     try:
         for r in range(world):
-            part = tensor[lo:hi] if r == rank else _decode(codec, received[r], hi - lo, acc_dtype, stats)
-            if cast is not None and r == rank:
-                part = part.to(cast)  # every rank's contribution went through the cast
-            part = part.to(acc_dtype)
-            acc = part.clone() if acc is None else acc.add_(part)
+            if r == rank:
+                part = tensor[lo:hi]
+                if cast is not None:
+                    part = part.to(cast)  # every rank's contribution went through the cast
+            else:
+                part = _decode(codec, received[r], hi - lo, None, stats)
+            if acc is None:
+                acc = part.to(acc_dtype, copy=True)
+            else:
+                acc.add_(part)  # in acc_dtype (float32): bf16/fp16 parts are widened exactly
         if average:
             acc.div_(world)
     except (FrameError, ValueError, TypeError) as exc:
-        error = f"shard {rank} from rank {r}: {exc}"
-    reduced = None if error else acc.to(cast if cast is not None else tensor.dtype)
-    return reduced, error
+        return None, f"shard {rank} from rank {r}: {exc}"
+    return acc.to(cast if cast is not None else tensor.dtype), None
+
+
+class _Gather:
+    """Phase 2 in flight: every owner's reduced frame, padded, in an async all_gather."""
+
+    __slots__ = ("work", "gathered", "sizes", "longest")
+
+    def __init__(self, frame: torch.Tensor, group, error: str | None):
+        world = dist.get_world_size(group)
+        size = torch.tensor([-1 if error else frame.numel()], dtype=torch.int64)
+        sizes = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(sizes, size, group=group)
+        self.sizes = [int(x) for x in sizes]
+        if min(self.sizes) < 0:  # some rank failed phase 1: every rank raises here
+            messages = [None] * world
+            dist.all_gather_object(messages, error, group=group)
+            failed = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m)
+            raise CollectiveError(f"compressed collective failed: {failed}")
+        self.longest = max(self.sizes)
+        padded = torch.empty(self.longest, dtype=torch.uint8)
+        padded[: frame.numel()] = frame
+        padded[frame.numel():] = 0
+        self.gathered = torch.empty(world * self.longest, dtype=torch.uint8)
+        self.work = dist.all_gather(list(self.gathered.view(world, self.longest)), padded, group=group,
+                                    async_op=True)
+
+    def frames(self) -> list[torch.Tensor]:
+        self.work.wait()
+        n = self.longest
+        return [self.gathered[r * n: r * n + size] for r, size in enumerate(self.sizes)]
+
+
+def _gather_frames(frame: torch.Tensor, group, error: str | None) -> tuple[list[torch.Tensor], int]:
+    """All-gather one variable-size frame per rank (padded); return frames and padded size."""
+    gather = _Gather(frame, group, error)
+    return gather.frames(), gather.longest
+
+
+def _pieces(numel: int, world: int) -> list[tuple[int, int]]:
+    """Split a buffer into up to _PIECES pieces of at least _MIN_PIECE elements per rank.
+
+    Pieces pipeline the two phases: piece p+1 is coded while piece p is on the wire.
+    """
+    count = max(1, min(_PIECES, numel // (_MIN_PIECE * world)))
+    return [(k * numel // count, (k + 1) * numel // count) for k in range(count)]
 
 
 def all_reduce(tensor: torch.Tensor, codec: Codec | None = None, group=None, *, average: bool = False,
                kind: str = "gradient", reduced_kind: str = "reduced_gradient", cast=None,
                stats: CommStats | None = None) -> torch.Tensor:
     """Sum (or average) a tensor across ranks, in place, sending Huffman-coded frames.
+
+    Large tensors go in up to four pieces whose phases overlap: while one piece's
+    frames are on the wire, the next is encoded and the previous decoded, so the link
+    does not idle while ranks compute.
 
     Args:
         tensor: a contiguous CPU tensor of a float dtype the codec supports; overwritten
@@ -200,24 +250,45 @@ def all_reduce(tensor: torch.Tensor, codec: Codec | None = None, group=None, *, 
             flat.copy_(flat.to(cast))
         return tensor
     with stats.timer("comm_seconds"):
-        bounds = _shard_bounds(flat.numel(), world)
-        reduced, error = _reduce_owned(flat, bounds, codec, group, kind, cast, average, stats, rank, world)
-        frame = torch.empty(0, dtype=torch.uint8) if error else _encode(codec, reduced, reduced_kind, None, stats)
-        frames, longest = _gather_frames(frame, group, error)
-        lo, hi = bounds[rank]
-        stats.add(bytes_in=(world - 1) * (hi - lo) * flat.element_size(),
-                  bytes_out=(world - 1) * longest + 8 * world, calls=1)
+        pieces = [flat[a:b] for a, b in _pieces(flat.numel(), world)]
+        bounds = [_shard_bounds(p.numel(), world) for p in pieces]
+        start = lambda k: _start_exchange(pieces[k], bounds[k], codec, group, kind, cast, stats, rank)  # noqa: E731
+        exchanges = {0: start(0)}
+        gathers = {}
+        reduced = {}
         error = None
-        try:
-            for r, (a, b) in enumerate(bounds):
-                if r == rank:
-                    flat[a:b].copy_(reduced)
-                else:
-                    _decode(codec, frames[r], b - a, flat.dtype, stats, out=flat[a:b])
-        except (FrameError, ValueError, TypeError) as exc:
-            error = f"reduced shard from rank {r}: {exc}"
+        for k in range(len(pieces) + 1):
+            if k + 1 < len(pieces):
+                exchanges[k + 1] = start(k + 1)  # coded while piece k is on the wire
+            if k < len(pieces):
+                reduced[k], failed = _finish_reduce(exchanges.pop(k), pieces[k], codec, cast, average, stats,
+                                                    rank, world)
+                frame = torch.empty(0, dtype=torch.uint8) if failed else _encode(codec, reduced[k], reduced_kind,
+                                                                                  None, stats)
+                gathers[k] = _Gather(frame, group, failed)
+                lo, hi = bounds[k][rank]
+                stats.add(bytes_in=(world - 1) * (hi - lo) * flat.element_size(),
+                          bytes_out=(world - 1) * gathers[k].longest + 8 * world)
+            if k >= 1:  # decoded while piece k is gathered
+                error = error or _finish_gather(gathers.pop(k - 1), pieces[k - 1], bounds[k - 1],
+                                                reduced.pop(k - 1), codec, stats, rank)
+        stats.add(calls=1)
         _agree_on_errors(error, group)
     return tensor
+
+
+def _finish_gather(gather: _Gather, piece, bounds, reduced, codec, stats, rank) -> str | None:
+    """Phase 2 done: decode every owner's reduced shard into place; return an error or None."""
+    frames = gather.frames()
+    try:
+        for r, (a, b) in enumerate(bounds):
+            if r == rank:
+                piece[a:b].copy_(reduced)
+            else:
+                _decode(codec, frames[r], b - a, piece.dtype, stats, out=piece[a:b])
+    except (FrameError, ValueError, TypeError) as exc:
+        return f"reduced shard from rank {r}: {exc}"
+    return None
 
 
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], codec: Codec | None = None,
@@ -251,7 +322,8 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], codec: 
     flat = torch.cat([t.reshape(-1) for t in input_list])
     bounds = [(r * n, (r + 1) * n) for r in range(world)]
     with stats.timer("comm_seconds"):
-        reduced, error = _reduce_owned(flat, bounds, codec, group, kind, cast, average, stats, rank, world)
+        exchange = _start_exchange(flat, bounds, codec, group, kind, cast, stats, rank)
+        reduced, error = _finish_reduce(exchange, flat, codec, cast, average, stats, rank, world)
         _agree_on_errors(error, group)
         out.copy_(reduced)
         stats.add(calls=1)

@@ -30,7 +30,8 @@ ALL_DTYPES = dict(FLOATS, fp8_e4m3=torch.float8_e4m3fn, fp8_e5m2=torch.float8_e5
 # Helpers (run inside the ranks)
 # ----------------------------------------------------------------------------------------
 def _sizes(world):
-    return [0, 1, world - 1, 1000, 100003]
+    # The last size spans several pipelined pieces (collectives._PIECES / _MIN_PIECE).
+    return [0, 1, world - 1, 1000, 100003, 3 * world * (1 << 18) + 5]
 
 
 def _float_input(rank, n, dtype, salt=0):
@@ -117,13 +118,17 @@ def test_all_reduce_bit_exact_rank_order(world, dtype_name, average):
     itemsize = FLOATS[dtype_name].itemsize
     for i, n in enumerate(_sizes(world)):
         assert len({r[i]["digest"] for r in results}) == 1, f"n={n}: ranks disagree"
-        shards = _shard_sizes(n, world)
         for rank, r in enumerate(results):
             s = r[i]["stats"]
             assert s["calls"] == 1
             # What a plain all-reduce would send from this rank: the other ranks' shards
-            # in phase 1, this rank's reduced shard to every other rank in phase 2.
-            assert s["bytes_in"] == (n - shards[rank] + (world - 1) * shards[rank]) * itemsize
+            # in phase 1, this rank's reduced shard to every other rank in phase 2 — per
+            # pipelined piece (large buffers go in pieces, each sharded over the ranks).
+            expected = 0
+            for a, b in collectives._pieces(n, world):
+                shards = _shard_sizes(b - a, world)
+                expected += (b - a - shards[rank] + (world - 1) * shards[rank]) * itemsize
+            assert s["bytes_in"] == expected
             assert s["bytes_out"] > 0
             if n >= 1000:
                 assert s["encode_seconds"] > 0 and s["decode_seconds"] > 0
@@ -396,19 +401,19 @@ def _w_errors(rank, world):
     codec = cc.Codec()
 
     # (1) Phase 1: rank 1 receives a corrupted shard from rank 0.
-    real_exchange = collectives._exchange_frames
+    real_frames = collectives._Exchange.frames
 
-    def bad_exchange(frames, group):
-        received = real_exchange(frames, group)
+    def bad_frames(self):
+        received = real_frames(self)
         received[0] = _flip_payload_byte(received[0])
         return received
 
     if rank == 1:
-        collectives._exchange_frames = bad_exchange
+        collectives._Exchange.frames = bad_frames
     try:
         out["phase1"] = _catch(lambda: collectives.all_reduce(_float_input(rank, n, torch.bfloat16), codec))
     finally:
-        collectives._exchange_frames = real_exchange
+        collectives._Exchange.frames = real_frames
 
     # (2) Phase 2: rank 0's reduced shard is corrupted after encoding.
     bad = cc.Codec()
