@@ -19,11 +19,15 @@ log = logging.getLogger("comm_codec")
 
 
 def _cmd_inspect(args) -> int:
-    """Print what a frame file's header says."""
+    """Print what a frame file's header says, or list a compressed checkpoint."""
     import numpy as np
 
+    from . import checkpoint
     from .frame import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, get_frame_parameters
 
+    if checkpoint.is_checkpoint(args.file):
+        print(checkpoint.describe(args.file))
+        return 0
     data = np.fromfile(args.file, dtype=np.uint8)
     p = get_frame_parameters(data)
     raw = p.numel * p.spec.itemsize
@@ -56,7 +60,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("inspect", help="show the header of a frame file")
+    p = sub.add_parser("inspect", help="show the header of a frame file, or list a compressed checkpoint")
     p.add_argument("file")
     p.set_defaults(func=_cmd_inspect)
 
@@ -109,10 +113,15 @@ def main(argv=None) -> int:
 
     try:
         return int(args.func(args) or 0)
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
-        print(f"comm-codec: error: {exc.strerror}: {exc.filename}", file=sys.stderr)
+    except BrokenPipeError:
+        # The reader went away (e.g. `comm-codec ls FILE | head`): not an error of ours.
+        sys.stdout = None
+        return 0
     except (FrameError, CodebookError, ValueError, TypeError) as exc:
         print(f"comm-codec: error: {exc}", file=sys.stderr)
+    except OSError as exc:
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"comm-codec: error: {exc.strerror or exc}{where}", file=sys.stderr)
     except KeyboardInterrupt:
         print("comm-codec: interrupted", file=sys.stderr)
         return 130

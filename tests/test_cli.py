@@ -99,3 +99,20 @@ def test_profile_entry_with_holdout(tmp_path):
 def test_profile_errors(args, message):
     r = run(*args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_inspect_lists_a_compressed_checkpoint_and_survives_a_closed_pipe(tmp_path):
+    from safetensors.torch import save_file
+
+    from comm_codec import checkpoint
+
+    src, dst = tmp_path / "w.safetensors", tmp_path / "w.cckp"
+    save_file({f"layer{i}.weight": torch.randn(64, 64) * 0.02 for i in range(40)}, str(src))
+    checkpoint.compress_file(str(src), str(dst))
+    r = run("inspect", str(dst))
+    assert r.returncode == 0, r.stderr
+    assert "layer0.weight" in r.stdout and "layer39.weight" in r.stdout
+    # A reader that stops early (| head) must not produce a traceback.
+    p = subprocess.run(f"{sys.executable} -m comm_codec inspect {dst} | head -1", shell=True, cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in p.stderr and p.stdout.count("\n") == 1

@@ -1,0 +1,1184 @@
+"""Offline checkpoint compression: any checkpoint file in, the same bytes back out.
+
+:func:`compress_file` finds the tensors inside a safetensors file or a ``torch.save`` zip
+*without unpickling anything* and codes each one with :class:`~comm_codec.Codec`; every
+other byte (headers, pickles, zip directories, tensors of dtypes the codec cannot code,
+files of unknown format) is coded with zstd. :func:`decompress_file` writes the original
+file back, byte for byte, and checks its sha256 before the output appears. ``base=``
+codes each tensor as the XOR of its bit pattern with the same-named tensor of a previous
+checkpoint (the *original* file), which is cheap when training changed few bits.
+
+Example::
+
+    >>> from comm_codec import checkpoint
+    >>> s = checkpoint.compress_file("weights_bf16.safetensors", "w.cckp")      # doctest: +SKIP
+    >>> print(s.line())                                                        # doctest: +SKIP
+    compressed 6.65 MB -> 4.41 MB (ratio 1.509) in 0.03 s, 0.260 GB/s
+    >>> checkpoint.compress_file("step1100.safetensors", "step1100.cckp",
+    ...                          base="step1000.safetensors")                  # doctest: +SKIP
+
+Container format, version 1 (all integers little-endian)::
+
+    header    magic 8 bytes b"\\x89CCKP\\r\\n\\x1a" | version u16 | flags u16 (0) | 0 u32
+    segments  the coded source bytes, in source order, each padded with zeros to 8 bytes
+    index     zstd-compressed UTF-8 JSON (below)
+    trailer   index offset u64 | index length u64 | index CRC-32 u32 | version u16 |
+              flags u16 (bit 0: index is zstd-compressed) | magic 8 bytes     (32 bytes)
+
+The magic differs from a frame's (``CCFR``) and from the one reserved for a future
+*lossy* container (:data:`LOSSY_MAGIC`), so no reader can take a lossy file for an exact
+one. The index (``"format": "comm_codec.checkpoint"``)::
+
+    source    {name, size, sha256, format: "safetensors" | "torch_zip" | "generic"}
+    base      null, or {name, size, sha256} of the file deltas were taken against
+    books     {id: {origin, book}}: every codebook a frame uses, per-tensor and shipped
+              alike (a file never depends on the installed default books)
+    tensors   [{name, dtype, shape, offset, nbytes, kind, coding: "frame" | "opaque",
+                transform: "none" | "xor", base_offset, books: [id per stream], chunk_elems}]
+    segments  [[src_offset, src_length, offset, length, method, crc32, tensor], ...]
+
+Segments cover the source exactly, in order. ``method`` is ``"frame"`` (one
+:meth:`Codec.encode` frame of the tensor's elements src_offset..src_offset+src_length,
+after the tensor's transform, in chunks of the tensor's ``chunk_elems``; frames carry a
+CRC-32 header and a checksum per chunk), ``"zstd"`` (level 3) or ``"stored"``;
+``crc32`` (CRC-32 of the coded bytes) is set for the last two. Big tensors are cut into
+pieces of about :data:`PIECE_BYTES` so memory stays bounded and pieces code in parallel.
+Every byte of the container is checked on the way back: header fields, segment layout
+and zero padding, CRCs, frame checksums, and the sha256 of the restored file.
+
+How a tensor is coded is decided from a sample of its chunks (:func:`_plan_tensor`), by
+expected coded bits: per stream, a book built for the tensor (stored in the index, or
+one built for an earlier tensor that fits as well), the shipped book of its kind, or raw;
+chunks of 64 Ki or 256 Ki elements; with a base, XOR or not. Tensors under 4 kB stay
+with the zstd-coded bytes around them.
+
+A transform maps a tensor's bit pattern to what is coded and back (:data:`_TRANSFORMS`):
+``"none"``, and ``"xor"`` with the base tensor. The planned lossy ExCP-style mode
+(pruned residuals, non-uniform quantization; Li et al., 2024) plugs in there as a new
+transform, written under :data:`LOSSY_MAGIC`.
+
+Untrusted input: nothing read from a source, base or compressed file is ever unpickled
+(torch pickles are scanned opcode by opcode, :func:`_scan_torch_pickle`); codebooks and
+metadata are JSON; every length and offset is checked before use; a failure raises
+:class:`CheckpointError` and leaves no output file behind.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+import math
+import mmap
+import os
+import struct
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import numba
+import numpy as np
+import torch
+import zstandard
+
+from .codebooks import CodebookSet
+from .codec import Codec
+from .frame import FrameError
+from .huffman import RAW_THRESHOLD_BITS, Codebook, CodebookError, entropy_bits
+from .profiler import stream_counts
+from .checkpoint_formats import _CODABLE, _Tensor, _find_tensors, _int
+from .streams import spec_for
+
+__all__ = [
+    "CheckpointError",
+    "Summary",
+    "compress_file",
+    "decompress_file",
+    "verify_file",
+    "read_index",
+    "describe",
+    "is_checkpoint",
+    "save",
+    "load",
+    "MAGIC",
+    "LOSSY_MAGIC",
+    "VERSION",
+    "PIECE_BYTES",
+]
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"\x89CCKP\r\n\x1a"
+LOSSY_MAGIC = b"\x89CCKL\r\n\x1a"  # reserved for the lossy container; never read as exact
+VERSION = 1
+PIECE_BYTES = 4 << 20
+_HEADER = struct.Struct("<8sHHI")
+_TRAILER = struct.Struct("<QQIHH8s")
+_FLAG_INDEX_ZSTD = 0x1
+_INDEX_FORMAT = "comm_codec.checkpoint"
+_ZSTD_LEVEL = 3
+# Tensors smaller than this are left to zstd with the bytes around them: a frame's header
+# and a codebook cost more than coding saves.
+_MIN_CODED_BYTES = 4096
+# What storing one per-tensor book costs in the (zstd-compressed) index, in bits.
+_BOOK_COST_BITS = 160 * 8
+# A per-tensor book built earlier is reused when it costs at most this many bits per
+# symbol more (relative to the entropy) than on the tensor it was built for.
+_REUSE_SLACK_BITS = 0.01
+# Chunk sizes a tensor may be coded with. Offline, chunks can be larger than on the wire
+# (Codec's default): each chunk codes its exponents relative to its own reference, which
+# tracks scale changes inside a tensor (Adam moments gain) but, on a homogeneous tensor,
+# only adds noise to what one per-tensor book must fit (weights lose ~0.04 bit/element
+# with 64 Ki chunks). Each tensor gets whichever its sample says is smaller.
+_CHUNKS = (1 << 16, 1 << 18)
+# Per-chunk bytes beyond the streams: table entry, lane lengths, lane padding (about).
+_CHUNK_OVERHEAD_BYTES = 48
+# Book choice looks at about this many elements of a tensor (whole chunks, spread out).
+_SAMPLE_ELEMS = 1 << 18
+_MAX_INDEX_BYTES = 1 << 30
+_INT_NP = {1: np.uint8, 2: np.int16, 4: np.int32}
+_METHODS = ("frame", "zstd", "stored")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be compressed or restored: corrupt, wrong base, unwritable."""
+
+
+# -- results --------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Summary:
+    """What one compress, decompress or verify call did.
+
+    Attributes:
+        op: "compress", "decompress" or "verify".
+        original_bytes: size of the uncompressed checkpoint.
+        compressed_bytes: size of the compressed file.
+        seconds: wall time of the call.
+        threads: worker threads used.
+        format: the source's format ("safetensors", "torch_zip", "generic").
+        tensors: tensors found; coded: those coded with frames; delta: those XOR-coded.
+        sha256: the original checkpoint's sha256 (None when verify could not check it).
+    """
+
+    op: str
+    original_bytes: int
+    compressed_bytes: int
+    seconds: float
+    threads: int
+    format: str
+    tensors: int = 0
+    coded: int = 0
+    delta: int = 0
+    sha256: str | None = None
+
+    @property
+    def ratio(self) -> float:
+        return self.original_bytes / max(1, self.compressed_bytes)
+
+    @property
+    def gbps(self) -> float:
+        """Throughput in GB/s (1e9 bytes/s) of uncompressed bytes."""
+        return self.original_bytes / max(self.seconds, 1e-9) / 1e9
+
+    def line(self) -> str:
+        """Return the one-line summary the command line prints."""
+        a, b = _human(self.original_bytes), _human(self.compressed_bytes)
+        what = {"compress": f"compressed {a} -> {b}", "decompress": f"decompressed {b} -> {a}",
+                "verify": f"verified {b} ({a} original{', sha256 ok' if self.sha256 else ', sha256 NOT checked'})"}
+        return (f"{what[self.op]} (ratio {self.ratio:.3f}) in {self.seconds:.2f} s, "
+                f"{self.gbps:.3f} GB/s")
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
+
+
+# -- files ----------------------------------------------------------------------------------
+class _Map:
+    """A read-only view of a whole file: a private mmap (never written), or nothing if empty.
+
+    Pages a caller is done with are handed back (``release``), so resident memory stays
+    bounded by the pieces in flight, not the file size.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(path, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            self.size, self.stamp = st.st_size, (st.st_size, st.st_mtime_ns, st.st_ino)
+            # ACCESS_COPY: a private mapping, so views are writable numpy arrays (no
+            # read-only kernel specializations) while the file itself can never change.
+            self.mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if self.size else None
+        self._released = 0
+
+    def u8(self, offset: int, length: int) -> np.ndarray:
+        """Return bytes offset..offset+length as a uint8 array (no copy)."""
+        if length == 0:
+            return np.zeros(0, dtype=np.uint8)
+        return np.frombuffer(self.mm, dtype=np.uint8, count=length, offset=offset)
+
+    def release(self, start: int, end: int) -> None:
+        """Drop the resident pages that lie wholly inside start..end."""
+        if self.mm is None:
+            return
+        page = mmap.PAGESIZE
+        lo, hi = -(-start // page) * page, (end // page) * page
+        if hi > lo:
+            self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+    def release_upto(self, end: int) -> None:
+        """Release every page before ``end`` (callers move forward through the file)."""
+        if end > self._released:
+            self.release(self._released - self._released % mmap.PAGESIZE, end)
+            self._released = end
+
+    def unchanged(self) -> bool:
+        """Whether the file still has the size, mtime and inode it had when mapped."""
+        st = os.stat(self.path)
+        return (st.st_size, st.st_mtime_ns, st.st_ino) == self.stamp
+
+    def close(self) -> None:
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:  # a view is still alive (an exception unwinding); GC closes it
+                pass
+
+
+def _sha256_file(m: _Map) -> str:
+    h = hashlib.sha256()
+    for start in range(0, m.size, PIECE_BYTES):
+        end = min(m.size, start + PIECE_BYTES)
+        h.update(m.u8(start, end - start))
+        m.release(start, end)
+    return h.hexdigest()
+
+
+class _AtomicFile:
+    """Write a file under a temporary name; it appears at ``path`` only on :meth:`commit`."""
+
+    def __init__(self, path: str):
+        self.path = path
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(2, "No such directory", folder)
+        fd, self.tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+        os.fchmod(fd, 0o666 & ~_umask())
+        self.fh = os.fdopen(fd, "wb", buffering=1 << 20)
+        self.pos = 0
+
+    def write(self, data) -> None:
+        try:
+            self.fh.write(data)
+        except OSError as exc:
+            raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
+        self.pos += memoryview(data).nbytes
+
+    def reserve(self, size: int) -> None:
+        """Allocate the file's final size up front: a full disk fails now, not half way."""
+        try:
+            self.fh.flush()
+            if size:
+                os.posix_fallocate(self.fh.fileno(), 0, size)
+        except OSError as exc:
+            raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
+
+    def pwrite(self, data, offset: int) -> None:
+        """Write data at offset (thread-safe; for callers that never use :meth:`write`)."""
+        view = memoryview(data).cast("B")
+        try:
+            while view.nbytes:
+                n = os.pwrite(self.fh.fileno(), view, offset)
+                view, offset = view[n:], offset + n
+        except OSError as exc:
+            raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
+
+    def pad8(self) -> None:
+        if self.pos % 8:
+            self.write(b"\0" * (8 - self.pos % 8))
+
+    def commit(self) -> None:
+        try:
+            self.fh.flush()
+            os.fsync(self.fh.fileno())
+            self.fh.close()
+            os.replace(self.tmp, self.path)
+        except OSError as exc:
+            raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
+        with contextlib.suppress(OSError):
+            dfd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self.fh.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.tmp)
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (os.umask would, for every thread)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    return 0o022
+
+
+@contextlib.contextmanager
+def _atomic_output(path: str):
+    out = _AtomicFile(path)
+    try:
+        yield out
+    finally:
+        if os.path.exists(out.tmp):  # not committed: an exception is unwinding
+            out.abort()
+
+
+def _check_paths(src: str, dst: str, base: str | None) -> None:
+    if os.path.isdir(dst):
+        raise IsADirectoryError(21, "Is a directory", dst)
+    for other, what in ((src, "source"), (base, "base")):
+        if other is not None and os.path.exists(dst) and os.path.samefile(other, dst):
+            raise CheckpointError(f"output {dst} is the {what} file; choose another output path "
+                                  "(the input is never modified)")
+
+
+# -- coding tensors -------------------------------------------------------------------------
+def _as_tensor(u8: np.ndarray, spec) -> torch.Tensor:
+    """View (or copy, when misaligned) bytes as a 1-D tensor of spec's dtype."""
+    if u8.ctypes.data % spec.itemsize:
+        u8 = u8.copy()
+    return torch.from_numpy(u8.view(_INT_NP[spec.itemsize])).view(spec.dtype)
+
+
+def _xor(a: np.ndarray, b: np.ndarray, spec) -> np.ndarray:
+    ints = _INT_NP[spec.itemsize]
+    a = a if a.ctypes.data % spec.itemsize == 0 else a.copy()
+    b = b if b.ctypes.data % spec.itemsize == 0 else b.copy()
+    return np.bitwise_xor(a.view(ints), b.view(ints)).view(np.uint8)
+
+
+class _Transform:
+    """How a tensor's bits become what is coded (forward) and back (inverse).
+
+    The seam for the lossy ExCP-style mode: a transform that prunes residuals and
+    quantizes them would be one more subclass (and a container of its own magic).
+    """
+
+    name = "none"
+
+    def forward(self, src: np.ndarray, base: np.ndarray | None, spec) -> np.ndarray:
+        return src
+
+    def inverse(self, coded: np.ndarray, base: np.ndarray | None, spec) -> np.ndarray:
+        return coded
+
+
+class _XorTransform(_Transform):
+    """XOR with the base tensor's bits: unchanged bits become zeros (Hershcovitch et al.,
+    ZipNN delta compression, 2024); exact repeats become zero elements the codec masks."""
+
+    name = "xor"
+
+    def forward(self, src, base, spec):
+        return _xor(src, base, spec)
+
+    def inverse(self, coded, base, spec):
+        ints = _INT_NP[spec.itemsize]
+        np.bitwise_xor(coded.view(ints), base.view(ints) if base.ctypes.data % spec.itemsize == 0
+                       else base.copy().view(ints), out=coded.view(ints))
+        return coded
+
+
+_TRANSFORMS = {t.name: t for t in (_Transform(), _XorTransform())}
+
+
+class _BookChooser:
+    """Pick each stream's book: the tensor's own, the shipped one, or raw, by expected bits."""
+
+    def __init__(self, shipped: CodebookSet):
+        self.shipped = shipped
+        self.chunk_elems = _CHUNKS[0]  # the sampling unit
+        self.books: dict[str, dict] = {}  # id -> {"origin", "book"} for the index
+        self._codecs: dict = {}
+        self._built: dict = {}  # (dtype, stream) -> books built for earlier tensors
+        self._lock = threading.Lock()
+
+    def sample(self, u8: np.ndarray, spec) -> tuple[np.ndarray, float]:
+        """Return whole chunks spread evenly over a tensor's bytes, and the scale to all.
+
+        Whole chunks, aligned as the encoder cuts them, so each sampled chunk gets the
+        reference exponent the encoder will give it; and only their pages are read.
+        """
+        chunk = self.chunk_elems * spec.itemsize
+        nchunks = -(-u8.size // chunk)
+        take = min(nchunks, max(1, _SAMPLE_ELEMS // self.chunk_elems))
+        if take == nchunks:
+            return u8, 1.0
+        picks = [(i * nchunks) // take for i in range(take)]
+        parts = [u8[c * chunk:(c + 1) * chunk] for c in picks]
+        sample = np.concatenate(parts)
+        return sample, u8.size / sample.size
+
+    def counts(self, sample: np.ndarray, scale: float, spec, chunk_elems: int):
+        with _numba_threads(1):
+            counts, zeros = stream_counts(_as_tensor(sample, spec), chunk_elems)
+        return counts * scale, zeros * scale
+
+    def choose(self, counts: np.ndarray, kind: str, spec) -> tuple[list[Codebook], list[str], float]:
+        """Return the books, their origins and the expected coded bits of the tensor."""
+        books, origins, total = [], [], 0.0
+        for s in range(spec.nstreams):
+            c = counts[s]
+            n = float(c.sum())
+            options = [(8.0 * n, Codebook.raw_book(), "raw")]
+            if n:
+                try:
+                    shipped = self.shipped.get(kind, spec.name, s)
+                    options.append((shipped.expected_bits(c) * n, shipped, f"shipped:{kind}/{spec.name}/{s}"))
+                except ValueError:
+                    pass
+                h = entropy_bits(c)
+                # A book of its own costs at least the entropy, plus its place in the index
+                # when new: skip it when even that cannot beat the best option so far.
+                if h * n < min(o[0] for o in options) and h < RAW_THRESHOLD_BITS:
+                    options.append(self._own(c, n, h, spec.name, s, min(o[0] for o in options)))
+            bits, book, origin = min(options, key=lambda o: o[0])
+            books.append(book)
+            origins.append(origin)
+            total += bits
+        return books, origins, total
+
+    def _own(self, c: np.ndarray, n: float, h: float, dtype: str, stream: int, best_so_far: float) -> tuple:
+        """A book fitted to these counts.
+
+        A book built for an earlier tensor is reused when it spends at most
+        _REUSE_SLACK_BITS per symbol more, above the entropy, than it did on the tensor
+        it was built for (so about what a new book would achieve; it is free, the file
+        holds it already). Otherwise a new one is built and its cost in the index
+        counted. Tensors are planned in file order, so the choice is deterministic.
+        """
+        built = self._built.setdefault((dtype, stream), [])
+        best = None
+        for book, redundancy in built:
+            excess = book.expected_bits(c) - h - redundancy
+            if excess <= _REUSE_SLACK_BITS and (best is None or excess < best[0]):
+                best = (excess, book)
+        if best is not None:
+            return best[1].expected_bits(c) * n, best[1], "tensor"
+        if h * n + _BOOK_COST_BITS >= best_so_far:  # a new book cannot pay for its place
+            return math.inf, None, "tensor"
+        book = Codebook.from_counts(c, raw_threshold=None)
+        bits = book.expected_bits(c)
+        if len(built) < 64:
+            built.append((book, bits - h))
+        return bits * n + _BOOK_COST_BITS, book, "tensor"
+
+    def codec_for(self, books: list[Codebook], origins: list[str], spec, chunk_elems: int):
+        """Return a Codec that codes with these books and chunks, and the books' ids."""
+        ids = [b.id for b in books]
+        with self._lock:
+            for book, origin in zip(books, origins):
+                if not book.raw and book.id not in self.books:
+                    self.books[book.id] = {"origin": origin, "book": book.to_dict()}
+            key = (spec.name, tuple(ids), chunk_elems)
+            codec = self._codecs.get(key)
+            if codec is None:
+                codec = self._codecs[key] = _codec(books, spec, chunk_elems)
+        return codec, ids
+
+
+def _codec(books, spec, chunk_elems) -> Codec:
+    keyed = {("weight", spec.name, s): b for s, b in enumerate(books)}
+    return Codec(CodebookSet(keyed), threads=1, chunk_elems=chunk_elems)
+
+
+def _plan_tensor(t: _Tensor, src: _Map, base: _Map | None, base_tensor: _Tensor | None,
+                 chooser: _BookChooser) -> None:
+    """Choose transform, chunk size and books of one tensor from a sample of its chunks."""
+    spec = t.spec
+    numel = t.nbytes // spec.itemsize
+    sample, scale = chooser.sample(src.u8(t.offset, t.nbytes), spec)
+    candidates = [("none", sample)]
+    if base_tensor is not None:
+        base_sample, _ = chooser.sample(base.u8(base_tensor.offset, t.nbytes), spec)
+        candidates.append(("xor", _xor(sample, base_sample, spec)))
+
+    def cost(transform, data, chunk_elems):
+        counts, zeros = chooser.counts(data, scale, spec, chunk_elems)
+        books, origins, bits = chooser.choose(counts, t.kind, spec)
+        bits += min(zeros * spec.nstreams * 8, numel)  # zeros: coded, or one mask bit each
+        bits += -(-numel // chunk_elems) * _CHUNK_OVERHEAD_BYTES * 8
+        return bits, transform, chunk_elems, books, origins, data
+
+    # The transform at the small chunk size, then the large chunks for the winner only.
+    best = min((cost(tr, data, _CHUNKS[0]) for tr, data in candidates), key=lambda c: c[0])
+    if numel > _CHUNKS[0]:  # else one chunk either way
+        best = min(best, cost(best[1], best[5], _CHUNKS[1]), key=lambda c: c[0])
+    _, t.transform, t.chunk_elems, books, origins, _ = best
+    if t.transform != "none":
+        t.base_offset = base_tensor.offset
+    t.codec, t.books = chooser.codec_for(books, origins, spec, t.chunk_elems)
+    t.coding = "frame"
+
+
+@contextlib.contextmanager
+def _numba_threads(n: int):
+    """Run numba kernels on n threads in this thread (numba's setting is per thread)."""
+    previous = numba.get_num_threads()
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    try:
+        yield
+    finally:
+        numba.set_num_threads(previous)
+
+
+@dataclasses.dataclass
+class _Job:
+    src_offset: int
+    length: int
+    tensor: int  # index into the tensor list, -1 for opaque bytes
+
+
+def _jobs(size: int, tensors: list[_Tensor], plan):
+    """Yield the segments that cover 0..size in order: tensor pieces and opaque runs.
+
+    ``plan(t)`` decides how a codable tensor is coded just before its first piece is
+    yielded: under threads it runs here, on the caller's thread, while workers code
+    earlier pieces.
+    """
+    pos = 0
+    for i, t in enumerate(tensors):
+        if not (t.codable and t.nbytes >= _MIN_CODED_BYTES):
+            continue  # coded with the bytes around it
+        plan(t)
+        yield from _opaque_jobs(pos, t.offset)
+        chunk = t.chunk_elems * t.spec.itemsize  # pieces are whole chunks
+        step = max(1, PIECE_BYTES // chunk) * chunk
+        for start in range(t.offset, t.offset + t.nbytes, step):
+            yield _Job(start, min(step, t.offset + t.nbytes - start), i)
+        pos = t.offset + t.nbytes
+    yield from _opaque_jobs(pos, size)
+
+
+def _opaque_jobs(start: int, end: int):
+    for a in range(start, end, PIECE_BYTES):
+        yield _Job(a, min(PIECE_BYTES, end - a), -1)
+
+
+_tls = threading.local()
+
+
+def _zstd_c() -> zstandard.ZstdCompressor:
+    if not hasattr(_tls, "zc"):
+        _tls.zc = zstandard.ZstdCompressor(level=_ZSTD_LEVEL, write_checksum=False)
+    return _tls.zc
+
+
+def _zstd_d() -> zstandard.ZstdDecompressor:
+    if not hasattr(_tls, "zd"):
+        _tls.zd = zstandard.ZstdDecompressor()
+    return _tls.zd
+
+
+def _encode_job(job: _Job, src: _Map, base: _Map | None, tensors: list[_Tensor]):
+    """Code one segment; return (method, payload, crc32 or None)."""
+    raw = src.u8(job.src_offset, job.length)
+    if job.tensor >= 0:
+        t = tensors[job.tensor]
+        spec = t.spec
+        base_bytes = None
+        if t.transform != "none":
+            base_start = t.base_offset + job.src_offset - t.offset
+            base_bytes = base.u8(base_start, job.length)
+        coded = _TRANSFORMS[t.transform].forward(raw, base_bytes, spec)
+        frame = t.codec.encode(_as_tensor(coded, spec), kind="weight")
+        if base_bytes is not None:
+            base.release(base_start, base_start + job.length)
+        if frame.numel() < job.length:
+            return "frame", frame.numpy(), None
+    elif job.length >= 64:
+        z = _zstd_c().compress(raw)
+        if len(z) < job.length:
+            return "zstd", z, zlib.crc32(z)
+    return "stored", raw, zlib.crc32(raw)
+
+
+def _ordered_map(fn, jobs, threads: int):
+    """Yield (job, fn(job)) in job order, running up to ``threads`` jobs at once.
+
+    One thread runs everything inline. Otherwise at most ``2 * threads + 2`` jobs are in
+    flight, which bounds memory; the numba kernels and zstd release the GIL.
+    """
+    if threads == 1:
+        for job in jobs:
+            yield job, fn(job)
+        return
+    pending = collections.deque()
+    it = iter(jobs)
+    ex = ThreadPoolExecutor(threads, thread_name_prefix="comm_codec-ckpt")
+    try:
+        for job in it:
+            pending.append((job, ex.submit(fn, job)))
+            if len(pending) >= 2 * threads + 2:
+                break
+        while pending:
+            job, fut = pending.popleft()
+            result = fut.result()
+            nxt = next(it, None)
+            if nxt is not None:
+                pending.append((nxt, ex.submit(fn, nxt)))
+            yield job, result
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
+
+
+def _threads(threads: int | None) -> int:
+    if threads is None:
+        return max(1, min(os.cpu_count() or 1, numba.config.NUMBA_NUM_THREADS))
+    if not isinstance(threads, int) or not 1 <= threads <= 1024:
+        raise ValueError(f"threads must be an integer from 1 to 1024, got {threads!r}")
+    return threads
+
+
+class _Progress:
+    """A one-line progress meter on stderr, only when stderr is a terminal."""
+
+    def __init__(self, label: str, total: int, enabled: bool | None):
+        self.label, self.total, self.done = label, total, 0
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.start = self.last = time.perf_counter()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if self.enabled and now - self.last >= 0.2:
+            self.last = now
+            pct = 100.0 * self.done / max(1, self.total)
+            rate = self.done / max(now - self.start, 1e-9) / 1e9
+            sys.stderr.write(f"\r{self.label} {pct:5.1f}% {_human(self.done)} of {_human(self.total)}, "
+                             f"{rate:.3f} GB/s ")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.done:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+# -- compress -------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _base_file(base, scratch_dir: str, threads: int):
+    """Open a base checkpoint: the original file, or a standalone compressed one (restored
+    to a temporary file). Yield (map, sha256)."""
+    if base is None:
+        yield None, None
+        return
+    base = os.fspath(base)
+    tmp = None
+    try:
+        if is_checkpoint(base):
+            index = read_index(base)
+            if index["base"] is not None:
+                raise CheckpointError(f"base {base} is itself a delta checkpoint; give the original file "
+                                      "(decompress it first)")
+            fd, tmp = tempfile.mkstemp(prefix=".comm_codec-base.", dir=scratch_dir)
+            os.close(fd)
+            decompress_file(base, tmp, threads=threads, progress=False)
+            path = tmp
+        else:
+            path = base
+        m = _Map(path)
+        try:
+            yield m, _sha256_file(m)
+        finally:
+            m.close()
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def compress_file(src, dst, base=None, threads: int | None = None, codebooks: CodebookSet | None = None,
+                  progress: bool | None = None) -> Summary:
+    """Compress a checkpoint file losslessly.
+
+    Args:
+        src: the checkpoint: safetensors, a ``torch.save`` zip, or any file (coded as
+            opaque bytes). It is only read.
+        dst: the compressed file, written atomically (temp file, fsync, rename).
+        base: the *original* file of a previous checkpoint (or a standalone compressed
+            one): tensors with the same name, dtype and size are coded as the XOR with
+            it when that is smaller. Decompression then needs the same base.
+        threads: worker threads (default: the CPU count, at most NUMBA_NUM_THREADS).
+        codebooks: the books to weigh against per-tensor books (default: shipped books).
+        progress: progress line on stderr; None: only when stderr is a terminal.
+
+    Returns:
+        A :class:`Summary`.
+
+    Raises:
+        FileNotFoundError, PermissionError, IsADirectoryError: src or base unreadable.
+        CheckpointError: dst is src or base, dst cannot be written (full disk...).
+        ValueError: threads out of range.
+    """
+    src, dst = os.fspath(src), os.fspath(dst)
+    threads = _threads(threads)
+    if codebooks is not None and not isinstance(codebooks, CodebookSet):
+        raise TypeError(f"codebooks must be a CodebookSet or None, got {type(codebooks).__name__}")
+    started = time.perf_counter()
+    _check_paths(src, dst, None if base is None else os.fspath(base))
+    m = _Map(src)
+    try:
+        with _base_file(base, os.path.dirname(os.path.abspath(dst)), threads) as (bm, base_sha):
+            fmt, tensors = _find_tensors(m)
+            by_name = {}
+            if bm is not None:
+                for bt in _find_tensors(bm)[1]:
+                    by_name.setdefault(bt.name, bt)
+            chooser = _BookChooser(codebooks or CodebookSet.default())
+
+            def plan(t: _Tensor) -> None:
+                bt = by_name.get(t.name)
+                same = (bt is not None and bt.codable and bt.dtype == t.dtype and bt.nbytes == t.nbytes
+                        and (t.shape is None or bt.shape is None or bt.shape == t.shape))
+                _plan_tensor(t, m, bm, bt if same else None, chooser)
+
+            segments = []
+            h = hashlib.sha256()
+            meter = _Progress("compressing", m.size, progress)
+            with _atomic_output(dst) as out:
+                out.write(_HEADER.pack(MAGIC, VERSION, 0, 0))
+                work = _ordered_map(lambda j: _encode_job(j, m, bm, tensors),
+                                    _jobs(m.size, tensors, plan), threads)
+                with contextlib.closing(work):
+                    for job, (method, payload, crc) in work:
+                        h.update(m.u8(job.src_offset, job.length))
+                        offset = out.pos
+                        out.write(payload)
+                        segments.append([job.src_offset, job.length, offset, out.pos - offset, method, crc, job.tensor])
+                        out.pad8()
+                        del payload
+                        m.release_upto(job.src_offset + job.length)
+                        meter.update(job.length)
+                meter.close()
+                index = {
+                    "format": _INDEX_FORMAT, "version": VERSION,
+                    "created_by": f"comm_codec {_version()}",
+                    "source": {"name": os.path.basename(src), "size": m.size, "sha256": h.hexdigest(), "format": fmt},
+                    "base": None if bm is None else {"name": os.path.basename(os.fspath(base)), "size": bm.size,
+                                                      "sha256": base_sha},
+                    "books": chooser.books,
+                    "tensors": [t.record() for t in tensors],
+                    "segments": segments,
+                }
+                blob = zstandard.ZstdCompressor(level=9).compress(json.dumps(index, separators=(",", ":")).encode())
+                index_offset = out.pos
+                out.write(blob)
+                out.write(_TRAILER.pack(index_offset, len(blob), zlib.crc32(blob), VERSION, _FLAG_INDEX_ZSTD, MAGIC))
+                total = out.pos
+                for mp, what in ((m, "source"), (bm, "base")):
+                    if mp is not None and not mp.unchanged():
+                        raise CheckpointError(f"{what} {mp.path} changed while it was being compressed; "
+                                              "compress it again once it is complete")
+                out.commit()
+    finally:
+        m.close()
+    summary = Summary("compress", m.size, total, time.perf_counter() - started, threads, fmt, len(tensors),
+                      sum(t.coding == "frame" for t in tensors), sum(t.transform != "none" for t in tensors),
+                      index["source"]["sha256"])
+    log.debug("%s: %s", src, summary.line())
+    return summary
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+# -- reading the container ------------------------------------------------------------------
+def is_checkpoint(path) -> bool:
+    """Return True when the file starts with the checkpoint container's magic."""
+    with open(os.fspath(path), "rb") as fh:
+        return fh.read(len(MAGIC)) == MAGIC
+
+
+def _bad(path, what: str):
+    raise CheckpointError(f"{path}: {what}")
+
+
+def _load_index(m: _Map) -> dict:
+    path = m.path
+    if m.size < len(MAGIC) or bytes(m.u8(0, len(MAGIC))) != MAGIC:
+        head = bytes(m.u8(0, min(8, m.size)))
+        if head == LOSSY_MAGIC:
+            _bad(path, "is a lossy comm_codec checkpoint; this build restores exact checkpoints only")
+        if head[:4] == b"CCFR":
+            _bad(path, "is a comm_codec frame, not a checkpoint (use `comm-codec inspect`)")
+        _bad(path, "not a comm_codec checkpoint (bad magic)")
+    if m.size < _HEADER.size + _TRAILER.size:
+        _bad(path, f"truncated: {m.size} bytes, a checkpoint has at least {_HEADER.size + _TRAILER.size}")
+    _, version, hflags, reserved = _HEADER.unpack(bytes(m.u8(0, _HEADER.size)))
+    if version != VERSION:
+        _bad(path, f"checkpoint format version {version}; this build reads version {VERSION}")
+    if hflags or reserved:
+        _bad(path, "header is corrupted (unknown flags)")
+    off, length, crc, tversion, flags, magic = _TRAILER.unpack(bytes(m.u8(m.size - _TRAILER.size, _TRAILER.size)))
+    if magic != MAGIC:
+        _bad(path, "truncated, or bytes appended after its end (no trailer at the end of the file)")
+    if tversion != VERSION or flags & ~_FLAG_INDEX_ZSTD or length > _MAX_INDEX_BYTES:
+        _bad(path, "trailer is corrupted")
+    if off < _HEADER.size or off + length + _TRAILER.size != m.size:
+        _bad(path, f"trailer says the index is at {off}..{off + length}, which does not end where the "
+                   f"trailer starts ({m.size - _TRAILER.size}): truncated, extended or corrupted")
+    blob = bytes(m.u8(off, length))
+    if zlib.crc32(blob) != crc:
+        _bad(path, "index is corrupted (CRC-32 mismatch)")
+    try:
+        if flags & _FLAG_INDEX_ZSTD:
+            blob = zstandard.ZstdDecompressor().decompress(blob, max_output_size=_MAX_INDEX_BYTES)
+        index = json.loads(blob.decode("utf-8"))
+        _check_index(index, off, path)
+    except CheckpointError:
+        raise
+    except (zstandard.ZstdError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError,
+            IndexError, AttributeError) as exc:
+        _bad(path, f"index is malformed ({type(exc).__name__}: {exc})")
+    return index
+
+
+
+
+def _check_index(index: dict, index_offset: int, path) -> None:
+    """Check every field the decoder will use; raise CheckpointError naming the first bad one."""
+    if index.get("format") != _INDEX_FORMAT or index.get("version") != VERSION:
+        _bad(path, f"index format {index.get('format')!r} version {index.get('version')!r}, expected "
+                   f"{_INDEX_FORMAT!r} version {VERSION}")
+    src = index["source"]
+    if not (_int(src["size"]) and isinstance(src["sha256"], str) and len(src["sha256"]) == 64):
+        _bad(path, "index: bad source record")
+    base = index["base"]
+    if base is not None and not (_int(base["size"]) and isinstance(base["sha256"], str)):
+        _bad(path, "index: bad base record")
+    books = {}
+    for book_id, entry in index["books"].items():
+        try:
+            book = Codebook.from_dict(entry["book"])
+        except CodebookError as exc:
+            _bad(path, f"index: codebook {book_id}: {exc}")
+        if book.id != book_id:
+            _bad(path, f"index: codebook listed as {book_id} is {book.id}")
+        books[book_id] = book
+    index["_books"] = books
+    for i, t in enumerate(index["tensors"]):
+        if t["coding"] not in ("frame", "opaque") or not isinstance(t["name"], str):
+            _bad(path, f"index: tensor {i} is malformed")
+        if not (_int(t["offset"]) and _int(t["nbytes"]) and t["offset"] + t["nbytes"] <= src["size"]):
+            _bad(path, f"index: tensor {i} lies outside the source")
+        if t["coding"] == "frame":
+            if t["dtype"] not in _CODABLE or t["transform"] not in _TRANSFORMS:
+                _bad(path, f"index: tensor {i} has dtype {t['dtype']!r} / transform {t['transform']!r}")
+            spec = spec_for(_CODABLE[t["dtype"]])
+            if not isinstance(t["books"], list) or len(t["books"]) != spec.nstreams or any(
+                    b != "0" * 16 and b not in books for b in t["books"]):
+                _bad(path, f"index: tensor {i} ({t['name']}) names codebooks the file does not hold")
+            if t["transform"] != "none" and (base is None or not _int(t["base_offset"])
+                                             or t["base_offset"] + t["nbytes"] > base["size"]):
+                _bad(path, f"index: tensor {i} ({t['name']}) has a bad base range")
+    pos, at = 0, _HEADER.size
+    for k, seg in enumerate(index["segments"]):
+        src_off, src_len, off, length, method, crc, ti = seg
+        # Segments follow each other, each padded to 8 bytes: every byte has a known place.
+        if not (src_off == pos and _int(src_len, 1) and off == at and _int(length)
+                and off + length <= index_offset and method in _METHODS
+                and _int(ti, -1, len(index["tensors"]) - 1)):
+            _bad(path, f"index: segment {k} is malformed")
+        at = off + length + (-length % 8)
+        if method == "frame":
+            t = index["tensors"][ti] if ti >= 0 else None
+            if t is None or t["coding"] != "frame" or not (t["offset"] <= src_off and src_off + src_len <= t["offset"] + t["nbytes"]) \
+                    or (src_off - t["offset"]) % spec_for(_CODABLE[t["dtype"]]).itemsize \
+                    or src_len % spec_for(_CODABLE[t["dtype"]]).itemsize:
+                _bad(path, f"index: segment {k} is a frame outside any coded tensor")
+        elif not _int(crc, 0, 0xFFFFFFFF) or (method == "stored" and length != src_len):
+            _bad(path, f"index: segment {k} is malformed")
+        pos += src_len
+    if pos != src["size"]:
+        _bad(path, f"index: segments cover {pos} bytes, the source had {src['size']}")
+    if at != index_offset:
+        _bad(path, f"index: segments end at {at}, the index starts at {index_offset}")
+
+
+def read_index(path) -> dict:
+    """Return the JSON index of a compressed checkpoint (checked; see the module docstring).
+
+    Raises:
+        CheckpointError: not a checkpoint, truncated, or corrupted.
+    """
+    m = _Map(os.fspath(path))
+    try:
+        index = _load_index(m)
+    finally:
+        m.close()
+    index.pop("_books", None)
+    return index
+
+
+# -- decompress -----------------------------------------------------------------------------
+def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str) -> Summary:
+    """Decode every segment in order into ``sink`` (None: decode and check only)."""
+    started = time.perf_counter()
+    m = _Map(path)
+    try:
+        index = _load_index(m)
+        books = index.pop("_books")
+        tensors = index["tensors"]
+        need = index["base"]
+        if need is None and base is not None:
+            log.warning("%s was compressed without a base; ignoring base %s", path, base)
+            base = None
+        if need is not None and base is None and sink is not None:
+            raise CheckpointError(
+                f"{path} was compressed against base {need['name']} (sha256 {need['sha256'][:16]}...); "
+                "pass that original file as base (--base)")
+        scratch = os.path.dirname(os.path.abspath(path))
+        with _base_file(base if need is not None else None, scratch, threads) as (bm, base_sha):
+            if bm is not None and (bm.size != need["size"] or base_sha != need["sha256"]):
+                raise CheckpointError(
+                    f"wrong base: {base} has sha256 {base_sha[:16]}... ({bm.size} bytes), but {path} was "
+                    f"compressed against {need['name']} with sha256 {need['sha256'][:16]}... "
+                    f"({need['size']} bytes)")
+            codecs = {}
+            for t in tensors:
+                if t["coding"] == "frame":
+                    spec = spec_for(_CODABLE[t["dtype"]])
+                    key = (spec.name, tuple(t["books"]))
+                    if key not in codecs:
+                        # Frames carry their chunk size; the codec's own is not used to decode.
+                        codecs[key] = _codec([books.get(b) or Codebook.raw_book() for b in t["books"]], spec,
+                                             _CHUNKS[0])
+                    t["_codec"] = codecs[key]
+
+            # Restored bytes land at their source offsets, so workers write their own
+            # segments (pwrite) and this thread only hashes, in order.
+            positional = isinstance(sink, _AtomicFile)
+            if positional:
+                sink.reserve(index["source"]["size"])
+
+            def decode(seg):
+                data = _decode_segment(seg, m, bm, tensors, path)
+                if positional:
+                    sink.pwrite(data, seg[0])
+                return data
+
+            h = hashlib.sha256()
+            meter = _Progress("decompressing" if sink is not None else "verifying", index["source"]["size"], progress)
+            work = _ordered_map(decode, index["segments"], threads)
+            with contextlib.closing(work):
+                for seg, data in work:
+                    if data is not None:
+                        h.update(data)
+                        if sink is not None and not positional:
+                            sink.write(data)
+                    del data
+                    m.release_upto(seg[2] + seg[3])
+                    meter.update(seg[1])
+            meter.close()
+            checked = bm is not None or need is None
+            if checked and h.hexdigest() != index["source"]["sha256"]:
+                raise CheckpointError(f"{path}: restored bytes have sha256 {h.hexdigest()[:16]}..., the "
+                                      f"original had {index['source']['sha256'][:16]}...: corrupted")
+    finally:
+        m.close()
+    return Summary(op, index["source"]["size"], m.size, time.perf_counter() - started, threads,
+                   index["source"]["format"], len(tensors), sum(t["coding"] == "frame" for t in tensors),
+                   sum(t["transform"] != "none" for t in tensors), index["source"]["sha256"] if checked else None)
+
+
+def _decode_segment(seg, m: _Map, bm: _Map | None, tensors, path):
+    src_off, src_len, off, length, method, crc, ti = seg
+    payload = m.u8(off, length)
+    where = f"segment at source bytes {src_off}..{src_off + src_len}"
+    if m.u8(off + length, -length % 8).any():
+        raise CheckpointError(f"{path}: padding after the {where} is corrupted (not zero)")
+    if method != "frame":
+        if zlib.crc32(payload) != crc:
+            raise CheckpointError(f"{path}: {where} is corrupted (CRC-32 mismatch)")
+        if method == "stored":
+            return payload
+        try:
+            out = _zstd_d().decompress(payload, max_output_size=src_len)
+        except zstandard.ZstdError as exc:
+            raise CheckpointError(f"{path}: {where}: {exc}") from None
+        if len(out) != src_len:
+            raise CheckpointError(f"{path}: {where} decompressed to {len(out)} bytes, expected {src_len}")
+        return out
+    t = tensors[ti]
+    spec = spec_for(_CODABLE[t["dtype"]])
+    out = torch.empty(src_len // spec.itemsize, dtype=spec.dtype)
+    try:
+        t["_codec"].decode(payload, out=out)
+    except (FrameError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: tensor {t['name']!r}, {where}: {exc}") from None
+    coded = out.view(_INT_INT[spec.itemsize]).numpy().view(np.uint8)
+    if t["transform"] == "none":
+        return coded
+    if bm is None:  # verify without the base: the frames were checked, the bytes cannot be
+        return None
+    base_start = t["base_offset"] + src_off - t["offset"]
+    restored = _TRANSFORMS[t["transform"]].inverse(coded, bm.u8(base_start, src_len), spec)
+    bm.release(base_start, base_start + src_len)
+    return restored
+
+
+_INT_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def decompress_file(src, dst, base=None, threads: int | None = None, progress: bool | None = None) -> Summary:
+    """Restore the original checkpoint, byte for byte, from a compressed file.
+
+    Args:
+        src: a file written by :func:`compress_file`.
+        dst: where to write the original; it appears only once its sha256 matched.
+        base: the base the file was compressed against (the original file, or a
+            standalone compressed one); required for delta files, refused if different.
+        threads: worker threads (default: the CPU count, at most NUMBA_NUM_THREADS).
+        progress: progress line on stderr; None: only when stderr is a terminal.
+
+    Returns:
+        A :class:`Summary`.
+
+    Raises:
+        CheckpointError: src is not a checkpoint, is truncated or corrupted; the base
+            is missing or wrong; dst cannot be written. No dst is left behind.
+        FileNotFoundError, PermissionError: src or base unreadable.
+    """
+    src, dst = os.fspath(src), os.fspath(dst)
+    threads = _threads(threads)
+    _check_paths(src, dst, None if base is None else os.fspath(base))
+    with _atomic_output(dst) as out:
+        summary = _restore(src, out, base, threads, progress, "decompress")
+        out.commit()
+    return summary
+
+
+def verify_file(src, base=None, threads: int | None = None, progress: bool | None = None) -> Summary:
+    """Decode a compressed checkpoint and check it, writing nothing.
+
+    Every checksum is checked (index CRC, segment CRCs, frame header CRCs and chunk
+    checksums) and, when the original can be rebuilt (no base needed, or base given),
+    the sha256 of the restored bytes. ``Summary.sha256`` is None when it was not.
+
+    Raises:
+        CheckpointError: the file is corrupted, or the base is wrong.
+    """
+    return _restore(os.fspath(src), None, base, _threads(threads), progress, "verify")
+
+
+# -- description ----------------------------------------------------------------------------
+def describe(path) -> str:
+    """Return a table of a compressed checkpoint: tensors, dtypes, ratios and books."""
+    path = os.fspath(path)
+    index = read_index(path)
+    size = os.path.getsize(path)
+    src, base = index["source"], index["base"]
+    coded = collections.Counter()
+    for s_off, s_len, off, length, method, crc, ti in index["segments"]:
+        coded[ti] += length
+    lines = [
+        f"file      {path}: comm_codec checkpoint v{index['version']}, {_human(size)}",
+        f"source    {src['name']}: {src['format']}, {_human(src['size'])}, sha256 {src['sha256']}",
+        "base      " + ("none" if base is None else f"{base['name']}: {_human(base['size'])}, sha256 {base['sha256']}"),
+        f"ratio     {src['size'] / max(1, size):.3f} ({_human(src['size'])} -> {_human(size)}); "
+        f"{len(index['tensors'])} tensors, {sum(t['coding'] == 'frame' for t in index['tensors'])} coded, "
+        f"{sum(t['transform'] != 'none' for t in index['tensors'])} as deltas",
+    ]
+    origin = {bid: e["origin"] for bid, e in index["books"].items()}
+    own = sum(o == "tensor" for o in origin.values())
+    lines.append(f"books     {own} per-tensor, {len(origin) - own} shipped")
+    width = max([len(t["name"]) for t in index["tensors"]] + [6])
+    lines.append(f"{'tensor':<{width}}  {'dtype':<13} {'shape':<16} {'kind':<15} {'coding':<10} {'chunk':>6} "
+                 f"{'ratio':>6}  books")
+    for i, t in enumerate(index["tensors"]):
+        shape = "-" if t["shape"] is None else "x".join(map(str, t["shape"])) or "scalar"
+        if t["coding"] == "frame":
+            ratio = f"{t['nbytes'] / max(1, coded[i]):.3f}"
+            how = "xor-frame" if t["transform"] == "xor" else "frame"
+            bk = ",".join("raw" if b == "0" * 16 else ("own" if origin.get(b) == "tensor" else "shipped")
+                          for b in t["books"])
+        else:
+            ratio, how, bk = "-", "opaque", "zstd"
+        chunk = f"{t['chunk_elems'] >> 10}Ki" if t.get("chunk_elems") else "-"
+        lines.append(f"{t['name']:<{width}}  {t['dtype']:<13} {shape:<16} {t['kind']:<15} {how:<10} {chunk:>6} "
+                     f"{ratio:>6}  {bk}")
+    opaque_in = sum(s[1] for s in index["segments"] if s[6] < 0)
+    opaque_out = sum(s[3] for s in index["segments"] if s[6] < 0)
+    lines.append(f"{'(other bytes)':<{width}}  {'-':<13} {'-':<16} {'-':<15} {'opaque':<10} {'-':>6} "
+                 f"{opaque_in / max(1, opaque_out):>6.3f}  zstd/stored, {_human(opaque_in)}")
+    return "\n".join(lines)
+
+
+# -- torch.save / torch.load stand-ins ------------------------------------------------------
+def save(state_dict, path, base=None, threads: int | None = None) -> Summary:
+    """``torch.save`` a state dict and compress it into ``path``.
+
+    Args:
+        state_dict: anything torch.save accepts (load() reads back with weights_only=True,
+            so keep to tensors, containers and plain values).
+        path: the compressed file.
+        base: a previous checkpoint's original file (or standalone compressed file).
+        threads: worker threads.
+
+    Returns:
+        The compression :class:`Summary`.
+    """
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".pt",
+                               dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(state_dict, fh)
+        return compress_file(tmp, path, base=base, threads=threads, progress=False)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def load(path, base=None, threads: int | None = None, map_location="cpu"):
+    """Restore a checkpoint written by :func:`save` or :func:`compress_file` and load it.
+
+    torch files are read with ``torch.load(..., weights_only=True)`` (no arbitrary
+    unpickling); safetensors files with ``safetensors.torch.load``.
+
+    Raises:
+        CheckpointError: corrupted, wrong or missing base, or the original is neither a
+            torch nor a safetensors file.
+    """
+    buf = io.BytesIO()
+    _restore(os.fspath(path), buf, base, _threads(threads), False, "decompress")
+    fmt = read_index(path)["source"]["format"]
+    if fmt == "safetensors":
+        from safetensors.torch import load as st_load
+
+        return st_load(buf.getvalue())
+    if fmt != "torch_zip":
+        raise CheckpointError(f"{path} holds a {fmt} file, not a torch or safetensors checkpoint; "
+                              "use decompress_file")
+    buf.seek(0)
+    return torch.load(buf, map_location=map_location, weights_only=True)

@@ -1,0 +1,532 @@
+"""Checkpoint benchmark: comm_codec.checkpoint beside zstd -3, bz2 -9, lzma and zipnn.
+
+One run prints (and with ``--json PATH`` writes) four tables:
+
+1. **Files**: for each real checkpoint made by ``launch_scripts/make_checkpoints.py``
+   (fp32 weights, bf16 weights, Adam state, the full torch ``.pt`` with model and
+   optimizer, and deltas between successive checkpoints): ratio, compress and decompress
+   GB/s at 1 and 2 threads, and whether the round trip was exact (sha256 / bytes).
+2. **Delta per tensor kind**: ratio of weights, exp_avg, exp_avg_sq and other bytes,
+   standalone vs against the previous checkpoint, from the compressed files' indexes.
+3. **Peak memory**: peak RSS (VmHWM) of a subprocess compressing and decompressing a
+   multi-GB checkpoint on disk, beside the file size and its RSS after the imports.
+4. **Targets**: PASS/MISS per target of the issue, from the numbers above.
+
+How things are measured (also printed):
+
+* GB/s is 1e9 bytes/s of the *uncompressed* checkpoint, best of ``--repeat`` timed calls.
+* comm_codec runs file to file (``compress_file``/``decompress_file``: mmap, sha256 of the
+  whole file, CRCs, temp file, fsync, rename) on tmpfs (``/dev/shm``) so disk speed does
+  not count; the comparators run in memory on the file's bytes (their best case).
+* zipnn (``input_format="byte"``, dtype of the file's tensors) gets a fresh copy of its
+  input for every call because its ``compress`` rewrites its input buffer; exactness is
+  checked against the pristine bytes.
+* bz2 and lzma run once per file; in ``--quick`` mode on the first 4 MiB only.
+* "codec frames" is :class:`comm_codec.Codec` alone on the same bytes in memory (shipped
+  books, one tensor): the kernels' speed, without the container's sha256, CRCs and I/O.
+* The machine may be shared: timings are noisy, ratios are not.
+
+Usage::
+
+    python launch_scripts/bench_checkpoint.py              # full (makes data if missing)
+    python launch_scripts/bench_checkpoint.py --quick      # < 60 s, no multi-GB file
+"""
+
+from __future__ import annotations
+
+import argparse
+import bz2
+import collections
+import hashlib
+import importlib.metadata
+import json
+import logging
+import lzma
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import zstandard
+
+try:
+    from comm_codec import checkpoint as ck
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from comm_codec import checkpoint as ck
+
+log = logging.getLogger("bench_checkpoint")
+
+_HERE = Path(__file__).resolve().parent
+_SAMPLE = 4 << 20
+
+
+# -- comparators --------------------------------------------------------------------------
+class _Zstd:
+    name = "zstd-3"
+
+    def encode(self, data, threads):
+        return zstandard.ZstdCompressor(level=3, threads=0 if threads == 1 else threads).compress(data)
+
+    def decode(self, blob, threads):
+        return zstandard.ZstdDecompressor().decompress(blob)
+
+    dec_threads = (1,)
+    enc_threads = (1, 2)
+
+
+class _Bz2:
+    name = "bz2-9"
+    enc_threads = dec_threads = (1,)
+
+    def encode(self, data, threads):
+        return bz2.compress(data, 9)
+
+    def decode(self, blob, threads):
+        return bz2.decompress(blob)
+
+
+class _Lzma:
+    name = "lzma-6"
+    enc_threads = dec_threads = (1,)
+
+    def encode(self, data, threads):
+        return lzma.compress(data, preset=6)
+
+    def decode(self, blob, threads):
+        return lzma.decompress(blob)
+
+
+class _ZipNN:
+    name = "zipnn"
+    enc_threads = dec_threads = (1, 2)
+
+    def __init__(self, dtype):
+        import zipnn
+
+        self.zipnn, self.dtype = zipnn, dtype
+        self.name = f"zipnn-{importlib.metadata.version('zipnn')}"
+        self.mutated = False
+
+    def prepare(self, data):
+        return bytearray(data)
+
+    def encode(self, data, threads):
+        z = self.zipnn.ZipNN(input_format="byte", bytearray_dtype=self.dtype, threads=threads)
+        return bytes(z.compress(data))
+
+    def decode(self, blob, threads):
+        z = self.zipnn.ZipNN(input_format="byte", bytearray_dtype=self.dtype, threads=threads)
+        return bytes(z.decompress(blob))
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _best(fn, repeat, cpu=None):
+    """Best wall time of fn over repeat calls, its result, and (into cpu) that call's CPU time."""
+    best, out = float("inf"), None
+    for _ in range(max(1, repeat)):
+        c0, start = _cpu(), time.perf_counter()
+        out = fn()
+        wall = time.perf_counter() - start
+        if wall < best:
+            best = wall
+            if cpu is not None:
+                cpu[0] = _cpu() - c0
+    return best, out
+
+
+def _run_comparator(comp, data: bytes, repeat: int, note: str) -> dict:
+    row = {"codec": comp.name, "ratio": None, "enc": {}, "dec": {}, "exact": None, "notes": [note] if note else [],
+           "cpu": {}}
+    blob = None
+    for th in comp.enc_threads:
+        prepared = [getattr(comp, "prepare", lambda d: d)(data) for _ in range(max(1, repeat))]
+        holder = iter(prepared)
+        cpu = [0.0]
+        seconds, blob = _best(lambda: comp.encode(next(holder), th), repeat, cpu)
+        row["enc"][th] = len(data) / seconds / 1e9
+        row["cpu"][("enc", th)] = (len(data) / max(cpu[0], 1e-9) / 1e9, cpu[0] / seconds)
+        if isinstance(prepared[0], bytearray) and bytes(prepared[0]) != data:
+            if "rewrites its input" not in row["notes"]:
+                row["notes"].append("rewrites its input")
+        del prepared
+    row["ratio"] = len(data) / len(blob)
+    exact = True
+    for th in comp.dec_threads:
+        cpu = [0.0]
+        seconds, out = _best(lambda: comp.decode(blob, th), repeat, cpu)
+        row["dec"][th] = len(data) / seconds / 1e9
+        row["cpu"][("dec", th)] = (len(data) / max(cpu[0], 1e-9) / 1e9, cpu[0] / seconds)
+        exact = exact and bytes(out) == data
+    row["exact"] = exact
+    if isinstance(comp, _ZipNN):  # the same call with immutable bytes in
+        blob = comp.encode(data, 1)
+        if comp.decode(blob, 1) != data:
+            row["notes"].append("NOT exact when given bytes instead of a bytearray")
+    return row
+
+
+def _sha(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _run_comm_codec(src: Path, base: Path | None, work: Path, repeat: int) -> dict:
+    row = {"codec": "comm_codec", "ratio": None, "enc": {}, "dec": {}, "exact": None, "notes": [], "cpu": {}}
+    packed, restored = work / "packed.cckp", work / "restored"
+    ck.compress_file(src, packed, base=base, threads=1)  # warm the kernels and page cache
+    ck.decompress_file(packed, restored, base=base, threads=1)
+    for th in (1, 2):
+        cpu = [0.0]
+        seconds, summary = _best(lambda: ck.compress_file(src, packed, base=base, threads=th, progress=False),
+                                 repeat, cpu)
+        row["enc"][th] = summary.original_bytes / seconds / 1e9
+        row["cpu"][("enc", th)] = (summary.original_bytes / max(cpu[0], 1e-9) / 1e9, cpu[0] / seconds)
+        row["ratio"] = summary.ratio
+    exact = True
+    for th in (1, 2):
+        cpu = [0.0]
+        seconds, summary = _best(lambda: ck.decompress_file(packed, restored, base=base, threads=th,
+                                                            progress=False), repeat, cpu)
+        row["dec"][th] = summary.original_bytes / seconds / 1e9
+        row["cpu"][("dec", th)] = (summary.original_bytes / max(cpu[0], 1e-9) / 1e9, cpu[0] / seconds)
+        exact = exact and _sha(restored) == _sha(src)
+    row["exact"] = exact
+    row["index"] = ck.read_index(packed)
+    if base is not None:
+        row["notes"].append(f"delta against {base.name}")
+    return row
+
+
+def _run_frames(data: bytes, dtype: str, repeat: int) -> dict:
+    """The Codec alone, in memory: the file's tensor bytes as one tensor, shipped books."""
+    import numpy as np
+    import torch
+
+    from comm_codec import Codec
+
+    (hlen,) = np.frombuffer(data[:8], "<u8")
+    body = np.frombuffer(data, np.uint8)[8 + int(hlen):]
+    width = {"bfloat16": 2, "float32": 4}[dtype]
+    body = body[: body.size - body.size % width].copy()
+    t = torch.from_numpy(body.view({2: np.int16, 4: np.int32}[width])).view(getattr(torch, dtype))
+    row = {"codec": "codec frames", "ratio": None, "enc": {}, "dec": {}, "exact": True, "cpu": {},
+           "notes": ["Codec(threads=N).encode/decode in memory, shipped books, no container/sha256/IO"]}
+    for th in (1, 2):
+        codec = Codec(threads=th)
+        codec.decode(codec.encode(t, kind="weight"))
+        for key, fn in (("enc", lambda: codec.encode(t, kind="weight")), ("dec", lambda: codec.decode(frame))):
+            cpu = [0.0]
+            seconds, result = _best(fn, repeat, cpu)
+            row[key][th] = body.size / seconds / 1e9
+            row["cpu"][(key, th)] = (body.size / max(cpu[0], 1e-9) / 1e9, cpu[0] / seconds)
+            if key == "enc":
+                frame = result
+            else:
+                out = result
+        row["ratio"] = body.size / frame.numel()
+        row["exact"] = row["exact"] and torch.equal(out.view(torch.uint8), t.view(torch.uint8))
+    return row
+
+
+def _xor_zstd(src: Path, base: Path, repeat: int) -> dict | None:
+    a, b = src.read_bytes(), base.read_bytes()
+    if len(a) != len(b):
+        return None
+    import numpy as np
+
+    def enc():
+        x = np.bitwise_xor(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8))
+        return zstandard.ZstdCompressor(level=3).compress(x.tobytes())
+
+    seconds, blob = _best(enc, repeat)
+
+    def dec():
+        x = np.frombuffer(zstandard.ZstdDecompressor().decompress(blob), np.uint8)
+        return np.bitwise_xor(x, np.frombuffer(b, np.uint8)).tobytes()
+
+    dseconds, out = _best(dec, repeat)
+    return {"codec": "xor+zstd-3", "ratio": len(a) / len(blob), "enc": {1: len(a) / seconds / 1e9},
+            "dec": {1: len(a) / dseconds / 1e9}, "exact": out == a, "notes": ["whole-file XOR with the base"]}
+
+
+# -- datasets -----------------------------------------------------------------------------
+def _datasets(data_dir: Path, meta: dict) -> list:
+    tags = meta["checkpoints"]
+    last, prev = tags[-1], tags[-2]
+    rows = [
+        ("fp32 weights", f"weights_fp32_{last}.safetensors", None, "float32"),
+        ("bf16 weights", f"weights_bf16_{last}.safetensors", None, "bfloat16"),
+        ("Adam state", f"adam_{last}.safetensors", None, "float32"),
+        ("torch .pt model+Adam", f"{last}.pt", None, "float32"),
+        ("delta fp32 weights", f"weights_fp32_{last}.safetensors", f"weights_fp32_{prev}.safetensors", "float32"),
+        ("delta bf16 weights", f"weights_bf16_{last}.safetensors", f"weights_bf16_{prev}.safetensors", "bfloat16"),
+        ("delta torch .pt", f"{last}.pt", f"{prev}.pt", "float32"),
+    ]
+    return [(name, data_dir / f, None if b is None else data_dir / b, dt) for name, f, b, dt in rows]
+
+
+def _kind(name: str) -> str:
+    if "exp_avg_sq" in name:
+        return "exp_avg_sq"
+    if "exp_avg" in name:
+        return "exp_avg"
+    return "weight" if name else "other bytes"
+
+
+def _ratio_by_kind(index: dict) -> dict:
+    acc = collections.defaultdict(lambda: [0, 0])
+    for src_off, src_len, off, length, method, crc, ti in index["segments"]:
+        kind = _kind(index["tensors"][ti]["name"]) if ti >= 0 else "other bytes"
+        acc[kind][0] += src_len
+        acc[kind][1] += length
+    return {k: (a, a / max(1, b)) for k, (a, b) in acc.items()}
+
+
+# -- peak memory --------------------------------------------------------------------------
+# Peak RSS is VmHWM of the child's own address space: getrusage's ru_maxrss would also
+# count the parent's RSS, which a child carries until exec.
+_RSS_CHILD = r"""
+import json, sys, time
+from comm_codec import checkpoint as ck
+
+def hwm_kb():
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:"))
+
+op, src, dst, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+idle = hwm_kb()
+start = time.perf_counter()
+s = (ck.compress_file if op == "compress" else ck.decompress_file)(src, dst, threads=threads, progress=False)
+print(json.dumps({"idle_kb": idle, "peak_kb": hwm_kb(), "seconds": time.perf_counter() - start,
+                  "ratio": s.ratio, "bytes": s.original_bytes}))
+"""
+
+
+def _peak_rss(big: Path, threads: int) -> dict:
+    packed, restored = big.with_name("big_bf16.cckp"), big.with_name("big_bf16.restored")
+    out = {"file_bytes": big.stat().st_size}
+    for op, src, dst in (("compress", big, packed), ("decompress", packed, restored)):
+        r = subprocess.run([sys.executable, "-c", _RSS_CHILD, op, str(src), str(dst), str(threads)],
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"{op} of {src} failed: {r.stderr.strip()}")
+        out[op] = json.loads(r.stdout.strip().splitlines()[-1])
+    out["exact"] = _sha(restored) == _sha(big)
+    for p in (packed, restored):
+        p.unlink()
+    return out
+
+
+# -- report -------------------------------------------------------------------------------
+def _fmt(x, digits=3):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _print_files(results: list) -> None:
+    print("\n## Files (GB/s of uncompressed bytes; 1T / 2T)\n")
+    print(f"{'dataset':<22} {'MB':>6}  {'codec':<12} {'ratio':>6}  {'comp 1T':>8} {'comp 2T':>8}  "
+          f"{'dec 1T':>8} {'dec 2T':>8}  exact  notes")
+    for res in results:
+        for i, row in enumerate(res["rows"]):
+            head = f"{res['name']:<22} {res['bytes'] / 1e6:>6.1f}" if i == 0 else f"{'':<22} {'':>6}"
+            print(f"{head}  {row['codec']:<12} {_fmt(row['ratio']):>6}  {_fmt(row['enc'].get(1)):>8} "
+                  f"{_fmt(row['enc'].get(2)):>8}  {_fmt(row['dec'].get(1)):>8} {_fmt(row['dec'].get(2)):>8}  "
+                  f"{'yes' if row['exact'] else 'NO':<5}  {'; '.join(row['notes'])}")
+
+
+def _print_cpu(results: list) -> None:
+    print("\n## CPU use (load-independent view; GB per CPU-second of the process at 1 thread, and how many "
+          "cores the 2-thread runs actually got)\n")
+    print(f"{'dataset':<22} {'codec':<12} {'comp GB/cpu-s':>13} {'dec GB/cpu-s':>13}  {'2T comp cpu/wall':>16} "
+          f"{'2T dec cpu/wall':>15}")
+    for res in results:
+        for row in res["rows"]:
+            cpu = row.get("cpu") or {}
+            if ("enc", 1) not in cpu:
+                continue
+            c2e, c2d = cpu.get(("enc", 2)), cpu.get(("dec", 2))
+            print(f"{res['name']:<22} {row['codec']:<12} {cpu[('enc', 1)][0]:>13.3f} {cpu[('dec', 1)][0]:>13.3f}  "
+                  f"{_fmt(c2e and c2e[1], 2):>16} {_fmt(c2d and c2d[1], 2):>15}")
+
+
+def _row(results, dataset, codec_prefix):
+    for res in results:
+        if res["name"] == dataset:
+            for row in res["rows"]:
+                if row["codec"].startswith(codec_prefix) and row["codec"] != "codec frames":
+                    return row
+    return None
+
+
+def _targets(results: list, kinds: dict, rss: dict | None) -> list:
+    lines = []
+
+    def add(what, value, need, ok):
+        lines.append((what, value, need, "PASS" if ok else "MISS"))
+
+    for ds in ("bf16 weights", "fp32 weights"):
+        cc, zn, bz = _row(results, ds, "comm_codec"), _row(results, ds, "zipnn"), _row(results, ds, "bz2")
+        if zn:
+            add(f"{ds}: ratio vs zipnn", f"{cc['ratio']:.4f} vs {zn['ratio']:.4f}", ">=", cc["ratio"] >= zn["ratio"])
+        add(f"{ds}: ratio vs bz2 -9", f"{cc['ratio']:.4f} vs {bz['ratio']:.4f}", ">=", cc["ratio"] >= bz["ratio"])
+        if zn:
+            for key, label in (("enc", "compress"), ("dec", "decompress")):
+                v = cc[key][1] / zn[key][1]
+                add(f"{ds}: {label} 1T vs zipnn 1T", f"{v:.2f}x ({cc[key][1]:.3f} vs {zn[key][1]:.3f} GB/s)",
+                    ">= 2x", v >= 2.0)
+                a, b = cc["cpu"][(key, 1)][0], zn["cpu"][(key, 1)][0]
+                add(f"{ds}: {label} per CPU-second vs zipnn", f"{a / b:.2f}x ({a:.3f} vs {b:.3f} GB/cpu-s)",
+                    ">= 2x", a / b >= 2.0)
+    for ds in ("torch .pt model+Adam", "bf16 weights"):
+        cc = _row(results, ds, "comm_codec")
+        for key, label in (("enc", "compress"), ("dec", "decompress")):
+            v = cc[key][2] / cc[key][1]
+            got = cc["cpu"][(key, 2)][1]
+            add(f"{ds}: comm_codec {label} 2T vs 1T", f"{v:.2f}x (the 2T run got {got:.2f} cores)", ">= 1.8x",
+                v >= 1.8)
+    for pair, by_kind in kinds.items():
+        alone, delta = by_kind["standalone"], by_kind["delta"]
+        if "weight" in alone and "weight" in delta:
+            v = delta["weight"][1] / alone["weight"][1]
+            add(f"delta {pair}: weights vs standalone", f"{v:.2f}x ({delta['weight'][1]:.3f} vs "
+                f"{alone['weight'][1]:.3f})", ">= 2x ('far')", v >= 2.0)
+    for res in results:
+        for row in res["rows"]:
+            if not row["exact"]:
+                lines.append((f"{res['name']}: {row['codec']} round trip", "NOT exact", "exact", "(info)"))
+    if rss:
+        # The process after `import comm_codec.checkpoint` (torch, numba) is the floor; what
+        # compressing adds on top must stay at a few pieces in flight, whatever the file size.
+        for op in ("compress", "decompress"):
+            r = rss[op]
+            extra = (r["peak_kb"] - r["idle_kb"]) * 1024
+            add(f"peak RSS {op}, multi-GB checkpoint",
+                f"{r['peak_kb'] / 1024:.0f} MiB ({extra / 2**20:.0f} MiB above the {r['idle_kb'] / 1024:.0f} MiB "
+                f"after imports) for a {rss['file_bytes'] / 1e9:.2f} GB file",
+                "<= 256 MiB above imports and <= 10% of the file",
+                extra <= min(256 << 20, 0.1 * rss["file_bytes"]) and rss["exact"])
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, default=Path("/tmp/comm_codec_ckpts"),
+                   help="checkpoints from make_checkpoints.py (made here if missing)")
+    p.add_argument("--quick", action="store_true", help="< 60 s: 2 timed calls, samples for bz2/lzma, no big file")
+    p.add_argument("--repeat", type=int, default=3, help="timed calls per measurement, best kept (default 3)")
+    p.add_argument("--big-gb", type=float, default=4.0, help="size of the peak-memory checkpoint (0: skip)")
+    p.add_argument("--json", type=Path, help="write every number here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.quick:
+        args.repeat, args.big_gb = 2, 0.0
+    meta_path = args.data / "meta.json"
+    if not meta_path.exists():
+        log.info("making checkpoints in %s", args.data)
+        subprocess.run([sys.executable, str(_HERE / "make_checkpoints.py"), "--out", str(args.data)]
+                       + (["--quick"] if args.quick else []), check=True)
+    meta = json.loads(meta_path.read_text())
+    big = args.data / "big_bf16.safetensors"
+    if args.big_gb > 0 and (not big.exists() or big.stat().st_size < args.big_gb * 1e9 * 0.95):
+        log.info("making a %.1f GB checkpoint in %s", args.big_gb, big)
+        subprocess.run([sys.executable, str(_HERE / "make_checkpoints.py"), "--out", str(args.data),
+                        "--big-only", "--big-gb", str(args.big_gb)], check=True)
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+    work = shm / f"bench_checkpoint.{os.getpid()}"
+    work.mkdir()
+    results, kinds = [], {}
+    try:
+        for name, src, base, dtype in _datasets(args.data, meta):
+            log.info("%s: %s", name, src.name)
+            local = work / src.name
+            shutil.copyfile(src, local)
+            local_base = None
+            if base is not None:
+                local_base = work / ("base-" + base.name)
+                shutil.copyfile(base, local_base)
+            data = local.read_bytes()
+            rows = [_run_comm_codec(local, local_base, work, args.repeat)]
+            if base is None and name.endswith("weights"):
+                rows.append(_run_frames(data, dtype, args.repeat))
+            if base is not None:
+                alone = _run_comm_codec(local, None, work, 1)
+                kinds[name.replace("delta ", "")] = {"standalone": _ratio_by_kind(alone["index"]),
+                                                     "delta": _ratio_by_kind(rows[0]["index"])}
+                xz = _xor_zstd(local, local_base, args.repeat)
+                if xz:
+                    rows.append(xz)
+            comps = [_Zstd(), _Bz2(), _Lzma()]
+            try:
+                comps.append(_ZipNN(dtype))
+            except ImportError as exc:
+                log.warning("zipnn missing (%s): pip install comm_codec[bench]", exc)
+            for comp in comps:
+                sample = isinstance(comp, (_Bz2, _Lzma))
+                chunk = data[:_SAMPLE] if sample and args.quick else data
+                note = "first 4 MiB" if chunk is not data else ""
+                note += ("; " if note else "") + ("no delta mode: standalone" if base is not None else "")
+                rows.append(_run_comparator(comp, chunk, 1 if sample else args.repeat, note.strip("; ")))
+            for row in rows:
+                row.pop("index", None)
+            results.append({"name": name, "file": src.name, "bytes": len(data), "rows": rows})
+            local.unlink()
+            if local_base:
+                local_base.unlink()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rss = None
+    if args.big_gb > 0:
+        log.info("peak RSS on %s", big)
+        rss = _peak_rss(big, 2)
+
+    print("# comm_codec checkpoint benchmark")
+    print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, "
+          + ", ".join(f"{m} {importlib.metadata.version(m)}" for m in ("torch", "numba", "zstandard", "zipnn")))
+    print(f"data: {args.data} ({meta.get('params', 0) / 1e6:.2f} M parameters, checkpoints {meta['checkpoints']}); "
+          f"repeat {args.repeat}{', QUICK' if args.quick else ''}")
+    print("load average at the end: " + ", ".join(f"{x:.1f}" for x in os.getloadavg()))
+    _print_files(results)
+    _print_cpu(results)
+    print("\n## Delta against the previous checkpoint, per tensor kind (ratio; MB of source)\n")
+    print(f"{'pair':<20} {'kind':<12} {'MB':>7} {'standalone':>11} {'delta':>8}")
+    for pair, by_kind in kinds.items():
+        for kind in ("weight", "exp_avg", "exp_avg_sq", "other bytes"):
+            if kind in by_kind["delta"]:
+                mb = by_kind["delta"][kind][0] / 1e6
+                print(f"{pair:<20} {kind:<12} {mb:>7.2f} {by_kind['standalone'][kind][1]:>11.3f} "
+                      f"{by_kind['delta'][kind][1]:>8.3f}")
+    if rss:
+        print("\n## Peak memory (subprocess, 2 threads, file on disk)\n")
+        for op in ("compress", "decompress"):
+            r = rss[op]
+            print(f"{op:<11} {rss['file_bytes'] / 1e9:.2f} GB: peak RSS {r['peak_kb'] / 1024:.0f} MiB "
+                  f"(idle after imports {r['idle_kb'] / 1024:.0f} MiB), {r['seconds']:.1f} s, "
+                  f"{r['bytes'] / r['seconds'] / 1e9:.3f} GB/s, ratio {r['ratio']:.3f}")
+        print(f"round trip exact: {'yes' if rss['exact'] else 'NO'}")
+    lines = _targets(results, kinds, rss)
+    print("\n## Targets\n")
+    for what, value, need, verdict in lines:
+        print(f"{verdict:<6} {what}: {value} (target {need})")
+    if args.json:
+        for res in results:
+            for row in res["rows"]:
+                row["cpu"] = {f"{k[0]}{k[1]}T": v for k, v in (row.get("cpu") or {}).items()}
+        args.json.write_text(json.dumps({"results": results, "delta_by_kind": kinds, "peak_rss": rss,
+                                         "targets": lines}, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

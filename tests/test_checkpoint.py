@@ -1,0 +1,431 @@
+"""Checkpoint compression: byte-exact round trips, deltas, corrupt input, the CLI.
+
+Every round trip is checked with sha256 of the whole file; every failure case checks
+the error type and message, that no output (nor temp file) is left behind, and that the
+source is untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from comm_codec import checkpoint as ck
+from comm_codec.frame import FrameError
+
+_GEN = torch.Generator().manual_seed(0)
+
+
+def _sha(path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
+
+
+def _weights(*shape, dtype=torch.float32, scale=0.02) -> torch.Tensor:
+    return (torch.randn(*shape, generator=_GEN) * scale).to(dtype)
+
+
+def _round_trip(src, tmp_path, base=None, threads=1, name="x"):
+    """Compress and decompress src; assert the same sha256; return (summary, compressed path)."""
+    packed, restored = tmp_path / f"{name}.cckp", tmp_path / f"{name}.out"
+    summary = ck.compress_file(src, packed, base=base, threads=threads)
+    ck.decompress_file(packed, restored, base=base, threads=threads)
+    assert _sha(restored) == _sha(src)
+    return summary, packed
+
+
+def _leftovers(folder) -> list:
+    """Files a failed call could have left: outputs and temp files."""
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith((".out", ".tmp")))
+
+
+def _state_dict(step: int = 0) -> dict:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 128, generator=g) * 0.02
+    w = w + step * 1e-4 * torch.randn(64, 128, generator=torch.Generator().manual_seed(100 + step))
+    return {
+        "model": {"w": w, "w_bf16": w.to(torch.bfloat16), "w_fp16": w.to(torch.float16),
+                  "bias": torch.zeros(128), "ids": torch.arange(2000), "mask": torch.ones(3000, dtype=torch.bool),
+                  "q8": torch.randint(-128, 127, (5000,), dtype=torch.int8, generator=g),
+                  "f8": w.to(torch.float8_e4m3fn), "f64": w.double(),
+                  "col": w[:, 3], "view": w.view(-1)[100:200]},
+        "optimizer": {"state": {0: {"step": torch.tensor(float(step)), "exp_avg": w * 0.1,
+                                    "exp_avg_sq": w * w}},
+                      "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0]}]},
+        "step": step, "note": "checkpoint", "nested": [1, 2.5, None, ("a", b"bytes")],
+    }
+
+
+# -- round trips per format -------------------------------------------------------------
+def test_safetensors_round_trip_all_dtypes(tmp_path):
+    w = _weights(64, 128)
+    tensors = {"w_fp32": w, "w_bf16": w.bfloat16(), "w_fp16": w.half(), "w_f8": w.to(torch.float8_e5m2),
+               "f64": w.double(), "i64": torch.arange(4096), "i32": torch.arange(4096, dtype=torch.int32),
+               "b": torch.ones(5000, dtype=torch.bool), "u8": torch.randint(0, 255, (8192,), dtype=torch.uint8),
+               "tiny": torch.ones(3), "empty": torch.zeros(0), "scalar": torch.tensor(2.0)}
+    save_file(tensors, tmp_path / "m.safetensors", metadata={"format": "pt"})
+    for threads in (1, 2):
+        summary, packed = _round_trip(tmp_path / "m.safetensors", tmp_path, threads=threads)
+        assert summary.format == "safetensors" and summary.ratio > 1.0
+    index = ck.read_index(packed)
+    by_name = {t["name"]: t for t in index["tensors"]}
+    for name in ("w_fp32", "w_bf16", "w_fp16", "w_f8", "u8"):
+        assert by_name[name]["coding"] == "frame", name
+    for name in ("f64", "i64", "i32", "b", "tiny"):  # unsupported dtypes and tiny tensors: zstd
+        assert by_name[name]["coding"] == "opaque", name
+    assert by_name["f64"]["dtype"] == "float64" and by_name["w_bf16"]["shape"] == [64, 128]
+    listing = ck.describe(packed)
+    assert "w_bf16" in listing and "bfloat16" in listing and "64x128" in listing
+
+
+def test_torch_zip_round_trip_finds_storages_by_name(tmp_path):
+    torch.save(_state_dict(), tmp_path / "c.pt")
+    summary, packed = _round_trip(tmp_path / "c.pt", tmp_path, threads=2)
+    assert summary.format == "torch_zip"
+    tensors = {t["name"]: t for t in ck.read_index(packed)["tensors"]}
+    assert tensors["model.w"]["dtype"] == "float32" and tensors["model.w"]["coding"] == "frame"
+    assert tensors["model.w"]["shape"] == [64, 128]
+    assert tensors["model.w_bf16"]["coding"] == "frame"
+    assert tensors["model.f8"]["dtype"] == "float8_e4m3fn"  # _rebuild_tensor_v3 + dtype global
+    assert tensors["model.f64"]["dtype"] == "float64" and tensors["model.f64"]["coding"] == "opaque"
+    assert tensors["optimizer.state.0.exp_avg"]["kind"] == "optimizer_state"
+    assert tensors["model.w"]["kind"] == "weight"
+    # model.col and model.view share model.w's storage: one storage, one name.
+    assert "model.col" not in tensors and "model.view" not in tensors
+    restored = ck.load(packed)
+    assert torch.equal(restored["model"]["w"], _state_dict()["model"]["w"])
+
+
+def test_storage_claimed_with_two_dtypes_is_opaque(tmp_path):
+    """torch refuses to save this; a crafted file can claim it. The storage stays opaque."""
+    torch.save({"a": _weights(4096), "b": torch.arange(4096, dtype=torch.int32)}, tmp_path / "two.pt")
+    with zipfile.ZipFile(tmp_path / "two.pt") as src, \
+            zipfile.ZipFile(tmp_path / "v.pt", "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("data.pkl"):
+                assert data.count(b"X\x01\x00\x00\x001") == 1
+                data = data.replace(b"X\x01\x00\x00\x001", b"X\x01\x00\x00\x000")  # b's storage -> a's
+            dst.writestr(info.filename, data)
+    _, packed = _round_trip(tmp_path / "v.pt", tmp_path)
+    assert [t["coding"] for t in ck.read_index(packed)["tensors"]] == ["opaque", "opaque"]
+
+
+@settings(max_examples=25)
+@given(data=st.one_of(st.binary(max_size=3000), st.binary(min_size=5000, max_size=20000),
+                      st.sampled_from([b"", b"\x00" * 70000, b"PK\x03\x04" + b"\x00" * 100,
+                                       b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}\x00\x00"])))
+def test_generic_round_trip(tmp_path_factory, data):
+    folder = tmp_path_factory.mktemp("gen")
+    (folder / "f.bin").write_bytes(data)
+    summary, _ = _round_trip(folder / "f.bin", folder)
+    assert summary.format == "generic" and summary.original_bytes == len(data)
+
+
+def test_empty_file(tmp_path):
+    (tmp_path / "e").write_bytes(b"")
+    summary, packed = _round_trip(tmp_path / "e", tmp_path)
+    assert summary.original_bytes == 0 and ck.verify_file(packed).sha256 == hashlib.sha256(b"").hexdigest()
+
+
+def test_text_file_compresses(tmp_path):
+    (tmp_path / "t.txt").write_bytes(b"the quick brown fox jumps over the lazy dog\n" * 50000)
+    summary, _ = _round_trip(tmp_path / "t.txt", tmp_path, threads=2)
+    assert summary.ratio > 50
+
+
+def test_big_tensor_is_cut_into_pieces(tmp_path, monkeypatch):
+    monkeypatch.setattr(ck, "PIECE_BYTES", 64 << 10)
+    save_file({"w": _weights(300_000, dtype=torch.bfloat16)}, tmp_path / "b.safetensors")
+    _, packed = _round_trip(tmp_path / "b.safetensors", tmp_path, threads=2)
+    index = ck.read_index(packed)
+    chunk = index["tensors"][0]["chunk_elems"]
+    frames = [s for s in index["segments"] if s[4] == "frame"]
+    assert len(frames) == -(-300_000 // chunk) > 1  # pieces of one chunk each (64 kB < a chunk)
+
+
+def test_chunk_size_follows_the_data(tmp_path):
+    """Homogeneous tensors get large chunks; tensors whose scale changes get small ones."""
+    gen = torch.Generator().manual_seed(5)
+    flat = torch.randn(1 << 20, generator=gen) * 0.02
+    scaled = torch.randn(1 << 20, generator=gen) * torch.logspace(-8, 2, 16).repeat_interleave(1 << 16)
+    save_file({"flat": flat.bfloat16(), "scaled": scaled.bfloat16()}, tmp_path / "m.safetensors")
+    _, packed = _round_trip(tmp_path / "m.safetensors", tmp_path)
+    chunks = {t["name"]: t["chunk_elems"] for t in ck.read_index(packed)["tensors"]}
+    assert chunks == {"flat": 1 << 18, "scaled": 1 << 16}
+
+
+# -- deltas ------------------------------------------------------------------------------
+def test_delta_chain_of_three(tmp_path):
+    paths = []
+    for step in range(3):
+        paths.append(tmp_path / f"s{step}.pt")
+        torch.save(_state_dict(step), paths[-1])
+    standalone, _ = _round_trip(paths[1], tmp_path, name="alone")
+    d1, p1 = _round_trip(paths[1], tmp_path, base=paths[0], name="d1")
+    d2, p2 = _round_trip(paths[2], tmp_path, base=paths[1], name="d2")
+    assert d1.delta > 0 and d2.delta > 0
+    assert d1.ratio > standalone.ratio
+    index = ck.read_index(p2)
+    assert index["base"]["sha256"] == _sha(paths[1])
+    w_bf16 = next(t for t in index["tensors"] if t["name"] == "model.w_bf16")
+    assert w_bf16["transform"] == "xor"
+    # Each link restores with its own base only.
+    with pytest.raises(ck.CheckpointError, match="wrong base"):
+        ck.decompress_file(p2, tmp_path / "x.out", base=paths[0])
+
+
+def test_delta_safetensors_and_new_tensors(tmp_path):
+    w = _weights(256, 256, dtype=torch.bfloat16)
+    save_file({"w": w, "gone": w.clone()}, tmp_path / "a.safetensors")
+    save_file({"w": w.clone(), "new": _weights(64, 64), "gone": w[:10].clone()}, tmp_path / "b.safetensors")
+    summary, packed = _round_trip(tmp_path / "b.safetensors", tmp_path, base=tmp_path / "a.safetensors")
+    tensors = {t["name"]: t for t in ck.read_index(packed)["tensors"]}
+    assert tensors["w"]["transform"] == "xor"  # unchanged: all zeros after XOR
+    assert tensors["new"]["transform"] == "none"
+    index = ck.read_index(packed)
+    w_index = [t["name"] for t in index["tensors"]].index("w")
+    assert sum(seg[3] for seg in index["segments"] if seg[6] == w_index) < 1000  # 128 kB unchanged
+
+
+def test_base_may_be_a_standalone_compressed_file(tmp_path):
+    torch.save(_state_dict(0), tmp_path / "a.pt")
+    torch.save(_state_dict(1), tmp_path / "b.pt")
+    ck.compress_file(tmp_path / "a.pt", tmp_path / "a.cckp")
+    _round_trip(tmp_path / "b.pt", tmp_path, base=tmp_path / "a.cckp")
+    ck.compress_file(tmp_path / "b.pt", tmp_path / "b.cckp", base=tmp_path / "a.pt")
+    with pytest.raises(ck.CheckpointError, match="itself a delta"):
+        ck.compress_file(tmp_path / "a.pt", tmp_path / "c.cckp", base=tmp_path / "b.cckp")
+
+
+def test_missing_and_wrong_base_refused(tmp_path):
+    torch.save(_state_dict(0), tmp_path / "a.pt")
+    torch.save(_state_dict(1), tmp_path / "b.pt")
+    ck.compress_file(tmp_path / "b.pt", tmp_path / "b.cckp", base=tmp_path / "a.pt")
+    with pytest.raises(ck.CheckpointError, match=r"compressed against base a\.pt .*pass that original file"):
+        ck.decompress_file(tmp_path / "b.cckp", tmp_path / "b.out")
+    with pytest.raises(ck.CheckpointError, match="wrong base: .*b.pt has sha256"):
+        ck.decompress_file(tmp_path / "b.cckp", tmp_path / "b.out", base=tmp_path / "b.pt")
+    assert _leftovers(tmp_path) == []
+    # verify without the base checks every checksum, but cannot check the sha256
+    assert ck.verify_file(tmp_path / "b.cckp").sha256 is None
+    assert ck.verify_file(tmp_path / "b.cckp", base=tmp_path / "a.pt").sha256 == _sha(tmp_path / "b.pt")
+
+
+# -- bad input ---------------------------------------------------------------------------
+@pytest.fixture()
+def packed(tmp_path):
+    save_file({"w": _weights(128, 128, dtype=torch.bfloat16), "f": _weights(64, 64),
+               "i": torch.arange(3000)}, tmp_path / "m.safetensors")
+    ck.compress_file(tmp_path / "m.safetensors", tmp_path / "m.cckp")
+    return tmp_path / "m.cckp"
+
+
+def _expect_refused(bad: bytes, folder, match=None):
+    (folder / "bad.cckp").write_bytes(bad)
+    with pytest.raises((ck.CheckpointError, FrameError), match=match):
+        ck.decompress_file(folder / "bad.cckp", folder / "bad.out")
+    with pytest.raises((ck.CheckpointError, FrameError)):
+        ck.verify_file(folder / "bad.cckp")
+    assert _leftovers(folder) == []
+
+
+def test_bit_flips_are_detected(packed):
+    data = packed.read_bytes()
+    gen = torch.Generator().manual_seed(3)
+    spots = torch.randint(0, len(data) * 8, (40,), generator=gen).tolist()
+    spots += [0, 8 * 9, 8 * 12, 8 * (len(data) - 1), 8 * (len(data) - 20), 8 * 40]
+    for bit in spots:
+        bad = bytearray(data)
+        bad[bit // 8] ^= 1 << (bit % 8)
+        _expect_refused(bytes(bad), packed.parent)
+
+
+@pytest.mark.parametrize("keep", [0, 5, 16, 100, -33, -32, -1])
+def test_truncation_is_detected(packed, keep):
+    data = packed.read_bytes()
+    _expect_refused(data[:keep] if keep >= 0 else data[:len(data) + keep], packed.parent,
+                    match="truncated|not a comm_codec checkpoint")
+
+
+def test_trailing_garbage_is_detected(packed):
+    _expect_refused(packed.read_bytes() + b"garbage!", packed.parent, match="appended")
+
+
+def test_foreign_files_are_refused(tmp_path, packed):
+    import comm_codec as cc
+
+    frame = cc.Codec().encode(torch.ones(10))
+    _expect_refused(frame.numpy().tobytes(), tmp_path, match="is a comm_codec frame")
+    _expect_refused(ck.LOSSY_MAGIC + b"\0" * 64, tmp_path, match="lossy")
+    _expect_refused(b"hello world", tmp_path, match="bad magic")
+
+
+def test_unreadable_source_and_bad_arguments(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        ck.compress_file(tmp_path / "missing.pt", tmp_path / "x.cckp")
+    with pytest.raises(IsADirectoryError):
+        ck.compress_file(tmp_path, tmp_path / "x.cckp")
+    (tmp_path / "f").write_bytes(b"abc")
+    with pytest.raises(IsADirectoryError):
+        ck.compress_file(tmp_path / "f", tmp_path)
+    with pytest.raises(FileNotFoundError, match="No such directory"):
+        ck.compress_file(tmp_path / "f", tmp_path / "no" / "x.cckp")
+    with pytest.raises(ValueError, match="threads must be"):
+        ck.compress_file(tmp_path / "f", tmp_path / "x.cckp", threads=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+def test_source_untouched_and_dst_never_the_source(tmp_path):
+    torch.save(_state_dict(), tmp_path / "c.pt")
+    before = (os.stat(tmp_path / "c.pt").st_mtime_ns, _sha(tmp_path / "c.pt"))
+    ck.compress_file(tmp_path / "c.pt", tmp_path / "c.cckp")
+    with pytest.raises(ck.CheckpointError, match="is the source file"):
+        ck.compress_file(tmp_path / "c.pt", tmp_path / "c.pt")
+    assert (os.stat(tmp_path / "c.pt").st_mtime_ns, _sha(tmp_path / "c.pt")) == before
+
+
+def test_full_disk_leaves_nothing(tmp_path, monkeypatch):
+    torch.save(_state_dict(), tmp_path / "c.pt")
+
+    def no_space(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(ck.CheckpointError, match="cannot write .*No space left on device"):
+        ck.compress_file(tmp_path / "c.pt", tmp_path / "c.out")
+    assert _leftovers(tmp_path) == []
+
+
+def test_full_disk_on_decompress_fails_up_front(tmp_path, monkeypatch):
+    torch.save(_state_dict(), tmp_path / "c.pt")
+    ck.compress_file(tmp_path / "c.pt", tmp_path / "c.cckp")
+
+    def no_space(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with pytest.raises(ck.CheckpointError, match="cannot write .*c.out: No space left on device"):
+        ck.decompress_file(tmp_path / "c.cckp", tmp_path / "c.out", threads=2)
+    assert _leftovers(tmp_path) == []
+
+
+def test_source_changing_during_compression_is_refused(tmp_path, monkeypatch):
+    torch.save(_state_dict(), tmp_path / "c.pt")
+    monkeypatch.setattr(ck._Map, "unchanged", lambda self: False)
+    with pytest.raises(ck.CheckpointError, match="changed while it was being compressed"):
+        ck.compress_file(tmp_path / "c.pt", tmp_path / "c.out")
+    assert _leftovers(tmp_path) == []
+
+
+def test_never_unpickles(tmp_path):
+    """A torch-like zip whose pickle would create a file if it were ever loaded."""
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    payload = pickle.dumps({"w": Evil()}, protocol=2)
+    pickle.loads(payload)  # proof that the pickle is live ...
+    assert marker.exists()
+    marker.unlink()  # ... so that the checks below can fail
+    with zipfile.ZipFile(tmp_path / "evil.pt", "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("archive/data.pkl", payload)
+        zf.writestr("archive/data/0", _weights(4096).numpy().tobytes())
+        zf.writestr("archive/version", "3\n")
+    summary, packed = _round_trip(tmp_path / "evil.pt", tmp_path)
+    assert summary.format == "torch_zip"
+    assert ck.read_index(packed)["tensors"][0]["coding"] == "opaque"  # no dtype known: opaque
+    with pytest.raises(Exception):
+        ck.load(packed)  # weights_only=True refuses the pickle
+    assert not marker.exists()
+
+
+def test_misleading_pickle_and_zip_layout(tmp_path):
+    """Storages whose pickle lies about dtype or size, overlapping entries: still exact."""
+    pid = ("storage", "torch FloatStorage", "0", "cpu", 10**9)  # claims far more than stored
+
+    class Fake:
+        def __reduce__(self):
+            return (tuple, (pid,))
+
+    with zipfile.ZipFile(tmp_path / "lie.pt", "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("archive/data.pkl", pickle.dumps([Fake()], protocol=2))
+        zf.writestr("archive/data/0", _weights(4096).numpy().tobytes())
+        zf.writestr("archive/byteorder", "big")
+    _round_trip(tmp_path / "lie.pt", tmp_path)
+
+
+def test_save_load_api(tmp_path):
+    sd = _state_dict(0)
+    ck.save(sd, tmp_path / "a.cckp")
+    out = ck.load(tmp_path / "a.cckp")
+    assert torch.equal(out["model"]["w_bf16"].view(torch.int16), sd["model"]["w_bf16"].view(torch.int16))
+    assert out["nested"] == sd["nested"] and out["step"] == 0
+    torch.save(sd, tmp_path / "a.pt")
+    ck.save(_state_dict(1), tmp_path / "b.cckp", base=tmp_path / "a.pt")
+    assert torch.equal(ck.load(tmp_path / "b.cckp", base=tmp_path / "a.pt")["model"]["w"], _state_dict(1)["model"]["w"])
+    w = _weights(64, 64)
+    save_file({"w": w}, tmp_path / "s.safetensors")
+    ck.compress_file(tmp_path / "s.safetensors", tmp_path / "s.cckp")
+    assert torch.equal(ck.load(tmp_path / "s.cckp")["w"], w)
+    (tmp_path / "g.bin").write_bytes(b"not a checkpoint")
+    ck.compress_file(tmp_path / "g.bin", tmp_path / "g.cckp")
+    with pytest.raises(ck.CheckpointError, match="holds a generic file"):
+        ck.load(tmp_path / "g.cckp")
+
+
+def test_container_magic_and_trailer_are_pinned(packed):
+    data = packed.read_bytes()
+    assert data[:8] == b"\x89CCKP\r\n\x1a" and data[8:16] == struct.pack("<HHI", 1, 0, 0)
+    assert data[-8:] == ck.MAGIC and struct.unpack("<HH", data[-12:-8]) == (1, 1)
+    assert ck.is_checkpoint(packed) and ck.MAGIC != ck.LOSSY_MAGIC and not ck.MAGIC.startswith(b"CCFR")
+
+
+# -- command line ------------------------------------------------------------------------
+def _cli(*args, cwd, limit_bytes=None):
+    prefix = ""
+    if limit_bytes:
+        prefix = (f"import resource; resource.setrlimit(resource.RLIMIT_FSIZE, ({limit_bytes}, {limit_bytes})); ")
+    code = prefix + "import sys; from comm_codec.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cli_round_trip_and_errors(tmp_path):
+    torch.save(_state_dict(0), tmp_path / "a.pt")
+    torch.save(_state_dict(1), tmp_path / "b.pt")
+    r = _cli("compress", "b.pt", "b.cckp", "--base", "a.pt", "--threads", "2", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("compressed ") and "ratio" in r.stdout and "GB/s" in r.stdout
+    r = _cli("decompress", "b.cckp", "b.out", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("comm-codec: error: b.cckp was compressed against base a.pt")
+    assert "Traceback" not in r.stderr and not (tmp_path / "b.out").exists()
+    r = _cli("decompress", "b.cckp", "b.out", "--base", "a.pt", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert _sha(tmp_path / "b.out") == _sha(tmp_path / "b.pt")
+    r = _cli("ls", "b.cckp", cwd=tmp_path)
+    assert r.returncode == 0 and "model.w_bf16" in r.stdout and "xor-frame" in r.stdout
+    r = _cli("verify", "missing.cckp", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr == "comm-codec: error: No such file or directory: missing.cckp\n"
+    assert _leftovers(tmp_path) == ["b.out"]
+
+
+def test_cli_file_size_limit_is_a_clean_error(tmp_path):
+    """RLIMIT_FSIZE stands in for a full disk: a clear message, exit 2, nothing left."""
+    (tmp_path / "r.bin").write_bytes(os.urandom(300_000))
+    r = _cli("compress", "r.bin", "r.cckp", cwd=tmp_path, limit_bytes=100_000)
+    assert r.returncode == 2 and r.stderr.startswith("comm-codec: error: cannot write r.cckp: File too large")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.bin"]
