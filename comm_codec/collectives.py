@@ -7,8 +7,9 @@ two-phase (design.md, "All-reduce of variable-length frames"):
    it does not own and sends shard r to rank r with one uneven ``all_to_all_single``;
    rank r decodes them and sums all W shards **in rank order** in float32 (float32
    buffers: float32), then divides by W for an average, rounding to the buffer dtype once.
-2. *all-gather*: each owner encodes its reduced shard; frames are padded to the largest
-   and all-gathered; every rank decodes them in place.
+2. *all-gather*: each owner encodes its reduced shard and sends it to every rank (an
+   uneven all_to_all_single: no padding to the largest frame); every rank decodes them
+   in place.
 
 Every rank ends with the owner's bits for every shard, so results are bit-identical on
 all ranks, and equal to the rank-order sum of the raw inputs. Errors (a frame that fails
@@ -167,39 +168,45 @@ def _finish_reduce(exchange: _Exchange, tensor, codec, cast, average, stats, ran
 
 
 class _Gather:
-    """Phase 2 in flight: every owner's reduced frame, padded, in an async all_gather."""
+    """Phase 2 in flight: every owner's reduced frame sent to every rank, async.
 
-    __slots__ = ("work", "gathered", "sizes", "longest")
+    Frames differ in size from rank to rank (an embedding's mostly-zero shard codes to a
+    fraction of a dense one), so they travel in an uneven all_to_all_single, each rank
+    sending its own frame to each peer, rather than in an all_gather padded to the
+    largest frame, which cost the whole gain of the small ones.
+    """
+
+    __slots__ = ("work", "recv", "recv_splits", "send", "sent")
 
     def __init__(self, frame: torch.Tensor, group, error: str | None):
         world = dist.get_world_size(group)
+        rank = dist.get_rank(group)
         size = torch.tensor([-1 if error else frame.numel()], dtype=torch.int64)
-        sizes = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(sizes, size, group=group)
-        self.sizes = [int(x) for x in sizes]
-        if min(self.sizes) < 0:  # some rank failed phase 1: every rank raises here
+        gathered = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(gathered, size, group=group)
+        sizes = [int(x) for x in gathered]
+        if min(sizes) < 0:  # some rank failed phase 1: every rank raises here
             messages = [None] * world
             dist.all_gather_object(messages, error, group=group)
             failed = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m)
             raise CollectiveError(f"compressed collective failed: {failed}")
-        self.longest = max(self.sizes)
-        padded = torch.empty(self.longest, dtype=torch.uint8)
-        padded[: frame.numel()] = frame
-        padded[frame.numel():] = 0
-        self.gathered = torch.empty(world * self.longest, dtype=torch.uint8)
-        self.work = dist.all_gather(list(self.gathered.view(world, self.longest)), padded, group=group,
-                                    async_op=True)
+        send_splits = [0 if r == rank else frame.numel() for r in range(world)]
+        self.recv_splits = [0 if r == rank else sizes[r] for r in range(world)]
+        self.send = frame.repeat(world - 1)  # one copy per peer, kept alive until sent
+        self.sent = (world - 1) * frame.numel()
+        self.recv = torch.empty(sum(self.recv_splits), dtype=torch.uint8)
+        self.work = dist.all_to_all_single(self.recv, self.send, output_split_sizes=self.recv_splits,
+                                           input_split_sizes=send_splits, group=group, async_op=True)
 
     def frames(self) -> list[torch.Tensor]:
+        """Every rank's frame; this rank's own slot is empty (it keeps its own result)."""
         self.work.wait()
-        n = self.longest
-        return [self.gathered[r * n: r * n + size] for r, size in enumerate(self.sizes)]
-
+        return list(torch.split(self.recv, self.recv_splits))
 
 def _gather_frames(frame: torch.Tensor, group, error: str | None) -> tuple[list[torch.Tensor], int]:
-    """All-gather one variable-size frame per rank (padded); return frames and padded size."""
+    """Send one variable-size frame from every rank to every rank; return frames and bytes sent."""
     gather = _Gather(frame, group, error)
-    return gather.frames(), gather.longest
+    return gather.frames(), gather.sent
 
 
 def _pieces(numel: int, world: int) -> list[tuple[int, int]]:
@@ -268,7 +275,7 @@ def all_reduce(tensor: torch.Tensor, codec: Codec | None = None, group=None, *, 
                 gathers[k] = _Gather(frame, group, failed)
                 lo, hi = bounds[k][rank]
                 stats.add(bytes_in=(world - 1) * (hi - lo) * flat.element_size(),
-                          bytes_out=(world - 1) * gathers[k].longest + 8 * world)
+                          bytes_out=gathers[k].sent + 8 * world)
             if k >= 1:  # decoded while piece k is gathered
                 error = error or _finish_gather(gathers.pop(k - 1), pieces[k - 1], bounds[k - 1],
                                                 reduced.pop(k - 1), codec, stats, rank)
@@ -358,9 +365,9 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, codec: Cod
     stats = stats if stats is not None else CommStats()
     with stats.timer("comm_seconds"):
         frame = _encode(codec, flat, kind, None, stats)
-        frames, longest = _gather_frames(frame, group, None)
+        frames, sent = _gather_frames(frame, group, None)
         stats.add(bytes_in=(world - 1) * flat.numel() * flat.element_size(),
-                  bytes_out=(world - 1) * longest + 8 * world, calls=1)
+                  bytes_out=sent + 8 * world, calls=1)
         error = None
         try:
             for r in range(world):
