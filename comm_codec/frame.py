@@ -17,9 +17,9 @@ Chunk flags: ``MASK`` (elements whose bits are all zero are left out of the stre
 marked by a 0 in an LSB-first bitmap of the chunk), ``ZERO`` (every element is +0.0: no
 payload at all), ``RAW0 << s`` (stream s of this chunk is stored uncoded). ``ref`` is the
 chunk's reference exponent: stream-0 symbols are coded as ``(byte - (ref << exp_shift))
-mod 256``. The checksum is a 64-bit multiply-xor hash of the chunk's payload words folded
-to 32 bits: the 64-bit hash changes under any change confined to one word, the folded
-value misses such a change with probability 2**-32.
+mod 256``. The checksum is a 64-bit multiply-xor hash (four interleaved chains) of the
+chunk's payload words folded to 32 bits: the 64-bit hash changes under any change
+confined to one word, the folded value misses such a change with probability 2**-32.
 """
 
 from __future__ import annotations

@@ -232,9 +232,13 @@ def pad8(n: int) -> int:
 
 def payload_hash(data: bytes, chunk_index: int) -> int:
     """The chunk checksum: xor-multiply over little-endian 64-bit words, folded to 32 bits."""
-    h = _HASH_SEED ^ chunk_index
-    for k in range(0, len(data), 8):
-        h = ((h ^ int.from_bytes(data[k : k + 8], "little")) * _HASH_MUL) & _M64
+    # Four multiply-xor chains over the words k = j mod 4, then chained together.
+    lanes = [_HASH_SEED ^ chunk_index ^ j for j in range(4)]
+    for i, k in enumerate(range(0, len(data), 8)):
+        lanes[i % 4] = ((lanes[i % 4] ^ int.from_bytes(data[k : k + 8], "little")) * _HASH_MUL) & _M64
+    h = lanes[0]
+    for j in range(1, 4):
+        h = ((h ^ lanes[j]) * _HASH_MUL) & _M64
     return (h >> 32) ^ (h & 0xFFFFFFFF)
 
 

@@ -59,11 +59,11 @@ GOLDEN_BF16 = "".join([
     # book ids: stream 0 ef91d20e5c0f5c91, stream 1 raw (0)
     "915c0f5c0ed291ef" "0000000000000000",
     # chunk table: cflags, ref, 0, checksum, size[0], size[1]
-    "20" "79" "0000" "a5c89486" "30000000" "40000000",  # RAW1, ref 121 (2^-6), 48 + 64 bytes
-    "02" "00" "0000" "c0bfd04f" "00000000" "00000000",  # ZERO
-    "31" "7f" "0000" "b2e74617" "0c000000" "0c000000",  # MASK|RAW0|RAW1, ref 127, 12 + 12
+    "20" "79" "0000" "7609c933" "30000000" "40000000",  # RAW1, ref 121 (2^-6), 48 + 64 bytes
+    "02" "00" "0000" "8b9710a6" "00000000" "00000000",  # ZERO
+    "31" "7f" "0000" "57b92315" "0c000000" "0c000000",  # MASK|RAW0|RAW1, ref 127, 12 + 12
     # header CRC-32, zero
-    "c1663d86" "00000000",
+    "f40f3252" "00000000",
     # chunk 0 stream 0: four lane byte lengths, four lanes padded to 8 bytes
     "05000000" "05000000" "05000000" "05000000",
     "c0556f1f00000000" "b8eaed0300000000" "57bd7dc015000000" "bd7dc0556f000000",

@@ -236,10 +236,31 @@ def plan_chunks(bits, chunk_elems, exp_shift, enc_len, raw_stream, cflags, refs,
 
 @numba.njit(**_JIT)
 def _hash_words(words, start, nwords, seed):
-    h = _HASH_SEED ^ np.uint64(seed)
+    """Checksum of words[start:start+nwords]: four multiply-xor chains, then combined.
+
+    Four chains (over words k = j mod 4) keep four multiplications in flight; one chain
+    was bound by the multiply's latency (0.16 ns per bf16 element of encode time).
+    """
+    base = _HASH_SEED ^ np.uint64(seed)
+    h0 = base
+    h1 = base ^ np.uint64(1)
+    h2 = base ^ np.uint64(2)
+    h3 = base ^ np.uint64(3)
     view = words[start:start + nwords]
-    for k in range(view.size):
-        h = (h ^ view[k]) * _HASH_MUL
+    q = view.size // 4
+    for k in range(q):
+        h0 = (h0 ^ view[4 * k]) * _HASH_MUL
+        h1 = (h1 ^ view[4 * k + 1]) * _HASH_MUL
+        h2 = (h2 ^ view[4 * k + 2]) * _HASH_MUL
+        h3 = (h3 ^ view[4 * k + 3]) * _HASH_MUL
+    r = view.size - 4 * q
+    if r > 0:
+        h0 = (h0 ^ view[4 * q]) * _HASH_MUL
+    if r > 1:
+        h1 = (h1 ^ view[4 * q + 1]) * _HASH_MUL
+    if r > 2:
+        h2 = (h2 ^ view[4 * q + 2]) * _HASH_MUL
+    h = (((h0 ^ h1) * _HASH_MUL ^ h2) * _HASH_MUL ^ h3) * _HASH_MUL
     return np.uint32((h >> np.uint64(32)) ^ (h & np.uint64(0xFFFFFFFF)))
 
 
