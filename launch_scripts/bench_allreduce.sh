@@ -32,38 +32,14 @@ while [ $# -gt 0 ]; do
     shift
 done
 
-NS="${CCBW_NS:-ccbw}"
 PY="${PYTHON:-python}"
 BENCH=launch_scripts/bench_allreduce.py
 RESULTS="$OUT/results"
-CREATED=0
 FILES=()
 FAILED=0
-
-cleanup() {
-    if [ "$CREATED" = 1 ]; then
-        ip netns del "$NS" 2>/dev/null || true
-        CREATED=0
-        echo "(namespace $NS deleted)"
-    fi
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
+source launch_scripts/netns.sh
 if [ "$NETNS" = 1 ]; then
-    if [ "$(id -u)" != 0 ]; then
-        echo "bench_allreduce.sh: network namespaces need root; rerun as root or with --no-netns" >&2
-        exit 2
-    fi
-    if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
-        echo "ip/tc not found: installing iproute2"
-        apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null
-    fi
-    if ip netns list | grep -qw "$NS"; then
-        echo "bench_allreduce.sh: namespace $NS already exists (another run?); delete it with" \
-             "'ip netns del $NS' or set CCBW_NS" >&2
-        exit 2
-    fi
+    netns_check bench_allreduce.sh
 fi
 
 start=$(date +%s)
@@ -96,17 +72,12 @@ run() {  # run LABEL RATE WORLD [ip netns exec NS]
 }
 
 if [ "$NETNS" = 1 ]; then
-    ip netns add "$NS"
-    CREATED=1
-    ip netns exec "$NS" ip link set lo up
-    ip netns exec "$NS" tc qdisc add dev lo root tbf rate 1gbit burst 256kb latency 50ms
-    echo "namespace $NS: $(ip netns exec "$NS" tc qdisc show dev lo)"
+    netns_up 1gbit
     # (TORCH_CPP_LOG_LEVEL: the namespace has no DNS, and c10d warns about every peer's name)
     for w in 2 4; do run "1 Gbit/s" 1 "$w" ip netns exec "$NS" env TORCH_CPP_LOG_LEVEL=ERROR; done
-    ip netns exec "$NS" tc qdisc replace dev lo root tbf rate 10gbit burst 256kb latency 50ms
-    echo "namespace $NS: $(ip netns exec "$NS" tc qdisc show dev lo)"
+    netns_rate 10gbit
     for w in 2 4; do run "10 Gbit/s" 10 "$w" ip netns exec "$NS" env TORCH_CPP_LOG_LEVEL=ERROR; done
-    cleanup
+    netns_down
 fi
 for w in 2 4; do run "unshaped" 0 "$w"; done
 

@@ -38,32 +38,9 @@ while [ $# -gt 0 ]; do
     shift
 done
 
-NS="${CCBW_NS:-ccbw}"
 PY="${PYTHON:-python}"
-CREATED=0
-cleanup() {
-    if [ "$CREATED" = 1 ]; then
-        ip netns del "$NS" 2>/dev/null || true
-        CREATED=0
-        echo "(namespace $NS deleted)"
-    fi
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-if [ "$(id -u)" != 0 ]; then
-    echo "bench_deepspeed.sh: network namespaces need root" >&2
-    exit 2
-fi
-if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
-    echo "ip/tc not found: installing iproute2"
-    apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null
-fi
-if ip netns list | grep -qw "$NS"; then
-    echo "bench_deepspeed.sh: namespace $NS already exists (another run?); delete it with" \
-         "'ip netns del $NS' or set CCBW_NS" >&2
-    exit 2
-fi
+source launch_scripts/netns.sh
+netns_check bench_deepspeed.sh
 mkdir -p "$OUT"
 echo "comm_codec DeepSpeed benchmark, $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg) at start"
 echo "(other processes on these cores distort every timing below: check the load average)"
@@ -80,13 +57,9 @@ run() {  # run LABEL [ip netns exec NS]
         --json "$OUT/$(echo "$label" | tr -cd '[:alnum:]')_v$VOCAB.json"
 }
 
-ip netns add "$NS"
-CREATED=1
-ip netns exec "$NS" ip link set lo up
-ip netns exec "$NS" tc qdisc add dev lo root tbf rate 1gbit burst 256kb latency 50ms
-echo "namespace $NS: $(ip netns exec "$NS" tc qdisc show dev lo)"
+netns_up 1gbit
 run "1 Gbit/s" ip netns exec "$NS"
-cleanup
+netns_down
 if [ "$UNSHAPED" = 1 ]; then
     run "unshaped"
 fi
