@@ -107,7 +107,9 @@ def report(books: CodebookSet, heldout: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-def _plot(books: CodebookSet, path: str) -> None:
+def _plot(books: CodebookSet, path: str, prof: WarmupProfiler | None = None) -> None:
+    """Draw each coded book's implied probabilities 2^-len (bars) over the averaged
+    distribution it was built from (line, when the profiler is given)."""
     try:
         import matplotlib
 
@@ -119,10 +121,15 @@ def _plot(books: CodebookSet, path: str) -> None:
     fig, axes = plt.subplots(len(coded), 1, figsize=(8, 1.6 * len(coded) + 1), squeeze=False)
     for ax, (key, book) in zip(axes[:, 0], coded):
         bits = book.symbol_bits()
-        ax.bar(np.arange(256), 2.0 ** -bits, width=1.0, color="tab:blue")
+        ax.bar(np.arange(256), 2.0 ** -bits, width=1.0, color="tab:blue", label="2^-code length")
+        dist = prof.distribution(key[0], key[1]) if prof is not None else None
+        if dist is not None:
+            p = np.where(dist[key[2]] > 0, dist[key[2]], np.nan)
+            ax.plot(np.arange(256), p, color="tab:orange", lw=0.8, label="averaged distribution")
+            ax.legend(fontsize=6, loc="upper center")
         ax.set_yscale("log")
         ax.set_xlim(0, 255)
-        ax.set_ylabel("2^-len", fontsize=7)
+        ax.set_ylabel("probability", fontsize=7)
         ax.set_title("%s / %s / stream %d  (book %s)" % (*key, book.id), fontsize=8)
         ax.tick_params(labelsize=6)
     axes[-1, 0].set_xlabel("symbol (stream 0: exponent relative to the chunk reference)")
@@ -233,7 +240,7 @@ def _cmd_profile(args) -> int:
         print(report(books, heldout))
         print(f"\nwrote {args.out}: {len(books)} books, digest {books.digest}")
         if args.plot:
-            _plot(books, args.plot)
+            _plot(books, args.plot, prof)
     return 0
 
 
@@ -245,5 +252,6 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=5, help="steps that build the books (with --entry)")
     p.add_argument("--holdout", type=int, default=0, help="later steps used to evaluate the books")
     p.add_argument("--out", default="codebooks.json", help="where to write the books")
-    p.add_argument("--plot", help="also draw code lengths per book into this PNG (needs matplotlib)")
+    p.add_argument("--plot", help="also draw each book's code lengths over its averaged distribution "
+                                  "into this PNG (needs matplotlib: the 'plot' extra)")
     p.set_defaults(func=_cmd_profile)

@@ -149,6 +149,14 @@ class WarmupProfiler:
 
         return [m.register_forward_hook(hook) for m in modules]
 
+    def distribution(self, kind: str, dtype) -> np.ndarray | None:
+        """Return the averaged normalized distributions (float64[nstreams, 256]) of this
+        process's observations of a kind and dtype, or None if there were none."""
+        acc = self._acc.get((kind, spec_for(dtype).name))
+        if acc is None or acc[1] == 0:
+            return None
+        return acc[0] / acc[1]
+
     def kinds(self) -> list[tuple[str, str]]:
         """Return the (kind, dtype) pairs observed so far."""
         return sorted(self._acc)

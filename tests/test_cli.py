@@ -116,3 +116,14 @@ def test_inspect_lists_a_compressed_checkpoint_and_survives_a_closed_pipe(tmp_pa
     p = subprocess.run(f"{sys.executable} -m comm_codec inspect {dst} | head -1", shell=True, cwd=REPO,
                        capture_output=True, text=True, timeout=120)
     assert "Traceback" not in p.stderr and p.stdout.count("\n") == 1
+
+
+def test_profile_plot_draws_a_png(tmp_path):
+    from safetensors.torch import save_file
+
+    src = tmp_path / "w.safetensors"
+    save_file({"a.weight": torch.randn(20000, dtype=torch.bfloat16) * 0.02}, str(src))
+    png = tmp_path / "books.png"
+    r = run("profile", "--checkpoint", str(src), "--out", str(tmp_path / "b.json"), "--plot", str(png))
+    assert r.returncode == 0, r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000

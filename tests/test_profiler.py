@@ -271,3 +271,18 @@ def test_stream_counts_counts_rare_zeros_and_leaves_out_common_ones():
     x[:4000] = 0  # 24 %: the encoder masks them, so they are not counted
     counts, zeros = stream_counts(x, chunk_elems=16384)
     assert zeros == 4000 and counts[0].sum() == 16384 - 4000
+
+
+def test_distribution_is_the_average_of_normalized_observations():
+    from comm_codec.profiler import stream_counts
+
+    prof = cc.WarmupProfiler()
+    a = torch.randn(5000, dtype=torch.bfloat16)
+    b = torch.randn(50000, dtype=torch.bfloat16) * 1e-3
+    prof.observe(a, "gradient")
+    prof.observe(b, "gradient")
+    ca, _ = stream_counts(a)
+    cb, _ = stream_counts(b)
+    expected = (ca / ca.sum(axis=1, keepdims=True) + cb / cb.sum(axis=1, keepdims=True)) / 2
+    assert np.allclose(prof.distribution("gradient", torch.bfloat16), expected)
+    assert prof.distribution("weight", torch.bfloat16) is None
