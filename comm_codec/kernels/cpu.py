@@ -391,7 +391,6 @@ def _encode_chunk(src, c, flags, ref, sizes, pos, exp_shift, enc_code, enc_len, 
                 kept[j] = src[i]
                 j += 1
         src = kept[:j]
-    count = src.size
     for s in range(enc_len.shape[0]):
         size = np.int64(sizes[c, s])
         if flags & (_CHUNK_RAW0 << s):
