@@ -142,6 +142,8 @@ _CHUNKS = (1 << 16, 1 << 18)
 _CHUNK_OVERHEAD_BYTES = 48
 # Book choice looks at about this many elements of a tensor (whole chunks, spread out).
 _SAMPLE_ELEMS = 1 << 18
+# Books kept per (dtype, stream) for reuse by later tensors.
+_MAX_REUSED_BOOKS = 64
 _MAX_INDEX_BYTES = 1 << 30
 _INT_NP = {1: np.uint8, 2: np.int16, 4: np.int32}
 _METHODS = ("frame", "zstd", "stored")
@@ -473,20 +475,26 @@ class _BookChooser:
         holds it already). Otherwise a new one is built and its cost in the index
         counted. Tensors are planned in file order, so the choice is deterministic.
         """
-        built = self._built.setdefault((dtype, stream), [])
-        best = None
-        for book, redundancy in built:
-            excess = book.expected_bits(c) - h - redundancy
-            if excess <= _REUSE_SLACK_BITS and (best is None or excess < best[0]):
-                best = (excess, book)
-        if best is not None:
-            return best[1].expected_bits(c) * n, best[1], "tensor"
+        built = self._built.get((dtype, stream))
+        if built is None:
+            # Symbol costs of the books built so far, one row each, so that weighing them
+            # all against a tensor is one matrix-vector product.
+            built = self._built[(dtype, stream)] = (np.empty((_MAX_REUSED_BOOKS, 256)), [], [])
+        costs, books, redundancies = built
+        if books:
+            per_symbol = costs[: len(books)] @ c / n
+            excess = per_symbol - h - np.asarray(redundancies)
+            j = int(np.argmin(excess))
+            if excess[j] <= _REUSE_SLACK_BITS:
+                return float(per_symbol[j]) * n, books[j], "tensor"
         if h * n + _BOOK_COST_BITS >= best_so_far:  # a new book cannot pay for its place
             return math.inf, None, "tensor"
         book = Codebook.from_counts(c, raw_threshold=None)
         bits = book.expected_bits(c)
-        if len(built) < 64:
-            built.append((book, bits - h))
+        if len(books) < _MAX_REUSED_BOOKS:
+            costs[len(books)] = book.symbol_bits()
+            books.append(book)
+            redundancies.append(bits - h)
         return bits * n + _BOOK_COST_BITS, book, "tensor"
 
     def codec_for(self, books: list[Codebook], origins: list[str], spec, chunk_elems: int):

@@ -40,6 +40,8 @@ import hashlib
 
 import numpy as np
 
+from .kernels import cpu as _cpu
+
 __all__ = [
     "Codebook",
     "CodebookError",
@@ -70,44 +72,9 @@ class CodebookError(ValueError):
     """A codebook file or dict is malformed: bad lengths, wrong id, Kraft violated."""
 
 
-def _package_merge(weights: list[int], limit: int) -> list[int]:
-    """Return optimal code lengths (<= limit) for positive integer weights.
-
-    Items are kept as (weight, tie, counts) where counts maps item -> occurrences; ties
-    are broken by position in the sorted leaf list, leaves before packages, so the
-    result depends only on the weights.
-    """
-    n = len(weights)
-    if n == 1:
-        return [1]
-    if (1 << limit) < n:
-        raise ValueError(f"{n} symbols cannot be coded in {limit} bits")
-    order = sorted(range(n), key=lambda i: (weights[i], i))
-    leaves = []
-    for rank, i in enumerate(order):
-        counts = np.zeros(n, dtype=np.int32)
-        counts[i] = 1
-        leaves.append((weights[i], 0, rank, counts))
-    current = list(leaves)
-    for _ in range(limit - 1):
-        packages = []
-        for k in range(len(current) // 2):
-            a, b = current[2 * k], current[2 * k + 1]
-            packages.append((a[0] + b[0], 1, k, a[3] + b[3]))
-        # Stable merge by (weight, leaf-first, position).
-        current = sorted(leaves + packages, key=lambda item: item[:3])
-    lengths = np.zeros(n, dtype=np.int32)
-    for item in current[: 2 * n - 2]:
-        lengths += item[3]
-    return [int(x) for x in lengths]
-
-
-def _reverse_bits(code: int, length: int) -> int:
-    out = 0
-    for _ in range(length):
-        out = (out << 1) | (code & 1)
-        code >>= 1
-    return out
+# _REV12[x] is x's 12 low bits in reverse order: a code of length l, written MSB first,
+# is packed LSB first as _REV12[code] >> (12 - l).
+_REV12 = np.array([int(format(x, "012b")[::-1], 2) for x in range(1 << 12)], dtype=np.int64)
 
 
 def _quantize(counts) -> np.ndarray:
@@ -172,7 +139,8 @@ class Codebook:
             )
         if not escaped and escape_length != 0:
             raise CodebookError("escape_length must be 0 when no symbol is escaped")
-        kraft = sum(1 << (MAX_CODE_LENGTH - int(x)) for x in arr if x) + (
+        used = arr[arr > 0].astype(np.int64)
+        kraft = int((np.int64(1) << (MAX_CODE_LENGTH - used)).sum()) + (
             (1 << (MAX_CODE_LENGTH - escape_length)) if escaped else 0
         )
         if kraft > 1 << MAX_CODE_LENGTH:
@@ -200,21 +168,25 @@ class Codebook:
             ValueError: wrong shape, negative or non-finite counts, or all zeros.
         """
         w = _quantize(counts)
-        direct = [s for s in range(256) if w[s] >= _ESCAPE_BELOW * _WEIGHT_SCALE]
-        escaped = [s for s in range(256) if w[s] < _ESCAPE_BELOW * _WEIGHT_SCALE]
-        symbols = list(direct)
-        weights = [int(w[s]) for s in direct]
-        if escaped:
-            symbols.append(_ESCAPE)
-            weights.append(max(int(w[escaped].sum()), _ESCAPE_FLOOR))
-        lens = _package_merge(weights, MAX_CODE_LENGTH)
+        escaped = w < _ESCAPE_BELOW * _WEIGHT_SCALE
+        symbols = np.nonzero(~escaped)[0]
+        weights = w[symbols]
+        if escaped.any():
+            symbols = np.append(symbols, _ESCAPE)
+            weights = np.append(weights, max(int(w[escaped].sum()), _ESCAPE_FLOOR))
+        # Ties are broken by symbol (a stable sort), so the book depends on the counts alone.
+        order = np.argsort(weights, kind="stable")
+        if (1 << MAX_CODE_LENGTH) < symbols.size:  # pragma: no cover - 257 symbols always fit
+            raise ValueError(f"{symbols.size} symbols cannot be coded in {MAX_CODE_LENGTH} bits")
+        by_rank = _cpu.package_merge(weights[order].astype(np.int64), MAX_CODE_LENGTH)
+        lens = np.empty(symbols.size, dtype=np.int64)
+        lens[order] = by_rank
         lengths = np.zeros(256, dtype=np.uint8)
         esc_len = 0
-        for s, length in zip(symbols, lens):
-            if s == _ESCAPE:
-                esc_len = length
-            else:
-                lengths[s] = length
+        if symbols[-1] == _ESCAPE:
+            esc_len = int(lens[-1])
+            symbols, lens = symbols[:-1], lens[:-1]
+        lengths[symbols] = lens
         book = cls(lengths, esc_len)
         if raw_threshold is not None and book.expected_bits(counts) >= raw_threshold:
             return cls.raw_book()
@@ -276,18 +248,22 @@ class Codebook:
             self._tables = self._build_tables()
         return self._tables
 
-    def _canonical_codes(self) -> dict[int, tuple[int, int]]:
-        entries = [(int(self.lengths[s]), s) for s in range(256) if self.lengths[s]]
+    def _canonical_codes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Return (symbols, lengths, codes) in canonical order: by length, then symbol.
+
+        The escape is symbol 256. Codes are MSB-first integers: each is the Kraft sum of
+        the codes before it, scaled to its length (exact, as lengths never decrease).
+        """
+        symbols = np.nonzero(self.lengths)[0]
+        lengths = self.lengths[symbols].astype(np.int64)
         if self.escape_length:
-            entries.append((self.escape_length, _ESCAPE))
-        entries.sort()
-        codes, code, prev = {}, 0, entries[0][0]
-        for length, sym in entries:
-            code <<= length - prev
-            prev = length
-            codes[sym] = (code, length)
-            code += 1
-        return codes
+            symbols = np.append(symbols, _ESCAPE)
+            lengths = np.append(lengths, self.escape_length)
+        order = np.lexsort((symbols, lengths))
+        symbols, lengths = symbols[order], lengths[order]
+        space = np.int64(1) << (MAX_CODE_LENGTH - lengths)
+        before = np.concatenate(([0], np.cumsum(space)[:-1]))
+        return symbols, lengths, before >> (MAX_CODE_LENGTH - lengths)
 
     def _build_tables(self):
         enc_code = np.zeros(256, dtype=np.uint32)
@@ -297,23 +273,23 @@ class Codebook:
             enc_code[:] = np.arange(256, dtype=np.uint32)
             enc_len[:] = 8
             return enc_code, enc_len, dec
-        codes = self._canonical_codes()
-        for sym, (code, length) in codes.items():
-            rev = _reverse_bits(code, length)
-            if sym == _ESCAPE:
-                entry = DEC_ESCAPE_FLAG | (length << DEC_LEN_SHIFT)
-            else:
-                entry = sym | (length << DEC_LEN_SHIFT)
-            dec[rev :: 1 << length] = entry
+        symbols, lengths, codes = self._canonical_codes()
+        rev = _REV12[codes] >> (MAX_CODE_LENGTH - lengths)
+        entries = np.where(symbols == _ESCAPE, DEC_ESCAPE_FLAG, symbols) | (lengths << DEC_LEN_SHIFT)
+        # A code of length l fills every table slot whose low l bits are its reversed code.
+        fills = np.int64(1) << (DECODE_BITS - lengths)
+        first = np.concatenate(([0], np.cumsum(fills)[:-1]))
+        k = np.arange(int(fills.sum())) - np.repeat(first, fills)
+        dec[np.repeat(rev, fills) + (k << np.repeat(lengths, fills))] = np.repeat(entries, fills)
+        direct = symbols != _ESCAPE
+        enc_code[symbols[direct]] = rev[direct]
+        enc_len[symbols[direct]] = lengths[direct]
+        escaped = self.lengths == 0
         if self.escape_length:
-            esc_code, esc_len = codes[_ESCAPE]
-            esc_rev = _reverse_bits(esc_code, esc_len)
-        for s in range(256):
-            if self.lengths[s]:
-                code, length = codes[s]
-                enc_code[s], enc_len[s] = _reverse_bits(code, length), length
-            else:
-                enc_code[s], enc_len[s] = esc_rev | (s << esc_len), esc_len + 8
+            esc_rev = int(rev[~direct][0])
+            raw_syms = np.nonzero(escaped)[0].astype(np.int64)
+            enc_code[escaped] = esc_rev | (raw_syms << self.escape_length)
+            enc_len[escaped] = self.escape_length + 8
         return enc_code, enc_len, dec
 
     # -- serialization --------------------------------------------------------------

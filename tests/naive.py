@@ -205,6 +205,32 @@ def huffman_lengths(weights) -> list[int]:
     return lengths
 
 
+def package_merge(weights, limit: int) -> list[int]:
+    """Length-limited optimal code lengths by textbook package-merge, with each item
+    carrying its multiset of leaves. Items sort by (weight, leaf before package,
+    position); leaves are ranked by (weight, index) first."""
+    n = len(weights)
+    if n == 1:
+        return [1]
+    order = sorted(range(n), key=lambda i: (weights[i], i))
+    leaves = [(weights[i], 0, rank, {i: 1}) for rank, i in enumerate(order)]
+    current = list(leaves)
+    for _ in range(limit - 1):
+        packages = []
+        for k in range(len(current) // 2):
+            a, b = current[2 * k], current[2 * k + 1]
+            merged = dict(a[3])
+            for leaf, times in b[3].items():
+                merged[leaf] = merged.get(leaf, 0) + times
+            packages.append((a[0] + b[0], 1, k, merged))
+        current = sorted(leaves + packages, key=lambda item: item[:3])
+    lengths = [0] * n
+    for item in current[: 2 * n - 2]:
+        for leaf, times in item[3].items():
+            lengths[leaf] += times
+    return lengths
+
+
 def expected_bits(counts, lengths, escape_length: int = 0) -> float:
     """Return mean bits per symbol of a book (length 0 = escape + 8 raw bits)."""
     total = float(sum(counts))

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import comm_codec as cc
 from comm_codec import huffman
+from comm_codec.kernels import cpu as _cpu
 from conftest import bits_equal
 
 import naive
@@ -198,6 +199,20 @@ def test_entropy_and_optimal_lengths_match_naive():
     counts = DISTRIBUTIONS["power_law"]
     book = cc.Codebook.from_counts(counts)
     assert naive.entropy(counts) <= book.expected_bits(counts) < naive.entropy(counts) + 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 1 << 30) | st.integers(1, 4), min_size=1, max_size=257),
+       st.integers(9, 12))
+def test_package_merge_kernel_matches_textbook_package_merge(weights, limit):
+    # The kernel keeps only leaf/package flags per level; the reference carries every
+    # item's leaves. Small weights force ties, where the tie-breaking must agree too.
+    order = sorted(range(len(weights)), key=lambda i: (weights[i], i))
+    by_rank = _cpu.package_merge(np.array([weights[i] for i in order], dtype=np.int64), limit)
+    lengths = [0] * len(weights)
+    for rank, i in enumerate(order):
+        lengths[i] = int(by_rank[rank])
+    assert lengths == naive.package_merge(weights, limit)
 
 
 @pytest.mark.parametrize("name", DISTRIBUTIONS)

@@ -670,3 +670,55 @@ def stream_histograms(bits, chunk_elems, exp_shift, counts):
     for c in range(nchunks):
         counts += local[c]
     return zeros.sum()
+
+
+@numba.njit(**_JIT)
+def package_merge(weights, limit):
+    """Optimal code lengths (<= limit) for weights sorted ascending; int32[n] by rank.
+
+    Package-merge (Larmore & Hirschberg) without carrying a leaf-count vector per item:
+    each level's list keeps only "leaf or package" flags, because the items a solution
+    selects are a prefix of every level's list (the first 2n-2 of the last; the children
+    of the p packages selected at one level are the first 2p items of the level below),
+    and leaves appear in each list in rank order. Ties merge leaves before packages and
+    keep each list's own order, which makes the lengths a function of the weights alone.
+    """
+    n = weights.size
+    lengths = np.zeros(n, dtype=np.int32)
+    if n == 1:
+        lengths[0] = 1
+        return lengths
+    is_pkg = np.zeros((limit, 2 * n), dtype=np.bool_)
+    sizes = np.zeros(limit, dtype=np.int64)
+    cur = weights.copy()
+    sizes[0] = n
+    for level in range(1, limit):
+        npk = sizes[level - 1] // 2
+        merged = np.empty(n + npk, dtype=np.int64)
+        i = 0
+        k = 0
+        out = 0
+        while i < n or k < npk:
+            if k >= npk or (i < n and weights[i] <= cur[2 * k] + cur[2 * k + 1]):
+                merged[out] = weights[i]
+                i += 1
+            else:
+                merged[out] = cur[2 * k] + cur[2 * k + 1]
+                is_pkg[level, out] = True
+                k += 1
+            out += 1
+        cur = merged
+        sizes[level] = n + npk
+    take = 2 * n - 2
+    for level in range(limit - 1, -1, -1):
+        leaves = 0
+        pkgs = 0
+        for j in range(take):
+            if is_pkg[level, j]:
+                pkgs += 1
+            else:
+                leaves += 1
+        for r in range(leaves):
+            lengths[r] += 1
+        take = 2 * pkgs
+    return lengths
