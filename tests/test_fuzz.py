@@ -315,3 +315,78 @@ def test_bit_pattern_that_is_no_code_is_reported():
     bad[start : start + 40] = rng.integers(0, 256, 40, dtype=np.uint8)
     with pytest.raises(cc.FrameError, match="chunk 0 of 1 is bad: bit pattern that is no code of its codebook"):
         codec.decode(bad)
+
+
+# -- frames big enough for the multi-symbol decoder (kernels.cpu._MULTI_MIN_ELEMS) ----------
+def _own_books(x: torch.Tensor) -> cc.CodebookSet:
+    """Books fitted to x (no stream left raw), with the rarest symbols escaped."""
+    from comm_codec.profiler import stream_counts
+
+    counts, _ = stream_counts(x, 256)
+    name = cc.streams.spec_for(x.dtype).name
+    return cc.CodebookSet({("gradient", name, s): cc.Codebook.from_counts(c + 1e-9, raw_threshold=None)
+                           for s, c in enumerate(counts)})
+
+
+def _big_inputs() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(23)
+    out = []
+    for dtype in (torch.bfloat16, torch.float32, torch.float16, torch.float8_e5m2, torch.int8):
+        n = 40_000
+        if dtype == torch.int8:
+            x = (torch.randn(n, generator=g) * 2).round().to(torch.int8)
+        else:
+            # Exponents from a narrow band plus rare far ones (escaped symbols), exact
+            # zeros in places, and a stretch of random bit patterns (NaN, Inf, -0.0).
+            x = (torch.randn(n, generator=g) * torch.exp2(torch.randint(-3, 3, (n,), generator=g))).to(dtype)
+            iv = x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()])
+            iv[::997] = random_bits(len(iv[::997]), dtype, g).view(iv.dtype)
+            iv[5000:5300][torch.rand(300, generator=g) < 0.7] = 0
+        out.append(x)
+    # Few distinct values: low-entropy mantissa streams get coded too.
+    for dtype in (torch.bfloat16, torch.float32):
+        out.append((torch.randint(-40, 40, (40_000,), generator=g) * 0.375).to(dtype))
+    return out
+
+
+BIG = _big_inputs()
+BIG_CODECS = [cc.Codec(_own_books(x), chunk_elems=4096, checksum=False) for x in BIG]
+BIG_FRAMES = [c.encode(x).numpy().tobytes() for c, x in zip(BIG_CODECS, BIG)]
+
+
+def test_big_frames_code_every_stream_somewhere():
+    from comm_codec.kernels import cpu
+
+    coded = set()
+    for x, data in zip(BIG, BIG_FRAMES):
+        assert x.numel() >= cpu._MULTI_MIN_ELEMS
+        flags = cc.get_frame_parameters(data).table["cflags"]
+        live = flags[(flags & _frame.CHUNK_ZERO) == 0]
+        coded |= {(x.element_size(), s) for s in range(x.element_size()) if ((live & (_frame.CHUNK_RAW0 << s)) == 0).any()}
+    # Coded later streams are OR-ed into place: the decoder's other path.
+    assert {(2, 0), (2, 1), (4, 0), (4, 1), (4, 2), (4, 3), (1, 0)} <= coded
+
+
+@pytest.mark.parametrize("i", range(len(BIG)))
+def test_big_frames_round_trip_through_the_multi_symbol_decoder(i):
+    bits_equal(BIG_CODECS[i].decode(_writable(BIG_FRAMES[i])), BIG[i])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    which=st.integers(0, len(BIG) - 1),
+    mutations=st.lists(_mutation, min_size=1, max_size=4),
+    fix_crc=st.booleans(),
+)
+def test_mutated_big_frames_never_crash(which, mutations, fix_crc):
+    # No checksums: corrupted payloads reach the multi-symbol decoder itself.
+    data = BIG_FRAMES[which]
+    bad = _apply(data, mutations)
+    if fix_crc:
+        bad = fix_header_crc(bad)
+    x = BIG[which]
+    try:
+        out = BIG_CODECS[which].decode(_writable(bad))
+    except cc.FrameError:
+        return
+    assert out.dtype == x.dtype and out.shape == x.shape

@@ -66,6 +66,8 @@ _HASH_SEED = np.uint64(0xCBF29CE484222325)
 _U64_0 = np.uint64(0)
 _LANES = 4
 _LANE_HEADER = 4 * _LANES  # u32 byte length of each lane
+# Frames from this many elements decode up to three symbols per table lookup.
+_MULTI_MIN_ELEMS = 1 << 15
 
 
 def _layout(bits):
@@ -458,6 +460,69 @@ def _put(dst, i, v, first):
 
 
 @numba.njit(**_JIT)
+def _multi_table(dec, multi):
+    """Fill multi (uint32[4096]) with up to three whole codes per 12-bit window of dec.
+
+    Entry: symbols in bits 0-7, 8-15, 16-23 (unused ones 0), total length in bits 24-27,
+    symbol count in bits 28-29; 0 where the window starts with an escape or no code, so
+    the decoder falls back to :func:`_step`. A code is taken only when all its bits lie
+    inside the 12 known ones (a prefix code is decided by its own bits alone).
+    """
+    for x in range(4096):
+        bits = np.int64(x)
+        avail = np.int64(12)
+        entry = np.int64(0)
+        total = np.int64(0)
+        n = np.int64(0)
+        while n < 3:
+            e = np.int64(dec[bits & 4095])
+            ln = (e >> 8) & 15
+            if e >= 0x8000 or ln == 0 or ln > avail:
+                break
+            entry |= (e & 255) << (8 * n)
+            total += ln
+            bits >>= ln
+            avail -= ln
+            n += 1
+        multi[x] = (entry | (total << 24) | (n << 28)) if n else 0
+
+
+@numba.njit(inline="always", **_JIT)
+def _multi_step(buf, multi, dec, dst, i, shift, add, first):
+    """Decode up to three symbols from buf into dst[i:i+3]: (elements done, bits used).
+
+    Always writes three slots (the caller leaves room): slots past the symbols decoded
+    are rewritten by the next step, and for OR-ed streams (add 0) they OR in zero.
+    """
+    e = np.int64(multi[np.int64(buf & _DEC_MASK)])
+    if e != 0:
+        _put(dst, i, ((e + add) & 255) << shift, first)
+        _put(dst, i + 1, (((e >> 8) + add) & 255) << shift, first)
+        _put(dst, i + 2, (((e >> 16) + add) & 255) << shift, first)
+        return e >> 28, (e >> 24) & 15
+    sym, ln = _step(buf, dec)
+    if ln == 0:
+        return 0, 0
+    _put(dst, i, ((sym + add) & 255) << shift, first)
+    return 1, ln
+
+
+@numba.njit(**_JIT)
+def _lane_rest(words, base, nwords, pos, multi, dec, dst, i, end, shift, add, first):
+    """Decode dst[i:end] of one lane, three steps per refill while 9 slots remain."""
+    while i + 9 <= end:
+        b = _peek(words, base, nwords, pos)
+        for r in range(3):
+            n, ln = _multi_step(b, multi, dec, dst, i, shift, add, first)
+            if ln == 0:
+                return _ST_BAD_CODE, pos
+            b >>= np.uint64(ln)
+            pos += ln
+            i += n
+    return _unpack_tail(words, base, nwords, pos, dec, dst, i, end, shift, add, first)
+
+
+@numba.njit(**_JIT)
 def _unpack_tail(words, base, nwords, pos, dec, dst, i, end, shift, add, first):
     """Decode dst[i:end] of one lane, one symbol per refill; return (status, pos)."""
     while i < end:
@@ -471,7 +536,7 @@ def _unpack_tail(words, base, nwords, pos, dec, dst, i, end, shift, add, first):
 
 
 @numba.njit(inline="always", **_JIT)
-def _decode_lanes(frame8, frame64, pos, size, count, dec, dst, shift, add, first):
+def _decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, shift, add, first):
     """Decode one coded segment (4 lanes) of count symbols into dst; return status."""
     if size < _LANE_HEADER:
         return _ST_SIZE
@@ -489,24 +554,28 @@ def _decode_lanes(frame8, frame64, pos, size, count, dec, dst, shift, add, first
     w1 = w0 + n0
     w2 = w1 + n1
     w3 = w2 + n2
-    s1 = count // _LANES
-    s2 = 2 * count // _LANES
-    s3 = 3 * count // _LANES
-    m = count // _LANES  # every lane holds at least m symbols
+    e0 = count // _LANES
+    e1 = 2 * count // _LANES
+    e2 = 3 * count // _LANES
+    e3 = count
+    i0 = np.int64(0)
+    i1 = e0
+    i2 = e1
+    i3 = e2
     p0 = p1 = p2 = p3 = 0
-    j = 0
-    # A round refills each lane once and takes 3 symbols from each: 3 x 20 bits (the
-    # longest, escaped, symbol) fit in the 64 bits peeked.
-    while j + 3 <= m:
+    # A round refills each lane once and takes 3 steps from each (3 x 20 bits, the
+    # longest step, fit in the 64 bits peeked); a step decodes up to 3 symbols (9 slots
+    # must remain). Lanes advance at their own pace; each finishes alone below.
+    while i0 + 9 <= e0 and i1 + 9 <= e1 and i2 + 9 <= e2 and i3 + 9 <= e3:
         b0 = _peek(frame64, w0, n0, p0)
         b1 = _peek(frame64, w1, n1, p1)
         b2 = _peek(frame64, w2, n2, p2)
         b3 = _peek(frame64, w3, n3, p3)
         for r in range(3):
-            y0, l0 = _step(b0, dec)
-            y1, l1 = _step(b1, dec)
-            y2, l2 = _step(b2, dec)
-            y3, l3 = _step(b3, dec)
+            k0, l0 = _multi_step(b0, multi, dec, dst, i0, shift, add, first)
+            k1, l1 = _multi_step(b1, multi, dec, dst, i1, shift, add, first)
+            k2, l2 = _multi_step(b2, multi, dec, dst, i2, shift, add, first)
+            k3, l3 = _multi_step(b3, multi, dec, dst, i3, shift, add, first)
             if l0 == 0 or l1 == 0 or l2 == 0 or l3 == 0:
                 return _ST_BAD_CODE
             b0 >>= np.uint64(l0)
@@ -517,36 +586,35 @@ def _decode_lanes(frame8, frame64, pos, size, count, dec, dst, shift, add, first
             p1 += l1
             p2 += l2
             p3 += l3
-            _put(dst, j + r, ((y0 + add) & 255) << shift, first)
-            _put(dst, s1 + j + r, ((y1 + add) & 255) << shift, first)
-            _put(dst, s2 + j + r, ((y2 + add) & 255) << shift, first)
-            _put(dst, s3 + j + r, ((y3 + add) & 255) << shift, first)
-        j += 3
-    st, p0 = _unpack_tail(frame64, w0, n0, p0, dec, dst, j, s1, shift, add, first)
+            i0 += k0
+            i1 += k1
+            i2 += k2
+            i3 += k3
+    st, p0 = _lane_rest(frame64, w0, n0, p0, multi, dec, dst, i0, e0, shift, add, first)
     if st == STATUS_OK:
-        st, p1 = _unpack_tail(frame64, w1, n1, p1, dec, dst, s1 + j, s2, shift, add, first)
+        st, p1 = _lane_rest(frame64, w1, n1, p1, multi, dec, dst, i1, e1, shift, add, first)
     if st == STATUS_OK:
-        st, p2 = _unpack_tail(frame64, w2, n2, p2, dec, dst, s2 + j, s3, shift, add, first)
+        st, p2 = _lane_rest(frame64, w2, n2, p2, multi, dec, dst, i2, e2, shift, add, first)
     if st == STATUS_OK:
-        st, p3 = _unpack_tail(frame64, w3, n3, p3, dec, dst, s3 + j, count, shift, add, first)
+        st, p3 = _lane_rest(frame64, w3, n3, p3, multi, dec, dst, i3, e3, shift, add, first)
     if st == STATUS_OK and (p0 > 8 * lb0 or p1 > 8 * lb1 or p2 > 8 * lb2 or p3 > 8 * lb3):
         return _ST_OVERRUN
     return st
 
 
 @numba.njit(**_JIT)
-def _decode_segment(frame8, frame64, pos, size, count, dec, dst, s, exp_shift, ref):
+def _decode_segment(frame8, frame64, pos, size, count, dec, multi, dst, s, exp_shift, ref):
     """Decode coded stream s into dst; stream 0 assigns, later streams OR in."""
     if s == 0:  # constant shift and assignment: the hot case folds
         width, _, _ = _layout(dst)
         add = (np.int64(ref) << exp_shift) if exp_shift >= 0 else np.int64(0)
-        return _decode_lanes(frame8, frame64, pos, size, count, dec, dst, 8 * (width - 1), add, True)
+        return _decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, 8 * (width - 1), add, True)
     width, _, _ = _layout(dst)
-    return _decode_lanes(frame8, frame64, pos, size, count, dec, dst, 8 * (width - 1 - s), 0, False)
+    return _decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, 8 * (width - 1 - s), 0, False)
 
 
 @numba.njit(**_JIT)
-def _decode_chunk(frame8, frame64, pos, count, flags, ref, sizes_c, exp_shift, dec_tables, out):
+def _decode_chunk(frame8, frame64, pos, count, flags, ref, sizes_c, exp_shift, dec_tables, multi, out):
     """Decode one chunk's payload at pos into out (count elements); return a status."""
     if flags & _CHUNK_ZERO:
         out[:] = 0
@@ -582,7 +650,8 @@ def _decode_chunk(frame8, frame64, pos, count, flags, ref, sizes_c, exp_shift, d
                 for i in range(present):
                     dst[i] |= np.int64(raw[i]) << shift
         else:
-            st = _decode_segment(frame8, frame64, pos, size, present, dec_tables[s], dst, s, exp_shift, ref)
+            st = _decode_segment(frame8, frame64, pos, size, present, dec_tables[s], multi[s], dst, s,
+                                 exp_shift, ref)
             if st != STATUS_OK:
                 return st
         pos += (size + 7) & ~7
@@ -616,6 +685,12 @@ def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, cf
         out: element bits output, typed as ``bits`` in :func:`plan_chunks`.
         status: int32[nchunks] output.
     """
+    # Multi-symbol tables cost ~4096 lookups per stream: built for frames where that is
+    # small next to the decoding; all-zero tables send every step to the one-symbol path.
+    multi = np.zeros((dec_tables.shape[0], 4096), dtype=np.uint32)
+    if numel >= _MULTI_MIN_ELEMS:
+        for s in range(dec_tables.shape[0]):
+            _multi_table(dec_tables[s], multi[s])
     for c in prange(cflags.size):
         lo = c * chunk_elems
         hi = min(numel, lo + chunk_elems)
@@ -630,7 +705,7 @@ def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, cf
                 status[c] = _ST_CHECKSUM
                 continue
         status[c] = _decode_chunk(frame8, frame64, pos, count, flags, np.int64(refs[c]), sizes[c],
-                                  exp_shift, dec_tables, out[lo:hi])
+                                  exp_shift, dec_tables, multi, out[lo:hi])
 
 
 @numba.njit(**_PJIT)
