@@ -6,6 +6,13 @@ cheap planning pass that sizes every chunk, so the frame is allocated once at it
 size: encode allocates the frame plus O(chunks) scratch, decode the output plus
 O(chunks) scratch (and one chunk of scratch per thread for chunks with a zero mask).
 
+CUDA tensors are coded on their GPU by the numba.cuda kernels of
+:mod:`comm_codec.kernels.cuda` (imported on first use), on torch's current stream, into
+the same frame bytes: a frame made on either device decodes on the other. A GPU encode
+waits for the device once (to learn the frame's length); a GPU decode waits to read the
+header (once, twice past 4 KiB of header) and for the per-chunk status that becomes
+FrameError.
+
 Example::
 
     >>> import torch, comm_codec as cc
@@ -31,7 +38,7 @@ from .frame import FrameError
 from .huffman import Codebook
 from .kernels import cpu as _cpu
 from .kernels import torch_threads_kept
-from .streams import as_bits
+from .streams import as_bits, spec_for
 
 __all__ = ["Codec", "DEFAULT_CHUNK_ELEMS"]
 
@@ -45,10 +52,21 @@ log = logging.getLogger(__name__)
 DEFAULT_CHUNK_ELEMS = 1 << 14
 
 
+def _raise_on_status(status: np.ndarray, nchunks: int) -> None:
+    """Raise FrameError naming the first bad chunk, if the decode kernel reported any."""
+    bad = np.nonzero(status)[0]
+    if bad.size:
+        first = int(bad[0])
+        raise FrameError(
+            f"chunk {first} of {nchunks} is bad: {_cpu.STATUS_MESSAGES[int(status[first])]}"
+            + (f" ({bad.size} chunks bad)" if bad.size > 1 else "")
+        )
+
+
 class _Tables:
     """Kernel-ready tables for one tuple of per-stream books."""
 
-    __slots__ = ("ids", "enc_code", "enc_len", "dec", "raw")
+    __slots__ = ("ids", "enc_code", "enc_len", "dec", "raw", "on_device")
 
     def __init__(self, books: list[Codebook]):
         ns = len(books)
@@ -57,6 +75,7 @@ class _Tables:
         self.enc_len = np.zeros((ns, 256), dtype=np.uint8)
         self.dec = np.zeros((ns, 1 << 12), dtype=np.uint16)
         self.raw = np.array([b.raw for b in books], dtype=np.bool_)
+        self.on_device: dict = {}  # torch.device -> kernels.cuda.DeviceTables
         for s, book in enumerate(books):
             self.enc_code[s], self.enc_len[s], self.dec[s] = book.tables()
 
@@ -109,22 +128,26 @@ class Codec:
         """Encode a tensor into a frame.
 
         Args:
-            tensor: a CPU tensor of a supported dtype (see
+            tensor: a CPU or CUDA tensor of a supported dtype (see
                 :data:`comm_codec.streams.SUPPORTED_DTYPES`), any shape; non-contiguous
-                tensors are copied first.
+                tensors are copied first. A CUDA tensor is coded on its GPU, on torch's
+                current stream, and its frame stays there.
             kind: which books to use: "gradient", "reduced_gradient", "activation",
                 "weight", "optimizer_state" (see :class:`CodebookSet`).
 
         Returns:
-            The frame: a 1-D torch.uint8 tensor. Never longer than the raw tensor plus
-            the header (:func:`comm_codec.frame.header_size`) plus at most 7 bytes of
-            padding per chunk and stream: a stream that coding would not shrink is
-            stored raw.
+            The frame: a 1-D torch.uint8 tensor on the tensor's device. Never longer
+            than the raw tensor plus the header (:func:`comm_codec.frame.header_size`)
+            plus at most 7 bytes of padding per chunk and stream: a stream that coding
+            would not shrink is stored raw.
 
         Raises:
             TypeError: not a tensor, or an unsupported dtype.
-            ValueError: a tensor not on the CPU, or an unknown kind.
+            ValueError: a tensor neither on the CPU nor on a CUDA device, or an unknown
+                kind.
         """
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
+            return self._encode_cuda(tensor, kind)
         bits, spec = as_bits(tensor)
         tables = self._encode_tables(kind, spec)
         numel = bits.size
@@ -163,9 +186,11 @@ class Codec:
 
         Args:
             frame: a frame from :meth:`encode` (1-D torch.uint8 tensor, numpy uint8
-                array or bytes).
-            out: optional CPU tensor to write into: same dtype and number of elements as
-                the encoded tensor, contiguous, any shape.
+                array or bytes). A frame on a CUDA device is decoded there, on torch's
+                current stream, into a tensor on that device.
+            out: optional tensor to write into, on the frame's device (the CPU for
+                numpy arrays and bytes): same dtype and number of elements as the
+                encoded tensor, contiguous, any shape.
             max_output_bytes: refuse frames that decode to more bytes than this (a frame
                 of all-zero chunks is tiny whatever its size, so a few bytes from an
                 untrusted peer can otherwise ask for gigabytes); None: no limit.
@@ -177,8 +202,11 @@ class Codec:
             FrameError: the frame is truncated, corrupted, not a comm_codec frame, of
                 an unknown version, or made with codebooks this codec does not hold.
             TypeError: frame or out of the wrong type or dtype.
-            ValueError: out of the wrong size, non-contiguous, or not on the CPU.
+            ValueError: out of the wrong size, non-contiguous, or not on the frame's
+                device.
         """
+        if isinstance(frame, torch.Tensor) and frame.device.type == "cuda":
+            return self._decode_cuda(frame, out, max_output_bytes)
         buf = _frame._as_u8(frame)
         params = _frame.get_frame_parameters(buf)
         spec = params.spec
@@ -190,7 +218,7 @@ class Codec:
         if out is None:
             result = torch.empty(params.numel, dtype=spec.dtype)
         else:
-            result = self._check_out(out, params)
+            result = self._check_out(out, params, torch.device("cpu"))
         if params.nchunks == 0:
             return result
         if buf.ctypes.data % 8:
@@ -206,13 +234,7 @@ class Codec:
                 params.offsets, np.ascontiguousarray(table["checksum"]), params.checksums,
                 bits, status,
             )
-        bad = np.nonzero(status)[0]
-        if bad.size:
-            first = int(bad[0])
-            raise FrameError(
-                f"chunk {first} of {params.nchunks} is bad: {_cpu.STATUS_MESSAGES[int(status[first])]}"
-                + (f" ({bad.size} chunks bad)" if bad.size > 1 else "")
-            )
+        _raise_on_status(status, params.nchunks)
         return result
 
     # -- helpers --------------------------------------------------------------------------
@@ -243,16 +265,89 @@ class Codec:
         return tables
 
     @staticmethod
-    def _check_out(out, params) -> torch.Tensor:
+    def _check_out(out, params, device: torch.device) -> torch.Tensor:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
         if out.dtype != params.spec.dtype:
             raise TypeError(f"out has dtype {out.dtype}, the frame holds {params.spec.dtype}")
         if out.numel() != params.numel:
             raise ValueError(f"out has {out.numel()} elements, the frame holds {params.numel}")
-        if out.device.type != "cpu" or not out.is_contiguous():
-            raise ValueError("out must be a contiguous CPU tensor")
+        if out.device != device or not out.is_contiguous():
+            where = "CPU" if device.type == "cpu" else str(device)
+            raise ValueError(
+                f"out must be a contiguous {where} tensor (on the frame's device), got one on {out.device}"
+            )
         return out
+
+    # -- GPU ------------------------------------------------------------------------------
+    def _encode_cuda(self, tensor: torch.Tensor, kind: str = "gradient") -> torch.Tensor:
+        """Encode with the numba.cuda kernels: a CUDA tensor, or a CPU one under the simulator.
+
+        The frame's bytes equal :meth:`encode`'s on the CPU. Tests call this directly
+        with CPU tensors when ``NUMBA_ENABLE_CUDASIM=1``; :meth:`encode` calls it for
+        CUDA tensors.
+
+        Args:
+            tensor: as for :meth:`encode`, on a CUDA device (any device under the simulator).
+            kind: as for :meth:`encode`.
+
+        Returns:
+            The frame, a 1-D torch.uint8 tensor on the tensor's device.
+
+        Raises:
+            TypeError: not a tensor, or an unsupported dtype.
+            ValueError: an unknown kind, or a CPU tensor without the simulator.
+            RuntimeError: a CUDA tensor while ``NUMBA_ENABLE_CUDASIM=1`` is set.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+        spec = spec_for(tensor.dtype)
+        tables = self._encode_tables(kind, spec)
+        from .kernels import cuda as _cuda  # numba.cuda only for those who use it
+
+        return _cuda.encode_frame(tensor, spec, tables, self._device_tables(tables, tensor.device),
+                                  self.chunk_elems, self.checksum)
+
+    def _decode_cuda(self, frame: torch.Tensor, out: torch.Tensor | None = None,
+                     max_output_bytes: int | None = None) -> torch.Tensor:
+        """Decode with the numba.cuda kernels: a frame on a CUDA device, or a CPU one under the simulator.
+
+        Args, Returns and Raises: as for :meth:`decode`; the output is on the frame's device.
+        """
+        if not isinstance(frame, torch.Tensor):
+            raise TypeError(f"a frame is a 1-D torch.uint8 tensor, got {type(frame).__name__}")
+        if frame.dtype != torch.uint8 or frame.dim() != 1:
+            raise TypeError(f"a frame is a 1-D torch.uint8 tensor, got {frame.dtype} with shape {tuple(frame.shape)}")
+        from .kernels import cuda as _cuda
+
+        # Checked on the host: the header alone crosses over, the payload stays put.
+        params = _frame.get_frame_parameters(_cuda.read_header(frame))
+        spec = params.spec
+        if max_output_bytes is not None and params.numel * spec.itemsize > max_output_bytes:
+            raise FrameError(
+                f"frame decodes to {params.numel * spec.itemsize} bytes, more than max_output_bytes={max_output_bytes}"
+            )
+        tables = self._decode_tables(params.book_ids)
+        if out is None:
+            result = torch.empty(params.numel, dtype=spec.dtype, device=frame.device)
+        else:
+            result = self._check_out(out, params, frame.device)
+        if params.nchunks == 0:
+            return result
+        if not frame.is_contiguous() or frame.data_ptr() % 8:
+            frame = frame.clone()  # sliced out of a larger buffer; kernels read words
+        status = _cuda.decode_frame(frame, params, self._device_tables(tables, frame.device), result)
+        _raise_on_status(status, params.nchunks)
+        return result
+
+    @staticmethod
+    def _device_tables(tables: _Tables, device: torch.device):
+        from .kernels import cuda as _cuda
+
+        dev = tables.on_device.get(device)
+        if dev is None:
+            dev = tables.on_device[device] = _cuda.DeviceTables(_cuda._Launch(device), tables)
+        return dev
 
     @contextlib.contextmanager
     def _threads(self):

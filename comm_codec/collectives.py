@@ -18,6 +18,10 @@ with one small all-reduce per collective and raised on every rank as
 :class:`CollectiveError`, instead of leaving the healthy ranks waiting on the broken one.
 Zero-element collectives (which gloo rejects) are never issued: empty shards still send
 a frame header.
+
+Tensors may live on the CPU (gloo) or on a CUDA device (NCCL): frames, sizes and error
+flags are made on the data's device, since NCCL moves only CUDA tensors, and CUDA frames
+are coded on their GPU by the codec.
 """
 
 from __future__ import annotations
@@ -57,9 +61,12 @@ def _shard_bounds(n: int, world: int) -> list[tuple[int, int]]:
     return [(r * n // world, (r + 1) * n // world) for r in range(world)]
 
 
-def _agree_on_errors(error: str | None, group) -> None:
-    """Raise CollectiveError on every rank if any rank has an error (one 1-int all-reduce)."""
-    flag = torch.tensor([1 if error else 0], dtype=torch.int32)
+def _agree_on_errors(error: str | None, group, device=None) -> None:
+    """Raise CollectiveError on every rank if any rank has an error (one 1-int all-reduce).
+
+    ``device`` is the data's: the flag travels with the same backend (NCCL: CUDA only).
+    """
+    flag = torch.tensor([1 if error else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if not flag.item():
         return
@@ -84,6 +91,15 @@ def _encode(codec: Codec, tensor: torch.Tensor, kind: str, cast, stats: CommStat
         return codec.encode(tensor, kind)
 
 
+def _frame_parameters(frame: torch.Tensor):
+    """The frame's parameters; of a CUDA frame only the header crosses to the host."""
+    if frame.device.type == "cuda":
+        from .kernels.cuda import read_header
+
+        return get_frame_parameters(read_header(frame))
+    return get_frame_parameters(frame)
+
+
 def _decode(codec: Codec, frame: torch.Tensor, numel: int, dtype, stats: CommStats, out=None) -> torch.Tensor:
     """Decode a peer's frame, checking it holds numel elements; into out if given.
 
@@ -91,7 +107,7 @@ def _decode(codec: Codec, frame: torch.Tensor, numel: int, dtype, stats: CommSta
     shard) is decoded and converted.
     """
     with stats.timer("decode_seconds"):
-        params = get_frame_parameters(frame)
+        params = _frame_parameters(frame)
         if params.numel != numel:
             raise FrameError(f"frame holds {params.numel} elements, expected {numel}")
         if out is not None and params.dtype == out.dtype:
@@ -110,11 +126,12 @@ class _Exchange:
 
     def __init__(self, frames: list[torch.Tensor], bounds, group):
         world = len(frames)
-        send_sizes = torch.tensor([f.numel() for f in frames], dtype=torch.int64)
-        self.recv_sizes = torch.empty(world, dtype=torch.int64)
+        device = frames[0].device
+        send_sizes = torch.tensor([f.numel() for f in frames], dtype=torch.int64, device=device)
+        self.recv_sizes = torch.empty(world, dtype=torch.int64, device=device)
         dist.all_to_all_single(self.recv_sizes, send_sizes, group=group)
         self.send = torch.cat(frames)  # kept alive until the exchange completes
-        self.recv = torch.empty(int(self.recv_sizes.sum()), dtype=torch.uint8)
+        self.recv = torch.empty(int(self.recv_sizes.sum()), dtype=torch.uint8, device=device)
         self.work = dist.all_to_all_single(self.recv, self.send, output_split_sizes=self.recv_sizes.tolist(),
                                            input_split_sizes=send_sizes.tolist(), group=group, async_op=True)
         self.bounds = bounds
@@ -129,7 +146,7 @@ def _start_exchange(tensor, bounds, codec, group, kind, cast, stats, rank) -> _E
     frames = []
     for r, (lo, hi) in enumerate(bounds):
         if r == rank:
-            frames.append(torch.empty(0, dtype=torch.uint8))  # own shard never travels
+            frames.append(torch.empty(0, dtype=torch.uint8, device=tensor.device))  # own shard never travels
         else:
             frames.append(_encode(codec, tensor[lo:hi], kind, cast, stats))
     lo, hi = bounds[rank]
@@ -181,8 +198,8 @@ class _Gather:
     def __init__(self, frame: torch.Tensor, group, error: str | None):
         world = dist.get_world_size(group)
         rank = dist.get_rank(group)
-        size = torch.tensor([-1 if error else frame.numel()], dtype=torch.int64)
-        gathered = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
+        size = torch.tensor([-1 if error else frame.numel()], dtype=torch.int64, device=frame.device)
+        gathered = [torch.empty(1, dtype=torch.int64, device=frame.device) for _ in range(world)]
         dist.all_gather(gathered, size, group=group)
         sizes = [int(x) for x in gathered]
         if min(sizes) < 0:  # some rank failed phase 1: every rank raises here
@@ -194,7 +211,7 @@ class _Gather:
         self.recv_splits = [0 if r == rank else sizes[r] for r in range(world)]
         self.send = frame.repeat(world - 1)  # one copy per peer, kept alive until sent
         self.sent = (world - 1) * frame.numel()
-        self.recv = torch.empty(sum(self.recv_splits), dtype=torch.uint8)
+        self.recv = torch.empty(sum(self.recv_splits), dtype=torch.uint8, device=frame.device)
         self.work = dist.all_to_all_single(self.recv, self.send, output_split_sizes=self.recv_splits,
                                            input_split_sizes=send_splits, group=group, async_op=True)
 
@@ -228,8 +245,8 @@ def all_reduce(tensor: torch.Tensor, codec: Codec | None = None, group=None, *, 
     does not idle while ranks compute.
 
     Args:
-        tensor: a contiguous CPU tensor of a float dtype the codec supports; overwritten
-            with the result.
+        tensor: a contiguous CPU or CUDA tensor of a float dtype the codec supports;
+            overwritten with the result.
         codec: the :class:`Codec` (same books on every rank); None uses default books.
         group: the process group (default: the world).
         average: divide the sum by the group size (as DDP's default hook does).
@@ -270,8 +287,8 @@ def all_reduce(tensor: torch.Tensor, codec: Codec | None = None, group=None, *, 
             if k < len(pieces):
                 reduced[k], failed = _finish_reduce(exchanges.pop(k), pieces[k], codec, cast, average, stats,
                                                     rank, world)
-                frame = torch.empty(0, dtype=torch.uint8) if failed else _encode(codec, reduced[k], reduced_kind,
-                                                                                  None, stats)
+                frame = (torch.empty(0, dtype=torch.uint8, device=flat.device) if failed
+                         else _encode(codec, reduced[k], reduced_kind, None, stats))
                 gathers[k] = _Gather(frame, group, failed)
                 lo, hi = bounds[k][rank]
                 stats.add(bytes_in=(world - 1) * (hi - lo) * flat.element_size(),
@@ -280,7 +297,7 @@ def all_reduce(tensor: torch.Tensor, codec: Codec | None = None, group=None, *, 
                 error = error or _finish_gather(gathers.pop(k - 1), pieces[k - 1], bounds[k - 1],
                                                 reduced.pop(k - 1), codec, stats, rank)
         stats.add(calls=1)
-        _agree_on_errors(error, group)
+        _agree_on_errors(error, group, flat.device)
     return tensor
 
 
@@ -331,7 +348,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], codec: 
     with stats.timer("comm_seconds"):
         exchange = _start_exchange(flat, bounds, codec, group, kind, cast, stats, rank)
         reduced, error = _finish_reduce(exchange, flat, codec, cast, average, stats, rank, world)
-        _agree_on_errors(error, group)
+        _agree_on_errors(error, group, out.device)
         out.copy_(reduced)
         stats.add(calls=1)
     return output
@@ -377,7 +394,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, codec: Cod
                     _decode(codec, frames[r], flat.numel(), flat.dtype, stats, out=tensor_list[r].view(-1))
         except (FrameError, ValueError, TypeError) as exc:
             error = f"frame from rank {r}: {exc}"
-        _agree_on_errors(error, group)
+        _agree_on_errors(error, group, flat.device)
     return tensor_list
 
 
@@ -394,7 +411,7 @@ def send(tensor: torch.Tensor, dst: int, codec: Codec | None = None, group=None,
     stats = stats if stats is not None else CommStats()
     frame = _encode(codec, tensor.reshape(-1), kind, None, stats)
     peer = _global_rank(group, dst)
-    dist.send(torch.tensor([frame.numel()], dtype=torch.int64), peer, group=group)
+    dist.send(torch.tensor([frame.numel()], dtype=torch.int64, device=frame.device), peer, group=group)
     dist.send(frame, peer, group=group)
     stats.add(bytes_in=tensor.numel() * tensor.element_size(), bytes_out=frame.numel() + 8, calls=1)
 
@@ -419,13 +436,13 @@ def recv(tensor: torch.Tensor, src: int, codec: Codec | None = None, group=None,
     codec = codec or Codec()
     stats = stats if stats is not None else CommStats()
     peer = _global_rank(group, src)
-    size = torch.empty(1, dtype=torch.int64)
+    size = torch.empty(1, dtype=torch.int64, device=out.device)
     dist.recv(size, peer, group=group)
     if not 0 < int(size) < 1 << 40:
         raise FrameError(f"peer {src} announced an impossible frame size {int(size)}")
-    frame = torch.empty(int(size), dtype=torch.uint8)
+    frame = torch.empty(int(size), dtype=torch.uint8, device=out.device)
     dist.recv(frame, peer, group=group)
-    dtype = get_frame_parameters(frame).dtype
+    dtype = _frame_parameters(frame).dtype
     if dtype != out.dtype:
         raise FrameError(f"peer {src} sent a {dtype} tensor, expected {out.dtype}")
     _decode(codec, frame, out.numel(), out.dtype, stats, out=out)

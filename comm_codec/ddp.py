@@ -252,7 +252,7 @@ class HuffmanState:
         fixed, optimal, _ = coding_cost(tensor, self.codebooks, "gradient")
         loss = fixed / optimal - 1.0 if optimal else 0.0
         if self.refresh_threshold is not None:
-            t = torch.tensor([loss], dtype=torch.float64)
+            t = torch.tensor([loss], dtype=torch.float64, device=tensor.device)  # NCCL: CUDA only
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group())
             loss = float(t)
             if loss > self.refresh_threshold and self._refresh_until is None:
@@ -331,10 +331,21 @@ def huffman_hook(state: "HuffmanState", bucket: dist.GradBucket) -> torch.future
     # Every collective after warmup is issued from the one worker thread, in bucket order:
     # collectives issued from two threads could interleave differently on each rank.
     group = state._group()  # on the calling thread, before any worker runs
+    ready = None
+    if tensor.is_cuda:
+        # The bucket may still be being written on this thread's stream; the worker's
+        # stream waits for it on the device (no host sync here).
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(tensor.device))
 
     def work():
+        if ready is not None:
+            return _on_cuda_worker(tensor.device, ready, run)
+        return run()
+
+    def run():
         small = tensor.numel() * tensor.element_size() < state.min_bucket_bytes
-        if tensor.dtype not in _CODED or tensor.device.type != "cpu" or small:
+        if tensor.dtype not in _CODED or tensor.device.type not in ("cpu", "cuda") or small:
             tensor.div_(dist.get_world_size(group))
             dist.all_reduce(tensor, group=group)
             state._stats.add(raw_calls=1)
@@ -370,3 +381,18 @@ def huffman_hook(state: "HuffmanState", bucket: dist.GradBucket) -> torch.future
 
     state._submit(work).add_done_callback(done)
     return outcome.then(unwrap)
+
+
+def _on_cuda_worker(device: torch.device, ready, fn):
+    """Run fn on the worker thread for a CUDA bucket: after ``ready``, finished on return.
+
+    The worker thread has its own current device and stream. It waits for the bucket's
+    event, and synchronizes its stream before returning: the future handed to DDP is not
+    stream-aware, so the bucket must be complete when it resolves.
+    """
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device)
+        stream.wait_event(ready)
+        result = fn()
+        stream.synchronize()
+    return result

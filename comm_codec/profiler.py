@@ -189,8 +189,9 @@ class WarmupProfiler:
                 for k in keys:
                     dist_sum, n_obs, raw = sums[k]
                     packed = torch.from_numpy(np.concatenate([dist_sum.ravel(), [n_obs], raw.ravel().astype(np.float64)]))
+                    packed = packed.to(_collective_device(process_group))
                     dist.all_reduce(packed, group=process_group)
-                    arr = packed.numpy()
+                    arr = packed.cpu().numpy()
                     ns = dist_sum.shape[0]
                     sums[k] = (arr[: ns * 256].reshape(ns, 256), float(arr[ns * 256]),
                                arr[ns * 256 + 1:].reshape(ns, 256))
@@ -232,6 +233,16 @@ def _dist_ready() -> bool:
     except ImportError:  # pragma: no cover - torch without distributed
         return False
     return dist.is_available() and dist.is_initialized()
+
+
+def _collective_device(process_group) -> torch.device:
+    """Where a tensor must live for a collective of this group: NCCL moves CUDA tensors only."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(process_group)).lower()
+    if "nccl" in backend and "gloo" not in backend and "mpi" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _gather_strings(text: str, process_group) -> list[str]:

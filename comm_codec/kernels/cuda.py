@@ -1,0 +1,858 @@
+"""numba.cuda kernels: plan, encode and decode chunks on the GPU, in the CPU's frame format.
+
+Private. :class:`comm_codec.Codec` calls :func:`encode_frame` and :func:`decode_frame` for
+CUDA tensors; they produce and read *the same bytes* as :mod:`comm_codec.kernels.cpu`
+(same reference exponent, zero-mask and raw decisions, lanes, bit order, padding and
+checksums), so a frame made on one device decodes on the other, and the tests check the
+two byte for byte. Importing this module imports ``numba.cuda``; the codec imports it
+only when a CUDA tensor (or an explicit GPU call) arrives, so CPU users never pay for it.
+Under ``NUMBA_ENABLE_CUDASIM=1`` the same kernels run in numba's CUDA simulator on CPU
+arrays, which is how CI tests them.
+
+Work per frame, all on torch's current stream:
+
+1. ``_plan_kernel`` (one block per chunk): the chunk's reference exponent (mode of the
+   same strided sample as the CPU), its zero count and mask decision, every stream's
+   lane bit counts and hence its segment size, and the raw fallback. Output: one u32 row
+   per chunk ``[cflags, ref, size_0 .. size_{ns-1}]``.
+2. **The one host synchronisation of an encode**: that plan (``nchunks x (2 + ns)`` u32)
+   is copied to the host. The frame's length, which the caller needs to allocate it and
+   which collectives exchange, depends on every chunk's size, so it cannot be avoided.
+   The host then lays out the header with :mod:`comm_codec.frame` (checksums still 0)
+   and the chunk offsets, and copies both to the device (no wait on the device).
+3. ``_encode_kernel`` (one block per chunk): mask bitmap, raw bytes, coded lanes (bit
+   offsets from an exclusive scan of per-thread bit counts, packed with 64-bit atomic
+   ORs), then the chunk checksum, written straight into the frame's chunk table.
+4. ``_crc_segments`` and ``_crc_combine``: the header's CRC-32 (zlib's), recomputed on
+   the device because the checksums it covers were made there: segment CRCs in
+   parallel, joined with the linear "shift by L zero bytes" operator.
+
+Decode reads the header to the host (one small copy, two for headers over 4 KiB),
+checks it with :func:`comm_codec.frame.get_frame_parameters`, runs ``_decode_kernel``
+(one block per chunk, one thread per lane, decode tables in shared memory), and copies
+the per-chunk status back (one more small copy) so that the codec can raise FrameError.
+
+This version favours exact equality and simplicity over speed. A faster one would: give
+each thread strided (coalesced) elements and keep the chunk in shared memory instead of
+reading it from global memory in every pass; reuse the plan's lane counts in the
+encoder; replace the serial per-block scans by warp shuffles; pack lanes with
+warp-cooperative word writes instead of atomics; decode eight chunks per warp (four
+lanes each: a chunk has only four independent bit streams, so a block per chunk leaves
+most threads idle after the table load); and expand masked chunks in parallel through a
+scratch buffer. No performance figure is claimed for this code;
+``launch_scripts/bench_gpu.py`` measures it.
+
+Kernels never raise: bad frames give a status per chunk (the codes of
+:data:`comm_codec.kernels.cpu.STATUS_MESSAGES`), every read is bounded by the frame's
+length and by its segment, and every table lookup is checked.
+"""
+
+from __future__ import annotations
+
+import warnings
+import zlib
+
+import numba
+import numpy as np
+import torch
+from numba import cuda, int32, int64, uint16, uint64
+
+from .. import frame as _frame
+
+__all__ = ["SIMULATOR", "encode_frame", "decode_frame"]
+
+# True when NUMBA_ENABLE_CUDASIM=1 was set before numba was imported (tests, CI).
+SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
+
+# Threads per block. The simulator runs each thread as a Python thread, so it gets fewer.
+_PLAN_THREADS = 8 if SIMULATOR else 128
+_DECODE_THREADS = 8 if SIMULATOR else 32
+_MAX_THREADS = 256  # size of the per-thread shared scratch arrays
+_LANES = 4
+_LANE_HEADER = 4 * _LANES
+_STATUS_SLOTS = _LANES + 1  # shared array shapes must be plain constants
+_DEC_ENTRIES = 4096
+_MAX_STREAMS = 4
+_CRC_SEGMENT = 512  # header bytes per thread of _crc_segments
+
+# Same numbers as kernels/cpu.py: the codec maps both through cpu.STATUS_MESSAGES.
+_ST_OK = 0
+_ST_CHECKSUM = 1
+_ST_BAD_CODE = 2
+_ST_OVERRUN = 3
+_ST_MASK_COUNT = 4
+_ST_SIZE = 5
+
+_CHUNK_MASK = 0x01
+_CHUNK_ZERO = 0x02
+_CHUNK_RAW0 = 0x10
+_HASH_MUL = np.uint64(0x9E3779B97F4A7C15)
+_HASH_SEED = np.uint64(0xCBF29CE484222325)
+_U64_0 = np.uint64(0)
+_U64_1 = np.uint64(1)
+_U64_63 = np.uint64(63)
+_U64_4095 = np.uint64(4095)
+_U64_32 = np.uint64(32)
+_U64_LO32 = np.uint64(0xFFFFFFFF)
+
+
+# -- element bits -> stream symbols (the same arithmetic as cpu._sym) -------------------
+@cuda.jit(device=True)
+def _sym(v, s, width, ra, sub):
+    """Stream s's symbol of element bits v (rotated by ra, minus sub, mod 256)."""
+    top = 8 * width
+    x = int64(v) & ((int64(1) << top) - 1)
+    return ((((x << ra) | (x >> (top - ra))) >> (8 * (width - 1 - s))) - sub) & 255
+
+
+@cuda.jit(device=True)
+def _lane_of(j, b1, b2, b3):
+    """Lane of present element j; lane k holds [k*present//4, (k+1)*present//4)."""
+    return int64(j >= b1) + int64(j >= b2) + int64(j >= b3)
+
+
+@cuda.jit(device=True)
+def _thread_lane_bits(bits, a, b, j0, use_mask, enc_len, s, width, ra, sub, b1, b2, b3):
+    """Coded bits of stream s that this thread's elements a..b add to each lane.
+
+    j0 is the index of the thread's first present element in the chunk; with a mask,
+    zeros are skipped (they are in no stream).
+    """
+    l0 = int64(0)
+    l1 = int64(0)
+    l2 = int64(0)
+    l3 = int64(0)
+    j = j0
+    for i in range(a, b):
+        v = bits[i]
+        if use_mask and v == 0:
+            continue
+        ln = int64(enc_len[s, _sym(v, s, width, ra, sub)])
+        k = _lane_of(j, b1, b2, b3)
+        if k == 0:
+            l0 += ln
+        elif k == 1:
+            l1 += ln
+        elif k == 2:
+            l2 += ln
+        else:
+            l3 += ln
+        j += 1
+    return l0, l1, l2, l3
+
+
+@cuda.jit(device=True)
+def _sub_for(s, exp_shift, ref):
+    if s == 0 and exp_shift >= 0:
+        return int64(ref) << exp_shift
+    return int64(0)
+
+
+@cuda.jit(device=True)
+def _imin(a, b):
+    # min/max of two integers, spelled out: the builtins' generic overloads took a
+    # varargs path that the CUDA target (numba 0.68) could not compile.
+    return a if a < b else b
+
+
+@cuda.jit(device=True)
+def _imax(a, b):
+    return a if a > b else b
+
+
+@cuda.jit(device=True)
+def _pad8(n):
+    return (n + 7) & ~7
+
+
+@cuda.jit(device=True)
+def _hash_chain(words, start, nwords, seed, j):
+    """Chain j of the chunk checksum: the words i = j (mod 4) of words[start:start+nwords]."""
+    h = (_HASH_SEED ^ uint64(seed)) ^ uint64(j)
+    for i in range(j, nwords, 4):
+        h = (h ^ words[start + i]) * _HASH_MUL
+    return h
+
+
+@cuda.jit(device=True)
+def _hash_fold(h0, h1, h2, h3):
+    h = (((h0 ^ h1) * _HASH_MUL ^ h2) * _HASH_MUL ^ h3) * _HASH_MUL
+    return (h >> _U64_32) ^ (h & _U64_LO32)
+
+
+@cuda.jit(device=True)
+def _block_scan(vals, nthreads):
+    """Exclusive prefix sum of vals[0:nthreads] in place (thread 0 only); return the total."""
+    total = int64(0)
+    for t in range(nthreads):
+        v = vals[t]
+        vals[t] = total
+        total += v
+    return total
+
+
+# -- plan ---------------------------------------------------------------------------------
+@cuda.jit
+def _plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_len, raw_stream, plan):
+    """Plan chunk blockIdx.x: plan[c] = [cflags, ref, sizes...] exactly as cpu.plan_chunks."""
+    c = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    ns = enc_len.shape[0]
+    lo = int64(c) * chunk_elems
+    hi = _imin(int64(n), lo + chunk_elems)
+    count = hi - lo
+    hist = cuda.shared.array(256, int64)
+    nz = cuda.shared.array(_MAX_THREADS, int64)
+    lanes = cuda.shared.array(_LANES, int64)
+    info = cuda.shared.array(4, int64)  # ref, use_mask, present, all_zero
+    for e in range(t, 256, nt):
+        hist[e] = 0
+    cuda.syncthreads()
+    # Reference exponent: mode of a strided sample, exact zeros left out (cpu._chunk_ref).
+    if exp_shift >= 0:
+        step = _imax(int64(1), count // 256)
+        nsamp = (count + step - 1) // step
+        for q in range(t, nsamp, nt):
+            v = bits[lo + q * step]
+            if v != 0:
+                cuda.atomic.add(hist, _sym(v, 0, width, ra, 0) >> exp_shift, 1)
+    per = (count + nt - 1) // nt
+    a = _imin(hi, lo + t * per)
+    b = _imin(hi, a + per)
+    z = int64(0)
+    for i in range(a, b):
+        z += int64(bits[i] == 0)
+    nz[t] = (b - a) - z
+    cuda.syncthreads()
+    if t == 0:
+        best = 0
+        if exp_shift >= 0:
+            for e in range(256):
+                if hist[e] > hist[best]:
+                    best = e
+        nonzero = _block_scan(nz, nt)
+        zeros = count - nonzero
+        # The mask costs one bit per element: take it when the zeros cost more in the streams.
+        zero_cost = int64(0)
+        for s in range(ns):
+            if raw_stream[s]:
+                zero_cost += 8
+            else:
+                zero_cost += int64(enc_len[s, _sym(0, s, width, ra, _sub_for(s, exp_shift, best))])
+        use_mask = zeros * zero_cost > count + 64
+        info[0] = best
+        info[1] = int64(use_mask)
+        info[2] = nonzero if use_mask else count
+        info[3] = int64(zeros == count)
+        plan[c, 1] = best
+        plan[c, 0] = _CHUNK_ZERO if zeros == count else (_CHUNK_MASK if use_mask else 0)
+    cuda.syncthreads()
+    if info[3]:
+        if t < ns:
+            plan[c, 2 + t] = 0
+        return
+    ref = info[0]
+    use_mask = info[1] != 0
+    present = info[2]
+    b1 = present // _LANES
+    b2 = 2 * present // _LANES
+    b3 = 3 * present // _LANES
+    j0 = nz[t] if use_mask else a - lo
+    for s in range(ns):
+        if raw_stream[s]:  # the same for every thread: no divergence around the barriers
+            if t == 0:
+                plan[c, 0] = plan[c, 0] | (_CHUNK_RAW0 << s)
+                plan[c, 2 + s] = present
+            continue
+        if t < _LANES:
+            lanes[t] = 0
+        cuda.syncthreads()
+        sub = _sub_for(s, exp_shift, ref)
+        l0, l1, l2, l3 = _thread_lane_bits(bits, a, b, j0, use_mask, enc_len, s, width, ra, sub, b1, b2, b3)
+        cuda.atomic.add(lanes, 0, l0)
+        cuda.atomic.add(lanes, 1, l1)
+        cuda.atomic.add(lanes, 2, l2)
+        cuda.atomic.add(lanes, 3, l3)
+        cuda.syncthreads()
+        if t == 0:
+            seg = int64(_LANE_HEADER)
+            for k in range(_LANES):
+                seg += _pad8((lanes[k] + 7) // 8)
+            if seg >= present:
+                plan[c, 0] = plan[c, 0] | (_CHUNK_RAW0 << s)
+                plan[c, 2 + s] = present
+            else:
+                plan[c, 2 + s] = seg
+        cuda.syncthreads()
+
+
+# -- encode -------------------------------------------------------------------------------
+@cuda.jit
+def _encode_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_code, enc_len, plan, offsets,
+                   out8, out64, table_pos, entry_bytes, do_checksum):
+    """Write chunk blockIdx.x's payload at offsets[c] and its checksum into the chunk table."""
+    c = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    ns = enc_len.shape[0]
+    lo = int64(c) * chunk_elems
+    hi = _imin(int64(n), lo + chunk_elems)
+    count = hi - lo
+    flags = int64(plan[c, 0])
+    ref = int64(plan[c, 1])
+    pos = int64(offsets[c])
+    nz = cuda.shared.array(_MAX_THREADS, int64)
+    lane_bits = cuda.shared.array((_MAX_THREADS, _LANES), int64)
+    lane_word = cuda.shared.array(_LANES, int64)
+    chains = cuda.shared.array(_LANES, uint64)
+    info = cuda.shared.array(1, int64)
+    per = (count + nt - 1) // nt
+    a = _imin(hi, lo + t * per)
+    b = _imin(hi, a + per)
+    use_mask = (flags & _CHUNK_MASK) != 0
+    end = pos
+    if not (flags & _CHUNK_ZERO):
+        present = count
+        j0 = a - lo
+        if use_mask:
+            mbytes = (count + 7) // 8
+            for k in range(t, _pad8(mbytes), nt):
+                byte = 0
+                if k < mbytes:
+                    for q in range(_imin(8, count - 8 * k)):
+                        if bits[lo + 8 * k + q] != 0:
+                            byte |= 1 << q
+                out8[pos + k] = byte
+            z = int64(0)
+            for i in range(a, b):
+                z += int64(bits[i] != 0)
+            nz[t] = z
+            cuda.syncthreads()
+            if t == 0:
+                info[0] = _block_scan(nz, nt)
+            cuda.syncthreads()
+            present = info[0]
+            j0 = nz[t]
+            pos += _pad8(mbytes)
+        b1 = present // _LANES
+        b2 = 2 * present // _LANES
+        b3 = 3 * present // _LANES
+        for s in range(ns):
+            size = int64(plan[c, 2 + s])
+            sub = _sub_for(s, exp_shift, ref)
+            if flags & (_CHUNK_RAW0 << s):
+                j = j0
+                for i in range(a, b):
+                    v = bits[i]
+                    if use_mask and v == 0:
+                        continue
+                    out8[pos + j] = _sym(v, s, width, ra, sub)
+                    j += 1
+                for k in range(size + t, _pad8(size), nt):
+                    out8[pos + k] = 0
+            else:
+                # Pass 1: this thread's bits per lane; zero the lane words for the ORs.
+                l0, l1, l2, l3 = _thread_lane_bits(bits, a, b, j0, use_mask, enc_len, s, width, ra, sub,
+                                                   b1, b2, b3)
+                lane_bits[t, 0] = l0
+                lane_bits[t, 1] = l1
+                lane_bits[t, 2] = l2
+                lane_bits[t, 3] = l3
+                first_word = (pos + _LANE_HEADER) // 8
+                for w in range(t, (size - _LANE_HEADER) // 8, nt):
+                    out64[first_word + w] = _U64_0
+                cuda.syncthreads()
+                # Exclusive scan over threads, per lane (thread k scans lane k).
+                if t < _LANES:
+                    total = int64(0)
+                    for q in range(nt):
+                        v2 = lane_bits[q, t]
+                        lane_bits[q, t] = total
+                        total += v2
+                    nbytes = (total + 7) // 8
+                    for q in range(4):
+                        out8[pos + 4 * t + q] = (nbytes >> (8 * q)) & 255
+                    lane_word[t] = _pad8(nbytes) // 8
+                cuda.syncthreads()
+                if t == 0:
+                    w = first_word
+                    for k in range(_LANES):
+                        words = lane_word[k]
+                        lane_word[k] = w
+                        w += words
+                cuda.syncthreads()
+                # Pass 2: each symbol's bits at its scanned offset; ORs because the words
+                # at the ends of a thread's range are shared with its neighbours.
+                p0 = lane_bits[t, 0]
+                p1 = lane_bits[t, 1]
+                p2 = lane_bits[t, 2]
+                p3 = lane_bits[t, 3]
+                j = j0
+                for i in range(a, b):
+                    v = bits[i]
+                    if use_mask and v == 0:
+                        continue
+                    y = _sym(v, s, width, ra, sub)
+                    ln = int64(enc_len[s, y])
+                    code = uint64(enc_code[s, y])
+                    k = _lane_of(j, b1, b2, b3)
+                    if k == 0:
+                        p = p0
+                        p0 += ln
+                    elif k == 1:
+                        p = p1
+                        p1 += ln
+                    elif k == 2:
+                        p = p2
+                        p2 += ln
+                    else:
+                        p = p3
+                        p3 += ln
+                    w = lane_word[k] + (p >> 6)
+                    off = p & 63
+                    cuda.atomic.or_(out64, w, code << uint64(off))
+                    if off + ln > 64:
+                        cuda.atomic.or_(out64, w + 1, code >> uint64(64 - off))
+                    j += 1
+                cuda.syncthreads()
+            pos += _pad8(size)
+        end = pos
+    # Checksum of the payload words, four chains as in cpu._hash_words.
+    cuda.syncthreads()
+    if do_checksum:
+        start = int64(offsets[c]) // 8
+        nwords = (end - int64(offsets[c])) // 8
+        if t < _LANES:
+            chains[t] = _hash_chain(out64, start, nwords, c, t)
+        cuda.syncthreads()
+        if t == 0:
+            value = int64(_hash_fold(chains[0], chains[1], chains[2], chains[3]))
+            at = table_pos + int64(c) * entry_bytes + 4
+            for q in range(4):
+                out8[at + q] = (value >> (8 * q)) & 255
+
+
+# -- header CRC ---------------------------------------------------------------------------
+@cuda.jit
+def _crc_segments(frame8, seg, nseg, crc_table, seg_crcs):
+    """seg_crcs[i] = the unconditioned CRC-32 register of frame8[i*seg:(i+1)*seg] from 0."""
+    i = cuda.grid(1)
+    if i >= nseg:
+        return
+    r = int64(0)
+    for k in range(i * seg, (i + 1) * seg):
+        r = int64(crc_table[(r ^ int64(frame8[k])) & 255]) ^ (r >> 8)
+    seg_crcs[i] = r
+
+
+@cuda.jit
+def _crc_combine(frame8, seg, nseg, crc_end, seg_crcs, shift_cols, crc_table):
+    """Join the segment CRCs into zlib's CRC-32 of frame8[:crc_end]; store it at crc_end.
+
+    The register update is linear over GF(2): crc(A + B) = Z_|B|(crc(A)) ^ crc0(B), where
+    Z_L (shift_cols, one column per bit) runs the register over L zero bytes.
+    """
+    if cuda.grid(1) != 0:
+        return
+    r = int64(0xFFFFFFFF)
+    for i in range(nseg):
+        z = int64(0)
+        for bit in range(32):
+            if (r >> bit) & 1:
+                z ^= int64(shift_cols[bit])
+        r = z ^ int64(seg_crcs[i])
+    for k in range(nseg * seg, crc_end):
+        r = int64(crc_table[(r ^ int64(frame8[k])) & 255]) ^ (r >> 8)
+    r ^= 0xFFFFFFFF
+    for q in range(4):
+        frame8[crc_end + q] = (r >> (8 * q)) & 255
+
+
+# -- decode -------------------------------------------------------------------------------
+@cuda.jit(device=True)
+def _peek(words, base, nwords, pos):
+    """64 bits of a lane from bit pos; bits past the lane's last word read as zero."""
+    w = pos >> 6
+    off = uint64(pos & 63)
+    lo = words[base + w] if w < nwords else _U64_0
+    hi = words[base + w + 1] if w + 1 < nwords else _U64_0
+    return (lo >> off) | ((hi << _U64_1) << (_U64_63 - off))
+
+
+@cuda.jit(device=True)
+def _lane_u32(frame8, at):
+    return (int64(frame8[at]) | (int64(frame8[at + 1]) << 8) | (int64(frame8[at + 2]) << 16)
+            | (int64(frame8[at + 3]) << 24))
+
+
+@cuda.jit
+def _decode_kernel(frame8, frame64, nbytes, numel, chunk_elems, width, ra, exp_shift, dec_tables,
+                   cflags, refs, sizes, offsets, checksums, do_checksum, out, status):
+    """Decode chunk blockIdx.x into out (element bits); status[c] = 0 or a cpu status code."""
+    c = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    ns = sizes.shape[1]
+    dec = cuda.shared.array((_MAX_STREAMS, _DEC_ENTRIES), uint16)
+    chains = cuda.shared.array(_LANES, uint64)
+    st = cuda.shared.array(_STATUS_SLOTS, int32)  # per lane, and [_LANES] for the chunk
+    cnt = cuda.shared.array(1, int64)
+    lo = int64(c) * chunk_elems
+    hi = _imin(int64(numel), lo + chunk_elems)
+    count = hi - lo
+    flags = int64(cflags[c])
+    pos = int64(offsets[c])
+    masked = (flags & _CHUNK_MASK) != 0
+    mbytes = (count + 7) // 8
+    length = _pad8(mbytes) if masked else int64(0)
+    for s in range(ns):
+        length += _pad8(int64(sizes[c, s]))
+    if t <= _LANES:
+        st[t] = _ST_OK
+    if t == 0:
+        cnt[0] = 0
+    cuda.syncthreads()
+    # The host checked the layout; the kernel trusts nothing and checks again.
+    if pos < 0 or pos % 8 != 0 or pos + length > nbytes:
+        if t == 0:
+            status[c] = _ST_SIZE
+        return
+    if do_checksum:
+        if t < _LANES:
+            chains[t] = _hash_chain(frame64, pos // 8, length // 8, c, t)
+        cuda.syncthreads()
+        if _hash_fold(chains[0], chains[1], chains[2], chains[3]) != uint64(checksums[c]):
+            if t == 0:
+                status[c] = _ST_CHECKSUM
+            return
+    if flags & _CHUNK_ZERO:
+        for i in range(lo + t, hi, nt):
+            out[i] = 0
+        if t == 0:
+            status[c] = _ST_OK
+        return
+    present = count
+    if masked:
+        for k in range(t, mbytes, nt):
+            byte = int64(frame8[pos + k])
+            if k == mbytes - 1 and count % 8:
+                byte &= (1 << (count % 8)) - 1
+            ones = int64(0)
+            while byte:
+                byte &= byte - 1
+                ones += 1
+            cuda.atomic.add(cnt, 0, ones)
+        cuda.syncthreads()
+        present = cnt[0]
+    # Stream checks (thread 0) and decode tables into shared memory (all threads).
+    if t == 0:
+        spos = pos + (_pad8(mbytes) if masked else 0)
+        for s in range(ns):
+            size = int64(sizes[c, s])
+            if st[_LANES] == _ST_OK:
+                if flags & (_CHUNK_RAW0 << s):
+                    if size != present:
+                        st[_LANES] = _ST_MASK_COUNT if masked else _ST_SIZE
+                elif size < _LANE_HEADER:
+                    st[_LANES] = _ST_SIZE
+                else:
+                    words = int64(0)
+                    for k in range(_LANES):
+                        words += (_lane_u32(frame8, spos + 4 * k) + 7) // 8
+                    if _LANE_HEADER + 8 * words != size:
+                        st[_LANES] = _ST_SIZE
+            spos += _pad8(size)
+    for s in range(ns):
+        if not (flags & (_CHUNK_RAW0 << s)):
+            for e in range(t, _DEC_ENTRIES, nt):
+                dec[s, e] = dec_tables[s, e]
+    cuda.syncthreads()
+    if st[_LANES] != _ST_OK:
+        if t == 0:
+            status[c] = st[_LANES]
+        return
+    # One thread per lane: lane k's symbols of every stream, then its elements unrotated.
+    # Masked chunks decode compactly into out[lo:lo+present] and are expanded below.
+    if t < _LANES:
+        k = t
+        jlo = k * present // _LANES
+        jhi = (k + 1) * present // _LANES
+        top = 8 * width
+        spos = pos + (_pad8(mbytes) if masked else 0)
+        for s in range(ns):
+            if st[k] != _ST_OK:
+                break
+            size = int64(sizes[c, s])
+            shift = 8 * (width - 1 - s)
+            add = _sub_for(s, exp_shift, refs[c])
+            if flags & (_CHUNK_RAW0 << s):
+                for j in range(jlo, jhi):
+                    v = ((int64(frame8[spos + j]) + add) & 255) << shift
+                    if s == 0:
+                        out[lo + j] = v
+                    else:
+                        out[lo + j] = int64(out[lo + j]) | v
+            else:
+                base = (spos + _LANE_HEADER) // 8
+                lane_bytes = int64(0)
+                for q in range(k + 1):
+                    lane_bytes = _lane_u32(frame8, spos + 4 * q)
+                    if q < k:
+                        base += (lane_bytes + 7) // 8
+                nwords = (lane_bytes + 7) // 8
+                p = int64(0)
+                for j in range(jlo, jhi):
+                    buf = _peek(frame64, base, nwords, p)
+                    e = int64(dec[s, int64(buf & _U64_4095)])
+                    ln = (e >> 8) & 15
+                    y = e & 255
+                    if ln == 0:
+                        st[k] = _ST_BAD_CODE
+                        break
+                    if e >= 0x8000:  # escape: the symbol's 8 bits follow the code
+                        y = int64(buf >> uint64(ln)) & 255
+                        ln += 8
+                    p += ln
+                    v = ((y + add) & 255) << shift
+                    if s == 0:
+                        out[lo + j] = v
+                    else:
+                        out[lo + j] = int64(out[lo + j]) | v
+                if st[k] == _ST_OK and p > 8 * lane_bytes:
+                    st[k] = _ST_OVERRUN
+            spos += _pad8(size)
+        if ra and st[k] == _ST_OK:
+            full = (int64(1) << top) - 1
+            for j in range(jlo, jhi):
+                x = int64(out[lo + j]) & full
+                out[lo + j] = (x >> 1) | ((x & 1) << (top - 1))
+    cuda.syncthreads()
+    if t == 0:
+        code = _ST_OK
+        for k in range(_LANES):
+            if code == _ST_OK:
+                code = st[k]
+        status[c] = code
+        # Expand a masked chunk in place, from the back: the j-th present element moves
+        # to its position i >= j, so no element is overwritten before it is moved.
+        if code == _ST_OK and masked:
+            j = present - 1
+            for i in range(count - 1, -1, -1):
+                if (int64(frame8[pos + (i >> 3)]) >> (i & 7)) & 1:
+                    out[lo + i] = out[lo + j]
+                    j -= 1
+                else:
+                    out[lo + i] = 0
+
+
+# -- host side ----------------------------------------------------------------------------
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+_TORCH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def _crc_table() -> np.ndarray:
+    table = np.zeros(256, dtype=np.uint32)
+    for i in range(256):
+        r = i
+        for _ in range(8):
+            r = (r >> 1) ^ (0xEDB88320 if r & 1 else 0)
+        table[i] = r
+    return table
+
+
+_CRC_TABLE = _crc_table()
+if SIMULATOR:
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray as _FakeArray
+# Column b: the CRC register 1 << b after _CRC_SEGMENT zero bytes; zlib.crc32(d, v) runs
+# the register from ~v and returns its complement.
+_CRC_SHIFT = np.array(
+    [~zlib.crc32(bytes(_CRC_SEGMENT), ~(1 << b) & 0xFFFFFFFF) & 0xFFFFFFFF for b in range(32)], dtype=np.uint32
+)
+
+
+class _Launch:
+    """Kernel arguments and launch configuration for one device (a CUDA one or the simulator)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.real = device.type == "cuda"
+        if self.real and SIMULATOR:
+            raise RuntimeError("NUMBA_ENABLE_CUDASIM=1 is set: CUDA tensors cannot go through the simulator")
+        if not self.real and not SIMULATOR:
+            raise ValueError(f"the GPU codec needs a CUDA tensor, got one on {device}")
+        self.stream = cuda.external_stream(torch.cuda.current_stream(device).cuda_stream) if self.real else 0
+
+    def array(self, t: torch.Tensor, np_dtype=None):
+        """A kernel argument viewing tensor t (no copy); np_dtype re-types same-width elements."""
+        t = t.detach()
+        if self.real:
+            a = cuda.as_cuda_array(t, sync=False)  # ordered by torch's current stream
+            return a.view(np_dtype) if np_dtype is not None else a
+        a = t.numpy()
+        if np_dtype is not None:
+            a = a.view(np_dtype)
+        # Wrapped, a numpy array is not copied in and back around each launch by the
+        # simulator: two views of one frame (bytes and words) stay one memory.
+        return _FakeArray(a)
+
+    def put(self, host: np.ndarray) -> torch.Tensor:
+        """Copy a host array to the device (asynchronously where the memory allows)."""
+        return torch.from_numpy(np.ascontiguousarray(host)).to(self.device, non_blocking=True)
+
+    def __call__(self, kernel, grid, block, *args):
+        if grid == 0:
+            return
+        if self.real:
+            with cuda.gpus[self.device.index or 0]:
+                kernel[grid, block, self.stream](*args)
+        else:
+            # The simulator computes with numpy scalars, which warn on the (intended)
+            # wrap-around of the 64-bit hash multiply.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                kernel[grid, block](*args)
+
+
+class DeviceTables:
+    """A codec's per-stream tables (see ``codec._Tables``) copied to one device, once."""
+
+    __slots__ = ("enc_code", "enc_len", "raw", "dec", "crc_table", "crc_shift")
+
+    def __init__(self, launch: _Launch, tables):
+        self.enc_code = launch.put(tables.enc_code.view(np.int32))
+        self.enc_len = launch.put(tables.enc_len)
+        self.raw = launch.put(tables.raw.astype(np.uint8))
+        self.dec = launch.put(tables.dec.view(np.int16))
+        self.crc_table = launch.put(_CRC_TABLE.view(np.int32))
+        self.crc_shift = launch.put(_CRC_SHIFT.view(np.int32))
+
+
+def _bits_of(tensor: torch.Tensor, spec) -> torch.Tensor:
+    flat = tensor.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return flat.view(_TORCH_INT[spec.itemsize])
+
+
+def encode_frame(tensor: torch.Tensor, spec, tables, dev_tables: DeviceTables, chunk_elems: int,
+                 checksum: bool) -> torch.Tensor:
+    """Encode a tensor into a frame on its device, the same bytes as the CPU encoder.
+
+    Args:
+        tensor: a CUDA tensor (a CPU tensor under the simulator) of ``spec.dtype``.
+        spec: its :class:`comm_codec.streams.StreamSpec`.
+        tables: the codec's host tables (book ids for the header).
+        dev_tables: the same tables on the tensor's device.
+        chunk_elems: elements per chunk.
+        checksum: compute per-chunk checksums.
+
+    Returns:
+        The frame, a 1-D torch.uint8 tensor on the tensor's device. Its bytes may still be
+        being written by the device (torch's current stream orders every later use).
+    """
+    launch = _Launch(tensor.device)
+    bits_t = _bits_of(tensor, spec)
+    numel = bits_t.numel()
+    ns = spec.nstreams
+    nchunks = -(-numel // chunk_elems)
+    ra = 1 if spec.rotate else 0
+    width = spec.itemsize
+    bits = launch.array(bits_t, _UNSIGNED[width])
+    plan_t = torch.empty((nchunks, 2 + ns), dtype=torch.int32, device=tensor.device)
+    if nchunks:
+        launch(_plan_kernel, nchunks, _PLAN_THREADS, bits, numel, chunk_elems, width, ra, spec.exp_shift,
+               launch.array(dev_tables.enc_len), launch.array(dev_tables.raw), launch.array(plan_t, np.uint32))
+    # The one synchronisation: the frame's length depends on every chunk's plan.
+    plan = plan_t.cpu().numpy().view(np.uint32)
+    cflags = plan[:, 0].astype(np.uint8)
+    sizes = np.ascontiguousarray(plan[:, 2:])
+    counts = _frame.chunk_counts(numel, chunk_elems, nchunks)
+    lengths = _frame.payload_bytes(cflags.astype(np.int64), sizes, counts)
+    hsize = _frame.header_size(ns, nchunks)
+    offsets = (hsize + np.concatenate(([0], np.cumsum(lengths)[:-1]))).astype(np.int64)
+    total = int(hsize + lengths.sum())
+    table = np.zeros(nchunks, dtype=_frame.table_dtype(ns))
+    table["cflags"], table["ref"], table["sizes"] = cflags, plan[:, 1].astype(np.uint8), sizes
+    header = np.zeros(hsize, dtype=np.uint8)
+    flags = _frame.FLAG_CHECKSUM if checksum else 0
+    _frame.write_header(header, spec, numel, chunk_elems, flags, tables.ids, table)
+    out = torch.empty(total, dtype=torch.uint8, device=tensor.device)
+    out[:hsize].copy_(torch.from_numpy(header), non_blocking=True)
+    if not nchunks:
+        return out
+    out8 = launch.array(out)
+    out64 = launch.array(out.view(torch.int64), np.uint64)
+    table_pos = _frame.HEADER_BYTES + 8 * ns
+    launch(_encode_kernel, nchunks, _PLAN_THREADS, bits, numel, chunk_elems, width, ra, spec.exp_shift,
+           launch.array(dev_tables.enc_code, np.uint32), launch.array(dev_tables.enc_len),
+           launch.array(plan_t, np.uint32), launch.array(launch.put(offsets)), out8, out64,
+           table_pos, table.dtype.itemsize, checksum)
+    if checksum:  # the header CRC covers the checksums just written
+        _header_crc(launch, out, hsize - 8, dev_tables)
+    return out
+
+
+def _header_crc(launch: _Launch, buf: torch.Tensor, crc_end: int, dev_tables: DeviceTables) -> None:
+    """Store zlib's CRC-32 of buf[:crc_end] at buf[crc_end:crc_end+4], on the device."""
+    nseg = crc_end // _CRC_SEGMENT
+    seg_crcs = torch.empty(max(nseg, 1), dtype=torch.int64, device=buf.device)
+    buf8 = launch.array(buf)
+    launch(_crc_segments, -(-nseg // 128), 128, buf8, _CRC_SEGMENT, nseg,
+           launch.array(dev_tables.crc_table, np.uint32), launch.array(seg_crcs))
+    launch(_crc_combine, 1, 1, buf8, _CRC_SEGMENT, nseg, crc_end, launch.array(seg_crcs),
+           launch.array(dev_tables.crc_shift, np.uint32), launch.array(dev_tables.crc_table, np.uint32))
+
+
+def read_header(frame: torch.Tensor) -> np.ndarray:
+    """Copy a device frame's header to the host: one small copy, two past 4 KiB of header.
+
+    Returns a host uint8 array as long as the frame whose first bytes hold the header
+    (the rest is zero pages, never touched), so that
+    :func:`comm_codec.frame.get_frame_parameters` can check the header against the
+    frame's true length without the payload crossing to the host.
+    """
+    n = frame.numel()
+    host = np.zeros(n, dtype=np.uint8)  # calloc: untouched pages cost nothing
+    first = min(n, 4096)
+    host[:first] = frame[:first].cpu().numpy()
+    if first >= _frame.HEADER_BYTES:
+        ns = int(host[6])
+        nchunks = int.from_bytes(host[20:24].tobytes(), "little")
+        hsize = _frame.header_size(ns, nchunks) if 1 <= ns <= _MAX_STREAMS else 0
+        if first < hsize <= n:
+            host[first:hsize] = frame[first:hsize].cpu().numpy()
+    return host
+
+
+def decode_frame(frame: torch.Tensor, params, dev_tables: DeviceTables, result: torch.Tensor) -> np.ndarray:
+    """Decode a checked frame into result on its device; return the per-chunk status.
+
+    Args:
+        frame: the frame, 1-D torch.uint8 on the device, 8-byte aligned.
+        params: its :class:`comm_codec.frame.FrameParameters` (from :func:`read_header`).
+        dev_tables: the decode tables of its books on the device.
+        result: contiguous output tensor of the frame's dtype and element count.
+
+    Returns:
+        int32[nchunks] status codes on the host (0 = ok; see cpu.STATUS_MESSAGES). The
+        copy back is the decode's second synchronisation.
+    """
+    launch = _Launch(frame.device)
+    spec = params.spec
+    nchunks = params.nchunks
+    table = params.table
+    ns = spec.nstreams
+    cflags = launch.put(np.ascontiguousarray(table["cflags"]))
+    refs = launch.put(np.ascontiguousarray(table["ref"]))
+    sizes = launch.put(np.ascontiguousarray(table["sizes"]).reshape(nchunks, ns).view(np.int32))
+    checks = launch.put(np.ascontiguousarray(table["checksum"]).view(np.int32))
+    offsets = launch.put(params.offsets)
+    status = torch.zeros(nchunks, dtype=torch.int32, device=frame.device)
+    out_bits = _bits_of(result, spec)
+    launch(_decode_kernel, nchunks, _DECODE_THREADS, launch.array(frame), launch.array(frame.view(torch.int64),
+           np.uint64), frame.numel(), params.numel, params.chunk_elems, spec.itemsize, 1 if spec.rotate else 0,
+           spec.exp_shift, launch.array(dev_tables.dec, np.uint16), launch.array(cflags), launch.array(refs),
+           launch.array(sizes, np.uint32), launch.array(offsets), launch.array(checks, np.uint32),
+           params.checksums, launch.array(out_bits, _UNSIGNED[spec.itemsize]), launch.array(status))
+    return status.cpu().numpy()

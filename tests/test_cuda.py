@@ -1,0 +1,378 @@
+"""GPU codec (numba.cuda kernels): the same frames as the CPU path, bit for bit, and safe on bad input.
+
+Where these tests run:
+
+* On a machine with a CUDA GPU, in-process, on CUDA tensors.
+* Everywhere else, in numba's CUDA simulator. ``NUMBA_ENABLE_CUDASIM`` must be set before
+  numba is first imported, and the rest of the suite has imported numba long before this
+  module, so :func:`test_cuda_kernels_in_simulator` runs this file again in a child
+  ``python -m pytest`` with the variable set; in the parent only that test and the
+  bench_gpu check (which needs neither) remain. Nothing the simulator can run is skipped:
+  only the device-dispatch test, which needs real CUDA tensors, is left to a GPU run.
+
+The simulator interprets every GPU thread in Python, so inputs are small: a few chunks of
+``CHUNK`` elements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numba
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import comm_codec as cc
+from comm_codec import frame as _frame
+from conftest import bits_equal, fix_header_crc, int_view, random_bits
+from test_codec import DISTS, make_tensor, special_bits, tensor_of_bits
+
+SIM = bool(numba.config.ENABLE_CUDASIM)
+
+
+def _real_gpu() -> bool:
+    if SIM or not torch.cuda.is_available():
+        return False
+    from numba import cuda
+
+    return cuda.is_available()  # torch sees a GPU; numba's CUDA target must too
+
+
+GPU = _real_gpu()
+RUN_HERE = SIM or GPU  # where the kernel tests run in this process
+DEV = torch.device("cuda") if GPU else torch.device("cpu")
+CHUNK = 192
+ROOT = Path(__file__).resolve().parent.parent
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.int8, torch.uint8]
+
+_CODECS: dict = {}
+
+
+def make_codec(chunk_elems: int = CHUNK, checksum: bool = True) -> cc.Codec:
+    key = (chunk_elems, checksum)
+    if key not in _CODECS:
+        _CODECS[key] = cc.Codec(cc.CodebookSet.default(), chunk_elems=chunk_elems, checksum=checksum)
+    return _CODECS[key]
+
+
+def gpu_encode(codec: cc.Codec, x: torch.Tensor, kind: str = "gradient") -> torch.Tensor:
+    return codec._encode_cuda(x.to(DEV), kind).cpu()
+
+
+def gpu_decode(codec: cc.Codec, frame, out=None) -> torch.Tensor:
+    frame = torch.as_tensor(np.frombuffer(bytes(frame), dtype=np.uint8).copy()) if isinstance(frame, bytes) else frame
+    return codec._decode_cuda(frame.to(DEV), out=out).cpu()
+
+
+def mixed_tensor(dtype, seed: int) -> torch.Tensor:
+    """Chunks of every kind: coded (with escapes), all-zero, masked and coded, raw, a short tail.
+
+    Chunk 0: a few powers of two and every special value (NaN payloads, ±Inf, -0.0, subnormals,
+    ±max): coded (escapes included) where the shipped book allows. Chunk 1: +0.0 only. Chunk 2: 30 % zeros (masked) at another scale.
+    Chunk 3: random bits (raw streams). Then a 37-element tail.
+    """
+    g = torch.Generator().manual_seed(seed)
+    n = 4 * CHUNK + 37
+    if dtype.is_floating_point:
+        scale = 1.0 if dtype.itemsize == 1 else 1e-2
+        x = (torch.randn(n, generator=g) * scale).to(dtype)
+        x[2 * CHUNK: 3 * CHUNK] = (torch.randn(CHUNK, generator=g) * 1e3 * scale).to(dtype)
+        # Chunk 0: ±scale/2, ±scale, ±2 scale: few symbols, so that stream 0 codes.
+        e = torch.randint(-1, 2, (CHUNK,), generator=g).float()
+        x[:CHUNK] = (torch.exp2(e) * scale * (torch.randint(0, 2, (CHUNK,), generator=g) * 2 - 1)).to(dtype)
+    else:
+        v = (torch.randn(n, generator=g) * 3).round().clamp(-128, 127).to(torch.int8)
+        x = v.view(torch.uint8).clone() if dtype == torch.uint8 else v
+    iv = int_view(x)
+    iv[CHUNK: 2 * CHUNK] = 0
+    iv[2 * CHUNK: 3 * CHUNK][torch.rand(CHUNK, generator=g) < 0.3] = 0
+    x[3 * CHUNK: 4 * CHUNK] = random_bits(CHUNK, dtype, g)
+    specials = int_view(tensor_of_bits(special_bits(dtype), dtype))
+    iv[40: 40 + specials.numel()] = specials
+    iv[4 * CHUNK + 3] = specials[0]
+    return x
+
+
+def assert_same_frames(codec, x, kind="gradient") -> torch.Tensor:
+    """Encode on both devices, compare the bytes, decode each frame on the other device."""
+    f_cpu = codec.encode(x, kind)
+    f_gpu = gpu_encode(codec, x, kind)
+    assert f_gpu.dtype == torch.uint8 and f_gpu.dim() == 1
+    if not torch.equal(f_cpu, f_gpu):
+        diff = (f_cpu != f_gpu).nonzero().reshape(-1) if f_cpu.numel() == f_gpu.numel() else None
+        raise AssertionError(f"GPU frame ({f_gpu.numel()} bytes) differs from the CPU's ({f_cpu.numel()} bytes)"
+                             + (f"; first differing bytes at {diff[:8].tolist()}" if diff is not None else ""))
+    bits_equal(codec.decode(f_gpu), x.reshape(-1))
+    bits_equal(gpu_decode(codec, f_cpu), x.reshape(-1))
+    return f_cpu
+
+
+# -- same frames as the CPU -------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_frames_equal_cpu_bit_for_bit(dtype):
+    x = mixed_tensor(dtype, seed=DTYPES.index(dtype))
+    f = assert_same_frames(make_codec(), x)
+    cflags = _frame.get_frame_parameters(f).table["cflags"].astype(int)
+    assert cflags[1] == _frame.CHUNK_ZERO
+    assert cflags[2] & _frame.CHUNK_MASK
+    assert cflags[3] & _frame.CHUNK_RAW0  # random bits: stored raw
+    if dtype in (torch.bfloat16, torch.float32):
+        assert not cflags[0] & _frame.CHUNK_RAW0 and not cflags[2] & _frame.CHUNK_RAW0  # coded; masked + coded
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_coded_streams_of_every_dtype(dtype):
+    # Low-entropy data under the first kind whose book codes it (the shipped uint8
+    # gradient book, for one, spends 9+ bits on every small value).
+    x = torch.tensor([1, 2, 1, 1, 3, 1, 2, 1] * (CHUNK // 8), dtype=torch.float32).to(dtype)
+    x[17] = 0
+    for kind in cc.KINDS:
+        f = make_codec().encode(x, kind)
+        cflags = _frame.get_frame_parameters(f).table["cflags"]
+        if not cflags[0] & _frame.CHUNK_RAW0:
+            break
+    else:
+        pytest.fail(f"no shipped book codes {dtype} stream 0 of this input")
+    assert_same_frames(make_codec(), x, kind)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8], ids=str)
+def test_frames_equal_cpu_without_checksums(dtype):
+    x = mixed_tensor(dtype, seed=10 + DTYPES.index(dtype))
+    f = assert_same_frames(make_codec(checksum=False), x)
+    assert not _frame.get_frame_parameters(f).checksums
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 7, 9, 200])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8], ids=str)
+def test_tiny_tensors_and_short_chunks(dtype, n):
+    # Fewer elements than lanes, empty tensors, and chunks smaller than a thread block.
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e-3).to(dtype)
+    assert_same_frames(make_codec(chunk_elems=64), x)
+
+
+@settings(max_examples=12)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(0, 300),
+    dist=st.sampled_from(DISTS),
+    log_scale=st.floats(-8, 4),
+    seed=st.integers(0, 2**31),
+    chunk_elems=st.sampled_from([16, 64, 256]),
+    checksum=st.booleans(),
+)
+def test_random_inputs_give_the_cpu_frames(dtype, n, dist, log_scale, seed, chunk_elems, checksum):
+    x = make_tensor(dtype, n, dist, seed, scale=10.0**log_scale)
+    assert_same_frames(make_codec(chunk_elems, checksum), x)
+
+
+@pytest.mark.parametrize("kind", ["weight", "optimizer_state"])
+def test_other_kinds_and_a_2d_non_contiguous_tensor(kind):
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(24, 20, generator=g) * 0.05).to(torch.bfloat16).t()  # 480 elements, not contiguous
+    assert_same_frames(make_codec(), x, kind)
+
+
+@pytest.mark.parametrize("n", [0, 7, 511, 512, 513, 1500, 3 * 512])
+def test_device_header_crc_equals_zlib(n):
+    # The header CRC is joined from 512-byte segment CRCs on the device.
+    from comm_codec.kernels import cuda as _cuda
+
+    data = np.random.default_rng(n).integers(0, 256, n + 4, dtype=np.uint8)
+    buf = torch.from_numpy(data).to(DEV)
+    launch = _cuda._Launch(DEV)
+    _cuda._header_crc(launch, buf, n, _cuda.DeviceTables(launch, make_codec()._encode_tables("gradient",
+                                                                                         cc.streams.spec_for("bf16"))))
+    assert int.from_bytes(buf[n:].cpu().numpy().tobytes(), "little") == zlib.crc32(data[:n].tobytes())
+
+
+def test_long_chunk_table_crc_and_header_read():
+    # 40 fp32 chunks (most all-zero, which is quick): a 1 KiB header, so the frame's CRC
+    # takes the segment path end to end.
+    g = torch.Generator().manual_seed(9)
+    x = torch.zeros(320, dtype=torch.float32)
+    x[:48] = torch.randn(48, generator=g) * 1e-2
+    x[200:216] = random_bits(16, torch.float32, g)
+    f = assert_same_frames(make_codec(chunk_elems=8), x)
+    assert _frame.get_frame_parameters(f).header_bytes > 1000
+    # A header over 4 KiB is read from the device in two copies.
+    from comm_codec.kernels import cuda as _cuda
+
+    big = make_codec(chunk_elems=8).encode(torch.zeros(4000, dtype=torch.bfloat16))
+    hsize = _frame.get_frame_parameters(big).header_bytes
+    assert hsize > 4096
+    host = _cuda.read_header(big.to(DEV))
+    assert host.size == big.numel() and host[:hsize].tobytes() == big[:hsize].numpy().tobytes()
+
+
+def test_zero_heavy_runs_and_negative_zero():
+    x = torch.zeros(3 * CHUNK, dtype=torch.float32)
+    x[5::9] = 1.5
+    x[CHUNK: 2 * CHUNK: 7] = -0.0  # -0.0 is not a zero for the mask
+    f = assert_same_frames(make_codec(), x)
+    cflags = _frame.get_frame_parameters(f).table["cflags"]
+    assert not (cflags & _frame.CHUNK_ZERO).any()
+
+
+def test_decode_into_out_and_from_a_misaligned_slice():
+    codec = make_codec()
+    x = mixed_tensor(torch.bfloat16, seed=3)
+    f = codec.encode(x)
+    out = torch.full((x.numel(),), float("nan"), dtype=torch.bfloat16, device=DEV)
+    res = codec._decode_cuda(f.to(DEV), out=out)
+    assert res is out
+    bits_equal(out.cpu(), x)
+    big = torch.zeros(f.numel() + 3, dtype=torch.uint8)
+    big[3:] = f
+    bits_equal(gpu_decode(codec, big[3:]), x)  # not 8-byte aligned: copied first
+    with pytest.raises(ValueError, match="out has 10 elements"):
+        codec._decode_cuda(f.to(DEV), out=torch.empty(10, dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(TypeError, match="out has dtype torch.float16"):
+        codec._decode_cuda(f.to(DEV), out=torch.empty(x.numel(), dtype=torch.float16, device=DEV))
+
+
+def test_max_output_bytes_and_unknown_books():
+    codec = make_codec()
+    x = torch.zeros(4 * CHUNK, dtype=torch.bfloat16)
+    f = codec.encode(x)
+    with pytest.raises(cc.FrameError, match="more than max_output_bytes=100"):
+        codec._decode_cuda(f.to(DEV), max_output_bytes=100)
+    y = (torch.randn(300) * 1e-2).to(torch.bfloat16)
+    f = codec.encode(y)
+    other = cc.Codec(cc.CodebookSet({}), chunk_elems=CHUNK)  # holds no book
+    with pytest.raises(cc.FrameError, match="which this codec's codebook set does not hold"):
+        other._decode_cuda(f.to(DEV))
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+def _outcome(decode, data: bytes):
+    try:
+        return decode(data)
+    except cc.FrameError as exc:
+        return exc
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_mutated_frames_fail_or_decode_as_on_the_cpu(dtype, checksum):
+    # Mutated payloads and chunk tables (header CRC repaired, so the kernels see them):
+    # the GPU decoder raises FrameError exactly when the CPU's does, and otherwise
+    # returns the same bits. The simulator turns any out-of-bounds access into an error.
+    codec = make_codec(chunk_elems=96, checksum=checksum)
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(300, generator=g) * 1e-2).to(dtype)
+    int_view(x)[100:190][torch.rand(90, generator=g) < 0.8] = 0  # a masked chunk
+    data = codec.encode(x).numpy().tobytes()
+    params = _frame.get_frame_parameters(data)
+    rng = np.random.default_rng(11 + checksum)
+    failures = 0
+    for trial in range(14):
+        buf = bytearray(data)
+        if trial % 3 == 0:  # a chunk-table field
+            pos = params.header_bytes - 8 - int(rng.integers(1, params.nchunks * params.table.dtype.itemsize + 1))
+        else:  # the payload
+            pos = int(rng.integers(params.header_bytes, len(buf)))
+        buf[pos] ^= 1 << int(rng.integers(0, 8))
+        bad = fix_header_crc(bytes(buf))
+        cpu = _outcome(lambda d: codec.decode(d), bad)
+        gpu = _outcome(lambda d: gpu_decode(codec, d), bad)
+        if isinstance(cpu, cc.FrameError):
+            failures += 1
+            assert isinstance(gpu, cc.FrameError), f"trial {trial}: CPU raised {cpu}, GPU decoded"
+        else:
+            assert not isinstance(gpu, cc.FrameError), f"trial {trial}: GPU raised {gpu}, CPU decoded"
+            bits_equal(gpu, cpu)
+    assert failures > 0
+
+
+@pytest.mark.parametrize("cut", [0, 5, 24, 60, -8, -1])
+def test_truncated_frames_raise(cut):
+    codec = make_codec()
+    data = codec.encode(mixed_tensor(torch.bfloat16, seed=4)).numpy().tobytes()
+    short = data[:cut] if cut >= 0 else data[:len(data) + cut]
+    if len(short) == 0:
+        with pytest.raises((cc.FrameError, ValueError)):
+            gpu_decode(codec, torch.zeros(0, dtype=torch.uint8))
+        return
+    with pytest.raises(cc.FrameError):
+        gpu_decode(codec, short)
+
+
+def test_kernel_bounds_hold_without_the_host_checks():
+    # The kernel is called with a chunk table the host never checked: offsets past the
+    # frame, and sizes that disagree with the lane headers. It reports, never reads out
+    # of bounds (the simulator would raise).
+    from comm_codec.kernels import cpu as _cpu
+    from comm_codec.kernels import cuda as _cuda
+
+    codec = make_codec(checksum=False)
+    x = mixed_tensor(torch.bfloat16, seed=6)
+    frame = codec.encode(x).to(DEV)
+    params = _frame.get_frame_parameters(frame.cpu())
+    dev_tables = codec._device_tables(codec._decode_tables(params.book_ids), frame.device)
+    out = torch.empty(params.numel, dtype=torch.bfloat16, device=DEV)
+    far = dataclasses.replace(params, offsets=params.offsets + frame.numel())
+    status = _cuda.decode_frame(frame, far, dev_tables, out)
+    assert (status == 5).all() and _cpu.STATUS_MESSAGES[5].startswith("stream size")
+    table = params.table.copy()
+    table["sizes"][:, 0] = np.where(table["cflags"] & _frame.CHUNK_ZERO, 0, 16)  # lane header only
+    status = _cuda.decode_frame(frame, dataclasses.replace(params, table=table), dev_tables, out)
+    coded = (params.table["cflags"] & (_frame.CHUNK_ZERO | _frame.CHUNK_RAW0)) == 0
+    assert (status[coded] != 0).all()
+
+
+# -- device dispatch (needs CUDA tensors: a real GPU) ------------------------------------------------
+@pytest.mark.skipif(not GPU, reason="needs CUDA tensors; the simulator runs the kernels on CPU tensors")
+def test_codec_dispatches_on_the_tensor_device():
+    codec = make_codec()
+    x = mixed_tensor(torch.bfloat16, seed=8)
+    f = codec.encode(x.cuda())
+    assert f.is_cuda and torch.equal(f.cpu(), codec.encode(x))
+    y = codec.decode(f)
+    assert y.is_cuda
+    bits_equal(y.cpu(), x)
+
+
+# -- the parent process --------------------------------------------------------------------------------
+def test_cuda_kernels_in_simulator():
+    """Run this file's kernel tests in numba's CUDA simulator, in a child process."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    cmd = [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider",
+           "--durations=5", "-W", "ignore::pytest.PytestUnraisableExceptionWarning"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    tail = proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, f"simulator run failed:\n{tail}"
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, tail
+
+
+def test_bench_gpu_says_clearly_when_there_is_no_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the benchmark would run")
+    env = dict(os.environ)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "launch_scripts" / "bench_gpu.py")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "no CUDA GPU" in proc.stderr
+
+
+if RUN_HERE:
+    # The simulator child (or a GPU run) is where the kernel tests run; don't recurse.
+    del test_cuda_kernels_in_simulator
+    if SIM:
+        del test_bench_gpu_says_clearly_when_there_is_no_gpu  # the parent runs it
+        del test_codec_dispatches_on_the_tensor_device  # CUDA tensors only: on a GPU run
+else:
+    # Kernel tests run in the child started by test_cuda_kernels_in_simulator.
+    for _name in [n for n in globals() if n.startswith("test_")]:
+        if _name not in ("test_cuda_kernels_in_simulator", "test_bench_gpu_says_clearly_when_there_is_no_gpu"):
+            del globals()[_name]
