@@ -37,7 +37,7 @@ from .codebooks import CodebookSet
 from .frame import FrameError
 from .huffman import Codebook
 from .kernels import cpu as _cpu
-from .kernels import torch_threads_kept
+from .kernels import empty_output, torch_threads_kept
 from .streams import as_bits, spec_for
 
 __all__ = ["Codec", "DEFAULT_CHUNK_ELEMS"]
@@ -165,7 +165,7 @@ class Codec:
             hsize = _frame.header_size(ns, nchunks)
             offsets = (hsize + np.concatenate(([0], np.cumsum(lengths)[:-1]))).astype(np.int64)
             total = int(hsize + lengths.sum())
-            out = torch.empty(total, dtype=torch.uint8)
+            out = empty_output(total, torch.uint8)
             out8 = out.numpy()
             checksums = np.zeros(nchunks, dtype=np.uint32)
             if nchunks:
@@ -216,7 +216,7 @@ class Codec:
             )
         tables = self._decode_tables(params.book_ids)
         if out is None:
-            result = torch.empty(params.numel, dtype=spec.dtype)
+            result = empty_output(params.numel, spec.dtype)
         else:
             result = self._check_out(out, params, torch.device("cpu"))
         if params.nchunks == 0:

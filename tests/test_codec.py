@@ -384,3 +384,20 @@ def test_kernels_leave_torch_thread_count_alone(codec):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("numel", [0, 1, (4 << 20) - 1, (4 << 20) + 3, 3 << 21])
+def test_outputs_on_huge_pages_are_plain_tensors(numel):
+    from comm_codec.kernels import empty_output
+
+    t = empty_output(numel, torch.uint8)
+    assert t.shape == (numel,) and t.dtype == torch.uint8 and t.is_contiguous() and t.device.type == "cpu"
+    t.fill_(7)  # every byte writable, including those outside the advised huge pages
+    assert int(t.sum()) == 7 * numel
+
+
+def test_large_round_trip_through_huge_page_outputs():
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5 << 20, generator=g) * 1e-3).to(torch.bfloat16)  # 10 MiB in, frames > 4 MiB
+    codec = cc.Codec()
+    bits_equal(codec.decode(codec.encode(x)), x)
