@@ -117,7 +117,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAGIC = b"\x89CCKP\r\n\x1a"
-LOSSY_MAGIC = b"\x89CCKL\r\n\x1a"  # reserved for the lossy container; never read as exact
+LOSSY_MAGIC = b"\x89CCKL\r\n\x1a"  # the lossy container (comm_codec.lossy); never read as exact
 VERSION = 1
 PIECE_BYTES = 4 << 20
 _HEADER = struct.Struct("<8sHHI")
@@ -884,21 +884,32 @@ def _load_index(m: _Map) -> dict:
     if m.size < len(MAGIC) or bytes(m.u8(0, len(MAGIC))) != MAGIC:
         head = bytes(m.u8(0, min(8, m.size)))
         if head == LOSSY_MAGIC:
-            _bad(path, "is a lossy comm_codec checkpoint; this build restores exact checkpoints only")
+            _bad(path, "is a lossy comm_codec checkpoint: it restores an approximation, not the original; "
+                       "use comm_codec.lossy.decompress_file (`comm-codec decompress` detects it)")
         if head[:4] == b"CCFR":
             _bad(path, "is a comm_codec frame, not a checkpoint (use `comm-codec inspect`)")
         _bad(path, "not a comm_codec checkpoint (bad magic)")
+    return _container_index(m, MAGIC, VERSION, _check_index, "checkpoint")
+
+
+def _container_index(m: _Map, magic: bytes, version_expected: int, check, kind: str) -> dict:
+    """Read the index of a container (this one or the lossy one) whose magic was checked.
+
+    Header, trailer, CRC-32, zstd and JSON are shared by both formats; ``check(index,
+    index_offset, path)`` validates the index's contents. Raises CheckpointError.
+    """
+    path = m.path
     if m.size < _HEADER.size + _TRAILER.size:
-        _bad(path, f"truncated: {m.size} bytes, a checkpoint has at least {_HEADER.size + _TRAILER.size}")
+        _bad(path, f"truncated: {m.size} bytes, a {kind} has at least {_HEADER.size + _TRAILER.size}")
     _, version, hflags, reserved = _HEADER.unpack(bytes(m.u8(0, _HEADER.size)))
-    if version != VERSION:
-        _bad(path, f"checkpoint format version {version}; this build reads version {VERSION}")
+    if version != version_expected:
+        _bad(path, f"{kind} format version {version}; this build reads version {version_expected}")
     if hflags or reserved:
         _bad(path, "header is corrupted (unknown flags)")
-    off, length, crc, tversion, flags, magic = _TRAILER.unpack(bytes(m.u8(m.size - _TRAILER.size, _TRAILER.size)))
-    if magic != MAGIC:
+    off, length, crc, tversion, flags, tail_magic = _TRAILER.unpack(bytes(m.u8(m.size - _TRAILER.size, _TRAILER.size)))
+    if tail_magic != magic:
         _bad(path, "truncated, or bytes appended after its end (no trailer at the end of the file)")
-    if tversion != VERSION or flags & ~_FLAG_INDEX_ZSTD or length > _MAX_INDEX_BYTES:
+    if tversion != version_expected or flags & ~_FLAG_INDEX_ZSTD or length > _MAX_INDEX_BYTES:
         _bad(path, "trailer is corrupted")
     if off < _HEADER.size or off + length + _TRAILER.size != m.size:
         _bad(path, f"trailer says the index is at {off}..{off + length}, which does not end where the "
@@ -910,15 +921,13 @@ def _load_index(m: _Map) -> dict:
         if flags & _FLAG_INDEX_ZSTD:
             blob = zstandard.ZstdDecompressor().decompress(blob, max_output_size=_MAX_INDEX_BYTES)
         index = json.loads(blob.decode("utf-8"))
-        _check_index(index, off, path)
+        check(index, off, path)
     except CheckpointError:
         raise
     except (zstandard.ZstdError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError,
-            IndexError, AttributeError) as exc:
+            IndexError, AttributeError) as exc:  # CodebookError is a ValueError
         _bad(path, f"index is malformed ({type(exc).__name__}: {exc})")
     return index
-
-
 
 
 def _check_index(index: dict, index_offset: int, path) -> None:

@@ -2,7 +2,9 @@
 
 Registered by :mod:`comm_codec.cli`, which turns the errors a user can cause (missing or
 unreadable files, corrupt input, a wrong base, a full disk) into one line on stderr and
-exit status 2. The work is done by :mod:`comm_codec.checkpoint`.
+exit status 2. The work is done by :mod:`comm_codec.checkpoint` (exact, the default) and,
+with ``compress --lossy {excp,precision}``, by :mod:`comm_codec.lossy`; ``decompress``,
+``verify`` and ``ls`` recognize a lossy file by its magic and hand it to the latter.
 """
 
 from __future__ import annotations
@@ -22,25 +24,65 @@ def _threads(text: str) -> int:
     return value
 
 
-def _cmd_compress(args) -> int:
-    from . import checkpoint
+def _is_lossy(path) -> bool:
+    from . import lossy
 
-    summary = checkpoint.compress_file(args.src, args.dst, base=args.base, threads=args.threads)
-    print(summary.line())
+    try:
+        return lossy.is_lossy(path)
+    except (IsADirectoryError, FileNotFoundError, PermissionError):
+        return False  # the command itself reports it, with its own wording
+
+
+def _cmd_compress(args) -> int:
+    from . import checkpoint, lossy
+
+    if args.lossy is None:
+        used = [f"--{n.replace('_', '-')}" for n in ("bits", "alpha", "beta", "keep_bits")
+                if getattr(args, n) is not None]
+        if used:
+            raise ValueError(f"{', '.join(used)} only apply to lossy compression; add --lossy excp "
+                             "(or --lossy precision for --keep-bits)")
+        if args.base is not None and _is_lossy(args.base):
+            raise ValueError(f"base {args.base} is a lossy file; an exact delta needs the previous checkpoint's "
+                             "original (or use --lossy excp to continue the lossy chain)")
+        summary = checkpoint.compress_file(args.src, args.dst, base=args.base, threads=args.threads)
+        print(summary.line())
+        return 0
+    if args.lossy == "excp" and args.keep_bits is not None:
+        raise ValueError("--keep-bits applies to --lossy precision; excp takes --bits, --alpha and --beta")
+    if args.lossy == "precision":
+        extra = [f"--{n}" for n in ("bits", "alpha", "beta") if getattr(args, n) is not None]
+        if extra:
+            raise ValueError(f"{', '.join(extra)} apply to --lossy excp; precision takes --keep-bits")
+        if args.keep_bits is None:
+            raise ValueError("--lossy precision needs --keep-bits K, the mantissa bits to keep (e.g. 7)")
+    summary = lossy.compress_file(
+        args.src, args.dst, mode=args.lossy, base=args.base,
+        bits=lossy.DEFAULT_BITS if args.bits is None else args.bits,
+        alpha=lossy.DEFAULT_ALPHA if args.alpha is None else args.alpha,
+        beta=lossy.DEFAULT_BETA if args.beta is None else args.beta,
+        keep_bits=args.keep_bits, threads=args.threads)
+    print(summary.line())  # notes (keyframe, fallbacks) were logged by comm_codec.lossy
     return 0
 
 
 def _cmd_decompress(args) -> int:
-    from . import checkpoint
+    from . import checkpoint, lossy
 
-    summary = checkpoint.decompress_file(args.src, args.dst, base=args.base, threads=args.threads)
+    if _is_lossy(args.src):
+        summary = lossy.decompress_file(args.src, args.dst, base=args.base, threads=args.threads)
+    else:
+        summary = checkpoint.decompress_file(args.src, args.dst, base=args.base, threads=args.threads)
     print(summary.line())
     return 0
 
 
 def _cmd_verify(args) -> int:
-    from . import checkpoint
+    from . import checkpoint, lossy
 
+    if _is_lossy(args.file):
+        print(lossy.verify_file(args.file, base=args.base, threads=args.threads).line())
+        return 0
     summary = checkpoint.verify_file(args.file, base=args.base, threads=args.threads)
     print(summary.line())
     if summary.sha256 is None:
@@ -50,10 +92,33 @@ def _cmd_verify(args) -> int:
 
 
 def _cmd_ls(args) -> int:
-    from . import checkpoint
+    from . import checkpoint, lossy
 
-    print(checkpoint.describe(args.file))
+    print(lossy.describe(args.file) if _is_lossy(args.file) else checkpoint.describe(args.file))
     return 0
+
+
+def _int_in(flag: str, lo: int, hi: int):
+    """An argparse type: an integer from lo to hi, or a one-line error naming the flag."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = lo - 1
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{flag} takes an integer from {lo} to {hi}, got {text!r}")
+        return value
+    return parse
+
+
+def _nonneg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"takes a finite number >= 0, got {text!r}")
+    return value
 
 
 def register(subparsers) -> None:
@@ -68,8 +133,21 @@ def register(subparsers) -> None:
     p.add_argument("dst", help="compressed file to write")
     p.add_argument("--base", metavar="PREV",
                    help="previous checkpoint's original file: code tensors as deltas against it "
-                        "(decompression will need it)")
+                        "(decompression will need it); with --lossy excp, the previous *lossy* file")
     p.add_argument("--threads", **threads)
+    lossy = p.add_argument_group(
+        "lossy (opt-in; decompression then restores an approximation, never the original bytes)")
+    lossy.add_argument("--lossy", choices=("excp", "precision"), default=None,
+                       help="excp: a checkpoint series with Adam state, ExCP-style (residuals and moments "
+                            "pruned and quantized; first file without --base); precision: round mantissas")
+    lossy.add_argument("--bits", type=_int_in("--bits", 1, 8), default=None, metavar="B",
+                       help="excp: quantization bits, 2^B-1 centroids plus zero (default 4)")
+    lossy.add_argument("--alpha", type=_nonneg, default=None, metavar="A",
+                       help="excp: weight pruning strength, relative to sqrt(mean exp_avg_sq) (default 5e-4)")
+    lossy.add_argument("--beta", type=_nonneg, default=None, metavar="B",
+                       help="excp: moment pruning threshold in units of mean |exp_avg| (default 2)")
+    lossy.add_argument("--keep-bits", type=_int_in("--keep-bits", 0, 23), default=None, metavar="K",
+                       help="precision: mantissa bits to keep (bf16 has 7, fp16 10, fp32 23)")
     p.set_defaults(func=_cmd_compress)
 
     p = subparsers.add_parser("decompress", help="restore a compressed checkpoint, byte for byte",
@@ -77,7 +155,8 @@ def register(subparsers) -> None:
                                           "the output file appears.")
     p.add_argument("src", help="compressed checkpoint")
     p.add_argument("dst", help="where to write the original")
-    p.add_argument("--base", metavar="PREV", help="the base it was compressed against (original file)")
+    p.add_argument("--base", metavar="PREV", help="the base it was compressed against (original file; for a "
+                                                  "lossy file, its base lossy file if not beside it)")
     p.add_argument("--threads", **threads)
     p.set_defaults(func=_cmd_decompress)
 

@@ -19,14 +19,17 @@ log = logging.getLogger("comm_codec")
 
 
 def _cmd_inspect(args) -> int:
-    """Print what a frame file's header says, or list a compressed checkpoint."""
+    """Print what a frame file's header says, or list a compressed (exact or lossy) checkpoint."""
     import numpy as np
 
-    from . import checkpoint
+    from . import checkpoint, lossy
     from .frame import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, get_frame_parameters
 
     if checkpoint.is_checkpoint(args.file):
         print(checkpoint.describe(args.file))
+        return 0
+    if lossy.is_lossy(args.file):
+        print(lossy.describe(args.file))
         return 0
     data = np.fromfile(args.file, dtype=np.uint8)
     p = get_frame_parameters(data)
@@ -60,7 +63,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("inspect", help="show the header of a frame file, or list a compressed checkpoint")
+    p = sub.add_parser("inspect", help="show the header of a frame file, or list a compressed (exact or lossy) checkpoint")
     p.add_argument("file")
     p.set_defaults(func=_cmd_inspect)
 
