@@ -67,8 +67,9 @@ DEFINITIONS = (
     "H(stream | nonzero)], H the zero-order entropy over the whole bucket, with the encoder's symbols "
     "(comm_codec.profiler.stream_counts: per-chunk relative exponents, exact +0.0 left out). It is not a bound "
     "for coders that adapt per chunk.",
-    "bound:chunk-huffman: raw bits / sum over 64Ki-element chunks of the cheapest of (a) per stream, the "
-    "optimal unlimited-length Huffman code of that chunk's own histogram (or 8 bits/symbol raw if cheaper), "
+    "bound:chunk-huffman: raw bits / sum over chunks of the codec's size (--chunk-elems, default 16Ki "
+    "elements) of the cheapest of (a) per stream, the optimal unlimited-length Huffman code of that chunk's "
+    "own histogram (or 8 bits/symbol raw if cheaper), "
     "(b) 1 bit/element zero mask + the same over the nonzero elements, (c) 0 bits for an all-zero chunk; "
     "code tables not counted. Exponents are absolute here (not reference-relative): within a chunk that is "
     "the same distribution up to relabeling.",
