@@ -704,7 +704,17 @@ def _sha256(path: str) -> str:
 
 
 def is_lossy(path) -> bool:
-    """Return True when the file starts with the lossy container's magic."""
+    """Return True when the file starts with the lossy container's magic.
+
+    Args:
+        path: any file.
+
+    Returns:
+        Whether it is a lossy comm_codec checkpoint (by its first 8 bytes).
+
+    Raises:
+        OSError: the file cannot be opened.
+    """
     with open(os.fspath(path), "rb") as fh:
         return fh.read(len(LOSSY_MAGIC)) == LOSSY_MAGIC
 
@@ -776,6 +786,12 @@ def _check_index(index: dict, end: int, path) -> None:
 
 def read_index(path) -> dict:
     """Return the checked JSON index of a lossy file (see the module docstring).
+
+    Args:
+        path: a lossy file.
+
+    Returns:
+        The index dict: mode, parameters, source, base, errors achieved, tensors.
 
     Raises:
         CheckpointError: not a lossy file, truncated, or corrupted.
@@ -1216,6 +1232,14 @@ def decompress_file(src, dst, base=None, threads: int | None = None) -> LossySum
 def verify_file(src, base=None, threads: int | None = None) -> LossySummary:
     """Decode a lossy file (and its chain) and check the reconstruction's sha256; write nothing.
 
+    Args:
+        src: the lossy file.
+        base: its base lossy file, when not beside it under its recorded name.
+        threads: numba threads for decoding.
+
+    Returns:
+        A :class:`LossySummary`.
+
     Raises:
         ChainError, CheckpointError: as :func:`decompress_file`.
     """
@@ -1237,6 +1261,14 @@ def load(path, base=None, map_location="cpu"):
     torch files are loaded with ``torch.load(..., weights_only=True)``, safetensors with
     ``safetensors.torch.load``.
 
+    Args:
+        path: the lossy file.
+        base: its base lossy file, when not beside it under its recorded name.
+        map_location: passed to ``torch.load`` for torch files.
+
+    Returns:
+        What the reconstructed file loads as: a state dict (or the saved object).
+
     Raises:
         ChainError, CheckpointError: as :func:`decompress_file`.
     """
@@ -1250,7 +1282,17 @@ def load(path, base=None, map_location="cpu"):
 
 # -- description ----------------------------------------------------------------------------
 def describe(path) -> str:
-    """Return a table of a lossy file: mode, parameters, base, and each tensor's achieved error."""
+    """Return a table of a lossy file: mode, parameters, base, and each tensor's achieved error.
+
+    Args:
+        path: the lossy file.
+
+    Returns:
+        Text for ``comm-codec inspect`` / ``ls``.
+
+    Raises:
+        CheckpointError: not a lossy file, truncated, or corrupted.
+    """
     path = os.fspath(path)
     index = read_index(path)
     size = os.path.getsize(path)

@@ -807,10 +807,14 @@ def _header_crc(launch: _Launch, buf: torch.Tensor, crc_end: int, dev_tables: De
 def read_header(frame: torch.Tensor) -> np.ndarray:
     """Copy a device frame's header to the host: one small copy, two past 4 KiB of header.
 
-    Returns a host uint8 array as long as the frame whose first bytes hold the header
-    (the rest is zero pages, never touched), so that
-    :func:`comm_codec.frame.get_frame_parameters` can check the header against the
-    frame's true length without the payload crossing to the host.
+    Args:
+        frame: a 1-D uint8 frame on a CUDA device (any device under the simulator).
+
+    Returns:
+        A host uint8 array as long as the frame whose first bytes hold the header (the
+        rest is zero pages, never touched), so that
+        :func:`comm_codec.frame.get_frame_parameters` can check the header against the
+        frame's true length without the payload crossing to the host.
     """
     n = frame.numel()
     host = np.zeros(n, dtype=np.uint8)  # calloc: untouched pages cost nothing
