@@ -46,21 +46,20 @@ pieces of about :data:`PIECE_BYTES` so memory stays bounded and pieces code in p
 Every byte of the container is checked on the way back: header fields, segment layout
 and zero padding, CRCs, frame checksums, and the sha256 of the restored file.
 
-How a tensor is coded is decided from a sample of its chunks (:func:`_plan_tensor`), by
-expected coded bits: per stream, a book built for the tensor (stored in the index, or
-one built for an earlier tensor that fits as well), the shipped book of its kind, or raw;
-chunks of 64 Ki or 256 Ki elements; with a base, XOR or not. Tensors under 4 kB stay
-with the zstd-coded bytes around them.
-
-A transform maps a tensor's bit pattern to what is coded and back (:data:`_TRANSFORMS`):
-``"none"``, and ``"xor"`` with the base tensor. The planned lossy ExCP-style mode
-(pruned residuals, non-uniform quantization; Li et al., 2024) plugs in there as a new
-transform, written under :data:`LOSSY_MAGIC`.
+How a tensor is coded is decided from a sample of its chunks, by expected coded bits
+(:mod:`comm_codec.checkpoint_plan`): per stream, a book built for the tensor (stored in
+the index, or one built for an earlier tensor that fits as well), the shipped book of
+its kind, or raw; chunks of 64 Ki or 256 Ki elements; with a base, XOR or not. Tensors
+under 4 kB stay with the zstd-coded bytes around them. A transform maps a tensor's bit
+pattern to what is coded and back: ``"none"``, and ``"xor"`` with the base tensor. The
+lossy ExCP-style mode is :mod:`comm_codec.lossy`, a container of its own
+(:data:`LOSSY_MAGIC`) that shares this one's index reader.
 
 Untrusted input: nothing read from a source, base or compressed file is ever unpickled
-(torch pickles are scanned opcode by opcode, :func:`_scan_torch_pickle`); codebooks and
-metadata are JSON; every length and offset is checked before use; a failure raises
-:class:`CheckpointError` and leaves no output file behind.
+(torch pickles are scanned opcode by opcode, :mod:`comm_codec.checkpoint_formats`);
+codebooks and metadata are JSON; every length and offset is checked before use; a
+failure raises :class:`CheckpointError` and leaves no output file behind. Files are
+mapped, written and hashed by :mod:`comm_codec.checkpoint_files`.
 """
 
 from __future__ import annotations
@@ -68,14 +67,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import hashlib
 import io
 import json
 import logging
-import math
-import mmap
 import os
-import queue
 import struct
 import sys
 import tempfile
@@ -90,11 +85,12 @@ import torch
 import zstandard
 
 from .codebooks import CodebookSet
-from .codec import Codec
 from .frame import FrameError
-from .huffman import RAW_THRESHOLD_BITS, Codebook, CodebookError, entropy_bits
-from .profiler import stream_counts
+from .huffman import Codebook, CodebookError
+from .checkpoint_files import (CheckpointError, _atomic_output, _AtomicFile, _check_paths, _Map, _Sha256,
+                               _sha256_file)
 from .checkpoint_formats import _CODABLE, _Tensor, _find_tensors, _int
+from .checkpoint_plan import _CHUNKS, _TRANSFORMS, _as_tensor, _BookChooser, _codec, _plan_tensor
 from .streams import spec_for
 
 __all__ = [
@@ -115,6 +111,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+# Defined beside the file helpers that raise it; public here, where users catch it.
+CheckpointError.__module__ = __name__
 
 MAGIC = b"\x89CCKP\r\n\x1a"
 LOSSY_MAGIC = b"\x89CCKL\r\n\x1a"  # the lossy container (comm_codec.lossy); never read as exact
@@ -128,32 +126,8 @@ _ZSTD_LEVEL = 3
 # Tensors smaller than this are left to zstd with the bytes around them: a frame's header
 # and a codebook cost more than coding saves.
 _MIN_CODED_BYTES = 4096
-# What storing one per-tensor book costs in the (zstd-compressed) index, in bits.
-_BOOK_COST_BITS = 160 * 8
-# A per-tensor book built earlier is reused when it costs at most this many bits per
-# symbol more (relative to the entropy) than on the tensor it was built for.
-_REUSE_SLACK_BITS = 0.01
-# Chunk sizes a tensor may be coded with. Offline, chunks can be larger than on the wire
-# (Codec's default): each chunk codes its exponents relative to its own reference, which
-# tracks scale changes inside a tensor (Adam moments gain) but, on a homogeneous tensor,
-# only adds noise to what one per-tensor book must fit (weights lose ~0.04 bit/element
-# with 64 Ki chunks). Each tensor gets whichever its sample says is smaller.
-_CHUNKS = (1 << 16, 1 << 18)
-# Per-chunk bytes beyond the streams: table entry, lane lengths, lane padding (about).
-_CHUNK_OVERHEAD_BYTES = 48
-# Book choice looks at about this many elements of a tensor (whole chunks, spread out).
-_SAMPLE_ELEMS = 1 << 18
-# Books kept per (dtype, stream) for reuse by later tensors.
-_MAX_REUSED_BOOKS = 64
-# Buffers waiting for the background sha256 thread.
-_SHA_QUEUE = 8
 _MAX_INDEX_BYTES = 1 << 30
-_INT_NP = {1: np.uint8, 2: np.int16, 4: np.int32}
 _METHODS = ("frame", "zstd", "stored")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be compressed or restored: corrupt, wrong base, unwritable."""
 
 
 # -- results --------------------------------------------------------------------------------
@@ -206,402 +180,6 @@ def _human(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{n} B"
-
-
-# -- files ----------------------------------------------------------------------------------
-class _Map:
-    """A read-only view of a whole file: a private mmap (never written), or nothing if empty.
-
-    Pages a caller is done with are handed back (``release``), so resident memory stays
-    bounded by the pieces in flight, not the file size.
-    """
-
-    def __init__(self, path: str):
-        self.path = path
-        with open(path, "rb") as fh:
-            st = os.fstat(fh.fileno())
-            self.size, self.stamp = st.st_size, (st.st_size, st.st_mtime_ns, st.st_ino)
-            # ACCESS_COPY: a private mapping, so views are writable numpy arrays (no
-            # read-only kernel specializations) while the file itself can never change.
-            self.mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if self.size else None
-        self._released = 0
-
-    def u8(self, offset: int, length: int) -> np.ndarray:
-        """Return bytes offset..offset+length as a uint8 array (no copy)."""
-        if length == 0:
-            return np.zeros(0, dtype=np.uint8)
-        return np.frombuffer(self.mm, dtype=np.uint8, count=length, offset=offset)
-
-    def release(self, start: int, end: int) -> None:
-        """Drop the resident pages that lie wholly inside start..end."""
-        if self.mm is None:
-            return
-        page = mmap.PAGESIZE
-        lo, hi = -(-start // page) * page, (end // page) * page
-        if hi > lo:
-            self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-
-    def release_upto(self, end: int) -> None:
-        """Release every page before ``end`` (callers move forward through the file)."""
-        if end > self._released:
-            self.release(self._released - self._released % mmap.PAGESIZE, end)
-            self._released = end
-
-    def unchanged(self) -> bool:
-        """Whether the file still has the size, mtime and inode it had when mapped."""
-        st = os.stat(self.path)
-        return (st.st_size, st.st_mtime_ns, st.st_ino) == self.stamp
-
-    def close(self) -> None:
-        if self.mm is not None:
-            try:
-                self.mm.close()
-            except BufferError:  # a view is still alive (an exception unwinding); GC closes it
-                pass
-
-
-def _sha256_file(m: _Map) -> str:
-    h = hashlib.sha256()
-    for start in range(0, m.size, PIECE_BYTES):
-        end = min(m.size, start + PIECE_BYTES)
-        h.update(m.u8(start, end - start))
-        m.release(start, end)
-    return h.hexdigest()
-
-
-class _Sha256:
-    """sha256 of bytes fed in order, hashed on a thread of its own when ``background``.
-
-    Hashing runs at about 2 GB/s; on the caller's thread it serialized with writing the
-    output and capped two-thread compression at 1.1x one thread. ``update`` hands over a
-    buffer (kept alive until hashed; at most ``_SHA_QUEUE`` are waiting, which bounds
-    memory) and ``then``, called once it is hashed (to release source pages).
-    """
-
-    def __init__(self, background: bool):
-        self._h = hashlib.sha256()
-        self._q = queue.Queue(_SHA_QUEUE) if background else None
-        self._thread = None
-        if background:
-            self._thread = threading.Thread(target=self._run, name="comm_codec-sha256", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        while (item := self._q.get()) is not None:
-            data, then = item
-            self._h.update(data)
-            del data
-            if then is not None:
-                then()
-
-    def update(self, data, then=None) -> None:
-        if self._thread is None:
-            self._h.update(data)
-            if then is not None:
-                then()
-        else:
-            self._q.put((data, then))
-
-    def close(self) -> None:
-        """Wait until everything handed over is hashed (idempotent)."""
-        if self._thread is not None:
-            self._q.put(None)
-            self._thread.join()
-            self._thread = None
-
-    def hexdigest(self) -> str:
-        self.close()
-        return self._h.hexdigest()
-
-
-class _AtomicFile:
-    """Write a file under a temporary name; it appears at ``path`` only on :meth:`commit`."""
-
-    def __init__(self, path: str):
-        self.path = path
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            raise FileNotFoundError(2, "No such directory", folder)
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
-        os.fchmod(fd, 0o666 & ~_umask())
-        self.fh = os.fdopen(fd, "wb", buffering=1 << 20)
-        self.pos = 0
-
-    def write(self, data) -> None:
-        try:
-            self.fh.write(data)
-        except OSError as exc:
-            raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
-        self.pos += memoryview(data).nbytes
-
-    def reserve(self, size: int) -> None:
-        """Allocate the file's final size up front: a full disk fails now, not half way."""
-        try:
-            self.fh.flush()
-            if size:
-                os.posix_fallocate(self.fh.fileno(), 0, size)
-        except OSError as exc:
-            raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
-
-    def pwrite(self, data, offset: int) -> None:
-        """Write data at offset (thread-safe; for callers that never use :meth:`write`)."""
-        view = memoryview(data).cast("B")
-        try:
-            while view.nbytes:
-                n = os.pwrite(self.fh.fileno(), view, offset)
-                view, offset = view[n:], offset + n
-        except OSError as exc:
-            raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
-
-    def pad8(self) -> None:
-        if self.pos % 8:
-            self.write(b"\0" * (8 - self.pos % 8))
-
-    def commit(self) -> None:
-        try:
-            self.fh.flush()
-            os.fsync(self.fh.fileno())
-            self.fh.close()
-            os.replace(self.tmp, self.path)
-        except OSError as exc:
-            raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
-        with contextlib.suppress(OSError):
-            dfd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-
-    def abort(self) -> None:
-        with contextlib.suppress(OSError):
-            self.fh.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.tmp)
-
-
-def _umask() -> int:
-    """The process umask, read without changing it (os.umask would, for every thread)."""
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    return 0o022
-
-
-@contextlib.contextmanager
-def _atomic_output(path: str):
-    out = _AtomicFile(path)
-    try:
-        yield out
-    finally:
-        if os.path.exists(out.tmp):  # not committed: an exception is unwinding
-            out.abort()
-
-
-def _check_paths(src: str, dst: str, base: str | None) -> None:
-    if os.path.isdir(dst):
-        raise IsADirectoryError(21, "Is a directory", dst)
-    for other, what in ((src, "source"), (base, "base")):
-        if other is not None and os.path.exists(dst) and os.path.samefile(other, dst):
-            raise CheckpointError(f"output {dst} is the {what} file; choose another output path "
-                                  "(the input is never modified)")
-
-
-# -- coding tensors -------------------------------------------------------------------------
-def _as_tensor(u8: np.ndarray, spec) -> torch.Tensor:
-    """View (or copy, when misaligned) bytes as a 1-D tensor of spec's dtype."""
-    if u8.ctypes.data % spec.itemsize:
-        u8 = u8.copy()
-    return torch.from_numpy(u8.view(_INT_NP[spec.itemsize])).view(spec.dtype)
-
-
-def _xor(a: np.ndarray, b: np.ndarray, spec) -> np.ndarray:
-    ints = _INT_NP[spec.itemsize]
-    a = a if a.ctypes.data % spec.itemsize == 0 else a.copy()
-    b = b if b.ctypes.data % spec.itemsize == 0 else b.copy()
-    return np.bitwise_xor(a.view(ints), b.view(ints)).view(np.uint8)
-
-
-class _Transform:
-    """How a tensor's bits become what is coded (forward) and back (inverse).
-
-    The seam for the lossy ExCP-style mode: a transform that prunes residuals and
-    quantizes them would be one more subclass (and a container of its own magic).
-    """
-
-    name = "none"
-
-    def forward(self, src: np.ndarray, base: np.ndarray | None, spec) -> np.ndarray:
-        return src
-
-    def inverse(self, coded: np.ndarray, base: np.ndarray | None, spec) -> np.ndarray:
-        return coded
-
-
-class _XorTransform(_Transform):
-    """XOR with the base tensor's bits: unchanged bits become zeros (Hershcovitch et al.,
-    ZipNN delta compression, 2024); exact repeats become zero elements the codec masks."""
-
-    name = "xor"
-
-    def forward(self, src, base, spec):
-        return _xor(src, base, spec)
-
-    def inverse(self, coded, base, spec):
-        ints = _INT_NP[spec.itemsize]
-        np.bitwise_xor(coded.view(ints), base.view(ints) if base.ctypes.data % spec.itemsize == 0
-                       else base.copy().view(ints), out=coded.view(ints))
-        return coded
-
-
-_TRANSFORMS = {t.name: t for t in (_Transform(), _XorTransform())}
-
-
-class _BookChooser:
-    """Pick each stream's book: the tensor's own, the shipped one, or raw, by expected bits."""
-
-    def __init__(self, shipped: CodebookSet):
-        self.shipped = shipped
-        self.chunk_elems = _CHUNKS[0]  # the sampling unit
-        self.books: dict[str, dict] = {}  # id -> {"origin", "book"} for the index
-        self._codecs: dict = {}
-        self._built: dict = {}  # (dtype, stream) -> books built for earlier tensors
-        self._lock = threading.Lock()
-
-    def sample(self, u8: np.ndarray, spec) -> tuple[np.ndarray, float]:
-        """Return whole chunks spread evenly over a tensor's bytes, and the scale to all.
-
-        Whole chunks, aligned as the encoder cuts them, so each sampled chunk gets the
-        reference exponent the encoder will give it; and only their pages are read.
-        """
-        chunk = self.chunk_elems * spec.itemsize
-        nchunks = -(-u8.size // chunk)
-        take = min(nchunks, max(1, _SAMPLE_ELEMS // self.chunk_elems))
-        if take == nchunks:
-            return u8, 1.0
-        picks = [(i * nchunks) // take for i in range(take)]
-        parts = [u8[c * chunk:(c + 1) * chunk] for c in picks]
-        sample = np.concatenate(parts)
-        return sample, u8.size / sample.size
-
-    def counts(self, sample: np.ndarray, scale: float, spec, chunk_elems: int):
-        with _numba_threads(1):
-            counts, zeros = stream_counts(_as_tensor(sample, spec), chunk_elems)
-        return counts * scale, zeros * scale
-
-    def choose(self, counts: np.ndarray, kind: str, spec) -> tuple[list[Codebook], list[str], float]:
-        """Return the books, their origins and the expected coded bits of the tensor."""
-        books, origins, total = [], [], 0.0
-        for s in range(spec.nstreams):
-            c = counts[s]
-            n = float(c.sum())
-            options = [(8.0 * n, Codebook.raw_book(), "raw")]
-            if n:
-                try:
-                    shipped = self.shipped.get(kind, spec.name, s)
-                    options.append((shipped.expected_bits(c) * n, shipped, f"shipped:{kind}/{spec.name}/{s}"))
-                except ValueError:
-                    pass
-                h = entropy_bits(c)
-                # A book of its own costs at least the entropy, plus its place in the index
-                # when new: skip it when even that cannot beat the best option so far.
-                if h * n < min(o[0] for o in options) and h < RAW_THRESHOLD_BITS:
-                    options.append(self._own(c, n, h, spec.name, s, min(o[0] for o in options)))
-            bits, book, origin = min(options, key=lambda o: o[0])
-            books.append(book)
-            origins.append(origin)
-            total += bits
-        return books, origins, total
-
-    def _own(self, c: np.ndarray, n: float, h: float, dtype: str, stream: int, best_so_far: float) -> tuple:
-        """A book fitted to these counts.
-
-        A book built for an earlier tensor is reused when it spends at most
-        _REUSE_SLACK_BITS per symbol more, above the entropy, than it did on the tensor
-        it was built for (so about what a new book would achieve; it is free, the file
-        holds it already). Otherwise a new one is built and its cost in the index
-        counted. Tensors are planned in file order, so the choice is deterministic.
-        """
-        built = self._built.get((dtype, stream))
-        if built is None:
-            # Symbol costs of the books built so far, one row each, so that weighing them
-            # all against a tensor is one matrix-vector product.
-            built = self._built[(dtype, stream)] = (np.empty((_MAX_REUSED_BOOKS, 256)), [], [])
-        costs, books, redundancies = built
-        if books:
-            per_symbol = costs[: len(books)] @ c / n
-            excess = per_symbol - h - np.asarray(redundancies)
-            j = int(np.argmin(excess))
-            if excess[j] <= _REUSE_SLACK_BITS:
-                return float(per_symbol[j]) * n, books[j], "tensor"
-        if h * n + _BOOK_COST_BITS >= best_so_far:  # a new book cannot pay for its place
-            return math.inf, None, "tensor"
-        book = Codebook.from_counts(c, raw_threshold=None)
-        bits = book.expected_bits(c)
-        if len(books) < _MAX_REUSED_BOOKS:
-            costs[len(books)] = book.symbol_bits()
-            books.append(book)
-            redundancies.append(bits - h)
-        return bits * n + _BOOK_COST_BITS, book, "tensor"
-
-    def codec_for(self, books: list[Codebook], origins: list[str], spec, chunk_elems: int):
-        """Return a Codec that codes with these books and chunks, and the books' ids."""
-        ids = [b.id for b in books]
-        with self._lock:
-            for book, origin in zip(books, origins):
-                if not book.raw and book.id not in self.books:
-                    self.books[book.id] = {"origin": origin, "book": book.to_dict()}
-            key = (spec.name, tuple(ids), chunk_elems)
-            codec = self._codecs.get(key)
-            if codec is None:
-                codec = self._codecs[key] = _codec(books, spec, chunk_elems)
-        return codec, ids
-
-
-def _codec(books, spec, chunk_elems) -> Codec:
-    keyed = {("weight", spec.name, s): b for s, b in enumerate(books)}
-    return Codec(CodebookSet(keyed), threads=1, chunk_elems=chunk_elems)
-
-
-def _plan_tensor(t: _Tensor, src: _Map, base: _Map | None, base_tensor: _Tensor | None,
-                 chooser: _BookChooser) -> None:
-    """Choose transform, chunk size and books of one tensor from a sample of its chunks."""
-    spec = t.spec
-    numel = t.nbytes // spec.itemsize
-    sample, scale = chooser.sample(src.u8(t.offset, t.nbytes), spec)
-    candidates = [("none", sample)]
-    if base_tensor is not None:
-        base_sample, _ = chooser.sample(base.u8(base_tensor.offset, t.nbytes), spec)
-        candidates.append(("xor", _xor(sample, base_sample, spec)))
-
-    def cost(transform, data, chunk_elems):
-        counts, zeros = chooser.counts(data, scale, spec, chunk_elems)
-        books, origins, bits = chooser.choose(counts, t.kind, spec)
-        bits += min(zeros * spec.nstreams * 8, numel)  # zeros: coded, or one mask bit each
-        bits += -(-numel // chunk_elems) * _CHUNK_OVERHEAD_BYTES * 8
-        return bits, transform, chunk_elems, books, origins, data
-
-    # The transform at the small chunk size, then the large chunks for the winner only.
-    best = min((cost(tr, data, _CHUNKS[0]) for tr, data in candidates), key=lambda c: c[0])
-    if numel > _CHUNKS[0]:  # else one chunk either way
-        best = min(best, cost(best[1], best[5], _CHUNKS[1]), key=lambda c: c[0])
-    _, t.transform, t.chunk_elems, books, origins, _ = best
-    if t.transform != "none":
-        t.base_offset = base_tensor.offset
-    t.codec, t.books = chooser.codec_for(books, origins, spec, t.chunk_elems)
-    t.coding = "frame"
-
-
-@contextlib.contextmanager
-def _numba_threads(n: int):
-    """Run numba kernels on n threads in this thread (numba's setting is per thread)."""
-    previous = numba.get_num_threads()
-    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-    try:
-        yield
-    finally:
-        numba.set_num_threads(previous)
 
 
 @dataclasses.dataclass
