@@ -1,10 +1,11 @@
 """Find the tensors inside a checkpoint file without running any of its code.
 
-Private to :mod:`comm_codec.checkpoint`. safetensors headers are parsed as JSON; torch
+Private to :mod:`comm_codec.checkpoint` and :mod:`comm_codec.lossy`. safetensors headers are parsed as JSON; torch
 ``.pt``/``.bin`` zip files are read from their zip layout, and their ``data.pkl`` is
 *scanned* opcode by opcode with :mod:`pickletools` — nothing is imported or called — to
 learn each storage's dtype and the tensor names that point into it. Whatever is not
-understood is left to the caller as opaque bytes.
+understood is left to the caller as opaque bytes. :func:`_zip_crc_fields` says where a
+zip record's CRC-32 is stored, for writers that replace a record's bytes.
 """
 
 from __future__ import annotations
@@ -393,3 +394,47 @@ def _name_storages(root) -> None:
             children.append((obj.args, path))
             children.append((obj.state, path))
         todo.extend(reversed(children))
+
+
+# -- zip CRCs -------------------------------------------------------------------------------
+def _zip_crc_fields(path: str) -> dict:
+    """Map each zip record's data offset to the file positions that hold its CRC-32.
+
+    A record's CRC sits in its local header, in its data descriptor when flag bit 3 is
+    set (torch's writer sets it), and in its central directory entry. A field is listed
+    only if it holds the record's CRC now, so a writer that leaves one zero stays so.
+    """
+    out = {}
+    with open(path, "rb") as fh, zipfile.ZipFile(fh) as zf:
+        infos = zf.infolist()
+        by_name = {}
+        for info in infos:
+            fh.seek(info.header_offset)
+            local = fh.read(30)
+            if local[:4] != b"PK\x03\x04":
+                continue
+            nlen, xlen = struct.unpack_from("<HH", local, 26)
+            data = info.header_offset + 30 + nlen + xlen
+            where = [info.header_offset + 14] if struct.unpack_from("<I", local, 14)[0] == info.CRC else []
+            if info.flag_bits & 0x8:
+                d = data + info.compress_size
+                fh.seek(d)
+                desc = fh.read(8)
+                if desc[:4] == b"PK\x07\x08":
+                    d, desc = d + 4, desc[4:]
+                if len(desc) >= 4 and struct.unpack_from("<I", desc, 0)[0] == info.CRC:
+                    where.append(d)
+            out[data] = where
+            by_name[info.filename] = (data, info.CRC)
+        pos = zf.start_dir
+        for _ in infos:
+            fh.seek(pos)
+            entry = fh.read(46)
+            if entry[:4] != b"PK\x01\x02":
+                break
+            nlen, xlen, clen = struct.unpack_from("<HHH", entry, 28)
+            name = fh.read(nlen).decode("utf-8", "replace")
+            if name in by_name and struct.unpack_from("<I", entry, 16)[0] == by_name[name][1]:
+                out[by_name[name][0]].append(pos + 16)
+            pos += 46 + nlen + xlen + clen
+    return out

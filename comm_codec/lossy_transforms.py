@@ -1,0 +1,210 @@
+"""The lossy transforms: which moments belong to which weight, quantization, rounding.
+
+Private to :mod:`comm_codec.lossy` (the container, the chain and the ExCP steps that
+use these). Pure functions of arrays and tensor lists: pairing a weight with its AdamW
+``exp_avg`` and ``exp_avg_sq``, an exact 1-D k-means, the value a pruned second moment
+comes back as, the error statistics recorded per tensor, and ZipNN-style mantissa
+rounding.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import struct
+import zipfile
+
+import numpy as np
+
+from .checkpoint_formats import _Tensor
+
+__all__: list = []
+
+log = logging.getLogger("comm_codec.lossy")
+
+_LOSSY_DTYPES = ("float32", "bfloat16", "float16")
+_MANTISSA = {"float32": 23, "bfloat16": 7, "float16": 10}
+_OPT_STATE = re.compile(r"^(?P<prefix>(?:.*\.)?)state\.(?P<index>\d+)\.(?P<moment>exp_avg|exp_avg_sq)$")
+_ANY_STATE = re.compile(r"(^|\.)state\.\d+\.")  # optimizer state of any kind (step counters...)
+
+
+# -- finding weights and their Adam moments -------------------------------------------------
+def _storage_keys(path: str) -> dict:
+    """Map each torch zip data record's data offset to its storage key (pickling order)."""
+    keys = {}
+    with open(path, "rb") as fh, zipfile.ZipFile(fh) as zf:
+        for info in zf.infolist():
+            head, _, key = info.filename.rpartition("/data/")
+            if not head or not key.isdigit():
+                continue
+            fh.seek(info.header_offset)
+            local = fh.read(30)
+            if local[:4] == b"PK\x03\x04":
+                nlen, xlen = struct.unpack_from("<HH", local, 26)
+                keys[info.header_offset + 30 + nlen + xlen] = int(key)
+    return keys
+
+
+def _pair_moments(path: str, fmt: str, tensors: list[_Tensor]):
+    """Return [(weight, exp_avg or None, exp_avg_sq or None)] and the tensors left over.
+
+    safetensors: ``exp_avg/<param>`` and ``exp_avg_sq/<param>`` belong to ``<param>``.
+    torch zip (``{"model": ..., "optimizer": opt.state_dict()}``): optimizer state is keyed
+    by parameter index, in param_groups order, which is the model's parameter order; the
+    file's float tensors outside the optimizer, in pickling order (= state_dict order),
+    are matched to state indices in order, skipping tensors whose shape differs (buffers).
+    """
+    floats = [t for t in tensors if t.codable and t.dtype in _LOSSY_DTYPES]
+    moments: dict = {}  # weight name (safetensors) or (prefix, index) -> {moment: tensor}
+    if fmt == "safetensors":
+        for t in floats:
+            head, sep, rest = t.name.partition("/")
+            if sep and head in ("exp_avg", "exp_avg_sq"):
+                moments.setdefault(rest, {})[head] = t
+        params = [t for t in floats if t.name.partition("/")[0] not in ("exp_avg", "exp_avg_sq")]
+        slots = {p.name: moments.get(p.name, {}) for p in params}
+    else:
+        prefixes = set()
+        for t in floats:
+            hit = _OPT_STATE.match(t.name)
+            if hit:
+                prefixes.add(hit["prefix"])
+                moments.setdefault((hit["prefix"], int(hit["index"])), {})[hit["moment"]] = t
+        keys = _storage_keys(path)
+        params = [t for t in floats if not any(p and t.name.startswith(p) for p in prefixes)
+                  and not _ANY_STATE.search(t.name)]
+        params.sort(key=lambda t: (keys.get(t.offset, 1 << 62), t.offset))
+        slots = {p.name: {} for p in params}
+        for prefix in sorted(prefixes):
+            j = 0
+            for (pre, i), pair in sorted(((k, v) for k, v in moments.items() if k[0] == prefix), key=lambda kv: kv[0]):
+                shape = next(iter(pair.values())).shape
+                while j < len(params) and params[j].shape != shape:
+                    j += 1
+                if j == len(params):
+                    log.debug("%s: optimizer state %s%d matches no remaining parameter", path, pre, i)
+                    break
+                slots[params[j].name] = pair
+                log.debug("%s: optimizer state %sstate.%d belongs to %s", path, pre, i, params[j].name)
+                j += 1
+    out, used = [], set()
+    for p in params:
+        pair = slots[p.name]
+        m1, m2 = pair.get("exp_avg"), pair.get("exp_avg_sq")
+        ok = (m1 is not None and m2 is not None and m1.dtype in _LOSSY_DTYPES and m2.dtype in _LOSSY_DTYPES
+              and m1.nbytes // m1.spec.itemsize == m2.nbytes // m2.spec.itemsize == p.nbytes // p.spec.itemsize)
+        out.append((p, m1 if ok else None, m2 if ok else None))
+        if ok:
+            used.update((id(m1), id(m2)))
+    used.update(id(p) for p in params)
+    return out, [t for t in tensors if id(t) not in used]
+
+
+# -- quantization ---------------------------------------------------------------------------
+def _kmeans_1d(x: np.ndarray, k: int, iters: int = 300) -> np.ndarray:
+    """Return at most k float32 centroids (ascending) that minimize the squared error of x.
+
+    Lloyd's algorithm in one dimension is exact on sorted data: clusters are runs of the
+    sorted values between centroid midpoints, so each iteration is k binary searches and
+    prefix sums (ExCP uses faiss k-means; this is the same fixed point, deterministic).
+    Starts from k equal-count slices.
+    """
+    s = np.sort(x.astype(np.float64))
+    n = s.size
+    distinct = np.concatenate(([True], s[1:] != s[:-1])) if n else np.zeros(0, bool)
+    if int(distinct.sum()) <= k:
+        return np.unique(s[distinct].astype(np.float32))
+    csum = np.concatenate(([0.0], np.cumsum(s)))
+    edges = np.linspace(0, n, k + 1).round().astype(np.int64)
+    c = (csum[edges[1:]] - csum[edges[:-1]]) / np.maximum(edges[1:] - edges[:-1], 1)
+    for _ in range(iters):
+        cut = np.searchsorted(s, (c[1:] + c[:-1]) / 2, side="right")
+        e = np.concatenate(([0], cut, [n]))
+        cnt = e[1:] - e[:-1]
+        new = np.where(cnt > 0, (csum[e[1:]] - csum[e[:-1]]) / np.maximum(cnt, 1), c)
+        if np.array_equal(new, c):
+            break
+        c = new
+    return np.unique(c.astype(np.float32))
+
+
+def _quantize(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Return (symbols 1..k as uint8, centroids float32) for x; symbol s means centroids[s-1].
+
+    Centroids are numbered by how often they are used, most first, so the index streams
+    of all tensors share one distribution (and one Huffman book).
+    """
+    if x.size == 0:
+        return np.zeros(0, np.uint8), np.zeros(0, np.float32)
+    c = _kmeans_1d(x, k)
+    mids = (c[1:].astype(np.float64) + c[:-1]) / 2
+    nearest = np.searchsorted(mids, x.astype(np.float64), side="left")
+    order = np.argsort(-np.bincount(nearest, minlength=c.size), kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    return (rank[nearest] + 1).astype(np.uint8), c[order]
+
+
+def _fill(v: np.ndarray, mask: np.ndarray) -> float:
+    """What a pruned exp_avg_sq element is restored as: the mean sqrt(v) of the pruned ones.
+
+    ExCP restores pruned second moments as 0. Adam then divides the first steps after a
+    resume by a tiny sqrt(v) and takes steps several times too large until v recovers
+    (~1/(1-beta2) = 1000 steps): on TinyLM that moved the loss after 20 resumed steps by
+    2 %. One number per tensor removes the effect.
+    """
+    rest = ~mask
+    return float(np.float32(np.mean(np.sqrt(v[rest]), dtype=np.float64))) if rest.any() else 0.0
+
+
+def _dequantize(symbols: np.ndarray, centroids: np.ndarray, domain: str, fill: float = 0.0) -> np.ndarray:
+    """Map symbols to values: 0 -> fill (0 unless pruned values are filled), s -> centroids[s-1]."""
+    table = np.concatenate(([np.float32(fill)], centroids.astype(np.float32)))
+    if domain == "sqrt":
+        table = table * table
+    return table[symbols]
+
+
+def _errors(recon: np.ndarray, orig: np.ndarray) -> dict:
+    err = recon.astype(np.float64) - orig.astype(np.float64)
+    norm = float(np.sqrt(np.sum(orig.astype(np.float64) ** 2)))
+    return {"max_abs_error": float(np.max(np.abs(err))) if err.size else 0.0,
+            "rel_rms_error": float(np.sqrt(np.sum(err * err)) / norm) if norm else 0.0, "norm": norm}
+
+
+def _prunable(w: _Tensor) -> bool:
+    """Whether a weight is pruned, or only quantized (vectors: biases, norm scales).
+
+    Adam moves every element of a vector by about the same step (it divides by sqrt(v)),
+    so ``|R|`` is nearly constant, ``f · median|R|`` with f at its 2.5 cap prunes ~98 % of
+    it, and what is pruned comes back as a drift that only the residual of a later file
+    removes: on TinyLM the LayerNorm biases reached 33 % relative error after 9 links.
+    Vectors are ~0.4 % of a transformer's parameters; keeping them costs ~2 % of the file.
+    """
+    if w.shape is not None:
+        return len(w.shape) > 1
+    return w.nbytes // w.spec.itemsize >= 4096
+
+
+def _round_mantissa(ints: np.ndarray, drop: int, dtype: str) -> np.ndarray:
+    """Round IEEE bit patterns to nearest (ties to even), dropping ``drop`` mantissa bits.
+
+    Non-finite values are left as they are (clearing a NaN's payload could make it Inf),
+    and a finite value that would round up to Inf is truncated instead.
+    """
+    if drop <= 0:
+        return ints.copy()
+    width = 8 * ints.itemsize
+    mant = _MANTISSA[dtype]
+    exp_mask = ((1 << (width - 1 - mant)) - 1) << mant
+    big = ints.astype(np.uint64)
+    low = np.uint64((1 << drop) - 1)
+    rounded = (big + np.uint64((1 << (drop - 1)) - 1) + ((big >> np.uint64(drop)) & np.uint64(1))) & ~low
+    rounded &= np.uint64((1 << width) - 1)
+    finite = (ints & exp_mask) != exp_mask
+    overflow = finite & ((rounded.astype(ints.dtype) & exp_mask) == exp_mask)
+    out = np.where(finite, rounded, big).astype(ints.dtype)
+    out[overflow] = ints[overflow] & ints.dtype.type(~int(low) & ((1 << width) - 1))
+    # A carry into the sign bit cannot happen: the sign sits above the exponent, and an
+    # all-ones exponent (the only one a carry could leave) was excluded above.
+    return out
