@@ -25,9 +25,9 @@ Container format, version 1 (all integers little-endian)::
     trailer   index offset u64 | index length u64 | index CRC-32 u32 | version u16 |
               flags u16 (bit 0: index is zstd-compressed) | magic 8 bytes     (32 bytes)
 
-The magic differs from a frame's (``CCFR``) and from the one reserved for a future
-*lossy* container (:data:`LOSSY_MAGIC`), so no reader can take a lossy file for an exact
-one. The index (``"format": "comm_codec.checkpoint"``)::
+The magic differs from a frame's (``CCFR``) and from the *lossy* container's
+(:data:`LOSSY_MAGIC`, :mod:`comm_codec.lossy`), so no reader can take a lossy file for an
+exact one. The index (``"format": "comm_codec.checkpoint"``)::
 
     source    {name, size, sha256, format: "safetensors" | "torch_zip" | "generic"}
     base      null, or {name, size, sha256} of the file deltas were taken against
