@@ -574,9 +574,14 @@ def read_index(path) -> dict:
     Raises:
         CheckpointError: not a checkpoint, truncated, or corrupted.
     """
+    return _index_of(path, _load_index)
+
+
+def _index_of(path, load) -> dict:
+    """Read a container's index with ``load`` (this module's or the lossy one's), books left out."""
     m = _Map(os.fspath(path))
     try:
-        index = _load_index(m)
+        index = load(m)
     finally:
         m.close()
     index.pop("_books", None)

@@ -210,15 +210,7 @@ class Codec:
         buf = _frame._as_u8(frame)
         params = _frame.get_frame_parameters(buf)
         spec = params.spec
-        if max_output_bytes is not None and params.numel * spec.itemsize > max_output_bytes:
-            raise FrameError(
-                f"frame decodes to {params.numel * spec.itemsize} bytes, more than max_output_bytes={max_output_bytes}"
-            )
-        tables = self._decode_tables(params.book_ids)
-        if out is None:
-            result = empty_output(params.numel, spec.dtype)
-        else:
-            result = self._check_out(out, params, torch.device("cpu"))
+        tables, result = self._decode_target(params, out, max_output_bytes, torch.device("cpu"))
         if params.nchunks == 0:
             return result
         if buf.ctypes.data % 8:
@@ -263,6 +255,20 @@ class Codec:
                 books.append(book)
             tables = self._dec_cache[ids] = _Tables(books)
         return tables
+
+    def _decode_target(self, params, out, max_output_bytes, device: torch.device):
+        """Check a frame's size limit and books; return its tables and the output tensor."""
+        spec = params.spec
+        if max_output_bytes is not None and params.numel * spec.itemsize > max_output_bytes:
+            raise FrameError(
+                f"frame decodes to {params.numel * spec.itemsize} bytes, more than max_output_bytes={max_output_bytes}"
+            )
+        tables = self._decode_tables(params.book_ids)
+        if out is not None:
+            return tables, self._check_out(out, params, device)
+        if device.type == "cpu":
+            return tables, empty_output(params.numel, spec.dtype)
+        return tables, torch.empty(params.numel, dtype=spec.dtype, device=device)
 
     @staticmethod
     def _check_out(out, params, device: torch.device) -> torch.Tensor:
@@ -322,16 +328,7 @@ class Codec:
 
         # Checked on the host: the header alone crosses over, the payload stays put.
         params = _frame.get_frame_parameters(_cuda.read_header(frame))
-        spec = params.spec
-        if max_output_bytes is not None and params.numel * spec.itemsize > max_output_bytes:
-            raise FrameError(
-                f"frame decodes to {params.numel * spec.itemsize} bytes, more than max_output_bytes={max_output_bytes}"
-            )
-        tables = self._decode_tables(params.book_ids)
-        if out is None:
-            result = torch.empty(params.numel, dtype=spec.dtype, device=frame.device)
-        else:
-            result = self._check_out(out, params, frame.device)
+        tables, result = self._decode_target(params, out, max_output_bytes, frame.device)
         if params.nchunks == 0:
             return result
         if not frame.is_contiguous() or frame.data_ptr() % 8:

@@ -127,7 +127,7 @@ import torch
 import zstandard
 
 from .checkpoint import (_FLAG_INDEX_ZSTD, _HEADER, _MIN_CODED_BYTES, _TRAILER, LOSSY_MAGIC, MAGIC, CheckpointError,
-                         _atomic_output, _bad, _check_paths, _container_index, _human, _Map, _version)
+                         _atomic_output, _bad, _check_paths, _container_index, _index_of, _human, _Map, _version)
 from .checkpoint_formats import _CODABLE, _Tensor, _find_tensors, _int, _zip_crc_fields
 from .codebooks import CodebookSet
 from .codec import Codec
@@ -566,13 +566,7 @@ def read_index(path) -> dict:
     Raises:
         CheckpointError: not a lossy file, truncated, or corrupted.
     """
-    m = _Map(os.fspath(path))
-    try:
-        index = _load_index(m)
-    finally:
-        m.close()
-    index.pop("_books", None)
-    return index
+    return _index_of(path, _load_index)
 
 
 # -- decoding -------------------------------------------------------------------------------

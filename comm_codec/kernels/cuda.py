@@ -58,6 +58,10 @@ import torch
 from numba import cuda, int32, int64, uint16, uint64
 
 from .. import frame as _frame
+# The CPU kernels' constants: the same statuses (the codec maps both through
+# cpu.STATUS_MESSAGES), chunk flags, lane layout and checksum chains, by construction.
+from .cpu import (_CHUNK_MASK, _CHUNK_RAW0, _CHUNK_ZERO, _HASH_MUL, _HASH_SEED, _LANE_HEADER, _LANES, _ST_BAD_CODE,
+                  _ST_CHECKSUM, _ST_MASK_COUNT, _ST_OVERRUN, _ST_SIZE, _U64_0, STATUS_OK)
 
 __all__ = ["SIMULATOR", "encode_frame", "decode_frame"]
 
@@ -68,27 +72,12 @@ SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
 _PLAN_THREADS = 8 if SIMULATOR else 128
 _DECODE_THREADS = 8 if SIMULATOR else 32
 _MAX_THREADS = 256  # size of the per-thread shared scratch arrays
-_LANES = 4
-_LANE_HEADER = 4 * _LANES
 _STATUS_SLOTS = _LANES + 1  # shared array shapes must be plain constants
 _DEC_ENTRIES = 4096
 _MAX_STREAMS = 4
 _CRC_SEGMENT = 512  # header bytes per thread of _crc_segments
 
-# Same numbers as kernels/cpu.py: the codec maps both through cpu.STATUS_MESSAGES.
-_ST_OK = 0
-_ST_CHECKSUM = 1
-_ST_BAD_CODE = 2
-_ST_OVERRUN = 3
-_ST_MASK_COUNT = 4
-_ST_SIZE = 5
-
-_CHUNK_MASK = 0x01
-_CHUNK_ZERO = 0x02
-_CHUNK_RAW0 = 0x10
-_HASH_MUL = np.uint64(0x9E3779B97F4A7C15)
-_HASH_SEED = np.uint64(0xCBF29CE484222325)
-_U64_0 = np.uint64(0)
+_ST_OK = STATUS_OK
 _U64_1 = np.uint64(1)
 _U64_63 = np.uint64(63)
 _U64_4095 = np.uint64(4095)
