@@ -10,7 +10,7 @@ Quick use::
 See ``comm_codec/frame_format.md`` for the frame layout and ``codebooks/README.md`` for books.
 """
 
-from .codebooks import KINDS, CodebookSet
+from .codebooks import KINDS, CodebookGroup, CodebookSet
 from .codec import Codec
 from .frame import FrameError, get_frame_parameters
 from .huffman import Codebook, CodebookError
@@ -20,6 +20,7 @@ from .streams import SUPPORTED_DTYPES
 __all__ = [
     "Codec",
     "Codebook",
+    "CodebookGroup",
     "CodebookSet",
     "CodebookError",
     "FrameError",

@@ -74,7 +74,9 @@ DEFINITIONS = (
     "code tables not counted. Exponents are absolute here (not reference-relative): within a chunk that is "
     "the same distribution up to relabeling.",
     "comm_codec:fixed: books profiled on other data (real: the first half of the training steps, evaluated "
-    "on the second half; synthetic: another seed). comm_codec:default: the shipped CodebookSet.default().",
+    "on the second half; synthetic: another seed), a group of up to 8 per stream, each chunk coded with its "
+    "best; comm_codec:fixed-1book: the first book of each group alone (the average distribution's). "
+    "comm_codec:default: the shipped CodebookSet.default().",
     "zstd decompression and bz2 are single-threaded ('-' in 2T columns); zstd 2T encode uses "
     "ZstdCompressor(threads=2), 1T threads=0.",
 )
@@ -322,13 +324,16 @@ class _Comparator:
 class _CommCodec(_Comparator):
     dec_threads = enc_threads = (1, 2)
 
-    def __init__(self, default: bool, chunk_elems: int):
+    def __init__(self, default: bool, chunk_elems: int, single: bool = False):
         self.default = default
+        self.single = single
         self.chunk_elems = chunk_elems
-        self.name = "comm_codec:default" if default else "comm_codec:fixed"
+        self.name = "comm_codec:default" if default else "comm_codec:fixed-1book" if single else "comm_codec:fixed"
 
     def setup(self, ds):
         books = CodebookSet.default() if self.default else ds.books
+        if self.single:  # each group's first book alone: what the groups add
+            books = CodebookSet({key: group.primary for key, group in books.groups()}, books.meta)
         self.kind = ds.kind
         self.note = "" if self.default else ds.book_note
         self.codecs = {th: Codec(books, threads=th, chunk_elems=self.chunk_elems) for th in _threads_available()}
@@ -740,7 +745,8 @@ def run(argv=None) -> int:
         datasets += _synthetic_datasets(args)
     log.info("data ready: %d datasets, %.1f s", len(datasets), time.perf_counter() - started)
 
-    comparators = [_CommCodec(False, args.chunk_elems), _CommCodec(True, args.chunk_elems),
+    comparators = [_CommCodec(False, args.chunk_elems), _CommCodec(False, args.chunk_elems, single=True),
+                   _CommCodec(True, args.chunk_elems),
                    _Zstd(1), _Zstd(3), _Bz2(args.bz2_mb)]
     try:
         comparators.append(_ZipNN())

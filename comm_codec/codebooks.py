@@ -1,8 +1,17 @@
-"""Codebook sets: one book per (tensor kind, dtype, stream), saved as versioned JSON.
+"""Codebook sets: one book, or a group of alternative books, per (tensor kind, dtype,
+stream), saved as versioned JSON.
 
-Every rank of a job must hold the same set; a frame names the book of each stream by id,
-and a decoder refuses ids it does not hold. A set's :attr:`~CodebookSet.digest` covers
-every key and book id, so ranks can compare one string.
+Every rank of a job must hold the same set; a frame names the book (or group) of each
+stream by id, and a decoder refuses ids it does not hold. A set's
+:attr:`~CodebookSet.digest` covers every key and id, so ranks can compare one string.
+
+A :class:`CodebookGroup` holds up to 16 books for one stream; the encoder codes each
+chunk with whichever of them makes it smallest and records the choice in the chunk
+table. One book fits a kind's *average* distribution; the layers of a model differ in
+its shape (not only in scale, which the per-chunk reference exponent absorbs): on
+TinyLM's bf16 gradients, frames were 1.71 % above an ideal per-chunk Huffman coder with
+one book and 0.88 % with a group of five (:mod:`comm_codec.profiler` grows the group
+from the warmup's chunk histograms).
 
 Lookups fall back when a kind has no book of its own: ``reduced_gradient`` uses
 ``gradient``, ``optimizer_state`` uses ``weight``, and so on (:data:`FALLBACK`); each
@@ -14,7 +23,11 @@ File format (``codebooks/README.md`` has the long form)::
      "meta": {"source": ..., "steps": ..., "world_size": ..., "created": ...},
      "books": [{"kind": "gradient", "dtype": "bf16", "stream": 0,
                 "entropy_bits": 2.71, "expected_bits": 2.74, "book": {<Codebook.to_dict()>}},
+               {"kind": "weight", "dtype": "bf16", "stream": 0,
+                "group": "<group id>", "books": [{<Codebook.to_dict()>}, ...]},   # version 2
                ...]}
+
+Files are written as version 1 unless a key holds a group of more than one book.
 """
 
 from __future__ import annotations
@@ -25,10 +38,12 @@ import logging
 import os
 from importlib import resources
 
+import numpy as np
+
 from .huffman import Codebook, CodebookError
 from .streams import spec_for
 
-__all__ = ["CodebookSet", "KINDS", "FALLBACK", "CodebookError"]
+__all__ = ["CodebookSet", "CodebookGroup", "KINDS", "FALLBACK", "CodebookError"]
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +57,8 @@ FALLBACK = {
     "optimizer_state": ("gradient", "weight", "reduced_gradient", "activation"),
 }
 _FILE_FORMAT = "comm_codec.codebooks"
-_FILE_VERSION = 1
+_FILE_VERSION = 2  # 2 adds groups; version 1 files (single books) are read and, without groups, written
+_FILE_VERSIONS = (1, 2)
 _DEFAULT_NAME = "default.json"
 _default_cache: "CodebookSet | None" = None
 
@@ -54,23 +70,133 @@ def check_kind(kind: str) -> str:
     return kind
 
 
+class CodebookGroup:
+    """Alternative books for one stream, tried per chunk.
+
+    The encoder codes each chunk's stream with the book that gives it the fewest bits
+    (ties to the lower index) and stores the index in the chunk table, so a group never
+    codes worse than its first book. A group of one book is that book: same id, same
+    frames.
+
+    Args:
+        books: 1 to :attr:`MAX_BOOKS` :class:`Codebook` objects, distinct; a raw book only
+            alone.
+
+    Raises:
+        TypeError: a member that is not a Codebook.
+        ValueError: no books, too many, a duplicate, or a raw book in a group.
+    """
+
+    MAX_BOOKS = 16  # four bits per stream in the chunk table
+
+    __slots__ = ("books", "id")
+
+    def __init__(self, books):
+        if isinstance(books, Codebook):
+            books = (books,)
+        books = tuple(books)
+        if not 1 <= len(books) <= self.MAX_BOOKS:
+            raise ValueError(f"a codebook group holds 1..{self.MAX_BOOKS} books, got {len(books)}")
+        for b in books:
+            if not isinstance(b, Codebook):
+                raise TypeError(f"a codebook group holds Codebooks, got {type(b).__name__}")
+        if len(books) > 1:
+            if any(b.raw for b in books):
+                raise ValueError("a raw book cannot be part of a group of several books")
+            if len({b.id for b in books}) != len(books):
+                raise ValueError("a codebook group holds the same book twice")
+        self.books = books
+        if len(books) == 1:
+            self.id = books[0].id
+        else:
+            h = hashlib.blake2b(digest_size=8, person=b"comm_codec.grp1")
+            for b in books:
+                h.update(bytes.fromhex(b.id))
+            self.id = h.hexdigest()
+
+    @property
+    def id_int(self) -> int:
+        """The id as the u64 a frame header stores (0 for a raw book)."""
+        return 0 if self.raw else int(self.id, 16)
+
+    @property
+    def raw(self) -> bool:
+        """True if the stream is stored raw (a group of one raw book)."""
+        return self.books[0].raw
+
+    @property
+    def primary(self) -> Codebook:
+        """The first book: the one fitted to the kind's average distribution."""
+        return self.books[0]
+
+    def symbol_bits(self) -> np.ndarray:
+        """float64[nbooks, 256]: each book's cost of each symbol (escape included)."""
+        return np.stack([b.symbol_bits() for b in self.books])
+
+    def __len__(self) -> int:
+        return len(self.books)
+
+    def __iter__(self):
+        return iter(self.books)
+
+    def __getitem__(self, i) -> Codebook:
+        return self.books[i]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, CodebookGroup) and self.id == other.id
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def __repr__(self) -> str:
+        return f"CodebookGroup({len(self)} books, id={self.id})"
+
+    def to_dict(self) -> dict:
+        """Return the group as JSON-ready data (a single book's dict for a group of one)."""
+        if len(self) == 1:
+            return {"book": self.primary.to_dict()}
+        return {"group": self.id, "books": [b.to_dict() for b in self.books]}
+
+    @classmethod
+    def from_dict(cls, entry: dict) -> "CodebookGroup":
+        """Rebuild a group from :meth:`to_dict` output (checks the group id).
+
+        Raises:
+            CodebookError: a malformed member or a wrong group id.
+        """
+        if "books" in entry:
+            if not isinstance(entry["books"], list):
+                raise CodebookError("'books' must be a list of books")
+            try:
+                group = cls([Codebook.from_dict(b) for b in entry["books"]])
+            except (ValueError, TypeError) as exc:
+                if isinstance(exc, CodebookError):
+                    raise
+                raise CodebookError(str(exc)) from None
+            if entry.get("group") != group.id:
+                raise CodebookError(f"group id {entry.get('group')!r} does not match its books ({group.id})")
+            return group
+        return cls(Codebook.from_dict(entry["book"]))
+
+
 class CodebookSet:
     """Books keyed by (kind, dtype name, stream), with metadata.
 
     Args:
-        books: mapping of ``(kind, dtype, stream)`` to :class:`Codebook`; dtype is a
-            torch dtype or a short name such as ``"bf16"``.
+        books: mapping of ``(kind, dtype, stream)`` to a :class:`Codebook` or a
+            :class:`CodebookGroup` (or a list of Codebooks); dtype is a torch dtype or a
+            short name such as ``"bf16"``.
         meta: free-form JSON-ready metadata (source model, steps, world size, date...).
         stats: optional per-key dict of numbers (entropy_bits, expected_bits...) saved
             beside each book.
 
     Raises:
-        ValueError: an unknown kind, dtype or stream number.
-        TypeError: a value that is not a Codebook.
+        ValueError: an unknown kind, dtype or stream number, or an invalid group.
+        TypeError: a value that is not a Codebook or a group of them.
     """
 
     def __init__(self, books: dict | None = None, meta: dict | None = None, stats: dict | None = None):
-        self._books: dict[tuple[str, str, int], Codebook] = {}
+        self._groups: dict[tuple[str, str, int], CodebookGroup] = {}
         self._stats: dict[tuple[str, str, int], dict] = {}
         self.meta = dict(meta or {})
         for key, book in (books or {}).items():
@@ -79,18 +205,21 @@ class CodebookSet:
             check_kind(kind)
             if not 0 <= int(stream) < spec.nstreams:
                 raise ValueError(f"{spec.name} has streams 0..{spec.nstreams - 1}, got {stream}")
-            if not isinstance(book, Codebook):
-                raise TypeError(f"books[{key!r}] must be a Codebook, got {type(book).__name__}")
+            if isinstance(book, (list, tuple)):
+                book = CodebookGroup(book)
+            if not isinstance(book, (Codebook, CodebookGroup)):
+                raise TypeError(f"books[{key!r}] must be a Codebook or CodebookGroup, got {type(book).__name__}")
             norm = (kind, spec.name, int(stream))
-            self._books[norm] = book
+            self._groups[norm] = book if isinstance(book, CodebookGroup) else CodebookGroup(book)
             if stats and key in stats:
                 self._stats[norm] = dict(stats[key])
-        self._by_id = {b.id: b for b in self._books.values() if not b.raw}
+        self._by_id = {b.id: b for g in self._groups.values() for b in g if not b.raw}
+        self._group_by_id = {g.id: g for g in self._groups.values() if not g.raw}
         self._warned: set = set()
 
     # -- lookup -------------------------------------------------------------------------
-    def get(self, kind: str, dtype, stream: int) -> Codebook:
-        """Return the book for a kind, dtype and stream, falling back across kinds.
+    def group(self, kind: str, dtype, stream: int) -> CodebookGroup:
+        """Return the books for a kind, dtype and stream, falling back across kinds.
 
         Args:
             kind: one of :data:`KINDS`.
@@ -98,7 +227,7 @@ class CodebookSet:
             stream: stream number.
 
         Returns:
-            The :class:`Codebook`.
+            The :class:`CodebookGroup` (a group of one for a single book).
 
         Raises:
             ValueError: unknown kind, or no book for this dtype and stream in any kind.
@@ -106,60 +235,78 @@ class CodebookSet:
         """
         check_kind(kind)
         name = spec_for(dtype).name
-        book = self._books.get((kind, name, stream))
-        if book is not None:
-            return book
+        group = self._groups.get((kind, name, stream))
+        if group is not None:
+            return group
         for other in FALLBACK[kind]:
-            book = self._books.get((other, name, stream))
-            if book is not None:
+            group = self._groups.get((other, name, stream))
+            if group is not None:
                 if (kind, name) not in self._warned:
                     self._warned.add((kind, name))
                     log.info("no %s book for %s; using the %s book", kind, name, other)
-                return book
+                return group
         raise ValueError(
             f"codebook set has no book for {name} stream {stream} (kind {kind!r}); "
             f"profile one with WarmupProfiler or use CodebookSet.default()"
         )
 
+    def get(self, kind: str, dtype, stream: int) -> Codebook:
+        """Return the (first) book for a kind, dtype and stream, falling back across kinds.
+
+        Args, Raises: as :meth:`group`.
+
+        Returns:
+            The :class:`Codebook`: the only one, or the first of a group.
+        """
+        return self.group(kind, dtype, stream).primary
+
     def by_id(self, book_id: str) -> Codebook | None:
-        """Return the book with this id, or None."""
+        """Return the book with this id (alone or inside a group), or None."""
         return self._by_id.get(book_id)
+
+    def group_by_id(self, group_id: str) -> CodebookGroup | None:
+        """Return the group (or single book, as a group of one) with this id, or None."""
+        return self._group_by_id.get(group_id)
 
     def keys(self):
         """Return the sorted (kind, dtype, stream) keys."""
-        return sorted(self._books)
+        return sorted(self._groups)
 
     def items(self):
-        """Return sorted ((kind, dtype, stream), book) pairs."""
-        return [(k, self._books[k]) for k in self.keys()]
+        """Return sorted ((kind, dtype, stream), book) pairs, a group's first book for a group."""
+        return [(k, self._groups[k].primary) for k in self.keys()]
+
+    def groups(self):
+        """Return sorted ((kind, dtype, stream), CodebookGroup) pairs."""
+        return [(k, self._groups[k]) for k in self.keys()]
 
     def stats(self, key) -> dict:
         """Return the numbers saved beside one book (empty if none)."""
         return dict(self._stats.get(key, {}))
 
     def __len__(self) -> int:
-        return len(self._books)
+        return len(self._groups)
 
     def __contains__(self, key) -> bool:
-        return key in self._books
+        return key in self._groups
 
     def __getitem__(self, key) -> Codebook:
-        return self._books[key]
+        return self._groups[key].primary
 
     @property
     def digest(self) -> str:
-        """A digest of every key and book id: equal sets have equal digests."""
+        """A digest of every key and book (or group) id: equal sets have equal digests."""
         h = hashlib.blake2b(digest_size=16, person=b"comm_codec.set1")
         for key in self.keys():
-            h.update(("%s/%s/%d=%s;" % (*key, self._books[key].id)).encode())
+            h.update(("%s/%s/%d=%s;" % (*key, self._groups[key].id)).encode())
         return h.hexdigest()
 
     def __or__(self, other: "CodebookSet") -> "CodebookSet":
         """Return a set with other's books added, other winning where both have a key."""
         if not isinstance(other, CodebookSet):
             return NotImplemented
-        books = dict(self._books)
-        books.update(other._books)
+        books = dict(self._groups)
+        books.update(other._groups)
         stats = dict(self._stats)
         stats.update(other._stats)
         return CodebookSet(books, {**self.meta, **other.meta}, stats)
@@ -171,18 +318,21 @@ class CodebookSet:
         return hash(self.digest)
 
     def __repr__(self) -> str:
-        return f"CodebookSet({len(self)} books, digest={self.digest[:12]})"
+        nbooks = sum(len(g) for g in self._groups.values())
+        extra = f", {nbooks} books in all" if nbooks != len(self) else ""
+        return f"CodebookSet({len(self)} keys{extra}, digest={self.digest[:12]})"
 
     # -- files ----------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """Return the set as a JSON-ready dict (the file format)."""
         books = []
-        for (kind, dtype, stream), book in self.items():
+        for (kind, dtype, stream), group in self.groups():
             entry = {"kind": kind, "dtype": dtype, "stream": stream}
             entry.update(self._stats.get((kind, dtype, stream), {}))
-            entry["book"] = book.to_dict()
+            entry.update(group.to_dict())
             books.append(entry)
-        return {"format": _FILE_FORMAT, "version": _FILE_VERSION, "meta": self.meta, "books": books}
+        version = _FILE_VERSION if any(len(g) > 1 for _, g in self.groups()) else 1
+        return {"format": _FILE_FORMAT, "version": version, "meta": self.meta, "books": books}
 
     def save(self, path) -> None:
         """Write the set as JSON, atomically (temp file + rename).
@@ -223,9 +373,10 @@ class CodebookSet:
         """
         if not isinstance(data, dict) or data.get("format") != _FILE_FORMAT:
             raise CodebookError(f"{source}: not a comm_codec codebook file (no format {_FILE_FORMAT!r})")
-        if data.get("version") != _FILE_VERSION:
+        if data.get("version") not in _FILE_VERSIONS:
             raise CodebookError(
-                f"{source}: codebook file version {data.get('version')!r}; this build reads version {_FILE_VERSION}"
+                f"{source}: codebook file version {data.get('version')!r}; this build reads versions "
+                + ", ".join(map(str, _FILE_VERSIONS))
             )
         entries = data.get("books")
         if not isinstance(entries, list):
@@ -234,8 +385,11 @@ class CodebookSet:
         for i, entry in enumerate(entries):
             try:
                 key = (entry["kind"], entry["dtype"], int(entry["stream"]))
-                books[key] = Codebook.from_dict(entry["book"])
-                stats[key] = {k: v for k, v in entry.items() if k not in ("kind", "dtype", "stream", "book")}
+                if "books" in entry and data["version"] < 2:
+                    raise CodebookError("groups of books need codebook file version 2")
+                books[key] = CodebookGroup.from_dict(entry)
+                stats[key] = {k: v for k, v in entry.items()
+                              if k not in ("kind", "dtype", "stream", "book", "books", "group")}
             except (KeyError, TypeError) as exc:
                 raise CodebookError(f"{source}: book entry {i} is malformed ({exc!r})") from None
             except CodebookError as exc:

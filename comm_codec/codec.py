@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from . import frame as _frame
-from .codebooks import CodebookSet
+from .codebooks import CodebookGroup, CodebookSet
 from .frame import FrameError
 from .huffman import Codebook
 from .kernels import cpu as _cpu
@@ -64,20 +64,45 @@ def _raise_on_status(status: np.ndarray, nchunks: int) -> None:
 
 
 class _Tables:
-    """Kernel-ready tables for one tuple of per-stream books."""
+    """Kernel-ready tables for one tuple of per-stream book groups."""
 
-    __slots__ = ("ids", "enc_code", "enc_len", "dec", "raw", "on_device")
+    __slots__ = ("groups", "ids", "nbooks", "enc_code", "enc_len", "dec", "raw", "on_device", "_multi")
 
-    def __init__(self, books: list[Codebook]):
-        ns = len(books)
-        self.ids = np.array([b.id_int if not b.raw else 0 for b in books], dtype=np.uint64)
-        self.enc_code = np.zeros((ns, 256), dtype=np.uint32)
-        self.enc_len = np.zeros((ns, 256), dtype=np.uint8)
-        self.dec = np.zeros((ns, 1 << 12), dtype=np.uint16)
-        self.raw = np.array([b.raw for b in books], dtype=np.bool_)
+    def __init__(self, groups: list[CodebookGroup]):
+        ns = len(groups)
+        kmax = max(len(g) for g in groups)
+        self.groups = tuple(groups)
+        self.ids = np.array([g.id_int for g in groups], dtype=np.uint64)
+        self.nbooks = np.array([len(g) for g in groups], dtype=np.int64)
+        self.enc_code = np.zeros((ns, kmax, 256), dtype=np.uint32)
+        self.enc_len = np.zeros((ns, kmax, 256), dtype=np.uint8)
+        self.dec = np.zeros((ns, kmax, 1 << 12), dtype=np.uint16)
+        self.raw = np.array([g.raw for g in groups], dtype=np.bool_)
         self.on_device: dict = {}  # torch.device -> kernels.cuda.DeviceTables
-        for s, book in enumerate(books):
-            self.enc_code[s], self.enc_len[s], self.dec[s] = book.tables()
+        self._multi = None
+        for s, group in enumerate(groups):
+            for k, book in enumerate(group):
+                self.enc_code[s, k], self.enc_len[s, k], self.dec[s, k] = book.tables()
+
+    @property
+    def multi(self) -> np.ndarray:
+        """The multi-symbol decode tables, built on first use (~4096 lookups per book)."""
+        if self._multi is None:
+            multi = np.zeros(self.dec.shape, dtype=np.uint32)
+            _cpu.multi_tables(self.dec, multi)
+            self._multi = multi
+        return self._multi
+
+    def check_books(self, books: np.ndarray) -> None:
+        """Raise FrameError if a chunk names a book beyond its stream's group."""
+        for s, n in enumerate(self.nbooks):
+            k = (books.astype(np.int64) >> (4 * s)) & 15
+            if np.any(k >= n):
+                bad = int(np.nonzero(k >= n)[0][0])
+                raise FrameError(
+                    f"chunk {bad} says stream {s} was coded with book {int(k[bad])} of its group, "
+                    f"which holds {int(n)}"
+                )
 
 
 class Codec:
@@ -155,11 +180,12 @@ class Codec:
         nchunks = -(-numel // self.chunk_elems)
         cflags = np.zeros(nchunks, dtype=np.uint8)
         refs = np.zeros(nchunks, dtype=np.uint8)
+        books = np.zeros(nchunks, dtype=np.uint16)
         sizes = np.zeros((nchunks, ns), dtype=np.uint32)
         args = (self.chunk_elems, spec.exp_shift)
         with self._threads():
             if nchunks:
-                _cpu.plan_chunks(bits, *args, tables.enc_len, tables.raw, cflags, refs, sizes)
+                _cpu.plan_chunks(bits, *args, tables.enc_len, tables.nbooks, tables.raw, cflags, refs, books, sizes)
             counts = _frame.chunk_counts(numel, self.chunk_elems, nchunks)
             lengths = _frame.payload_bytes(cflags.astype(np.int64), sizes, counts)
             hsize = _frame.header_size(ns, nchunks)
@@ -170,11 +196,11 @@ class Codec:
             checksums = np.zeros(nchunks, dtype=np.uint32)
             if nchunks:
                 _cpu.encode_chunks(
-                    bits, *args, tables.enc_code, tables.enc_len, cflags, refs, sizes,
+                    bits, *args, tables.enc_code, tables.enc_len, cflags, refs, books, sizes,
                     offsets, out8, out8.view(np.uint64), checksums, self.checksum,
                 )
         table = np.zeros(nchunks, dtype=_frame.table_dtype(ns))
-        table["cflags"], table["ref"], table["checksum"] = cflags, refs, checksums
+        table["cflags"], table["ref"], table["books"], table["checksum"] = cflags, refs, books, checksums
         table["sizes"] = sizes
         flags = _frame.FLAG_CHECKSUM if self.checksum else 0
         _frame.write_header(out8, spec, numel, self.chunk_elems, flags, tables.ids, table)
@@ -221,7 +247,8 @@ class Codec:
         with self._threads():
             _cpu.decode_chunks(
                 buf, buf.view(np.uint64), params.numel, params.chunk_elems, spec.exp_shift, tables.dec,
-                np.ascontiguousarray(table["cflags"]), np.ascontiguousarray(table["ref"]),
+                tables.multi, np.ascontiguousarray(table["cflags"]), np.ascontiguousarray(table["ref"]),
+                np.ascontiguousarray(table["books"]),
                 np.ascontiguousarray(table["sizes"]).reshape(params.nchunks, spec.nstreams),
                 params.offsets, np.ascontiguousarray(table["checksum"]), params.checksums,
                 bits, status,
@@ -234,26 +261,29 @@ class Codec:
         key = (kind, spec.name)
         tables = self._enc_cache.get(key)
         if tables is None:
-            books = [self.codebooks.get(kind, spec.name, s) for s in range(spec.nstreams)]
-            tables = self._enc_cache[key] = _Tables(books)
+            groups = [self.codebooks.group(kind, spec.name, s) for s in range(spec.nstreams)]
+            tables = self._enc_cache[key] = _Tables(groups)
         return tables
 
     def _decode_tables(self, ids: tuple) -> _Tables:
         tables = self._dec_cache.get(ids)
         if tables is None:
-            books = []
+            groups = []
             for s, book_id in enumerate(ids):
                 if book_id == "0" * 16:
-                    books.append(Codebook.raw_book())
+                    groups.append(CodebookGroup(Codebook.raw_book()))
                     continue
-                book = self.codebooks.by_id(book_id)
-                if book is None:
+                group = self.codebooks.group_by_id(book_id)
+                if group is None:
+                    book = self.codebooks.by_id(book_id)  # a member of a group, named alone
+                    group = CodebookGroup(book) if book is not None else None
+                if group is None:
                     raise FrameError(
                         f"frame stream {s} was coded with codebook {book_id}, which this codec's "
                         "codebook set does not hold; decode with the books it was encoded with"
                     )
-                books.append(book)
-            tables = self._dec_cache[ids] = _Tables(books)
+                groups.append(group)
+            tables = self._dec_cache[ids] = _Tables(groups)
         return tables
 
     def _decode_target(self, params, out, max_output_bytes, device: torch.device):
@@ -264,6 +294,8 @@ class Codec:
                 f"frame decodes to {params.numel * spec.itemsize} bytes, more than max_output_bytes={max_output_bytes}"
             )
         tables = self._decode_tables(params.book_ids)
+        if params.nchunks:
+            tables.check_books(params.table["books"])
         if out is not None:
             return tables, self._check_out(out, params, device)
         if device.type == "cpu":

@@ -7,8 +7,8 @@ summary::
 
     header   magic "CCFR" | version u8 | dtype u8 | nstreams u8 | flags u8
              numel u64 | chunk_elems u32 | nchunks u32              (24 bytes)
-    books    nstreams x u64 book id (0 = stream stored raw)
-    table    nchunks x entry: cflags u8 | ref u8 | 0 u16 | checksum u32 | nstreams x size u32
+    books    nstreams x u64 book (or book group) id (0 = stream stored raw)
+    table    nchunks x entry: cflags u8 | ref u8 | books u16 | checksum u32 | nstreams x size u32
              (entry padded to a multiple of 8 bytes)
     crc      u32 CRC-32 of everything above | u32 zero
     payload  per chunk: [mask bitmap][stream 0][stream 1]..., each padded to 8 bytes
@@ -17,7 +17,9 @@ Chunk flags: ``MASK`` (elements whose bits are all zero are left out of the stre
 marked by a 0 in an LSB-first bitmap of the chunk), ``ZERO`` (every element is +0.0: no
 payload at all), ``RAW0 << s`` (stream s of this chunk is stored uncoded). ``ref`` is the
 chunk's reference exponent: stream-0 symbols are coded as ``(byte - (ref << exp_shift))
-mod 256``. The checksum is a 64-bit multiply-xor hash (four interleaved chains) of the
+mod 256``. ``books`` (version 2) holds, in bits 4s..4s+3, which book of stream s's group
+coded the chunk; version 1 frames have 0 there (one book per stream), and a frame is
+written as version 1 whenever that holds. The checksum is a 64-bit multiply-xor hash (four interleaved chains) of the
 chunk's payload words folded to 32 bits: the 64-bit hash changes under any change
 confined to one word, the folded value misses such a change with probability 2**-32.
 """
@@ -49,7 +51,8 @@ __all__ = [
 ]
 
 MAGIC = b"CCFR"
-VERSION = 1
+VERSION = 2  # the newest version written; version 1 = version 2 with every chunk's books field 0
+READ_VERSIONS = (1, 2)
 MAX_CHUNK_ELEMS = 1 << 26
 HEADER_BYTES = 24
 FLAG_CHECKSUM = 0x01
@@ -86,7 +89,7 @@ def table_dtype(nstreams: int) -> np.dtype:
     """Return the numpy structured dtype of one chunk-table entry."""
     return np.dtype(
         {
-            "names": ["cflags", "ref", "reserved", "checksum", "sizes"],
+            "names": ["cflags", "ref", "books", "checksum", "sizes"],
             "formats": ["u1", "u1", "<u2", "<u4", ("<u4", (nstreams,))],
             "offsets": [0, 1, 2, 4, 8],
             "itemsize": pad8(8 + 4 * nstreams),
@@ -138,7 +141,8 @@ def write_header(buf: np.ndarray, spec, numel, chunk_elems, flags, book_ids, tab
     """Write header, book ids, chunk table and CRC into the start of ``buf`` (uint8)."""
     ns = spec.nstreams
     head = np.zeros(1, dtype=_HEAD)
-    head[0] = (MAGIC, VERSION, spec.code, ns, flags, numel, chunk_elems, len(table))
+    version = VERSION if len(table) and np.any(table["books"] != 0) else 1
+    head[0] = (MAGIC, version, spec.code, ns, flags, numel, chunk_elems, len(table))
     pos = HEADER_BYTES
     buf[:pos] = head.view(np.uint8)
     buf[pos : pos + 8 * ns] = np.asarray(book_ids, dtype="<u8").view(np.uint8)
@@ -175,8 +179,10 @@ def get_frame_parameters(frame) -> FrameParameters:
     head = buf[:HEADER_BYTES].view(_HEAD)[0]
     if bytes(head["magic"]) != MAGIC:
         _fail(f"not a comm_codec frame: magic {bytes(buf[:4])!r}, expected {MAGIC!r}")
-    if head["version"] != VERSION:
-        _fail(f"unsupported frame version {int(head['version'])}; this build reads version {VERSION}")
+    version = int(head["version"])
+    if version not in READ_VERSIONS:
+        _fail(f"unsupported frame version {version}; this build reads versions "
+              + ", ".join(map(str, READ_VERSIONS)))
     spec = _streams.spec_for_code(int(head["dtype"]))
     if spec is None:
         _fail(f"unknown dtype code {int(head['dtype'])} in frame header")
@@ -202,12 +208,12 @@ def get_frame_parameters(frame) -> FrameParameters:
     ids = buf[HEADER_BYTES : HEADER_BYTES + 8 * ns].view("<u8")
     tdt = table_dtype(ns)
     table = buf[HEADER_BYTES + 8 * ns : crc_pos].view(tdt)
-    offsets, total = _payload_layout(table, spec, numel, chunk_elems, ids, hsize)
+    offsets, total = _payload_layout(table, spec, numel, chunk_elems, ids, hsize, version)
     if total != n:
         what = "truncated" if total > n else "longer than its chunk table says"
         _fail(f"frame {what}: {n} bytes, the chunk table describes {total}")
     return FrameParameters(
-        version=VERSION,
+        version=version,
         spec=spec,
         numel=numel,
         chunk_elems=chunk_elems,
@@ -235,14 +241,23 @@ def payload_bytes(cflags: np.ndarray, sizes: np.ndarray, counts: np.ndarray) -> 
     return mask + pad8(sizes.astype(np.int64)).sum(axis=1)
 
 
-def _payload_layout(table, spec, numel, chunk_elems, ids, hsize):
+def _payload_layout(table, spec, numel, chunk_elems, ids, hsize, version):
     ns = spec.nstreams
     nchunks = len(table)
     if nchunks == 0:
         return np.zeros(0, dtype=np.int64), hsize
-    if np.any(table["reserved"] != 0):
-        _fail(f"chunk {int(np.nonzero(table['reserved'])[0][0])} has a nonzero reserved field")
     cflags = table["cflags"].astype(np.int64)
+    books = table["books"].astype(np.int64)
+    if version == 1 and np.any(books != 0):
+        _fail(f"chunk {int(np.nonzero(books)[0][0])} names a book, which version 1 frames cannot")
+    # A chunk names a book only for the streams it codes (not raw, not all-zero, s < ns).
+    coded_nibbles = np.zeros(nchunks, dtype=np.int64)
+    for s in range(ns):
+        coded = (cflags & (CHUNK_RAW0 << s | CHUNK_ZERO)) == 0
+        coded_nibbles |= np.where(coded, 0xF << (4 * s), 0)
+    if np.any(books & ~coded_nibbles):
+        bad = int(np.nonzero(books & ~coded_nibbles)[0][0])
+        _fail(f"chunk {bad} names a book for a stream it does not code (books field 0x{int(books[bad]):04x})")
     sizes = table["sizes"].astype(np.int64).reshape(nchunks, ns)
     counts = chunk_counts(numel, chunk_elems, nchunks)
     raw_bits = sum(CHUNK_RAW0 << s for s in range(ns))

@@ -74,7 +74,7 @@ class SteppedProfiler(WarmupProfiler):
 
 
 def report(books: CodebookSet, heldout: dict | None = None) -> str:
-    """Return a text report: per book entropy, expected bits and ratio; held-out gaps.
+    """Return a text report: per key entropy, expected bits, ratio and group; held-out gaps.
 
     Args:
         books: the set to report on (with the stats the profiler stored).
@@ -85,16 +85,20 @@ def report(books: CodebookSet, heldout: dict | None = None) -> str:
     Returns:
         The report.
     """
-    lines = [f"{'kind':<17}{'dtype':<9}{'stream':>6}{'entropy':>9}{'bits':>8}{'ratio':>8}  book"]
-    for key, book in books.items():
+    lines = [f"{'kind':<17}{'dtype':<9}{'stream':>6}{'entropy':>9}{'bits':>8}{'ratio':>8}{'books':>6}"
+             f"{'chunk bits: 1 book':>19}{'group':>7}{'optimal':>9}  id"]
+    for key, group in books.groups():
         st = books.stats(key)
         h, e = st.get("entropy_bits"), st.get("expected_bits")
         ratio = 8.0 / e if e else float("nan")
+        chunk = "".join(f"{st[k]:>{w}.3f}" if k in st else f"{'-':>{w}}" for k, w in (
+            ("chunk_bits_one_book", 19), ("chunk_bits_group", 7), ("chunk_bits_optimal", 9)))
         lines.append(f"{key[0]:<17}{key[1]:<9}{key[2]:>6}{h if h is not None else float('nan'):>9.3f}"
-                     f"{e if e is not None else 8.0:>8.3f}{ratio:>8.3f}  {'raw' if book.raw else book.id}")
+                     f"{e if e is not None else 8.0:>8.3f}{ratio:>8.3f}{len(group):>6}{chunk}"
+                     f"  {'raw' if group.raw else group.id}")
     if heldout:
         lines.append("")
-        lines.append("held-out steps (books built from earlier steps):")
+        lines.append("held-out steps (books built from earlier steps; each group's first book, whole steps):")
         lines.append(f"{'kind':<17}{'dtype':<9}{'steps':>6}{'fixed bits':>14}{'vs per-step opt':>17}{'vs Shannon':>12}")
         for (kind, dtype), steps in sorted(heldout.items()):
             fixed = optimal = shannon = 0.0
@@ -220,14 +224,14 @@ def _cmd_profile(args) -> int:
             if not dist.is_initialized():
                 dist.init_process_group("gloo")
             group_ready = True
-        prof = SteppedProfiler(args.steps, args.holdout)
+        prof = SteppedProfiler(args.steps, args.holdout, max_books=args.max_books)
         func(prof, args.steps + args.holdout)
         if prof.current < args.steps:
             raise ValueError(f"--entry ran {prof.current} steps (called prof.step() {prof.current} times); "
                              f"expected {args.steps + args.holdout}")
         heldout = prof.heldout
     else:
-        prof = profile_checkpoint(args.checkpoint)
+        prof = profile_checkpoint(args.checkpoint, WarmupProfiler(max_books=args.max_books))
         heldout = None
     books = prof.build(meta={"source": args.entry or args.checkpoint})
     rank = 0
@@ -252,6 +256,8 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=5, help="steps that build the books (with --entry)")
     p.add_argument("--holdout", type=int, default=0, help="later steps used to evaluate the books")
     p.add_argument("--out", default="codebooks.json", help="where to write the books")
+    p.add_argument("--max-books", type=int, default=8,
+                   help="largest group of books per stream, each chunk coded with its best (8; 1 = single books)")
     p.add_argument("--plot", help="also draw each book's code lengths over its averaged distribution "
                                   "into this PNG (needs matplotlib: the 'plot' extra)")
     p.set_defaults(func=_cmd_profile)

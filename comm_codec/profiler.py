@@ -9,9 +9,20 @@ drowning the statistics of many small ones, which is what a book must fit.
 Histograms are taken by the same numba kernel that defines the encoder's symbols
 (per-chunk relative exponents, exact zeros left out), so a book fits what it will code.
 
+One book fits the average; the layers of a model differ in the *shape* of their exponent
+distribution, and the encoder can pick, per chunk, the best of a group of books
+(:class:`~comm_codec.codebooks.CodebookGroup`). So the profiler also keeps the chunks'
+own histograms (at most ``max_rows`` per kind and dtype: past that, neighbouring rows are
+merged) and :meth:`WarmupProfiler.build` grows each stream's group from the average
+book: it adds a book seeded by the chunk that the current books fit worst, refits the
+added books to the chunks that choose them (Lloyd iterations), and stops when another
+book saves less than ``min_gain`` of the stream's bits or at ``max_books``. Everything
+is integer arithmetic over counts, so every rank builds the same books.
+
 Distributed: :meth:`WarmupProfiler.build` with a process group all-reduces the summed
-distributions and observation counts before building, so every rank builds
-byte-identical books; :func:`check_same_books` verifies that ranks hold the same set.
+distributions and observation counts and all-gathers the chunk histograms before
+building, so every rank builds byte-identical books; :func:`check_same_books` verifies
+that ranks hold the same set.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ import logging
 import numpy as np
 import torch
 
-from .codebooks import CodebookSet, check_kind
+from .codebooks import CodebookGroup, CodebookSet, check_kind
 from .codec import DEFAULT_CHUNK_ELEMS
 from .huffman import Codebook, entropy_bits, optimal_lengths
 from .kernels import cpu as _cpu
@@ -32,6 +43,34 @@ from .streams import as_bits, spec_for
 __all__ = ["WarmupProfiler", "check_same_books", "stream_counts", "coding_cost", "book_cost"]
 
 log = logging.getLogger(__name__)
+
+_LLOYD_ROUNDS = 12
+
+
+def chunk_counts(tensor: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> tuple[np.ndarray, np.ndarray]:
+    """Return the symbol counts of every chunk and stream, and each chunk's zero count.
+
+    Args:
+        tensor: a CPU tensor of a supported dtype (copied to the CPU if on a GPU).
+        chunk_elems: the codec's chunk size.
+
+    Returns:
+        ``(counts, zeros)``: int64[nchunks, nstreams, 256] (as :func:`stream_counts`
+        counts them, chunk by chunk) and int64[nchunks].
+
+    Raises:
+        TypeError: unsupported dtype.
+    """
+    if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
+        tensor = tensor.detach().cpu()
+    bits, spec = as_bits(tensor)
+    nchunks = -(-bits.size // chunk_elems)
+    counts = np.empty((nchunks, spec.nstreams, 256), dtype=np.int64)
+    zeros = np.empty(nchunks, dtype=np.int64)
+    if nchunks:
+        with torch_threads_kept():
+            _cpu.chunk_histograms(bits, chunk_elems, spec.exp_shift, counts, zeros)
+    return counts, zeros
 
 
 def stream_counts(tensor: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> tuple[np.ndarray, int]:
@@ -75,11 +114,23 @@ class WarmupProfiler:
         books = prof.build()
     """
 
-    def __init__(self, chunk_elems: int = DEFAULT_CHUNK_ELEMS):
+    def __init__(self, chunk_elems: int = DEFAULT_CHUNK_ELEMS, max_books: int = 8, min_gain: float = 0.001,
+                 max_rows: int = 2048):
+        if not 1 <= int(max_books) <= CodebookGroup.MAX_BOOKS:
+            raise ValueError(f"max_books must be in 1..{CodebookGroup.MAX_BOOKS}, got {max_books}")
+        if not 0.0 <= float(min_gain) < 1.0:
+            raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
+        if int(max_rows) < 2:
+            raise ValueError(f"max_rows must be at least 2, got {max_rows}")
         self.chunk_elems = int(chunk_elems)
+        self.max_books = int(max_books)
+        self.min_gain = float(min_gain)
+        self.max_rows = int(max_rows)
         # (kind, dtype name) -> [sum of normalized distributions (ns x 256), observations,
         #                        raw counts (ns x 256), zeros, elements]
         self._acc: dict[tuple[str, str], list] = {}
+        # (kind, dtype name) -> int64[rows, ns, 256]: chunk histograms, for the groups
+        self._rows: dict[tuple[str, str], np.ndarray] = {}
         self.observations = 0
 
     def observe(self, tensor: torch.Tensor, kind: str = "gradient") -> None:
@@ -97,8 +148,11 @@ class WarmupProfiler:
         spec = spec_for(tensor.dtype)
         if tensor.numel() == 0:
             return
-        counts, zeros = stream_counts(tensor, self.chunk_elems)
+        per_chunk, chunk_zeros = chunk_counts(tensor, self.chunk_elems)
+        counts, zeros = per_chunk.sum(axis=0), int(chunk_zeros.sum())
         key = (kind, spec.name)
+        if self.max_books > 1:
+            self._keep_rows(key, per_chunk)
         acc = self._acc.get(key)
         if acc is None:
             ns = spec.nstreams
@@ -111,6 +165,35 @@ class WarmupProfiler:
         acc[3] += zeros
         acc[4] += tensor.numel()
         self.observations += 1
+
+    def _keep_rows(self, key, per_chunk: np.ndarray) -> None:
+        live = per_chunk[per_chunk[:, 0].sum(axis=1) > 0]  # all-zero chunks have no distribution
+        parts, count = self._rows.get(key, ([], 0))
+        parts.append(live)
+        count += len(live)
+        if count > 2 * self.max_rows:  # bound memory; copying on every call was quadratic
+            parts = [self._merged_rows(parts)]
+            count = len(parts[0])
+        self._rows[key] = (parts, count)
+
+    def _merged_rows(self, parts) -> np.ndarray:
+        rows = np.concatenate(parts)
+        while len(rows) > self.max_rows:
+            # Merge neighbours (consecutive chunks, mostly of one layer): halves the rows.
+            even = len(rows) - len(rows) % 2
+            merged = rows[0:even:2] + rows[1:even:2]
+            rows = np.concatenate([merged, rows[even:]]) if even < len(rows) else merged
+        return rows
+
+    def chunk_rows(self, kind: str, dtype) -> np.ndarray | None:
+        """Return the kept chunk histograms (int64[rows, nstreams, 256]) of a kind and
+        dtype, at most ``max_rows`` (neighbours merged), or None if there are none."""
+        entry = self._rows.get((kind, spec_for(dtype).name))
+        if entry is None or not entry[1]:
+            return None
+        rows = self._merged_rows(entry[0])
+        self._rows[(kind, spec_for(dtype).name)] = ([rows], len(rows))
+        return rows
 
     # -- helpers that find the tensors of a training step ------------------------------
     def observe_gradients(self, model: torch.nn.Module, kind: str = "gradient") -> None:
@@ -179,6 +262,10 @@ class WarmupProfiler:
         """
         keys = self.kinds()
         world = 1
+        rows = {}
+        for k in keys:
+            kept = self.chunk_rows(*k)
+            rows[k] = kept if kept is not None else np.zeros((0, self._acc[k][2].shape[0], 256), np.int64)
         sums = {k: (self._acc[k][0].copy(), float(self._acc[k][1]), self._acc[k][2].copy()) for k in keys}
         if process_group is not None or _dist_ready():
             import torch.distributed as dist
@@ -195,6 +282,8 @@ class WarmupProfiler:
                     ns = dist_sum.shape[0]
                     sums[k] = (arr[: ns * 256].reshape(ns, 256), float(arr[ns * 256]),
                                arr[ns * 256 + 1:].reshape(ns, 256))
+                if self.max_books > 1:
+                    rows = {k: _gather_rows(rows[k], process_group) for k in keys}
         books, stats = {}, {}
         for (kind, dtype) in keys:
             dist_sum, n_obs, raw = sums[(kind, dtype)]
@@ -203,12 +292,17 @@ class WarmupProfiler:
             avg = dist_sum / n_obs
             for s in range(avg.shape[0]):
                 book = Codebook.from_counts(avg[s])
-                books[(kind, dtype, s)] = book
-                stats[(kind, dtype, s)] = {
+                group = CodebookGroup(book)
+                entry = {
                     "entropy_bits": round(entropy_bits(avg[s]), 4),
                     "expected_bits": round(book.expected_bits(avg[s]), 4),
                     "observations": int(n_obs),
                 }
+                if self.max_books > 1 and not book.raw and len(rows[(kind, dtype)]):
+                    group, chunk_bits = grow_group(rows[(kind, dtype)][:, s], book, self.max_books, self.min_gain)
+                    entry.update(chunk_bits)
+                books[(kind, dtype, s)] = group
+                stats[(kind, dtype, s)] = entry
         if not books:
             raise ValueError(
                 "cannot build codebooks from zero observations: call observe() on nonzero tensors first"
@@ -218,13 +312,100 @@ class WarmupProfiler:
             "observations": int(sum(v[1] for v in sums.values())),
             "world_size": world,
             "chunk_elems": self.chunk_elems,
-            "method": "average of normalized per-observation distributions",
+            "method": "average of normalized per-observation distributions"
+                      + (f"; groups of up to {self.max_books} books fitted to chunk histograms"
+                         if self.max_books > 1 else ""),
         }
         info.update(meta or {})
         result = CodebookSet(books, info, stats)
         log.info("built %d codebooks from %d observations (world size %d), digest %s",
                  len(books), info["observations"], world, result.digest[:12])
         return result
+
+
+def _book_bits(books) -> np.ndarray:
+    """int64[nbooks, 256]: the exact bits each book spends on each symbol."""
+    return np.stack([np.rint(b.symbol_bits()).astype(np.int64) for b in books])
+
+
+def grow_group(rows: np.ndarray, first: Codebook, max_books: int, min_gain: float):
+    """Grow a group of books from a first book over per-chunk histograms.
+
+    Each round adds a book fitted to the chunk that the current books code worst
+    relative to its own optimal Huffman code, then refits every added book to the
+    chunks that choose it (first book fixed: the group never codes a chunk worse than
+    it), until a round saves less than ``min_gain`` of the bits or the group is full.
+    Only integers are compared and ties go to the lower index: the same rows give the
+    same books on every machine.
+
+    Args:
+        rows: int64[nrows, 256] symbol counts, one row per chunk.
+        first: the group's first book (fitted to the average distribution).
+        max_books: the largest group to build.
+        min_gain: the smallest share of the bits a round must save to be kept.
+
+    Returns:
+        ``(group, stats)``: the :class:`CodebookGroup` and a dict with the rows' bits per
+        symbol under the first book alone, the group and per-chunk optimal codes.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    rows = rows[rows.sum(axis=1) > 0]
+    symbols = int(rows.sum())
+    books = [first]
+    best = (rows @ _book_bits(books).T).min(axis=1)
+    alone = total = int(best.sum())
+    own = np.zeros(len(rows), dtype=np.int64)
+    _cpu.huffman_costs(rows, own)
+    while len(books) < max_books and len(rows):
+        seed = int(np.argmax(best - own))
+        trial = books + [Codebook.from_counts(rows[seed], raw_threshold=None)]
+        if any(b.id == trial[-1].id for b in books):
+            break
+        choice = None
+        for _ in range(_LLOYD_ROUNDS):
+            cost = rows @ _book_bits(trial).T
+            new_choice = np.argmin(cost, axis=1)
+            if choice is not None and np.array_equal(new_choice, choice):
+                break
+            choice = new_choice
+            refit = [trial[0]]
+            for k in range(1, len(trial)):
+                members = rows[choice == k]
+                if len(members):
+                    book = Codebook.from_counts(members.sum(axis=0), raw_threshold=None)
+                    if all(book.id != b.id for b in refit):
+                        refit.append(book)
+            trial = refit
+        trial_best = (rows @ _book_bits(trial).T).min(axis=1)
+        trial_total = int(trial_best.sum())
+        if len(trial) <= len(books) or (total - trial_total) < min_gain * total:
+            break
+        books, best, total = trial, trial_best, trial_total
+    denom = max(symbols, 1)
+    stats = {"group_size": len(books), "chunk_bits_one_book": round(alone / denom, 4),
+             "chunk_bits_group": round(total / denom, 4), "chunk_bits_optimal": round(int(own.sum()) / denom, 4)}
+    return CodebookGroup(books), stats
+
+
+def _gather_rows(rows: np.ndarray, process_group) -> np.ndarray:
+    """All ranks' chunk histograms, in rank order (the same array on every rank)."""
+    import torch.distributed as dist
+
+    device = _collective_device(process_group)
+    world = dist.get_world_size(process_group)
+    n = torch.tensor([len(rows)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n, group=process_group)
+    sizes = [int(x.item()) for x in sizes]
+    most = max(sizes)
+    if most == 0:
+        return rows
+    padded = np.zeros((most,) + rows.shape[1:], dtype=np.int64)
+    padded[: len(rows)] = rows
+    mine = torch.from_numpy(padded).to(device)
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine, group=process_group)
+    return np.concatenate([p.cpu().numpy()[:k] for p, k in zip(parts, sizes)])
 
 
 def _dist_ready() -> bool:
@@ -274,7 +455,7 @@ def check_same_books(books: CodebookSet, process_group=None) -> None:
         RuntimeError: the sets differ; the message names the ranks and the first
             (kind, dtype, stream) whose book differs, on every rank.
     """
-    listing = "\n".join("%s/%s/%d=%s" % (*k, b.id) for k, b in books.items())
+    listing = "\n".join("%s/%s/%d=%s" % (*k, g.id) for k, g in books.groups())
     seen = _gather_strings(books.digest + "\n" + listing, process_group)
     if len(set(seen)) == 1:
         return
@@ -294,6 +475,9 @@ def check_same_books(books: CodebookSet, process_group=None) -> None:
 
 def book_cost(books: CodebookSet, kind: str, dtype, counts: np.ndarray) -> tuple[float, float, float]:
     """Price per-stream symbol counts under fixed books, optimal codes and Shannon.
+
+    Counts summed over chunks cannot say which book of a group each chunk would take:
+    a group is priced by its first book here (:func:`coding_cost` prices whole groups).
 
     Args:
         books: the set whose (kind, dtype) books are priced.
@@ -327,7 +511,9 @@ def coding_cost(tensor: torch.Tensor, books: CodebookSet, kind: str = "gradient"
     """Measure what fixed books cost on a tensor against the tensor's own optimum.
 
     Zeros count as :func:`stream_counts` counts them (where the codec codes them), so
-    the comparison is of the books alone.
+    the comparison is of the books alone. A group of books is priced as the encoder
+    uses it, each chunk with its cheapest book, so with groups the fixed bits can come
+    out below one optimal code for the whole tensor.
 
     Args:
         tensor: the data.
@@ -336,10 +522,18 @@ def coding_cost(tensor: torch.Tensor, books: CodebookSet, kind: str = "gradient"
         chunk_elems: the codec's chunk size.
 
     Returns:
-        ``(fixed_bits, optimal_bits, entropy_bits)`` as :func:`book_cost`.
+        ``(fixed_bits, optimal_bits, entropy_bits)``: fixed as described; optimal and
+        entropy as :func:`book_cost` gives them for the whole tensor's counts.
 
     Raises:
         TypeError: unsupported dtype. ValueError: no book for this kind and dtype.
     """
-    counts, _ = stream_counts(tensor, chunk_elems)
-    return book_cost(books, kind, tensor.dtype, counts)
+    per_chunk, _ = chunk_counts(tensor, chunk_elems)
+    counts = per_chunk.sum(axis=0)
+    _, optimal, entropy = book_cost(books, kind, tensor.dtype, counts)
+    name = spec_for(tensor.dtype).name
+    fixed = 0.0
+    for s in range(counts.shape[0]):
+        bits = books.group(kind, name, s).symbol_bits()  # float64[nbooks, 256]
+        fixed += float((per_chunk[:, s].astype(np.float64) @ bits.T).min(axis=1).sum()) if len(per_chunk) else 0.0
+    return fixed, optimal, entropy

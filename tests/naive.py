@@ -268,12 +268,12 @@ def payload_hash(data: bytes, chunk_index: int) -> int:
     return (h >> 32) ^ (h & 0xFFFFFFFF)
 
 
-def frame_books(codebook_set) -> dict[str, tuple[list[int], int]]:
-    """Return {id: (lengths, escape_length)} for every coded book of a CodebookSet."""
+def frame_books(codebook_set) -> dict[str, list[tuple[list[int], int]]]:
+    """Return {id: [(lengths, escape_length), ...]} for every coded book or group of a set."""
     return {
-        book.id: ([int(x) for x in book.lengths], int(book.escape_length))
-        for _, book in codebook_set.items()
-        if not book.raw
+        group.id: [([int(x) for x in book.lengths], int(book.escape_length)) for book in group]
+        for _, group in codebook_set.groups()
+        if not group.raw
     }
 
 
@@ -287,7 +287,7 @@ class NaiveFrame:
 def parse_frame(data: bytes) -> NaiveFrame:
     """Parse and check a frame's header, book ids, table and CRC (asserts on anything odd)."""
     magic, version, code, ns, flags, numel, chunk_elems, nchunks = HEADER.unpack_from(data, 0)
-    assert magic == MAGIC and version == 1, (magic, version)
+    assert magic == MAGIC and version in (1, 2), (magic, version)
     dtype = DTYPE_BY_CODE[code]
     assert ns == LAYOUT[dtype][0]
     assert nchunks == (-(-numel // chunk_elems) if numel else 0)
@@ -297,15 +297,17 @@ def parse_frame(data: bytes) -> NaiveFrame:
     entry_size = pad8(8 + 4 * ns)
     table = []
     for c in range(nchunks):
-        cflags, ref, reserved, checksum = struct.unpack_from("<BBHI", data, pos)
+        cflags, ref, chosen, checksum = struct.unpack_from("<BBHI", data, pos)
         sizes = list(struct.unpack_from(f"<{ns}I", data, pos + 8))
-        assert reserved == 0
+        assert version == 2 or chosen == 0
         assert data[pos + 8 + 4 * ns : pos + entry_size] == bytes(entry_size - 8 - 4 * ns)
-        table.append((cflags, ref, checksum, sizes))
+        table.append((cflags, ref, checksum, sizes, [(chosen >> (4 * s)) & 15 for s in range(ns)]))
         pos += entry_size
     crc, zero = struct.unpack_from("<II", data, pos)
     assert crc == zlib.crc32(data[:pos]) and zero == 0
     pos += 8
+    if version == 2:
+        assert any(any(t[4]) for t in table), "version 2 only when some chunk names a book"
     return NaiveFrame(dtype=dtype, numel=numel, chunk_elems=chunk_elems, nchunks=nchunks,
                       flags=flags, ids=ids, table=table, header_bytes=pos)
 
@@ -335,18 +337,22 @@ def decode_lanes(segment: bytes, count: int, lengths, escape_length: int) -> lis
     return symbols
 
 
-def decode_frame(data: bytes, books: dict[str, tuple[list[int], int]]) -> torch.Tensor:
-    """Decode a whole frame into a 1-D tensor, checking every documented invariant."""
+def decode_frame(data: bytes, books: dict[str, list[tuple[list[int], int]]]) -> torch.Tensor:
+    """Decode a whole frame into a 1-D tensor, checking every documented invariant.
+
+    That includes the encoder's book choice: each coded chunk's book must be one that
+    codes its symbols in the fewest bits, the lowest such index.
+    """
     data = bytes(data)
     fr = parse_frame(data)
     width, rotate, exp_shift, _ = LAYOUT[fr.dtype]
     pos = fr.header_bytes
     bits_out: list[int] = []
-    for c, (cflags, ref, checksum, sizes) in enumerate(fr.table):
+    for c, (cflags, ref, checksum, sizes, chosen) in enumerate(fr.table):
         count = min(fr.chunk_elems, fr.numel - c * fr.chunk_elems)
         start = pos
         if cflags & CHUNK_ZERO:
-            assert sizes == [0] * width and not cflags & CHUNK_MASK
+            assert sizes == [0] * width and not cflags & CHUNK_MASK and not any(chosen)
             bits_out.extend([0] * count)
             if fr.flags & 1:
                 assert checksum == payload_hash(b"", c)
@@ -364,11 +370,15 @@ def decode_frame(data: bytes, books: dict[str, tuple[list[int], int]]) -> torch.
             seg = data[pos : pos + sizes[s]]
             assert len(seg) == sizes[s]
             if cflags & (CHUNK_RAW0 << s):
-                assert sizes[s] == len(present)
+                assert sizes[s] == len(present) and chosen[s] == 0
                 streams.append(list(seg))
             else:
-                lengths, esc = books[fr.ids[s]]
-                streams.append(decode_lanes(seg, len(present), lengths, esc))
+                group = books[fr.ids[s]]
+                lengths, esc = group[chosen[s]]
+                syms = decode_lanes(seg, len(present), lengths, esc)
+                costs = [len(encode_bits(syms, ln, e)) for ln, e in group]
+                assert costs.index(min(costs)) == chosen[s], ("not the cheapest book", c, s, costs)
+                streams.append(syms)
             assert data[pos + sizes[s] : pos + pad8(sizes[s])] == bytes(pad8(sizes[s]) - sizes[s])
             pos += pad8(sizes[s])
         if exp_shift is not None:

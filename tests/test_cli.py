@@ -70,7 +70,13 @@ def test_profile_checkpoint(tmp_path):
     assert r.returncode == 0, r.stderr
     books = cc.CodebookSet.load(out)
     assert ("weight", "bf16", 0) in books and ("weight", "fp32", 0) in books
-    assert "weight" in r.stdout and "entropy" in r.stdout
+    assert "weight" in r.stdout and "entropy" in r.stdout and "chunk bits" in r.stdout
+    # --max-books 1: single books, whose ids are the groups' first books.
+    r = run("profile", "--checkpoint", str(src), "--out", str(tmp_path / "one.json"), "--max-books", "1")
+    assert r.returncode == 0, r.stderr
+    single = cc.CodebookSet.load(tmp_path / "one.json")
+    assert all(len(g) == 1 for _, g in single.groups())
+    assert [b.id for _, b in single.items()] == [b.id for _, b in books.items()]
 
 
 def test_profile_entry_with_holdout(tmp_path):
@@ -95,6 +101,7 @@ def test_profile_entry_with_holdout(tmp_path):
     (["profile", "--entry", "nomodule_xyz:f"], "cannot import 'nomodule_xyz'"),
     (["profile", "--entry", "badformat"], "--entry must be module:function"),
     (["profile", "--checkpoint", "/nonexistent/file.safetensors"], "No such file or directory"),
+    (["profile", "--checkpoint", "x.safetensors", "--max-books", "0"], "max_books must be in 1..16, got 0"),
 ])
 def test_profile_errors(args, message):
     r = run(*args)

@@ -287,8 +287,8 @@ def test_wrong_codebook_raises_frame_error_naming_the_id():
     b = (torch.randn(20000, generator=g) ** 5).to(torch.bfloat16)  # heavy tails: other exponents
     codec_a = cc.Codec(_books_from(a), chunk_elems=64)
     codec_b = cc.Codec(_books_from(b), chunk_elems=64)
-    id_a = codec_a.codebooks.get("gradient", "bf16", 0).id
-    assert id_a != codec_b.codebooks.get("gradient", "bf16", 0).id
+    id_a = codec_a.codebooks.group("gradient", "bf16", 0).id  # a book, or a group of them
+    assert id_a != codec_b.codebooks.group("gradient", "bf16", 0).id
     f = codec_a.encode(a)
     assert cc.get_frame_parameters(f).book_ids[0] == id_a
     with pytest.raises(cc.FrameError, match=f"frame stream 0 was coded with codebook {id_a}, which this codec"):
@@ -336,7 +336,7 @@ def test_default_codec_uses_default_books():
     c = cc.Codec()
     assert c.codebooks is cc.CodebookSet.default()
     f = c.encode(torch.randn(5000).to(torch.bfloat16) * 1e-3)
-    assert cc.get_frame_parameters(f).book_ids[0] == c.codebooks.get("gradient", "bf16", 0).id
+    assert cc.get_frame_parameters(f).book_ids[0] == c.codebooks.group("gradient", "bf16", 0).id
 
 
 def test_one_codec_shared_by_python_threads(small_codec):

@@ -274,14 +274,22 @@ def test_mutated_frames_fail_or_decode_as_on_the_cpu(dtype, checksum):
     data = codec.encode(x).numpy().tobytes()
     params = _frame.get_frame_parameters(data)
     rng = np.random.default_rng(11 + checksum)
-    failures = 0
-    for trial in range(14):
-        buf = bytearray(data)
+
+    def position(trial):
         if trial % 3 == 0:  # a chunk-table field
-            pos = params.header_bytes - 8 - int(rng.integers(1, params.nchunks * params.table.dtype.itemsize + 1))
-        else:  # the payload
-            pos = int(rng.integers(params.header_bytes, len(buf)))
-        buf[pos] ^= 1 << int(rng.integers(0, 8))
+            return params.header_bytes - 8 - int(rng.integers(1, params.nchunks * params.table.dtype.itemsize + 1))
+        return int(rng.integers(params.header_bytes, len(data)))  # the payload
+
+    _flips_fail_alike(codec, data, 14, position, rng)
+
+
+def _flips_fail_alike(codec, data: bytes, trials: int, position, rng) -> None:
+    """Flip one bit per trial at position(trial), header CRC repaired: the GPU decoder must
+    raise FrameError exactly when the CPU's does, and otherwise return the same bits."""
+    failures = 0
+    for trial in range(trials):
+        buf = bytearray(data)
+        buf[position(trial)] ^= 1 << int(rng.integers(0, 8))
         bad = fix_header_crc(bytes(buf))
         cpu = _outcome(lambda d: codec.decode(d), bad)
         gpu = _outcome(lambda d: gpu_decode(codec, d), bad)
@@ -328,6 +336,253 @@ def test_kernel_bounds_hold_without_the_host_checks():
     status = _cuda.decode_frame(frame, dataclasses.replace(params, table=table), dev_tables, out)
     coded = (params.table["cflags"] & (_frame.CHUNK_ZERO | _frame.CHUNK_RAW0)) == 0
     assert (status[coded] != 0).all()
+
+
+# -- groups of books (frame version 2) --------------------------------------------------------------
+GCHUNK = 128
+
+
+def two_part_tensor(dtype, seed: int, n: int = 5 * GCHUNK + 37) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two tensors of n elements: "narrow" (two binades, eight mantissas) and "wide" (13 binades,
+    sixteen mantissas of other bits: 1 + j/4 + k/256).
+
+    For int8/uint8: small integers and large ones. Chunks cut from one or the other differ
+    in distribution in every stream that is not all zeros, so their fitted books differ.
+    """
+    g = torch.Generator().manual_seed(seed)
+    if not dtype.is_floating_point:
+        narrow = torch.randint(-2, 3, (n,), generator=g).to(torch.int8)
+        wide = torch.randint(-60, 61, (n,), generator=g).to(torch.int8)
+        if dtype == torch.uint8:
+            return narrow.view(torch.uint8).clone(), wide.view(torch.uint8).clone()
+        return narrow, wide
+    scale = 1.0 if dtype.itemsize == 1 else 2.0 ** -4
+    sign = torch.randint(0, 2, (n,), generator=g) * 2.0 - 1
+    narrow = sign * (1 + torch.randint(0, 8, (n,), generator=g) / 8) * torch.exp2(
+        torch.randint(-1, 1, (n,), generator=g).float())
+    mant = 1 + torch.randint(0, 4, (n,), generator=g) / 4 + torch.randint(0, 4, (n,), generator=g) / 256
+    wide = sign * mant * torch.exp2(torch.randint(-6, 7, (n,), generator=g).float())
+    return (narrow * scale).to(dtype), (wide * scale).to(dtype)
+
+
+def grouped_tensor(dtype, seed: int) -> torch.Tensor:
+    """Chunks of GCHUNK: narrow; wide; narrow with every special value; wide, 40 % zeros (masked);
+    all +0.0; then a narrow 37-element tail."""
+    narrow, wide = two_part_tensor(dtype, seed)
+    x = narrow.clone()
+    x[GCHUNK: 2 * GCHUNK] = wide[GCHUNK: 2 * GCHUNK]
+    x[3 * GCHUNK: 4 * GCHUNK] = wide[3 * GCHUNK: 4 * GCHUNK]
+    iv = int_view(x)
+    specials = int_view(tensor_of_bits(special_bits(dtype), dtype))
+    iv[2 * GCHUNK + 5: 2 * GCHUNK + 5 + specials.numel()] = specials
+    iv[3 * GCHUNK: 4 * GCHUNK][torch.rand(GCHUNK, generator=torch.Generator().manual_seed(seed)) < 0.4] = 0
+    iv[4 * GCHUNK: 5 * GCHUNK] = 0
+    return x
+
+
+def _group_books(dtype) -> dict:
+    """Per stream of dtype, a group fitted to the two parts of two_part_tensor.
+
+    Stream 0: [flat, narrow, wide] (the mask is priced with the flat book; chunks pick 1
+    and 2); later streams: [narrow, wide, flat]. Books that come out equal appear once.
+    """
+    from comm_codec.profiler import stream_counts
+
+    narrow, wide = two_part_tensor(dtype, seed=99)
+    cn, _ = stream_counts(narrow, GCHUNK)
+    cw, _ = stream_counts(wide, GCHUNK)
+    name = cc.streams.spec_for(dtype).name
+    groups = {}
+    for s in range(cn.shape[0]):
+        fit_n = cc.Codebook.from_counts(cn[s] + 1e-9, raw_threshold=None)
+        fit_w = cc.Codebook.from_counts(cw[s] + 1e-9, raw_threshold=None)
+        both = cn[s] + cw[s]
+        flat = cc.Codebook.from_counts(both + both.sum() / 64, raw_threshold=None)
+        order = [flat, fit_n, fit_w] if s == 0 else [fit_n, fit_w, flat]
+        unique = [b for i, b in enumerate(order) if b not in order[:i]]
+        groups[("gradient", name, s)] = cc.CodebookGroup(unique)
+    return groups
+
+
+_GROUP_CODECS: dict = {}
+
+
+def group_codec(chunk_elems: int = GCHUNK, checksum: bool = True) -> cc.Codec:
+    """A codec whose gradient books are groups for every dtype of DTYPES (see _group_books)."""
+    key = (chunk_elems, checksum)
+    if key not in _GROUP_CODECS:
+        books = {}
+        for dtype in DTYPES:
+            books.update(_group_books(dtype))
+        _GROUP_CODECS[key] = cc.Codec(cc.CodebookSet(books), chunk_elems=chunk_elems, checksum=checksum)
+    return _GROUP_CODECS[key]
+
+
+def book_indices(frame, s: int) -> list[int]:
+    """The book index of stream s of every chunk of a frame (0 where raw or all-zero)."""
+    return [(int(b) >> (4 * s)) & 15 for b in _frame.get_frame_parameters(frame).table["books"]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_grouped_frames_equal_cpu_bit_for_bit(dtype):
+    # Different chunks pick different books of stream 0's group; the GPU frame equals the
+    # CPU's byte for byte, and each decodes the other's frame bit-exactly (NaN payloads,
+    # ±Inf, -0.0 and subnormals included).
+    codec = group_codec()
+    x = grouped_tensor(dtype, seed=DTYPES.index(dtype))
+    f = assert_same_frames(codec, x)
+    params = _frame.get_frame_parameters(f)
+    assert params.version == 2
+    cflags = params.table["cflags"].astype(int)
+    assert cflags[3] & _frame.CHUNK_MASK and cflags[4] == _frame.CHUNK_ZERO
+    assert len(set(book_indices(f, 0))) > 1, book_indices(f, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_grouped_later_streams_pick_books_too(dtype):
+    # A nonzero book index for a stream s > 0 (bits 4s..4s+3 of the books field).
+    codec = group_codec()
+    f = assert_same_frames(codec, grouped_tensor(dtype, seed=20 + DTYPES.index(dtype)))
+    later = {(s, k) for s in range(1, dtype.itemsize) for k in book_indices(f, s) if k}
+    assert later, "no stream after the first chose a book other than its first"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8], ids=str)
+def test_grouped_frames_without_checksums_and_other_chunk_sizes(dtype):
+    x = grouped_tensor(dtype, seed=30)
+    for chunk_elems, checksum in [(GCHUNK, False), (64, True), (96, False)]:
+        assert_same_frames(group_codec(chunk_elems, checksum), x)
+
+
+@settings(max_examples=10)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(0, 400),
+    dist=st.sampled_from(DISTS),
+    log_scale=st.floats(-8, 4),
+    seed=st.integers(0, 2**31),
+    chunk_elems=st.sampled_from([64, 128]),
+)
+def test_random_inputs_with_groups_give_the_cpu_frames(dtype, n, dist, log_scale, seed, chunk_elems):
+    x = make_tensor(dtype, n, dist, seed, scale=10.0**log_scale)
+    assert_same_frames(group_codec(chunk_elems), x)
+
+
+def _uint8_book(lengths: dict, escape_length: int) -> cc.Codebook:
+    full = np.zeros(256, dtype=np.int64)
+    for sym, ln in lengths.items():
+        full[sym] = ln
+    return cc.Codebook(full, escape_length=escape_length)
+
+
+def test_equal_bits_choose_the_lower_index_and_all_16_books_are_reachable():
+    # Book A codes 3 in 3 bits, book B in 2; both code 1 and 2 in 2 bits. A chunk of 1s
+    # and 2s ties (lower index wins, in either order); a chunk with 3s picks B.
+    a = _uint8_book({1: 2, 2: 2, 3: 3, 4: 3}, escape_length=2)
+    b = _uint8_book({1: 2, 2: 2, 3: 2}, escape_length=2)
+    x = torch.tensor([1, 2, 2, 1] * 16 + [3, 1, 3, 2] * 16, dtype=torch.uint8)
+    for group, expected in [([a, b], [0, 1]), ([b, a], [0, 0])]:
+        codec = cc.Codec(cc.CodebookSet({("gradient", "uint8", 0): cc.CodebookGroup(group)}), chunk_elems=64)
+        f = assert_same_frames(codec, x)
+        assert book_indices(f, 0) == expected
+    # Sixteen books, book j favouring byte 10 + j: chunks of those bytes pick 0, 7 and 15.
+    books = []
+    for j in range(16):
+        counts = np.ones(256)
+        counts[10 + j] = 4000
+        books.append(cc.Codebook.from_counts(counts, raw_threshold=None))
+    codec = cc.Codec(cc.CodebookSet({("gradient", "uint8", 0): cc.CodebookGroup(books)}), chunk_elems=64)
+    x = torch.tensor([10] * 60 + [11] * 4 + [17] * 64 + [25] * 63 + [3], dtype=torch.uint8)
+    f = assert_same_frames(codec, x)
+    assert book_indices(f, 0) == [0, 7, 15]
+
+
+def _with_book_index(data: bytes, chunk: int, s: int, k: int) -> bytes:
+    """A frame's bytes with stream s of the chunk's books field set to k (header CRC fixed)."""
+    params = _frame.get_frame_parameters(data)
+    table = params.table.copy()
+    books = int(table["books"][chunk])
+    table["books"][chunk] = (books & ~(15 << (4 * s))) | (k << (4 * s))
+    buf = bytearray(data)
+    start = _frame.HEADER_BYTES + 8 * params.spec.nstreams
+    buf[start: start + table.nbytes] = table.tobytes()
+    return fix_header_crc(bytes(buf))
+
+
+def _uneven_bf16_codec() -> cc.Codec:
+    """bf16 with stream 0's group of three books and stream 1's first book alone."""
+    groups = _group_books(torch.bfloat16)
+    s1 = groups[("gradient", "bf16", 1)]
+    groups[("gradient", "bf16", 1)] = cc.CodebookGroup(s1[0])
+    assert len(groups[("gradient", "bf16", 0)]) == 3
+    return cc.Codec(cc.CodebookSet(groups), chunk_elems=GCHUNK, checksum=False)
+
+
+def test_a_book_beyond_its_group_raises_frame_error():
+    codec = _uneven_bf16_codec()
+    x = grouped_tensor(torch.bfloat16, seed=40)
+    data = codec.encode(x).numpy().tobytes()
+    cflags = _frame.get_frame_parameters(data).table["cflags"]
+    chunk = next(c for c, k in enumerate(book_indices(data, 0)) if k)  # stream 0 coded, book 1 or 2
+    for s, k, n in [(0, 3, 3), (0, 15, 3), (1, 2, 1)]:
+        c = chunk if s == 0 else next(c for c in range(len(cflags)) if not cflags[c] & (_frame.CHUNK_ZERO | 0x20))
+        bad = _with_book_index(data, c, s, k)
+        message = f"chunk {c} says stream {s} was coded with book {k} of its group, which holds {n}"
+        with pytest.raises(cc.FrameError, match=message):
+            gpu_decode(codec, bad)
+        with pytest.raises(cc.FrameError, match=message):
+            codec.decode(bad)
+    # A book of the group, but not the one that coded the chunk: both devices fail alike
+    # or decode the same (other) bits.
+    wrong = _with_book_index(data, chunk, 0, 3 - book_indices(data, 0)[chunk])
+    cpu = _outcome(codec.decode, wrong)
+    gpu = _outcome(lambda d: gpu_decode(codec, d), wrong)
+    assert isinstance(cpu, cc.FrameError) == isinstance(gpu, cc.FrameError), (cpu, gpu)
+    if not isinstance(cpu, cc.FrameError):
+        bits_equal(gpu, cpu)
+
+
+def test_kernel_bounds_book_indices_without_the_host_checks():
+    # decode_frame called with book indices the host never checked: past every table
+    # (15), and past stream 1's one book but within the tables (2: zero entries). Those
+    # chunks report a status, the others decode, and nothing is read out of bounds (the
+    # simulator would raise).
+    from comm_codec.kernels import cuda as _cuda
+
+    codec = _uneven_bf16_codec()
+    frame = codec.encode(grouped_tensor(torch.bfloat16, seed=41)).to(DEV)
+    params = _frame.get_frame_parameters(frame.cpu())
+    tables = codec._decode_tables(params.book_ids)
+    assert tables.dec.shape[1] == 3 and tables.nbooks.tolist() == [3, 1]
+    dev_tables = codec._device_tables(tables, DEV)
+    cflags = params.table["cflags"]
+    out = torch.empty(params.numel, dtype=torch.bfloat16, device=DEV)
+    for s, k in [(0, 15), (1, 2)]:
+        c = next(c for c in range(params.nchunks) if not cflags[c] & (_frame.CHUNK_ZERO | _frame.CHUNK_RAW0 << s))
+        table = params.table.copy()
+        table["books"][c] = (int(table["books"][c]) & ~(15 << (4 * s))) | (k << (4 * s))
+        status = _cuda.decode_frame(frame, dataclasses.replace(params, table=table), dev_tables, out)
+        assert status[c] != 0, (s, k)
+        assert all(status[i] == 0 for i in range(params.nchunks) if i != c)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_mutated_grouped_frames_fail_or_decode_as_on_the_cpu(dtype):
+    # Bit flips in the chunk table's books fields and in the payload, header CRC
+    # repaired: the GPU raises FrameError exactly when the CPU does, else the same bits.
+    codec = group_codec(checksum=False)
+    data = codec.encode(grouped_tensor(dtype, seed=42)).numpy().tobytes()
+    params = _frame.get_frame_parameters(data)
+    table_start = _frame.HEADER_BYTES + 8 * params.spec.nstreams
+    rng = np.random.default_rng(43)
+
+    def position(trial):
+        if trial % 2 == 0:  # a books field (offset 2 of an entry, u16)
+            entry = table_start + int(rng.integers(0, params.nchunks)) * params.table.dtype.itemsize
+            return entry + 2 + int(rng.integers(0, 2))
+        return int(rng.integers(params.header_bytes, len(data)))
+
+    _flips_fail_alike(codec, data, 10, position, rng)
 
 
 # -- device dispatch (needs CUDA tensors: a real GPU) ------------------------------------------------

@@ -88,9 +88,49 @@ GOLDEN_INT8 = "".join([
     "809dbad7f4112e4b6885a2bfdcf91633506d8aa7" "00000000",
 ])
 
+def golden_group_books() -> cc.CodebookSet:
+    """golden_books, with bf16 stream 0 a group: the narrow book, then a wide one."""
+    narrow = golden_books().get("gradient", "bf16", 0)
+    wide = np.zeros(256)
+    wide[[0, 255, 1, 254, 2, 253, 3, 252, 4, 251, 5]] = [12, 12, 11, 11, 10, 9, 9, 8, 8, 7, 7]
+    return golden_books() | cc.CodebookSet({
+        ("gradient", "bf16", 0): cc.CodebookGroup([narrow, cc.Codebook.from_counts(wide)]),
+    })
+
+
+def golden_bf16_spread() -> torch.Tensor:
+    """128 bf16 values: a chunk of exponents near one value, a chunk spread over +-5 binades."""
+    near = [2.0 ** (-6 + [0, -1, 0, -2, 1, 0, -1, 0][i % 8]) * (1 + (i % 5) / 8) for i in range(64)]
+    offsets = [0, 1, -1, 0, 2, -2, 0, 3, -3, 4, -4, 5, -5]
+    spread = [(-1) ** i * 2.0 ** (-6 + offsets[i % 13]) * (1 + (i % 3) / 4) for i in range(64)]
+    return torch.tensor(near + spread, dtype=torch.float32).to(torch.bfloat16)
+
+
+GOLDEN_BF16_GROUP = "".join([
+    # magic, version 2 (a chunk names a book), bf16, 2 streams, checksums, numel 128, 64, 2 chunks
+    "4343465202010201" "8000000000000000" "40000000" "02000000",
+    # stream 0: the group's id e526973b2c04a70d (not a book's), stream 1 raw
+    "0da7042c3b9726e5" "0000000000000000",
+    # chunk table: cflags, ref, books (stream 0 in bits 0-3), checksum, sizes
+    "20" "79" "0000" "3b51b25c" "30000000" "40000000",  # RAW1, ref 121, book 0
+    "20" "79" "0100" "888aa018" "30000000" "40000000",  # RAW1, ref 121, book 1 (wide)
+    "591521cd" "00000000",
+    # chunk 0: stream 0 coded with the narrow book (lane lengths, lanes), stream 1 raw
+    "04000000" "04000000" "04000000" "04000000",
+    "b213d90900000000" "b213d90900000000" "b213d90900000000" "b213d90900000000",
+    "0020406080002040608000204060800020406080002040608000204060800020",
+    "4060800020406080002040608000204060800020406080002040608000204060",
+    # chunk 1: stream 0 with the wide book, stream 1 raw
+    "07000000" "07000000" "08000000" "08000000",
+    "6020a3aef70d1800" "9051d7fb060c6400" "a8eb7d030632ea00" "bd6fc040465def03",
+    "0041800140810041800140810041800140810041800140810041800140810041",
+    "8001408100418001408100418001408100418001408100418001408100418001",
+])
+
 GOLDEN = {
     "bf16": (golden_bf16, True, GOLDEN_BF16),
     "int8": (golden_int8, False, GOLDEN_INT8),
+    "bf16-group": (golden_bf16_spread, True, GOLDEN_BF16_GROUP),
 }
 
 
@@ -99,9 +139,14 @@ def books():
     return golden_books()
 
 
+def _books_for(name):
+    return golden_group_books() if name.endswith("-group") else golden_books()
+
+
 def _encode(books, name):
     make, checksum, _ = GOLDEN[name]
-    return cc.Codec(books, chunk_elems=64, checksum=checksum).encode(make())
+    return cc.Codec(_books_for(name) if name.endswith("-group") else books, chunk_elems=64,
+                    checksum=checksum).encode(make())
 
 
 def test_golden_books_are_the_expected_ones(books):
@@ -120,6 +165,7 @@ def test_golden_bytes(books, name):
 def test_golden_frames_decode(books, name):
     make, checksum, hexes = GOLDEN[name]
     data = bytes.fromhex(hexes)
+    books = _books_for(name)
     want = make()
     bits_equal(cc.Codec(books, chunk_elems=64).decode(data), want)
     # Any chunk size and checksum setting decodes it: the frame describes itself.
@@ -130,7 +176,8 @@ def test_golden_frames_decode(books, name):
 def test_get_frame_parameters_fields(books):
     f = _encode(books, "bf16")
     p = cc.get_frame_parameters(f)
-    assert p.version == frame.VERSION == 1
+    # Single books: the oldest version that can express the frame.
+    assert p.version == 1 and frame.VERSION == 2
     assert p.spec.dtype == p.dtype == torch.bfloat16
     assert (p.numel, p.chunk_elems, p.nchunks) == (160, 64, 3)
     assert p.book_ids == ("ef91d20e5c0f5c91", "0" * 16)
@@ -266,8 +313,13 @@ def test_bad_magic(books, small_frame):
 
 
 def test_wrong_version(books, small_frame):
-    with pytest.raises(cc.FrameError, match="unsupported frame version 2; this build reads version 1"):
-        cc.Codec(books).decode(_edit(small_frame, 4, 2))
+    with pytest.raises(cc.FrameError, match="unsupported frame version 3; this build reads versions 1, 2"):
+        cc.Codec(books).decode(_edit(small_frame, 4, 3))
+    with pytest.raises(cc.FrameError, match="unsupported frame version 0"):
+        cc.Codec(books).decode(_edit(small_frame, 4, 0))
+    # Version 2 with every books field 0 is the same frame.
+    out = cc.Codec(books).decode(_edit(small_frame, 4, 2))
+    assert bits_equal(out, cc.Codec(books).decode(small_frame))
 
 
 def test_unknown_dtype_code(books, small_frame):
@@ -347,9 +399,9 @@ def test_frame_error_is_a_value_error():
     assert issubclass(cc.FrameError, ValueError)
 
 
-def test_nonzero_reserved_field_and_crc_padding_are_refused(books, small_frame):
+def test_books_field_in_version_1_and_crc_padding_are_refused(books, small_frame):
     table_start = frame.HEADER_BYTES + 8 * 2
-    with pytest.raises(cc.FrameError, match="chunk 0 has a nonzero reserved field"):
+    with pytest.raises(cc.FrameError, match="chunk 0 names a book, which version 1 frames cannot"):
         cc.Codec(books).decode(_edit(small_frame, table_start + 2, 1))
     hsize = frame.header_size(2, 3)
     with pytest.raises(cc.FrameError, match="CRC-32 mismatch"):

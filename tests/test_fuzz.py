@@ -317,15 +317,19 @@ def test_bit_pattern_that_is_no_code_is_reported():
         codec.decode(bad)
 
 
-# -- frames big enough for the multi-symbol decoder (kernels.cpu._MULTI_MIN_ELEMS) ----------
+# -- big frames, coded with groups of books (every chunk picks one) --------------------------
 def _own_books(x: torch.Tensor) -> cc.CodebookSet:
-    """Books fitted to x (no stream left raw), with the rarest symbols escaped."""
+    """Per stream a group: a book fitted to x (rarest symbols escaped), then a flatter one."""
     from comm_codec.profiler import stream_counts
 
     counts, _ = stream_counts(x, 256)
     name = cc.streams.spec_for(x.dtype).name
-    return cc.CodebookSet({("gradient", name, s): cc.Codebook.from_counts(c + 1e-9, raw_threshold=None)
-                           for s, c in enumerate(counts)})
+    groups = {}
+    for s, c in enumerate(counts):
+        fitted = cc.Codebook.from_counts(c + 1e-9, raw_threshold=None)
+        flat = cc.Codebook.from_counts(c + c.sum() / 64, raw_threshold=None)
+        groups[("gradient", name, s)] = cc.CodebookGroup([fitted] if flat == fitted else [fitted, flat])
+    return cc.CodebookSet(groups)
 
 
 def _big_inputs() -> list[torch.Tensor]:
@@ -333,12 +337,16 @@ def _big_inputs() -> list[torch.Tensor]:
     out = []
     for dtype in (torch.bfloat16, torch.float32, torch.float16, torch.float8_e5m2, torch.int8):
         n = 40_000
+        # The last quarter is spread wider: chunks there pick the flatter book.
+        wide = torch.ones(n)
+        wide[3 * n // 4:] = 6.0
         if dtype == torch.int8:
-            x = (torch.randn(n, generator=g) * 2).round().to(torch.int8)
+            x = (torch.randn(n, generator=g) * 2 * wide).round().clamp(-128, 127).to(torch.int8)
         else:
             # Exponents from a narrow band plus rare far ones (escaped symbols), exact
             # zeros in places, and a stretch of random bit patterns (NaN, Inf, -0.0).
-            x = (torch.randn(n, generator=g) * torch.exp2(torch.randint(-3, 3, (n,), generator=g))).to(dtype)
+            band = torch.randint(-3, 3, (n,), generator=g) * wide.to(torch.int64)
+            x = (torch.randn(n, generator=g) * torch.exp2(band)).to(dtype)
             iv = x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()])
             iv[::997] = random_bits(len(iv[::997]), dtype, g).view(iv.dtype)
             iv[5000:5300][torch.rand(300, generator=g) < 0.7] = 0
@@ -354,17 +362,18 @@ BIG_CODECS = [cc.Codec(_own_books(x), chunk_elems=4096, checksum=False) for x in
 BIG_FRAMES = [c.encode(x).numpy().tobytes() for c, x in zip(BIG_CODECS, BIG)]
 
 
-def test_big_frames_code_every_stream_somewhere():
-    from comm_codec.kernels import cpu
-
+def test_big_frames_code_every_stream_somewhere_with_both_books():
     coded = set()
+    chosen = set()
     for x, data in zip(BIG, BIG_FRAMES):
-        assert x.numel() >= cpu._MULTI_MIN_ELEMS
-        flags = cc.get_frame_parameters(data).table["cflags"]
+        table = cc.get_frame_parameters(data).table
+        flags = table["cflags"]
         live = flags[(flags & _frame.CHUNK_ZERO) == 0]
         coded |= {(x.element_size(), s) for s in range(x.element_size()) if ((live & (_frame.CHUNK_RAW0 << s)) == 0).any()}
+        chosen |= {int(b) & 15 for b in table["books"]}
     # Coded later streams are OR-ed into place: the decoder's other path.
     assert {(2, 0), (2, 1), (4, 0), (4, 1), (4, 2), (4, 3), (1, 0)} <= coded
+    assert chosen == {0, 1}
 
 
 @pytest.mark.parametrize("i", range(len(BIG)))

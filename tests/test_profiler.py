@@ -137,11 +137,14 @@ def test_save_load_round_trip(tmp_path, some_books):
 
 
 def test_digest_depends_on_every_book(some_books):
-    items = dict(some_books.items())
+    items = dict(some_books.groups())
     key = ("gradient", "bf16", 0)
     items[key] = cc.Codebook.raw_book()
     assert cc.CodebookSet(items).digest != some_books.digest
-    assert cc.CodebookSet(dict(some_books.items())).digest == some_books.digest
+    assert cc.CodebookSet(dict(some_books.groups())).digest == some_books.digest
+    # A group's later books count too, not only its first.
+    firsts = cc.CodebookSet(dict(some_books.items()))
+    assert len(some_books.group(*key)) > 1 and firsts.digest != some_books.digest
 
 
 def test_load_missing_file(tmp_path):
@@ -176,8 +179,8 @@ def test_load_truncated_file(tmp_path, some_books):
 
 def test_load_wrong_version_and_format(tmp_path, some_books):
     path, data = _saved(tmp_path, some_books)
-    path.write_text(json.dumps({**data, "version": 2}))
-    with pytest.raises(cc.CodebookError, match=f"{path}: codebook file version 2; this build reads version 1"):
+    path.write_text(json.dumps({**data, "version": 3}))
+    with pytest.raises(cc.CodebookError, match=f"{path}: codebook file version 3; this build reads versions 1, 2"):
         cc.CodebookSet.load(path)
     path.write_text(json.dumps({**data, "format": "zstd.dict"}))
     with pytest.raises(cc.CodebookError, match="not a comm_codec codebook file"):
@@ -305,7 +308,7 @@ def test_stream_counts_are_the_symbols_the_encoder_codes(dtype, numel):
     frame = naive.parse_frame(bytes(cc.Codec(chunk_elems=chunk).encode(x).numpy()))
     width, _, exp_shift, _ = naive.LAYOUT[dtype]
     want = np.zeros((width, 256), dtype=np.int64)
-    for c, (_, ref, _, _) in enumerate(frame.table):
+    for c, (_, ref, _, _, _) in enumerate(frame.table):
         for s, stream in enumerate(naive.split(x[c * chunk:(c + 1) * chunk])):
             sub = (ref << exp_shift) if (s == 0 and exp_shift is not None) else 0
             for sym in stream:

@@ -20,9 +20,14 @@ Coded stream segments hold ``_LANES`` independent bit streams ("lanes") over con
 quarters of the chunk's elements, preceded by their byte lengths. The decoder advances
 the four lanes in lockstep so that four table lookups are in flight at once (as huff0's
 4-stream mode); one lane alone is bound by the lookup -> shift dependency chain. Each
-lookup goes to a table, built per frame from the book's, that holds up to three whole
-codes per 12-bit window (exponent codes are 2-3 bits): measured 2.24 -> 0.90 ns per bf16
-element; escapes and invalid windows take the one-symbol path, which keeps the checks.
+lookup goes to a table, built once per book from its decode table (:func:`multi_tables`,
+cached by the codec), that holds up to three whole codes per 12-bit window (exponent
+codes are 2-3 bits): measured 2.24 -> 0.90 ns per bf16 element; escapes and invalid
+windows take the one-symbol path, which keeps the checks.
+
+A stream may have a group of books (``nbooks[s] > 1``): the planner then takes the
+chunk's lane histograms once and prices every book on them (a 4 x 256 dot product per
+book), instead of summing code lengths element by element as it does for one book.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ __all__ = [
     "plan_chunks",
     "encode_chunks",
     "decode_chunks",
+    "multi_tables",
+    "chunk_histograms",
     "stream_histograms",
     "STATUS_OK",
     "STATUS_MESSAGES",
@@ -52,12 +59,14 @@ _ST_BAD_CODE = 2
 _ST_OVERRUN = 3
 _ST_MASK_COUNT = 4
 _ST_SIZE = 5
+_ST_BOOK = 6
 STATUS_MESSAGES = {
     _ST_CHECKSUM: "payload checksum mismatch (corrupted data)",
     _ST_BAD_CODE: "bit pattern that is no code of its codebook (corrupted data or wrong codebook)",
     _ST_OVERRUN: "coded stream is shorter than its symbols need (truncated or corrupted)",
     _ST_MASK_COUNT: "zero mask does not match the stream sizes (corrupted data)",
     _ST_SIZE: "stream size does not match its element count (corrupted data)",
+    _ST_BOOK: "names a book that its stream's group does not hold (corrupted data)",
 }
 
 _CHUNK_MASK = 0x01
@@ -69,8 +78,6 @@ _HASH_SEED = np.uint64(0xCBF29CE484222325)
 _U64_0 = np.uint64(0)
 _LANES = 4
 _LANE_HEADER = 4 * _LANES  # u32 byte length of each lane
-# Frames from this many elements decode up to three symbols per table lookup.
-_MULTI_MIN_ELEMS = 1 << 15
 
 
 def _layout(bits):
@@ -138,14 +145,6 @@ def _chunk_ref(bits, lo, hi, exp_shift):
 
 
 @numba.njit(inline="always", **_JIT)
-def _view_bits(view, sh, sub, top, ra, mask, lens):
-    total = 0
-    for i in range(view.size):
-        total += lens[_sym(view[i], sh, sub, top, ra, mask)]
-    return total
-
-
-@numba.njit(inline="always", **_JIT)
 def _rotated(table, sub):
     """table re-indexed by the absolute byte: out[b] = table[(b - sub) mod 256]."""
     out = np.empty(256, dtype=table.dtype)
@@ -154,53 +153,171 @@ def _rotated(table, sub):
     return out
 
 
+@numba.njit(inline="always", **_JIT)
+def _view_bits(view, sh, sub, top, ra, mask, lens):
+    """(coded bits of view, how many of its elements are all-zero bits)."""
+    total = 0
+    zeros = 0
+    for i in range(view.size):
+        v = view[i]
+        total += lens[_sym(v, sh, sub, top, ra, mask)]
+        zeros += np.int64(v == 0)
+    return total, zeros
+
+
 @numba.njit(**_JIT)
-def _segment_bytes(src, lo, hi, skip_zeros, present, s, exp_shift, ref, lens):
-    """Bytes of the coded segment of stream s over src[lo:hi] (lane header included)."""
+def _segment_bytes(src, lo, hi, s, exp_shift, ref, lens):
+    """(bytes of the coded segment of stream s over src[lo:hi] without a mask, lane header
+    included, and the chunk's all-zero elements, counted on the way)."""
     lane = np.zeros(_LANES, dtype=np.int64)
-    if not skip_zeros:
-        if s == 0:  # a copy with constant layout, as in _write_segment
-            sh, sub, top, ra, mask = _params(src, 0, exp_shift, ref)
-            rlens = _rotated(lens, sub)
-            for k in range(_LANES):
-                view = src[lo + k * present // _LANES: lo + (k + 1) * present // _LANES]
-                lane[k] = _view_bits(view, sh, 0, top, ra, mask, rlens)
-        else:
-            sh, sub, top, ra, mask = _params(src, s, exp_shift, ref)
-            for k in range(_LANES):
-                view = src[lo + k * present // _LANES: lo + (k + 1) * present // _LANES]
-                lane[k] = _view_bits(view, sh, sub, top, ra, mask, lens)
+    zeros = np.int64(0)
+    present = hi - lo
+    if s == 0:  # a copy with constant layout, as in _write_segment
+        sh, sub, top, ra, mask = _params(src, 0, exp_shift, ref)
+        rlens = _rotated(lens, sub)
+        for k in range(_LANES):
+            view = src[lo + k * present // _LANES: lo + (k + 1) * present // _LANES]
+            lane[k], z = _view_bits(view, sh, 0, top, ra, mask, rlens)
+            zeros += z
     else:
         sh, sub, top, ra, mask = _params(src, s, exp_shift, ref)
-        k = 0
-        j = 0
-        bound = present // _LANES
-        for i in range(lo, hi):
-            v = src[i]
-            if v == 0:
-                continue
-            while j >= bound and k < _LANES - 1:
-                k += 1
-                bound = (k + 1) * present // _LANES
-            lane[k] += lens[_sym(v, sh, sub, top, ra, mask)]
-            j += 1
+        for k in range(_LANES):
+            view = src[lo + k * present // _LANES: lo + (k + 1) * present // _LANES]
+            lane[k], z = _view_bits(view, sh, sub, top, ra, mask, lens)
+            zeros += z
     total = _LANE_HEADER
     for k in range(_LANES):
         total += (((lane[k] + 7) // 8) + 7) & ~7
-    return total
+    return total, zeros
+
+
+@numba.njit(inline="always", **_JIT)
+def _hist4(src, lo, a1, a2, a3, a4, sh, top, ra, mask, hist):
+    """hist[k, byte] = count over lane k = src[lo+a_k : lo+a_{k+1}] (a0 = 0), lanes interleaved;
+    return the number of all-zero elements.
+
+    Four separate tables advanced in lockstep: consecutive increments of one counter
+    would each wait for the last (exponent bytes repeat).
+    """
+    v0 = src[lo:lo + a1]
+    v1 = src[lo + a1:lo + a2]
+    v2 = src[lo + a2:lo + a3]
+    v3 = src[lo + a3:lo + a4]
+    h0 = np.zeros(256, dtype=np.int32)
+    h1 = np.zeros(256, dtype=np.int32)
+    h2 = np.zeros(256, dtype=np.int32)
+    h3 = np.zeros(256, dtype=np.int32)
+    m = min(min(v0.size, v1.size), min(v2.size, v3.size))
+    zeros = np.int64(0)
+    for i in range(m):
+        x0 = v0[i]
+        x1 = v1[i]
+        x2 = v2[i]
+        x3 = v3[i]
+        h0[_sym(x0, sh, 0, top, ra, mask)] += 1
+        h1[_sym(x1, sh, 0, top, ra, mask)] += 1
+        h2[_sym(x2, sh, 0, top, ra, mask)] += 1
+        h3[_sym(x3, sh, 0, top, ra, mask)] += 1
+        zeros += np.int64(x0 == 0) + np.int64(x1 == 0) + np.int64(x2 == 0) + np.int64(x3 == 0)
+    for i in range(m, v0.size):
+        h0[_sym(v0[i], sh, 0, top, ra, mask)] += 1
+        zeros += np.int64(v0[i] == 0)
+    for i in range(m, v1.size):
+        h1[_sym(v1[i], sh, 0, top, ra, mask)] += 1
+        zeros += np.int64(v1[i] == 0)
+    for i in range(m, v2.size):
+        h2[_sym(v2[i], sh, 0, top, ra, mask)] += 1
+        zeros += np.int64(v2[i] == 0)
+    for i in range(m, v3.size):
+        h3[_sym(v3[i], sh, 0, top, ra, mask)] += 1
+        zeros += np.int64(v3[i] == 0)
+    for b in range(256):
+        hist[0, b] = h0[b]
+        hist[1, b] = h1[b]
+        hist[2, b] = h2[b]
+        hist[3, b] = h3[b]
+    return zeros
+
+
+@numba.njit(**_JIT)
+def _lane_histograms(src, lo, hi, skip_zeros, present, s, hist):
+    """Fill hist (int64[4, 256]) with the bytes of stream s per lane, before any reference.
+
+    Lane k holds present elements [k*present//4, (k+1)*present//4); with skip_zeros,
+    elements whose bits are all zero are in no lane (they are masked). Returns the
+    number of all-zero elements without skip_zeros (counted on the way), else 0.
+    """
+    hist[:] = 0
+    if not skip_zeros:
+        a1 = present // _LANES
+        a2 = 2 * present // _LANES
+        a3 = 3 * present // _LANES
+        if s == 0:  # stream 0 with constant layout: the hot case folds
+            sh, _, top, ra, mask = _params(src, 0, -1, 0)
+            return _hist4(src, lo, a1, a2, a3, present, sh, top, ra, mask, hist)
+        sh, _, top, ra, mask = _params(src, s, -1, 0)
+        return _hist4(src, lo, a1, a2, a3, present, sh, top, ra, mask, hist)
+    sh, _, top, ra, mask = _params(src, s, -1, 0)
+    k = 0
+    j = 0
+    bound = present // _LANES
+    for i in range(lo, hi):
+        v = src[i]
+        if v == 0:
+            continue
+        while j >= bound and k < _LANES - 1:
+            k += 1
+            bound = (k + 1) * present // _LANES
+        hist[k, _sym(v, sh, 0, top, ra, mask)] += 1
+        j += 1
+    return np.int64(0)
+
+
+@numba.njit(**_JIT)
+def _segment_plan(hist, sub, lens, nbooks, total):
+    """Pick stream s's book for a chunk from its lane histograms; return (bytes, book).
+
+    The book is the one with the fewest coded bits over the chunk (ties to the lower
+    index); bytes is the coded segment's size with it, lane header and padding included.
+    ``total`` (int64[256]) is scratch.
+    """
+    best = 0
+    if nbooks > 1:
+        for b in range(256):
+            total[(b - sub) & 255] = hist[0, b] + hist[1, b] + hist[2, b] + hist[3, b]
+        best_bits = np.int64(-1)
+        for k in range(nbooks):
+            row = lens[k]
+            bits = np.int64(0)
+            for x in range(256):
+                bits += total[x] * np.int64(row[x])
+            if best_bits < 0 or bits < best_bits:
+                best_bits = bits
+                best = k
+    row = lens[best]
+    seg = np.int64(_LANE_HEADER)
+    for k in range(_LANES):
+        bits = np.int64(0)
+        for b in range(256):
+            bits += hist[k, b] * np.int64(row[(b - sub) & 255])
+        seg += (((bits + 7) // 8) + 7) & ~7
+    return seg, best
 
 
 @numba.njit(**_PJIT)
-def plan_chunks(bits, chunk_elems, exp_shift, enc_len, raw_stream, cflags, refs, sizes):
-    """Choose each chunk's reference, zero handling and raw fallbacks, and size its streams.
+def plan_chunks(bits, chunk_elems, exp_shift, enc_len, nbooks, raw_stream, cflags, refs, books, sizes):
+    """Choose each chunk's reference, zero handling, books and raw fallbacks; size its streams.
 
     Args:
         bits: element bits (typed as described in the module docstring).
         chunk_elems: elements per chunk.
         exp_shift: the exponent's position in stream 0 (-1: no relative coding).
-        enc_len: uint8[nstreams, 256] code lengths (escape included) per stream.
+        enc_len: uint8[nstreams, nbooks_max, 256] code lengths (escape included) per
+            stream and book of its group.
+        nbooks: int64[nstreams], the size of each stream's group.
         raw_stream: bool[nstreams], streams whose book is raw.
-        cflags, refs, sizes: outputs, uint8[nchunks], uint8[nchunks], uint32[nchunks, ns].
+        cflags, refs, books, sizes: outputs, uint8[nchunks], uint8[nchunks],
+            uint16[nchunks] (book of stream s in bits 4s..4s+3), uint32[nchunks, ns].
     """
     n = bits.size
     ns = enc_len.shape[0]
@@ -210,33 +327,67 @@ def plan_chunks(bits, chunk_elems, exp_shift, enc_len, raw_stream, cflags, refs,
         count = hi - lo
         ref = _chunk_ref(bits, lo, hi, exp_shift)
         refs[c] = ref
-        chunk = bits[lo:hi]
-        zeros = 0
-        for i in range(count):
-            zeros += np.int64(chunk[i] == 0)
+        books[c] = 0
+        hist = np.empty((_LANES, 256), dtype=np.int64)
+        total = np.empty(256, dtype=np.int64)
+        # The first coded stream is sized as if there were no mask, counting the zeros on
+        # the way (a separate pass over the chunk cost 4 % of an encode); in the rare
+        # chunk that takes the mask, it is sized again below.
+        first = -1
+        for s in range(ns):
+            if not raw_stream[s]:
+                first = s
+                break
+        seg0 = np.int64(0)
+        k0 = 0
+        if first < 0:
+            chunk = bits[lo:hi]
+            zeros = np.int64(0)
+            for i in range(count):
+                zeros += np.int64(chunk[i] == 0)
+        elif nbooks[first] == 1:
+            seg0, zeros = _segment_bytes(bits, lo, hi, first, exp_shift, ref, enc_len[first, 0])
+        else:
+            zeros = _lane_histograms(bits, lo, hi, False, count, first, hist)
+            _, sub, _, _, _ = _params(bits, first, exp_shift, ref)
+            seg0, k0 = _segment_plan(hist, sub, enc_len[first], nbooks[first], total)
         if zeros == count:
             cflags[c] = _CHUNK_ZERO
             for s in range(ns):
                 sizes[c, s] = 0
             continue
-        # The mask costs one bit per element: take it when the zeros cost more in the streams.
+        # The mask costs one bit per element: take it when the zeros cost more in the
+        # streams (priced with each group's first book).
         zero_cost = 0
         for s in range(ns):
             sh, sub, top, ra, mask = _params(bits, s, exp_shift, ref)
-            zero_cost += 8 if raw_stream[s] else enc_len[s, _sym(0, sh, sub, top, ra, mask)]
+            zero_cost += 8 if raw_stream[s] else enc_len[s, 0, _sym(0, sh, sub, top, ra, mask)]
         use_mask = zeros * zero_cost > count + 64
         present = count - zeros if use_mask else count
         flags = _CHUNK_MASK if use_mask else 0
+        chosen = 0
         for s in range(ns):
             seg = present
-            if not raw_stream[s]:
-                seg = _segment_bytes(bits, lo, hi, use_mask, present, s, exp_shift, ref, enc_len[s])
+            k = 0
+            if raw_stream[s]:
+                pass
+            elif s == first and not use_mask:
+                seg = seg0
+                k = k0
+            elif nbooks[s] == 1 and not use_mask:  # summing code lengths beats a histogram (9 vs 11 ms / 64 MiB)
+                seg, _ = _segment_bytes(bits, lo, hi, s, exp_shift, ref, enc_len[s, 0])
+            else:
+                _lane_histograms(bits, lo, hi, use_mask, present, s, hist)
+                _, sub, _, _, _ = _params(bits, s, exp_shift, ref)
+                seg, k = _segment_plan(hist, sub, enc_len[s], nbooks[s], total)
             if seg >= present:
                 flags |= _CHUNK_RAW0 << s
                 sizes[c, s] = present
             else:
                 sizes[c, s] = seg
+                chosen |= k << (4 * s)
         cflags[c] = flags
+        books[c] = chosen
 
 
 @numba.njit(**_JIT)
@@ -383,7 +534,7 @@ def _write_segment(src, s, exp_shift, ref, codes, lens, out8, out64, pos):
 
 
 @numba.njit(**_JIT)
-def _encode_chunk(src, c, flags, ref, sizes, pos, exp_shift, enc_code, enc_len, out8, out64):
+def _encode_chunk(src, c, flags, ref, chosen, sizes, pos, exp_shift, enc_code, enc_len, out8, out64):
     """Write one chunk's payload from byte pos; return the end position."""
     if flags & _CHUNK_ZERO:
         return pos
@@ -401,20 +552,21 @@ def _encode_chunk(src, c, flags, ref, sizes, pos, exp_shift, enc_code, enc_len, 
         if flags & (_CHUNK_RAW0 << s):
             _write_raw(src, s, exp_shift, ref, out8, pos, size)
         else:
-            _write_segment(src, s, exp_shift, ref, enc_code[s], enc_len[s], out8, out64, pos)
+            k = (chosen >> (4 * s)) & 15
+            _write_segment(src, s, exp_shift, ref, enc_code[s, k], enc_len[s, k], out8, out64, pos)
         pos += (size + 7) & ~7
     return pos
 
 
 @numba.njit(**_PJIT)
-def encode_chunks(bits, chunk_elems, exp_shift, enc_code, enc_len, cflags, refs, sizes, offsets,
+def encode_chunks(bits, chunk_elems, exp_shift, enc_code, enc_len, cflags, refs, books, sizes, offsets,
                   out8, out64, checksums, do_checksum):
     """Write every chunk's payload at its offset (as planned by :func:`plan_chunks`).
 
     Args:
         bits, chunk_elems, exp_shift: as for :func:`plan_chunks`.
-        enc_code, enc_len: uint32/uint8[nstreams, 256] encoder tables.
-        cflags, refs, sizes: the plan.
+        enc_code, enc_len: uint32/uint8[nstreams, nbooks_max, 256] encoder tables.
+        cflags, refs, books, sizes: the plan.
         offsets: int64[nchunks], byte offset of each payload (multiples of 8).
         out8, out64: the frame as uint8 and as uint64 (same memory).
         checksums: uint32[nchunks] output.
@@ -424,8 +576,8 @@ def encode_chunks(bits, chunk_elems, exp_shift, enc_code, enc_len, cflags, refs,
     for c in prange(cflags.size):
         lo = c * chunk_elems
         hi = min(n, lo + chunk_elems)
-        end = _encode_chunk(bits[lo:hi], c, cflags[c], np.int64(refs[c]), sizes, offsets[c],
-                            exp_shift, enc_code, enc_len, out8, out64)
+        end = _encode_chunk(bits[lo:hi], c, cflags[c], np.int64(refs[c]), np.int64(books[c]), sizes,
+                            offsets[c], exp_shift, enc_code, enc_len, out8, out64)
         start = offsets[c] // 8
         checksums[c] = _hash_words(out64, start, end // 8 - start, c) if do_checksum else 0
 
@@ -617,7 +769,7 @@ def _decode_segment(frame8, frame64, pos, size, count, dec, multi, dst, s, exp_s
 
 
 @numba.njit(**_JIT)
-def _decode_chunk(frame8, frame64, pos, count, flags, ref, sizes_c, exp_shift, dec_tables, multi, out):
+def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_shift, dec_tables, multi, out):
     """Decode one chunk's payload at pos into out (count elements); return a status."""
     if flags & _CHUNK_ZERO:
         out[:] = 0
@@ -653,7 +805,10 @@ def _decode_chunk(frame8, frame64, pos, count, flags, ref, sizes_c, exp_shift, d
                 for i in range(present):
                     dst[i] |= np.int64(raw[i]) << shift
         else:
-            st = _decode_segment(frame8, frame64, pos, size, present, dec_tables[s], multi[s], dst, s,
+            k = (chosen >> (4 * s)) & 15
+            if k >= dec_tables.shape[1]:  # the Python layer checks it against the group; trust nothing
+                return _ST_BOOK
+            st = _decode_segment(frame8, frame64, pos, size, present, dec_tables[s, k], multi[s, k], dst, s,
                                  exp_shift, ref)
             if st != STATUS_OK:
                 return st
@@ -674,26 +829,23 @@ def _decode_chunk(frame8, frame64, pos, count, flags, ref, sizes_c, exp_shift, d
 
 
 @numba.njit(**_PJIT)
-def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, cflags, refs, sizes,
+def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books, sizes,
                   offsets, checksums, do_checksum, out, status):
     """Decode every chunk into out; status[c] gets a code per chunk (0 = ok).
 
     Args:
         frame8, frame64: the frame as uint8 and uint64 (same memory, 8-byte aligned).
         numel, chunk_elems, exp_shift: frame parameters.
-        dec_tables: uint16[nstreams, 4096] decode tables (unused rows for raw streams).
-        cflags, refs, sizes, offsets, checksums: the parsed chunk table (checked for
-            consistency with the frame length by the Python layer).
+        dec_tables: uint16[nstreams, nbooks_max, 4096] decode tables (unused rows for raw
+            streams).
+        multi: uint32[nstreams, nbooks_max, 4096] from :func:`multi_tables`.
+        cflags, refs, books, sizes, offsets, checksums: the parsed chunk table (checked
+            for consistency with the frame length, and books against the group sizes,
+            by the Python layer).
         do_checksum: verify checksums.
         out: element bits output, typed as ``bits`` in :func:`plan_chunks`.
         status: int32[nchunks] output.
     """
-    # Multi-symbol tables cost ~4096 lookups per stream: built for frames where that is
-    # small next to the decoding; all-zero tables send every step to the one-symbol path.
-    multi = np.zeros((dec_tables.shape[0], 4096), dtype=np.uint32)
-    if numel >= _MULTI_MIN_ELEMS:
-        for s in range(dec_tables.shape[0]):
-            _multi_table(dec_tables[s], multi[s])
     for c in prange(cflags.size):
         lo = c * chunk_elems
         hi = min(numel, lo + chunk_elems)
@@ -707,26 +859,38 @@ def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, cf
             if _hash_words(frame64, pos // 8, length // 8, c) != checksums[c]:
                 status[c] = _ST_CHECKSUM
                 continue
-        status[c] = _decode_chunk(frame8, frame64, pos, count, flags, np.int64(refs[c]), sizes[c],
-                                  exp_shift, dec_tables, multi, out[lo:hi])
+        status[c] = _decode_chunk(frame8, frame64, pos, count, flags, np.int64(refs[c]), np.int64(books[c]),
+                                  sizes[c], exp_shift, dec_tables, multi, out[lo:hi])
+
+
+@numba.njit(**_JIT)
+def multi_tables(dec_tables, multi):
+    """Fill multi (uint32[ns, nbooks, 4096]) from dec_tables (uint16[ns, nbooks, 4096]).
+
+    Built once per set of books (the codec caches them): ~4096 lookups per book.
+    """
+    for s in range(dec_tables.shape[0]):
+        for k in range(dec_tables.shape[1]):
+            _multi_table(dec_tables[s, k], multi[s, k])
 
 
 @numba.njit(**_PJIT)
-def stream_histograms(bits, chunk_elems, exp_shift, counts):
-    """Add the symbol counts of every stream of bits to counts (int64[nstreams, 256]).
+def chunk_histograms(bits, chunk_elems, exp_shift, local, zeros):
+    """Fill local[c, s] with the symbol counts of stream s in chunk c, zeros[c] with its zeros.
 
     Symbols are formed exactly as the encoder forms them: per-chunk reference exponent
     for stream 0. Exact zeros are counted where the encoder will code them, in chunks
     with at most 1/8 zeros, and left out where it will mostly mask them (a zero costs
     9+ bits in a float's streams, so the one-bit-per-element mask pays above ~1/9).
-    Returns the number of exact zeros seen.
+
+    Args:
+        bits, chunk_elems, exp_shift: as for :func:`plan_chunks`.
+        local: int64[nchunks, nstreams, 256] output (overwritten).
+        zeros: int64[nchunks] output.
     """
     n = bits.size
-    ns = counts.shape[0]
-    nchunks = (n + chunk_elems - 1) // chunk_elems
-    local = np.zeros((nchunks, ns, 256), dtype=np.int64)
-    zeros = np.zeros(nchunks, dtype=np.int64)
-    for c in prange(nchunks):
+    ns = local.shape[1]
+    for c in prange(local.shape[0]):
         lo = c * chunk_elems
         hi = min(n, lo + chunk_elems)
         ref = _chunk_ref(bits, lo, hi, exp_shift)
@@ -751,7 +915,7 @@ def stream_histograms(bits, chunk_elems, exp_shift, counts):
                 h0[_sym(chunk[i], sh, sub, top, ra, mask)] += 1
             h = local[c, s]
             for k in range(256):
-                h[k] += h0[k] + h1[k] + h2[k] + h3[k]
+                h[k] = h0[k] + h1[k] + h2[k] + h3[k]
         # Exact zeros were counted under their symbols above; take them out again.
         z = 0
         for i in range(chunk.size):
@@ -761,9 +925,57 @@ def stream_histograms(bits, chunk_elems, exp_shift, counts):
             for s in range(ns):
                 sh, sub, top, ra, mask = _params(bits, s, exp_shift, ref)
                 local[c, s, _sym(0, sh, sub, top, ra, mask)] -= z
-    for c in range(nchunks):
-        counts += local[c]
-    return zeros.sum()
+
+
+def stream_histograms(bits, chunk_elems, exp_shift, counts):
+    """Add the symbol counts of every stream of bits to counts (int64[nstreams, 256]).
+
+    The sum over chunks of :func:`chunk_histograms`; returns the number of exact zeros.
+    """
+    nchunks = (bits.size + chunk_elems - 1) // chunk_elems
+    local = np.empty((nchunks, counts.shape[0], 256), dtype=np.int64)
+    zeros = np.empty(nchunks, dtype=np.int64)
+    chunk_histograms(bits, chunk_elems, exp_shift, local, zeros)
+    counts += local.sum(axis=0)
+    return int(zeros.sum())
+
+
+@numba.njit(**_JIT)
+def huffman_costs(rows, out):
+    """out[r] = bits of an optimal (unlimited-length) Huffman code of counts rows[r].
+
+    The cost of an optimal code is the sum of its internal nodes' weights, the same for
+    every optimal code whatever its ties, so this is exact and deterministic: two
+    queues (sorted leaves, merged nodes in creation order, which are sorted too). One
+    symbol alone costs one bit each.
+    """
+    for r in range(rows.shape[0]):
+        leaves = np.sort(rows[r][rows[r] > 0])
+        n = leaves.size
+        if n == 0:
+            out[r] = 0
+            continue
+        if n == 1:
+            out[r] = leaves[0]
+            continue
+        nodes = np.empty(n, dtype=np.int64)
+        i = 0
+        head = 0
+        tail = 0
+        cost = np.int64(0)
+        for _ in range(n - 1):
+            pair = np.int64(0)
+            for _k in range(2):
+                if i < n and (head >= tail or leaves[i] <= nodes[head]):
+                    pair += leaves[i]
+                    i += 1
+                else:
+                    pair += nodes[head]
+                    head += 1
+            nodes[tail] = pair
+            tail += 1
+            cost += pair
+        out[r] = cost
 
 
 @numba.njit(**_JIT)

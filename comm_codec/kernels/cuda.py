@@ -12,25 +12,30 @@ arrays, which is how CI tests them.
 Work per frame, all on torch's current stream:
 
 1. ``_plan_kernel`` (one block per chunk): the chunk's reference exponent (mode of the
-   same strided sample as the CPU), its zero count and mask decision, every stream's
-   lane bit counts and hence its segment size, and the raw fallback. Output: one u32 row
-   per chunk ``[cflags, ref, size_0 .. size_{ns-1}]``.
-2. **The one host synchronisation of an encode**: that plan (``nchunks x (2 + ns)`` u32)
+   same strided sample as the CPU), its zero count and mask decision (priced with each
+   stream's first book), every stream's lane bit counts under each book of its group,
+   hence the book with the fewest bits (ties to the lower index) and the segment size
+   with it, and the raw fallback. Output: one u32 row per chunk
+   ``[cflags, ref, books, size_0 .. size_{ns-1}]`` (``books`` as in the chunk table:
+   the book of stream s in bits 4s..4s+3, 0 for raw streams).
+2. **The one host synchronisation of an encode**: that plan (``nchunks x (3 + ns)`` u32)
    is copied to the host. The frame's length, which the caller needs to allocate it and
    which collectives exchange, depends on every chunk's size, so it cannot be avoided.
    The host then lays out the header with :mod:`comm_codec.frame` (checksums still 0)
    and the chunk offsets, and copies both to the device (no wait on the device).
 3. ``_encode_kernel`` (one block per chunk): mask bitmap, raw bytes, coded lanes (bit
    offsets from an exclusive scan of per-thread bit counts, packed with 64-bit atomic
-   ORs), then the chunk checksum, written straight into the frame's chunk table.
+   ORs), each coded stream with the book the plan chose, then the chunk checksum,
+   written straight into the frame's chunk table.
 4. ``_crc_segments`` and ``_crc_combine``: the header's CRC-32 (zlib's), recomputed on
    the device because the checksums it covers were made there: segment CRCs in
    parallel, joined with the linear "shift by L zero bytes" operator.
 
 Decode reads the header to the host (one small copy, two for headers over 4 KiB),
 checks it with :func:`comm_codec.frame.get_frame_parameters`, runs ``_decode_kernel``
-(one block per chunk, one thread per lane, decode tables in shared memory), and copies
-the per-chunk status back (one more small copy) so that the codec can raise FrameError.
+(one block per chunk, one thread per lane; the decode table of each coded stream's
+chosen book in shared memory), and copies the per-chunk status back (one more small
+copy) so that the codec can raise FrameError.
 
 This version favours exact equality and simplicity over speed. A faster one would: give
 each thread strided (coalesced) elements and keep the chunk in shared memory instead of
@@ -61,7 +66,7 @@ from .. import frame as _frame
 # The CPU kernels' constants: the same statuses (the codec maps both through
 # cpu.STATUS_MESSAGES), chunk flags, lane layout and checksum chains, by construction.
 from .cpu import (_CHUNK_MASK, _CHUNK_RAW0, _CHUNK_ZERO, _HASH_MUL, _HASH_SEED, _LANE_HEADER, _LANES, _ST_BAD_CODE,
-                  _ST_CHECKSUM, _ST_MASK_COUNT, _ST_OVERRUN, _ST_SIZE, _U64_0, STATUS_OK)
+                  _ST_BOOK, _ST_CHECKSUM, _ST_MASK_COUNT, _ST_OVERRUN, _ST_SIZE, _U64_0, STATUS_OK)
 
 __all__ = ["SIMULATOR", "encode_frame", "decode_frame"]
 
@@ -75,6 +80,7 @@ _MAX_THREADS = 256  # size of the per-thread shared scratch arrays
 _STATUS_SLOTS = _LANES + 1  # shared array shapes must be plain constants
 _DEC_ENTRIES = 4096
 _MAX_STREAMS = 4
+_MAX_BOOKS = 16  # books per group: four bits per stream in the chunk table
 _CRC_SEGMENT = 512  # header bytes per thread of _crc_segments
 
 _ST_OK = STATUS_OK
@@ -101,8 +107,8 @@ def _lane_of(j, b1, b2, b3):
 
 
 @cuda.jit(device=True)
-def _thread_lane_bits(bits, a, b, j0, use_mask, enc_len, s, width, ra, sub, b1, b2, b3):
-    """Coded bits of stream s that this thread's elements a..b add to each lane.
+def _thread_lane_bits(bits, a, b, j0, use_mask, enc_len, s, book, width, ra, sub, b1, b2, b3):
+    """Coded bits of stream s (with book ``book`` of its group) that elements a..b add to each lane.
 
     j0 is the index of the thread's first present element in the chunk; with a mask,
     zeros are skipped (they are in no stream).
@@ -116,7 +122,7 @@ def _thread_lane_bits(bits, a, b, j0, use_mask, enc_len, s, width, ra, sub, b1, 
         v = bits[i]
         if use_mask and v == 0:
             continue
-        ln = int64(enc_len[s, _sym(v, s, width, ra, sub)])
+        ln = int64(enc_len[s, book, _sym(v, s, width, ra, sub)])
         k = _lane_of(j, b1, b2, b3)
         if k == 0:
             l0 += ln
@@ -182,8 +188,11 @@ def _block_scan(vals, nthreads):
 
 # -- plan ---------------------------------------------------------------------------------
 @cuda.jit
-def _plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_len, raw_stream, plan):
-    """Plan chunk blockIdx.x: plan[c] = [cflags, ref, sizes...] exactly as cpu.plan_chunks."""
+def _plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_len, nbooks, raw_stream, plan):
+    """Plan chunk blockIdx.x: plan[c] = [cflags, ref, books, sizes...] exactly as cpu.plan_chunks.
+
+    enc_len is uint8[ns, nbooks_max, 256]; nbooks[s] is the size of stream s's group.
+    """
     c = cuda.blockIdx.x
     t = cuda.threadIdx.x
     nt = cuda.blockDim.x
@@ -193,7 +202,7 @@ def _plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_len, raw_stream
     count = hi - lo
     hist = cuda.shared.array(256, int64)
     nz = cuda.shared.array(_MAX_THREADS, int64)
-    lanes = cuda.shared.array(_LANES, int64)
+    lanes = cuda.shared.array((_MAX_BOOKS, _LANES), int64)  # per book of the group
     info = cuda.shared.array(4, int64)  # ref, use_mask, present, all_zero
     for e in range(t, 256, nt):
         hist[e] = 0
@@ -228,18 +237,19 @@ def _plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_len, raw_stream
             if raw_stream[s]:
                 zero_cost += 8
             else:
-                zero_cost += int64(enc_len[s, _sym(0, s, width, ra, _sub_for(s, exp_shift, best))])
+                zero_cost += int64(enc_len[s, 0, _sym(0, s, width, ra, _sub_for(s, exp_shift, best))])
         use_mask = zeros * zero_cost > count + 64
         info[0] = best
         info[1] = int64(use_mask)
         info[2] = nonzero if use_mask else count
         info[3] = int64(zeros == count)
         plan[c, 1] = best
+        plan[c, 2] = 0
         plan[c, 0] = _CHUNK_ZERO if zeros == count else (_CHUNK_MASK if use_mask else 0)
     cuda.syncthreads()
     if info[3]:
         if t < ns:
-            plan[c, 2 + t] = 0
+            plan[c, 3 + t] = 0
         return
     ref = info[0]
     use_mask = info[1] != 0
@@ -252,27 +262,41 @@ def _plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_len, raw_stream
         if raw_stream[s]:  # the same for every thread: no divergence around the barriers
             if t == 0:
                 plan[c, 0] = plan[c, 0] | (_CHUNK_RAW0 << s)
-                plan[c, 2 + s] = present
+                plan[c, 3 + s] = present
             continue
-        if t < _LANES:
-            lanes[t] = 0
+        # One pass over the chunk per book of the group (the tables bound the count).
+        nb = _imax(int64(1), _imin(int64(nbooks[s]), int64(_imin(enc_len.shape[1], _MAX_BOOKS))))
+        for e in range(t, nb * _LANES, nt):
+            lanes[e // _LANES, e % _LANES] = 0
         cuda.syncthreads()
         sub = _sub_for(s, exp_shift, ref)
-        l0, l1, l2, l3 = _thread_lane_bits(bits, a, b, j0, use_mask, enc_len, s, width, ra, sub, b1, b2, b3)
-        cuda.atomic.add(lanes, 0, l0)
-        cuda.atomic.add(lanes, 1, l1)
-        cuda.atomic.add(lanes, 2, l2)
-        cuda.atomic.add(lanes, 3, l3)
+        for k in range(nb):
+            l0, l1, l2, l3 = _thread_lane_bits(bits, a, b, j0, use_mask, enc_len, s, k, width, ra, sub,
+                                               b1, b2, b3)
+            cuda.atomic.add(lanes, (k, 0), l0)
+            cuda.atomic.add(lanes, (k, 1), l1)
+            cuda.atomic.add(lanes, (k, 2), l2)
+            cuda.atomic.add(lanes, (k, 3), l3)
         cuda.syncthreads()
         if t == 0:
+            # The book with the fewest bits over the chunk, ties to the lower index
+            # (cpu._segment_plan); its segment is sized with the lanes padded.
+            chosen = 0
+            fewest = int64(-1)
+            for k in range(nb):
+                total = lanes[k, 0] + lanes[k, 1] + lanes[k, 2] + lanes[k, 3]
+                if fewest < 0 or total < fewest:
+                    fewest = total
+                    chosen = k
             seg = int64(_LANE_HEADER)
-            for k in range(_LANES):
-                seg += _pad8((lanes[k] + 7) // 8)
+            for q in range(_LANES):
+                seg += _pad8((lanes[chosen, q] + 7) // 8)
             if seg >= present:
                 plan[c, 0] = plan[c, 0] | (_CHUNK_RAW0 << s)
-                plan[c, 2 + s] = present
+                plan[c, 3 + s] = present
             else:
-                plan[c, 2 + s] = seg
+                plan[c, 2] = plan[c, 2] | (chosen << (4 * s))
+                plan[c, 3 + s] = seg
         cuda.syncthreads()
 
 
@@ -280,7 +304,11 @@ def _plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_len, raw_stream
 @cuda.jit
 def _encode_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_code, enc_len, plan, offsets,
                    out8, out64, table_pos, entry_bytes, do_checksum):
-    """Write chunk blockIdx.x's payload at offsets[c] and its checksum into the chunk table."""
+    """Write chunk blockIdx.x's payload at offsets[c] and its checksum into the chunk table.
+
+    enc_code and enc_len are [ns, nbooks_max, 256]; each coded stream s uses book
+    (plan[c, 2] >> 4s) & 15 of its group, as the plan chose.
+    """
     c = cuda.blockIdx.x
     t = cuda.threadIdx.x
     nt = cuda.blockDim.x
@@ -290,6 +318,7 @@ def _encode_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_code, enc_len
     count = hi - lo
     flags = int64(plan[c, 0])
     ref = int64(plan[c, 1])
+    chosen = int64(plan[c, 2])
     pos = int64(offsets[c])
     nz = cuda.shared.array(_MAX_THREADS, int64)
     lane_bits = cuda.shared.array((_MAX_THREADS, _LANES), int64)
@@ -328,7 +357,8 @@ def _encode_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_code, enc_len
         b2 = 2 * present // _LANES
         b3 = 3 * present // _LANES
         for s in range(ns):
-            size = int64(plan[c, 2 + s])
+            size = int64(plan[c, 3 + s])
+            book = (chosen >> (4 * s)) & 15
             sub = _sub_for(s, exp_shift, ref)
             if flags & (_CHUNK_RAW0 << s):
                 j = j0
@@ -342,8 +372,8 @@ def _encode_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_code, enc_len
                     out8[pos + k] = 0
             else:
                 # Pass 1: this thread's bits per lane; zero the lane words for the ORs.
-                l0, l1, l2, l3 = _thread_lane_bits(bits, a, b, j0, use_mask, enc_len, s, width, ra, sub,
-                                                   b1, b2, b3)
+                l0, l1, l2, l3 = _thread_lane_bits(bits, a, b, j0, use_mask, enc_len, s, book, width, ra,
+                                                   sub, b1, b2, b3)
                 lane_bits[t, 0] = l0
                 lane_bits[t, 1] = l1
                 lane_bits[t, 2] = l2
@@ -383,8 +413,8 @@ def _encode_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_code, enc_len
                     if use_mask and v == 0:
                         continue
                     y = _sym(v, s, width, ra, sub)
-                    ln = int64(enc_len[s, y])
-                    code = uint64(enc_code[s, y])
+                    ln = int64(enc_len[s, book, y])
+                    code = uint64(enc_code[s, book, y])
                     k = _lane_of(j, b1, b2, b3)
                     if k == 0:
                         p = p0
@@ -477,8 +507,12 @@ def _lane_u32(frame8, at):
 
 @cuda.jit
 def _decode_kernel(frame8, frame64, nbytes, numel, chunk_elems, width, ra, exp_shift, dec_tables,
-                   cflags, refs, sizes, offsets, checksums, do_checksum, out, status):
-    """Decode chunk blockIdx.x into out (element bits); status[c] = 0 or a cpu status code."""
+                   cflags, refs, books, sizes, offsets, checksums, do_checksum, out, status):
+    """Decode chunk blockIdx.x into out (element bits); status[c] = 0 or a cpu status code.
+
+    dec_tables is uint16[ns, nbooks_max, 4096]; coded stream s of chunk c was coded with
+    book (books[c] >> 4s) & 15 of its group, whose table is loaded into shared memory.
+    """
     c = cuda.blockIdx.x
     t = cuda.threadIdx.x
     nt = cuda.blockDim.x
@@ -491,6 +525,8 @@ def _decode_kernel(frame8, frame64, nbytes, numel, chunk_elems, width, ra, exp_s
     hi = _imin(int64(numel), lo + chunk_elems)
     count = hi - lo
     flags = int64(cflags[c])
+    chosen = int64(books[c])
+    nbooks = int64(dec_tables.shape[1])
     pos = int64(offsets[c])
     masked = (flags & _CHUNK_MASK) != 0
     mbytes = (count + 7) // 8
@@ -543,6 +579,8 @@ def _decode_kernel(frame8, frame64, nbytes, numel, chunk_elems, width, ra, exp_s
                 if flags & (_CHUNK_RAW0 << s):
                     if size != present:
                         st[_LANES] = _ST_MASK_COUNT if masked else _ST_SIZE
+                elif ((chosen >> (4 * s)) & 15) >= nbooks:  # the host checks it against the group
+                    st[_LANES] = _ST_BOOK
                 elif size < _LANE_HEADER:
                     st[_LANES] = _ST_SIZE
                 else:
@@ -553,9 +591,10 @@ def _decode_kernel(frame8, frame64, nbytes, numel, chunk_elems, width, ra, exp_s
                         st[_LANES] = _ST_SIZE
             spos += _pad8(size)
     for s in range(ns):
-        if not (flags & (_CHUNK_RAW0 << s)):
+        k = (chosen >> (4 * s)) & 15
+        if not (flags & (_CHUNK_RAW0 << s)) and k < nbooks:
             for e in range(t, _DEC_ENTRIES, nt):
-                dec[s, e] = dec_tables[s, e]
+                dec[s, e] = dec_tables[s, k, e]
     cuda.syncthreads()
     if st[_LANES] != _ST_OK:
         if t == 0:
@@ -704,13 +743,18 @@ class _Launch:
 
 
 class DeviceTables:
-    """A codec's per-stream tables (see ``codec._Tables``) copied to one device, once."""
+    """A codec's per-stream tables (see ``codec._Tables``) copied to one device, once.
 
-    __slots__ = ("enc_code", "enc_len", "raw", "dec", "crc_table", "crc_shift")
+    ``enc_code``, ``enc_len`` and ``dec`` hold every book of each stream's group
+    (``[ns, nbooks_max, ...]``); ``nbooks`` says how many of them are real.
+    """
+
+    __slots__ = ("enc_code", "enc_len", "nbooks", "raw", "dec", "crc_table", "crc_shift")
 
     def __init__(self, launch: _Launch, tables):
         self.enc_code = launch.put(tables.enc_code.view(np.int32))
         self.enc_len = launch.put(tables.enc_len)
+        self.nbooks = launch.put(tables.nbooks.astype(np.int64))
         self.raw = launch.put(tables.raw.astype(np.uint8))
         self.dec = launch.put(tables.dec.view(np.int16))
         self.crc_table = launch.put(_CRC_TABLE.view(np.int32))
@@ -748,14 +792,15 @@ def encode_frame(tensor: torch.Tensor, spec, tables, dev_tables: DeviceTables, c
     ra = 1 if spec.rotate else 0
     width = spec.itemsize
     bits = launch.array(bits_t, _UNSIGNED[width])
-    plan_t = torch.empty((nchunks, 2 + ns), dtype=torch.int32, device=tensor.device)
+    plan_t = torch.empty((nchunks, 3 + ns), dtype=torch.int32, device=tensor.device)
     if nchunks:
         launch(_plan_kernel, nchunks, _PLAN_THREADS, bits, numel, chunk_elems, width, ra, spec.exp_shift,
-               launch.array(dev_tables.enc_len), launch.array(dev_tables.raw), launch.array(plan_t, np.uint32))
+               launch.array(dev_tables.enc_len), launch.array(dev_tables.nbooks), launch.array(dev_tables.raw),
+               launch.array(plan_t, np.uint32))
     # The one synchronisation: the frame's length depends on every chunk's plan.
     plan = plan_t.cpu().numpy().view(np.uint32)
     cflags = plan[:, 0].astype(np.uint8)
-    sizes = np.ascontiguousarray(plan[:, 2:])
+    sizes = np.ascontiguousarray(plan[:, 3:])
     counts = _frame.chunk_counts(numel, chunk_elems, nchunks)
     lengths = _frame.payload_bytes(cflags.astype(np.int64), sizes, counts)
     hsize = _frame.header_size(ns, nchunks)
@@ -763,6 +808,7 @@ def encode_frame(tensor: torch.Tensor, spec, tables, dev_tables: DeviceTables, c
     total = int(hsize + lengths.sum())
     table = np.zeros(nchunks, dtype=_frame.table_dtype(ns))
     table["cflags"], table["ref"], table["sizes"] = cflags, plan[:, 1].astype(np.uint8), sizes
+    table["books"] = plan[:, 2].astype(np.uint16)  # decides the version write_header writes
     header = np.zeros(hsize, dtype=np.uint8)
     flags = _frame.FLAG_CHECKSUM if checksum else 0
     _frame.write_header(header, spec, numel, chunk_elems, flags, tables.ids, table)
@@ -824,7 +870,10 @@ def decode_frame(frame: torch.Tensor, params, dev_tables: DeviceTables, result: 
     Args:
         frame: the frame, 1-D torch.uint8 on the device, 8-byte aligned.
         params: its :class:`comm_codec.frame.FrameParameters` (from :func:`read_header`).
-        dev_tables: the decode tables of its books on the device.
+        dev_tables: the decode tables of its books (every book of each stream's group) on
+            the device. Each chunk's book indices (``params.table["books"]``) must
+            already have been checked against the group sizes (``codec._Tables.check_books``);
+            an index past the tables gives the chunk a bad-code status.
         result: contiguous output tensor of the frame's dtype and element count.
 
     Returns:
@@ -838,6 +887,7 @@ def decode_frame(frame: torch.Tensor, params, dev_tables: DeviceTables, result: 
     ns = spec.nstreams
     cflags = launch.put(np.ascontiguousarray(table["cflags"]))
     refs = launch.put(np.ascontiguousarray(table["ref"]))
+    books = launch.put(table["books"].astype(np.int32))  # u16 in the table; torch has no uint16 copies
     sizes = launch.put(np.ascontiguousarray(table["sizes"]).reshape(nchunks, ns).view(np.int32))
     checks = launch.put(np.ascontiguousarray(table["checksum"]).view(np.int32))
     offsets = launch.put(params.offsets)
@@ -846,6 +896,6 @@ def decode_frame(frame: torch.Tensor, params, dev_tables: DeviceTables, result: 
     launch(_decode_kernel, nchunks, _DECODE_THREADS, launch.array(frame), launch.array(frame.view(torch.int64),
            np.uint64), frame.numel(), params.numel, params.chunk_elems, spec.itemsize, 1 if spec.rotate else 0,
            spec.exp_shift, launch.array(dev_tables.dec, np.uint16), launch.array(cflags), launch.array(refs),
-           launch.array(sizes, np.uint32), launch.array(offsets), launch.array(checks, np.uint32),
+           launch.array(books), launch.array(sizes, np.uint32), launch.array(offsets), launch.array(checks, np.uint32),
            params.checksums, launch.array(out_bits, _UNSIGNED[spec.itemsize]), launch.array(status))
     return status.cpu().numpy()
