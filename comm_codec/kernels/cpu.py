@@ -437,19 +437,23 @@ def _emit(acc, nb, w, code, ln, out64):
 def _pack(view, sh, sub, top, ra, mask, codes, lens, out64, w):
     """Bit-pack one stream of view LSB-first into out64 from word w; return bits.
 
-    Two symbols are joined before they are appended (at most 2 x 20 bits, so one
-    accumulator step still suffices): measured 0.50 -> 0.43 ns per symbol.
+    Three symbols are joined before they are appended (at most 3 x 20 bits, so one
+    accumulator step still suffices): joining two took 0.50 -> 0.43 ns per symbol, three
+    the encode pass over 32 MiB of bf16 gradients 14.8 -> 13.0 ms.
     """
     acc = _U64_0
     nb = 0
     total = 0
     n = view.size
-    for k in range(n // 2):
-        s0 = _sym(view[2 * k], sh, sub, top, ra, mask)
-        s1 = _sym(view[2 * k + 1], sh, sub, top, ra, mask)
+    for k in range(n // 3):
+        s0 = _sym(view[3 * k], sh, sub, top, ra, mask)
+        s1 = _sym(view[3 * k + 1], sh, sub, top, ra, mask)
+        s2 = _sym(view[3 * k + 2], sh, sub, top, ra, mask)
         l0 = np.int64(lens[s0])
-        ln = l0 + np.int64(lens[s1])
-        code = np.uint64(codes[s0]) | (np.uint64(codes[s1]) << np.uint64(l0))
+        l01 = l0 + np.int64(lens[s1])
+        ln = l01 + np.int64(lens[s2])
+        code = (np.uint64(codes[s0]) | (np.uint64(codes[s1]) << np.uint64(l0))
+                | (np.uint64(codes[s2]) << np.uint64(l01)))
         total += ln
         acc |= code << np.uint64(nb)
         nb += ln
@@ -458,8 +462,8 @@ def _pack(view, sh, sub, top, ra, mask, codes, lens, out64, w):
             w += 1
             nb -= 64
             acc = code >> np.uint64(ln - nb)
-    if n % 2:
-        s0 = _sym(view[n - 1], sh, sub, top, ra, mask)
+    for i in range(3 * (n // 3), n):
+        s0 = _sym(view[i], sh, sub, top, ra, mask)
         ln = np.int64(lens[s0])
         total += ln
         acc, nb, w = _emit(acc, nb, w, np.uint64(codes[s0]), ln, out64)
