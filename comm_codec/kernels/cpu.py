@@ -240,37 +240,45 @@ def _hist4(src, lo, a1, a2, a3, a4, sh, top, ra, mask, hist):
 
 
 @numba.njit(**_JIT)
-def _lane_histograms(src, lo, hi, skip_zeros, present, s, hist):
-    """Fill hist (int64[4, 256]) with the bytes of stream s per lane, before any reference.
+def _lane_histograms(src, lo, hi, s, hist):
+    """Fill hist (int64[4, 256]) with the bytes of stream s per lane, before any reference;
+    return the number of all-zero elements (counted on the way).
 
-    Lane k holds present elements [k*present//4, (k+1)*present//4); with skip_zeros,
-    elements whose bits are all zero are in no lane (they are masked). Returns the
-    number of all-zero elements without skip_zeros (counted on the way), else 0.
+    Lane k holds elements [lo + k*n//4, lo + (k+1)*n//4) of src, n = hi - lo (a masked
+    chunk is compacted first: see :func:`_compact`).
     """
     hist[:] = 0
-    if not skip_zeros:
-        a1 = present // _LANES
-        a2 = 2 * present // _LANES
-        a3 = 3 * present // _LANES
-        if s == 0:  # stream 0 with constant layout: the hot case folds
-            sh, _, top, ra, mask = _params(src, 0, -1, 0)
-            return _hist4(src, lo, a1, a2, a3, present, sh, top, ra, mask, hist)
-        sh, _, top, ra, mask = _params(src, s, -1, 0)
-        return _hist4(src, lo, a1, a2, a3, present, sh, top, ra, mask, hist)
+    n = hi - lo
+    a1 = n // _LANES
+    a2 = 2 * n // _LANES
+    a3 = 3 * n // _LANES
+    if s == 0:  # stream 0 with constant layout: the hot case folds
+        sh, _, top, ra, mask = _params(src, 0, -1, 0)
+        return _hist4(src, lo, a1, a2, a3, n, sh, top, ra, mask, hist)
     sh, _, top, ra, mask = _params(src, s, -1, 0)
-    k = 0
+    return _hist4(src, lo, a1, a2, a3, n, sh, top, ra, mask, hist)
+
+
+@numba.njit(**_JIT)
+def _compact(src, kept):
+    """Copy src's elements whose bits are not all zero to the front of kept; return how
+    many (branch-free: half of a masked chunk's elements are zeros, unpredictably)."""
     j = 0
-    bound = present // _LANES
-    for i in range(lo, hi):
+    for i in range(src.size):
         v = src[i]
-        if v == 0:
-            continue
-        while j >= bound and k < _LANES - 1:
-            k += 1
-            bound = (k + 1) * present // _LANES
-        hist[k, _sym(v, sh, 0, top, ra, mask)] += 1
-        j += 1
-    return np.int64(0)
+        kept[j] = v
+        j += np.int64(v != 0)
+    return j
+
+
+@numba.njit(**_JIT)
+def _sample_zeros(bits, lo, hi):
+    """All-zero elements among the strided sample that :func:`_chunk_ref` reads."""
+    step = max(1, (hi - lo) // 256)
+    z = 0
+    for i in range(lo, hi, step):
+        z += np.int64(bits[i] == 0)
+    return z, (hi - lo + step - 1) // step
 
 
 @numba.njit(**_JIT)
@@ -330,17 +338,19 @@ def plan_chunks(bits, chunk_elems, exp_shift, enc_len, nbooks, raw_stream, cflag
         books[c] = 0
         hist = np.empty((_LANES, 256), dtype=np.int64)
         total = np.empty(256, dtype=np.int64)
-        # The first coded stream is sized as if there were no mask, counting the zeros on
-        # the way (a separate pass over the chunk cost 4 % of an encode); in the rare
-        # chunk that takes the mask, it is sized again below.
         first = -1
         for s in range(ns):
             if not raw_stream[s]:
                 first = s
                 break
+        # Unless the reference's sample saw zeros, the first coded stream is sized as if
+        # there were no mask, counting the zeros on the way (a separate pass over the
+        # chunk cost 4 % of an encode); a chunk that then takes the mask is sized again.
+        sz, sn = _sample_zeros(bits, lo, hi)
+        early = first >= 0 and sz * 16 <= sn
         seg0 = np.int64(0)
         k0 = 0
-        if first < 0:
+        if not early:
             chunk = bits[lo:hi]
             zeros = np.int64(0)
             for i in range(count):
@@ -348,7 +358,7 @@ def plan_chunks(bits, chunk_elems, exp_shift, enc_len, nbooks, raw_stream, cflag
         elif nbooks[first] == 1:
             seg0, zeros = _segment_bytes(bits, lo, hi, first, exp_shift, ref, enc_len[first, 0])
         else:
-            zeros = _lane_histograms(bits, lo, hi, False, count, first, hist)
+            zeros = _lane_histograms(bits, lo, hi, first, hist)
             _, sub, _, _, _ = _params(bits, first, exp_shift, ref)
             seg0, k0 = _segment_plan(hist, sub, enc_len[first], nbooks[first], total)
         if zeros == count:
@@ -365,19 +375,26 @@ def plan_chunks(bits, chunk_elems, exp_shift, enc_len, nbooks, raw_stream, cflag
         use_mask = zeros * zero_cost > count + 64
         present = count - zeros if use_mask else count
         flags = _CHUNK_MASK if use_mask else 0
+        src = bits
+        slo = lo
+        if use_mask:  # size the present elements, compacted, with the same code as a dense chunk
+            src = np.empty(count, dtype=bits.dtype)
+            _compact(bits[lo:hi], src)
+            slo = 0
+        shi = slo + present
         chosen = 0
         for s in range(ns):
             seg = present
             k = 0
             if raw_stream[s]:
                 pass
-            elif s == first and not use_mask:
+            elif s == first and early and not use_mask:
                 seg = seg0
                 k = k0
-            elif nbooks[s] == 1 and not use_mask:  # summing code lengths beats a histogram (9 vs 11 ms / 64 MiB)
-                seg, _ = _segment_bytes(bits, lo, hi, s, exp_shift, ref, enc_len[s, 0])
+            elif nbooks[s] == 1:  # summing code lengths beats a histogram (9 vs 11 ms / 64 MiB)
+                seg, _ = _segment_bytes(src, slo, shi, s, exp_shift, ref, enc_len[s, 0])
             else:
-                _lane_histograms(bits, lo, hi, use_mask, present, s, hist)
+                _lane_histograms(src, slo, shi, s, hist)
                 _, sub, _, _, _ = _params(bits, s, exp_shift, ref)
                 seg, k = _segment_plan(hist, sub, enc_len[s], nbooks[s], total)
             if seg >= present:
@@ -491,12 +508,16 @@ def _write_mask(src, out8, pos):
     mbytes = (count + 7) // 8
     for k in range(pos + mbytes, pos + ((mbytes + 7) & ~7)):
         out8[k] = 0
-    for k in range(mbytes):
+    for k in range(count // 8):
         byte = 0
-        for j in range(min(8, count - 8 * k)):
-            if src[8 * k + j] != 0:
-                byte |= 1 << j
+        for j in range(8):
+            byte |= np.int64(src[8 * k + j] != 0) << j
         out8[pos + k] = byte
+    if count % 8:
+        byte = 0
+        for j in range(count % 8):
+            byte |= np.int64(src[8 * (count // 8) + j] != 0) << j
+        out8[pos + count // 8] = byte
     return pos + ((mbytes + 7) & ~7)
 
 
@@ -545,12 +566,7 @@ def _encode_chunk(src, c, flags, ref, chosen, sizes, pos, exp_shift, enc_code, e
     if flags & _CHUNK_MASK:
         pos = _write_mask(src, out8, pos)
         kept = np.empty(src.size, dtype=src.dtype)
-        j = 0
-        for i in range(src.size):
-            if src[i] != 0:
-                kept[j] = src[i]
-                j += 1
-        src = kept[:j]
+        src = kept[:_compact(src, kept)]
     for s in range(enc_len.shape[0]):
         size = np.int64(sizes[c, s])
         if flags & (_CHUNK_RAW0 << s):
