@@ -121,7 +121,8 @@ def main(argv=None) -> int:
         st = books.stats(key)
         log.info("%-16s %-8s s%d  H=%.3f  L=%.3f  %s", *key, st["entropy_bits"], st["expected_bits"],
                  "raw" if book.raw else book.id)
-    log.info("wrote %s (%d books, digest %s)", args.out, len(books), books.digest)
+    log.info("wrote %s (%d keys, %d books, digest %s)", args.out, len(books), sum(len(g) for _, g in books.groups()),
+             books.digest)
     return 0
 
 

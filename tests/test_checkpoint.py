@@ -145,6 +145,36 @@ def test_text_file_compresses(tmp_path):
     assert summary.ratio > 50
 
 
+def _many_tensors(step: int, dtype=torch.bfloat16) -> dict:
+    """A model-like state dict: a dozen weights past 64 Ki elements (chunk sizes are
+    weighed) with tiny biases between them (small opaque segments)."""
+    g = torch.Generator().manual_seed(7)
+    out = {}
+    for i in range(12):
+        w = torch.randn(160 + 40 * i, 512, generator=g) * (0.01 * (1 + i % 3))
+        w = w + step * 1e-3 * torch.randn(w.shape, generator=torch.Generator().manual_seed(50 + i + step))
+        out[f"layer{i}.w"] = w.to(dtype)
+        out[f"layer{i}.b"] = torch.zeros(16)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_same_output_for_any_number_of_threads(tmp_path, fmt):
+    """Tensors are coded in parallel but planned in file order: one file, any threads."""
+    for step in (0, 1):
+        sd = _many_tensors(step)
+        path = tmp_path / f"s{step}.{fmt}"
+        save_file(sd, path) if fmt == "safetensors" else torch.save(sd, path)
+    for base in (None, tmp_path / f"s0.{fmt}"):
+        outputs = []
+        for threads in (1, 2, 3):
+            _, packed = _round_trip(tmp_path / f"s1.{fmt}", tmp_path, base=base, threads=threads, name=f"t{threads}")
+            outputs.append(packed.read_bytes())
+        assert outputs[0] == outputs[1] == outputs[2]
+    index = ck.read_index(packed)
+    assert any(t["transform"] == "xor" for t in index["tensors"])
+
+
 def test_big_tensor_is_cut_into_pieces(tmp_path, monkeypatch):
     monkeypatch.setattr(ck, "PIECE_BYTES", 64 << 10)
     save_file({"w": _weights(300_000, dtype=torch.bfloat16)}, tmp_path / "b.safetensors")
