@@ -177,13 +177,7 @@ class WarmupProfiler:
         self._rows[key] = (parts, count)
 
     def _merged_rows(self, parts) -> np.ndarray:
-        rows = np.concatenate(parts)
-        while len(rows) > self.max_rows:
-            # Merge neighbours (consecutive chunks, mostly of one layer): halves the rows.
-            even = len(rows) - len(rows) % 2
-            merged = rows[0:even:2] + rows[1:even:2]
-            rows = np.concatenate([merged, rows[even:]]) if even < len(rows) else merged
-        return rows
+        return merge_rows(np.concatenate(parts), self.max_rows)
 
     def chunk_rows(self, kind: str, dtype) -> np.ndarray | None:
         """Return the kept chunk histograms (int64[rows, nstreams, 256]) of a kind and
@@ -283,7 +277,10 @@ class WarmupProfiler:
                     sums[k] = (arr[: ns * 256].reshape(ns, 256), float(arr[ns * 256]),
                                arr[ns * 256 + 1:].reshape(ns, 256))
                 if self.max_books > 1:
-                    rows = {k: _gather_rows(rows[k], process_group) for k in keys}
+                    # Each rank sends its share of max_rows, so the gathered rows stay
+                    # bounded however many ranks there are.
+                    share = max(1, -(-self.max_rows // world))
+                    rows = {k: _gather_rows(merge_rows(rows[k], share), process_group) for k in keys}
         books, stats = {}, {}
         for (kind, dtype) in keys:
             dist_sum, n_obs, raw = sums[(kind, dtype)]
@@ -321,6 +318,16 @@ class WarmupProfiler:
         log.info("built %d codebooks from %d observations (world size %d), digest %s",
                  len(books), info["observations"], world, result.digest[:12])
         return result
+
+
+def merge_rows(rows: np.ndarray, limit: int) -> np.ndarray:
+    """Halve rows by summing neighbours (consecutive chunks, mostly of one layer) until at
+    most ``limit`` remain; nothing is dropped (an odd last row is kept as it is)."""
+    while len(rows) > limit:
+        even = len(rows) - len(rows) % 2
+        merged = rows[0:even:2] + rows[1:even:2]
+        rows = np.concatenate([merged, rows[even:]]) if even < len(rows) else merged
+    return rows
 
 
 def _book_bits(books) -> np.ndarray:

@@ -279,3 +279,55 @@ def test_coding_cost_prices_a_group_chunk_by_chunk(bf16_case):
     frame_bits = 8 * codec.encode(x).numel()
     nchunks = -(-x.numel() // 256)
     assert fixed_group < frame_bits < fixed_group + 8 * (64 * nchunks + 64)
+
+
+def test_merge_rows_halves_neighbours_and_keeps_every_count():
+    from comm_codec.profiler import merge_rows
+
+    rows = np.arange(7 * 2 * 256, dtype=np.int64).reshape(7, 2, 256)
+    merged = merge_rows(rows, 3)
+    assert len(merged) == 2 and merged.sum() == rows.sum()
+    assert np.array_equal(merged[0], rows[0] + rows[1] + rows[2] + rows[3])
+    assert merge_rows(rows, 7) is rows and len(merge_rows(rows, 1)) == 1
+
+
+def _w_build_groups(rank, world):
+    """Each rank observes its own layers; build() over the world. Returns the set's file dict."""
+    prof = WarmupProfiler(chunk_elems=256, min_gain=0.0)
+    prof.observe(_layered(torch.bfloat16, seed=20 + rank))
+    return prof.build().to_dict()
+
+
+def test_distributed_build_equals_one_process_over_all_ranks_data():
+    # Ranks gather each other's chunk histograms in rank order, so every rank builds the
+    # groups that one process observing all ranks' tensors in that order builds.
+    import dist_utils
+
+    results = dist_utils.run(_w_build_groups, 2)
+    distributed = cc.CodebookSet.from_dict(results[0])
+    assert cc.CodebookSet.from_dict(results[1]).digest == distributed.digest
+    assert results[0]["meta"]["world_size"] == 2
+    prof = WarmupProfiler(chunk_elems=256, min_gain=0.0)
+    for rank in range(2):
+        prof.observe(_layered(torch.bfloat16, seed=20 + rank))
+    single = prof.build()
+    assert len(distributed.group("gradient", "bf16", 0)) > 2
+    assert distributed.digest == single.digest
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda e: 5, "'books' must be a list of books"),
+    (lambda e: [1, 2], "a codebook must be a JSON object, got int"),
+    (lambda e: [e[0], e[0]], "a codebook group holds the same book twice"),
+    (lambda e: [], "a codebook group holds 1..16 books, got 0"),
+    (lambda e: [e[0]] * 17, "a codebook group holds 1..16 books, got 17"),
+])
+def test_malformed_groups_in_files_are_named(tmp_path, bf16_case, edit, message):
+    _, books, _ = bf16_case
+    data = books.to_dict()
+    entry = next(e for e in data["books"] if "books" in e)
+    entry["books"] = edit(entry["books"])
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(cc.CodebookError, match=f"{path}: book entry .*: {message}"):
+        cc.CodebookSet.load(path)
