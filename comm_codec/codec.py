@@ -66,12 +66,11 @@ def _raise_on_status(status: np.ndarray, nchunks: int) -> None:
 class _Tables:
     """Kernel-ready tables for one tuple of per-stream book groups."""
 
-    __slots__ = ("groups", "ids", "nbooks", "enc_code", "enc_len", "dec", "raw", "on_device", "_multi")
+    __slots__ = ("ids", "nbooks", "enc_code", "enc_len", "dec", "raw", "on_device", "_multi")
 
     def __init__(self, groups: list[CodebookGroup]):
         ns = len(groups)
         kmax = max(len(g) for g in groups)
-        self.groups = tuple(groups)
         self.ids = np.array([g.id_int for g in groups], dtype=np.uint64)
         self.nbooks = np.array([len(g) for g in groups], dtype=np.int64)
         self.enc_code = np.zeros((ns, kmax, 256), dtype=np.uint32)

@@ -88,15 +88,8 @@ def stream_counts(tensor: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS) 
     Raises:
         TypeError: unsupported dtype.
     """
-    if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
-        tensor = tensor.detach().cpu()
-    bits, spec = as_bits(tensor)
-    counts = np.zeros((spec.nstreams, 256), dtype=np.int64)
-    zeros = 0
-    if bits.size:
-        with torch_threads_kept():
-            zeros = int(_cpu.stream_histograms(bits, chunk_elems, spec.exp_shift, counts))
-    return counts, zeros
+    per_chunk, zeros = chunk_counts(tensor, chunk_elems)
+    return per_chunk.sum(axis=0), int(zeros.sum())
 
 
 class WarmupProfiler:
@@ -129,8 +122,9 @@ class WarmupProfiler:
         # (kind, dtype name) -> [sum of normalized distributions (ns x 256), observations,
         #                        raw counts (ns x 256), zeros, elements]
         self._acc: dict[tuple[str, str], list] = {}
-        # (kind, dtype name) -> int64[rows, ns, 256]: chunk histograms, for the groups
-        self._rows: dict[tuple[str, str], np.ndarray] = {}
+        # (kind, dtype name) -> (list of int64[rows, ns, 256] chunk histograms, total rows),
+        # for the groups; merged down to max_rows as it grows (see chunk_rows)
+        self._rows: dict[tuple[str, str], tuple[list, int]] = {}
         self.observations = 0
 
     def observe(self, tensor: torch.Tensor, kind: str = "gradient") -> None:

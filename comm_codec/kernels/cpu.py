@@ -43,7 +43,6 @@ __all__ = [
     "decode_chunks",
     "multi_tables",
     "chunk_histograms",
-    "stream_histograms",
     "STATUS_OK",
     "STATUS_MESSAGES",
 ]
@@ -192,6 +191,16 @@ def _segment_bytes(src, lo, hi, s, exp_shift, ref, lens):
 
 
 @numba.njit(inline="always", **_JIT)
+def _hist_rest(view, start, h, sh, top, ra, mask):
+    """Count view[start:] into h (what a longer lane has past the shortest); return its zeros."""
+    zeros = np.int64(0)
+    for i in range(start, view.size):
+        h[_sym(view[i], sh, 0, top, ra, mask)] += 1
+        zeros += np.int64(view[i] == 0)
+    return zeros
+
+
+@numba.njit(inline="always", **_JIT)
 def _hist4(src, lo, a1, a2, a3, a4, sh, top, ra, mask, hist):
     """hist[k, byte] = count over lane k = src[lo+a_k : lo+a_{k+1}] (a0 = 0), lanes interleaved;
     return the number of all-zero elements.
@@ -219,18 +228,8 @@ def _hist4(src, lo, a1, a2, a3, a4, sh, top, ra, mask, hist):
         h2[_sym(x2, sh, 0, top, ra, mask)] += 1
         h3[_sym(x3, sh, 0, top, ra, mask)] += 1
         zeros += np.int64(x0 == 0) + np.int64(x1 == 0) + np.int64(x2 == 0) + np.int64(x3 == 0)
-    for i in range(m, v0.size):
-        h0[_sym(v0[i], sh, 0, top, ra, mask)] += 1
-        zeros += np.int64(v0[i] == 0)
-    for i in range(m, v1.size):
-        h1[_sym(v1[i], sh, 0, top, ra, mask)] += 1
-        zeros += np.int64(v1[i] == 0)
-    for i in range(m, v2.size):
-        h2[_sym(v2[i], sh, 0, top, ra, mask)] += 1
-        zeros += np.int64(v2[i] == 0)
-    for i in range(m, v3.size):
-        h3[_sym(v3[i], sh, 0, top, ra, mask)] += 1
-        zeros += np.int64(v3[i] == 0)
+    zeros += _hist_rest(v0, m, h0, sh, top, ra, mask) + _hist_rest(v1, m, h1, sh, top, ra, mask)
+    zeros += _hist_rest(v2, m, h2, sh, top, ra, mask) + _hist_rest(v3, m, h3, sh, top, ra, mask)
     for b in range(256):
         hist[0, b] = h0[b]
         hist[1, b] = h1[b]
@@ -945,19 +944,6 @@ def chunk_histograms(bits, chunk_elems, exp_shift, local, zeros):
             for s in range(ns):
                 sh, sub, top, ra, mask = _params(bits, s, exp_shift, ref)
                 local[c, s, _sym(0, sh, sub, top, ra, mask)] -= z
-
-
-def stream_histograms(bits, chunk_elems, exp_shift, counts):
-    """Add the symbol counts of every stream of bits to counts (int64[nstreams, 256]).
-
-    The sum over chunks of :func:`chunk_histograms`; returns the number of exact zeros.
-    """
-    nchunks = (bits.size + chunk_elems - 1) // chunk_elems
-    local = np.empty((nchunks, counts.shape[0], 256), dtype=np.int64)
-    zeros = np.empty(nchunks, dtype=np.int64)
-    chunk_histograms(bits, chunk_elems, exp_shift, local, zeros)
-    counts += local.sum(axis=0)
-    return int(zeros.sum())
 
 
 @numba.njit(**_JIT)
