@@ -6,21 +6,31 @@ Usage, like PyTorch's own hooks::
     state = HuffmanState(process_group=None, warmup_steps=5)
     ddp_model.register_comm_hook(state, huffman_hook)
     ...
-    state.stats()   # {"bytes_in": ..., "bytes_out": ..., "ratio": ..., ...}
+    state.stats()   # {"bytes_in": ..., "bytes_out": ..., "ratio": ..., "decision": ..., ...}
 
 During the first ``warmup_steps`` backward passes the hook all-reduces plainly (exactly
 as DDP's default hook: divide by the world size, then sum) while a
 :class:`~comm_codec.profiler.WarmupProfiler` observes the gradient buckets and their
 averages. Then every rank builds the books from the statistics summed over all ranks —
-identical by construction, and checked by digest — and the hook switches to the
-two-phase compressed all-reduce of :mod:`comm_codec.collectives`, whose result is the
-rank-order sum of the raw gradients divided by the world size, bit-identical on every
-rank. With ``warmup_steps=0`` the hook codes from the first step with the given books
-(or the shipped defaults).
+identical by construction, and checked by digest — and the hook can code: the two-phase
+compressed all-reduce of :mod:`comm_codec.collectives`, whose result is the rank-order
+sum of the raw gradients divided by the world size, bit-identical on every rank. With
+``warmup_steps=0`` the hook codes from the first step with the given books (or the
+shipped defaults).
 
-The compressed all-reduce of a bucket runs on one worker thread per state, in bucket
-order, so it overlaps with the rest of the backward pass as DDP's own all-reduce does;
-the numba kernels and gloo release the GIL.
+Whether it codes is ``mode``'s business: ``"always"`` codes every step after warmup,
+``"never"`` is DDP's default hook, and ``"auto"`` (the default) lets a
+:class:`~comm_codec.autoswitch.AutoSwitch` time plain and coded steps on this run and
+code only where that is faster, agreed across ranks and re-checked every
+``recheck_every`` steps. A plain step is exactly the default hook, issued on the
+calling thread; a coded bucket runs on one worker thread per state, in bucket order,
+so it overlaps with the rest of the backward pass as DDP's own all-reduce does (the
+numba kernels and gloo release the GIL).
+
+At the first step every rank sends its settings to every other (one small all-gather):
+ranks configured differently raise the same ValueError, instead of waiting on each
+other in collectives that do not match. The hook's own process group inherits the
+timeout of the group it twins, so a stalled peer raises within the user's timeout.
 """
 
 # No "from __future__ import annotations": DDP's register_comm_hook compares the hook's
@@ -28,17 +38,20 @@ the numba kernels and gloo release the GIL.
 import concurrent.futures
 import logging
 import os
+import socket
 
+import numba
 import torch
 import torch.distributed as dist
 
 from . import collectives
+from .autoswitch import AutoSwitch, check_mode
 from .codebooks import CodebookSet
 from .codec import Codec
 from .profiler import WarmupProfiler, check_same_books, coding_cost
 from .stats import CommStats
 
-__all__ = ["HuffmanState", "huffman_hook"]
+__all__ = ["HuffmanState", "huffman_hook", "default_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +59,28 @@ _CASTS = {None: None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 _CODED = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def default_threads(local_world_size: int) -> int:
+    """Return the codec threads a rank gets by default: its share of the cores torch uses.
+
+    The codec runs while torch computes (buckets coded during backward) and on the same
+    cores, so more codec threads than the rank's share oversubscribes them: with two
+    ranks on two cores, two numba threads per rank made encodes ~1.5x slower than one.
+    The share is the cores this process may run on divided by the ranks on this node,
+    capped by torch's own thread count and numba's, and at least 1.
+
+    Args:
+        local_world_size: the ranks of the group that run on this node.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    share = cores // max(1, local_world_size)
+    return max(1, min(share, torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+
+
 class HuffmanState:
-    """State of :func:`huffman_hook`: books, warmup, statistics.
+    """State of :func:`huffman_hook`: books, warmup, the coding decision, statistics.
 
     Args:
         process_group: the group to all-reduce over (None: the default group).
@@ -59,7 +92,8 @@ class HuffmanState:
             PyTorch's bf16_compress_hook. **Lossy**: gradients are rounded to bf16.
         min_bucket_bytes: buckets smaller than this are all-reduced plainly (their
             frames' headers would cost more than coding saves).
-        threads: numba threads for the codec (None: numba's setting).
+        threads: numba threads for the codec (None: :func:`default_threads` of the
+            ranks on this node, chosen at the first step).
         log_every: log a traffic line every this many steps on rank 0 (0: never).
         writer: optional TensorBoard ``SummaryWriter``; scalars go under comm_codec/.
         drift_every: every this many steps, measure on bucket 0 how much the fixed books
@@ -69,27 +103,34 @@ class HuffmanState:
             fraction, profile ``refresh_steps`` more steps (still compressing) and swap
             in rebuilt books on every rank at the same step; None = never.
         refresh_steps: steps profiled for a refresh.
+        mode: "auto" (default: code only where it measures faster), "always" (code
+            every step after warmup) or "never" (DDP's default hook).
+        recheck_every: in auto mode, steps between two measurements of both modes.
+        probe_steps: in auto mode, steps timed per mode in a measurement.
+        hysteresis: in auto mode, the fraction by which the other mode must be faster
+            for the hook to switch to it.
 
     Raises:
-        ValueError: a negative warmup, both codebooks and warmup given, an unknown cast,
-            negative sizes, or a refresh threshold without drift measurement.
+        ValueError: a negative warmup, both codebooks and warmup given, an unknown cast
+            or mode, negative sizes, or a refresh threshold without drift measurement.
         TypeError: codebooks of the wrong type.
     """
 
     __slots__ = (
         # what users tune
         "process_group", "warmup_steps", "cast", "min_bucket_bytes", "threads", "log_every", "writer",
-        "drift_every", "refresh_threshold", "refresh_steps",
+        "drift_every", "refresh_threshold", "refresh_steps", "mode",
         # internal state
-        "codebooks", "codec", "profiler", "step", "verified", "_executor", "_pid", "_refresh_until",
-        "_comm_group",
+        "codebooks", "codec", "profiler", "step", "verified", "switch", "_executor", "_pid", "_refresh_until",
+        "_comm_group", "_checked", "_coding", "_workspace",
         # statistics
         "_stats", "drift", "refreshes",
     )
 
     def __init__(self, process_group=None, codebooks=None, warmup_steps: int = 0, cast=None,
                  min_bucket_bytes: int = 4096, threads: int | None = None, log_every: int = 50, writer=None,
-                 drift_every: int = 0, refresh_threshold: float | None = None, refresh_steps: int = 3):
+                 drift_every: int = 0, refresh_threshold: float | None = None, refresh_steps: int = 3,
+                 mode: str = "auto", recheck_every: int = 200, probe_steps: int = 4, hysteresis: float = 0.05):
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         if codebooks is not None and warmup_steps:
@@ -106,6 +147,11 @@ class HuffmanState:
             raise ValueError("refresh_threshold must be > 0 and needs drift_every > 0 (drift is what triggers a refresh)")
         if not isinstance(refresh_steps, int) or refresh_steps < 1:
             raise ValueError(f"refresh_steps must be an integer >= 1, got {refresh_steps!r}")
+        if threads is not None and not (isinstance(threads, int) and 1 <= threads <= numba.config.NUMBA_NUM_THREADS):
+            raise ValueError(f"threads must be None or an integer in 1..{numba.config.NUMBA_NUM_THREADS} "
+                             f"(NUMBA_NUM_THREADS), got {threads!r}")
+        check_mode(mode)
+        switch = AutoSwitch(mode, probe_steps=probe_steps, recheck_every=recheck_every, hysteresis=hysteresis)
         if isinstance(codebooks, (str, os.PathLike)):
             codebooks = CodebookSet.load(codebooks)
         if codebooks is not None and not isinstance(codebooks, CodebookSet):
@@ -120,36 +166,57 @@ class HuffmanState:
         self.drift_every = drift_every
         self.refresh_threshold = refresh_threshold
         self.refresh_steps = refresh_steps
+        self.mode = mode
+        self.switch = switch
         self.drift = None
         self.refreshes = 0
         self._refresh_until = None
         self.codebooks = codebooks if codebooks is not None or warmup_steps else CodebookSet.default()
         self.codec = Codec(self.codebooks, threads=threads) if self.codebooks is not None else None
-        self.profiler = WarmupProfiler() if warmup_steps else None
+        self.profiler = WarmupProfiler() if warmup_steps and mode != "never" else None
         self.step = 0
         self.verified = False
+        self._init_runtime()
+        if dist.is_available() and dist.is_initialized():
+            self._group()
+        log.info("HuffmanState: mode=%s, warmup_steps=%d, cast=%s, books=%s", mode, warmup_steps, cast,
+                 "online" if self.codebooks is None else self.codebooks.digest[:12])
+
+    def _init_runtime(self) -> None:
         self._executor = None
         self._pid = None
         self._comm_group = None
+        self._checked = False
+        self._coding = False
+        self._workspace = collectives.Workspace()
         self._stats = CommStats()
-        if dist.is_available() and dist.is_initialized():
-            self._group()
-        log.info("HuffmanState: warmup_steps=%d, cast=%s, books=%s", warmup_steps, cast,
-                 "online" if self.codebooks is None else self.codebooks.digest[:12])
 
     # -- public -------------------------------------------------------------------------
     @property
     def warming_up(self) -> bool:
         """True while the hook still profiles instead of compressing."""
-        return self.step < self.warmup_steps
+        return self.step < self.warmup_steps and self.mode != "never"
 
     def stats(self) -> dict:
-        """Return traffic statistics: bytes_in, bytes_out, ratio, bytes_saved, seconds, steps..."""
+        """Return traffic statistics and the coding decision.
+
+        Keys: bytes_in, bytes_out, ratio, bytes_saved, encode_seconds, decode_seconds,
+        comm_seconds, calls, raw_calls, steps (traffic, see :class:`CommStats`);
+        warming_up, books, drift, refreshes; mode, coding (whether the last step was
+        coded), decision (None before the first measurement; else a dict: coded,
+        step, plain_ms, coded_ms, per_rank_ms, reason), switches (changes of decision
+        since the first), probes (measurements started).
+        """
         d = self._stats.as_dict()
         d["warming_up"] = self.warming_up
         d["books"] = self.codebooks.digest if self.codebooks is not None else None
         d["drift"] = self.drift
         d["refreshes"] = self.refreshes
+        d["mode"] = self.mode
+        d["coding"] = self._coding
+        d["decision"] = self.switch.decision
+        d["switches"] = self.switch.switches
+        d["probes"] = self.switch.probes
         return d
 
     def reset_stats(self) -> None:
@@ -164,7 +231,8 @@ class HuffmanState:
             "warmup_steps": self.warmup_steps, "cast": self.cast, "min_bucket_bytes": self.min_bucket_bytes,
             "threads": self.threads, "log_every": self.log_every, "step": self.step,
             "drift_every": self.drift_every, "refresh_threshold": self.refresh_threshold,
-            "refresh_steps": self.refresh_steps, "refreshes": self.refreshes,
+            "refresh_steps": self.refresh_steps, "refreshes": self.refreshes, "mode": self.mode,
+            "switch": self.switch, "coding": self._coding,
             "codebooks": self.codebooks.to_dict() if self.codebooks is not None else None,
             # Warmup statistics travel too: a state saved at the end of warmup builds
             # its books from them at the first compressed step after resuming.
@@ -185,6 +253,8 @@ class HuffmanState:
         self.refresh_threshold = state["refresh_threshold"]
         self.refresh_steps = state["refresh_steps"]
         self.refreshes = state["refreshes"]
+        self.mode = state.get("mode", "always")  # states pickled before modes existed always coded
+        self.switch = state.get("switch") or AutoSwitch(self.mode)
         self.drift = None
         self._refresh_until = None
         books = state["codebooks"]
@@ -194,11 +264,72 @@ class HuffmanState:
         if self.profiler is None and self.codebooks is None:
             self.profiler = WarmupProfiler()
         self.verified = False
-        self._executor = None
-        self._pid = None
-        self._comm_group = None
-        self._stats = CommStats()
+        self._init_runtime()
+        self._coding = state.get("coding", False)
         self._stats.__setstate__(state["stats"])
+
+    # -- the step -----------------------------------------------------------------------
+    def _begin_step(self, device=None) -> bool:
+        """Start a step on the calling thread, at its first bucket; return whether to code it.
+
+        Every rank runs the same collectives here, in the same order, while no worker
+        job is in flight (DDP waited for the last step's): the settings check (first
+        step), the refreshed books (when a refresh window ends), the auto decision (when
+        a measurement ends).
+        """
+        group = self._group()
+        if not self._checked:
+            self._check_settings(group)
+        self._maybe_swap_books()
+        if self.mode == "never":
+            self._coding = False
+        elif self.warming_up:
+            self._coding = False
+        else:
+            self._coding = self.switch.begin_step(self.step, group, device)
+        return self._coding
+
+    def _check_settings(self, group) -> None:
+        """Raise the same ValueError on every rank if the ranks' shared settings differ."""
+        mine = self._shared_settings()
+        seen = [None] * dist.get_world_size(group)
+        dist.all_gather_object(seen, (mine, socket.gethostname()), group=group)
+        first = seen[0][0]
+        for rank, (theirs, _) in enumerate(seen):
+            for name in first:
+                if theirs.get(name) != first.get(name):
+                    raise ValueError(
+                        f"HuffmanState differs across ranks: {name} is {first.get(name)!r} on rank 0 but "
+                        f"{theirs.get(name)!r} on rank {rank}; give every rank the same settings")
+        if self.threads is None and self.codec is not None:
+            host = socket.gethostname()
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or sum(h == host for _, h in seen)
+            self.threads = default_threads(local)
+            self.codec.threads = self.threads
+        self._checked = True
+
+    def _shared_settings(self) -> dict:
+        """The settings that change which collectives a rank issues (and the step it is at)."""
+        sw = self.switch
+        return {"mode": self.mode, "warmup_steps": self.warmup_steps, "cast": self.cast,
+                "min_bucket_bytes": self.min_bucket_bytes, "drift_every": self.drift_every,
+                "refresh_threshold": self.refresh_threshold, "refresh_steps": self.refresh_steps,
+                "probe_steps": sw.probe_steps, "recheck_every": sw.recheck_every, "hysteresis": sw.hysteresis,
+                "step": self.step, "books": "online" if self.codebooks is None else "fixed"}
+
+    def _end_of_step(self) -> None:
+        self.step += 1
+        self._stats.add(steps=1)
+        if self.log_every and self.step % self.log_every == 0 and dist.get_rank(self.process_group) == 0:
+            d = self._stats.as_dict()
+            log.info("comm_codec step %d: ratio %.3f, %.1f MB saved, encode %.2fs decode %.2fs, %s",
+                     self.step, d["ratio"], d["bytes_saved"] / 1e6, d["encode_seconds"], d["decode_seconds"],
+                     "coding" if self._coding else "plain")
+        if self.writer is not None:
+            d = self._stats.as_dict()
+            for key in ("ratio", "bytes_in", "bytes_out", "encode_seconds", "decode_seconds"):
+                self.writer.add_scalar(f"comm_codec/{key}", d[key], self.step)
+            self.writer.add_scalar("comm_codec/coding", float(self._coding), self.step)
 
     # -- internal -----------------------------------------------------------------------
     def _observe(self, tensor: torch.Tensor, kind: str) -> None:
@@ -208,6 +339,10 @@ class HuffmanState:
             tensor = tensor.to(cast)
         self.profiler.observe(tensor, kind)
 
+    @property
+    def _profiling(self) -> bool:
+        return self.profiler is not None and (self.warming_up or self._refresh_until is not None)
+
     def _group(self):
         """The group the worker thread talks on: a twin of process_group, its own.
 
@@ -215,11 +350,14 @@ class HuffmanState:
         parameters with find_unused_parameters=True); ours run on a worker thread, and two
         threads' collectives on one group may be ordered differently on each rank.
         Creating a group is collective: all ranks do it at the same point (here, or at
-        their first hook call).
+        their first hook call). The twin gets the original's timeout (torch gives new
+        groups 30 minutes), so a stalled peer fails a coded step as soon as it would
+        fail a plain one.
         """
         if self._comm_group is None:
-            ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
-            self._comm_group = dist.new_group(ranks=ranks)
+            base = self.process_group or dist.group.WORLD
+            ranks = dist.get_process_group_ranks(base)
+            self._comm_group = dist.new_group(ranks=ranks, timeout=_group_timeout(base))
         return self._comm_group
 
     def _submit(self, fn):
@@ -274,17 +412,14 @@ class HuffmanState:
         self.refreshes += 1
         log.info("comm_codec: swapped in refreshed books %s at step %d", books.digest[:12], self.step)
 
-    def _end_of_step(self) -> None:
-        self.step += 1
-        self._stats.add(steps=1)
-        if self.log_every and self.step % self.log_every == 0 and dist.get_rank(self.process_group) == 0:
-            d = self._stats.as_dict()
-            log.info("comm_codec step %d: ratio %.3f, %.1f MB saved, encode %.2fs decode %.2fs",
-                     self.step, d["ratio"], d["bytes_saved"] / 1e6, d["encode_seconds"], d["decode_seconds"])
-        if self.writer is not None:
-            d = self._stats.as_dict()
-            for key in ("ratio", "bytes_in", "bytes_out", "encode_seconds", "decode_seconds"):
-                self.writer.add_scalar(f"comm_codec/{key}", d[key], self.step)
+
+def _group_timeout(group):
+    """The timeout of ``group``'s backend for its default device, or None if unknown."""
+    try:
+        device = dist.distributed_c10d._get_pg_default_device(group)
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, ValueError):  # a backend without options: torch's default
+        return None
 
 
 def _plain_all_reduce(state, bucket) -> torch.futures.Future:
@@ -308,29 +443,35 @@ def huffman_hook(state: "HuffmanState", bucket: dist.GradBucket) -> torch.future
         A future holding the averaged bucket (written in place in ``bucket.buffer()``).
 
     Raises:
-        (through the future, on every rank) :class:`comm_codec.collectives.CollectiveError`
-        when a frame fails to decode on any rank; RuntimeError when ranks hold different
-        books.
+        ValueError: at the first step, on every rank, when ranks are configured
+            differently. (Through the future, on every rank)
+            :class:`comm_codec.collectives.CollectiveError` when a frame fails to decode
+            on any rank; RuntimeError when ranks hold different books.
     """
     tensor = bucket.buffer()
     is_last = bucket.is_last()
     index = bucket.index()
-    if state.warming_up:
-        state._observe(tensor, "gradient")
+    if index == 0:  # DDP hands buckets over in index order: 0 starts a step
+        state._begin_step(tensor.device if tensor.is_cuda else None)
+    if not state._coding:
+        profiling = state._profiling
+        if profiling:
+            state._observe(tensor, "gradient")
         fut = _plain_all_reduce(state, bucket)
 
         def after(f, last=is_last):
             result = f.value()
-            state._observe(result, "reduced_gradient")
+            if profiling:
+                state._observe(result, "reduced_gradient")
             if last:
                 state._end_of_step()
             return result
 
         return fut.then(after)
 
-    # Every collective after warmup is issued from the one worker thread, in bucket order:
+    # Every coded collective is issued from the one worker thread, in bucket order:
     # collectives issued from two threads could interleave differently on each rank.
-    group = state._group()  # on the calling thread, before any worker runs
+    group = state._group()
     ready = None
     if tensor.is_cuda:
         # The bucket may still be being written on this thread's stream; the worker's
@@ -357,12 +498,12 @@ def huffman_hook(state: "HuffmanState", bucket: dist.GradBucket) -> torch.future
             if refreshing:
                 state._observe(tensor, "gradient")
             cast = _CASTS[state.cast] if tensor.dtype == torch.float32 else None
-            collectives.all_reduce(tensor, state.codec, group, average=True, cast=cast, stats=state._stats)
+            collectives.all_reduce(tensor, state.codec, group, average=True, cast=cast, stats=state._stats,
+                                   workspace=state._workspace)
             if refreshing:
                 state._observe(tensor, "reduced_gradient")
         if is_last:
             state._end_of_step()
-            state._maybe_swap_books()
         return tensor
 
     # The worker's outcome, tensor or exception, is passed on as a value and raised in a

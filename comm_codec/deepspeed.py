@@ -45,11 +45,18 @@ tensor parallelism, optimizer offload, sparse embeddings, non-CPU devices, DeepS
 other than 0.19.x) are refused at :func:`initialize` / :func:`install` with a message
 naming the feature, instead of running uncompressed while claiming to compress.
 
-**Warmup.** ``"codebooks": "online"`` with ``"warmup_steps": N`` reduces plainly for N
-optimizer steps while a :class:`~comm_codec.profiler.WarmupProfiler` observes the buckets,
-then builds the books from statistics summed over the data-parallel group (identical by
-construction, checked by digest), exactly as :class:`comm_codec.ddp.HuffmanState` does --
-the plugin keeps one as its state.
+**Warmup.** ``"warmup_steps": N`` reduces plainly for N optimizer steps while a
+:class:`~comm_codec.profiler.WarmupProfiler` observes the buckets, then builds the books
+from statistics summed over the data-parallel group (identical by construction, checked
+by digest), exactly as ``HuffmanState(warmup_steps=N)`` does -- the plugin keeps one as
+its state. (``"codebooks": "online"`` says the same explicitly; without warmup the
+shipped books, or a saved file's, code from the first step.)
+
+**Mode.** ``"mode": "auto"`` (the default) codes only where that measures faster on this
+run, ``"always"`` codes every step after warmup, ``"never"`` leaves DeepSpeed's
+reduction alone; ``recheck_every``, ``probe_steps`` and ``hysteresis`` tune auto as in
+:class:`comm_codec.ddp.HuffmanState`. A step's mode is decided at its first reduction,
+the same on every rank.
 """
 
 from __future__ import annotations
@@ -75,6 +82,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
+from .autoswitch import MODES
 from .codebooks import KINDS, CodebookSet
 from .ddp import HuffmanState
 from .huffman import CodebookError
@@ -106,8 +114,13 @@ class CommCodecConfig(pydantic.BaseModel):
     Attributes:
         enabled: install the codec (a present section defaults to true).
         codebooks: ``"default"`` (the shipped books), ``"online"`` (built from the first
-            ``warmup_steps`` steps), or the path of a saved :class:`CodebookSet`.
-        warmup_steps: optimizer steps reduced plainly while profiling; ``"online"`` only.
+            ``warmup_steps`` steps), or the path of a saved :class:`CodebookSet`; unset:
+            ``"online"`` when ``warmup_steps`` > 0, else ``"default"``.
+        warmup_steps: optimizer steps reduced plainly while profiling; they build the
+            books online (as ``HuffmanState(warmup_steps=...)``).
+        mode: ``"auto"``, ``"always"`` or ``"never"``, as for HuffmanState.
+        recheck_every, probe_steps, hysteresis: auto mode's measurement, as for
+            HuffmanState.
         kinds: the traffic to code, by codebook kind; the plugin codes gradient reduction
             (``["gradient"]``).
         cast: null (lossless) or ``"bf16"``: fp32 buckets are rounded to bf16 before
@@ -125,8 +138,12 @@ class CommCodecConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", strict=True, frozen=True)
 
     enabled: bool = True
-    codebooks: str = "default"
+    codebooks: Optional[str] = None
     warmup_steps: int = pydantic.Field(0, ge=0)
+    mode: str = "auto"
+    recheck_every: int = pydantic.Field(200, ge=1)
+    probe_steps: int = pydantic.Field(4, ge=1)
+    hysteresis: float = pydantic.Field(0.05, ge=0, lt=1)
     kinds: list[str] = pydantic.Field(default_factory=lambda: ["gradient"], min_length=1)
     cast: Optional[str] = None
     log_every: int = pydantic.Field(50, ge=0)
@@ -139,8 +156,8 @@ class CommCodecConfig(pydantic.BaseModel):
 
     @pydantic.field_validator("codebooks")
     @classmethod
-    def _codebook_source(cls, value: str) -> str:
-        if value in ("default", "online"):
+    def _codebook_source(cls, value):
+        if value is None or value in ("default", "online"):
             return value
         if not os.path.isfile(value):
             raise ValueError(f"codebook file {value!r} not found; expected \"default\", \"online\" or the "
@@ -158,6 +175,13 @@ class CommCodecConfig(pydantic.BaseModel):
                                  f"reduction); allowed: {list(_SUPPORTED_KINDS)}")
         return value
 
+    @pydantic.field_validator("mode")
+    @classmethod
+    def _mode(cls, value):
+        if value not in MODES:
+            raise ValueError(f"unknown mode {value!r}; allowed: " + ", ".join(f'"{m}"' for m in MODES))
+        return value
+
     @pydantic.field_validator("cast")
     @classmethod
     def _cast(cls, value):
@@ -170,9 +194,11 @@ class CommCodecConfig(pydantic.BaseModel):
         if self.codebooks == "online" and self.warmup_steps == 0:
             raise ValueError("codebooks \"online\" needs warmup_steps >= 1 (the steps whose statistics "
                              "build the books)")
-        if self.codebooks != "online" and self.warmup_steps:
-            raise ValueError(f"warmup_steps applies to codebooks \"online\" only; with codebooks "
-                             f"{self.codebooks!r} set warmup_steps to 0")
+        if self.codebooks not in (None, "online") and self.warmup_steps:
+            raise ValueError(f"warmup_steps builds the books online, but codebooks is {self.codebooks!r}: "
+                             "drop codebooks (or set it to \"online\") to build them, or set warmup_steps to 0")
+        if self.codebooks is None:
+            object.__setattr__(self, "codebooks", "online" if self.warmup_steps else "default")
         if self.refresh_threshold is not None and not self.drift_every:
             raise ValueError("refresh_threshold needs drift_every > 0 (drift is what triggers a refresh)")
         return self
@@ -327,9 +353,9 @@ def _check_engine(engine) -> None:
 
 # -- the plugin ---------------------------------------------------------------------------
 class _Plugin:
-    """What the plugin keeps per engine: its config, a HuffmanState, the step flag."""
+    """What the plugin keeps per engine: its config, a HuffmanState, the step flags."""
 
-    __slots__ = ("config", "state", "engine", "_coded_this_step")
+    __slots__ = ("config", "state", "engine", "_coded_this_step", "_step_open")
 
     def __init__(self, engine, config: CommCodecConfig):
         books = None
@@ -344,12 +370,14 @@ class _Plugin:
                 process_group=engine.data_parallel_group, codebooks=books, warmup_steps=config.warmup_steps,
                 cast=config.cast, min_bucket_bytes=config.min_bucket_bytes, threads=config.threads,
                 log_every=config.log_every, drift_every=config.drift_every,
-                refresh_threshold=config.refresh_threshold, refresh_steps=config.refresh_steps)
+                refresh_threshold=config.refresh_threshold, refresh_steps=config.refresh_steps, mode=config.mode,
+                recheck_every=config.recheck_every, probe_steps=config.probe_steps, hysteresis=config.hysteresis)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"invalid \"{SECTION}\" section in the DeepSpeed config: {exc}") from None
         self.config = config
         self.engine = engine
         self._coded_this_step = False
+        self._step_open = False
 
     def reduce(self, tensor: torch.Tensor, group, dst: int | None = None) -> None:
         """Sum ``tensor`` over ``group`` in place: on every rank, or only on rank ``dst``.
@@ -372,17 +400,21 @@ class _Plugin:
 
     def _reduce(self, tensor, group, dst) -> None:
         st = self.state
+        if not self._step_open:  # the step's first reduction: settings check, books, mode
+            self._step_open = True
+            st._begin_step()
         coded = (tensor.dtype in _CODED and tensor.device.type == "cpu"
                  and tensor.numel() * tensor.element_size() >= st.min_bucket_bytes)
-        if not coded or st.warming_up:
-            if coded:
+        if not coded or not st._coding:
+            profiling = coded and st._profiling
+            if profiling:
                 st.profiler.observe(tensor, "gradient")
             if dst is None:
                 ds_dist.all_reduce(tensor, group=group)
             else:
                 ds_dist.reduce(tensor, ds_dist.get_global_rank(group, dst), group=group)
             st._stats.add(raw_calls=1)
-            if coded and dst is None:
+            if profiling and dst is None:
                 st.profiler.observe(tensor, "reduced_gradient")
             return
         st._ensure_books()
@@ -395,7 +427,7 @@ class _Plugin:
             st.profiler.observe(tensor, "gradient")
         cast = _CASTS[st.cast] if tensor.dtype == torch.float32 else None
         if dst is None:
-            collectives.all_reduce(tensor, st.codec, group, cast=cast, stats=st._stats)
+            collectives.all_reduce(tensor, st.codec, group, cast=cast, stats=st._stats, workspace=st._workspace)
             if refreshing:
                 st.profiler.observe(tensor, "reduced_gradient")
         else:
@@ -404,8 +436,8 @@ class _Plugin:
     def end_of_step(self) -> None:
         st = self.state
         st._end_of_step()
-        st._maybe_swap_books()
         self._coded_this_step = False
+        self._step_open = False
         engine = self.engine
         monitor = getattr(engine, "monitor", None)
         if (self.config.monitor and monitor is not None and monitor.enabled and self.config.log_every
@@ -577,9 +609,9 @@ def install(engine, config=None) -> None:
     engine.step = _wrap_step(plugin, engine.step)
     engine._comm_codec = plugin
     if engine.global_rank == 0:
-        log.info("comm_codec installed: ZeRO stage %d, %s, books %s, warmup %d, cast %s",
+        log.info("comm_codec installed: ZeRO stage %d, %s, books %s, warmup %d, cast %s, mode %s",
                  engine.zero_optimization_stage(), type(engine.optimizer).__name__, section.codebooks,
-                 section.warmup_steps, section.cast)
+                 section.warmup_steps, section.cast, section.mode)
 
 
 def initialize(*args, **kwargs):

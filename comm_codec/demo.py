@@ -151,7 +151,7 @@ def train(config: TrainConfig, group=None) -> dict:
     ddp = DistributedDataParallel(model, process_group=group)
     warmup = 0 if config.codebooks else config.warmup_steps
     state = HuffmanState(group, codebooks=config.codebooks, warmup_steps=warmup, cast=config.cast,
-                         threads=config.threads, log_every=0)
+                         threads=config.threads, log_every=0, mode="always")
     ddp.register_comm_hook(state, huffman_hook)
     opt = torch.optim.AdamW(ddp.parameters(), lr=_LR)
     data = batches(load_corpus(), config.batch, model.seq_len, seed=config.seed, rank=rank, world_size=world)

@@ -401,19 +401,20 @@ def _w_errors(rank, world):
     codec = cc.Codec()
 
     # (1) Phase 1: rank 1 receives a corrupted shard from rank 0.
-    real_frames = collectives._Exchange.frames
+    real_received = collectives._Stage.received
 
-    def bad_frames(self):
-        received = real_frames(self)
-        received[0] = _flip_payload_byte(received[0])
-        return received
+    def bad_received(self):
+        phase1, phase2 = real_received(self)
+        if phase1[0].numel():
+            phase1[0] = _flip_payload_byte(phase1[0])
+        return phase1, phase2
 
     if rank == 1:
-        collectives._Exchange.frames = bad_frames
+        collectives._Stage.received = bad_received
     try:
         out["phase1"] = _catch(lambda: collectives.all_reduce(_float_input(rank, n, torch.bfloat16), codec))
     finally:
-        collectives._Exchange.frames = real_frames
+        collectives._Stage.received = real_received
 
     # (2) Phase 2: rank 0's reduced shard is corrupted after encoding.
     bad = cc.Codec()

@@ -150,7 +150,7 @@ def _w_exact(rank, world, dtype_name, steps, warmup, model_kw=None, ddp_kw=None,
     model = _Net(**(model_kw or {})).to(dtype)
     ref = copy.deepcopy(model)
     ddp = DDP(model, **(ddp_kw or {}))
-    state = HuffmanState(warmup_steps=warmup, min_bucket_bytes=0, cast=cast, **(state_kw or {}))
+    state = HuffmanState(warmup_steps=warmup, min_bucket_bytes=0, cast=cast, **dict({"mode": "always"}, **(state_kw or {})))
     rec = _Recorder(state)
     ddp.register_comm_hook(rec, _recording_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
@@ -291,7 +291,8 @@ def _w_train(rank, world, steps):
         ddp = DDP(model, process_group=group, bucket_cap_mb=0.05)
         state = None
         if mode != "plain":
-            state = HuffmanState(process_group=group, cast="bf16" if mode == "huffman_bf16" else None)
+            state = HuffmanState(process_group=group, cast="bf16" if mode == "huffman_bf16" else None,
+                                 mode="always")
             ddp.register_comm_hook(state, huffman_hook)
         opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
         data = batches(corpus, batch_size=4, seq_len=32, seed=1, rank=rank, world_size=world)
@@ -365,7 +366,7 @@ def _w_pickle(rank, world):
         torch.manual_seed(0)
         model = _Net()
         ddp = DDP(model, process_group=group)
-        state = HuffmanState(process_group=group, warmup_steps=warmup, min_bucket_bytes=0)
+        state = HuffmanState(process_group=group, warmup_steps=warmup, min_bucket_bytes=0, mode="always")
         ddp.register_comm_hook(state, huffman_hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         for step in range(steps):
@@ -508,13 +509,13 @@ def _w_errors(rank, world, other_books_path):
     torch.manual_seed(0)
     ddp = DDP(_Net(), bucket_cap_mb=0.01)
     books = other_books_path if rank == 1 else None
-    ddp.register_comm_hook(HuffmanState(codebooks=books, min_bucket_bytes=0), huffman_hook)
+    ddp.register_comm_hook(HuffmanState(codebooks=books, min_bucket_bytes=0, mode="always"), huffman_hook)
     out["books"] = _one_backward(ddp, rank)
 
     # (b) the last rank flips one payload byte of the first frame it sends (to rank 0).
     torch.manual_seed(0)
     ddp = DDP(_Net(), bucket_cap_mb=0.01)
-    state = HuffmanState(min_bucket_bytes=0)
+    state = HuffmanState(min_bucket_bytes=0, mode="always")
     if rank == world - 1:
         encode = state.codec.encode
         corrupted = []
@@ -600,7 +601,7 @@ def _w_pickle_at_end_of_warmup(rank, world):
     torch.manual_seed(0)
     model = _Net()
     ddp = DDP(model)
-    state = HuffmanState(warmup_steps=2, min_bucket_bytes=0)
+    state = HuffmanState(warmup_steps=2, min_bucket_bytes=0, mode="always")
     ddp.register_comm_hook(state, huffman_hook)
     for step in range(2):
         x, y = _batch(rank, step, torch.float32)

@@ -59,8 +59,9 @@ CASES = [(f"zero{stage}-{dtype}", stage, dtype, {}, {}) for stage in (0, 1, 2) f
     # "reduce_scatter": false: DeepSpeed's gradient_reduction_w_predivide.
     ("zero2-bf16-allreduce", 2, "bf16", {}, {"reduce_scatter": False}),
 ]
-WARMUP = ("zero2-bf16-online", 2, "bf16", {"codebooks": "online", "warmup_steps": 2}, {})
-CAST = ("zero0-fp32-cast", 0, "fp32", {"cast": "bf16"}, {})
+# The natural config: warmup_steps alone means books built online (issue #13).
+WARMUP = ("zero2-bf16-online", 2, "bf16", {"warmup_steps": 2, "mode": "always"}, {})
+CAST = ("zero0-fp32-cast", 0, "fp32", {"cast": "bf16", "mode": "always"}, {})
 
 
 # ----------------------------------------------------------------------------------------
@@ -133,7 +134,8 @@ def _w_deepspeed(rank, world, bad_books_path, monitor_dir):
     out = {}
     for name, stage, dtype, section, zero_extra in CASES:
         base, no_stats, _ = _train(rank, stage, dtype, {"enabled": False}, zero_extra, STEPS)
-        losses, stats, digests = _train(rank, stage, dtype, dict({"enabled": True}, **section), zero_extra, STEPS)
+        losses, stats, digests = _train(rank, stage, dtype, dict({"enabled": True, "mode": "always"}, **section),
+                                        zero_extra, STEPS)
         out[name] = {"base": base, "plugin": losses, "stats": stats, "digests": digests, "no_stats": no_stats,
                      "torch_threads": torch.get_num_threads()}  # dist_utils pins 1; coding must not move it
     name, stage, dtype, section, zero_extra = WARMUP
@@ -271,7 +273,9 @@ def test_coding_leaves_torch_thread_count_alone(ds_results):
     ({"warmup_steps": "5", "codebooks": "online"}, "comm_codec.warmup_steps: Input should be a valid integer (got '5')"),
     ({"enabled": "yes"}, "comm_codec.enabled: Input should be a valid boolean"),
     ({"codebooks": "online"}, "comm_codec: codebooks \"online\" needs warmup_steps >= 1"),
-    ({"warmup_steps": 3}, "warmup_steps applies to codebooks \"online\" only"),
+    ({"warmup_steps": 3, "codebooks": "default"}, "warmup_steps builds the books online, but codebooks is 'default'"),
+    ({"mode": "sometimes"}, "comm_codec.mode: unknown mode 'sometimes'; allowed: \"auto\", \"always\", \"never\""),
+    ({"hysteresis": 1.5}, "comm_codec.hysteresis: Input should be less than 1"),
     ({"kinds": ["weight"]}, "comm_codec.kinds: kind 'weight' is not coded by the DeepSpeed plugin"),
     ({"kinds": ["bogus"]}, "comm_codec.kinds: unknown tensor kind 'bogus'; allowed: ['gradient']"),
     ({"kinds": []}, "comm_codec.kinds: List should have at least 1 item"),
@@ -297,7 +301,10 @@ def test_config_section_from_file_and_defaults(tmp_path):
     path.write_text(json.dumps({"train_batch_size": 2, "comm_codec": {"cast": "bf16"}}))
     section = ccds.parse_config(str(path))
     assert section.enabled and section.cast == "bf16" and section.codebooks == "default"
-    assert section.kinds == ["gradient"] and section.warmup_steps == 0
+    assert section.kinds == ["gradient"] and section.warmup_steps == 0 and section.mode == "auto"
+    # warmup_steps alone means books built online, as HuffmanState(warmup_steps=3) does.
+    natural = ccds.parse_config({"comm_codec": {"enabled": True, "warmup_steps": 3}})
+    assert natural.codebooks == "online" and natural.warmup_steps == 3
     assert ccds.parse_config({"train_batch_size": 2}) is None
     with pytest.raises(ValueError, match="must be an object"):
         ccds.parse_config({"comm_codec": True})
