@@ -38,7 +38,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["MODES", "AutoSwitch", "check_mode", "decide"]
+__all__ = ["MODES", "AutoSwitch", "agree", "check_mode", "decide"]
 
 log = logging.getLogger(__name__)
 
@@ -182,32 +182,60 @@ class AutoSwitch:
     def _agree(self, step: int, group, device) -> None:
         """Gather every rank's medians, check them, and decide the same on every rank."""
         plain, coded = self._samples[False], self._samples[True]
-        mine = [float(step), len(plain), _median(plain), len(coded), _median(coded)]
         self._samples = {True: [], False: []}
-        rows = _gather_rows(mine, group, device)
-        _check_rows(rows, step)
-        plain_s = max(r[2] for r in rows)
-        coded_s = max(r[4] for r in rows)
         before = self.coded
-        self.coded = decide(before, plain_s, coded_s, self.hysteresis)
+        self.decision = agree(plain, coded, step, group, self.hysteresis, incumbent=before, device=device,
+                              recheck_every=self.recheck_every)
+        self.coded = self.decision["coded"]
         if before is not None and self.coded != before:
             self.switches += 1
         self._next_probe = step + self.recheck_every
-        self.decision = {"coded": self.coded, "step": step, "plain_ms": 1e3 * plain_s, "coded_ms": 1e3 * coded_s,
-                         "per_rank_ms": [[1e3 * r[2], 1e3 * r[4]] for r in rows],
-                         "reason": self._reason(plain_s, coded_s, before)}
         if _rank(group) == 0:
             log.info("comm_codec: %s", self.decision["reason"])
 
-    def _reason(self, plain_s: float, coded_s: float, before) -> str:
-        what = ("compressing pays here: {c:.0f} vs {p:.0f} ms/step plain" if self.coded else
-                "plain all-reduce is faster here: {p:.0f} vs {c:.0f} ms/step compressed")
-        words = what.format(p=1e3 * plain_s, c=1e3 * coded_s)
-        if before is not None and self.coded == before:
-            words += f" (kept: a switch needs a {100 * self.hysteresis:.0f} % gain)"
-        elif before is not None:
-            words = "switched: " + words
-        return words + f"; re-checking every {self.recheck_every} steps"
+
+def agree(plain_s: list[float], coded_s: list[float], step: int, group=None, hysteresis: float = 0.05, *,
+          incumbent: bool | None = None, device=None, recheck_every: int | None = None) -> dict:
+    """Decide from every rank's timings of both modes, the same on every rank (collective).
+
+    Each rank's medians go to one all-gather; the slowest rank's median per mode is
+    what :func:`decide` weighs.
+
+    Args:
+        plain_s, coded_s: this rank's times (seconds) of plain and of coded runs of the
+            same work (whole steps, or all-reduces of the same buffer).
+        step: the step the decision is made at (checked to be the same on every rank).
+        group: the process group (None: the default one; or no group initialized).
+        hysteresis, incumbent: as for :func:`decide`.
+        device: the device of the gathered tensor (NCCL: a CUDA device).
+        recheck_every: said in the reason, if given.
+
+    Returns:
+        ``{"coded", "step", "plain_ms", "coded_ms", "per_rank_ms", "reason"}``.
+
+    Raises:
+        RuntimeError: the ranks' steps differ or a rank has no valid times (every rank).
+    """
+    mine = [float(step), len(plain_s), _median(plain_s), len(coded_s), _median(coded_s)]
+    rows = _gather_rows(mine, group, device)
+    _check_rows(rows, step)
+    plain = max(r[2] for r in rows)
+    coded = max(r[4] for r in rows)
+    choice = decide(incumbent, plain, coded, hysteresis)
+    return {"coded": choice, "step": step, "plain_ms": 1e3 * plain, "coded_ms": 1e3 * coded,
+            "per_rank_ms": [[1e3 * r[2], 1e3 * r[4]] for r in rows],
+            "reason": _reason(choice, plain, coded, incumbent, hysteresis, recheck_every)}
+
+
+def _reason(coded: bool, plain_s: float, coded_s: float, before, hysteresis: float, recheck_every) -> str:
+    what = ("compressing pays here: {c:.0f} vs {p:.0f} ms/step plain" if coded else
+            "plain all-reduce is faster here: {p:.0f} vs {c:.0f} ms/step compressed")
+    words = what.format(p=1e3 * plain_s, c=1e3 * coded_s)
+    if before is not None and coded == before:
+        words += f" (kept: a switch needs a {100 * hysteresis:.0f} % gain)"
+    elif before is not None:
+        words = "switched: " + words
+    return words + (f"; re-checking every {recheck_every} steps" if recheck_every else "")
 
 
 def _median(values: list[float]) -> float:

@@ -416,9 +416,8 @@ class HuffmanState:
 def _group_timeout(group):
     """The timeout of ``group``'s backend for its default device, or None if unknown."""
     try:
-        device = dist.distributed_c10d._get_pg_default_device(group)
-        return group._get_backend(device).options._timeout
-    except (AttributeError, RuntimeError, ValueError):  # a backend without options: torch's default
+        return group._get_backend(group._device_types[0]).options._timeout
+    except (AttributeError, IndexError, RuntimeError, ValueError):  # no such backend options: torch's default
         return None
 
 

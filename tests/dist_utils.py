@@ -9,6 +9,12 @@ Two ways to run ``fn(rank, world_size, *args, **kwargs)`` on every rank:
 * :func:`run_fresh` starts a group for one call and shuts it down, and also fails if a
   rank does not exit afterwards. For tests that leave a process group or DDP reducer in
   an unknown state (errors raised inside backward), and for "no rank hangs" checks.
+* :func:`run_outcomes` is :func:`run_fresh` for fault tests in which a rank is meant to
+  die or fail: it returns every rank's outcome (returned, raised, died, hung) instead of
+  raising, so the test can check what the *other* ranks did.
+
+``pg_timeout`` (run_fresh, run_outcomes) sets the gloo group's timeout, as a user's
+``init_process_group(timeout=...)`` does.
 
 Ranks are started with ``spawn`` (numba's OpenMP layer is not fork-safe), with one torch
 thread and ``NUMBA_NUM_THREADS=1``. ``fn`` must be a module-level function of an
@@ -33,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["WorkerFailure", "WorkerGroup", "run", "run_fresh", "free_port", "DEFAULT_TIMEOUT"]
+__all__ = ["WorkerFailure", "WorkerGroup", "run", "run_fresh", "run_outcomes", "free_port", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 90.0  # seconds for one call on all ranks
 _PG_TIMEOUT = 60.0  # gloo's own timeout: a stuck collective raises (with a traceback) first
@@ -107,7 +113,7 @@ class WorkerGroup:
         env: extra environment variables for the ranks.
     """
 
-    def __init__(self, world_size: int, env: dict | None = None):
+    def __init__(self, world_size: int, env: dict | None = None, pg_timeout: float = _PG_TIMEOUT):
         self.world_size = world_size
         self.broken = False
         ctx = mp.get_context("spawn")
@@ -116,7 +122,7 @@ class WorkerGroup:
         with _child_env(env):
             for rank in range(world_size):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_worker_main, args=(rank, world_size, port, child, _PG_TIMEOUT),
+                proc = ctx.Process(target=_worker_main, args=(rank, world_size, port, child, pg_timeout),
                                    name=f"gloo-rank{rank}", daemon=True)
                 proc.start()
                 child.close()
@@ -140,42 +146,11 @@ class WorkerGroup:
         return [pickle.loads(v) for v in self._collect(name, timeout)]
 
     def _collect(self, what: str, timeout: float) -> list:
+        replies, dead, waited = self._wait_replies(timeout)
         world = self.world_size
-        replies: dict[int, tuple] = {}
-        deadline = time.monotonic() + timeout
-        first_error = None
-        waiting = {self._conns[r]: r for r in range(world)}
-        sentinels = {self._procs[r].sentinel: r for r in range(world)}
-        dead: dict[int, int | None] = {}
-        while len(replies) + len(dead) < world:
-            now = time.monotonic()
-            limit = deadline if first_error is None else min(deadline, first_error + _ERROR_GRACE)
-            if now >= limit:
-                break
-            ready = multiprocessing.connection.wait(list(waiting) + list(sentinels), timeout=limit - now)
-            for obj in ready:
-                if obj in waiting:
-                    rank = waiting[obj]
-                    try:
-                        replies[rank] = obj.recv()
-                    except (EOFError, OSError):
-                        continue  # the sentinel will say it died
-                    del waiting[obj]
-                    if replies[rank][0] == "error" and first_error is None:
-                        first_error = time.monotonic()
-            for obj in ready:
-                if obj in sentinels:
-                    rank = sentinels.pop(obj)
-                    if rank not in replies:
-                        self._procs[rank].join(1)
-                        dead[rank] = self._procs[rank].exitcode
-                        waiting = {c: r for c, r in waiting.items() if r != rank}
-                        if first_error is None:
-                            first_error = time.monotonic()
         failed = len(replies) < world or any(status != "ok" and status != "ready" for status, _ in replies.values())
         if not failed:
             return [replies[r][1] for r in range(world)]
-        waited = time.monotonic() - (deadline - timeout)
         lines = [f"{what} failed on {world} gloo ranks:"]
         for rank in range(world):
             if rank in replies and replies[rank][0] == "error":
@@ -188,6 +163,75 @@ class WorkerGroup:
                 lines.append(f"--- rank {rank} did not answer in {waited:.0f} s (hung; limit {timeout:.0f} s)")
         self.kill()
         raise WorkerFailure("\n".join(lines))
+
+    def outcomes(self, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list[dict]:
+        """Run fn on every rank; return each rank's outcome instead of raising.
+
+        Returns:
+            One dict per rank: ``{"status": "ok", "value": ...}``, ``{"status": "error",
+            "traceback": str}``, ``{"status": "died", "exitcode": int}`` or ``{"status":
+            "hung"}``, with ``"seconds"``: when the rank answered or died, from the start.
+        """
+        message = pickle.dumps((fn, args, kwargs))
+        for conn in self._conns:
+            conn.send(message)
+        start = time.monotonic()
+        replies, dead, _ = self._wait_replies(timeout, stop_early=False, start=start)
+        out = []
+        for rank in range(self.world_size):
+            if rank in replies:
+                status, payload, when = replies[rank]
+                out.append({"status": "ok", "value": pickle.loads(payload), "seconds": when} if status == "ok"
+                           else {"status": "error", "traceback": payload, "seconds": when})
+            elif rank in dead:
+                out.append({"status": "died", "exitcode": dead[rank][0], "seconds": dead[rank][1]})
+            else:
+                out.append({"status": "hung", "seconds": None})
+        return out
+
+    def _wait_replies(self, timeout: float, stop_early: bool = True, start: float | None = None):
+        """Collect replies until every rank answered or died, or the time is up.
+
+        With ``stop_early`` the others get _ERROR_GRACE seconds after a first failure;
+        without it, replies carry the time they came (seconds from ``start``) and dead
+        ranks their exit code and time.
+        """
+        world = self.world_size
+        replies: dict[int, tuple] = {}
+        start = time.monotonic() if start is None else start
+        deadline = time.monotonic() + timeout
+        first_error = None
+        waiting = {self._conns[r]: r for r in range(world)}
+        sentinels = {self._procs[r].sentinel: r for r in range(world)}
+        dead: dict[int, object] = {}
+        while len(replies) + len(dead) < world:
+            now = time.monotonic()
+            limit = deadline if first_error is None or not stop_early else min(deadline, first_error + _ERROR_GRACE)
+            if now >= limit:
+                break
+            ready = multiprocessing.connection.wait(list(waiting) + list(sentinels), timeout=limit - now)
+            for obj in ready:
+                if obj in waiting:
+                    rank = waiting[obj]
+                    try:
+                        reply = obj.recv()
+                    except (EOFError, OSError):
+                        continue  # the sentinel will say it died
+                    replies[rank] = reply if stop_early else (*reply, time.monotonic() - start)
+                    del waiting[obj]
+                    if reply[0] == "error" and first_error is None:
+                        first_error = time.monotonic()
+            for obj in ready:
+                if obj in sentinels:
+                    rank = sentinels.pop(obj)
+                    if rank not in replies:
+                        self._procs[rank].join(1)
+                        code = self._procs[rank].exitcode
+                        dead[rank] = code if stop_early else (code, time.monotonic() - start)
+                        waiting = {c: r for c, r in waiting.items() if r != rank}
+                        if first_error is None:
+                            first_error = time.monotonic()
+        return replies, dead, time.monotonic() - (deadline - timeout)
 
     def close(self, timeout: float = _EXIT_TIMEOUT) -> list[int]:
         """Ask every rank to leave; return the ranks that did not exit in time (killed)."""
@@ -239,14 +283,14 @@ def run(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) 
 
 
 def run_fresh(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, env: dict | None = None,
-              **kwargs) -> list:
+              pg_timeout: float = _PG_TIMEOUT, **kwargs) -> list:
     """Like :func:`run`, on ranks started for this call alone, which must then exit.
 
     Raises:
         WorkerFailure: a rank failed or hung, or did not exit within 20 s afterwards
             (a thread stuck in a collective keeps a process alive).
     """
-    group = WorkerGroup(world_size, env=env)
+    group = WorkerGroup(world_size, env=env, pg_timeout=pg_timeout)
     try:
         results = group.run(fn, *args, timeout=timeout, **kwargs)
     except BaseException:
@@ -256,6 +300,23 @@ def run_fresh(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, env:
     if stuck:
         raise WorkerFailure(f"ranks {stuck} returned but did not exit within {_EXIT_TIMEOUT:.0f} s (hung at exit)")
     return results
+
+
+def run_outcomes(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, env: dict | None = None,
+                 pg_timeout: float = _PG_TIMEOUT, **kwargs) -> list[dict]:
+    """Run fn on ranks started for this call; return every rank's outcome, never raise for it.
+
+    For fault tests: a rank may be meant to die, stall or raise. Ranks still running at
+    the end are killed.
+
+    Returns:
+        One dict per rank, as :meth:`WorkerGroup.outcomes` describes.
+    """
+    group = WorkerGroup(world_size, env=env, pg_timeout=pg_timeout)
+    try:
+        return group.outcomes(fn, *args, timeout=timeout, **kwargs)
+    finally:
+        group.kill()
 
 
 @atexit.register

@@ -592,6 +592,169 @@ def test_hook_error_reaches_user_as_a_readable_error(error_runs):
 
 
 # ----------------------------------------------------------------------------------------
+# 8. mode="auto": decisions agreed across ranks, switching mid-run, faults
+# ----------------------------------------------------------------------------------------
+# Step costs (seconds) injected through each rank's clock: (plain, coded) before step 6
+# and from step 6 on. Rank 0 finds coding faster throughout; rank 1 finds it faster at
+# first and much slower later: the slowest rank decides, and both switch together.
+COSTS = {0: ((1.0, 0.5), (1.0, 0.8)), 1: ((1.0, 0.6), (0.5, 1.5))}
+AUTO_KW = {"mode": "auto", "probe_steps": 1, "recheck_every": 3}
+# probe_steps=1, recheck_every=3: steps 0-2 probe (uncounted coded, plain, coded), the
+# decision at step 3, steady 3-5, probe 6-8, the second decision at step 9.
+AUTO_MODES = [True, False, True, True, True, True, True, False, True, False, False, False]
+
+
+def _w_auto(rank, world, steps, state_kw):
+    """Train with mode="auto" and injected step times; check every step's gradients."""
+    torch.manual_seed(0)
+    model = _Net()
+    ref = copy.deepcopy(model)
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    state = HuffmanState(min_bucket_bytes=0, **dict(AUTO_KW, **state_kw))
+    now = [0.0]
+
+    def clock():  # at a step's start: the step before cost what this rank's table says
+        if state.step:
+            phase = COSTS[rank % 2][0 if state.step - 1 < 6 else 1]
+            now[0] += phase[1] if state._coding else phase[0]
+        return now[0]
+
+    state.switch.clock = clock
+    ddp.register_comm_hook(state, huffman_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    modes, books = [], []
+    for step in range(steps):
+        x, y = _batch(rank, step, torch.float32)
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad(set_to_none=True)
+        _loss(ref(x), y).backward()
+        parts = _gather_bits(_flat_grads(ref))
+        opt.zero_grad()
+        _loss(ddp(x), y).backward()
+        got = _flat_grads(model)
+        modes.append(state._coding)
+        what = f"rank {rank} step {step} ({'coded' if state._coding else 'plain'})"
+        if state._coding:
+            _assert_bits(got, _rank_order_average(parts, torch.float32), what)
+        else:  # DDP's default hook: divide, then sum (exact for two ranks)
+            _assert_bits(got, parts[0] / 2 + parts[1] / 2, what)
+        books.append(state.codebooks.digest)
+        opt.step()
+    s = state.stats()
+    params = _digest(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return {"modes": modes, "decision": s["decision"], "switches": s["switches"], "probes": s["probes"],
+            "refreshes": s["refreshes"], "books": books, "params": params, "calls": s["calls"],
+            "raw_calls": s["raw_calls"]}
+
+
+@pytest.mark.parametrize("refresh", [False, True], ids=["plain", "with_refreshes"])
+def test_auto_mode_switches_mid_run_on_every_rank_at_the_same_step(refresh):
+    """Coding wins the first measurement and loses the second (rank 1's figures); every
+    rank codes and switches at the same steps, coded steps are the exact rank-order sum,
+    plain ones DDP's default, and parameters stay bit-identical. With refreshes, books are
+    also swapped at the steps where the decisions fall (steps 3 and 9)."""
+    state_kw = {"drift_every": 1, "refresh_threshold": 1e-12, "refresh_steps": 1} if refresh else {}
+    results = dist_utils.run(_w_auto, 2, len(AUTO_MODES), state_kw, timeout=60)
+    for r in results:
+        assert r["modes"] == AUTO_MODES
+        assert r["switches"] == 1 and r["probes"] == 2
+        assert r["decision"] == results[0]["decision"]
+        assert r["params"] == results[0]["params"]
+        assert r["books"] == results[0]["books"]
+        assert r["calls"] > 0 and r["raw_calls"] > 0
+    d = results[0]["decision"]
+    assert d["coded"] is False and d["step"] == 9
+    # The slowest rank per mode: plain 1.0 s (rank 0), coded 1.5 s (rank 1).
+    assert d["plain_ms"] == pytest.approx(1000.0) and d["coded_ms"] == pytest.approx(1500.0)
+    assert d["per_rank_ms"] == [pytest.approx([1000.0, 800.0]), pytest.approx([500.0, 1500.0])]
+    assert d["reason"] == "switched: plain all-reduce is faster here: 1000 vs 1500 ms/step compressed; " \
+                          "re-checking every 3 steps"
+    if refresh:
+        assert results[0]["refreshes"] >= 3
+        assert len(set(results[0]["books"])) >= 3
+
+
+def _w_different_settings(rank, world, settings):
+    torch.manual_seed(0)
+    ddp = DDP(_Net(), bucket_cap_mb=0.01)
+    ddp.register_comm_hook(HuffmanState(mode="always", **settings[rank]), huffman_hook)
+    return _one_backward(ddp, rank)
+
+
+@pytest.mark.parametrize("name, settings, phrase", [
+    ("min_bucket_bytes", [{"min_bucket_bytes": 4096}, {"min_bucket_bytes": 0}],
+     "min_bucket_bytes is 4096 on rank 0 but 0 on rank 1"),
+    ("warmup_steps", [{"warmup_steps": 2}, {"warmup_steps": 3}], "warmup_steps is 2 on rank 0 but 3 on rank 1"),
+])
+def test_ranks_configured_differently_raise_on_every_rank_at_the_first_step(name, settings, phrase):
+    results = dist_utils.run_fresh(_w_different_settings, 2, settings, timeout=30)
+    for r in results:
+        assert r is not None, "a rank trained on with settings different from its peer's"
+        assert f"HuffmanState differs across ranks: {phrase}; give every rank the same settings" in r["message"]
+
+
+def _w_dies_before_the_decision(rank, world):
+    """Rank 1 exits when the first decision is due; rank 0 must raise, not wait."""
+    import os
+    import time
+
+    torch.manual_seed(0)
+    ddp = DDP(_Net(), bucket_cap_mb=0.01)
+    state = HuffmanState(min_bucket_bytes=0, **AUTO_KW)
+    ddp.register_comm_hook(state, huffman_hook)
+    for step in range(4):
+        if step == 3 and rank == 1:
+            os._exit(3)
+        t0 = time.monotonic()
+        error = _one_backward(ddp, rank, step)
+        if error is not None:
+            return {"step": step, "error": error["message"].splitlines()[0], "seconds": time.monotonic() - t0}
+    return None
+
+
+def test_rank_dying_mid_decision_makes_the_others_raise():
+    outcomes = dist_utils.run_outcomes(_w_dies_before_the_decision, 2, timeout=60, pg_timeout=10)
+    assert outcomes[1]["status"] == "died" and outcomes[1]["exitcode"] == 3, outcomes[1]
+    assert outcomes[0]["status"] == "ok", outcomes[0]
+    survivor = outcomes[0]["value"]
+    assert survivor is not None, "rank 0 decided alone although its peer was gone"
+    assert survivor["step"] == 3 and survivor["seconds"] < 10 + 5, survivor
+
+
+STALL_TIMEOUT = 5  # the user's init_process_group(timeout=...), seconds
+
+
+def _w_stalled_peer(rank, world, sleep_s):
+    """Rank 1 stalls once compression has started; rank 0's next step must fail in time."""
+    import time
+
+    torch.manual_seed(0)
+    ddp = DDP(_Net(), bucket_cap_mb=0.01)
+    state = HuffmanState(min_bucket_bytes=0, mode="always")
+    ddp.register_comm_hook(state, huffman_hook)
+    for step in range(3):
+        if step == 2 and rank == 1:
+            time.sleep(sleep_s)
+        t0 = time.monotonic()
+        error = _one_backward(ddp, rank, step)
+        if error is not None:
+            return {"step": step, "seconds": time.monotonic() - t0, "message": error["message"]}
+    return {"step": None, "calls": state.stats()["calls"]}
+
+
+def test_stalled_peer_raises_within_the_users_timeout():
+    """Issue #18: the hook's own group used torch's 30-minute default whatever the user
+    set. With init_process_group(timeout=5 s), rank 0 must raise within seconds."""
+    outcomes = dist_utils.run_outcomes(_w_stalled_peer, 2, 3 * STALL_TIMEOUT, timeout=90,
+                                       pg_timeout=STALL_TIMEOUT)
+    assert outcomes[0]["status"] == "ok", outcomes[0]
+    waited = outcomes[0]["value"]
+    assert waited["step"] == 2, f"rank 0 did not fail at the stalled step: {waited}"
+    assert waited["seconds"] < 3 * STALL_TIMEOUT, waited  # the peer's stall, not the timeout, would be longer
+    assert "timed out" in waited["message"].lower() or "timeout" in waited["message"].lower(), waited["message"]
+
+
+# ----------------------------------------------------------------------------------------
 # Last in the file: configurations that failed when these tests were written (see the
 # report in each docstring). A failing multi-process test kills its worker group, so
 # they run after the others instead of making them pay for a restart.
