@@ -170,8 +170,8 @@ def _decode(codec: Codec, frame: torch.Tensor, numel: int, dtype, stats: CommSta
     return result if dtype is None or result.dtype == dtype else result.to(dtype)
 
 
-def _reduce_parts(parts, acc_dtype, average: bool, world: int, workspace: Workspace, device) -> torch.Tensor:
-    """Sum tensors in the given (rank) order in ``acc_dtype``; divide by world if averaging.
+def _reduce_parts(parts, acc_dtype, workspace: Workspace, device) -> torch.Tensor:
+    """Sum tensors in the given (rank) order in ``acc_dtype``.
 
     Every part is widened into a reused buffer before it is added: an in-place add of a
     bf16 tensor into a float32 one ran at a fifth of the speed of a float32 add here
@@ -194,9 +194,20 @@ def _reduce_parts(parts, acc_dtype, average: bool, world: int, workspace: Worksp
             wide = workspace.take("wide", part.numel(), acc_dtype, device)
             wide.copy_(part)
             acc.add_(wide)
-    if average:
-        acc.div_(world)
     return acc
+
+
+def _round_into(out: torch.Tensor, acc: torch.Tensor, average: bool, world: int) -> torch.Tensor:
+    """Write acc (divided by world when averaging) into out, rounded once to out's dtype.
+
+    One pass: the division runs in acc's dtype and its result is rounded as it is
+    stored, bit for bit what ``acc.div_(world)`` then ``out.copy_(acc)`` give.
+    """
+    if average:
+        torch.div(acc, world, out=out)
+    else:
+        out.copy_(acc)
+    return out
 
 
 def _encode_shards(tensor, bounds, codec, kind, cast, stats, rank) -> list[torch.Tensor]:
@@ -213,11 +224,12 @@ def _encode_shards(tensor, bounds, codec, kind, cast, stats, rank) -> list[torch
     return frames
 
 
-def _reduce_shard(received, tensor, bounds, codec, cast, average, stats, rank, world, workspace):
+def _reduce_shard(received, tensor, bounds, codec, cast, stats, rank, world, workspace):
     """Decode the shards received for this rank's slot and sum them in rank order.
 
     Returns:
-        ``(float32 accumulator (or the buffer dtype's), None)`` or ``(None, error message)``.
+        ``(float32 accumulator (or the buffer dtype's), None)`` or ``(None, error message)``;
+        the caller divides (for an average) and rounds, with :func:`_round_into`.
     """
     lo, hi = bounds[rank]
     coded = cast if cast is not None else tensor.dtype
@@ -236,7 +248,7 @@ def _reduce_shard(received, tensor, bounds, codec, cast, average, stats, rank, w
                 yield _decode(codec, received[r], hi - lo, None, stats, out=target)
 
     try:
-        return _reduce_parts(parts(), acc_dtype, average, world, workspace, tensor.device), None
+        return _reduce_parts(parts(), acc_dtype, workspace, tensor.device), None
     except (FrameError, ValueError, TypeError) as exc:
         return None, f"shard {rank} from rank {source[0]}: {exc}"
 
@@ -252,7 +264,7 @@ class _Stage:
     __slots__ = ("work", "recv", "splits", "send", "sizes", "p2_bytes")
 
     def __init__(self, p1: list[torch.Tensor] | None, p2: torch.Tensor | None, error: str | None,
-                 group, rank: int, world: int, device):
+                 group, rank: int, world: int, device, workspace: Workspace | None = None, slot: int = 0):
         empty = torch.empty(0, dtype=torch.uint8, device=device)
         self.p2_bytes = p2.numel() if p2 is not None else 0
         header = torch.zeros(world, 3, dtype=torch.int64)
@@ -273,8 +285,11 @@ class _Stage:
         self.sizes = sizes
         send_splits = [0 if d == rank else int(header[d, 0] + header[d, 1]) for d in range(world)]
         self.splits = [0 if r == rank else int(sizes[r, 0] + sizes[r, 1]) for r in range(world)]
-        self.send = torch.cat(chunks)  # kept alive until the stage completes
-        self.recv = torch.empty(sum(self.splits), dtype=torch.uint8, device=device)
+        # Reused buffers (fresh ones cost page faults): a stage's receive buffer is read
+        # while the next two stages fly, hence three slots; its send buffer until it completes.
+        workspace = workspace if workspace is not None else Workspace()
+        self.send = torch.cat(chunks, out=workspace.take(f"send{slot % 2}", sum(send_splits), torch.uint8, device))
+        self.recv = workspace.take(f"recv{slot % 3}", sum(self.splits), torch.uint8, device)
         self.work = dist.all_to_all_single(self.recv, self.send, output_split_sizes=self.splits,
                                            input_split_sizes=send_splits, group=group, async_op=True)
 
@@ -370,7 +385,7 @@ class _StagedAllReduce:
             if p1 is not None or p2 is not None:
                 stage = _Stage(outgoing.pop(p1) if p1 is not None else None,
                                reduced.pop(p2) if p2 is not None else None,
-                               self.error, self.group, self.rank, self.world, self.flat.device)
+                               self.error, self.group, self.rank, self.world, self.flat.device, self.workspace, s)
                 self._count_sent(p2, stage)
             # while the stage is on the wire:
             if s + 1 < count:
@@ -408,18 +423,18 @@ class _StagedAllReduce:
         if self.error:
             return empty
         piece, bounds = self.pieces[k], self.bounds[k]
-        acc, failed = _reduce_shard(received, piece, bounds, self.codec, self.cast, self.average, self.stats,
+        acc, failed = _reduce_shard(received, piece, bounds, self.codec, self.cast, self.stats,
                                     self.rank, self.world, self.workspace)
         if failed:
             self.error = failed
             return empty
         lo, hi = bounds[self.rank]
         own = piece[lo:hi]
-        if self.cast is None:
-            own.copy_(acc)  # rounded once to the buffer dtype; this rank's input is consumed
+        if self.cast is None:  # rounded once to the buffer dtype; this rank's input is consumed
+            _round_into(own, acc, self.average, self.world)
             return _encode(self.codec, own, self.reduced_kind, None, self.stats)
         rounded = self.workspace.take("rounded", hi - lo, self.cast, self.flat.device)
-        rounded.copy_(acc)  # rounded once to the cast dtype: what every rank receives
+        _round_into(rounded, acc, self.average, self.world)  # rounded once to the cast dtype: what all receive
         own.copy_(rounded)
         return _encode(self.codec, rounded, self.reduced_kind, None, self.stats)
 
@@ -472,9 +487,12 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], codec: 
         stage = _Stage(frames, None, None, group, rank, world, out.device)
         stats.add(bytes_out=_STAGE_HEADER * (world - 1))
         received, _ = stage.received()
-        acc, error = _reduce_shard(received, flat, bounds, codec, cast, average, stats, rank, world, workspace)
+        acc, error = _reduce_shard(received, flat, bounds, codec, cast, stats, rank, world, workspace)
         _agree_on_errors(error, group, out.device)
-        out.copy_(acc if cast is None else acc.to(cast))  # rounded once (to the cast dtype first)
+        if cast is None:
+            _round_into(out, acc, average, world)
+        else:  # rounded once to the cast dtype, then widened back
+            out.copy_(_round_into(workspace.take("rounded", n, cast, out.device), acc, average, world))
         stats.add(calls=1)
     return output
 

@@ -177,7 +177,8 @@ def _op_cast(dtype):
 
 def _op_huffman(cast):
     def op(buf, world, ctx):
-        collectives.all_reduce(buf, ctx["codec"], average=True, cast=cast, stats=ctx["stats"])
+        collectives.all_reduce(buf, ctx["codec"], average=True, cast=cast, stats=ctx["stats"],
+                               workspace=ctx.setdefault("workspace", collectives.Workspace()))
     return op
 
 
@@ -325,7 +326,8 @@ def _e2e(args, rank, world, threads):
         ddp = DistributedDataParallel(model)
         state = None
         if label == "huffman_hook":
-            state = HuffmanState(codebooks=os.path.join(args.data, "books.json"), threads=threads, log_every=0)
+            state = HuffmanState(codebooks=os.path.join(args.data, "books.json"), threads=threads, log_every=0,
+                                 mode="always")
             ddp.register_comm_hook(state, huffman_hook)
         opt = torch.optim.AdamW(ddp.parameters(), lr=_LR)
         data = batches(corpus, 8, model.seq_len, seed=args.seed, rank=rank, world_size=world)

@@ -8,6 +8,7 @@
 #   options: --stages LIST (0,2)  --dtypes LIST (fp32,bf16)  --steps N (12)  --warmup N (3)
 #            --d-model N (512)  --layers N (4)  --batch N (2)  --vocab N (256)
 #            --out DIR (/tmp/comm_codec_ds_bench)  --unshaped (also run on plain loopback)
+#   MODE=auto bash ... times the plugin in auto mode (default: MODE=always, coding every step)
 #   an embedding-heavy, BERT-sized vocabulary (its embedding gradient is mostly exact zeros):
 #   bash launch_scripts/bench_deepspeed.sh --vocab 30522 --d-model 256 --layers 2
 #
@@ -52,7 +53,7 @@ run() {  # run LABEL [ip netns exec NS]
     timeout -k 10 1500 "$@" env GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 \
         "$PY" -m torch.distributed.run --nnodes 1 --nproc-per-node 2 --master-addr 127.0.0.1 \
         --master-port "$port" launch_scripts/train_deepspeed.py --matrix --stages "$STAGES" \
-        --dtypes "$DTYPES" --steps "$STEPS" --codebooks online --warmup-steps "$WARMUP" \
+        --dtypes "$DTYPES" --steps "$STEPS" --warmup-steps "$WARMUP" --mode "${MODE:-always}" \
         --d-model "$DMODEL" --layers "$LAYERS" --vocab "$VOCAB" --seq-len 64 --batch-size "$BATCH" \
         --json "$OUT/$(echo "$label" | tr -cd '[:alnum:]')_v$VOCAB.json"
 }

@@ -58,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtypes", default="fp32,bf16", help="dtypes for --matrix (default: %(default)s)")
     p.add_argument("--codebooks", help='override comm_codec.codebooks ("default", "online" or a path)')
     p.add_argument("--warmup-steps", type=int, help="override comm_codec.warmup_steps")
+    p.add_argument("--mode", choices=("auto", "always", "never"), help="override comm_codec.mode")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--vocab", type=int, default=256,
                    help="embedding/output rows (default 256: bytes); a BERT-like 30522 makes the "
@@ -159,6 +160,8 @@ def main(argv=None) -> int:
         section["codebooks"] = args.codebooks
     if args.warmup_steps is not None:
         section["warmup_steps"] = args.warmup_steps
+    if args.mode is not None:
+        section["mode"] = args.mode
     if args.batch_size:
         base["train_micro_batch_size_per_gpu"] = args.batch_size
         base.pop("train_batch_size", None)
