@@ -754,6 +754,22 @@ def test_stalled_peer_raises_within_the_users_timeout():
     assert "timed out" in waited["message"].lower() or "timeout" in waited["message"].lower(), waited["message"]
 
 
+def _w_demo(rank, world):
+    from comm_codec.demo import TrainConfig, train
+
+    return train(TrainConfig(steps=4, warmup_steps=2))
+
+
+def test_demo_codes_always_and_says_what_auto_would_decide():
+    results = dist_utils.run(_w_demo, 2, timeout=60)
+    for s in results:
+        assert s["identical"] and s["coded_steps"] == 2 and s["bytes_saved"] > 0
+        auto = s["auto"]
+        assert auto == results[0]["auto"]  # agreed: the same verdict on every rank
+        assert isinstance(auto["coded"], bool) and auto["plain_ms"] > 0 and auto["coded_ms"] > 0
+        assert ("compressing pays here" if auto["coded"] else "plain all-reduce is faster here") in auto["reason"]
+
+
 # ----------------------------------------------------------------------------------------
 # Last in the file: configurations that failed when these tests were written (see the
 # report in each docstring). A failing multi-process test kills its worker group, so
