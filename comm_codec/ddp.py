@@ -122,7 +122,7 @@ class HuffmanState:
         "drift_every", "refresh_threshold", "refresh_steps", "mode",
         # internal state
         "codebooks", "codec", "profiler", "step", "verified", "switch", "_executor", "_pid", "_refresh_until",
-        "_comm_group", "_checked", "_coding", "_workspace",
+        "_comm_group", "_checked", "_coding", "_workspace", "_node_threads",
         # statistics
         "_stats", "drift", "refreshes",
     )
@@ -189,6 +189,7 @@ class HuffmanState:
         self._checked = False
         self._coding = False
         self._workspace = collectives.Workspace()
+        self._node_threads = None  # default_threads() of this node, found at the first step
         self._stats = CommStats()
 
     # -- public -------------------------------------------------------------------------
@@ -301,12 +302,15 @@ class HuffmanState:
                     raise ValueError(
                         f"HuffmanState differs across ranks: {name} is {first.get(name)!r} on rank 0 but "
                         f"{theirs.get(name)!r} on rank {rank}; give every rank the same settings")
-        if self.threads is None and self.codec is not None:
-            host = socket.gethostname()
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or sum(h == host for _, h in seen)
-            self.threads = default_threads(local)
-            self.codec.threads = self.threads
+        host = socket.gethostname()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or sum(h == host for _, h in seen)
+        self._node_threads = default_threads(local)
+        if self.codec is not None:
+            self.codec.threads = self._codec_threads()
         self._checked = True
+
+    def _codec_threads(self) -> int | None:
+        return self.threads if self.threads is not None else self._node_threads
 
     def _shared_settings(self) -> dict:
         """The settings that change which collectives a rank issues (and the step it is at)."""
@@ -373,7 +377,7 @@ class HuffmanState:
                 raise RuntimeError("warmup ended without observing any gradient bucket")
             self.codebooks = self.profiler.build(self._group(), meta={"source": "online DDP warmup",
                                                                       "steps": self.warmup_steps})
-            self.codec = Codec(self.codebooks, threads=self.threads)
+            self.codec = Codec(self.codebooks, threads=self._codec_threads())
             self.profiler = None
         if not self.verified:
             check_same_books(self.codebooks, self._group())
@@ -406,7 +410,7 @@ class HuffmanState:
             return
         books = self.profiler.build(self._group(), meta={"source": "DDP refresh", "step": self.step})
         self.codebooks = books
-        self.codec = Codec(books, threads=self.threads)
+        self.codec = Codec(books, threads=self._codec_threads())
         self.profiler = None
         self._refresh_until = None
         self.refreshes += 1

@@ -146,3 +146,21 @@ def test_pickled_switch_keeps_its_decision_and_probes_again_on_resume():
     drive = _Steps(clone, lambda step, coded: 0.1)
     assert drive.run(1) == [True]  # the resumed run measures first (a new run, maybe a new link)
     assert clone.probes == sw.probes + 1
+
+
+def test_default_threads_is_the_ranks_share_of_the_cores(monkeypatch):
+    import os
+
+    import numba
+    import torch
+
+    from comm_codec.ddp import default_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 8)
+    assert [default_threads(n) for n in (1, 2, 4, 16)] == [8, 4, 2, 1]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # never more than torch computes with
+    assert default_threads(1) == 2
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 1)
+    assert default_threads(1) == 1
