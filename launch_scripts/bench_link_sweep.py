@@ -562,6 +562,14 @@ def print_summary(results: list[dict]) -> None:
                     tag = " C" if rows[c].get("coded") else " P"
                 cells.append(f"{rows[c]['ms']:>10.0f} ({x:.2f}x){tag:<2}".rjust(22))
             print(f"{_link_label(link['rate_gbit']):<12}" + "".join(cells))
+        print("fastest step (min; on shared cores the least disturbed by other processes), x = ratio to the "
+              "default's min:")
+        for link in links:
+            rows = link["rows"]
+            base = min(rows["default"]["ms_steps"])
+            print(f"{_link_label(link['rate_gbit']):<12}" + "".join(
+                f"{min(rows[c]['ms_steps']):>10.0f} ({min(rows[c]['ms_steps']) / base:.2f}x)  ".rjust(22)
+                if c in rows else f"{'-':>22}" for c in configs))
         print("comm CPU ms/step (CPU off the training thread: gloo, hook worker, codec):")
         for link in links:
             print(f"{_link_label(link['rate_gbit']):<12}" + "".join(
