@@ -113,6 +113,11 @@ class FSDPState:
         refresh_steps: steps profiled for a refresh.
         probe_steps: with mode "auto", steps of each arm in one A/B window.
         probe_every: with mode "auto", steps between the end of one window and the next.
+        overlap: return a ``Work`` from every all-gather, also those FSDP issues with
+            ``async_op=False``. FSDP waits on it before it copies the gathered
+            parameters out (torch 2.13), so the all-gather FSDP prefetches in backward runs
+            on the worker while the current layer computes, as it runs on its own stream
+            on a GPU. False: such calls return when done.
 
     Raises:
         ValueError: a bad mode, negative counts, both codebooks and warmup given, a
@@ -123,7 +128,7 @@ class FSDPState:
     __slots__ = (
         # what users tune
         "process_group", "warmup_steps", "mode", "min_bytes", "threads", "log_every", "drift_every",
-        "refresh_threshold", "refresh_steps",
+        "refresh_threshold", "refresh_steps", "overlap",
         # internal state
         "codebooks", "codec", "profiler", "step", "switch", "coding", "drift", "refreshes", "modules",
         "_refresh_until", "_measure_drift", "_drift_sample", "_twins", "_saved", "_executor", "_pid",
@@ -135,7 +140,7 @@ class FSDPState:
     def __init__(self, process_group=None, codebooks=None, warmup_steps: int = 0, mode: str = "auto",
                  min_bytes: int = 4096, threads: int | None = None, log_every: int = 50, drift_every: int = 0,
                  refresh_threshold: float | None = None, refresh_steps: int = 3, probe_steps: int = 3,
-                 probe_every: int = 200):
+                 probe_every: int = 200, overlap: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         for name, value, least in (("warmup_steps", warmup_steps, 0), ("min_bytes", min_bytes, 0),
@@ -161,6 +166,7 @@ class FSDPState:
         self.drift_every = drift_every
         self.refresh_threshold = refresh_threshold
         self.refresh_steps = refresh_steps
+        self.overlap = bool(overlap)
         if mode == "never":
             self.codebooks = None
         else:
@@ -548,14 +554,15 @@ class HuffmanAllGather(AllGather):
             async_op: return a ``Work`` whose ``wait()`` completes the decode.
 
         Returns:
-            A ``torch.distributed.Work`` when ``async_op``, else None (done).
+            A ``torch.distributed.Work`` when ``async_op`` or the state's ``overlap``,
+            else None (done).
 
         Raises:
             CollectiveError: on every rank, if a frame failed to decode on any rank.
         """
         state, name = self.state, self.name
         return state._call(lambda: state._all_gather(output_tensor, input_tensor, group, name), input_tensor,
-                           async_op)
+                           async_op or state.overlap)
 
 
 class _FutureWork(dist.Work):
