@@ -232,7 +232,12 @@ def _w_async_unshard(rank, world):
     work.wait()
     expect = torch.empty_like(out)
     _all_gather_single(expect, shard)
-    return {"same": all(torch.equal(bits[n], sync_bits[n]) for n in bits) and losses == sync_losses,
+    # overlap=False: a synchronous call is done when it returns.
+    state.overlap = False
+    sync_out = torch.empty_like(out)
+    returned = gather(sync_out, shard, dist.group.WORLD)
+    return {"sync": returned is None and torch.equal(sync_out.view(torch.int16), expect.view(torch.int16)),
+            "same": all(torch.equal(bits[n], sync_bits[n]) for n in bits) and losses == sync_losses,
             "handles": sum(h is not None for h in works), "is_work": is_work,
             "direct": torch.equal(out.view(torch.int16), expect.view(torch.int16)),
             "calls": state.gather_stats.calls}
@@ -355,7 +360,7 @@ def test_async_all_gather_returns_work():
     for r in dist_utils.run(_w_async_unshard, 2):
         assert r["same"], "prefetching with async_op=True changed the results"
         assert r["handles"] == 3 * 3
-        assert r["is_work"] and r["direct"] and r["calls"] == 1
+        assert r["is_work"] and r["direct"] and r["sync"] and r["calls"] == 2
 
 
 def test_frozen_parameters_of_another_dtype_travel_plainly():
@@ -407,3 +412,28 @@ def test_state_validates_options():
         ccf.FSDPState(refresh_threshold=0.1)
     with pytest.raises(TypeError, match="codebooks must be a CodebookSet"):
         ccf.FSDPState(codebooks=42)
+
+
+def _w_demo(rank, world):
+    from comm_codec.demo import TrainConfig
+    from comm_codec.fsdp_demo import train_fsdp
+
+    return train_fsdp(TrainConfig(steps=4, warmup_steps=2))
+
+
+def test_demo_trains_and_reports():
+    results = dist_utils.run(_w_demo, 2, timeout=120)
+    for s in results:
+        assert s["identical"] and s["steps"] == 4 and s["warmup_steps"] == 2
+        assert s["reduce_scatter_ratio"] > 1.0 and s["all_gather_ratio"] > 1.0
+        assert s["losses"][-1] < s["losses"][0]
+    assert results[0]["param_digest"] == results[1]["param_digest"]
+
+
+def test_demo_command_rejects_bad_options(capsys):
+    from comm_codec.fsdp_demo import main
+
+    assert main(["--world-size", "1"]) == 2
+    assert "--world-size must be >= 2" in capsys.readouterr().err
+    assert main(["--steps", "3", "--warmup-steps", "3"]) == 2
+    assert "--warmup-steps must be in 1..2" in capsys.readouterr().err
