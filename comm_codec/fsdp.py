@@ -64,6 +64,7 @@ from torch import nn
 from . import collectives
 from .codebooks import CodebookSet
 from .codec import Codec
+from .frame import FrameError
 from .profiler import WarmupProfiler, check_same_books, coding_cost
 from .stats import CommStats
 
@@ -337,8 +338,7 @@ class FSDPState:
         if self._measure_drift and self._drift_sample is None:
             fixed, optimal, _ = coding_cost(inp, self.codebooks, "gradient")
             self._drift_sample = fixed / optimal - 1.0 if optimal else 0.0
-        collectives.reduce_scatter(out, list(inp.view(world, n)), self.codec, twin, average=average,
-                                   kind="gradient", stats=self.reduce_stats)
+        _coded_reduce_scatter(out, inp.view(world, n), self.codec, twin, average, self.reduce_stats)
         if factor is not None:
             out.mul_(factor)
 
@@ -358,10 +358,7 @@ class FSDPState:
             _all_gather_single(out, inp, group=twin)
             self.gather_stats.add(raw_calls=1)
             return
-        # FSDP's input is this rank's row of the output (gathered in place); the collective
-        # encodes it before anything is written.
-        collectives.all_gather(list(out.view(world, n)), inp, self.codec, twin, kind="weight",
-                               stats=self.gather_stats)
+        _coded_all_gather(out.view(world, n), inp, self.codec, twin, self.gather_stats)
 
     # -- steps ------------------------------------------------------------------------------------
     def _arm_step_end(self) -> None:
@@ -584,6 +581,146 @@ class _FutureWork(dist.Work):
 
     def exception(self):
         return self._future.exception() if self._future.done() else None
+
+
+# -- the coded exchanges, pipelined ---------------------------------------------------------------
+# comm_codec.collectives' reduce_scatter and all_gather code a tensor in one piece; FSDP
+# moves a module's whole shard at once (tens of MB for an embedding), so these cut it into
+# up to _PIECES pieces as collectives.all_reduce does: piece k+1 is encoded while piece k is
+# on the wire, piece k-1 decoded meanwhile. Same frames, same rank-order sum, same errors
+# (raised on every rank as CollectiveError).
+_PIECES = 4
+_MIN_PIECE = 1 << 18  # elements of a piece, at least
+
+
+def _piece_bounds(n: int) -> list[tuple[int, int]]:
+    count = max(1, min(_PIECES, n // _MIN_PIECE))
+    return [(k * n // count, (k + 1) * n // count) for k in range(count)]
+
+
+class _InFlight:
+    """One piece's frames on the wire: an async uneven all_to_all_single (sizes sent first)."""
+
+    __slots__ = ("work", "recv", "splits", "send", "bounds")
+
+    def __init__(self, frames: list[torch.Tensor], group, bounds: tuple[int, int]):
+        world = len(frames)
+        device = frames[0].device
+        send_sizes = torch.tensor([f.numel() for f in frames], dtype=torch.int64, device=device)
+        recv_sizes = torch.empty(world, dtype=torch.int64, device=device)
+        dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+        self.splits = recv_sizes.tolist()
+        self.send = torch.cat(frames)  # kept alive until sent
+        self.recv = torch.empty(sum(self.splits), dtype=torch.uint8, device=device)
+        self.work = dist.all_to_all_single(self.recv, self.send, output_split_sizes=self.splits,
+                                           input_split_sizes=send_sizes.tolist(), group=group, async_op=True)
+        self.bounds = bounds
+
+    def frames(self) -> list[torch.Tensor]:
+        self.work.wait()
+        return list(torch.split(self.recv, self.splits))
+
+
+def _pipeline(bounds, start, finish) -> str | None:
+    """Run start(k) for every piece, finish(k-1) while piece k is in flight; the first error."""
+    error, flying = None, None
+    for k in range(len(bounds) + 1):
+        started = start(k) if k < len(bounds) else None
+        if flying is not None:
+            error = error or finish(flying)
+        flying = started
+    return error
+
+
+def _coded_all_gather(rows: torch.Tensor, inp: torch.Tensor, codec: Codec, group, stats: CommStats) -> None:
+    """Gather every rank's ``inp`` into ``rows`` (W x n), coded; every rank gets the owners' bits."""
+    world, rank = rows.shape[0], dist.get_rank(group)
+    empty = torch.empty(0, dtype=torch.uint8, device=inp.device)
+    bounds = _piece_bounds(inp.numel())
+
+    def start(k):
+        a, b = bounds[k]
+        with stats.timer("encode_seconds"):
+            frame = codec.encode(inp[a:b], "weight")
+        flight = _InFlight([empty if r == rank else frame for r in range(world)], group, (a, b))
+        stats.add(bytes_in=(world - 1) * (b - a) * inp.element_size(),
+                  bytes_out=(world - 1) * frame.numel() + 16 * world)
+        return flight
+
+    def finish(flight):
+        a, b = flight.bounds
+        frames = flight.frames()
+        try:
+            with stats.timer("decode_seconds"):
+                for r in range(world):
+                    if r != rank:
+                        codec.decode(frames[r], out=rows[r, a:b])
+        except (FrameError, ValueError, TypeError) as exc:
+            return f"all-gather frame from rank {r}: {exc}"
+        return None
+
+    with stats.timer("comm_seconds"):
+        error = _pipeline(bounds, start, finish)
+        if rows[rank].data_ptr() != inp.data_ptr():  # FSDP gathers in place: its input is this row
+            rows[rank].copy_(inp)
+        _agree(error, group, inp.device)
+        stats.add(calls=1)
+
+
+def _coded_reduce_scatter(out: torch.Tensor, rows: torch.Tensor, codec: Codec, group, average: bool,
+                          stats: CommStats) -> None:
+    """Sum row ``rank`` of every rank's ``rows`` into ``out`` in rank order in float32, coded.
+
+    Divided by W when ``average``, rounded to the dtype once: bit-identical to the same sum
+    of the raw rows.
+    """
+    world, rank = rows.shape[0], dist.get_rank(group)
+    empty = torch.empty(0, dtype=torch.uint8, device=out.device)
+    bounds = _piece_bounds(out.numel())
+
+    def start(k):
+        a, b = bounds[k]
+        with stats.timer("encode_seconds"):
+            frames = [empty if r == rank else codec.encode(rows[r, a:b], "gradient") for r in range(world)]
+        stats.add(bytes_in=(world - 1) * (b - a) * rows.element_size(),
+                  bytes_out=sum(f.numel() for f in frames) + 16 * world)
+        return _InFlight(frames, group, (a, b))
+
+    def finish(flight):
+        a, b = flight.bounds
+        frames = flight.frames()
+        acc = None
+        try:
+            with stats.timer("decode_seconds"):
+                for r in range(world):
+                    part = rows[rank, a:b] if r == rank else codec.decode(frames[r])
+                    if part.numel() != b - a or part.dtype != rows.dtype:
+                        raise FrameError(f"frame holds {part.numel()} {part.dtype}, expected {b - a} {rows.dtype}")
+                    if acc is None:
+                        acc = part.to(torch.float32, copy=True)
+                    else:
+                        acc.add_(part)  # float32: bf16/fp16 parts widen exactly
+        except (FrameError, ValueError, TypeError) as exc:
+            return f"reduce-scatter frame from rank {r}: {exc}"
+        if average:
+            acc.div_(world)
+        out[a:b].copy_(acc)  # the one rounding, to the gradient dtype
+        return None
+
+    with stats.timer("comm_seconds"):
+        _agree(_pipeline(bounds, start, finish), group, out.device)
+        stats.add(calls=1)
+
+
+def _agree(error: str | None, group, device) -> None:
+    """Raise CollectiveError on every rank if any rank failed (one small all-reduce)."""
+    flag = torch.tensor([1 if error else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item():
+        messages = [None] * dist.get_world_size(group)
+        dist.all_gather_object(messages, error, group=group)
+        raise collectives.CollectiveError("compressed collective failed: " + "; ".join(
+            f"rank {r}: {m}" for r, m in enumerate(messages) if m))
 
 
 def compress(model: nn.Module, *, process_group=None, **state_kwargs) -> FSDPState:

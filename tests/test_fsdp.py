@@ -27,6 +27,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 import comm_codec as cc
 import comm_codec.fsdp as ccf
 import dist_utils
+from comm_codec import collectives
 
 STEPS = 5
 WARMUP = 2
@@ -162,7 +163,17 @@ class _RankOrderReduceScatter(ReduceScatter):
         return None
 
 
-def _w_lossless(rank, world, config):
+def _w_lossless(rank, world, config, min_piece=None):
+    saved = ccf._MIN_PIECE
+    if min_piece is not None:  # cut these small shards into several pipelined pieces
+        ccf._MIN_PIECE = min_piece
+    try:
+        return _lossless(rank, world, config)
+    finally:
+        ccf._MIN_PIECE = saved
+
+
+def _lossless(rank, world, config):
     dtype = _CONFIGS[config][0]
     # The coded run: books profiled online over WARMUP steps, then everything coded.
     net = _model(config)
@@ -241,6 +252,36 @@ def _w_async_unshard(rank, world):
             "handles": sum(h is not None for h in works), "is_work": is_work,
             "direct": torch.equal(out.view(torch.int16), expect.view(torch.int16)),
             "calls": state.gather_stats.calls}
+
+
+def _w_corrupt_frame(rank, world, collective):
+    """Rank 1 receives a frame with a flipped byte: every rank raises CollectiveError, none hangs."""
+    state = ccf.FSDPState(mode="always", min_bytes=0)
+    state._install([])
+    n = 3000
+    data = (torch.randn(world * n, generator=torch.Generator().manual_seed(rank)) * 0.02).bfloat16()
+    real = ccf._InFlight.frames
+
+    def corrupted(self):
+        frames = real(self)
+        for f in frames:
+            if f.numel() and rank == 1:
+                f[f.numel() // 2] ^= 0x5A
+        return frames
+
+    ccf._InFlight.frames = corrupted
+    try:
+        if collective == "all_gather":
+            work = ccf.HuffmanAllGather(state, "layer")(data, data[rank * n:(rank + 1) * n].clone(), dist.group.WORLD)
+            work.wait()  # (overlap: a Work even for a synchronous call)
+        else:
+            ccf.HuffmanReduceScatter(state, "layer")(torch.empty(n, dtype=torch.bfloat16), data, dist.group.WORLD,
+                                                     dist.ReduceOp.AVG)
+    except collectives.CollectiveError as exc:
+        return str(exc)
+    finally:
+        ccf._InFlight.frames = real
+    return "no error"
 
 
 def _w_frozen_mixed(rank, world):
@@ -332,15 +373,17 @@ def _w_refresh(rank, world):
 # ----------------------------------------------------------------------------------------
 # Tests
 # ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("world,config", [(2, "bf16"), (2, "fp32-mp"), (2, "bf16-divide3"), (4, "bf16")])
-def test_bit_identical_to_rank_order_reference(world, config):
-    results = dist_utils.run(_w_lossless, world, config, timeout=180)
+@pytest.mark.parametrize("world,config,min_piece", [(2, "bf16", None), (2, "fp32-mp", 64), (2, "bf16-divide3", None),
+                                                    (4, "bf16", 64)])
+def test_bit_identical_to_rank_order_reference(world, config, min_piece):
+    results = dist_utils.run(_w_lossless, world, config, min_piece, timeout=180)
     for rank, r in enumerate(results):
         assert r["differ"] == [], f"rank {rank}: sharded parameters differ from the reference: {r['differ']}"
         assert r["same_full"] and r["full_equals_ref"]
         assert r["steps"] == STEPS and not r["warming_up"]
         assert r["rs_calls"] > 0 and r["ag_calls"] > 0
-        assert r["rs_ratio"] > 1.0 and r["ag_ratio"] > 1.0
+        if min_piece is None:  # (64-element pieces are all header)
+            assert r["rs_ratio"] > 1.0 and r["ag_ratio"] > 1.0
         if r["plain_losses"] is None:
             continue
         # Coding changes the sum's order only against gloo's own reduction: losses track plain FSDP2.
@@ -361,6 +404,12 @@ def test_async_all_gather_returns_work():
         assert r["same"], "prefetching with async_op=True changed the results"
         assert r["handles"] == 3 * 3
         assert r["is_work"] and r["direct"] and r["sync"] and r["calls"] == 2
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
+def test_corrupt_frame_fails_on_every_rank(collective):
+    for message in dist_utils.run(_w_corrupt_frame, 2, collective):
+        assert message.startswith("compressed collective failed: rank 1: "), message
 
 
 def test_frozen_parameters_of_another_dtype_travel_plainly():
