@@ -485,8 +485,8 @@ class _AutoSwitch:
                  1e3 * coded, 1e3 * plain, "coding" if self.coded else "plain collectives")
 
 
-class HuffmanReduceScatter(ReduceScatter):
-    """FSDP2's gradient reduce-scatter with Huffman-coded shards (lossless, rank-order sum).
+class _Coded:
+    """What both coded collectives hold: the state and the module's name; plain buffers.
 
     Args:
         state: the :class:`FSDPState` (books, mode, statistics, worker thread).
@@ -500,6 +500,15 @@ class HuffmanReduceScatter(ReduceScatter):
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Allocate a buffer for FSDP (plain memory: the coded path needs no special pool)."""
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class HuffmanReduceScatter(_Coded, ReduceScatter):
+    """FSDP2's gradient reduce-scatter with Huffman-coded shards (lossless, rank-order sum).
+
+    Args:
+        state: the :class:`FSDPState`.
+        name: the module's name, for error messages.
+    """
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
                  async_op: bool = False):
@@ -525,21 +534,13 @@ class HuffmanReduceScatter(ReduceScatter):
                            input_tensor, async_op)
 
 
-class HuffmanAllGather(AllGather):
+class HuffmanAllGather(_Coded, AllGather):
     """FSDP2's parameter all-gather with Huffman-coded shards (every rank gets the owners' bits).
 
     Args:
         state: the :class:`FSDPState`.
         name: the module's name, for error messages.
     """
-
-    def __init__(self, state: FSDPState, name: str = "<module>"):
-        self.state = state
-        self.name = name
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Allocate a buffer for FSDP (plain memory)."""
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
         """Gather every rank's ``input_tensor`` into ``output_tensor`` (W rows, rank order).
