@@ -39,14 +39,18 @@ decides; :class:`_AutoSwitch`). ``drift_every`` / ``refresh_threshold`` measure 
 refresh the books as the DDP hook does. A step is one backward pass that reduce-scatters.
 
 Threads: FSDP calls the reduce-scatter synchronously, and the all-gather synchronously
-or, when a module is unsharded with ``async_op=True`` (``FSDPModule.unshard``), expecting
-a ``Work``. Every collective of a state, coded or plain, runs on one worker thread in call
-order, on its own twin of each process group: an all-gather in flight can never
-interleave differently with a reduce-scatter on two ranks, and FSDP's own use of its
-groups never meets ours. An async call returns a :class:`torch.distributed.Work` whose
-``wait()`` returns once the decode is done. CUDA tensors take the same path as in
-:mod:`comm_codec.collectives` (NCCL; the worker waits on the caller's stream and
-synchronizes before the call counts as done) -- untested on a GPU so far.
+or, when a module is unsharded with ``async_op=True``, expecting a ``Work``. Every
+collective of a state, coded or plain, runs on one worker thread in call order, on its
+own twin of each process group: an all-gather in flight can never interleave differently
+with a reduce-scatter on two ranks, and FSDP's own use of its groups never meets ours.
+All-gathers return a :class:`torch.distributed.Work` (``overlap=True``, the default)
+whose ``wait()`` returns once the decode is done; FSDP waits on it before it copies the
+parameters out, so the all-gather it prefetches in backward overlaps the current layer's
+compute on CPU, as FSDP's streams overlap them on a GPU. Large shards are coded in up to
+four pieces, pipelined (:func:`_coded_all_gather`, :func:`_coded_reduce_scatter`). CUDA
+tensors take the same path as in :mod:`comm_codec.collectives` (NCCL; the worker waits
+on the caller's stream and synchronizes before the call counts as done) -- not yet run
+on a GPU.
 """
 
 from __future__ import annotations

@@ -193,9 +193,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"comm-codec demo --fsdp: error: {exc}", file=sys.stderr)
         return 2
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = getattr(args, "port", 0)  # (comm-codec demo has --port; 0: a free one)
+    if not port:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
     for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS"):  # the ranks' share of the cores
         os.environ.setdefault(var, str(config.threads))
     level = logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING

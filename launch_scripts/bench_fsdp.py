@@ -8,9 +8,11 @@ tokenizer. ``fully_shard`` wraps each of the 6 encoder layers and the root (the
 embeddings, tied to the head). Each rank has its own batches.
 
 After ``--warmup`` steps (FSDP's collectives, books profiled) and two settling steps,
-the two arms alternate in one process group, ``--steps-per-rep`` steps at a time, in
-the order AB BA AB ...: FSDP2's default collectives (``state.detach()``) and
-comm_codec's (``state.attach()``). A step (forward, backward, AdamW) starts after a
+the arms alternate in one process group, ``--steps-per-rep`` steps at a time, their
+order rotated each repetition (AB BA ..., or ABC BCA CAB ...): FSDP2's default collectives
+(``state.detach()``), comm_codec's (``state.attach()``), and with ``--async-default`` the
+default ones with FSDP's async unshard (``_set_unshard_async_op(True)``, private in torch
+2.13), which shows what overlap alone buys them. A step (forward, backward, AdamW) starts after a
 barrier; its time is the slowest rank's. The table gives min and median per arm, their
 ratio, the bytes on the wire per collective (CommStats of the coded steps), codec
 seconds per step, and the CPU the ranks really got (process CPU time / wall time, which
