@@ -1,0 +1,59 @@
+"""Recipes for the trainers people use: HF Accelerate, transformers' Trainer, PyTorch Lightning.
+
+Each trainer wraps the model itself (in DDP, or FSDP2) where a user cannot pass a comm
+hook of their own, so each recipe registers comm_codec on the wrapped model once the
+trainer has made it:
+
+* :func:`comm_codec.integrations.accelerate.register` -- after ``accelerator.prepare``;
+* :class:`comm_codec.integrations.hf.CommCodecCallback` -- a ``TrainerCallback``;
+* :class:`comm_codec.integrations.lightning.CommCodecCallback` -- a Lightning callback
+  (Lightning's own ``DDPStrategy(ddp_comm_hook=...)`` registers hooks on CUDA only).
+
+:func:`attach` is what they share: a DDP model gets :func:`comm_codec.ddp.huffman_hook`,
+an FSDP2 model :func:`comm_codec.fsdp.compress`. The trainers are optional dependencies
+(the ``hf`` and ``lightning`` extras); this package imports none of them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+__all__ = ["attach"]
+
+log = logging.getLogger(__name__)
+
+
+def attach(model: nn.Module, **state_kwargs):
+    """Code the gradient traffic of a model a trainer has wrapped for data parallelism.
+
+    Args:
+        model: a ``DistributedDataParallel`` (possibly inside ``torch.compile``'s
+            wrapper), or a model with FSDP2's ``fully_shard`` applied.
+        **state_kwargs: options of :class:`comm_codec.ddp.HuffmanState` (DDP) or of
+            :class:`comm_codec.fsdp.FSDPState` (FSDP2), e.g. ``warmup_steps=5``.
+
+    Returns:
+        The state (``state.stats()`` reports the traffic).
+
+    Raises:
+        TypeError: the model is neither DDP nor FSDP2 (a single process, or a wrapper
+            comm_codec does not know).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
+    if isinstance(model, DistributedDataParallel):
+        from ..ddp import HuffmanState, huffman_hook
+
+        state = HuffmanState(process_group=model.process_group, **state_kwargs)
+        model.register_comm_hook(state, huffman_hook)
+        log.info("comm_codec: huffman_hook registered on the DistributedDataParallel model")
+        return state
+    from .. import fsdp
+
+    if fsdp.FSDPModule is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules()):
+        return fsdp.compress(model, **state_kwargs)
+    raise TypeError(f"comm_codec can code the traffic of a DistributedDataParallel or FSDP2 model; got a "
+                    f"{type(model).__name__} (is the run launched on more than one process?)")

@@ -1,0 +1,51 @@
+"""HF Accelerate: code the gradient traffic of a model ``accelerator.prepare`` wrapped.
+
+Accelerate's ``DistributedDataParallelKwargs(comm_hook=...)`` takes only PyTorch's
+built-in hook types, so the hook is registered on the prepared model instead::
+
+    from accelerate import Accelerator
+    from comm_codec.integrations.accelerate import register
+
+    accelerator = Accelerator()
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    state = register(accelerator, model, warmup_steps=5)
+    ...                                  # accelerator.backward(loss) as usual
+    state.stats()
+
+With Accelerate's FSDP2 (``fsdp_version: 2``) the same call installs
+:func:`comm_codec.fsdp.compress` instead.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from . import attach
+
+__all__ = ["register"]
+
+log = logging.getLogger(__name__)
+
+
+def register(accelerator, model, **state_kwargs):
+    """Register comm_codec on a model returned by ``accelerator.prepare``.
+
+    Call it on every process, after ``prepare`` and before the first backward.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator``.
+        model: the prepared model (DDP, or FSDP2).
+        **state_kwargs: :class:`comm_codec.ddp.HuffmanState` (DDP) or
+            :class:`comm_codec.fsdp.FSDPState` (FSDP2) options.
+
+    Returns:
+        The state, or None when the run has a single process (nothing to compress).
+
+    Raises:
+        TypeError: several processes, but the model is neither DDP nor FSDP2 (e.g.
+            DeepSpeed: use ``comm_codec.deepspeed``).
+    """
+    if accelerator.num_processes <= 1:
+        log.info("comm_codec: a single process, no gradient traffic to compress")
+        return None
+    return attach(model, **state_kwargs)
