@@ -22,7 +22,7 @@ def _cmd_inspect(args) -> int:
     """Print what a frame file's header says, or list a compressed (exact or lossy) checkpoint."""
     import numpy as np
 
-    from . import checkpoint, lossy
+    from .checkpoint import exact as checkpoint, lossy
     from .frame import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, get_frame_parameters
 
     if checkpoint.is_checkpoint(args.file):
@@ -82,7 +82,11 @@ def _registrars():
     from importlib import import_module
 
     found = []
-    for name in ("profile_cli", "demo", "checkpoint_cli"):
+    for name in (
+        "profile_cli",
+        "demo",
+        "checkpoint.cli",
+    ):
         try:
             module = import_module(f"comm_codec.{name}")
         except ModuleNotFoundError as exc:

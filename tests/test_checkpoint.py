@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from comm_codec import checkpoint as ck
+from comm_codec.checkpoint import exact
+from comm_codec.checkpoint.files import FileMap
 from comm_codec.frame import FrameError
 
 _GEN = torch.Generator().manual_seed(0)
@@ -176,7 +178,7 @@ def test_same_output_for_any_number_of_threads(tmp_path, fmt):
 
 
 def test_big_tensor_is_cut_into_pieces(tmp_path, monkeypatch):
-    monkeypatch.setattr(ck, "PIECE_BYTES", 64 << 10)
+    monkeypatch.setattr(exact, "PIECE_BYTES", 64 << 10)
     save_file({"w": _weights(300_000, dtype=torch.bfloat16)}, tmp_path / "b.safetensors")
     _, packed = _round_trip(tmp_path / "b.safetensors", tmp_path, threads=2)
     index = ck.read_index(packed)
@@ -353,7 +355,7 @@ def test_full_disk_on_decompress_fails_up_front(tmp_path, monkeypatch):
 
 def test_source_changing_during_compression_is_refused(tmp_path, monkeypatch):
     torch.save(_state_dict(), tmp_path / "c.pt")
-    monkeypatch.setattr(ck._Map, "unchanged", lambda self: False)
+    monkeypatch.setattr(FileMap, "unchanged", lambda self: False)
     with pytest.raises(ck.CheckpointError, match="changed while it was being compressed"):
         ck.compress_file(tmp_path / "c.pt", tmp_path / "c.out")
     assert _leftovers(tmp_path) == []

@@ -1,6 +1,6 @@
 """Files for the checkpoint compressors: read-only maps, atomic outputs, streaming sha256.
 
-Private helpers of :mod:`comm_codec.checkpoint` and :mod:`comm_codec.lossy`: a source is
+Used by the exact (:mod:`.exact`) and lossy (:mod:`.lossy`) formats: a source is
 mapped read-only (and its pages handed back as work moves on, so memory stays bounded),
 an output appears only once complete (temp file, fsync, rename), and the sha256 of what
 passes through is computed on a thread of its own when there are threads to spare.
@@ -18,12 +18,9 @@ import threading
 
 import numpy as np
 
-__all__ = ["CheckpointError"]
+from .errors import CheckpointError
 
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be compressed or restored: corrupt, wrong base, unwritable."""
-
+__all__ = ["FileMap", "AtomicFile", "Sha256Stream", "atomic_output", "check_paths", "sha256_file"]
 
 # Buffers waiting for the background sha256 thread.
 _SHA_QUEUE = 8
@@ -32,7 +29,7 @@ _HASH_BLOCK = 4 << 20
 
 
 # -- files ----------------------------------------------------------------------------------
-class _Map:
+class FileMap:
     """A read-only view of a whole file: a private mmap (never written), or nothing if empty.
 
     Pages a caller is done with are handed back (``release``), so resident memory stays
@@ -83,7 +80,7 @@ class _Map:
                 pass
 
 
-def _sha256_file(m: _Map) -> str:
+def sha256_file(m: FileMap) -> str:
     h = hashlib.sha256()
     for start in range(0, m.size, _HASH_BLOCK):
         end = min(m.size, start + _HASH_BLOCK)
@@ -92,7 +89,7 @@ def _sha256_file(m: _Map) -> str:
     return h.hexdigest()
 
 
-class _Sha256:
+class Sha256Stream:
     """sha256 of bytes fed in order, hashed on a thread of its own when ``background``.
 
     Hashing runs at about 2 GB/s; on the caller's thread it serialized with writing the
@@ -137,7 +134,7 @@ class _Sha256:
         return self._h.hexdigest()
 
 
-class _AtomicFile:
+class AtomicFile:
     """Write a file under a temporary name; it appears at ``path`` only on :meth:`commit`."""
 
     def __init__(self, path: str):
@@ -213,8 +210,8 @@ def _umask() -> int:
 
 
 @contextlib.contextmanager
-def _atomic_output(path: str):
-    out = _AtomicFile(path)
+def atomic_output(path: str):
+    out = AtomicFile(path)
     try:
         yield out
     finally:
@@ -222,7 +219,7 @@ def _atomic_output(path: str):
             out.abort()
 
 
-def _check_paths(src: str, dst: str, base: str | None) -> None:
+def check_paths(src: str, dst: str, base: str | None) -> None:
     if os.path.isdir(dst):
         raise IsADirectoryError(21, "Is a directory", dst)
     for other, what in ((src, "source"), (base, "base")):

@@ -1,6 +1,6 @@
 """How the checkpoint compressor codes each tensor: transforms and book choice.
 
-Private to :mod:`comm_codec.checkpoint`. A tensor's transform (none, or XOR with the
+Used by :mod:`.exact`. A tensor's transform (none, or XOR with the
 base's tensor), chunk size and per-stream books (its own, the shipped one, or raw) are
 chosen from histograms of a sample of its chunks, by expected coded bits.
 """
@@ -15,14 +15,14 @@ import numba
 import numpy as np
 import torch
 
-from .checkpoint_files import _Map
-from .checkpoint_formats import _Tensor
-from .codebooks import CodebookSet
-from .codec import Codec
-from .huffman import RAW_THRESHOLD_BITS, Codebook, entropy_bits
-from .profiler import stream_counts
+from ..codebooks import CodebookSet
+from ..codec import Codec
+from ..huffman import RAW_THRESHOLD_BITS, Codebook, entropy_bits
+from ..profiler import stream_counts
+from .files import FileMap
+from .formats import FileTensor
 
-__all__: list = []
+__all__ = ["CHUNK_SIZES", "TRANSFORMS", "BookChooser", "as_tensor", "make_codec", "plan_tensor"]
 
 # What storing one per-tensor book costs in the (zstd-compressed) index, in bits.
 _BOOK_COST_BITS = 160 * 8
@@ -34,7 +34,7 @@ _REUSE_SLACK_BITS = 0.01
 # tracks scale changes inside a tensor (Adam moments gain) but, on a homogeneous tensor,
 # only adds noise to what one per-tensor book must fit (weights lose ~0.04 bit/element
 # with 64 Ki chunks). Each tensor gets whichever its sample says is smaller.
-_CHUNKS = (1 << 16, 1 << 18)
+CHUNK_SIZES = (1 << 16, 1 << 18)
 # Per-chunk bytes beyond the streams: table entry, lane lengths, lane padding (about).
 _CHUNK_OVERHEAD_BYTES = 48
 # Book choice looks at about this many elements of a tensor (whole chunks, spread out).
@@ -45,7 +45,7 @@ _INT_NP = {1: np.uint8, 2: np.int16, 4: np.int32}
 
 
 # -- transforms and book choice ---------------------------------------------------------------
-def _as_tensor(u8: np.ndarray, spec) -> torch.Tensor:
+def as_tensor(u8: np.ndarray, spec) -> torch.Tensor:
     """View (or copy, when misaligned) bytes as a 1-D tensor of spec's dtype."""
     if u8.ctypes.data % spec.itemsize:
         u8 = u8.copy()
@@ -91,15 +91,15 @@ class _XorTransform(_Transform):
         return coded
 
 
-_TRANSFORMS = {t.name: t for t in (_Transform(), _XorTransform())}
+TRANSFORMS = {t.name: t for t in (_Transform(), _XorTransform())}
 
 
-class _BookChooser:
+class BookChooser:
     """Pick each stream's book: the tensor's own, the shipped one, or raw, by expected bits."""
 
     def __init__(self, shipped: CodebookSet):
         self.shipped = shipped
-        self.chunk_elems = _CHUNKS[0]  # the sampling unit
+        self.chunk_elems = CHUNK_SIZES[0]  # the sampling unit
         self.books: dict[str, dict] = {}  # id -> {"origin", "book"} for the index
         self._codecs: dict = {}
         self._built: dict = {}  # (dtype, stream) -> books built for earlier tensors
@@ -123,7 +123,7 @@ class _BookChooser:
 
     def counts(self, sample: np.ndarray, scale: float, spec, chunk_elems: int):
         with _numba_threads(1):
-            counts, zeros = stream_counts(_as_tensor(sample, spec), chunk_elems)
+            counts, zeros = stream_counts(as_tensor(sample, spec), chunk_elems)
         return counts * scale, zeros * scale
 
     def choose(self, counts: np.ndarray, kind: str, spec) -> tuple[list[Codebook], list[str], float]:
@@ -191,17 +191,17 @@ class _BookChooser:
             key = (spec.name, tuple(ids), chunk_elems)
             codec = self._codecs.get(key)
             if codec is None:
-                codec = self._codecs[key] = _codec(books, spec, chunk_elems)
+                codec = self._codecs[key] = make_codec(books, spec, chunk_elems)
         return codec, ids
 
 
-def _codec(books, spec, chunk_elems) -> Codec:
+def make_codec(books, spec, chunk_elems) -> Codec:
     keyed = {("weight", spec.name, s): b for s, b in enumerate(books)}
     return Codec(CodebookSet(keyed), threads=1, chunk_elems=chunk_elems)
 
 
-def _plan_tensor(t: _Tensor, src: _Map, base: _Map | None, base_tensor: _Tensor | None,
-                 chooser: _BookChooser) -> None:
+def plan_tensor(t: FileTensor, src: FileMap, base: FileMap | None, base_tensor: FileTensor | None,
+                 chooser: BookChooser) -> None:
     """Choose transform, chunk size and books of one tensor from a sample of its chunks."""
     spec = t.spec
     numel = t.nbytes // spec.itemsize
@@ -219,9 +219,9 @@ def _plan_tensor(t: _Tensor, src: _Map, base: _Map | None, base_tensor: _Tensor 
         return bits, transform, chunk_elems, books, origins, data
 
     # The transform at the small chunk size, then the large chunks for the winner only.
-    best = min((cost(tr, data, _CHUNKS[0]) for tr, data in candidates), key=lambda c: c[0])
-    if numel > _CHUNKS[0]:  # else one chunk either way
-        best = min(best, cost(best[1], best[5], _CHUNKS[1]), key=lambda c: c[0])
+    best = min((cost(tr, data, CHUNK_SIZES[0]) for tr, data in candidates), key=lambda c: c[0])
+    if numel > CHUNK_SIZES[0]:  # else one chunk either way
+        best = min(best, cost(best[1], best[5], CHUNK_SIZES[1]), key=lambda c: c[0])
     _, t.transform, t.chunk_elems, books, origins, _ = best
     if t.transform != "none":
         t.base_offset = base_tensor.offset

@@ -2,8 +2,8 @@
 
 Registered by :mod:`comm_codec.cli`, which turns the errors a user can cause (missing or
 unreadable files, corrupt input, a wrong base, a full disk) into one line on stderr and
-exit status 2. The work is done by :mod:`comm_codec.checkpoint` (exact, the default) and,
-with ``compress --lossy {excp,precision}``, by :mod:`comm_codec.lossy`; ``decompress``,
+exit status 2. The work is done by :mod:`.exact` (exact, the default) and, with
+``compress --lossy {excp,precision}``, by :mod:`.lossy`; ``decompress``,
 ``verify`` and ``ls`` recognize a lossy file by its magic and hand it to the latter.
 """
 
@@ -34,7 +34,7 @@ def _is_lossy(path) -> bool:
 
 
 def _cmd_compress(args) -> int:
-    from . import checkpoint, lossy
+    from . import exact as checkpoint, lossy
 
     if args.lossy is None:
         used = [f"--{n.replace('_', '-')}" for n in ("bits", "alpha", "beta", "keep_bits")
@@ -67,7 +67,7 @@ def _cmd_compress(args) -> int:
 
 
 def _cmd_decompress(args) -> int:
-    from . import checkpoint, lossy
+    from . import exact as checkpoint, lossy
 
     if _is_lossy(args.src):
         summary = lossy.decompress_file(args.src, args.dst, base=args.base, threads=args.threads)
@@ -78,7 +78,7 @@ def _cmd_decompress(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    from . import checkpoint, lossy
+    from . import exact as checkpoint, lossy
 
     if _is_lossy(args.file):
         print(lossy.verify_file(args.file, base=args.base, threads=args.threads).line())
@@ -92,7 +92,7 @@ def _cmd_verify(args) -> int:
 
 
 def _cmd_ls(args) -> int:
-    from . import checkpoint, lossy
+    from . import exact as checkpoint, lossy
 
     print(lossy.describe(args.file) if _is_lossy(args.file) else checkpoint.describe(args.file))
     return 0
