@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 
 from . import __version__
 
@@ -22,16 +24,22 @@ def _cmd_inspect(args) -> int:
     """Print what a frame file's header says, or list a compressed (exact or lossy) checkpoint."""
     import numpy as np
 
-    from .checkpoint import exact as checkpoint, lossy
+    from .checkpoint import container, exact, lossy
+    from .checkpoint.files import open_regular
     from .frame import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, get_frame_parameters
 
-    if checkpoint.is_checkpoint(args.file):
-        print(checkpoint.describe(args.file))
-        return 0
-    if lossy.is_lossy(args.file):
-        print(lossy.describe(args.file))
-        return 0
-    data = np.fromfile(args.file, dtype=np.uint8)
+    with open_regular(args.file) as fh:
+        kind = container.identify(fh.read(8))
+        if kind == "exact":
+            print(exact.describe(args.file))
+            return 0
+        if kind == "lossy":
+            print(lossy.describe(args.file))
+            return 0
+        if kind is None:
+            raise exact.CheckpointError(f"{args.file}: {exact.NOT_OURS}")
+        fh.seek(0)
+        data = np.frombuffer(fh.read(), dtype=np.uint8)
     p = get_frame_parameters(data)
     raw = p.numel * p.spec.itemsize
     print(f"file        {args.file}")
@@ -63,8 +71,11 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("inspect", help="show the header of a frame file, or list a compressed (exact or lossy) checkpoint")
-    p.add_argument("file")
+    p = sub.add_parser("inspect", help="show the header of a frame file, or list a compressed (exact or lossy) checkpoint",
+                       description="Describe a comm_codec file without decoding it: a codec frame's header "
+                                   "(dtype, elements, chunks, books), or a compressed checkpoint's table of "
+                                   "tensors, dtypes, ratios and books (as `comm-codec ls`). Reads only FILE.")
+    p.add_argument("file", help="a frame file, or a file written by `comm-codec compress`")
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("bench", help="codec benchmark against zstd, bz2 and zipnn (see --help)",
@@ -118,6 +129,7 @@ def main(argv=None) -> int:
     from .frame import FrameError
     from .huffman import CodebookError
 
+    previous = _on_termination()
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:
@@ -129,7 +141,40 @@ def main(argv=None) -> int:
     except OSError as exc:
         where = f": {exc.filename}" if exc.filename else ""
         print(f"comm-codec: error: {exc.strerror or exc}{where}", file=sys.stderr)
+    except _Terminated as exc:
+        print(f"comm-codec: terminated by {signal.Signals(exc.signum).name}; partial output removed",
+              file=sys.stderr)
+        return 128 + exc.signum
     except KeyboardInterrupt:
-        print("comm-codec: interrupted", file=sys.stderr)
+        print("comm-codec: interrupted; partial output removed", file=sys.stderr)
         return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 2
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived: unwind like Ctrl-C, so temp files are removed."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_termination() -> dict:
+    """Make SIGTERM and SIGHUP unwind the main thread; return the handlers they replace.
+
+    Every output is a temp file until committed, removed by the ``finally`` it was made
+    in, so unwinding is all cleaning up takes. SIGKILL cannot be caught: the temp file it
+    leaves (``.DST.comm_codec-tmp.HOST.PID.*.tmp``) is removed by the next run that writes
+    into the same directory, once that PID is gone.
+    """
+    def handler(signum, frame):
+        raise _Terminated(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, handler)
+    return previous

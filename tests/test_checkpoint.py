@@ -461,3 +461,40 @@ def test_cli_file_size_limit_is_a_clean_error(tmp_path):
     r = _cli("compress", "r.bin", "r.cckp", cwd=tmp_path, limit_bytes=100_000)
     assert r.returncode == 2 and r.stderr.startswith("comm-codec: error: cannot write r.cckp: File too large")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.bin"]
+
+
+# -- what a new user hit (#16) -----------------------------------------------------------
+def test_an_unrelated_base_is_refused_and_an_unused_one_not_recorded(tmp_path):
+    save_file({"w": _weights(128, 128)}, tmp_path / "m.safetensors")
+    save_file({"other": _weights(128, 128)}, tmp_path / "unrelated.safetensors")
+    with pytest.raises(ck.CheckpointError, match="shares no tensor with .*compress without --base"):
+        ck.compress_file(tmp_path / "m.safetensors", tmp_path / "m.cckp", base=tmp_path / "unrelated.safetensors")
+    assert _leftovers(tmp_path) == [] and not (tmp_path / "m.cckp").exists()
+    # Same names and sizes but unrelated values: XOR never pays, so the file stands alone.
+    save_file({"w": _weights(128, 128, scale=3.0)}, tmp_path / "noise.safetensors")
+    ck.compress_file(tmp_path / "m.safetensors", tmp_path / "m.cckp", base=tmp_path / "noise.safetensors")
+    assert ck.read_index(tmp_path / "m.cckp")["base"] is None
+    ck.decompress_file(tmp_path / "m.cckp", tmp_path / "m.out")  # no base needed
+    assert _sha(tmp_path / "m.out") == _sha(tmp_path / "m.safetensors")
+
+
+def test_outputs_keep_the_inputs_permission_bits(tmp_path):
+    torch.save(_state_dict(), tmp_path / "c.pt")
+    os.chmod(tmp_path / "c.pt", 0o600)
+    ck.compress_file(tmp_path / "c.pt", tmp_path / "c.cckp")
+    ck.decompress_file(tmp_path / "c.cckp", tmp_path / "c.out")
+    assert (os.stat(tmp_path / "c.cckp").st_mode & 0o777, os.stat(tmp_path / "c.out").st_mode & 0o777) == (0o600, 0o600)
+
+
+def test_an_unwritable_output_directory_is_named_by_its_output(tmp_path, monkeypatch):
+    import tempfile
+
+    torch.save(_state_dict(), tmp_path / "c.pt")
+
+    def denied(prefix="", suffix="", dir=None):
+        raise PermissionError(13, "Permission denied", os.path.join(dir, prefix + "x1y2" + suffix))
+
+    monkeypatch.setattr(tempfile, "mkstemp", denied)
+    with pytest.raises(PermissionError) as info:
+        ck.compress_file(tmp_path / "c.pt", tmp_path / "c.cckp")
+    assert info.value.filename == str(tmp_path / "c.cckp")

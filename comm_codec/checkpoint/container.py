@@ -39,6 +39,7 @@ __all__ = [
     "read_container_index",
     "index_file",
     "encode_index",
+    "zstd_bounded",
 ]
 
 MAGIC = b"\x89CCKP\r\n\x1a"
@@ -47,7 +48,12 @@ FRAME_MAGIC = b"CCFR"  # a single codec frame (comm_codec.frame)
 HEADER = struct.Struct("<8sHHI")
 TRAILER = struct.Struct("<QQIHH8s")
 FLAG_INDEX_ZSTD = 0x1
-_MAX_INDEX_BYTES = 1 << 30
+# Largest index (JSON text) read: a checkpoint of 250 000 segments needs about 15 MB.
+_MAX_INDEX_BYTES = 128 << 20
+# What json.loads may build, estimated from the text before it runs (each JSON value costs
+# up to ~100 bytes of Python objects): a crafted index of empty lists cannot take GBs.
+_MAX_INDEX_MEMORY = 512 << 20
+_VALUE_COST = 100
 
 
 def created_by() -> str:
@@ -68,6 +74,44 @@ def identify(head: bytes) -> str | None:
     if head[:4] == FRAME_MAGIC:
         return "frame"
     return None
+
+
+def zstd_bounded(blob, limit: int, path, what: str) -> bytes:
+    """Decompress zstd bytes, producing at most ``limit`` bytes whatever the frame claims.
+
+    A frame's header may declare any content size; ``ZstdDecompressor.decompress`` would
+    allocate it. Here output grows only with bytes actually produced, and more than
+    ``limit`` of them is an error.
+
+    Raises:
+        CheckpointError: not zstd, truncated, or more than ``limit`` bytes.
+    """
+    parts, total = [], 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(memoryview(blob), read_across_frames=True) as reader:
+            while True:
+                part = reader.read(min(1 << 20, limit + 1 - total))
+                if not part:
+                    break
+                parts.append(part)
+                total += len(part)
+                if total > limit:
+                    fail(path, f"{what} decompresses to more than the {limit} bytes expected: corrupted")
+    except zstandard.ZstdError as exc:
+        fail(path, f"{what}: {exc}")
+    return b"".join(parts)
+
+
+def _parse_json(text: bytes, path):
+    """json.loads, refused when its objects could not fit in memory or nest too deep."""
+    values = text.count(b",") + text.count(b":") + text.count(b"[") + text.count(b"{") + 1
+    if values * _VALUE_COST + len(text) > _MAX_INDEX_MEMORY:
+        fail(path, f"index holds {values} JSON values, more than this reader takes "
+                   f"({_MAX_INDEX_MEMORY // _VALUE_COST}): corrupted or not written by comm_codec")
+    try:
+        return json.loads(text.decode("utf-8"))
+    except RecursionError:
+        fail(path, "index is malformed (JSON nested too deeply)")
 
 
 def encode_index(index: dict, index_offset: int, version: int, magic: bytes) -> tuple[bytes, bytes]:
@@ -111,10 +155,12 @@ def read_container_index(m, magic: bytes, version_expected: int, check, kind: st
     blob = bytes(m.u8(off, length))
     if zlib.crc32(blob) != crc:
         fail(path, "index is corrupted (CRC-32 mismatch)")
+    if flags & FLAG_INDEX_ZSTD:
+        blob = zstd_bounded(blob, _MAX_INDEX_BYTES, path, "index")
     try:
-        if flags & FLAG_INDEX_ZSTD:
-            blob = zstandard.ZstdDecompressor().decompress(blob, max_output_size=_MAX_INDEX_BYTES)
-        index = json.loads(blob.decode("utf-8"))
+        index = _parse_json(blob, path)
+        if not isinstance(index, dict):
+            fail(path, f"index is malformed (a JSON {type(index).__name__}, not an object)")
         check(index, off, path)
     except CheckpointError:
         raise

@@ -86,10 +86,12 @@ from ..codebooks import CodebookSet
 from ..frame import FrameError
 from ..huffman import Codebook, CodebookError
 from ..streams import spec_for
-from .container import HEADER, MAGIC, created_by, encode_index, identify, index_file, read_container_index
+from . import schema
+from .container import HEADER, MAGIC, created_by, encode_index, identify, index_file, read_container_index, zstd_bounded
 from .errors import CheckpointError, fail
-from .files import AtomicFile, FileMap, Sha256Stream, atomic_output, check_paths, sha256_file
-from .formats import CODABLE, FileTensor, find_tensors, is_int
+from .files import AtomicFile, FileMap, Sha256Stream, atomic_output, check_paths, open_regular, sha256_file, temp_name
+from .formats import CODABLE, FileTensor, find_tensors
+from .schema import Anything, Int, ListOf, MapOf, Nullable, OneOf, Record, Row, Str
 from .plan import CHUNK_SIZES, TRANSFORMS, BookChooser, as_tensor, make_codec, plan_tensor
 
 __all__ = [
@@ -118,6 +120,13 @@ _ZSTD_LEVEL = 3
 # and a codebook cost more than coding saves.
 MIN_CODED_BYTES = 4096
 _METHODS = ("frame", "zstd", "stored")
+# What every reader says of a file that is no comm_codec file at all.
+NOT_OURS = ("not a comm_codec checkpoint or frame (bad magic): give a file written by "
+            "`comm-codec compress` (or a codec frame, for inspect)")
+# Largest piece of source one segment may restore: what this writer makes (PIECE_BYTES, or
+# one chunk of a tensor when larger) with room to spare. A reader holds a few segments in
+# memory at a time, so this bounds its memory whatever sizes a file claims.
+MAX_SEGMENT_BYTES = 64 << 20
 
 
 # -- results --------------------------------------------------------------------------------
@@ -153,7 +162,12 @@ class Summary:
 
     @property
     def gbps(self) -> float:
-        """Throughput in GB/s (1e9 bytes/s) of uncompressed bytes."""
+        """Throughput in GB/s (1e9 bytes/s) of uncompressed bytes over the call's wall time.
+
+        The call runs from opening the files to the committed output: it includes a
+        first-call kernel compile (numba's cache makes that once per install), not the
+        interpreter's start-up and imports (~2 s for torch and numba).
+        """
         return self.original_bytes / max(self.seconds, 1e-9) / 1e9
 
     def line(self) -> str:
@@ -162,7 +176,7 @@ class Summary:
         what = {"compress": f"compressed {a} -> {b}", "decompress": f"decompressed {b} -> {a}",
                 "verify": f"verified {b} ({a} original{', sha256 ok' if self.sha256 else ', sha256 NOT checked'})"}
         return (f"{what[self.op]} (ratio {self.ratio:.3f}) in {self.seconds:.2f} s, "
-                f"{self.gbps:.3f} GB/s")
+                f"{self.gbps:.3f} GB/s (original bytes over this call's wall time, start-up excluded)")
 
 
 def human_bytes(n: int) -> str:
@@ -321,7 +335,7 @@ def _base_file(base, scratch_dir: str, threads: int):
             if index["base"] is not None:
                 raise CheckpointError(f"base {base} is itself a delta checkpoint; give the original file "
                                       "(decompress it first)")
-            fd, tmp = tempfile.mkstemp(prefix=".comm_codec-base.", dir=scratch_dir)
+            fd, tmp = tempfile.mkstemp(prefix=temp_name("base"), suffix=".tmp", dir=scratch_dir)
             os.close(fd)
             decompress_file(base, tmp, threads=threads, progress=False)
             path = tmp
@@ -336,6 +350,27 @@ def _base_file(base, scratch_dir: str, threads: int):
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+def _base_matches(tensors: list[FileTensor], bm: FileMap | None) -> dict:
+    """Map each coded tensor's name to the base's tensor of the same name, dtype and size."""
+    if bm is None:
+        return {}
+    by_name = {}
+    for bt in find_tensors(bm)[1]:
+        by_name.setdefault(bt.name, bt)
+    out = {}
+    for t in tensors:
+        bt = by_name.get(t.name)
+        if (t.codable and t.nbytes >= MIN_CODED_BYTES and bt is not None and bt.codable and bt.dtype == t.dtype
+                and bt.nbytes == t.nbytes and (t.shape is None or bt.shape is None or bt.shape == t.shape)):
+            out[t.name] = bt
+    return out
+
+
+def _mode(path: str) -> int:
+    """The permission bits an output made from ``path`` gets: the input's (less the umask)."""
+    return os.stat(path).st_mode & 0o777
 
 
 def compress_file(src, dst, base=None, threads: int | None = None, codebooks: CodebookSet | None = None,
@@ -369,24 +404,27 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
     check_paths(src, dst, None if base is None else os.fspath(base))
     m = FileMap(src)
     try:
+        kind = identify(bytes(m.u8(0, min(8, m.size))))
+        if kind in ("exact", "lossy"):
+            raise CheckpointError(f"{src} is already a {'lossy ' if kind == 'lossy' else ''}comm_codec checkpoint; "
+                                  "compressing it again would only make it larger (decompress it first)")
         with _base_file(base, os.path.dirname(os.path.abspath(dst)), threads) as (bm, base_sha):
             fmt, tensors = find_tensors(m)
-            by_name = {}
-            if bm is not None:
-                for bt in find_tensors(bm)[1]:
-                    by_name.setdefault(bt.name, bt)
+            matches = _base_matches(tensors, bm)
+            if bm is not None and not matches:
+                raise CheckpointError(
+                    f"base {os.fspath(base)} shares no tensor with {src} (none has the same name, dtype and "
+                    "size), so it cannot make the file smaller and would only be needed to restore it; "
+                    "compress without --base, or give the previous checkpoint of the same model")
             chooser = BookChooser(codebooks or CodebookSet.default())
 
             def plan(t: FileTensor) -> None:
-                bt = by_name.get(t.name)
-                same = (bt is not None and bt.codable and bt.dtype == t.dtype and bt.nbytes == t.nbytes
-                        and (t.shape is None or bt.shape is None or bt.shape == t.shape))
-                plan_tensor(t, m, bm, bt if same else None, chooser)
+                plan_tensor(t, m, bm, matches.get(t.name), chooser)
 
             segments = []
             h = Sha256Stream(background=threads > 1)
             meter = _Progress("compressing", m.size, progress)
-            with atomic_output(dst) as out, contextlib.closing(h):
+            with atomic_output(dst, mode=_mode(src)) as out, contextlib.closing(h):
                 out.write(HEADER.pack(MAGIC, VERSION, 0, 0))
                 work = _ordered_map(lambda j: _encode_job(j, m, bm, tensors),
                                     _jobs(m.size, tensors, plan), threads)
@@ -405,8 +443,9 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
                     "format": _INDEX_FORMAT, "version": VERSION,
                     "created_by": created_by(),
                     "source": {"name": os.path.basename(src), "size": m.size, "sha256": h.hexdigest(), "format": fmt},
-                    "base": None if bm is None else {"name": os.path.basename(os.fspath(base)), "size": bm.size,
-                                                      "sha256": base_sha},
+                    # A base no tensor was coded against is not recorded: the file stands alone.
+                    "base": None if not any(t.transform != "none" for t in tensors) else {
+                        "name": os.path.basename(os.fspath(base)), "size": bm.size, "sha256": base_sha},
                     "books": chooser.books,
                     "tensors": [t.record() for t in tensors],
                     "segments": segments,
@@ -432,7 +471,7 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
 # -- reading the container ------------------------------------------------------------------
 def is_checkpoint(path) -> bool:
     """Return True when the file starts with the checkpoint container's magic."""
-    with open(os.fspath(path), "rb") as fh:
+    with open_regular(os.fspath(path)) as fh:
         return fh.read(len(MAGIC)) == MAGIC
 
 
@@ -445,21 +484,36 @@ def _load_index(m: FileMap) -> dict:
                        "use comm_codec.lossy.decompress_file (`comm-codec decompress` detects it)")
         if kind == "frame":
             fail(path, "is a comm_codec frame, not a checkpoint (use `comm-codec inspect`)")
-        fail(path, "not a comm_codec checkpoint (bad magic)")
+        fail(path, NOT_OURS)
     return read_container_index(m, MAGIC, VERSION, _check_index, "checkpoint")
 
 
+_SHA = Str(length=64)
+_BOOK_ID = Str(length=16)
+# The exact index (module docstring), as read: every field the readers use.
+_INDEX = Record({
+    "format": OneOf(_INDEX_FORMAT), "version": OneOf(VERSION), "created_by": Str(),
+    "source": Record({"name": Str(), "size": Int(), "sha256": _SHA,
+                      "format": OneOf("safetensors", "torch_zip", "generic")}),
+    "base": Nullable(Record({"name": Str(), "size": Int(), "sha256": _SHA})),
+    "books": MapOf(_BOOK_ID, Record({"origin": Str(), "book": Anything(dict)})),
+    "tensors": ListOf(Record({
+        "name": Str(1 << 16), "dtype": Str(64), "shape": Nullable(ListOf(Int(), 64)), "offset": Int(),
+        "nbytes": Int(), "kind": Str(64), "coding": OneOf("frame", "opaque"), "transform": OneOf(*TRANSFORMS),
+        "base_offset": Nullable(Int()), "books": Nullable(ListOf(_BOOK_ID, 8)),
+        "chunk_elems": Nullable(OneOf(*CHUNK_SIZES))})),
+    "segments": ListOf(Row(Int(), Int(1, MAX_SEGMENT_BYTES), Int(), Int(), OneOf(*_METHODS),
+                           Nullable(Int(0, 0xFFFFFFFF)), Int(-1, 1 << 31))),
+}, optional=("created_by",))
+
+
 def _check_index(index: dict, index_offset: int, path) -> None:
-    """Check every field the decoder will use; raise CheckpointError naming the first bad one."""
+    """Check the whole index (schema, then layout); raise CheckpointError naming the first bad field."""
     if index.get("format") != _INDEX_FORMAT or index.get("version") != VERSION:
-        fail(path, f"index format {index.get('format')!r} version {index.get('version')!r}, expected "
-                   f"{_INDEX_FORMAT!r} version {VERSION}")
-    src = index["source"]
-    if not (is_int(src["size"]) and isinstance(src["sha256"], str) and len(src["sha256"]) == 64):
-        fail(path, "index: bad source record")
-    base = index["base"]
-    if base is not None and not (is_int(base["size"]) and isinstance(base["sha256"], str)):
-        fail(path, "index: bad base record")
+        fail(path, f"index format {str(index.get('format'))[:40]!r} version {str(index.get('version'))[:10]!r}, "
+                   f"expected {_INDEX_FORMAT!r} version {VERSION}")
+    schema.check(index, _INDEX, path)
+    src, base = index["source"], index["base"]
     books = {}
     for book_id, entry in index["books"].items():
         try:
@@ -471,27 +525,23 @@ def _check_index(index: dict, index_offset: int, path) -> None:
         books[book_id] = book
     index["_books"] = books
     for i, t in enumerate(index["tensors"]):
-        if t["coding"] not in ("frame", "opaque") or not isinstance(t["name"], str):
-            fail(path, f"index: tensor {i} is malformed")
-        if not (is_int(t["offset"]) and is_int(t["nbytes"]) and t["offset"] + t["nbytes"] <= src["size"]):
+        if t["offset"] + t["nbytes"] > src["size"]:
             fail(path, f"index: tensor {i} lies outside the source")
         if t["coding"] == "frame":
             if t["dtype"] not in CODABLE or t["transform"] not in TRANSFORMS:
                 fail(path, f"index: tensor {i} has dtype {t['dtype']!r} / transform {t['transform']!r}")
             spec = spec_for(CODABLE[t["dtype"]])
-            if not isinstance(t["books"], list) or len(t["books"]) != spec.nstreams or any(
+            if t["books"] is None or t["chunk_elems"] is None or len(t["books"]) != spec.nstreams or any(
                     b != "0" * 16 and b not in books for b in t["books"]):
                 fail(path, f"index: tensor {i} ({t['name']}) names codebooks the file does not hold")
-            if t["transform"] != "none" and (base is None or not is_int(t["base_offset"])
+            if t["transform"] != "none" and (base is None or t["base_offset"] is None
                                              or t["base_offset"] + t["nbytes"] > base["size"]):
                 fail(path, f"index: tensor {i} ({t['name']}) has a bad base range")
     pos, at = 0, HEADER.size
     for k, seg in enumerate(index["segments"]):
         src_off, src_len, off, length, method, crc, ti = seg
         # Segments follow each other, each padded to 8 bytes: every byte has a known place.
-        if not (src_off == pos and is_int(src_len, 1) and off == at and is_int(length)
-                and off + length <= index_offset and method in _METHODS
-                and is_int(ti, -1, len(index["tensors"]) - 1)):
+        if not (src_off == pos and off == at and off + length <= index_offset and ti < len(index["tensors"])):
             fail(path, f"index: segment {k} is malformed")
         at = off + length + (-length % 8)
         if method == "frame":
@@ -500,7 +550,7 @@ def _check_index(index: dict, index_offset: int, path) -> None:
                     or (src_off - t["offset"]) % spec_for(CODABLE[t["dtype"]]).itemsize \
                     or src_len % spec_for(CODABLE[t["dtype"]]).itemsize:
                 fail(path, f"index: segment {k} is a frame outside any coded tensor")
-        elif not is_int(crc, 0, 0xFFFFFFFF) or (method == "stored" and length != src_len):
+        elif crc is None or (method == "stored" and length != src_len):
             fail(path, f"index: segment {k} is malformed")
         pos += src_len
     if pos != src["size"]:
@@ -565,6 +615,8 @@ def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str
                     sink.pwrite(data, seg[0])
                 return data
 
+            done = 0
+
             h = Sha256Stream(background=threads > 1)
             meter = _Progress("decompressing" if sink is not None else "verifying", index["source"]["size"], progress)
             work = _ordered_map(decode, index["segments"], threads)
@@ -577,6 +629,9 @@ def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str
                     del data
                     m.release_upto(seg[2] + seg[3])
                     meter.update(seg[1])
+                    done += seg[1]
+                    if positional:
+                        sink.advance(done)
             meter.close()
             checked = bm is not None or need is None
             if checked and h.hexdigest() != index["source"]["sha256"]:
@@ -600,10 +655,7 @@ def _decode_segment(seg, m: FileMap, bm: FileMap | None, tensors, path):
             raise CheckpointError(f"{path}: {where} is corrupted (CRC-32 mismatch)")
         if method == "stored":
             return payload
-        try:
-            out = _zstd_d().decompress(payload, max_output_size=src_len)
-        except zstandard.ZstdError as exc:
-            raise CheckpointError(f"{path}: {where}: {exc}") from None
+        out = zstd_bounded(payload, src_len, path, where)
         if len(out) != src_len:
             raise CheckpointError(f"{path}: {where} decompressed to {len(out)} bytes, expected {src_len}")
         return out
@@ -611,7 +663,7 @@ def _decode_segment(seg, m: FileMap, bm: FileMap | None, tensors, path):
     spec = spec_for(CODABLE[t["dtype"]])
     out = torch.empty(src_len // spec.itemsize, dtype=spec.dtype)
     try:
-        t["_codec"].decode(payload, out=out)
+        t["_codec"].decode(payload, out=out, max_output_bytes=src_len)
     except (FrameError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: tensor {t['name']!r}, {where}: {exc}") from None
     coded = out.view(_INT_INT[spec.itemsize]).numpy().view(np.uint8)
@@ -650,7 +702,7 @@ def decompress_file(src, dst, base=None, threads: int | None = None, progress: b
     src, dst = os.fspath(src), os.fspath(dst)
     threads = _threads(threads)
     check_paths(src, dst, None if base is None else os.fspath(base))
-    with atomic_output(dst) as out:
+    with atomic_output(dst, mode=_mode(src)) as out:
         summary = _restore(src, out, base, threads, progress, "decompress")
         out.commit()
     return summary
@@ -727,7 +779,7 @@ def save(state_dict, path, base=None, threads: int | None = None) -> Summary:
         The compression :class:`Summary`.
     """
     path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".pt",
+    fd, tmp = tempfile.mkstemp(prefix=temp_name(os.path.basename(path) + ".pt"), suffix=".tmp",
                                dir=os.path.dirname(os.path.abspath(path)))
     try:
         with os.fdopen(fd, "wb") as fh:

@@ -13,6 +13,9 @@ import hashlib
 import mmap
 import os
 import queue
+import re
+import socket
+import stat
 import tempfile
 import threading
 
@@ -20,7 +23,8 @@ import numpy as np
 
 from .errors import CheckpointError
 
-__all__ = ["FileMap", "AtomicFile", "Sha256Stream", "atomic_output", "check_paths", "sha256_file"]
+__all__ = ["FileMap", "AtomicFile", "Sha256Stream", "atomic_output", "check_paths", "sha256_file", "open_regular",
+           "is_regular", "temp_name", "sweep_stale_temps", "TEMP_MARK"]
 
 # Buffers waiting for the background sha256 thread.
 _SHA_QUEUE = 8
@@ -28,7 +32,63 @@ _SHA_QUEUE = 8
 _HASH_BLOCK = 4 << 20
 
 
+# Every temp file we make carries this mark, our host name and pid, so a later run can
+# tell its own stale ones (a run killed by SIGKILL cannot clean up) from anyone else's.
+TEMP_MARK = "comm_codec-tmp"
+# Outputs are reserved on disk this far ahead of what was written (a full disk fails early,
+# and a claimed size is never reserved before the bytes exist).
+_RESERVE_STEP = 256 << 20
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+
+
 # -- files ----------------------------------------------------------------------------------
+def _not_regular(path: str, st: os.stat_result) -> OSError:
+    what = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
+    if stat.S_ISDIR(st.st_mode):
+        return IsADirectoryError(21, "Is a directory", path)
+    return CheckpointError(f"{path} is {what}, not a regular file; give a checkpoint file (copy a stream "
+                           "to a file first)")
+
+
+def is_regular(path: str) -> bool:
+    """Return whether path is (or links to) a regular file; never opens it."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def open_regular(path: str):
+    """Open a regular file for reading, refusing FIFOs, devices, sockets and /proc files.
+
+    The type is checked before ``open`` (a FIFO would block in it) and again on the open
+    file (it cannot have been swapped in between). A file that says it is empty but
+    reads bytes (procfs, sysfs) has no size to trust and is refused too.
+
+    Raises:
+        FileNotFoundError, PermissionError, IsADirectoryError: as ``open``.
+        CheckpointError: not a regular file.
+    """
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(path, st)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    fh = os.fdopen(fd, "rb")
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(path, st)
+        if st.st_size == 0 and fh.read(1):
+            raise CheckpointError(f"{path} reports a size of 0 but has contents (a /proc or /sys file?); "
+                                  "copy it to a regular file first")
+        fh.seek(0)
+    except BaseException:
+        fh.close()
+        raise
+    return fh
+
+
 class FileMap:
     """A read-only view of a whole file: a private mmap (never written), or nothing if empty.
 
@@ -38,7 +98,7 @@ class FileMap:
 
     def __init__(self, path: str):
         self.path = path
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             st = os.fstat(fh.fileno())
             self.size, self.stamp = st.st_size, (st.st_size, st.st_mtime_ns, st.st_ino)
             # ACCESS_COPY: a private mapping, so views are writable numpy arrays (no
@@ -135,17 +195,27 @@ class Sha256Stream:
 
 
 class AtomicFile:
-    """Write a file under a temporary name; it appears at ``path`` only on :meth:`commit`."""
+    """Write a file under a temporary name; it appears at ``path`` only on :meth:`commit`.
 
-    def __init__(self, path: str):
+    The temp file is named by :func:`temp_name` (so a later run can find it if this one is
+    killed) and gets ``mode`` (default: 0o666 less the umask) before it is renamed.
+    """
+
+    def __init__(self, path: str, mode: int | None = None):
         self.path = path
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise FileNotFoundError(2, "No such directory", folder)
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
-        os.fchmod(fd, 0o666 & ~_umask())
+        sweep_stale_temps(folder)
+        try:
+            fd, self.tmp = tempfile.mkstemp(prefix=temp_name(os.path.basename(path)), suffix=".tmp", dir=folder)
+        except OSError as exc:  # name the file the user asked for, not our temp file
+            raise type(exc)(exc.errno, exc.strerror, path) from None
+        os.fchmod(fd, (0o666 if mode is None else mode & 0o777) & ~_umask())
         self.fh = os.fdopen(fd, "wb", buffering=1 << 20)
         self.pos = 0
+        self._reserved = 0
+        self._target = 0
 
     def write(self, data) -> None:
         try:
@@ -155,13 +225,26 @@ class AtomicFile:
         self.pos += memoryview(data).nbytes
 
     def reserve(self, size: int) -> None:
-        """Allocate the file's final size up front: a full disk fails now, not half way."""
+        """Say the file will be ``size`` bytes: disk is allocated ahead of the writes.
+
+        Allocation runs at most ``_RESERVE_STEP`` ahead of the bytes written (see
+        :meth:`advance`), so a full disk fails early, and a size claimed by an untrusted
+        file is never allocated before its bytes are actually produced.
+        """
+        self._target = size
+        self.advance(0)
+
+    def advance(self, done: int) -> None:
+        """Note that bytes 0..done are written; allocate the next step when due."""
+        want = min(self._target, done + _RESERVE_STEP)
+        if want <= self._reserved:
+            return
         try:
             self.fh.flush()
-            if size:
-                os.posix_fallocate(self.fh.fileno(), 0, size)
+            os.posix_fallocate(self.fh.fileno(), self._reserved, want - self._reserved)
         except OSError as exc:
             raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
+        self._reserved = want
 
     def pwrite(self, data, offset: int) -> None:
         """Write data at offset (thread-safe; for callers that never use :meth:`write`)."""
@@ -209,9 +292,61 @@ def _umask() -> int:
     return 0o022
 
 
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname().split(".")[0]) or "host"
+
+
+def temp_name(name: str, pid: int | None = None) -> str:
+    """Return the prefix of our temp files for output ``name``: hidden, marked, host, pid.
+
+    ``mkstemp(prefix=temp_name(name), suffix=".tmp")`` gives
+    ``.NAME.comm_codec-tmp.HOST.PID.XXXXXXXX.tmp``, which :func:`sweep_stale_temps` knows.
+    """
+    return f".{name}.{TEMP_MARK}.{_host()}.{os.getpid() if pid is None else pid}."
+
+
+_STALE = re.compile(r"^\..+\.%s\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.[^.]+\.tmp$" % TEMP_MARK)
+
+
+def sweep_stale_temps(folder: str) -> list:
+    """Remove temp files that runs of ours on this host left in folder and that are dead.
+
+    A run killed by SIGKILL (or a power cut) cannot remove its temp file; the next run
+    that writes into the same folder does. Only files with our mark, this host's name and
+    the pid of a process that no longer exists are removed; anything else is left alone.
+
+    Returns:
+        The names removed.
+    """
+    host, removed = _host(), []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        m = _STALE.match(name)
+        if m is None or m["host"] != host or _alive(int(m["pid"])):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(folder, name))
+            removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # someone else's process: alive
+        return True
+    return True
+
+
 @contextlib.contextmanager
-def atomic_output(path: str):
-    out = AtomicFile(path)
+def atomic_output(path: str, mode: int | None = None):
+    """Yield an :class:`AtomicFile` for path; it is removed unless committed."""
+    out = AtomicFile(path, mode)
     try:
         yield out
     finally:

@@ -12,6 +12,7 @@ record holds which storage.
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 import logging
 import re
@@ -19,8 +20,6 @@ import struct
 import zipfile
 
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from ..codec import Codec
 from ..streams import SUPPORTED_DTYPES, spec_for
@@ -35,7 +34,9 @@ log = logging.getLogger("comm_codec.checkpoint")
 
 # dtype name ("bfloat16") -> torch dtype, for every dtype the codec codes.
 CODABLE = {str(d).replace("torch.", ""): d for d in SUPPORTED_DTYPES}
-_MAX_PICKLE_BYTES = 256 << 20
+_MAX_PICKLE_BYTES = 64 << 20  # torch.save writes ~100 bytes per tensor
+_MAX_BYTEORDER_BYTES = 16
+_MAX_NAME = 4096
 
 
 def _itemsize(dtype: str) -> int | None:
@@ -106,6 +107,8 @@ def find_tensors(m: FileMap) -> tuple[str, list[FileTensor]]:
             continue
         if t.codable and t.nbytes % t.spec.itemsize:
             t.codable = False
+        if len(t.name) > _MAX_NAME or len(t.dtype) > 64:  # names from the file: keep the index readable
+            t.name, t.dtype = t.name[:_MAX_NAME] + "...", t.dtype[:60]
         kept.append(t)
         end = t.offset + t.nbytes
     return fmt, kept
@@ -136,9 +139,13 @@ def _safetensors_tensors(m: FileMap) -> list[FileTensor]:
                 and all(isinstance(d, int) and d >= 0 for d in shape)):
             raise ValueError(f"tensor {name!r}: malformed entry")
         dtype = _ST_DTYPES.get(info["dtype"], str(info["dtype"]))
+        # Exact integers: a shape whose product wraps int64 must not pass for the size. A
+        # shape no reader could take (dims past 2^62, 64+ dims) is not recorded at all.
+        if len(shape) > 64 or any(d > 1 << 62 for d in shape) or math.prod(shape) > 1 << 62:
+            shape = None
         t = FileTensor(str(name), dtype, shape, start + begin, end - begin, _guess_kind(str(name)))
-        if dtype in CODABLE:
-            t.codable = int(np.prod(shape, dtype=np.int64)) * t.spec.itemsize == t.nbytes
+        if dtype in CODABLE and shape is not None:
+            t.codable = math.prod(shape) * t.spec.itemsize == t.nbytes
         out.append(t)
     return out
 
@@ -157,8 +164,9 @@ def _torch_zip_tensors(m: FileMap) -> list[FileTensor]:
                 storages = scan_torch_pickle(zf.read(pickles[0]), _itemsize)
             except Exception as exc:  # noqa: BLE001 - an unreadable pickle: storages stay opaque
                 log.debug("%s: pickle not understood (%s); its storages are coded as opaque bytes", m.path, exc)
-        names = {i.filename for i in infos}
-        little = prefix + "byteorder" not in names or zf.read(prefix + "byteorder") == b"little"
+        order = next((i for i in infos if i.filename == prefix + "byteorder"), None)
+        # Read only a size a byte order can have ("little"): the entry is untrusted.
+        little = order is None or (order.file_size <= _MAX_BYTEORDER_BYTES and zf.read(order) == b"little")
     out = []
     for info in infos:
         if not info.filename.startswith(prefix + "data/") or info.compress_type != zipfile.ZIP_STORED:

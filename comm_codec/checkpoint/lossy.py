@@ -127,15 +127,18 @@ import zstandard
 
 from ..codebooks import CodebookSet
 from ..codec import Codec
-from ..frame import FrameError
+from ..frame import FrameError, get_frame_parameters
 from ..huffman import Codebook
 from ..profiler import stream_counts
 from ..streams import spec_for
-from .container import HEADER, LOSSY_MAGIC, created_by, encode_index, identify, index_file, read_container_index
+from .container import (HEADER, LOSSY_MAGIC, created_by, encode_index, identify, index_file, read_container_index,
+                        zstd_bounded)
+from . import schema
 from .errors import CheckpointError, fail
-from .exact import MIN_CODED_BYTES, human_bytes
-from .files import FileMap, atomic_output, check_paths
+from .exact import MIN_CODED_BYTES, NOT_OURS, human_bytes
+from .files import FileMap, atomic_output, check_paths, open_regular
 from .formats import CODABLE, FileTensor, find_tensors, is_int, zip_crc_fields
+from .schema import Anything, Int, ListOf, MapOf, Nullable, Num, OneOf, Record, Str
 from .lossy_transforms import (LOSSY_DTYPES, MANTISSA, dequantize, error_stats, fill_value, pair_moments, prunable,
                                quantize, round_mantissa)
 
@@ -279,9 +282,14 @@ class _Books:
 
     def decode(self, frame: np.ndarray, ids: list[str], dtype: torch.dtype, numel: int, where: str):
         books = [Codebook.raw_book() if i == "0" * 16 else self.books[i] for i in ids]
-        out = torch.empty(numel, dtype=dtype)
         try:
-            self.codec(books, dtype).decode(frame, out=out)
+            # The frame's own header must agree with the index before anything is allocated.
+            p = get_frame_parameters(frame)
+            if p.numel != numel or p.chunk_elems != _CHUNK or p.spec.dtype != dtype:
+                raise FrameError(f"frame holds {p.numel} {p.spec.name} elements in chunks of {p.chunk_elems}, "
+                                 f"the index says {numel} {spec_for(dtype).name} in chunks of {_CHUNK}")
+            out = torch.empty(numel, dtype=dtype)
+            self.codec(books, dtype).decode(frame, out=out, max_output_bytes=numel * out.element_size())
         except (FrameError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{where}: {exc}") from None
         return out
@@ -305,7 +313,7 @@ def _back(u8: np.ndarray, dtype: str) -> np.ndarray:
 
 def _as_weight(u8: np.ndarray, dtype: str, shape) -> torch.Tensor:
     t = torch.from_numpy(np.ascontiguousarray(u8)).view(CODABLE[dtype])
-    return t.reshape(shape) if shape is not None and int(np.prod(shape, dtype=np.int64)) == t.numel() else t
+    return t.reshape(shape) if shape is not None and math.prod(shape) == t.numel() else t
 
 
 def _record(t: FileTensor, role: str, coding: str, **extra) -> dict:
@@ -469,7 +477,7 @@ def _skeleton_offsets(records: list[dict]) -> None:
 
 def _sha256(path: str) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -487,7 +495,7 @@ def is_lossy(path) -> bool:
     Raises:
         OSError: the file cannot be opened.
     """
-    with open(os.fspath(path), "rb") as fh:
+    with open_regular(os.fspath(path)) as fh:
         return fh.read(len(LOSSY_MAGIC)) == LOSSY_MAGIC
 
 
@@ -499,7 +507,7 @@ def _load_index(m: FileMap) -> dict:
         if kind == "exact":
             fail(path, "is an exact (lossless) comm_codec checkpoint, not a lossy one; restore it with "
                        "`comm-codec decompress` or comm_codec.checkpoint.decompress_file")
-        fail(path, "not a lossy comm_codec checkpoint (bad magic)")
+        fail(path, NOT_OURS)
     return read_container_index(m, LOSSY_MAGIC, VERSION, _check_index, "lossy checkpoint")
 
 
@@ -507,17 +515,41 @@ def _check_blob(b, end: int) -> bool:
     return is_int(b["offset"], HEADER.size, end) and is_int(b["length"], 0, end) and b["offset"] + b["length"] <= end
 
 
+_SHA = Str(length=64)
+_BLOB = {"offset": Int(), "length": Int()}
+# The lossy index (module docstring), as read: every field the readers use.
+_INDEX = Record({
+    "format": OneOf(_INDEX_FORMAT), "version": OneOf(VERSION), "mode": OneOf(*MODES),
+    "params": MapOf(Str(32), Num()),
+    "source": Record({"name": Str(), "size": Int(), "sha256": _SHA, "format": OneOf("safetensors", "torch_zip")}),
+    "reconstruction": Record({"size": Int(), "sha256": _SHA}),
+    "base": Nullable(Record({"name": Str(), "sha256": _SHA})),
+    "notes": ListOf(Str(), 64),
+    "books": MapOf(Str(length=16), Anything(dict)),
+    "streams": Record({name: Nullable(Record({**_BLOB, "size": Int(), "book": Str(length=16)}))
+                       for name in _STREAMS}),
+    "skeleton": Record({**_BLOB, "size": Int(), "crc32": Int(0, 0xFFFFFFFF)}),
+    "tensors": ListOf(Record({
+        "name": Str(1 << 16), "dtype": Str(64), "shape": Nullable(ListOf(Int(), 64)), "offset": Int(),
+        "nbytes": Int(), "role": OneOf("weight", "exp_avg", "exp_avg_sq", "tensor"),
+        "coding": OneOf("residual", "value", "frame", "precision", "skeleton"), "param": Nullable(Str(1 << 16)),
+        "centroids": Nullable(ListOf(Num(), 255)), "domain": Nullable(OneOf("value", "sqrt")),
+        "kept": Nullable(Int()), "fill": Num(lo=0.0),
+        "frame": Nullable(Record({**_BLOB, "dtype": Str(64), "books": ListOf(Str(length=16), 8)})),
+        "skeleton_offset": Nullable(Int()), "crc_at": ListOf(Int(), 8),
+        "stats": MapOf(Str(32), Nullable(Num(finite=False)))})),
+    "errors": MapOf(Str(64), Num(finite=False)),
+}, optional=("created_by",))
+
+
 def _check_index(index: dict, end: int, path) -> None:
+    """Check the whole index (schema, then layout); raise CheckpointError naming the first bad field."""
     if index.get("format") != _INDEX_FORMAT or index.get("version") != VERSION:
-        fail(path, f"index format {index.get('format')!r} version {index.get('version')!r}")
-    if index["mode"] not in MODES:
-        fail(path, f"unknown lossy mode {index['mode']!r}")
+        fail(path, f"index format {str(index.get('format'))[:40]!r} version {str(index.get('version'))[:10]!r}")
+    schema.check(index, _INDEX, path)
     size = index["reconstruction"]["size"]
-    if not (is_int(size) and size == index["source"]["size"] and len(index["reconstruction"]["sha256"]) == 64):
-        fail(path, "index: bad source or reconstruction record")
-    if index["base"] is not None and not (isinstance(index["base"]["name"], str)
-                                          and len(index["base"]["sha256"]) == 64):
-        fail(path, "index: bad base record")
+    if size != index["source"]["size"]:
+        fail(path, "index: the reconstruction and the source differ in size")
     books = {}
     for book_id, entry in index["books"].items():
         book = Codebook.from_dict(entry)
@@ -554,6 +586,14 @@ def _check_index(index: dict, end: int, path) -> None:
             fail(path, f"index: tensor {i} ({r.get('name')!r}) is malformed")
         if r["role"] == "weight":
             weights.add(r["name"])
+    # Rewritten tensors tile the reconstruction without overlap; the skeleton is the rest.
+    pos = cut = 0
+    for off, nb in sorted((r["offset"], r["nbytes"]) for r in index["tensors"] if r["coding"] != "skeleton"):
+        if off < pos:
+            fail(path, "index: rewritten tensors overlap")
+        pos, cut = off + nb, cut + nb
+    if index["skeleton"]["size"] != size - cut:
+        fail(path, f"index: the skeleton holds {index['skeleton']['size']} bytes, the tensors leave {size - cut}")
 
 
 def read_index(path) -> dict:
@@ -692,20 +732,28 @@ def _skeleton_bytes(path: str, m: FileMap, index: dict) -> bytes:
     blob = m.u8(s["offset"], s["length"])
     if zlib.crc32(blob) != s["crc32"]:
         fail(path, "the bytes around the tensors are corrupted (CRC-32 mismatch)")
-    try:
-        out = zstandard.ZstdDecompressor().decompress(bytes(blob), max_output_size=s["size"])
-    except zstandard.ZstdError as exc:
-        fail(path, f"the bytes around the tensors: {exc}")
+    out = zstd_bounded(blob, s["size"], path, "the bytes around the tensors")
     if len(out) != s["size"]:
         fail(path, "the bytes around the tensors have the wrong size")
     return out
 
 
 def _base_path(path: str, index: dict, override) -> tuple[str, str]:
-    """Find and check the base a lossy file names; return (path, sha256)."""
+    """Find and check the base a lossy file names; return (path, sha256).
+
+    The recorded name comes from the file, so it is never followed as a path: it must be
+    a plain file name, looked for beside the file, and a regular file. Only a base the
+    user names (``override``) may lie anywhere.
+    """
     rec = index["base"]
-    cand = os.fspath(override) if override is not None else os.path.join(
-        os.path.dirname(os.path.abspath(path)), rec["name"])
+    if override is not None:
+        cand = os.fspath(override)
+    else:
+        name = rec["name"]
+        if name in ("", ".", "..") or os.path.basename(name) != name or "\0" in name:
+            fail(path, f"records its base as {name[:80]!r}, which is not a plain file name: the file is "
+                       "corrupted or crafted; pass the base's path yourself (--base)")
+        cand = os.path.join(os.path.dirname(os.path.abspath(path)), name)
     if not os.path.exists(cand):
         raise ChainError(
             f"{path} is a lossy delta against {rec['name']} (sha256 {rec['sha256'][:16]}...), which is "
@@ -849,7 +897,7 @@ def compress_file(src, dst, mode: str = "excp", base=None, bits: int = DEFAULT_B
             "base": base_rec, "notes": notes,
             "books": {}, "streams": {}, "skeleton": None, "tensors": records, "errors": _worst(records),
         }
-        with atomic_output(dst) as out:
+        with atomic_output(dst, mode=os.stat(src).st_mode) as out:
             h = hashlib.sha256()
 
             def put(data) -> int:
@@ -993,7 +1041,7 @@ def decompress_file(src, dst, base=None, threads: int | None = None) -> LossySum
     src, dst = os.fspath(src), os.fspath(dst)
     check_paths(src, dst, None if base is None else os.fspath(base))
     out, index, size = _restore(src, base, threads)
-    with atomic_output(dst) as fh:
+    with atomic_output(dst, mode=os.stat(src).st_mode) as fh:
         fh.write(out)
         fh.commit()
     return _summary("decompress", index, size, started)

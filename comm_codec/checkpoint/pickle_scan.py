@@ -11,7 +11,20 @@ from __future__ import annotations
 import math
 import pickletools
 
-__all__ = ["scan_torch_pickle"]
+__all__ = ["scan_torch_pickle", "PickleTooLarge", "MAX_OPS"]
+
+# Opcodes scanned at most. Each one makes at most one small object, so this bounds the
+# scanner's memory (~200 MB at worst) and time (~2 s); torch.save spends ~25 per tensor,
+# so 80 000 tensors fit. A bigger pickle is not understood: its storages stay opaque.
+MAX_OPS = 2_000_000
+# A tensor deeper than this many keys is named after its storage, not its path.
+_MAX_NAME_DEPTH = 64
+# Objects walked when naming storages.
+_MAX_WALK = 1_000_000
+
+
+class PickleTooLarge(ValueError):
+    """The pickle has more opcodes than :data:`MAX_OPS`."""
 
 
 def _is_int(x) -> bool:
@@ -74,12 +87,22 @@ _CONSTS = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False, "EMPTY_TUPLE": ()}
 def scan_torch_pickle(data: bytes, itemsize) -> dict:
     """Map each storage key of a torch pickle to (dtype or None, name, bytes, shape or None).
 
+    Args:
+        data: the ``data.pkl`` bytes.
+        itemsize: ``itemsize(dtype_name)`` -> bytes per element, or None for a dtype whose
+            storages are to stay opaque.
+
     The pickle is *read*, never run: :func:`pickletools.genops` parses opcodes and a
     symbolic stack machine tracks strings, numbers, tuples, dicts and global *names*
     (no import, no call). A storage's dtype comes from its storage class
     (``torch.BFloat16Storage``...) or the dtype argument of ``_rebuild_tensor_v3``; a
     storage claimed with two dtypes gets None (coded as opaque bytes). A tensor's name
     is its path of dict keys from the root ("state.0.exp_avg").
+
+    Raises:
+        PickleTooLarge: more than :data:`MAX_OPS` opcodes.
+        ValueError, IndexError, KeyError...: not a pickle this scanner understands (the
+            caller codes the storages as opaque bytes, which is always exact).
     """
     stack, marks, memo, storages = [], [], {}, {}
     root = None
@@ -90,7 +113,9 @@ def scan_torch_pickle(data: bytes, itemsize) -> dict:
         del stack[k:]
         return items
 
-    for op, arg, _ in pickletools.genops(data):
+    for count, (op, arg, _) in enumerate(pickletools.genops(data)):
+        if count >= MAX_OPS:
+            raise PickleTooLarge(f"pickle has more than {MAX_OPS} opcodes")
         name = op.name
         if name in _PUSH_ARG:
             stack.append(arg)
@@ -215,28 +240,48 @@ def _reduce(func, args):
 
 
 def _name_storages(root) -> None:
-    """Name each storage after the first path of dict keys that leads to a tensor on it."""
-    todo, seen = [(root, ())], set()
+    """Name each storage after the first path of dict keys that leads to a tensor on it.
+
+    Paths are kept as links to their parent (key, parent) and joined only for a tensor,
+    so deep nesting costs memory linear in the objects, not quadratic in the depth.
+    """
+    todo, seen = [(root, None, 0)], set()
     while todo:
-        obj, path = todo.pop()
+        obj, path, depth = todo.pop()
         if isinstance(obj, _TensorRef):
             if obj.storage.name is None:
-                obj.storage.name = ".".join(path) or f"storage/{obj.storage.key}"
+                obj.storage.name = _join(path, depth) or f"storage/{obj.storage.key}"
                 obj.storage.shape = obj.size
             continue
-        if id(obj) in seen or len(seen) > 1_000_000:
+        if not isinstance(obj, (tuple, _Obj)) or id(obj) in seen:
             continue
+        if len(seen) >= _MAX_WALK:
+            return
         seen.add(id(obj))
         children = []
         if isinstance(obj, tuple):
-            children = [(v, path + (str(i),)) for i, v in enumerate(obj)]
-        elif isinstance(obj, _Obj):
+            children = [(v, (str(i), path), depth + 1) for i, v in enumerate(obj)
+                        if isinstance(v, (tuple, _Obj, _TensorRef))]
+        else:
             for i, item in enumerate(obj.items):
                 if isinstance(item, _Pair):
                     key = item.key if isinstance(item.key, (str, int)) else i
-                    children.append((item.value, path + (str(key),)))
+                    item, step = item.value, str(key)
                 else:
-                    children.append((item, path + (str(i),)))
-            children.append((obj.args, path))
-            children.append((obj.state, path))
+                    step = str(i)
+                if isinstance(item, (tuple, _Obj, _TensorRef)):
+                    children.append((item, (step, path), depth + 1))
+            children.append((obj.args, path, depth))
+            children.append((obj.state, path, depth))
         todo.extend(reversed(children))
+
+
+def _join(path, depth: int) -> str | None:
+    """The dotted name of a linked path, or None when it is deeper than _MAX_NAME_DEPTH."""
+    if depth > _MAX_NAME_DEPTH:
+        return None
+    parts = []
+    while path is not None:
+        step, path = path
+        parts.append(step)
+    return ".".join(reversed(parts))
