@@ -498,3 +498,38 @@ def test_an_unwritable_output_directory_is_named_by_its_output(tmp_path, monkeyp
     with pytest.raises(PermissionError) as info:
         ck.compress_file(tmp_path / "c.pt", tmp_path / "c.cckp")
     assert info.value.filename == str(tmp_path / "c.cckp")
+
+
+# -- format: files of earlier writers, groups of books, partly compressible streams -------
+_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+
+def test_a_file_written_before_the_package_split_is_still_read(tmp_path):
+    """v1_small.cckp was written by the flat-module code (commit b48c811), before groups."""
+    src, packed = os.path.join(_DATA, "v1_small.safetensors"), os.path.join(_DATA, "v1_small.cckp")
+    ck.decompress_file(packed, tmp_path / "out")
+    assert _sha(tmp_path / "out") == _sha(src) == ck.read_index(packed)["source"]["sha256"]
+    assert "groups" not in ck.read_index(packed)
+
+
+def test_mixed_chunks_get_a_group_and_partly_compressible_streams_a_book(tmp_path, monkeypatch):
+    from comm_codec.checkpoint import plan
+
+    gen = torch.Generator().manual_seed(9)
+    n = 1 << 20  # 16 chunks of 64 Ki
+    gauss = torch.randn(n // 2, generator=gen) * 0.02
+    laplace = torch.distributions.Laplace(0.0, 0.02).sample((n // 2,))
+    mixed = torch.cat([gauss, laplace]).bfloat16()
+    fp32 = torch.randn(n, generator=gen) * 0.02
+    fp32[: n // 2] = fp32[: n // 2].half().float()  # half the chunks: low mantissa bytes zero
+    save_file({"mixed": mixed, "fp32": fp32}, tmp_path / "m.safetensors")
+    _, packed = _round_trip(tmp_path / "m.safetensors", tmp_path, name="with")
+    index = ck.read_index(packed)
+    t = {x["name"]: x for x in index["tensors"]}
+    assert t["mixed"]["books"][0] in index["groups"] and len(index["groups"][t["mixed"]["books"][0]]) >= 2
+    assert t["fp32"]["books"][3] != "0" * 16  # the lowest byte: coded where it compresses
+    monkeypatch.setattr(plan, "_GROUP_MIN_ROWS", 1 << 30)  # neither groups nor partial books
+    _, plain = _round_trip(tmp_path / "m.safetensors", tmp_path, name="without")
+    assert "groups" not in ck.read_index(plain)
+    assert packed.stat().st_size < plain.stat().st_size * 0.99
+    assert "own x" in ck.describe(packed)

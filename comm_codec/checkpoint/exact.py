@@ -82,7 +82,7 @@ import numpy as np
 import torch
 import zstandard
 
-from ..codebooks import CodebookSet
+from ..codebooks import CodebookGroup, CodebookSet
 from ..frame import FrameError
 from ..huffman import Codebook, CodebookError
 from ..streams import spec_for
@@ -447,6 +447,7 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
                     "base": None if not any(t.transform != "none" for t in tensors) else {
                         "name": os.path.basename(os.fspath(base)), "size": bm.size, "sha256": base_sha},
                     "books": chooser.books,
+                    **({"groups": chooser.groups} if chooser.groups else {}),
                     "tensors": [t.record() for t in tensors],
                     "segments": segments,
                 }
@@ -497,6 +498,7 @@ _INDEX = Record({
                       "format": OneOf("safetensors", "torch_zip", "generic")}),
     "base": Nullable(Record({"name": Str(), "size": Int(), "sha256": _SHA})),
     "books": MapOf(_BOOK_ID, Record({"origin": Str(), "book": Anything(dict)})),
+    "groups": MapOf(_BOOK_ID, ListOf(_BOOK_ID, CodebookGroup.MAX_BOOKS)),
     "tensors": ListOf(Record({
         "name": Str(1 << 16), "dtype": Str(64), "shape": Nullable(ListOf(Int(), 64)), "offset": Int(),
         "nbytes": Int(), "kind": Str(64), "coding": OneOf("frame", "opaque"), "transform": OneOf(*TRANSFORMS),
@@ -504,7 +506,7 @@ _INDEX = Record({
         "chunk_elems": Nullable(OneOf(*CHUNK_SIZES))})),
     "segments": ListOf(Row(Int(), Int(1, MAX_SEGMENT_BYTES), Int(), Int(), OneOf(*_METHODS),
                            Nullable(Int(0, 0xFFFFFFFF)), Int(-1, 1 << 31))),
-}, optional=("created_by",))
+}, optional=("created_by", "groups"))
 
 
 def _check_index(index: dict, index_offset: int, path) -> None:
@@ -523,6 +525,16 @@ def _check_index(index: dict, index_offset: int, path) -> None:
         if book.id != book_id:
             fail(path, f"index: codebook listed as {book_id} is {book.id}")
         books[book_id] = book
+    for group_id, members in index.get("groups", {}).items():
+        if any(b not in books for b in members):
+            fail(path, f"index: codebook group {group_id} names books the file does not hold")
+        try:
+            group = CodebookGroup([books[b] for b in members])
+        except ValueError as exc:
+            fail(path, f"index: codebook group {group_id}: {exc}")
+        if group.id != group_id:
+            fail(path, f"index: codebook group listed as {group_id} is {group.id}")
+        books[group_id] = group
     index["_books"] = books
     for i, t in enumerate(index["tensors"]):
         if t["offset"] + t["nbytes"] > src["size"]:
@@ -750,8 +762,9 @@ def describe(path) -> str:
         if t["coding"] == "frame":
             ratio = f"{t['nbytes'] / max(1, coded[i]):.3f}"
             how = "xor-frame" if t["transform"] == "xor" else "frame"
-            bk = ",".join("raw" if b == "0" * 16 else ("own" if origin.get(b) == "tensor" else "shipped")
-                          for b in t["books"])
+            groups = index.get("groups", {})
+            bk = ",".join("raw" if b == "0" * 16 else f"own x{len(groups[b])}" if b in groups else
+                          ("own" if origin.get(b) == "tensor" else "shipped") for b in t["books"])
         else:
             ratio, how, bk = "-", "opaque", "zstd"
         chunk = f"{t['chunk_elems'] >> 10}Ki" if t.get("chunk_elems") else "-"
