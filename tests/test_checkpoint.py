@@ -15,6 +15,7 @@ import subprocess
 import sys
 import zipfile
 
+import blake3
 import pytest
 import torch
 from hypothesis import given, settings
@@ -138,7 +139,7 @@ def test_generic_round_trip(tmp_path_factory, data):
 def test_empty_file(tmp_path):
     (tmp_path / "e").write_bytes(b"")
     summary, packed = _round_trip(tmp_path / "e", tmp_path)
-    assert summary.original_bytes == 0 and ck.verify_file(packed).sha256 == hashlib.sha256(b"").hexdigest()
+    assert summary.original_bytes == 0 and ck.verify_file(packed).digest == "blake3:" + blake3.blake3(b"").hexdigest()
 
 
 def test_text_file_compresses(tmp_path):
@@ -210,7 +211,7 @@ def test_delta_chain_of_three(tmp_path):
     assert d1.delta > 0 and d2.delta > 0
     assert d1.ratio > standalone.ratio
     index = ck.read_index(p2)
-    assert index["base"]["sha256"] == _sha(paths[1])
+    assert index["base"]["blake3"] == blake3.blake3(paths[1].read_bytes()).hexdigest()
     w_bf16 = next(t for t in index["tensors"] if t["name"] == "model.w_bf16")
     assert w_bf16["transform"] == "xor"
     # Each link restores with its own base only.
@@ -247,12 +248,13 @@ def test_missing_and_wrong_base_refused(tmp_path):
     ck.compress_file(tmp_path / "b.pt", tmp_path / "b.cckp", base=tmp_path / "a.pt")
     with pytest.raises(ck.CheckpointError, match=r"compressed against base a\.pt .*pass that original file"):
         ck.decompress_file(tmp_path / "b.cckp", tmp_path / "b.out")
-    with pytest.raises(ck.CheckpointError, match="wrong base: .*b.pt has sha256"):
+    with pytest.raises(ck.CheckpointError, match="wrong base: .*b.pt has blake3"):
         ck.decompress_file(tmp_path / "b.cckp", tmp_path / "b.out", base=tmp_path / "b.pt")
     assert _leftovers(tmp_path) == []
-    # verify without the base checks every checksum, but cannot check the sha256
-    assert ck.verify_file(tmp_path / "b.cckp").sha256 is None
-    assert ck.verify_file(tmp_path / "b.cckp", base=tmp_path / "a.pt").sha256 == _sha(tmp_path / "b.pt")
+    # verify without the base checks every checksum, but cannot check the digest of the original
+    assert ck.verify_file(tmp_path / "b.cckp").digest is None
+    assert ck.verify_file(tmp_path / "b.cckp", base=tmp_path / "a.pt").digest == "blake3:" + blake3.blake3(
+        (tmp_path / "b.pt").read_bytes()).hexdigest()
 
 
 # -- bad input ---------------------------------------------------------------------------
@@ -510,6 +512,8 @@ def test_a_file_written_before_the_package_split_is_still_read(tmp_path):
     ck.decompress_file(packed, tmp_path / "out")
     assert _sha(tmp_path / "out") == _sha(src) == ck.read_index(packed)["source"]["sha256"]
     assert "groups" not in ck.read_index(packed)
+    summary = ck.verify_file(packed)  # it records sha256, which is what is checked
+    assert summary.sha256 == _sha(src) and summary.digest == "sha256:" + _sha(src)
 
 
 def test_mixed_chunks_get_a_group_and_partly_compressible_streams_a_book(tmp_path, monkeypatch):

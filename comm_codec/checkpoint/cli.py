@@ -117,8 +117,8 @@ def _cmd_verify(args) -> int:
         return 0
     summary = checkpoint.verify_file(args.file, base=args.base, threads=_used_threads(args))
     print(summary.line())
-    if summary.sha256 is None:
-        print("note: a delta checkpoint's restored bytes can only be checked against its original with "
+    if summary.digest is None:
+        print("note: a delta checkpoint's restored bytes can only be checked against its original's digest with "
               "--base; every frame and segment checksum was checked")
     return 0
 
@@ -187,8 +187,8 @@ def register(subparsers) -> None:
     p.set_defaults(func=_cmd_compress)
 
     p = subparsers.add_parser("decompress", help="restore a compressed checkpoint, byte for byte",
-                              description="Restore the original checkpoint; its sha256 is checked before "
-                                          "the output file appears.")
+                              description="Restore the original checkpoint; its digest (BLAKE3; sha256 for "
+                                          "files written before) is checked before the output file appears.")
     p.add_argument("src", help="compressed checkpoint")
     p.add_argument("dst", help="where to write the original")
     p.add_argument("--base", metavar="PREV", help="the base it was compressed against (original file; for a "
@@ -200,10 +200,10 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "verify", help="check a compressed checkpoint without writing anything",
         description="Decode FILE and check every checksum (index, segments, frames) and, when the original "
-                    "can be rebuilt (no base needed, or --base given), the sha256 of the restored bytes. "
+                    "can be rebuilt (no base needed, or --base given), the digest of the restored bytes. "
                     "Nothing is written. Exit status 0 if it is intact, 2 if not.")
     p.add_argument("file", help="compressed checkpoint")
-    p.add_argument("--base", metavar="PREV", help="the base it was compressed against, to check the sha256")
+    p.add_argument("--base", metavar="PREV", help="the base it was compressed against, to check the restored bytes' digest")
     p.add_argument("--threads", **threads)
     p.set_defaults(func=_cmd_verify)
 

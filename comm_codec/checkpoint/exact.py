@@ -89,7 +89,8 @@ from ..streams import spec_for
 from . import schema
 from .container import HEADER, MAGIC, created_by, encode_index, identify, index_file, read_container_index, zstd_bounded
 from .errors import CheckpointError, fail
-from .files import AtomicFile, FileMap, Sha256Stream, atomic_output, check_paths, open_regular, sha256_file, temp_name
+from .files import (WRITE_DIGEST, AtomicFile, DigestStream, FileMap, atomic_output, check_paths, file_digest,
+                    open_regular, recorded_digest, temp_name)
 from .formats import CODABLE, FileTensor, find_tensors
 from .schema import Anything, Int, ListOf, MapOf, Nullable, OneOf, Record, Row, Str
 from .plan import CHUNK_SIZES, TRANSFORMS, BookChooser, as_tensor, make_codec, plan_tensor
@@ -142,7 +143,8 @@ class Summary:
         threads: worker threads used.
         format: the source's format ("safetensors", "torch_zip", "generic").
         tensors: tensors found; coded: those coded with frames; delta: those XOR-coded.
-        sha256: the original checkpoint's sha256 (None when verify could not check it).
+        digest: ``"blake3:<hex>"`` (``"sha256:<hex>"`` for files written before 0.1.1) of
+            the original checkpoint, as checked; None when verify could not check it.
     """
 
     op: str
@@ -154,7 +156,12 @@ class Summary:
     tensors: int = 0
     coded: int = 0
     delta: int = 0
-    sha256: str | None = None
+    digest: str | None = None
+
+    @property
+    def sha256(self) -> str | None:
+        """The original's sha256, for files that record one (written before BLAKE3)."""
+        return self.digest[7:] if self.digest and self.digest.startswith("sha256:") else None
 
     @property
     def ratio(self) -> float:
@@ -174,7 +181,8 @@ class Summary:
         """Return the one-line summary the command line prints."""
         a, b = human_bytes(self.original_bytes), human_bytes(self.compressed_bytes)
         what = {"compress": f"compressed {a} -> {b}", "decompress": f"decompressed {b} -> {a}",
-                "verify": f"verified {b} ({a} original{', sha256 ok' if self.sha256 else ', sha256 NOT checked'})"}
+                "verify": f"verified {b} ({a} original, "
+                          f"{self.digest.split(':')[0] + ' ok' if self.digest else 'digest NOT checked'})"}
         return (f"{what[self.op]} (ratio {self.ratio:.3f}) in {self.seconds:.2f} s, "
                 f"{self.gbps:.3f} GB/s (original bytes over this call's wall time, start-up excluded)")
 
@@ -323,7 +331,7 @@ class _Progress:
 @contextlib.contextmanager
 def _base_file(base, scratch_dir: str, threads: int):
     """Open a base checkpoint: the original file, or a standalone compressed one (restored
-    to a temporary file). Yield (map, sha256)."""
+    to a temporary file). Yield (map, digest): ``digest(name)`` hashes it (once per name)."""
     if base is None:
         yield None, None
         return
@@ -342,14 +350,27 @@ def _base_file(base, scratch_dir: str, threads: int):
         else:
             path = base
         m = FileMap(path)
+        cache = {}
+
+        def digest(name: str = WRITE_DIGEST) -> str:
+            if name not in cache:
+                cache[name] = file_digest(m, name)
+            return cache[name]
+
         try:
-            yield m, sha256_file(m)
+            yield m, digest
         finally:
             m.close()
     finally:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+def _shown(record: dict, width: int = 16) -> str:
+    """'blake3 ab12...' for a source or base record."""
+    name, hexdigest = recorded_digest(record)
+    return f"{name} {hexdigest[:width]}{'...' if width < len(hexdigest) else ''}"
 
 
 def _base_matches(tensors: list[FileTensor], bm: FileMap | None) -> dict:
@@ -405,7 +426,8 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
     m = FileMap(src)
     try:
         kind = identify(bytes(m.u8(0, min(8, m.size))))
-        if kind in ("exact", "lossy"):
+        # A whole container (its magic at both ends), not bytes that merely start alike.
+        if kind in ("exact", "lossy") and m.size >= 40 and bytes(m.u8(m.size - 8, 8)) == bytes(m.u8(0, 8)):
             raise CheckpointError(f"{src} is already a {'lossy ' if kind == 'lossy' else ''}comm_codec checkpoint; "
                                   "compressing it again would only make it larger (decompress it first)")
         with _base_file(base, os.path.dirname(os.path.abspath(dst)), threads) as (bm, base_sha):
@@ -422,7 +444,7 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
                 plan_tensor(t, m, bm, matches.get(t.name), chooser)
 
             segments = []
-            h = Sha256Stream(background=threads > 1)
+            h = DigestStream(background=threads > 1)
             meter = _Progress("compressing", m.size, progress)
             with atomic_output(dst, mode=_mode(src)) as out, contextlib.closing(h):
                 out.write(HEADER.pack(MAGIC, VERSION, 0, 0))
@@ -442,10 +464,10 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
                 index = {
                     "format": _INDEX_FORMAT, "version": VERSION,
                     "created_by": created_by(),
-                    "source": {"name": os.path.basename(src), "size": m.size, "sha256": h.hexdigest(), "format": fmt},
+                    "source": {"name": os.path.basename(src), "size": m.size, h.name: h.hexdigest(), "format": fmt},
                     # A base no tensor was coded against is not recorded: the file stands alone.
                     "base": None if not any(t.transform != "none" for t in tensors) else {
-                        "name": os.path.basename(os.fspath(base)), "size": bm.size, "sha256": base_sha},
+                        "name": os.path.basename(os.fspath(base)), "size": bm.size, WRITE_DIGEST: base_sha()},
                     "books": chooser.books,
                     **({"groups": chooser.groups} if chooser.groups else {}),
                     "tensors": [t.record() for t in tensors],
@@ -464,7 +486,7 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
         m.close()
     summary = Summary("compress", m.size, total, time.perf_counter() - started, threads, fmt, len(tensors),
                       sum(t.coding == "frame" for t in tensors), sum(t.transform != "none" for t in tensors),
-                      index["source"]["sha256"])
+                      digest=f"{h.name}:{index['source'][h.name]}")
     log.debug("%s: %s", src, summary.line())
     return summary
 
@@ -494,9 +516,10 @@ _BOOK_ID = Str(length=16)
 # The exact index (module docstring), as read: every field the readers use.
 _INDEX = Record({
     "format": OneOf(_INDEX_FORMAT), "version": OneOf(VERSION), "created_by": Str(),
-    "source": Record({"name": Str(), "size": Int(), "sha256": _SHA,
-                      "format": OneOf("safetensors", "torch_zip", "generic")}),
-    "base": Nullable(Record({"name": Str(), "size": Int(), "sha256": _SHA})),
+    "source": Record({"name": Str(), "size": Int(), "blake3": _SHA, "sha256": _SHA,
+                      "format": OneOf("safetensors", "torch_zip", "generic")}, optional=("blake3", "sha256")),
+    "base": Nullable(Record({"name": Str(), "size": Int(), "blake3": _SHA, "sha256": _SHA},
+                            optional=("blake3", "sha256"))),
     "books": MapOf(_BOOK_ID, Record({"origin": Str(), "book": Anything(dict)})),
     "groups": MapOf(_BOOK_ID, ListOf(_BOOK_ID, CodebookGroup.MAX_BOOKS)),
     "tensors": ListOf(Record({
@@ -516,6 +539,9 @@ def _check_index(index: dict, index_offset: int, path) -> None:
                    f"expected {_INDEX_FORMAT!r} version {VERSION}")
     schema.check(index, _INDEX, path)
     src, base = index["source"], index["base"]
+    for what, rec in (("source", src), ("base", base)):
+        if rec is not None and not any(d in rec for d in ("blake3", "sha256")):
+            fail(path, f"index.{what}: no digest (blake3 or sha256)")
     books = {}
     for book_id, entry in index["books"].items():
         try:
@@ -595,15 +621,16 @@ def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str
             base = None
         if need is not None and base is None and sink is not None:
             raise CheckpointError(
-                f"{path} was compressed against base {need['name']} (sha256 {need['sha256'][:16]}...); "
+                f"{path} was compressed against base {need['name']} ({_shown(need)}); "
                 "pass that original file as base (--base)")
         scratch = os.path.dirname(os.path.abspath(path))
         with _base_file(base if need is not None else None, scratch, threads) as (bm, base_sha):
-            if bm is not None and (bm.size != need["size"] or base_sha != need["sha256"]):
-                raise CheckpointError(
-                    f"wrong base: {base} has sha256 {base_sha[:16]}... ({bm.size} bytes), but {path} was "
-                    f"compressed against {need['name']} with sha256 {need['sha256'][:16]}... "
-                    f"({need['size']} bytes)")
+            if bm is not None:
+                name, want = recorded_digest(need)
+                if bm.size != need["size"] or base_sha(name) != want:
+                    raise CheckpointError(
+                        f"wrong base: {base} has {name} {base_sha(name)[:16]}... ({bm.size} bytes), but {path} was "
+                        f"compressed against {need['name']} with {name} {want[:16]}... ({need['size']} bytes)")
             codecs = {}
             for t in tensors:
                 if t["coding"] == "frame":
@@ -629,7 +656,7 @@ def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str
 
             done = 0
 
-            h = Sha256Stream(background=threads > 1)
+            h = DigestStream(threads > 1, recorded_digest(index["source"])[0])
             meter = _Progress("decompressing" if sink is not None else "verifying", index["source"]["size"], progress)
             work = _ordered_map(decode, index["segments"], threads)
             with contextlib.closing(work), contextlib.closing(h):
@@ -646,14 +673,16 @@ def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str
                         sink.advance(done)
             meter.close()
             checked = bm is not None or need is None
-            if checked and h.hexdigest() != index["source"]["sha256"]:
-                raise CheckpointError(f"{path}: restored bytes have sha256 {h.hexdigest()[:16]}..., the "
-                                      f"original had {index['source']['sha256'][:16]}...: corrupted")
+            want = index["source"][h.name]
+            if checked and h.hexdigest() != want:
+                raise CheckpointError(f"{path}: restored bytes have {h.name} {h.hexdigest()[:16]}..., the "
+                                      f"original had {want[:16]}...: corrupted")
     finally:
         m.close()
     return Summary(op, index["source"]["size"], m.size, time.perf_counter() - started, threads,
                    index["source"]["format"], len(tensors), sum(t["coding"] == "frame" for t in tensors),
-                   sum(t["transform"] != "none" for t in tensors), index["source"]["sha256"] if checked else None)
+                   sum(t["transform"] != "none" for t in tensors),
+                   digest=f"{h.name}:{index['source'][h.name]}" if checked else None)
 
 
 def _decode_segment(seg, m: FileMap, bm: FileMap | None, tensors, path):
@@ -745,8 +774,8 @@ def describe(path) -> str:
         coded[ti] += length
     lines = [
         f"file      {path}: comm_codec checkpoint v{index['version']}, {human_bytes(size)}",
-        f"source    {src['name']}: {src['format']}, {human_bytes(src['size'])}, sha256 {src['sha256']}",
-        "base      " + ("none" if base is None else f"{base['name']}: {human_bytes(base['size'])}, sha256 {base['sha256']}"),
+        f"source    {src['name']}: {src['format']}, {human_bytes(src['size'])}, {_shown(src, 64)}",
+        "base      " + ("none" if base is None else f"{base['name']}: {human_bytes(base['size'])}, {_shown(base, 64)}"),
         f"ratio     {src['size'] / max(1, size):.3f} ({human_bytes(src['size'])} -> {human_bytes(size)}); "
         f"{len(index['tensors'])} tensors, {sum(t['coding'] == 'frame' for t in index['tensors'])} coded, "
         f"{sum(t['transform'] != 'none' for t in index['tensors'])} as deltas",
