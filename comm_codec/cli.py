@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -141,10 +142,6 @@ def main(argv=None) -> int:
     except OSError as exc:
         where = f": {exc.filename}" if exc.filename else ""
         print(f"comm-codec: error: {exc.strerror or exc}{where}", file=sys.stderr)
-    except _Terminated as exc:
-        print(f"comm-codec: terminated by {signal.Signals(exc.signum).name}; partial output removed",
-              file=sys.stderr)
-        return 128 + exc.signum
     except KeyboardInterrupt:
         print("comm-codec: interrupted; partial output removed", file=sys.stderr)
         return 130
@@ -154,24 +151,21 @@ def main(argv=None) -> int:
     return 2
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM or SIGHUP arrived: unwind like Ctrl-C, so temp files are removed."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
 def _on_termination() -> dict:
-    """Make SIGTERM and SIGHUP unwind the main thread; return the handlers they replace.
+    """Make SIGTERM and SIGHUP remove this run's temp files and exit; return the handlers replaced.
 
-    Every output is a temp file until committed, removed by the ``finally`` it was made
-    in, so unwinding is all cleaning up takes. SIGKILL cannot be caught: the temp file it
-    leaves (``.DST.comm_codec-tmp.HOST.PID.*.tmp``) is removed by the next run that writes
-    into the same directory, once that PID is gone.
+    Every output is a temp file until committed, so removing the live ones is all that
+    cleaning up takes. The handler does that and exits at once (status 128 + signal):
+    raising from a signal handler could unwind through a numba or zstd call. SIGKILL
+    cannot be caught: the temp file it leaves (``.DST.comm_codec-tmp.HOST.PID.*.tmp``) is
+    removed by the next run that writes into the same directory, once that PID is gone.
     """
     def handler(signum, frame):
-        raise _Terminated(signum)
+        from .checkpoint.files import remove_live_temps
+
+        remove_live_temps()
+        os.write(2, f"comm-codec: terminated by {signal.Signals(signum).name}; partial output removed\n".encode())
+        os._exit(128 + signum)
 
     previous = {}
     if threading.current_thread() is threading.main_thread():

@@ -90,7 +90,7 @@ from . import schema
 from .container import HEADER, MAGIC, created_by, encode_index, identify, index_file, read_container_index, zstd_bounded
 from .errors import CheckpointError, fail
 from .files import (WRITE_DIGEST, AtomicFile, DigestStream, FileMap, atomic_output, check_paths, file_digest,
-                    open_regular, recorded_digest, temp_name)
+                    open_regular, recorded_digest, temp_name, track_temp, untrack_temp)
 from .formats import CODABLE, FileTensor, find_tensors
 from .schema import Anything, Int, ListOf, MapOf, Nullable, OneOf, Record, Row, Str
 from .plan import CHUNK_SIZES, TRANSFORMS, BookChooser, as_tensor, make_codec, plan_tensor
@@ -344,6 +344,7 @@ def _base_file(base, scratch_dir: str, threads: int):
                 raise CheckpointError(f"base {base} is itself a delta checkpoint; give the original file "
                                       "(decompress it first)")
             fd, tmp = tempfile.mkstemp(prefix=temp_name("base"), suffix=".tmp", dir=scratch_dir)
+            track_temp(tmp)
             os.close(fd)
             decompress_file(base, tmp, threads=threads, progress=False)
             path = tmp
@@ -365,6 +366,7 @@ def _base_file(base, scratch_dir: str, threads: int):
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+            untrack_temp(tmp)
 
 
 def _shown(record: dict, width: int = 16) -> str:

@@ -25,7 +25,8 @@ from .errors import CheckpointError
 
 __all__ = ["FileMap", "AtomicFile", "DigestStream", "atomic_output", "check_paths", "file_digest", "new_hasher",
            "recorded_digest", "WRITE_DIGEST", "DIGESTS", "open_regular",
-           "is_regular", "temp_name", "sweep_stale_temps", "TEMP_MARK"]
+           "is_regular", "temp_name", "sweep_stale_temps", "TEMP_MARK", "track_temp", "untrack_temp",
+           "remove_live_temps"]
 
 # Buffers waiting for the background sha256 thread.
 _SHA_QUEUE = 8
@@ -240,6 +241,7 @@ class AtomicFile:
             fd, self.tmp = tempfile.mkstemp(prefix=temp_name(os.path.basename(path)), suffix=".tmp", dir=folder)
         except OSError as exc:  # name the file the user asked for, not our temp file
             raise type(exc)(exc.errno, exc.strerror, path) from None
+        track_temp(self.tmp)
         os.fchmod(fd, (0o666 if mode is None else mode & 0o777) & ~_umask())
         self.fh = os.fdopen(fd, "wb", buffering=1 << 20)
         self.pos = 0
@@ -297,6 +299,7 @@ class AtomicFile:
             os.replace(self.tmp, self.path)
         except OSError as exc:
             raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
+        untrack_temp(self.tmp)
         with contextlib.suppress(OSError):
             dfd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
             try:
@@ -309,6 +312,7 @@ class AtomicFile:
             self.fh.close()
         with contextlib.suppress(OSError):
             os.unlink(self.tmp)
+        untrack_temp(self.tmp)
 
 
 def _umask() -> int:
@@ -319,6 +323,35 @@ def _umask() -> int:
                 if line.startswith("Umask:"):
                     return int(line.split()[1], 8)
     return 0o022
+
+
+# Temp files this process is writing: a termination signal removes them and exits at once
+# (unwinding through a numba or zstd call from a signal handler is not safe).
+_LIVE: set = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def track_temp(path: str) -> None:
+    """Remember a temp file, for :func:`remove_live_temps`."""
+    with _LIVE_LOCK:
+        _LIVE.add(path)
+
+
+def untrack_temp(path: str) -> None:
+    """Forget a temp file (renamed into place, or removed)."""
+    with _LIVE_LOCK:
+        _LIVE.discard(path)
+
+
+def remove_live_temps() -> list:
+    """Remove every temp file this process is writing; return their paths (signal-safe enough:
+    no locks are waited for, only unlink is called)."""
+    removed = []
+    for path in list(_LIVE):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            removed.append(path)
+    return removed
 
 
 def _host() -> str:
