@@ -631,7 +631,8 @@ def main(argv=None) -> int:
     if args.json:
         for res in results:
             for row in res["rows"]:
-                row["cpu"] = {f"{k[0]}{k[1]}T": v for k, v in (row.get("cpu") or {}).items()}
+                for field in ("cpu", "median"):
+                    row[field] = {f"{k[0]}{k[1]}T": v for k, v in (row.get(field) or {}).items()}
         args.json.write_text(json.dumps({"results": results, "delta_by_kind": kinds, "peak_rss": rss,
                                          "targets": lines}, indent=1, default=str) + "\n")
     return 0
