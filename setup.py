@@ -9,6 +9,7 @@ from setuptools import setup
 
 setup(
     package_dir={"comm_codec._books": "codebooks"},
-    packages=["comm_codec", "comm_codec.kernels", "comm_codec.integrations", "comm_codec._books"],
+    packages=["comm_codec", "comm_codec.kernels", "comm_codec.checkpoint", "comm_codec.integrations",
+              "comm_codec._books"],
     package_data={"comm_codec._books": ["*.json", "README.md"]},
 )

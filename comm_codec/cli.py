@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
+import threading
 
 from . import __version__
 
@@ -22,16 +25,22 @@ def _cmd_inspect(args) -> int:
     """Print what a frame file's header says, or list a compressed (exact or lossy) checkpoint."""
     import numpy as np
 
-    from . import checkpoint, lossy
+    from .checkpoint import container, exact, lossy
+    from .checkpoint.files import open_regular
     from .frame import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, get_frame_parameters
 
-    if checkpoint.is_checkpoint(args.file):
-        print(checkpoint.describe(args.file))
-        return 0
-    if lossy.is_lossy(args.file):
-        print(lossy.describe(args.file))
-        return 0
-    data = np.fromfile(args.file, dtype=np.uint8)
+    with open_regular(args.file) as fh:
+        kind = container.identify(fh.read(8))
+        if kind == "exact":
+            print(exact.describe(args.file))
+            return 0
+        if kind == "lossy":
+            print(lossy.describe(args.file))
+            return 0
+        if kind is None:
+            raise exact.CheckpointError(f"{args.file}: {exact.NOT_OURS}")
+        fh.seek(0)
+        data = np.frombuffer(fh.read(), dtype=np.uint8)
     p = get_frame_parameters(data)
     raw = p.numel * p.spec.itemsize
     print(f"file        {args.file}")
@@ -63,8 +72,11 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("inspect", help="show the header of a frame file, or list a compressed (exact or lossy) checkpoint")
-    p.add_argument("file")
+    p = sub.add_parser("inspect", help="show the header of a frame file, or list a compressed (exact or lossy) checkpoint",
+                       description="Describe a comm_codec file without decoding it: a codec frame's header "
+                                   "(dtype, elements, chunks, books), or a compressed checkpoint's table of "
+                                   "tensors, dtypes, ratios and books (as `comm-codec ls`). Reads only FILE.")
+    p.add_argument("file", help="a frame file, or a file written by `comm-codec compress`")
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("bench", help="codec benchmark against zstd, bz2 and zipnn (see --help)",
@@ -82,7 +94,11 @@ def _registrars():
     from importlib import import_module
 
     found = []
-    for name in ("profile_cli", "demo", "checkpoint_cli"):
+    for name in (
+        "profile_cli",
+        "demo",
+        "checkpoint.cli",
+    ):
         try:
             module = import_module(f"comm_codec.{name}")
         except ModuleNotFoundError as exc:
@@ -114,6 +130,7 @@ def main(argv=None) -> int:
     from .frame import FrameError
     from .huffman import CodebookError
 
+    previous = _on_termination()
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:
@@ -126,6 +143,32 @@ def main(argv=None) -> int:
         where = f": {exc.filename}" if exc.filename else ""
         print(f"comm-codec: error: {exc.strerror or exc}{where}", file=sys.stderr)
     except KeyboardInterrupt:
-        print("comm-codec: interrupted", file=sys.stderr)
+        print("comm-codec: interrupted; partial output removed", file=sys.stderr)
         return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 2
+
+
+def _on_termination() -> dict:
+    """Make SIGTERM and SIGHUP remove this run's temp files and exit; return the handlers replaced.
+
+    Every output is a temp file until committed, so removing the live ones is all that
+    cleaning up takes. The handler does that and exits at once (status 128 + signal):
+    raising from a signal handler could unwind through a numba or zstd call. SIGKILL
+    cannot be caught: the temp file it leaves (``.DST.comm_codec-tmp.HOST.PID.*.tmp``) is
+    removed by the next run that writes into the same directory, once that PID is gone.
+    """
+    def handler(signum, frame):
+        from .checkpoint.files import remove_live_temps
+
+        remove_live_temps()
+        os.write(2, f"comm-codec: terminated by {signal.Signals(signum).name}; partial output removed\n".encode())
+        os._exit(128 + signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, handler)
+    return previous

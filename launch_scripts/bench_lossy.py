@@ -182,7 +182,7 @@ def main(argv=None) -> int:
         gen_data = batches(load_corpus(), batch_size=args.batch, seq_len=args.seq_len, seed=args.seed + 2000)
         eval_batches = [next(gen_data) for _ in range(8)]
         original = torch.load(last, weights_only=True)
-        lossy._cache.clear()  # reconstruct through the whole chain, as a fresh process would
+        lossy.clear_cache()  # reconstruct through the whole chain, as a fresh process would
         recon = lossy.load(folder / f"{last.stem}.ccl")
         base_orig, base_eval = _resume(args, original, eval_batches)
         base_recon, recon_eval = _resume(args, recon, eval_batches)
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
                                 beta=args.beta, threads=args.threads)
 
         def cold():
-            lossy._cache.clear()
+            lossy.clear_cache()
             warm()
 
         warm()  # puts the base's reconstruction in the cache

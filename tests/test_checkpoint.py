@@ -15,6 +15,7 @@ import subprocess
 import sys
 import zipfile
 
+import blake3
 import pytest
 import torch
 from hypothesis import given, settings
@@ -22,6 +23,8 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from comm_codec import checkpoint as ck
+from comm_codec.checkpoint import exact
+from comm_codec.checkpoint.files import FileMap
 from comm_codec.frame import FrameError
 
 _GEN = torch.Generator().manual_seed(0)
@@ -136,7 +139,7 @@ def test_generic_round_trip(tmp_path_factory, data):
 def test_empty_file(tmp_path):
     (tmp_path / "e").write_bytes(b"")
     summary, packed = _round_trip(tmp_path / "e", tmp_path)
-    assert summary.original_bytes == 0 and ck.verify_file(packed).sha256 == hashlib.sha256(b"").hexdigest()
+    assert summary.original_bytes == 0 and ck.verify_file(packed).digest == "blake3:" + blake3.blake3(b"").hexdigest()
 
 
 def test_text_file_compresses(tmp_path):
@@ -176,7 +179,7 @@ def test_same_output_for_any_number_of_threads(tmp_path, fmt):
 
 
 def test_big_tensor_is_cut_into_pieces(tmp_path, monkeypatch):
-    monkeypatch.setattr(ck, "PIECE_BYTES", 64 << 10)
+    monkeypatch.setattr(exact, "PIECE_BYTES", 64 << 10)
     save_file({"w": _weights(300_000, dtype=torch.bfloat16)}, tmp_path / "b.safetensors")
     _, packed = _round_trip(tmp_path / "b.safetensors", tmp_path, threads=2)
     index = ck.read_index(packed)
@@ -208,7 +211,7 @@ def test_delta_chain_of_three(tmp_path):
     assert d1.delta > 0 and d2.delta > 0
     assert d1.ratio > standalone.ratio
     index = ck.read_index(p2)
-    assert index["base"]["sha256"] == _sha(paths[1])
+    assert index["base"]["blake3"] == blake3.blake3(paths[1].read_bytes()).hexdigest()
     w_bf16 = next(t for t in index["tensors"] if t["name"] == "model.w_bf16")
     assert w_bf16["transform"] == "xor"
     # Each link restores with its own base only.
@@ -245,12 +248,13 @@ def test_missing_and_wrong_base_refused(tmp_path):
     ck.compress_file(tmp_path / "b.pt", tmp_path / "b.cckp", base=tmp_path / "a.pt")
     with pytest.raises(ck.CheckpointError, match=r"compressed against base a\.pt .*pass that original file"):
         ck.decompress_file(tmp_path / "b.cckp", tmp_path / "b.out")
-    with pytest.raises(ck.CheckpointError, match="wrong base: .*b.pt has sha256"):
+    with pytest.raises(ck.CheckpointError, match="wrong base: .*b.pt has blake3"):
         ck.decompress_file(tmp_path / "b.cckp", tmp_path / "b.out", base=tmp_path / "b.pt")
     assert _leftovers(tmp_path) == []
-    # verify without the base checks every checksum, but cannot check the sha256
-    assert ck.verify_file(tmp_path / "b.cckp").sha256 is None
-    assert ck.verify_file(tmp_path / "b.cckp", base=tmp_path / "a.pt").sha256 == _sha(tmp_path / "b.pt")
+    # verify without the base checks every checksum, but cannot check the digest of the original
+    assert ck.verify_file(tmp_path / "b.cckp").digest is None
+    assert ck.verify_file(tmp_path / "b.cckp", base=tmp_path / "a.pt").digest == "blake3:" + blake3.blake3(
+        (tmp_path / "b.pt").read_bytes()).hexdigest()
 
 
 # -- bad input ---------------------------------------------------------------------------
@@ -353,7 +357,7 @@ def test_full_disk_on_decompress_fails_up_front(tmp_path, monkeypatch):
 
 def test_source_changing_during_compression_is_refused(tmp_path, monkeypatch):
     torch.save(_state_dict(), tmp_path / "c.pt")
-    monkeypatch.setattr(ck._Map, "unchanged", lambda self: False)
+    monkeypatch.setattr(FileMap, "unchanged", lambda self: False)
     with pytest.raises(ck.CheckpointError, match="changed while it was being compressed"):
         ck.compress_file(tmp_path / "c.pt", tmp_path / "c.out")
     assert _leftovers(tmp_path) == []
@@ -459,3 +463,77 @@ def test_cli_file_size_limit_is_a_clean_error(tmp_path):
     r = _cli("compress", "r.bin", "r.cckp", cwd=tmp_path, limit_bytes=100_000)
     assert r.returncode == 2 and r.stderr.startswith("comm-codec: error: cannot write r.cckp: File too large")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.bin"]
+
+
+# -- what a new user hit (#16) -----------------------------------------------------------
+def test_an_unrelated_base_is_refused_and_an_unused_one_not_recorded(tmp_path):
+    save_file({"w": _weights(128, 128)}, tmp_path / "m.safetensors")
+    save_file({"other": _weights(128, 128)}, tmp_path / "unrelated.safetensors")
+    with pytest.raises(ck.CheckpointError, match="shares no tensor with .*compress without --base"):
+        ck.compress_file(tmp_path / "m.safetensors", tmp_path / "m.cckp", base=tmp_path / "unrelated.safetensors")
+    assert _leftovers(tmp_path) == [] and not (tmp_path / "m.cckp").exists()
+    # Same names and sizes but unrelated values: XOR never pays, so the file stands alone.
+    save_file({"w": _weights(128, 128, scale=3.0)}, tmp_path / "noise.safetensors")
+    ck.compress_file(tmp_path / "m.safetensors", tmp_path / "m.cckp", base=tmp_path / "noise.safetensors")
+    assert ck.read_index(tmp_path / "m.cckp")["base"] is None
+    ck.decompress_file(tmp_path / "m.cckp", tmp_path / "m.out")  # no base needed
+    assert _sha(tmp_path / "m.out") == _sha(tmp_path / "m.safetensors")
+
+
+def test_outputs_keep_the_inputs_permission_bits(tmp_path):
+    torch.save(_state_dict(), tmp_path / "c.pt")
+    os.chmod(tmp_path / "c.pt", 0o600)
+    ck.compress_file(tmp_path / "c.pt", tmp_path / "c.cckp")
+    ck.decompress_file(tmp_path / "c.cckp", tmp_path / "c.out")
+    assert (os.stat(tmp_path / "c.cckp").st_mode & 0o777, os.stat(tmp_path / "c.out").st_mode & 0o777) == (0o600, 0o600)
+
+
+def test_an_unwritable_output_directory_is_named_by_its_output(tmp_path, monkeypatch):
+    import tempfile
+
+    torch.save(_state_dict(), tmp_path / "c.pt")
+
+    def denied(prefix="", suffix="", dir=None):
+        raise PermissionError(13, "Permission denied", os.path.join(dir, prefix + "x1y2" + suffix))
+
+    monkeypatch.setattr(tempfile, "mkstemp", denied)
+    with pytest.raises(PermissionError) as info:
+        ck.compress_file(tmp_path / "c.pt", tmp_path / "c.cckp")
+    assert info.value.filename == str(tmp_path / "c.cckp")
+
+
+# -- format: files of earlier writers, groups of books, partly compressible streams -------
+_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+
+def test_a_file_written_before_the_package_split_is_still_read(tmp_path):
+    """v1_small.cckp was written by the flat-module code (commit b48c811), before groups."""
+    src, packed = os.path.join(_DATA, "v1_small.safetensors"), os.path.join(_DATA, "v1_small.cckp")
+    ck.decompress_file(packed, tmp_path / "out")
+    assert _sha(tmp_path / "out") == _sha(src) == ck.read_index(packed)["source"]["sha256"]
+    assert "groups" not in ck.read_index(packed)
+    summary = ck.verify_file(packed)  # it records sha256, which is what is checked
+    assert summary.sha256 == _sha(src) and summary.digest == "sha256:" + _sha(src)
+
+
+def test_mixed_chunks_get_a_group_and_partly_compressible_streams_a_book(tmp_path, monkeypatch):
+    from comm_codec.checkpoint import plan
+
+    gen = torch.Generator().manual_seed(9)
+    n = 1 << 20  # 16 chunks of 64 Ki
+    gauss = torch.randn(n // 2, generator=gen) * 0.02
+    laplace = torch.distributions.Laplace(0.0, 0.02).sample((n // 2,))
+    mixed = torch.cat([gauss, laplace]).bfloat16()
+    fp32 = torch.randn(n, generator=gen) * 0.02
+    fp32[: n // 2] = fp32[: n // 2].half().float()  # half the chunks: low mantissa bytes zero
+    save_file({"mixed": mixed, "fp32": fp32}, tmp_path / "m.safetensors")
+    _, packed = _round_trip(tmp_path / "m.safetensors", tmp_path, name="with")
+    index = ck.read_index(packed)
+    t = {x["name"]: x for x in index["tensors"]}
+    assert t["mixed"]["books"][0] in index["groups"] and len(index["groups"][t["mixed"]["books"][0]]) >= 2
+    assert t["fp32"]["books"][3] != "0" * 16  # the lowest byte: coded where it compresses
+    monkeypatch.setattr(plan, "_GROUP_MIN_ROWS", 1 << 30)  # neither groups nor partial books
+    _, plain = _round_trip(tmp_path / "m.safetensors", tmp_path, name="without")
+    assert "groups" not in ck.read_index(plain)
+    assert packed.stat().st_size < plain.stat().st_size * 0.99
+    assert "own x" in ck.describe(packed)

@@ -45,7 +45,7 @@ def test_inspect_errors(tmp_path):
     junk = tmp_path / "junk"
     junk.write_bytes(b"hello world, not a frame at all")
     r = run("inspect", str(junk))
-    assert r.returncode == 2 and "not a comm_codec frame" in r.stderr
+    assert r.returncode == 2 and "not a comm_codec checkpoint or frame" in r.stderr
 
 
 def test_unknown_option_is_a_usage_error():
@@ -134,3 +134,50 @@ def test_profile_plot_draws_a_png(tmp_path):
     r = run("profile", "--checkpoint", str(src), "--out", str(tmp_path / "b.json"), "--plot", str(png))
     assert r.returncode == 0, r.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+# -- checkpoint commands: what a new user hit (#16) ------------------------------------
+def _one_safetensors(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.randn(4096, dtype=torch.float32)}, tmp_path / "m.safetensors")
+    return tmp_path / "m.safetensors"
+
+
+def test_a_file_that_is_neither_gets_one_message_from_every_command(tmp_path):
+    src = str(_one_safetensors(tmp_path))
+    errors = set()
+    for argv in (["inspect", src], ["ls", src], ["verify", src], ["decompress", src, str(tmp_path / "o")]):
+        r = run(*argv)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        errors.add(r.stderr.strip())
+    assert errors == {f"comm-codec: error: {src}: not a comm_codec checkpoint or frame (bad magic): give a file "
+                      "written by `comm-codec compress` (or a codec frame, for inspect)"}
+    assert not (tmp_path / "o").exists()
+
+
+def test_existing_output_needs_force_and_a_compressed_input_is_refused(tmp_path):
+    src = _one_safetensors(tmp_path)
+    dst = tmp_path / "m.cckp"
+    dst.write_bytes(b"keep me")
+    r = run("compress", str(src), str(dst))
+    assert r.returncode == 2 and f"{dst} exists; pass --force to replace it" in r.stderr
+    assert dst.read_bytes() == b"keep me"
+    r = run("compress", str(src), str(dst), "--force", "--threads", "999")
+    assert r.returncode == 0, r.stderr
+    cores = len(os.sched_getaffinity(0))
+    assert f"--threads 999 is more than the {cores} cores this process may use; using {cores}" in r.stderr
+    assert "GB/s (original bytes over this call's wall time, start-up excluded)" in r.stdout
+    r = run("decompress", str(dst), str(src))
+    assert r.returncode == 2 and "exists; pass --force" in r.stderr
+    r = run("compress", str(dst), str(tmp_path / "again.cckp"))
+    assert r.returncode == 2 and "is already a comm_codec checkpoint; compressing it again" in r.stderr
+    assert not (tmp_path / "again.cckp").exists()
+
+
+@pytest.mark.parametrize("command,words", [("inspect", "Describe a comm_codec file"),
+                                           ("verify", "check every checksum"), ("ls", "Print FILE's index"),
+                                           ("compress", "keeps the source's permission bits")])
+def test_checkpoint_commands_have_help_text(command, words):
+    r = run(command, "--help")
+    assert r.returncode == 0 and words in " ".join(r.stdout.split()), r.stdout

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from comm_codec import checkpoint as ck
 from comm_codec import lossy
+from comm_codec.checkpoint import lossy_transforms
 from comm_codec.tinylm import TinyLM, batches, load_corpus, train_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,9 +28,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(autouse=True)
 def _fresh_cache():
     """Each test decodes its chains itself (the process-wide cache would hide a missing file)."""
-    lossy._cache.clear()
+    lossy.clear_cache()
     yield
-    lossy._cache.clear()
+    lossy.clear_cache()
 
 
 def _records(path) -> dict:
@@ -78,7 +79,7 @@ def _compress_chain(files, folder, **kw):
 def test_torch_chain_reconstructs_within_recorded_bounds(series, tmp_path):
     packed = _compress_chain(series, tmp_path)
     for src, ccl in zip(series, packed):
-        lossy._cache.clear()
+        lossy.clear_cache()
         out = tmp_path / f"{src.stem}.recon.pt"
         lossy.decompress_file(ccl, out)
         with zipfile.ZipFile(out) as zf, zipfile.ZipFile(src) as zs:
@@ -127,7 +128,7 @@ def test_safetensors_chain_of_five_does_not_drift(tmp_path):
         files.append(path)
     packed = _compress_chain(files, tmp_path)
     for src, ccl in zip(files, packed):
-        lossy._cache.clear()
+        lossy.clear_cache()
         out = tmp_path / f"{src.stem}.out.safetensors"
         lossy.decompress_file(ccl, out)
         orig, recon = load_file(src), load_file(out)
@@ -205,7 +206,7 @@ def test_base_from_another_run_is_refused(series, tmp_path):
 
 def test_missing_or_wrong_chain_file_is_named(series, tmp_path):
     packed = _compress_chain(series[:3], tmp_path)
-    lossy._cache.clear()
+    lossy.clear_cache()
     os.rename(packed[0], tmp_path / "moved.ccl")
     with pytest.raises(lossy.ChainError, match=f"against {packed[0].name} .*missing: no file {packed[0]}") as info:
         lossy.decompress_file(packed[2], tmp_path / "out.pt")
@@ -287,9 +288,9 @@ def test_precision_mode_torch_zip_and_refusals(series, tmp_path):
 def test_quantizer_is_lloyd_optimal_and_rounding_matches_torch():
     rng = np.random.default_rng(0)
     x = rng.laplace(size=5000).astype(np.float32)
-    sym, cents = lossy._quantize(x, 15)
+    sym, cents = lossy_transforms.quantize(x, 15)
     assert cents.size == 15 and sym.min() >= 1 and sym.max() <= 15
-    deq = lossy._dequantize(sym, cents, "value")
+    deq = lossy_transforms.dequantize(sym, cents, "value")
     # Nearest-centroid assignment, and each centroid the mean of its cluster (a Lloyd fixed point).
     assert np.all(np.abs(x - deq) <= np.abs(x[:, None] - cents[None, :]).min(axis=1) + 1e-7)
     for s in range(1, 16):
@@ -297,10 +298,10 @@ def test_quantizer_is_lloyd_optimal_and_rounding_matches_torch():
     counts = np.bincount(sym, minlength=16)[1:]
     assert np.all(np.diff(counts) <= 0)  # numbered by frequency
     few = np.array([1.0, 2.0, 2.0], np.float32)
-    s2, c2 = lossy._quantize(few, 15)
-    assert np.array_equal(lossy._dequantize(s2, c2, "value"), few)  # fewer values than centroids: exact
+    s2, c2 = lossy_transforms.quantize(few, 15)
+    assert np.array_equal(lossy_transforms.dequantize(s2, c2, "value"), few)  # fewer values than centroids: exact
     bits = torch.randn(10000).mul(1e3).view(torch.int32).numpy().view(np.uint32)
-    ours = lossy._round_mantissa(bits, 16, "float32")
+    ours = lossy_transforms.round_mantissa(bits, 16, "float32")
     ref = torch.from_numpy(bits.view(np.float32)).to(torch.bfloat16).float().numpy().view(np.uint32)
     assert np.array_equal(ours, ref)  # ties to even, like torch's fp32 -> bf16
 

@@ -1,6 +1,6 @@
 """How the checkpoint compressor codes each tensor: transforms and book choice.
 
-Private to :mod:`comm_codec.checkpoint`. A tensor's transform (none, or XOR with the
+Used by :mod:`.exact`. A tensor's transform (none, or XOR with the
 base's tensor), chunk size and per-stream books (its own, the shipped one, or raw) are
 chosen from histograms of a sample of its chunks, by expected coded bits.
 """
@@ -15,14 +15,15 @@ import numba
 import numpy as np
 import torch
 
-from .checkpoint_files import _Map
-from .checkpoint_formats import _Tensor
-from .codebooks import CodebookSet
-from .codec import Codec
-from .huffman import RAW_THRESHOLD_BITS, Codebook, entropy_bits
-from .profiler import stream_counts
+from ..codebooks import CodebookSet
+from ..codec import Codec
+from ..huffman import RAW_THRESHOLD_BITS, Codebook, entropy_bits
+from ..codebooks import CodebookGroup
+from ..profiler import chunk_counts, grow_group
+from .files import FileMap
+from .formats import FileTensor
 
-__all__: list = []
+__all__ = ["CHUNK_SIZES", "TRANSFORMS", "BookChooser", "as_tensor", "make_codec", "plan_tensor"]
 
 # What storing one per-tensor book costs in the (zstd-compressed) index, in bits.
 _BOOK_COST_BITS = 160 * 8
@@ -34,18 +35,26 @@ _REUSE_SLACK_BITS = 0.01
 # tracks scale changes inside a tensor (Adam moments gain) but, on a homogeneous tensor,
 # only adds noise to what one per-tensor book must fit (weights lose ~0.04 bit/element
 # with 64 Ki chunks). Each tensor gets whichever its sample says is smaller.
-_CHUNKS = (1 << 16, 1 << 18)
+CHUNK_SIZES = (1 << 16, 1 << 18)
 # Per-chunk bytes beyond the streams: table entry, lane lengths, lane padding (about).
 _CHUNK_OVERHEAD_BYTES = 48
 # Book choice looks at about this many elements of a tensor (whole chunks, spread out).
 _SAMPLE_ELEMS = 1 << 18
+# A tensor of at least this many chunks may get a group of books per stream, chosen chunk
+# by chunk (frame version 2), when its sampled chunks say the group pays for its books.
+_GROUP_MIN_CHUNKS = 8
+_GROUP_MIN_ROWS = 6  # sampled chunks a group is fitted to, at least
+_GROUP_MAX_BOOKS = 8
+_GROUP_MIN_GAIN = 0.002
+# Big tensors are sampled up to this many elements (16 chunks of 64 Ki) to fit a group.
+_GROUP_SAMPLE_ELEMS = 1 << 20
 # Books kept per (dtype, stream) for reuse by later tensors.
 _MAX_REUSED_BOOKS = 64
 _INT_NP = {1: np.uint8, 2: np.int16, 4: np.int32}
 
 
 # -- transforms and book choice ---------------------------------------------------------------
-def _as_tensor(u8: np.ndarray, spec) -> torch.Tensor:
+def as_tensor(u8: np.ndarray, spec) -> torch.Tensor:
     """View (or copy, when misaligned) bytes as a 1-D tensor of spec's dtype."""
     if u8.ctypes.data % spec.itemsize:
         u8 = u8.copy()
@@ -91,16 +100,17 @@ class _XorTransform(_Transform):
         return coded
 
 
-_TRANSFORMS = {t.name: t for t in (_Transform(), _XorTransform())}
+TRANSFORMS = {t.name: t for t in (_Transform(), _XorTransform())}
 
 
-class _BookChooser:
+class BookChooser:
     """Pick each stream's book: the tensor's own, the shipped one, or raw, by expected bits."""
 
     def __init__(self, shipped: CodebookSet):
         self.shipped = shipped
-        self.chunk_elems = _CHUNKS[0]  # the sampling unit
+        self.chunk_elems = CHUNK_SIZES[0]  # the sampling unit
         self.books: dict[str, dict] = {}  # id -> {"origin", "book"} for the index
+        self.groups: dict[str, list] = {}  # group id -> member book ids, for the index
         self._codecs: dict = {}
         self._built: dict = {}  # (dtype, stream) -> books built for earlier tensors
         self._lock = threading.Lock()
@@ -113,7 +123,8 @@ class _BookChooser:
         """
         chunk = self.chunk_elems * spec.itemsize
         nchunks = -(-u8.size // chunk)
-        take = min(nchunks, max(1, _SAMPLE_ELEMS // self.chunk_elems))
+        elems = _GROUP_SAMPLE_ELEMS if nchunks >= _GROUP_MIN_CHUNKS else _SAMPLE_ELEMS
+        take = min(nchunks, max(1, elems // self.chunk_elems))
         if take == nchunks:
             return u8, 1.0
         picks = [(i * nchunks) // take for i in range(take)]
@@ -122,9 +133,42 @@ class _BookChooser:
         return sample, u8.size / sample.size
 
     def counts(self, sample: np.ndarray, scale: float, spec, chunk_elems: int):
+        """Return the sample's per-stream counts scaled to the tensor, its zeros, and its
+        per-chunk counts int64[nchunks, nstreams, 256] (unscaled)."""
         with _numba_threads(1):
-            counts, zeros = stream_counts(_as_tensor(sample, spec), chunk_elems)
-        return counts * scale, zeros * scale
+            rows, zeros = chunk_counts(as_tensor(sample, spec), chunk_elems)
+        return rows.sum(axis=0) * scale, float(zeros.sum()) * scale, rows
+
+    def partial(self, rows: np.ndarray, scale: float) -> tuple[Codebook, float] | None:
+        """A book for a stream that is raw on the whole but compressible in some chunks.
+
+        The encoder stores a chunk's stream raw wherever its book would spend more, so a
+        book fitted to the chunks that compress (some rows of an embedding, say) costs
+        nothing on the others. Returns the book and the bits it saves (net of its place
+        in the index), or None.
+        """
+        n = rows.sum(axis=1)
+        p = rows / np.maximum(n, 1)[:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ent = -np.where(p > 0, p * np.log2(p), 0.0).sum(axis=1)
+        pick = (ent < RAW_THRESHOLD_BITS - 0.25) & (n > 0)
+        if not pick.any():
+            return None
+        book = Codebook.from_counts(rows[pick].sum(axis=0), raw_threshold=None)
+        coded = np.minimum(rows @ book.symbol_bits(), 8.0 * n)
+        saved = float(8.0 * n.sum() - coded.sum()) * scale - _BOOK_COST_BITS
+        return (book, saved) if saved > 0 else None
+
+    def group(self, rows: np.ndarray, book: Codebook, scale: float) -> tuple[CodebookGroup, float] | None:
+        """A group grown from ``book`` over sampled chunks, and the bits it saves (net of the
+        new books' place in the index), or None when it does not pay."""
+        group, stats = grow_group(rows, book, _GROUP_MAX_BOOKS, _GROUP_MIN_GAIN)
+        if len(group.books) < 2:
+            return None
+        symbols = float(rows.sum()) * scale
+        saved = (stats["chunk_bits_one_book"] - stats["chunk_bits_group"]) * symbols
+        saved -= (len(group.books) - 1) * _BOOK_COST_BITS
+        return (group, saved) if saved > 0 else None
 
     def choose(self, counts: np.ndarray, kind: str, spec) -> tuple[list[Codebook], list[str], float]:
         """Return the books, their origins and the expected coded bits of the tensor."""
@@ -181,27 +225,31 @@ class _BookChooser:
             redundancies.append(bits - h)
         return bits * n + _BOOK_COST_BITS, book, "tensor"
 
-    def codec_for(self, books: list[Codebook], origins: list[str], spec, chunk_elems: int):
-        """Return a Codec that codes with these books and chunks, and the books' ids."""
+    def codec_for(self, books: list, origins: list[str], spec, chunk_elems: int):
+        """Return a Codec that codes with these books (or groups) and chunks, and their ids."""
         ids = [b.id for b in books]
         with self._lock:
             for book, origin in zip(books, origins):
-                if not book.raw and book.id not in self.books:
-                    self.books[book.id] = {"origin": origin, "book": book.to_dict()}
+                members = book.books if isinstance(book, CodebookGroup) else (book,)
+                if isinstance(book, CodebookGroup):
+                    self.groups[book.id] = [b.id for b in members]
+                for b in members:
+                    if not b.raw and b.id not in self.books:
+                        self.books[b.id] = {"origin": origin, "book": b.to_dict()}
             key = (spec.name, tuple(ids), chunk_elems)
             codec = self._codecs.get(key)
             if codec is None:
-                codec = self._codecs[key] = _codec(books, spec, chunk_elems)
+                codec = self._codecs[key] = make_codec(books, spec, chunk_elems)
         return codec, ids
 
 
-def _codec(books, spec, chunk_elems) -> Codec:
+def make_codec(books, spec, chunk_elems) -> Codec:
     keyed = {("weight", spec.name, s): b for s, b in enumerate(books)}
     return Codec(CodebookSet(keyed), threads=1, chunk_elems=chunk_elems)
 
 
-def _plan_tensor(t: _Tensor, src: _Map, base: _Map | None, base_tensor: _Tensor | None,
-                 chooser: _BookChooser) -> None:
+def plan_tensor(t: FileTensor, src: FileMap, base: FileMap | None, base_tensor: FileTensor | None,
+                 chooser: BookChooser) -> None:
     """Choose transform, chunk size and books of one tensor from a sample of its chunks."""
     spec = t.spec
     numel = t.nbytes // spec.itemsize
@@ -212,16 +260,28 @@ def _plan_tensor(t: _Tensor, src: _Map, base: _Map | None, base_tensor: _Tensor 
         candidates.append(("xor", _xor(sample, base_sample, spec)))
 
     def cost(transform, data, chunk_elems):
-        counts, zeros = chooser.counts(data, scale, spec, chunk_elems)
+        counts, zeros, rows = chooser.counts(data, scale, spec, chunk_elems)
         books, origins, bits = chooser.choose(counts, t.kind, spec)
+        if len(rows) >= _GROUP_MIN_ROWS:
+            for st in range(spec.nstreams):
+                if origins[st] == "raw":
+                    found = chooser.partial(rows[:, st, :], scale)
+                    if found is not None:
+                        books[st], origins[st] = found[0], "tensor"
+                        bits -= found[1]
+                elif origins[st] == "tensor":
+                    found = chooser.group(rows[:, st, :], books[st], scale)
+                    if found is not None:
+                        books[st] = found[0]
+                        bits -= found[1]
         bits += min(zeros * spec.nstreams * 8, numel)  # zeros: coded, or one mask bit each
         bits += -(-numel // chunk_elems) * _CHUNK_OVERHEAD_BYTES * 8
         return bits, transform, chunk_elems, books, origins, data
 
     # The transform at the small chunk size, then the large chunks for the winner only.
-    best = min((cost(tr, data, _CHUNKS[0]) for tr, data in candidates), key=lambda c: c[0])
-    if numel > _CHUNKS[0]:  # else one chunk either way
-        best = min(best, cost(best[1], best[5], _CHUNKS[1]), key=lambda c: c[0])
+    best = min((cost(tr, data, CHUNK_SIZES[0]) for tr, data in candidates), key=lambda c: c[0])
+    if numel > CHUNK_SIZES[0]:  # else one chunk either way
+        best = min(best, cost(best[1], best[5], CHUNK_SIZES[1]), key=lambda c: c[0])
     _, t.transform, t.chunk_elems, books, origins, _ = best
     if t.transform != "none":
         t.base_offset = base_tensor.offset

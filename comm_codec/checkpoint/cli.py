@@ -2,16 +2,44 @@
 
 Registered by :mod:`comm_codec.cli`, which turns the errors a user can cause (missing or
 unreadable files, corrupt input, a wrong base, a full disk) into one line on stderr and
-exit status 2. The work is done by :mod:`comm_codec.checkpoint` (exact, the default) and,
-with ``compress --lossy {excp,precision}``, by :mod:`comm_codec.lossy`; ``decompress``,
+exit status 2. The work is done by :mod:`.exact` (exact, the default) and, with
+``compress --lossy {excp,precision}``, by :mod:`.lossy`; ``decompress``,
 ``verify`` and ``ls`` recognize a lossy file by its magic and hand it to the latter.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 
 __all__ = ["register"]
+
+log = logging.getLogger("comm_codec")
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _used_threads(args) -> int | None:
+    """--threads, capped at the cores this process may run on (saying so when it caps)."""
+    if args.threads is None:
+        return None
+    cores = _cores()
+    if args.threads > cores:
+        log.warning("--threads %d is more than the %d cores this process may use; using %d", args.threads, cores,
+                    cores)
+        return cores
+    return args.threads
+
+
+def _refuse_existing(dst: str, force: bool) -> None:
+    if not force and os.path.lexists(dst):
+        raise ValueError(f"{dst} exists; pass --force to replace it")
 
 
 def _threads(text: str) -> int:
@@ -34,7 +62,7 @@ def _is_lossy(path) -> bool:
 
 
 def _cmd_compress(args) -> int:
-    from . import checkpoint, lossy
+    from . import exact as checkpoint, lossy
 
     if args.lossy is None:
         used = [f"--{n.replace('_', '-')}" for n in ("bits", "alpha", "beta", "keep_bits")
@@ -45,7 +73,8 @@ def _cmd_compress(args) -> int:
         if args.base is not None and _is_lossy(args.base):
             raise ValueError(f"base {args.base} is a lossy file; an exact delta needs the previous checkpoint's "
                              "original (or use --lossy excp to continue the lossy chain)")
-        summary = checkpoint.compress_file(args.src, args.dst, base=args.base, threads=args.threads)
+        _refuse_existing(args.dst, args.force)
+        summary = checkpoint.compress_file(args.src, args.dst, base=args.base, threads=_used_threads(args))
         print(summary.line())
         return 0
     if args.lossy == "excp" and args.keep_bits is not None:
@@ -56,43 +85,46 @@ def _cmd_compress(args) -> int:
             raise ValueError(f"{', '.join(extra)} apply to --lossy excp; precision takes --keep-bits")
         if args.keep_bits is None:
             raise ValueError("--lossy precision needs --keep-bits K, the mantissa bits to keep (e.g. 7)")
+    _refuse_existing(args.dst, args.force)
     summary = lossy.compress_file(
         args.src, args.dst, mode=args.lossy, base=args.base,
         bits=lossy.DEFAULT_BITS if args.bits is None else args.bits,
         alpha=lossy.DEFAULT_ALPHA if args.alpha is None else args.alpha,
         beta=lossy.DEFAULT_BETA if args.beta is None else args.beta,
-        keep_bits=args.keep_bits, threads=args.threads)
+        keep_bits=args.keep_bits, threads=_used_threads(args))
     print(summary.line())  # notes (keyframe, fallbacks) were logged by comm_codec.lossy
     return 0
 
 
 def _cmd_decompress(args) -> int:
-    from . import checkpoint, lossy
+    from . import exact as checkpoint, lossy
 
+    _refuse_existing(args.dst, args.force)
+    threads = _used_threads(args)
     if _is_lossy(args.src):
-        summary = lossy.decompress_file(args.src, args.dst, base=args.base, threads=args.threads)
+        summary = lossy.decompress_file(args.src, args.dst, base=args.base, threads=threads)
     else:
-        summary = checkpoint.decompress_file(args.src, args.dst, base=args.base, threads=args.threads)
+        summary = checkpoint.decompress_file(args.src, args.dst, base=args.base, threads=threads)
     print(summary.line())
     return 0
 
 
 def _cmd_verify(args) -> int:
-    from . import checkpoint, lossy
+    from . import exact as checkpoint, lossy
 
     if _is_lossy(args.file):
-        print(lossy.verify_file(args.file, base=args.base, threads=args.threads).line())
+        print(lossy.verify_file(args.file, base=args.base, threads=_used_threads(args)).line())
         return 0
-    summary = checkpoint.verify_file(args.file, base=args.base, threads=args.threads)
+    summary = checkpoint.verify_file(args.file, base=args.base, threads=_used_threads(args))
     print(summary.line())
-    if summary.sha256 is None:
-        print("note: a delta checkpoint's restored bytes can only be checked against its original with "
+    if summary.digest is None:
+        print("note: a delta checkpoint's restored bytes can only be checked against its original's digest with "
               "--base; every frame and segment checksum was checked")
     return 0
 
 
 def _cmd_ls(args) -> int:
-    from . import checkpoint, lossy
+    from . import exact as checkpoint, lossy
 
     print(lossy.describe(args.file) if _is_lossy(args.file) else checkpoint.describe(args.file))
     return 0
@@ -128,13 +160,17 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "compress", help="compress a checkpoint (safetensors, torch .pt/.bin, or any file) losslessly",
         description="Compress a checkpoint file; decompress restores it byte for byte. The output is "
-                    "written atomically and the source is only read.")
+                    "written atomically (a hidden temp file, renamed when complete; removed on error, Ctrl-C, "
+                    "SIGTERM or SIGHUP; one left by SIGKILL is removed by the next run into that directory), "
+                    "keeps the source's permission bits, and the source is only read. The summary's GB/s is "
+                    "the original size over this call's wall time (not the process start-up).")
     p.add_argument("src", help="checkpoint to compress")
     p.add_argument("dst", help="compressed file to write")
     p.add_argument("--base", metavar="PREV",
                    help="previous checkpoint's original file: code tensors as deltas against it "
                         "(decompression will need it); with --lossy excp, the previous *lossy* file")
     p.add_argument("--threads", **threads)
+    p.add_argument("--force", action="store_true", help="replace DST if it exists (default: refuse)")
     lossy = p.add_argument_group(
         "lossy (opt-in; decompression then restores an approximation, never the original bytes)")
     lossy.add_argument("--lossy", choices=("excp", "precision"), default=None,
@@ -151,21 +187,30 @@ def register(subparsers) -> None:
     p.set_defaults(func=_cmd_compress)
 
     p = subparsers.add_parser("decompress", help="restore a compressed checkpoint, byte for byte",
-                              description="Restore the original checkpoint; its sha256 is checked before "
-                                          "the output file appears.")
+                              description="Restore the original checkpoint; its digest (BLAKE3; sha256 for "
+                                          "files written before) is checked before the output file appears.")
     p.add_argument("src", help="compressed checkpoint")
     p.add_argument("dst", help="where to write the original")
     p.add_argument("--base", metavar="PREV", help="the base it was compressed against (original file; for a "
                                                   "lossy file, its base lossy file if not beside it)")
     p.add_argument("--threads", **threads)
+    p.add_argument("--force", action="store_true", help="replace DST if it exists (default: refuse)")
     p.set_defaults(func=_cmd_decompress)
 
-    p = subparsers.add_parser("verify", help="check a compressed checkpoint without writing anything")
+    p = subparsers.add_parser(
+        "verify", help="check a compressed checkpoint without writing anything",
+        description="Decode FILE and check every checksum (index, segments, frames) and, when the original "
+                    "can be rebuilt (no base needed, or --base given), the digest of the restored bytes. "
+                    "Nothing is written. Exit status 0 if it is intact, 2 if not.")
     p.add_argument("file", help="compressed checkpoint")
-    p.add_argument("--base", metavar="PREV", help="the base it was compressed against, to check the sha256")
+    p.add_argument("--base", metavar="PREV", help="the base it was compressed against, to check the restored bytes' digest")
     p.add_argument("--threads", **threads)
     p.set_defaults(func=_cmd_verify)
 
-    p = subparsers.add_parser("ls", help="list a compressed checkpoint's tensors, dtypes, ratios and books")
+    p = subparsers.add_parser(
+        "ls", help="list a compressed checkpoint's tensors, dtypes, ratios and books",
+        description="Print FILE's index as a table: source, base, ratio, and per tensor its dtype, shape, "
+                    "kind, coding, chunk size, ratio and books (for a lossy file: mode, parameters and the "
+                    "error achieved per tensor). Reads only the index; see verify to check the data.")
     p.add_argument("file", help="compressed checkpoint")
     p.set_defaults(func=_cmd_ls)

@@ -47,7 +47,7 @@ Every byte of the container is checked on the way back: header fields, segment l
 and zero padding, CRCs, frame checksums, and the sha256 of the restored file.
 
 How a tensor is coded is decided from a sample of its chunks, by expected coded bits
-(:mod:`comm_codec.checkpoint_plan`): per stream, a book built for the tensor (stored in
+(:mod:`.plan`): per stream, a book built for the tensor (stored in
 the index, or one built for an earlier tensor that fits as well), the shipped book of
 its kind, or raw; chunks of 64 Ki or 256 Ki elements; with a base, XOR or not. Tensors
 under 4 kB stay with the zstd-coded bytes around them. A transform maps a tensor's bit
@@ -56,10 +56,10 @@ lossy ExCP-style mode is :mod:`comm_codec.lossy`, a container of its own
 (:data:`LOSSY_MAGIC`) that shares this one's index reader.
 
 Untrusted input: nothing read from a source, base or compressed file is ever unpickled
-(torch pickles are scanned opcode by opcode, :mod:`comm_codec.checkpoint_formats`);
+(torch pickles are scanned opcode by opcode, :mod:`.pickle_scan`);
 codebooks and metadata are JSON; every length and offset is checked before use; a
 failure raises :class:`CheckpointError` and leaves no output file behind. Files are
-mapped, written and hashed by :mod:`comm_codec.checkpoint_files`.
+mapped, written and hashed by :mod:`.files`.
 """
 
 from __future__ import annotations
@@ -68,10 +68,8 @@ import collections
 import contextlib
 import dataclasses
 import io
-import json
 import logging
 import os
-import struct
 import sys
 import tempfile
 import threading
@@ -84,18 +82,22 @@ import numpy as np
 import torch
 import zstandard
 
-from .codebooks import CodebookSet
-from .frame import FrameError
-from .huffman import Codebook, CodebookError
-from .checkpoint_files import (CheckpointError, _atomic_output, _AtomicFile, _check_paths, _Map, _Sha256,
-                               _sha256_file)
-from .checkpoint_formats import _CODABLE, _Tensor, _find_tensors, _int
-from .checkpoint_plan import _CHUNKS, _TRANSFORMS, _as_tensor, _BookChooser, _codec, _plan_tensor
-from .streams import spec_for
+from ..codebooks import CodebookGroup, CodebookSet
+from ..frame import FrameError
+from ..huffman import Codebook, CodebookError
+from ..streams import spec_for
+from . import schema
+from .container import HEADER, MAGIC, created_by, encode_index, identify, index_file, read_container_index, zstd_bounded
+from .errors import CheckpointError, fail
+from .files import (WRITE_DIGEST, AtomicFile, DigestStream, FileMap, atomic_output, check_paths, file_digest,
+                    open_regular, recorded_digest, temp_name, track_temp, untrack_temp)
+from .formats import CODABLE, FileTensor, find_tensors
+from .schema import Anything, Int, ListOf, MapOf, Nullable, OneOf, Record, Row, Str
+from .plan import CHUNK_SIZES, TRANSFORMS, BookChooser, as_tensor, make_codec, plan_tensor
 
 __all__ = [
-    "CheckpointError",
     "Summary",
+    "human_bytes",
     "compress_file",
     "decompress_file",
     "verify_file",
@@ -104,30 +106,28 @@ __all__ = [
     "is_checkpoint",
     "save",
     "load",
-    "MAGIC",
-    "LOSSY_MAGIC",
     "VERSION",
     "PIECE_BYTES",
+    "MIN_CODED_BYTES",
 ]
 
-log = logging.getLogger(__name__)
-# Defined beside the file helpers that raise it; public here, where users catch it.
-CheckpointError.__module__ = __name__
+log = logging.getLogger("comm_codec.checkpoint")
 
-MAGIC = b"\x89CCKP\r\n\x1a"
-LOSSY_MAGIC = b"\x89CCKL\r\n\x1a"  # the lossy container (comm_codec.lossy); never read as exact
 VERSION = 1
 PIECE_BYTES = 4 << 20
-_HEADER = struct.Struct("<8sHHI")
-_TRAILER = struct.Struct("<QQIHH8s")
-_FLAG_INDEX_ZSTD = 0x1
 _INDEX_FORMAT = "comm_codec.checkpoint"
 _ZSTD_LEVEL = 3
 # Tensors smaller than this are left to zstd with the bytes around them: a frame's header
 # and a codebook cost more than coding saves.
-_MIN_CODED_BYTES = 4096
-_MAX_INDEX_BYTES = 1 << 30
+MIN_CODED_BYTES = 4096
 _METHODS = ("frame", "zstd", "stored")
+# What every reader says of a file that is no comm_codec file at all.
+NOT_OURS = ("not a comm_codec checkpoint or frame (bad magic): give a file written by "
+            "`comm-codec compress` (or a codec frame, for inspect)")
+# Largest piece of source one segment may restore: what this writer makes (PIECE_BYTES, or
+# one chunk of a tensor when larger) with room to spare. A reader holds a few segments in
+# memory at a time, so this bounds its memory whatever sizes a file claims.
+MAX_SEGMENT_BYTES = 64 << 20
 
 
 # -- results --------------------------------------------------------------------------------
@@ -143,7 +143,8 @@ class Summary:
         threads: worker threads used.
         format: the source's format ("safetensors", "torch_zip", "generic").
         tensors: tensors found; coded: those coded with frames; delta: those XOR-coded.
-        sha256: the original checkpoint's sha256 (None when verify could not check it).
+        digest: ``"blake3:<hex>"`` (``"sha256:<hex>"`` for files written before 0.1.1) of
+            the original checkpoint, as checked; None when verify could not check it.
     """
 
     op: str
@@ -155,7 +156,12 @@ class Summary:
     tensors: int = 0
     coded: int = 0
     delta: int = 0
-    sha256: str | None = None
+    digest: str | None = None
+
+    @property
+    def sha256(self) -> str | None:
+        """The original's sha256, for files that record one (written before BLAKE3)."""
+        return self.digest[7:] if self.digest and self.digest.startswith("sha256:") else None
 
     @property
     def ratio(self) -> float:
@@ -163,19 +169,25 @@ class Summary:
 
     @property
     def gbps(self) -> float:
-        """Throughput in GB/s (1e9 bytes/s) of uncompressed bytes."""
+        """Throughput in GB/s (1e9 bytes/s) of uncompressed bytes over the call's wall time.
+
+        The call runs from opening the files to the committed output: it includes a
+        first-call kernel compile (numba's cache makes that once per install), not the
+        interpreter's start-up and imports (~2 s for torch and numba).
+        """
         return self.original_bytes / max(self.seconds, 1e-9) / 1e9
 
     def line(self) -> str:
         """Return the one-line summary the command line prints."""
-        a, b = _human(self.original_bytes), _human(self.compressed_bytes)
+        a, b = human_bytes(self.original_bytes), human_bytes(self.compressed_bytes)
         what = {"compress": f"compressed {a} -> {b}", "decompress": f"decompressed {b} -> {a}",
-                "verify": f"verified {b} ({a} original{', sha256 ok' if self.sha256 else ', sha256 NOT checked'})"}
+                "verify": f"verified {b} ({a} original, "
+                          f"{self.digest.split(':')[0] + ' ok' if self.digest else 'digest NOT checked'})"}
         return (f"{what[self.op]} (ratio {self.ratio:.3f}) in {self.seconds:.2f} s, "
-                f"{self.gbps:.3f} GB/s")
+                f"{self.gbps:.3f} GB/s (original bytes over this call's wall time, start-up excluded)")
 
 
-def _human(n: int) -> str:
+def human_bytes(n: int) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
             return f"{n / scale:.3g} {unit}"
@@ -189,7 +201,7 @@ class _Job:
     tensor: int  # index into the tensor list, -1 for opaque bytes
 
 
-def _jobs(size: int, tensors: list[_Tensor], plan):
+def _jobs(size: int, tensors: list[FileTensor], plan):
     """Yield the segments that cover 0..size in order: tensor pieces and opaque runs.
 
     ``plan(t)`` decides how a codable tensor is coded just before its first piece is
@@ -198,7 +210,7 @@ def _jobs(size: int, tensors: list[_Tensor], plan):
     """
     pos = 0
     for i, t in enumerate(tensors):
-        if not (t.codable and t.nbytes >= _MIN_CODED_BYTES):
+        if not (t.codable and t.nbytes >= MIN_CODED_BYTES):
             continue  # coded with the bytes around it
         plan(t)
         yield from _opaque_jobs(pos, t.offset)
@@ -230,7 +242,7 @@ def _zstd_d() -> zstandard.ZstdDecompressor:
     return _tls.zd
 
 
-def _encode_job(job: _Job, src: _Map, base: _Map | None, tensors: list[_Tensor]):
+def _encode_job(job: _Job, src: FileMap, base: FileMap | None, tensors: list[FileTensor]):
     """Code one segment; return (method, payload, crc32 or None)."""
     raw = src.u8(job.src_offset, job.length)
     if job.tensor >= 0:
@@ -240,8 +252,8 @@ def _encode_job(job: _Job, src: _Map, base: _Map | None, tensors: list[_Tensor])
         if t.transform != "none":
             base_start = t.base_offset + job.src_offset - t.offset
             base_bytes = base.u8(base_start, job.length)
-        coded = _TRANSFORMS[t.transform].forward(raw, base_bytes, spec)
-        frame = t.codec.encode(_as_tensor(coded, spec), kind="weight")
+        coded = TRANSFORMS[t.transform].forward(raw, base_bytes, spec)
+        frame = t.codec.encode(as_tensor(coded, spec), kind="weight")
         if base_bytes is not None:
             base.release(base_start, base_start + job.length)
         if frame.numel() < job.length:
@@ -305,7 +317,7 @@ class _Progress:
             self.last = now
             pct = 100.0 * self.done / max(1, self.total)
             rate = self.done / max(now - self.start, 1e-9) / 1e9
-            sys.stderr.write(f"\r{self.label} {pct:5.1f}% {_human(self.done)} of {_human(self.total)}, "
+            sys.stderr.write(f"\r{self.label} {pct:5.1f}% {human_bytes(self.done)} of {human_bytes(self.total)}, "
                              f"{rate:.3f} GB/s ")
             sys.stderr.flush()
 
@@ -319,7 +331,7 @@ class _Progress:
 @contextlib.contextmanager
 def _base_file(base, scratch_dir: str, threads: int):
     """Open a base checkpoint: the original file, or a standalone compressed one (restored
-    to a temporary file). Yield (map, sha256)."""
+    to a temporary file). Yield (map, digest): ``digest(name)`` hashes it (once per name)."""
     if base is None:
         yield None, None
         return
@@ -331,21 +343,57 @@ def _base_file(base, scratch_dir: str, threads: int):
             if index["base"] is not None:
                 raise CheckpointError(f"base {base} is itself a delta checkpoint; give the original file "
                                       "(decompress it first)")
-            fd, tmp = tempfile.mkstemp(prefix=".comm_codec-base.", dir=scratch_dir)
+            fd, tmp = tempfile.mkstemp(prefix=temp_name("base"), suffix=".tmp", dir=scratch_dir)
+            track_temp(tmp)
             os.close(fd)
             decompress_file(base, tmp, threads=threads, progress=False)
             path = tmp
         else:
             path = base
-        m = _Map(path)
+        m = FileMap(path)
+        cache = {}
+
+        def digest(name: str = WRITE_DIGEST) -> str:
+            if name not in cache:
+                cache[name] = file_digest(m, name)
+            return cache[name]
+
         try:
-            yield m, _sha256_file(m)
+            yield m, digest
         finally:
             m.close()
     finally:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+            untrack_temp(tmp)
+
+
+def _shown(record: dict, width: int = 16) -> str:
+    """'blake3 ab12...' for a source or base record."""
+    name, hexdigest = recorded_digest(record)
+    return f"{name} {hexdigest[:width]}{'...' if width < len(hexdigest) else ''}"
+
+
+def _base_matches(tensors: list[FileTensor], bm: FileMap | None) -> dict:
+    """Map each coded tensor's name to the base's tensor of the same name, dtype and size."""
+    if bm is None:
+        return {}
+    by_name = {}
+    for bt in find_tensors(bm)[1]:
+        by_name.setdefault(bt.name, bt)
+    out = {}
+    for t in tensors:
+        bt = by_name.get(t.name)
+        if (t.codable and t.nbytes >= MIN_CODED_BYTES and bt is not None and bt.codable and bt.dtype == t.dtype
+                and bt.nbytes == t.nbytes and (t.shape is None or bt.shape is None or bt.shape == t.shape)):
+            out[t.name] = bt
+    return out
+
+
+def _mode(path: str) -> int:
+    """The permission bits an output made from ``path`` gets: the input's (less the umask)."""
+    return os.stat(path).st_mode & 0o777
 
 
 def compress_file(src, dst, base=None, threads: int | None = None, codebooks: CodebookSet | None = None,
@@ -376,28 +424,32 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
     if codebooks is not None and not isinstance(codebooks, CodebookSet):
         raise TypeError(f"codebooks must be a CodebookSet or None, got {type(codebooks).__name__}")
     started = time.perf_counter()
-    _check_paths(src, dst, None if base is None else os.fspath(base))
-    m = _Map(src)
+    check_paths(src, dst, None if base is None else os.fspath(base))
+    m = FileMap(src)
     try:
+        kind = identify(bytes(m.u8(0, min(8, m.size))))
+        # A whole container (its magic at both ends), not bytes that merely start alike.
+        if kind in ("exact", "lossy") and m.size >= 40 and bytes(m.u8(m.size - 8, 8)) == bytes(m.u8(0, 8)):
+            raise CheckpointError(f"{src} is already a {'lossy ' if kind == 'lossy' else ''}comm_codec checkpoint; "
+                                  "compressing it again would only make it larger (decompress it first)")
         with _base_file(base, os.path.dirname(os.path.abspath(dst)), threads) as (bm, base_sha):
-            fmt, tensors = _find_tensors(m)
-            by_name = {}
-            if bm is not None:
-                for bt in _find_tensors(bm)[1]:
-                    by_name.setdefault(bt.name, bt)
-            chooser = _BookChooser(codebooks or CodebookSet.default())
+            fmt, tensors = find_tensors(m)
+            matches = _base_matches(tensors, bm)
+            if bm is not None and not matches:
+                raise CheckpointError(
+                    f"base {os.fspath(base)} shares no tensor with {src} (none has the same name, dtype and "
+                    "size), so it cannot make the file smaller and would only be needed to restore it; "
+                    "compress without --base, or give the previous checkpoint of the same model")
+            chooser = BookChooser(codebooks or CodebookSet.default())
 
-            def plan(t: _Tensor) -> None:
-                bt = by_name.get(t.name)
-                same = (bt is not None and bt.codable and bt.dtype == t.dtype and bt.nbytes == t.nbytes
-                        and (t.shape is None or bt.shape is None or bt.shape == t.shape))
-                _plan_tensor(t, m, bm, bt if same else None, chooser)
+            def plan(t: FileTensor) -> None:
+                plan_tensor(t, m, bm, matches.get(t.name), chooser)
 
             segments = []
-            h = _Sha256(background=threads > 1)
+            h = DigestStream(background=threads > 1)
             meter = _Progress("compressing", m.size, progress)
-            with _atomic_output(dst) as out, contextlib.closing(h):
-                out.write(_HEADER.pack(MAGIC, VERSION, 0, 0))
+            with atomic_output(dst, mode=_mode(src)) as out, contextlib.closing(h):
+                out.write(HEADER.pack(MAGIC, VERSION, 0, 0))
                 work = _ordered_map(lambda j: _encode_job(j, m, bm, tensors),
                                     _jobs(m.size, tensors, plan), threads)
                 with contextlib.closing(work):
@@ -413,18 +465,19 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
                 meter.close()
                 index = {
                     "format": _INDEX_FORMAT, "version": VERSION,
-                    "created_by": f"comm_codec {_version()}",
-                    "source": {"name": os.path.basename(src), "size": m.size, "sha256": h.hexdigest(), "format": fmt},
-                    "base": None if bm is None else {"name": os.path.basename(os.fspath(base)), "size": bm.size,
-                                                      "sha256": base_sha},
+                    "created_by": created_by(),
+                    "source": {"name": os.path.basename(src), "size": m.size, h.name: h.hexdigest(), "format": fmt},
+                    # A base no tensor was coded against is not recorded: the file stands alone.
+                    "base": None if not any(t.transform != "none" for t in tensors) else {
+                        "name": os.path.basename(os.fspath(base)), "size": bm.size, WRITE_DIGEST: base_sha()},
                     "books": chooser.books,
+                    **({"groups": chooser.groups} if chooser.groups else {}),
                     "tensors": [t.record() for t in tensors],
                     "segments": segments,
                 }
-                blob = zstandard.ZstdCompressor(level=9).compress(json.dumps(index, separators=(",", ":")).encode())
-                index_offset = out.pos
+                blob, trailer = encode_index(index, out.pos, VERSION, MAGIC)
                 out.write(blob)
-                out.write(_TRAILER.pack(index_offset, len(blob), zlib.crc32(blob), VERSION, _FLAG_INDEX_ZSTD, MAGIC))
+                out.write(trailer)
                 total = out.pos
                 for mp, what in ((m, "source"), (bm, "base")):
                     if mp is not None and not mp.unchanged():
@@ -435,137 +488,115 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
         m.close()
     summary = Summary("compress", m.size, total, time.perf_counter() - started, threads, fmt, len(tensors),
                       sum(t.coding == "frame" for t in tensors), sum(t.transform != "none" for t in tensors),
-                      index["source"]["sha256"])
+                      digest=f"{h.name}:{index['source'][h.name]}")
     log.debug("%s: %s", src, summary.line())
     return summary
-
-
-def _version() -> str:
-    from . import __version__
-
-    return __version__
 
 
 # -- reading the container ------------------------------------------------------------------
 def is_checkpoint(path) -> bool:
     """Return True when the file starts with the checkpoint container's magic."""
-    with open(os.fspath(path), "rb") as fh:
+    with open_regular(os.fspath(path)) as fh:
         return fh.read(len(MAGIC)) == MAGIC
 
 
-def _bad(path, what: str):
-    raise CheckpointError(f"{path}: {what}")
-
-
-def _load_index(m: _Map) -> dict:
+def _load_index(m: FileMap) -> dict:
     path = m.path
     if m.size < len(MAGIC) or bytes(m.u8(0, len(MAGIC))) != MAGIC:
-        head = bytes(m.u8(0, min(8, m.size)))
-        if head == LOSSY_MAGIC:
-            _bad(path, "is a lossy comm_codec checkpoint: it restores an approximation, not the original; "
+        kind = identify(bytes(m.u8(0, min(8, m.size))))
+        if kind == "lossy":
+            fail(path, "is a lossy comm_codec checkpoint: it restores an approximation, not the original; "
                        "use comm_codec.lossy.decompress_file (`comm-codec decompress` detects it)")
-        if head[:4] == b"CCFR":
-            _bad(path, "is a comm_codec frame, not a checkpoint (use `comm-codec inspect`)")
-        _bad(path, "not a comm_codec checkpoint (bad magic)")
-    return _container_index(m, MAGIC, VERSION, _check_index, "checkpoint")
+        if kind == "frame":
+            fail(path, "is a comm_codec frame, not a checkpoint (use `comm-codec inspect`)")
+        fail(path, NOT_OURS)
+    return read_container_index(m, MAGIC, VERSION, _check_index, "checkpoint")
 
 
-def _container_index(m: _Map, magic: bytes, version_expected: int, check, kind: str) -> dict:
-    """Read the index of a container (this one or the lossy one) whose magic was checked.
-
-    Header, trailer, CRC-32, zstd and JSON are shared by both formats; ``check(index,
-    index_offset, path)`` validates the index's contents. Raises CheckpointError.
-    """
-    path = m.path
-    if m.size < _HEADER.size + _TRAILER.size:
-        _bad(path, f"truncated: {m.size} bytes, a {kind} has at least {_HEADER.size + _TRAILER.size}")
-    _, version, hflags, reserved = _HEADER.unpack(bytes(m.u8(0, _HEADER.size)))
-    if version != version_expected:
-        _bad(path, f"{kind} format version {version}; this build reads version {version_expected}")
-    if hflags or reserved:
-        _bad(path, "header is corrupted (unknown flags)")
-    off, length, crc, tversion, flags, tail_magic = _TRAILER.unpack(bytes(m.u8(m.size - _TRAILER.size, _TRAILER.size)))
-    if tail_magic != magic:
-        _bad(path, "truncated, or bytes appended after its end (no trailer at the end of the file)")
-    if tversion != version_expected or flags & ~_FLAG_INDEX_ZSTD or length > _MAX_INDEX_BYTES:
-        _bad(path, "trailer is corrupted")
-    if off < _HEADER.size or off + length + _TRAILER.size != m.size:
-        _bad(path, f"trailer says the index is at {off}..{off + length}, which does not end where the "
-                   f"trailer starts ({m.size - _TRAILER.size}): truncated, extended or corrupted")
-    blob = bytes(m.u8(off, length))
-    if zlib.crc32(blob) != crc:
-        _bad(path, "index is corrupted (CRC-32 mismatch)")
-    try:
-        if flags & _FLAG_INDEX_ZSTD:
-            blob = zstandard.ZstdDecompressor().decompress(blob, max_output_size=_MAX_INDEX_BYTES)
-        index = json.loads(blob.decode("utf-8"))
-        check(index, off, path)
-    except CheckpointError:
-        raise
-    except (zstandard.ZstdError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError,
-            IndexError, AttributeError) as exc:  # CodebookError is a ValueError
-        _bad(path, f"index is malformed ({type(exc).__name__}: {exc})")
-    return index
+_SHA = Str(length=64)
+_BOOK_ID = Str(length=16)
+# The exact index (module docstring), as read: every field the readers use.
+_INDEX = Record({
+    "format": OneOf(_INDEX_FORMAT), "version": OneOf(VERSION), "created_by": Str(),
+    "source": Record({"name": Str(), "size": Int(), "blake3": _SHA, "sha256": _SHA,
+                      "format": OneOf("safetensors", "torch_zip", "generic")}, optional=("blake3", "sha256")),
+    "base": Nullable(Record({"name": Str(), "size": Int(), "blake3": _SHA, "sha256": _SHA},
+                            optional=("blake3", "sha256"))),
+    "books": MapOf(_BOOK_ID, Record({"origin": Str(), "book": Anything(dict)})),
+    "groups": MapOf(_BOOK_ID, ListOf(_BOOK_ID, CodebookGroup.MAX_BOOKS)),
+    "tensors": ListOf(Record({
+        "name": Str(1 << 16), "dtype": Str(64), "shape": Nullable(ListOf(Int(), 64)), "offset": Int(),
+        "nbytes": Int(), "kind": Str(64), "coding": OneOf("frame", "opaque"), "transform": OneOf(*TRANSFORMS),
+        "base_offset": Nullable(Int()), "books": Nullable(ListOf(_BOOK_ID, 8)),
+        "chunk_elems": Nullable(OneOf(*CHUNK_SIZES))})),
+    "segments": ListOf(Row(Int(), Int(1, MAX_SEGMENT_BYTES), Int(), Int(), OneOf(*_METHODS),
+                           Nullable(Int(0, 0xFFFFFFFF)), Int(-1, 1 << 31))),
+}, optional=("created_by", "groups"))
 
 
 def _check_index(index: dict, index_offset: int, path) -> None:
-    """Check every field the decoder will use; raise CheckpointError naming the first bad one."""
+    """Check the whole index (schema, then layout); raise CheckpointError naming the first bad field."""
     if index.get("format") != _INDEX_FORMAT or index.get("version") != VERSION:
-        _bad(path, f"index format {index.get('format')!r} version {index.get('version')!r}, expected "
-                   f"{_INDEX_FORMAT!r} version {VERSION}")
-    src = index["source"]
-    if not (_int(src["size"]) and isinstance(src["sha256"], str) and len(src["sha256"]) == 64):
-        _bad(path, "index: bad source record")
-    base = index["base"]
-    if base is not None and not (_int(base["size"]) and isinstance(base["sha256"], str)):
-        _bad(path, "index: bad base record")
+        fail(path, f"index format {str(index.get('format'))[:40]!r} version {str(index.get('version'))[:10]!r}, "
+                   f"expected {_INDEX_FORMAT!r} version {VERSION}")
+    schema.check(index, _INDEX, path)
+    src, base = index["source"], index["base"]
+    for what, rec in (("source", src), ("base", base)):
+        if rec is not None and not any(d in rec for d in ("blake3", "sha256")):
+            fail(path, f"index.{what}: no digest (blake3 or sha256)")
     books = {}
     for book_id, entry in index["books"].items():
         try:
             book = Codebook.from_dict(entry["book"])
         except CodebookError as exc:
-            _bad(path, f"index: codebook {book_id}: {exc}")
+            fail(path, f"index: codebook {book_id}: {exc}")
         if book.id != book_id:
-            _bad(path, f"index: codebook listed as {book_id} is {book.id}")
+            fail(path, f"index: codebook listed as {book_id} is {book.id}")
         books[book_id] = book
+    for group_id, members in index.get("groups", {}).items():
+        if any(b not in books for b in members):
+            fail(path, f"index: codebook group {group_id} names books the file does not hold")
+        try:
+            group = CodebookGroup([books[b] for b in members])
+        except ValueError as exc:
+            fail(path, f"index: codebook group {group_id}: {exc}")
+        if group.id != group_id:
+            fail(path, f"index: codebook group listed as {group_id} is {group.id}")
+        books[group_id] = group
     index["_books"] = books
     for i, t in enumerate(index["tensors"]):
-        if t["coding"] not in ("frame", "opaque") or not isinstance(t["name"], str):
-            _bad(path, f"index: tensor {i} is malformed")
-        if not (_int(t["offset"]) and _int(t["nbytes"]) and t["offset"] + t["nbytes"] <= src["size"]):
-            _bad(path, f"index: tensor {i} lies outside the source")
+        if t["offset"] + t["nbytes"] > src["size"]:
+            fail(path, f"index: tensor {i} lies outside the source")
         if t["coding"] == "frame":
-            if t["dtype"] not in _CODABLE or t["transform"] not in _TRANSFORMS:
-                _bad(path, f"index: tensor {i} has dtype {t['dtype']!r} / transform {t['transform']!r}")
-            spec = spec_for(_CODABLE[t["dtype"]])
-            if not isinstance(t["books"], list) or len(t["books"]) != spec.nstreams or any(
+            if t["dtype"] not in CODABLE or t["transform"] not in TRANSFORMS:
+                fail(path, f"index: tensor {i} has dtype {t['dtype']!r} / transform {t['transform']!r}")
+            spec = spec_for(CODABLE[t["dtype"]])
+            if t["books"] is None or t["chunk_elems"] is None or len(t["books"]) != spec.nstreams or any(
                     b != "0" * 16 and b not in books for b in t["books"]):
-                _bad(path, f"index: tensor {i} ({t['name']}) names codebooks the file does not hold")
-            if t["transform"] != "none" and (base is None or not _int(t["base_offset"])
+                fail(path, f"index: tensor {i} ({t['name']}) names codebooks the file does not hold")
+            if t["transform"] != "none" and (base is None or t["base_offset"] is None
                                              or t["base_offset"] + t["nbytes"] > base["size"]):
-                _bad(path, f"index: tensor {i} ({t['name']}) has a bad base range")
-    pos, at = 0, _HEADER.size
+                fail(path, f"index: tensor {i} ({t['name']}) has a bad base range")
+    pos, at = 0, HEADER.size
     for k, seg in enumerate(index["segments"]):
         src_off, src_len, off, length, method, crc, ti = seg
         # Segments follow each other, each padded to 8 bytes: every byte has a known place.
-        if not (src_off == pos and _int(src_len, 1) and off == at and _int(length)
-                and off + length <= index_offset and method in _METHODS
-                and _int(ti, -1, len(index["tensors"]) - 1)):
-            _bad(path, f"index: segment {k} is malformed")
+        if not (src_off == pos and off == at and off + length <= index_offset and ti < len(index["tensors"])):
+            fail(path, f"index: segment {k} is malformed")
         at = off + length + (-length % 8)
         if method == "frame":
             t = index["tensors"][ti] if ti >= 0 else None
             if t is None or t["coding"] != "frame" or not (t["offset"] <= src_off and src_off + src_len <= t["offset"] + t["nbytes"]) \
-                    or (src_off - t["offset"]) % spec_for(_CODABLE[t["dtype"]]).itemsize \
-                    or src_len % spec_for(_CODABLE[t["dtype"]]).itemsize:
-                _bad(path, f"index: segment {k} is a frame outside any coded tensor")
-        elif not _int(crc, 0, 0xFFFFFFFF) or (method == "stored" and length != src_len):
-            _bad(path, f"index: segment {k} is malformed")
+                    or (src_off - t["offset"]) % spec_for(CODABLE[t["dtype"]]).itemsize \
+                    or src_len % spec_for(CODABLE[t["dtype"]]).itemsize:
+                fail(path, f"index: segment {k} is a frame outside any coded tensor")
+        elif crc is None or (method == "stored" and length != src_len):
+            fail(path, f"index: segment {k} is malformed")
         pos += src_len
     if pos != src["size"]:
-        _bad(path, f"index: segments cover {pos} bytes, the source had {src['size']}")
+        fail(path, f"index: segments cover {pos} bytes, the source had {src['size']}")
     if at != index_offset:
-        _bad(path, f"index: segments end at {at}, the index starts at {index_offset}")
+        fail(path, f"index: segments end at {at}, the index starts at {index_offset}")
 
 
 def read_index(path) -> dict:
@@ -574,25 +605,14 @@ def read_index(path) -> dict:
     Raises:
         CheckpointError: not a checkpoint, truncated, or corrupted.
     """
-    return _index_of(path, _load_index)
-
-
-def _index_of(path, load) -> dict:
-    """Read a container's index with ``load`` (this module's or the lossy one's), books left out."""
-    m = _Map(os.fspath(path))
-    try:
-        index = load(m)
-    finally:
-        m.close()
-    index.pop("_books", None)
-    return index
+    return index_file(path, _load_index)
 
 
 # -- decompress -----------------------------------------------------------------------------
 def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str) -> Summary:
     """Decode every segment in order into ``sink`` (None: decode and check only)."""
     started = time.perf_counter()
-    m = _Map(path)
+    m = FileMap(path)
     try:
         index = _load_index(m)
         books = index.pop("_books")
@@ -603,29 +623,30 @@ def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str
             base = None
         if need is not None and base is None and sink is not None:
             raise CheckpointError(
-                f"{path} was compressed against base {need['name']} (sha256 {need['sha256'][:16]}...); "
+                f"{path} was compressed against base {need['name']} ({_shown(need)}); "
                 "pass that original file as base (--base)")
         scratch = os.path.dirname(os.path.abspath(path))
         with _base_file(base if need is not None else None, scratch, threads) as (bm, base_sha):
-            if bm is not None and (bm.size != need["size"] or base_sha != need["sha256"]):
-                raise CheckpointError(
-                    f"wrong base: {base} has sha256 {base_sha[:16]}... ({bm.size} bytes), but {path} was "
-                    f"compressed against {need['name']} with sha256 {need['sha256'][:16]}... "
-                    f"({need['size']} bytes)")
+            if bm is not None:
+                name, want = recorded_digest(need)
+                if bm.size != need["size"] or base_sha(name) != want:
+                    raise CheckpointError(
+                        f"wrong base: {base} has {name} {base_sha(name)[:16]}... ({bm.size} bytes), but {path} was "
+                        f"compressed against {need['name']} with {name} {want[:16]}... ({need['size']} bytes)")
             codecs = {}
             for t in tensors:
                 if t["coding"] == "frame":
-                    spec = spec_for(_CODABLE[t["dtype"]])
+                    spec = spec_for(CODABLE[t["dtype"]])
                     key = (spec.name, tuple(t["books"]))
                     if key not in codecs:
                         # Frames carry their chunk size; the codec's own is not used to decode.
-                        codecs[key] = _codec([books.get(b) or Codebook.raw_book() for b in t["books"]], spec,
-                                             _CHUNKS[0])
+                        codecs[key] = make_codec([books.get(b) or Codebook.raw_book() for b in t["books"]], spec,
+                                             CHUNK_SIZES[0])
                     t["_codec"] = codecs[key]
 
             # Restored bytes land at their source offsets, so workers write their own
             # segments (pwrite) and this thread only hashes, in order.
-            positional = isinstance(sink, _AtomicFile)
+            positional = isinstance(sink, AtomicFile)
             if positional:
                 sink.reserve(index["source"]["size"])
 
@@ -635,7 +656,9 @@ def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str
                     sink.pwrite(data, seg[0])
                 return data
 
-            h = _Sha256(background=threads > 1)
+            done = 0
+
+            h = DigestStream(threads > 1, recorded_digest(index["source"])[0])
             meter = _Progress("decompressing" if sink is not None else "verifying", index["source"]["size"], progress)
             work = _ordered_map(decode, index["segments"], threads)
             with contextlib.closing(work), contextlib.closing(h):
@@ -647,19 +670,24 @@ def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str
                     del data
                     m.release_upto(seg[2] + seg[3])
                     meter.update(seg[1])
+                    done += seg[1]
+                    if positional:
+                        sink.advance(done)
             meter.close()
             checked = bm is not None or need is None
-            if checked and h.hexdigest() != index["source"]["sha256"]:
-                raise CheckpointError(f"{path}: restored bytes have sha256 {h.hexdigest()[:16]}..., the "
-                                      f"original had {index['source']['sha256'][:16]}...: corrupted")
+            want = index["source"][h.name]
+            if checked and h.hexdigest() != want:
+                raise CheckpointError(f"{path}: restored bytes have {h.name} {h.hexdigest()[:16]}..., the "
+                                      f"original had {want[:16]}...: corrupted")
     finally:
         m.close()
     return Summary(op, index["source"]["size"], m.size, time.perf_counter() - started, threads,
                    index["source"]["format"], len(tensors), sum(t["coding"] == "frame" for t in tensors),
-                   sum(t["transform"] != "none" for t in tensors), index["source"]["sha256"] if checked else None)
+                   sum(t["transform"] != "none" for t in tensors),
+                   digest=f"{h.name}:{index['source'][h.name]}" if checked else None)
 
 
-def _decode_segment(seg, m: _Map, bm: _Map | None, tensors, path):
+def _decode_segment(seg, m: FileMap, bm: FileMap | None, tensors, path):
     src_off, src_len, off, length, method, crc, ti = seg
     payload = m.u8(off, length)
     where = f"segment at source bytes {src_off}..{src_off + src_len}"
@@ -670,18 +698,15 @@ def _decode_segment(seg, m: _Map, bm: _Map | None, tensors, path):
             raise CheckpointError(f"{path}: {where} is corrupted (CRC-32 mismatch)")
         if method == "stored":
             return payload
-        try:
-            out = _zstd_d().decompress(payload, max_output_size=src_len)
-        except zstandard.ZstdError as exc:
-            raise CheckpointError(f"{path}: {where}: {exc}") from None
+        out = zstd_bounded(payload, src_len, path, where)
         if len(out) != src_len:
             raise CheckpointError(f"{path}: {where} decompressed to {len(out)} bytes, expected {src_len}")
         return out
     t = tensors[ti]
-    spec = spec_for(_CODABLE[t["dtype"]])
+    spec = spec_for(CODABLE[t["dtype"]])
     out = torch.empty(src_len // spec.itemsize, dtype=spec.dtype)
     try:
-        t["_codec"].decode(payload, out=out)
+        t["_codec"].decode(payload, out=out, max_output_bytes=src_len)
     except (FrameError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: tensor {t['name']!r}, {where}: {exc}") from None
     coded = out.view(_INT_INT[spec.itemsize]).numpy().view(np.uint8)
@@ -690,7 +715,7 @@ def _decode_segment(seg, m: _Map, bm: _Map | None, tensors, path):
     if bm is None:  # verify without the base: the frames were checked, the bytes cannot be
         return None
     base_start = t["base_offset"] + src_off - t["offset"]
-    restored = _TRANSFORMS[t["transform"]].inverse(coded, bm.u8(base_start, src_len), spec)
+    restored = TRANSFORMS[t["transform"]].inverse(coded, bm.u8(base_start, src_len), spec)
     bm.release(base_start, base_start + src_len)
     return restored
 
@@ -719,8 +744,8 @@ def decompress_file(src, dst, base=None, threads: int | None = None, progress: b
     """
     src, dst = os.fspath(src), os.fspath(dst)
     threads = _threads(threads)
-    _check_paths(src, dst, None if base is None else os.fspath(base))
-    with _atomic_output(dst) as out:
+    check_paths(src, dst, None if base is None else os.fspath(base))
+    with atomic_output(dst, mode=_mode(src)) as out:
         summary = _restore(src, out, base, threads, progress, "decompress")
         out.commit()
     return summary
@@ -750,10 +775,10 @@ def describe(path) -> str:
     for s_off, s_len, off, length, method, crc, ti in index["segments"]:
         coded[ti] += length
     lines = [
-        f"file      {path}: comm_codec checkpoint v{index['version']}, {_human(size)}",
-        f"source    {src['name']}: {src['format']}, {_human(src['size'])}, sha256 {src['sha256']}",
-        "base      " + ("none" if base is None else f"{base['name']}: {_human(base['size'])}, sha256 {base['sha256']}"),
-        f"ratio     {src['size'] / max(1, size):.3f} ({_human(src['size'])} -> {_human(size)}); "
+        f"file      {path}: comm_codec checkpoint v{index['version']}, {human_bytes(size)}",
+        f"source    {src['name']}: {src['format']}, {human_bytes(src['size'])}, {_shown(src, 64)}",
+        "base      " + ("none" if base is None else f"{base['name']}: {human_bytes(base['size'])}, {_shown(base, 64)}"),
+        f"ratio     {src['size'] / max(1, size):.3f} ({human_bytes(src['size'])} -> {human_bytes(size)}); "
         f"{len(index['tensors'])} tensors, {sum(t['coding'] == 'frame' for t in index['tensors'])} coded, "
         f"{sum(t['transform'] != 'none' for t in index['tensors'])} as deltas",
     ]
@@ -768,8 +793,9 @@ def describe(path) -> str:
         if t["coding"] == "frame":
             ratio = f"{t['nbytes'] / max(1, coded[i]):.3f}"
             how = "xor-frame" if t["transform"] == "xor" else "frame"
-            bk = ",".join("raw" if b == "0" * 16 else ("own" if origin.get(b) == "tensor" else "shipped")
-                          for b in t["books"])
+            groups = index.get("groups", {})
+            bk = ",".join("raw" if b == "0" * 16 else f"own x{len(groups[b])}" if b in groups else
+                          ("own" if origin.get(b) == "tensor" else "shipped") for b in t["books"])
         else:
             ratio, how, bk = "-", "opaque", "zstd"
         chunk = f"{t['chunk_elems'] >> 10}Ki" if t.get("chunk_elems") else "-"
@@ -778,7 +804,7 @@ def describe(path) -> str:
     opaque_in = sum(s[1] for s in index["segments"] if s[6] < 0)
     opaque_out = sum(s[3] for s in index["segments"] if s[6] < 0)
     lines.append(f"{'(other bytes)':<{width}}  {'-':<13} {'-':<16} {'-':<15} {'opaque':<10} {'-':>6} "
-                 f"{opaque_in / max(1, opaque_out):>6.3f}  zstd/stored, {_human(opaque_in)}")
+                 f"{opaque_in / max(1, opaque_out):>6.3f}  zstd/stored, {human_bytes(opaque_in)}")
     return "\n".join(lines)
 
 
@@ -797,7 +823,7 @@ def save(state_dict, path, base=None, threads: int | None = None) -> Summary:
         The compression :class:`Summary`.
     """
     path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".pt",
+    fd, tmp = tempfile.mkstemp(prefix=temp_name(os.path.basename(path) + ".pt"), suffix=".tmp",
                                dir=os.path.dirname(os.path.abspath(path)))
     try:
         with os.fdopen(fd, "wb") as fh:

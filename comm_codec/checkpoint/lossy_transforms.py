@@ -1,6 +1,6 @@
 """The lossy transforms: which moments belong to which weight, quantization, rounding.
 
-Private to :mod:`comm_codec.lossy` (the container, the chain and the ExCP steps that
+Used by :mod:`.lossy` (the container, the chain and the ExCP steps that
 use these). Pure functions of arrays and tensor lists: pairing a weight with its AdamW
 ``exp_avg`` and ``exp_avg_sq``, an exact 1-D k-means, the value a pruned second moment
 comes back as, the error statistics recorded per tensor, and ZipNN-style mantissa
@@ -11,41 +11,24 @@ from __future__ import annotations
 
 import logging
 import re
-import struct
-import zipfile
 
 import numpy as np
 
-from .checkpoint_formats import _Tensor
+from .formats import FileTensor, storage_keys
 
-__all__: list = []
+__all__ = ["LOSSY_DTYPES", "MANTISSA", "pair_moments", "quantize", "dequantize", "fill_value", "error_stats",
+           "prunable", "round_mantissa"]
 
 log = logging.getLogger("comm_codec.lossy")
 
-_LOSSY_DTYPES = ("float32", "bfloat16", "float16")
-_MANTISSA = {"float32": 23, "bfloat16": 7, "float16": 10}
+LOSSY_DTYPES = ("float32", "bfloat16", "float16")
+MANTISSA = {"float32": 23, "bfloat16": 7, "float16": 10}
 _OPT_STATE = re.compile(r"^(?P<prefix>(?:.*\.)?)state\.(?P<index>\d+)\.(?P<moment>exp_avg|exp_avg_sq)$")
 _ANY_STATE = re.compile(r"(^|\.)state\.\d+\.")  # optimizer state of any kind (step counters...)
 
 
 # -- finding weights and their Adam moments -------------------------------------------------
-def _storage_keys(path: str) -> dict:
-    """Map each torch zip data record's data offset to its storage key (pickling order)."""
-    keys = {}
-    with open(path, "rb") as fh, zipfile.ZipFile(fh) as zf:
-        for info in zf.infolist():
-            head, _, key = info.filename.rpartition("/data/")
-            if not head or not key.isdigit():
-                continue
-            fh.seek(info.header_offset)
-            local = fh.read(30)
-            if local[:4] == b"PK\x03\x04":
-                nlen, xlen = struct.unpack_from("<HH", local, 26)
-                keys[info.header_offset + 30 + nlen + xlen] = int(key)
-    return keys
-
-
-def _pair_moments(path: str, fmt: str, tensors: list[_Tensor]):
+def pair_moments(path: str, fmt: str, tensors: list[FileTensor]):
     """Return [(weight, exp_avg or None, exp_avg_sq or None)] and the tensors left over.
 
     safetensors: ``exp_avg/<param>`` and ``exp_avg_sq/<param>`` belong to ``<param>``.
@@ -54,7 +37,7 @@ def _pair_moments(path: str, fmt: str, tensors: list[_Tensor]):
     file's float tensors outside the optimizer, in pickling order (= state_dict order),
     are matched to state indices in order, skipping tensors whose shape differs (buffers).
     """
-    floats = [t for t in tensors if t.codable and t.dtype in _LOSSY_DTYPES]
+    floats = [t for t in tensors if t.codable and t.dtype in LOSSY_DTYPES]
     moments: dict = {}  # weight name (safetensors) or (prefix, index) -> {moment: tensor}
     if fmt == "safetensors":
         for t in floats:
@@ -70,7 +53,7 @@ def _pair_moments(path: str, fmt: str, tensors: list[_Tensor]):
             if hit:
                 prefixes.add(hit["prefix"])
                 moments.setdefault((hit["prefix"], int(hit["index"])), {})[hit["moment"]] = t
-        keys = _storage_keys(path)
+        keys = storage_keys(path)
         params = [t for t in floats if not any(p and t.name.startswith(p) for p in prefixes)
                   and not _ANY_STATE.search(t.name)]
         params.sort(key=lambda t: (keys.get(t.offset, 1 << 62), t.offset))
@@ -91,7 +74,7 @@ def _pair_moments(path: str, fmt: str, tensors: list[_Tensor]):
     for p in params:
         pair = slots[p.name]
         m1, m2 = pair.get("exp_avg"), pair.get("exp_avg_sq")
-        ok = (m1 is not None and m2 is not None and m1.dtype in _LOSSY_DTYPES and m2.dtype in _LOSSY_DTYPES
+        ok = (m1 is not None and m2 is not None and m1.dtype in LOSSY_DTYPES and m2.dtype in LOSSY_DTYPES
               and m1.nbytes // m1.spec.itemsize == m2.nbytes // m2.spec.itemsize == p.nbytes // p.spec.itemsize)
         out.append((p, m1 if ok else None, m2 if ok else None))
         if ok:
@@ -128,7 +111,7 @@ def _kmeans_1d(x: np.ndarray, k: int, iters: int = 300) -> np.ndarray:
     return np.unique(c.astype(np.float32))
 
 
-def _quantize(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def quantize(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Return (symbols 1..k as uint8, centroids float32) for x; symbol s means centroids[s-1].
 
     Centroids are numbered by how often they are used, most first, so the index streams
@@ -145,7 +128,7 @@ def _quantize(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return (rank[nearest] + 1).astype(np.uint8), c[order]
 
 
-def _fill(v: np.ndarray, mask: np.ndarray) -> float:
+def fill_value(v: np.ndarray, mask: np.ndarray) -> float:
     """What a pruned exp_avg_sq element is restored as: the mean sqrt(v) of the pruned ones.
 
     ExCP restores pruned second moments as 0. Adam then divides the first steps after a
@@ -157,7 +140,7 @@ def _fill(v: np.ndarray, mask: np.ndarray) -> float:
     return float(np.float32(np.mean(np.sqrt(v[rest]), dtype=np.float64))) if rest.any() else 0.0
 
 
-def _dequantize(symbols: np.ndarray, centroids: np.ndarray, domain: str, fill: float = 0.0) -> np.ndarray:
+def dequantize(symbols: np.ndarray, centroids: np.ndarray, domain: str, fill: float = 0.0) -> np.ndarray:
     """Map symbols to values: 0 -> fill (0 unless pruned values are filled), s -> centroids[s-1]."""
     table = np.concatenate(([np.float32(fill)], centroids.astype(np.float32)))
     if domain == "sqrt":
@@ -165,14 +148,14 @@ def _dequantize(symbols: np.ndarray, centroids: np.ndarray, domain: str, fill: f
     return table[symbols]
 
 
-def _errors(recon: np.ndarray, orig: np.ndarray) -> dict:
+def error_stats(recon: np.ndarray, orig: np.ndarray) -> dict:
     err = recon.astype(np.float64) - orig.astype(np.float64)
     norm = float(np.sqrt(np.sum(orig.astype(np.float64) ** 2)))
     return {"max_abs_error": float(np.max(np.abs(err))) if err.size else 0.0,
             "rel_rms_error": float(np.sqrt(np.sum(err * err)) / norm) if norm else 0.0, "norm": norm}
 
 
-def _prunable(w: _Tensor) -> bool:
+def prunable(w: FileTensor) -> bool:
     """Whether a weight is pruned, or only quantized (vectors: biases, norm scales).
 
     Adam moves every element of a vector by about the same step (it divides by sqrt(v)),
@@ -186,7 +169,7 @@ def _prunable(w: _Tensor) -> bool:
     return w.nbytes // w.spec.itemsize >= 4096
 
 
-def _round_mantissa(ints: np.ndarray, drop: int, dtype: str) -> np.ndarray:
+def round_mantissa(ints: np.ndarray, drop: int, dtype: str) -> np.ndarray:
     """Round IEEE bit patterns to nearest (ties to even), dropping ``drop`` mantissa bits.
 
     Non-finite values are left as they are (clearing a NaN's payload could make it Inf),
@@ -195,7 +178,7 @@ def _round_mantissa(ints: np.ndarray, drop: int, dtype: str) -> np.ndarray:
     if drop <= 0:
         return ints.copy()
     width = 8 * ints.itemsize
-    mant = _MANTISSA[dtype]
+    mant = MANTISSA[dtype]
     exp_mask = ((1 << (width - 1 - mant)) - 1) << mant
     big = ints.astype(np.uint64)
     low = np.uint64((1 << drop) - 1)

@@ -1,0 +1,52 @@
+"""Offline checkpoint compression: any checkpoint file in, the same bytes back out.
+
+:func:`compress_file` finds the tensors inside a safetensors file or a ``torch.save`` zip
+*without unpickling anything* and codes each one with :class:`~comm_codec.Codec`; every
+other byte is coded with zstd. :func:`decompress_file` writes the original file back,
+byte for byte, and checks its sha256 before the output appears. ``base=`` codes each
+tensor as the XOR of its bit pattern with the same-named tensor of a previous checkpoint.
+:mod:`comm_codec.checkpoint.lossy` (also ``comm_codec.lossy``) is the opt-in lossy mode.
+
+Example::
+
+    >>> from comm_codec import checkpoint
+    >>> s = checkpoint.compress_file("weights_bf16.safetensors", "w.cckp")      # doctest: +SKIP
+    >>> print(s.line())                                                        # doctest: +SKIP
+    >>> checkpoint.decompress_file("w.cckp", "w.safetensors")                  # doctest: +SKIP
+
+The package, one concept per module (each imports only those listed before it):
+
+- :mod:`.errors`: :class:`CheckpointError`.
+- :mod:`.files`: read-only maps, atomic outputs, streaming hashes.
+- :mod:`.container`: header, index and trailer shared by both formats; magics.
+- :mod:`.pickle_scan`, :mod:`.formats`: finding tensors in safetensors and torch zips.
+- :mod:`.plan`: transforms and book choice per tensor.
+- :mod:`.exact`: the lossless format (this package's face re-exports it).
+- :mod:`.lossy_transforms`, :mod:`.lossy`: the ExCP-style and precision-cut format.
+- :mod:`.cli`: ``comm-codec compress / decompress / verify / ls``.
+"""
+
+from .container import LOSSY_MAGIC, MAGIC
+from .errors import CheckpointError
+from .exact import (PIECE_BYTES, VERSION, Summary, compress_file, decompress_file, describe, is_checkpoint, load,
+                    read_index, save, verify_file)
+
+__all__ = [
+    "CheckpointError",
+    "Summary",
+    "compress_file",
+    "decompress_file",
+    "verify_file",
+    "read_index",
+    "describe",
+    "is_checkpoint",
+    "save",
+    "load",
+    "MAGIC",
+    "LOSSY_MAGIC",
+    "VERSION",
+    "PIECE_BYTES",
+]
+
+# Users catch it here.
+CheckpointError.__module__ = __name__

@@ -1,0 +1,181 @@
+"""The container both checkpoint formats share: header, segments, JSON index, trailer.
+
+An exact checkpoint (:data:`MAGIC`, :mod:`.exact`) and a lossy one (:data:`LOSSY_MAGIC`,
+:mod:`.lossy`) are laid out alike (integers little-endian)::
+
+    header    magic 8 bytes | version u16 | flags u16 (0) | 0 u32
+    payload   the format's coded bytes, each piece padded with zeros to 8 bytes
+    index     zstd-compressed UTF-8 JSON
+    trailer   index offset u64 | index length u64 | index CRC-32 u32 | version u16 |
+              flags u16 (bit 0: index is zstd-compressed) | magic 8 bytes     (32 bytes)
+
+The two magics differ from each other and from a codec frame's (``CCFR``), so no reader
+takes one kind of file for another. This module reads and writes the frame around the
+index; what the index holds is each format's business (its ``check`` function).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import struct
+import zlib
+
+import zstandard
+
+from .errors import CheckpointError, fail
+from .files import FileMap
+
+__all__ = [
+    "MAGIC",
+    "LOSSY_MAGIC",
+    "FRAME_MAGIC",
+    "HEADER",
+    "TRAILER",
+    "FLAG_INDEX_ZSTD",
+    "created_by",
+    "identify",
+    "read_container_index",
+    "index_file",
+    "encode_index",
+    "zstd_bounded",
+]
+
+MAGIC = b"\x89CCKP\r\n\x1a"
+LOSSY_MAGIC = b"\x89CCKL\r\n\x1a"  # the lossy container; never read as exact
+FRAME_MAGIC = b"CCFR"  # a single codec frame (comm_codec.frame)
+HEADER = struct.Struct("<8sHHI")
+TRAILER = struct.Struct("<QQIHH8s")
+FLAG_INDEX_ZSTD = 0x1
+# Largest index (JSON text) read: a checkpoint of 250 000 segments needs about 15 MB.
+_MAX_INDEX_BYTES = 128 << 20
+# What json.loads may build, estimated from the text before it runs (each JSON value costs
+# up to ~100 bytes of Python objects): a crafted index of empty lists cannot take GBs.
+_MAX_INDEX_MEMORY = 512 << 20
+_VALUE_COST = 100
+
+
+def created_by() -> str:
+    """Return the writer's name and version, for the index's ``created_by``."""
+    try:
+        version = importlib.metadata.version("comm_codec")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing
+        version = "unknown"
+    return f"comm_codec {version}"
+
+
+def identify(head: bytes) -> str | None:
+    """Return "exact", "lossy" or "frame" for a file's first 8 bytes, None for anything else."""
+    if head[:8] == MAGIC:
+        return "exact"
+    if head[:8] == LOSSY_MAGIC:
+        return "lossy"
+    if head[:4] == FRAME_MAGIC:
+        return "frame"
+    return None
+
+
+def zstd_bounded(blob, limit: int, path, what: str) -> bytes:
+    """Decompress zstd bytes, producing at most ``limit`` bytes whatever the frame claims.
+
+    A frame's header may declare any content size; ``ZstdDecompressor.decompress`` would
+    allocate it. Here output grows only with bytes actually produced, and more than
+    ``limit`` of them is an error.
+
+    Raises:
+        CheckpointError: not zstd, truncated, or more than ``limit`` bytes.
+    """
+    parts, total = [], 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(memoryview(blob), read_across_frames=True) as reader:
+            while True:
+                part = reader.read(min(1 << 20, limit + 1 - total))
+                if not part:
+                    break
+                parts.append(part)
+                total += len(part)
+                if total > limit:
+                    fail(path, f"{what} decompresses to more than the {limit} bytes expected: corrupted")
+    except zstandard.ZstdError as exc:
+        fail(path, f"{what}: {exc}")
+    return b"".join(parts)
+
+
+def _parse_json(text: bytes, path):
+    """json.loads, refused when its objects could not fit in memory or nest too deep."""
+    values = text.count(b",") + text.count(b":") + text.count(b"[") + text.count(b"{") + 1
+    if values * _VALUE_COST + len(text) > _MAX_INDEX_MEMORY:
+        fail(path, f"index holds {values} JSON values, more than this reader takes "
+                   f"({_MAX_INDEX_MEMORY // _VALUE_COST}): corrupted or not written by comm_codec")
+    try:
+        return json.loads(text.decode("utf-8"))
+    except RecursionError:
+        fail(path, "index is malformed (JSON nested too deeply)")
+
+
+def encode_index(index: dict, index_offset: int, version: int, magic: bytes) -> tuple[bytes, bytes]:
+    """Return the compressed index and the trailer that points at it (at ``index_offset``)."""
+    blob = zstandard.ZstdCompressor(level=9).compress(json.dumps(index, separators=(",", ":")).encode())
+    return blob, TRAILER.pack(index_offset, len(blob), zlib.crc32(blob), version, FLAG_INDEX_ZSTD, magic)
+
+
+def read_container_index(m, magic: bytes, version_expected: int, check, kind: str) -> dict:
+    """Read the index of a container whose magic was checked.
+
+    Args:
+        m: the file (:class:`.files.FileMap`).
+        magic: the magic its trailer must end with.
+        version_expected: the only version this build reads.
+        check: ``check(index, index_offset, path)`` validates the index's contents.
+        kind: what to call the file in messages ("checkpoint", "lossy checkpoint").
+
+    Returns:
+        The index dict, as ``check`` left it.
+
+    Raises:
+        CheckpointError: truncated, corrupted, or not of this kind.
+    """
+    path = m.path
+    if m.size < HEADER.size + TRAILER.size:
+        fail(path, f"truncated: {m.size} bytes, a {kind} has at least {HEADER.size + TRAILER.size}")
+    _, version, hflags, reserved = HEADER.unpack(bytes(m.u8(0, HEADER.size)))
+    if version != version_expected:
+        fail(path, f"{kind} format version {version}; this build reads version {version_expected}")
+    if hflags or reserved:
+        fail(path, "header is corrupted (unknown flags)")
+    off, length, crc, tversion, flags, tail_magic = TRAILER.unpack(bytes(m.u8(m.size - TRAILER.size, TRAILER.size)))
+    if tail_magic != magic:
+        fail(path, "truncated, or bytes appended after its end (no trailer at the end of the file)")
+    if tversion != version_expected or flags & ~FLAG_INDEX_ZSTD or length > _MAX_INDEX_BYTES:
+        fail(path, "trailer is corrupted")
+    if off < HEADER.size or off + length + TRAILER.size != m.size:
+        fail(path, f"trailer says the index is at {off}..{off + length}, which does not end where the "
+                   f"trailer starts ({m.size - TRAILER.size}): truncated, extended or corrupted")
+    blob = bytes(m.u8(off, length))
+    if zlib.crc32(blob) != crc:
+        fail(path, "index is corrupted (CRC-32 mismatch)")
+    if flags & FLAG_INDEX_ZSTD:
+        blob = zstd_bounded(blob, _MAX_INDEX_BYTES, path, "index")
+    try:
+        index = _parse_json(blob, path)
+        if not isinstance(index, dict):
+            fail(path, f"index is malformed (a JSON {type(index).__name__}, not an object)")
+        check(index, off, path)
+    except CheckpointError:
+        raise
+    except (zstandard.ZstdError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError,
+            IndexError, AttributeError) as exc:  # CodebookError is a ValueError
+        fail(path, f"index is malformed ({type(exc).__name__}: {exc})")
+    return index
+
+
+def index_file(path, load) -> dict:
+    """Return the index of the container at ``path``, read by ``load(FileMap)``, books left out."""
+    m = FileMap(os.fspath(path))
+    try:
+        index = load(m)
+    finally:
+        m.close()
+    index.pop("_books", None)
+    return index

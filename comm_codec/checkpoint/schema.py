@@ -1,0 +1,176 @@
+"""A small schema checker for the JSON indexes of untrusted files: check once, then trust.
+
+An index read from a file can hold anything JSON can: a string where a number belongs, a
+list nested a thousand deep, a 2^70 offset. Each format describes its index once with
+the specs below; :func:`check` walks the value against it and raises
+:class:`CheckpointError` naming the first field that does not fit (``tensors[3].kind:
+expected a string, got 5``). Code after the check reads fields without guarding them.
+Keys a spec does not name are allowed (and ignored), so a later writer may add fields.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .errors import CheckpointError
+
+__all__ = ["Int", "Num", "Str", "OneOf", "ListOf", "Row", "MapOf", "Record", "Nullable", "Anything", "check",
+           "MAX_INT"]
+
+MAX_INT = 1 << 62
+
+
+class _Spec:
+    def check(self, value, where: str) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+def _bad(where: str, expected: str, value) -> CheckpointError:
+    shown = repr(value)
+    return CheckpointError(f"{where}: expected {expected}, got {shown[:60]}{'...' if len(shown) > 60 else ''}")
+
+
+class Int(_Spec):
+    """An integer (not a bool) from lo to hi."""
+
+    def __init__(self, lo: int = 0, hi: int = MAX_INT):
+        self.lo, self.hi = lo, hi
+
+    def check(self, value, where):
+        if not (isinstance(value, int) and not isinstance(value, bool) and self.lo <= value <= self.hi):
+            raise _bad(where, f"an integer from {self.lo} to {self.hi}", value)
+
+
+class Num(_Spec):
+    """A number (int or float, not a bool); finite unless ``finite=False``."""
+
+    def __init__(self, finite: bool = True, lo: float = -math.inf):
+        self.finite, self.lo = finite, lo
+
+    def check(self, value, where):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok and self.finite:
+            ok = math.isfinite(value) and value >= self.lo
+        if not ok:
+            raise _bad(where, "a finite number" if self.finite else "a number", value)
+
+
+class Str(_Spec):
+    """A string of at most ``max_len`` characters (exactly ``length`` if given)."""
+
+    def __init__(self, max_len: int = 4096, length: int | None = None):
+        self.max_len, self.length = max_len, length
+
+    def check(self, value, where):
+        if not isinstance(value, str) or len(value) > self.max_len or (self.length is not None
+                                                                         and len(value) != self.length):
+            expected = f"a string of {self.length} characters" if self.length else "a string"
+            raise _bad(where, expected, value)
+
+
+class OneOf(_Spec):
+    """One of the given JSON values."""
+
+    def __init__(self, *values):
+        self.values = values
+
+    def check(self, value, where):
+        if not any(type(value) is type(v) and value == v for v in self.values):
+            raise _bad(where, "one of " + ", ".join(map(repr, self.values)), value)
+
+
+class ListOf(_Spec):
+    """A list of items that each fit ``item``, at most ``max_len`` of them."""
+
+    def __init__(self, item: _Spec, max_len: int = 1 << 24):
+        self.item, self.max_len = item, max_len
+
+    def check(self, value, where):
+        if not isinstance(value, list) or len(value) > self.max_len:
+            raise _bad(where, f"a list of at most {self.max_len} items", value)
+        for i, v in enumerate(value):
+            self.item.check(v, f"{where}[{i}]")
+
+
+class Row(_Spec):
+    """A list of fixed length whose items fit the given specs in order."""
+
+    def __init__(self, *items: _Spec):
+        self.items = items
+
+    def check(self, value, where):
+        if not isinstance(value, list) or len(value) != len(self.items):
+            raise _bad(where, f"a list of {len(self.items)} items", value)
+        for i, (spec, v) in enumerate(zip(self.items, value)):
+            spec.check(v, f"{where}[{i}]")
+
+
+class MapOf(_Spec):
+    """A JSON object whose keys fit ``key`` (a string spec) and values fit ``value``."""
+
+    def __init__(self, key: _Spec, value: _Spec, max_len: int = 1 << 20):
+        self.key, self.value, self.max_len = key, value, max_len
+
+    def check(self, value, where):
+        if not isinstance(value, dict) or len(value) > self.max_len:
+            raise _bad(where, "an object", value)
+        for k, v in value.items():
+            self.key.check(k, f"{where} key")
+            self.value.check(v, f"{where}[{k!r}]")
+
+
+class Record(_Spec):
+    """A JSON object with these fields (each required unless listed in ``optional``)."""
+
+    def __init__(self, fields: dict, optional: tuple = ()):
+        self.fields, self.optional = fields, set(optional)
+
+    def check(self, value, where):
+        if not isinstance(value, dict):
+            raise _bad(where, "an object", value)
+        for name, spec in self.fields.items():
+            if name not in value:
+                if name in self.optional:
+                    continue
+                raise CheckpointError(f"{where}: field {name!r} is missing")
+            spec.check(value[name], f"{where}.{name}")
+
+
+class Nullable(_Spec):
+    """null, or a value that fits ``spec``."""
+
+    def __init__(self, spec: _Spec):
+        self.spec = spec
+
+    def check(self, value, where):
+        if value is not None:
+            self.spec.check(value, where)
+
+
+class Anything(_Spec):
+    """Any value of the given Python type (checked in depth elsewhere, e.g. a codebook)."""
+
+    def __init__(self, kind: type = object):
+        self.kind = kind
+
+    def check(self, value, where):
+        if not isinstance(value, self.kind):
+            raise _bad(where, f"a JSON {self.kind.__name__}", value)
+
+
+def check(value, spec: _Spec, path, what: str = "index") -> None:
+    """Check a decoded JSON value against a spec.
+
+    Args:
+        value: what ``json.loads`` returned.
+        spec: the format's spec.
+        path: the file, for the message.
+        what: the value's name in the message.
+
+    Raises:
+        CheckpointError: ``"<path>: <what>.<field>: expected ..., got ..."``.
+    """
+    try:
+        spec.check(value, what)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
