@@ -33,7 +33,7 @@ import logging
 import numpy as np
 import torch
 
-from .codebooks import CodebookGroup, CodebookSet, check_kind
+from .codebooks import CodebookGroup, CodebookSet, as_codebook_set, check_kind
 from .codec import DEFAULT_CHUNK_ELEMS
 from .huffman import Codebook, entropy_bits, optimal_lengths
 from .kernels import cpu as _cpu
@@ -449,13 +449,14 @@ def check_same_books(books: CodebookSet, process_group=None) -> None:
     """Verify that every rank holds the same codebook set; all ranks must call it.
 
     Args:
-        books: this rank's set.
+        books: this rank's set (or a path to one; None: the defaults).
         process_group: the group to check over (default: the world).
 
     Raises:
         RuntimeError: the sets differ; the message names the ranks and the first
             (kind, dtype, stream) whose book differs, on every rank.
     """
+    books = as_codebook_set(books)
     listing = "\n".join("%s/%s/%d=%s" % (*k, g.id) for k, g in books.groups())
     seen = _gather_strings(books.digest + "\n" + listing, process_group)
     if len(set(seen)) == 1:
@@ -481,7 +482,7 @@ def book_cost(books: CodebookSet, kind: str, dtype, counts: np.ndarray) -> tuple
     a group is priced by its first book here (:func:`coding_cost` prices whole groups).
 
     Args:
-        books: the set whose (kind, dtype) books are priced.
+        books: the set whose (kind, dtype) books are priced (or a path to one; None: the defaults).
         kind: which books.
         dtype: torch dtype or short name.
         counts: int64[nstreams, 256] counts (e.g. from :func:`stream_counts`).
@@ -494,6 +495,7 @@ def book_cost(books: CodebookSet, kind: str, dtype, counts: np.ndarray) -> tuple
     Raises:
         ValueError: no book for this kind and dtype.
     """
+    books = as_codebook_set(books)
     name = spec_for(dtype).name
     fixed = optimal = entropy = 0.0
     for s in range(counts.shape[0]):
@@ -518,7 +520,7 @@ def coding_cost(tensor: torch.Tensor, books: CodebookSet, kind: str = "gradient"
 
     Args:
         tensor: the data.
-        books: the set whose (kind, dtype) books are measured.
+        books: the set whose (kind, dtype) books are measured (or a path to one; None: the defaults).
         kind: which books.
         chunk_elems: the codec's chunk size.
 
@@ -529,6 +531,7 @@ def coding_cost(tensor: torch.Tensor, books: CodebookSet, kind: str = "gradient"
     Raises:
         TypeError: unsupported dtype. ValueError: no book for this kind and dtype.
     """
+    books = as_codebook_set(books)
     per_chunk, _ = chunk_counts(tensor, chunk_elems)
     counts = per_chunk.sum(axis=0)
     _, optimal, entropy = book_cost(books, kind, tensor.dtype, counts)

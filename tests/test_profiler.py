@@ -316,3 +316,23 @@ def test_stream_counts_are_the_symbols_the_encoder_codes(dtype, numel):
     counts, zeros = stream_counts(x, chunk_elems=chunk)
     assert zeros == int((x.view(naive._INT_OF_WIDTH[width]) == 0).sum())
     assert np.array_equal(counts, want)
+
+
+def test_load_deeply_nested_json_is_a_codebook_error(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text('{"format": "comm_codec.codebooks", "meta": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(cc.CodebookError, match=f"{path}: not a valid codebook file \\(nested too deeply"):
+        cc.CodebookSet.load(path)
+
+
+def test_profile_help_states_the_entry_contract(capsys):
+    from comm_codec.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["profile", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for needed in ("function(prof, steps)", "prof.step()", "steps = --steps + --holdout", "torchrun",
+                   "launch_scripts/profile_codebooks.py", "(default: 5)", "(default: 0)",
+                   "(default: codebooks.json)", "(default: 8)"):
+        assert needed in text, needed
