@@ -7,7 +7,7 @@ size: encode allocates the frame plus O(chunks) scratch, decode the output plus
 O(chunks) scratch (and one chunk of scratch per thread for chunks with a zero mask).
 
 CUDA tensors are coded on their GPU by the numba.cuda kernels of
-:mod:`comm_codec.kernels.cuda` (imported on first use), on torch's current stream, into
+:mod:`comm_codec.kernels.cuda`, driven by :mod:`comm_codec.gpu` (imported on first use), on torch's current stream, into
 the same frame bytes: a frame made on either device decodes on the other. A GPU encode
 waits for the device once (to learn the frame's length); a GPU decode waits to read the
 header (once, twice past 4 KiB of header) and for the per-chunk status that becomes
@@ -279,6 +279,33 @@ class Codec:
         _raise_on_status(status, params.nchunks)
         return result
 
+    # -- frames ---------------------------------------------------------------------------
+    @staticmethod
+    def frame_parameters(frame) -> _frame.FrameParameters:
+        """Parse and check a frame's header and chunk table, on whatever device it is.
+
+        Of a CUDA frame only the header crosses to the host (one small copy, two past
+        4 KiB of header); the payload stays put. Callers that need a frame's dtype or
+        element count before decoding (the collectives check what a peer sent) use this
+        instead of reaching into the kernels.
+
+        Args:
+            frame: a frame from :meth:`encode`: a CPU or CUDA torch.uint8 tensor, a numpy
+                uint8 array or a bytes-like object.
+
+        Returns:
+            Its :class:`comm_codec.frame.FrameParameters` (``numel``, ``dtype``, ...).
+
+        Raises:
+            FrameError: as :func:`comm_codec.frame.get_frame_parameters`.
+            TypeError: not a frame's type.
+        """
+        if isinstance(frame, torch.Tensor) and frame.device.type == "cuda":
+            from . import gpu as _gpu
+
+            return _gpu.frame_parameters(frame)
+        return _frame.get_frame_parameters(frame)
+
     # -- helpers --------------------------------------------------------------------------
     def _encode_tables(self, kind: str, spec) -> _Tables:
         key = (kind, spec.name)
@@ -383,9 +410,9 @@ class Codec:
             raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
         spec = spec_for(tensor.dtype)
         tables = self._encode_tables(kind, spec)
-        from .kernels import cuda as _cuda  # numba.cuda only for those who use it
+        from . import gpu as _gpu  # numba.cuda only for those who use it
 
-        return _cuda.encode_frame(tensor, spec, tables, self._device_tables(tables, tensor.device),
+        return _gpu.encode_frame(tensor, spec, tables, self._device_tables(tables, tensor.device),
                                   self.chunk_elems, self.checksum)
 
     def _decode_cuda(self, frame: torch.Tensor, out: torch.Tensor | None = None,
@@ -398,26 +425,26 @@ class Codec:
             raise TypeError(f"a frame is a 1-D torch.uint8 tensor, got {type(frame).__name__}")
         if frame.dtype != torch.uint8 or frame.dim() != 1:
             raise TypeError(f"a frame is a 1-D torch.uint8 tensor, got {frame.dtype} with shape {tuple(frame.shape)}")
-        from .kernels import cuda as _cuda
+        from . import gpu as _gpu
 
         # Checked on the host: the header alone crosses over, the payload stays put.
-        params = _frame.get_frame_parameters(_cuda.read_header(frame))
+        params = _gpu.frame_parameters(frame)
         tables, result = self._decode_target(params, out, max_output_bytes, frame.device)
         if params.nchunks == 0:
             return result
         if not frame.is_contiguous() or frame.data_ptr() % 8:
             frame = frame.clone()  # sliced out of a larger buffer; kernels read words
-        status = _cuda.decode_frame(frame, params, self._device_tables(tables, frame.device), result)
+        status = _gpu.decode_frame(frame, params, self._device_tables(tables, frame.device), result)
         _raise_on_status(status, params.nchunks)
         return result
 
     @staticmethod
     def _device_tables(tables: _Tables, device: torch.device):
-        from .kernels import cuda as _cuda
+        from . import gpu as _gpu
 
         dev = tables.on_device.get(device)
         if dev is None:
-            dev = tables.on_device[device] = _cuda.DeviceTables(_cuda._Launch(device), tables)
+            dev = tables.on_device[device] = _gpu.DeviceTables(_gpu._Launch(device), tables)
         return dev
 
     @contextlib.contextmanager

@@ -480,3 +480,28 @@ def test_codec_takes_a_path_to_books(tmp_path, default_books):
         cc.Codec(tmp_path / "missing.json")
     with pytest.raises(TypeError, match="codebooks must be a CodebookSet, a path to a saved one, or None, got dict"):
         cc.Codec({})
+
+
+def test_kernels_import_nothing_of_the_package():
+    # design.md: kernels are leaves, "arrays in, status out" (issue 14 item 5). A name
+    # imported inside a function is allowed only for the deprecated read_header shim.
+    import ast
+    import pathlib
+
+    root = pathlib.Path(cc.__file__).parent / "kernels"
+    for path in sorted(root.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:  # module level only
+            if isinstance(node, ast.ImportFrom):
+                inside = node.level == 1 or (node.module or "").startswith("comm_codec.kernels")
+                assert inside or not (node.level or (node.module or "").startswith("comm_codec")), (
+                    f"{path.name} imports {'.' * node.level}{node.module} at module level")
+
+
+def test_frame_parameters_of_a_cpu_frame(small_codec, sample):
+    f = small_codec.encode(sample)
+    for form in (f, f.numpy(), f.numpy().tobytes()):
+        params = cc.Codec.frame_parameters(form)
+        assert (params.numel, params.dtype) == (1200, torch.bfloat16)
+    with pytest.raises(cc.FrameError, match="not a comm_codec frame"):
+        cc.Codec.frame_parameters(bytes(64))
