@@ -82,7 +82,7 @@ def _registrars():
     from importlib import import_module
 
     found = []
-    for name in ("profile_cli", "demo", "checkpoint_cli"):
+    for name in ("profile_cli", "demo", "checkpoint_cli", "warmup"):
         try:
             module = import_module(f"comm_codec.{name}")
         except ModuleNotFoundError as exc:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from . import frame as _frame
+from . import warmup as _warmup
 from .codebooks import CodebookGroup, CodebookSet, as_codebook_set
 from .frame import FrameError
 from .huffman import Codebook
@@ -192,7 +193,7 @@ class Codec:
         books = np.zeros(nchunks, dtype=np.uint16)
         sizes = np.zeros((nchunks, ns), dtype=np.uint32)
         args = (self.chunk_elems, spec.exp_shift)
-        with self._threads():
+        with self._threads(), _warmup.first_use("encode", spec):
             if nchunks:
                 _cpu.plan_chunks(bits, *args, tables.enc_len, tables.nbooks, tables.raw, cflags, refs, books, sizes)
             counts = _frame.chunk_counts(numel, self.chunk_elems, nchunks)
@@ -267,7 +268,7 @@ class Codec:
         bits, _ = as_bits(result)
         table = params.table
         status = np.zeros(params.nchunks, dtype=np.int32)
-        with self._threads():
+        with self._threads(), _warmup.first_use("decode", spec):
             _cpu.decode_chunks(
                 buf, buf.view(np.uint64), params.numel, params.chunk_elems, spec.exp_shift, tables.dec,
                 tables.multi, np.ascontiguousarray(table["cflags"]), np.ascontiguousarray(table["ref"]),
@@ -278,6 +279,28 @@ class Codec:
             )
         _raise_on_status(status, params.nchunks)
         return result
+
+    # -- ahead of time ---------------------------------------------------------------------
+    def warmup(self, dtypes=None) -> dict:
+        """Load the kernels for these dtypes now, compiling them if numba's cache lacks them.
+
+        The first encode and decode of each element type in a process otherwise load
+        the kernels (~0.3 s from numba's on-disk cache) or, on a machine where nothing
+        was cached yet, compile them (~20 s per type here). Call this where that time
+        may go, e.g. when a training job sets up, and not inside a timed step; run
+        ``comm-codec warmup`` once after installing so that no process compiles. See
+        :mod:`comm_codec.warmup`.
+
+        Args:
+            dtypes: torch dtypes (or names such as ``"bf16"``) to be coded; None: all.
+
+        Returns:
+            dtype name -> seconds spent.
+
+        Raises:
+            TypeError: an unsupported dtype.
+        """
+        return _warmup.warm(self, dtypes)
 
     # -- frames ---------------------------------------------------------------------------
     @staticmethod

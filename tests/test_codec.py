@@ -505,3 +505,31 @@ def test_frame_parameters_of_a_cpu_frame(small_codec, sample):
         assert (params.numel, params.dtype) == (1200, torch.bfloat16)
     with pytest.raises(cc.FrameError, match="not a comm_codec frame"):
         cc.Codec.frame_parameters(bytes(64))
+
+
+def test_warmup_loads_kernels_and_reports_per_dtype(caplog):
+    import logging
+
+    from comm_codec import warmup
+
+    codec = cc.Codec(threads=1)
+    spent = codec.warmup([torch.bfloat16, "fp32"])
+    assert set(spent) == {"bf16", "fp32"} and all(s >= 0 for s in spent.values())
+    # A process's first use of a kernel says whether it compiled or loaded from the cache.
+    warmup._used.discard(("decode", np.dtype(np.uint16)))
+    frame = codec.encode(torch.ones(10, dtype=torch.bfloat16))
+    with caplog.at_level(logging.DEBUG, logger="comm_codec.warmup"):
+        codec.decode(frame)
+        codec.decode(frame)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("decode of bf16 ") and "2-byte float kernels" in said[0], said
+    with pytest.raises(TypeError, match="cannot code dtype torch.float64"):
+        codec.warmup([torch.float64])
+
+
+def test_warmup_command_prints_a_table(capsys):
+    from comm_codec.cli import main
+
+    assert main(["warmup", "--dtypes", "bf16", "--codec-only"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16" in out and "comm_codec kernels ready in" in out and "cache:" in out
