@@ -297,10 +297,14 @@ class WarmupProfiler:
                     "observations": int(n_obs),
                 }
                 if self.max_books > 1 and len(rows[(kind, dtype)]):
-                    # A raw stream gets books only where they pay for sizing it in every
-                    # chunk (the planner's histogram pass, ~0.5 ns per element).
-                    group, chunk_bits = grow_group(rows[(kind, dtype)][:, s], None if book.raw else book,
-                                                   self.max_books, self.min_gain, _RAW_MIN_GAIN)
+                    # A stream is coded only where its books pay for sizing it in every
+                    # chunk (the planner's histogram pass, ~0.5 ns per element): an average
+                    # book that beats raw storage on the chunks by less than _RAW_MIN_GAIN
+                    # (the average of many small tensors can look compressible while the
+                    # chunks, each one tensor, are not) is dropped for a raw start.
+                    chunk_rows = rows[(kind, dtype)][:, s]
+                    first = None if book.raw or not _beats_raw(chunk_rows, book) else book
+                    group, chunk_bits = grow_group(chunk_rows, first, self.max_books, self.min_gain, _RAW_MIN_GAIN)
                     entry.update(chunk_bits)
                 books[(kind, dtype, s)] = group
                 stats[(kind, dtype, s)] = entry
@@ -337,6 +341,13 @@ def merge_rows(rows: np.ndarray, limit: int) -> np.ndarray:
 def _book_bits(books) -> np.ndarray:
     """int64[nbooks, 256]: the exact bits each book spends on each symbol."""
     return np.stack([np.rint(b.symbol_bits()).astype(np.int64) for b in books])
+
+
+def _beats_raw(rows: np.ndarray, book: Codebook) -> bool:
+    """Whether book, with each chunk's raw fallback, saves _RAW_MIN_GAIN of raw storage on rows."""
+    raw = 8 * rows.sum(axis=1)
+    coded = _costs(rows, raw, [book]).min(axis=1)
+    return int(coded.sum()) <= (1.0 - _RAW_MIN_GAIN) * int(raw.sum())
 
 
 def _costs(rows: np.ndarray, base: np.ndarray, books: list) -> np.ndarray:
