@@ -57,9 +57,9 @@ DEFAULT_CHUNK_ELEMS = 1 << 14
 # Decode tables kept per codec, by the frame's tuple of book ids, least recently used
 # out first. A job's frames name a handful of tuples (one per kind and dtype); frames
 # from an untrusted peer can name any mix of the set's ids, and each tuple's tables take
-# up to ~800 KiB (16 books x 4096 entries, plain and multi-symbol, per stream):
-# unbounded, 3000 crafted 88-byte frames held 864 MB.
-DECODE_CACHE_SIZE = 64
+# up to 2.5 MiB (per stream 16 books x 4096 entries of 2 + 8 bytes, plain and
+# multi-symbol): unbounded, 3000 crafted 88-byte frames held 864 MB; bounded, at most 80.
+DECODE_CACHE_SIZE = 32
 
 
 def _raise_on_status(status: np.ndarray, nchunks: int) -> None:
@@ -97,7 +97,7 @@ class _Tables:
     def multi(self) -> np.ndarray:
         """The multi-symbol decode tables, built on first use (~4096 lookups per book)."""
         if self._multi is None:
-            multi = np.zeros(self.dec.shape, dtype=np.uint32)
+            multi = np.zeros(self.dec.shape, dtype=np.uint64)
             _cpu.multi_tables(self.dec, multi)
             self._multi = multi
         return self._multi

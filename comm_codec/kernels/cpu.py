@@ -21,10 +21,11 @@ quarters of the chunk's elements, preceded by their byte lengths. The decoder ad
 the four lanes in lockstep so that four table lookups are in flight at once (as huff0's
 4-stream mode); one lane alone is bound by the lookup -> shift dependency chain. Each
 lookup goes to a table, built once per book from its decode table (:func:`multi_tables`,
-cached by the codec), that holds up to three whole codes per 12-bit window (exponent
-codes are 2-3 bits): measured 2.24 -> 0.90 ns per bf16 element; escapes and invalid
-windows take the one-symbol path, which keeps the checks. A lookup's symbols go out as
-one 4-byte store into a byte row per stream (the next step overwrites the spare byte);
+cached by the codec), that holds up to four whole codes per 12-bit window (exponent
+codes are 2-3 bits): measured 2.24 -> 0.90 ns per bf16 element with three, and four
+took bf16 weights' kernel 34.9 -> 30.0 ms; escapes and invalid windows take the
+one-symbol path, which keeps the checks. A lookup's symbols go out as one 4-byte store
+into a byte row per stream (the next step overwrites the unused slots);
 raw streams are read where they lie in the frame; and one pass then joins each
 element's stream bytes, adds the chunk's reference and rotates the sign back (issue 14:
 decode 1.76 -> 2.34 GB/s on all-MiniLM-L6-v2's bf16 weights, 2.31 -> 2.91 fp32, kernel
@@ -633,10 +634,10 @@ def _step(buf, dec):
 
 @numba.njit(**_JIT)
 def _multi_table(dec, multi):
-    """Fill multi (uint32[4096]) with up to three whole codes per 12-bit window of dec.
+    """Fill multi (uint64[4096]) with up to four whole codes per 12-bit window of dec.
 
-    Entry: symbols in bits 0-7, 8-15, 16-23 (unused ones 0), total length in bits 24-27,
-    symbol count in bits 28-29; 0 where the window starts with an escape or no code, so
+    Entry: symbols in bits 0-7, 8-15, 16-23, 24-31 (unused ones 0), total length in bits
+    32-35, symbol count in bits 36-38; 0 where the window starts with an escape or no code, so
     the decoder falls back to :func:`_step`. A code is taken only when all its bits lie
     inside the 12 known ones (a prefix code is decided by its own bits alone).
     """
@@ -646,7 +647,7 @@ def _multi_table(dec, multi):
         entry = np.int64(0)
         total = np.int64(0)
         n = np.int64(0)
-        while n < 3:
+        while n < 4:
             e = np.int64(dec[bits & 4095])
             ln = (e >> 8) & 15
             if e >= 0x8000 or ln == 0 or ln > avail:
@@ -656,13 +657,13 @@ def _multi_table(dec, multi):
             bits >>= ln
             avail -= ln
             n += 1
-        multi[x] = (entry | (total << 24) | (n << 28)) if n else 0
+        multi[x] = (entry | (total << 32) | (n << 36)) if n else 0
 
 
 @intrinsic
 def _store4(typingctx, arr, i, value):
     """Store the low 4 bytes of value at arr[i:i+4] (uint8 array, any alignment); the
-    caller guarantees i + 4 <= arr.size. One store instead of three byte stores."""
+    caller guarantees i + 4 <= arr.size. One store instead of four byte stores."""
     if not (isinstance(arr, types.Array) and arr.dtype == types.uint8):
         return None
 
@@ -679,16 +680,16 @@ def _store4(typingctx, arr, i, value):
 
 @numba.njit(inline="always", **_JIT)
 def _multi_step(buf, multi, dec, dst, i):
-    """Decode up to three symbols from buf into dst[i:i+3]: (symbols done, bits used).
+    """Decode up to four symbols from buf into dst[i:i+4]: (symbols done, bits used).
 
-    Writes four bytes (the caller leaves room): slots past the symbols decoded are
-    rewritten by the next step. Symbols are the codes' own bytes; stream 0's reference
-    is added when the element is assembled.
+    Always writes four bytes (the caller leaves room): slots past the symbols decoded
+    are rewritten by the next step. Symbols are the codes' own bytes; stream 0's
+    reference is added when the element is assembled.
     """
     e = np.int64(multi[np.int64(buf & _DEC_MASK)])
     if e != 0:
         _store4(dst, i, e)
-        return e >> 28, (e >> 24) & 15
+        return (e >> 36) & 7, (e >> 32) & 15
     sym, ln = _step(buf, dec)
     if ln == 0:
         return 0, 0
@@ -698,8 +699,8 @@ def _multi_step(buf, multi, dec, dst, i):
 
 @numba.njit(**_JIT)
 def _lane_rest(words, base, nwords, pos, multi, dec, dst, i, end):
-    """Decode dst[i:end] of one lane, three steps per refill while 10 slots remain."""
-    while i + 10 <= end:  # 3 steps of up to 3 symbols, and the 4th byte the last one writes
+    """Decode dst[i:end] of one lane, three steps per refill while 12 slots remain."""
+    while i + 12 <= end:  # 3 steps of up to 4 symbols, each writing 4 bytes
         b = _peek(words, base, nwords, pos)
         for r in range(3):
             n, ln = _multi_step(b, multi, dec, dst, i)
@@ -747,10 +748,10 @@ def _decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst):
     i3 = e2
     p0 = p1 = p2 = p3 = 0
     # A round refills each lane once and takes 3 steps from each (3 x 20 bits, the
-    # longest step, fit in the 64 bits peeked); a step decodes up to 3 symbols and
-    # writes 4 bytes (10 slots must remain: 9 symbols and the last store's 4th byte). Lanes advance at their own pace; each
+    # longest step, fit in the 64 bits peeked); a step decodes up to 4 symbols and
+    # writes 4 bytes (12 slots must remain). Lanes advance at their own pace; each
     # finishes alone below.
-    while i0 + 10 <= e0 and i1 + 10 <= e1 and i2 + 10 <= e2 and i3 + 10 <= e3:
+    while i0 + 12 <= e0 and i1 + 12 <= e1 and i2 + 12 <= e2 and i3 + 12 <= e3:
         b0 = _peek(frame64, w0, n0, p0)
         b1 = _peek(frame64, w1, n1, p1)
         b2 = _peek(frame64, w2, n2, p2)
@@ -890,7 +891,7 @@ def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, mu
         numel, chunk_elems, exp_shift: frame parameters.
         dec_tables: uint16[nstreams, nbooks_max, 4096] decode tables (unused rows for raw
             streams).
-        multi: uint32[nstreams, nbooks_max, 4096] from :func:`multi_tables`.
+        multi: uint64[nstreams, nbooks_max, 4096] from :func:`multi_tables`.
         cflags, refs, books, sizes, offsets, checksums: the parsed chunk table (checked
             for consistency with the frame length, and books against the group sizes,
             by the Python layer).
@@ -919,7 +920,7 @@ def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, mu
 
 @numba.njit(**_JIT)
 def multi_tables(dec_tables, multi):
-    """Fill multi (uint32[ns, nbooks, 4096]) from dec_tables (uint16[ns, nbooks, 4096]).
+    """Fill multi (uint64[ns, nbooks, 4096]) from dec_tables (uint16[ns, nbooks, 4096]).
 
     Built once per set of books (the codec caches them): ~4096 lookups per book.
     """
