@@ -7,7 +7,8 @@ size: encode allocates the frame plus O(chunks) scratch, decode the output plus
 O(chunks) scratch (and one chunk of scratch per thread for chunks with a zero mask).
 
 CUDA tensors are coded on their GPU by the numba.cuda kernels of
-:mod:`comm_codec.kernels.cuda`, driven by :mod:`comm_codec.gpu` (imported on first use), on torch's current stream, into
+:mod:`comm_codec.kernels.cuda`, driven by :mod:`comm_codec.gpu` (imported on first use),
+on torch's current stream, into
 the same frame bytes: a frame made on either device decodes on the other. A GPU encode
 waits for the device once (to learn the frame's length); a GPU decode waits to read the
 header (once, twice past 4 KiB of header) and for the per-chunk status that becomes
@@ -87,7 +88,7 @@ class _Tables:
         self.enc_len = np.zeros((ns, kmax, 256), dtype=np.uint8)
         self.dec = np.zeros((ns, kmax, 1 << 12), dtype=np.uint16)
         self.raw = np.array([g.raw for g in groups], dtype=np.bool_)
-        self.on_device: dict = {}  # torch.device -> kernels.cuda.DeviceTables
+        self.on_device: dict = {}  # torch.device -> gpu.DeviceTables
         self._multi = None
         for s, group in enumerate(groups):
             for k, book in enumerate(group):
