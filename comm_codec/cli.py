@@ -98,6 +98,7 @@ def _registrars():
         "profile_cli",
         "demo",
         "checkpoint.cli",
+        "warmup",
     ):
         try:
             module = import_module(f"comm_codec.{name}")

@@ -43,7 +43,7 @@ import numpy as np
 from .huffman import Codebook, CodebookError
 from .streams import spec_for
 
-__all__ = ["CodebookSet", "CodebookGroup", "KINDS", "FALLBACK", "CodebookError"]
+__all__ = ["CodebookSet", "CodebookGroup", "KINDS", "FALLBACK", "CodebookError", "as_codebook_set"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,35 @@ _FILE_VERSION = 2  # 2 adds groups; version 1 files (single books) are read and,
 _FILE_VERSIONS = (1, 2)
 _DEFAULT_NAME = "default.json"
 _default_cache: "CodebookSet | None" = None
+
+
+def as_codebook_set(books) -> "CodebookSet":
+    """Return books as a :class:`CodebookSet`: a set itself, a path to a saved one, or None.
+
+    Every API that takes books (the codec, the hooks, the cost functions) accepts the
+    same three forms through this function.
+
+    Args:
+        books: a :class:`CodebookSet`; a ``str`` or ``os.PathLike`` path to a file
+            written by :meth:`CodebookSet.save`; or None for :meth:`CodebookSet.default`.
+
+    Returns:
+        The :class:`CodebookSet`.
+
+    Raises:
+        TypeError: anything else.
+        FileNotFoundError: the path does not exist.
+        CodebookError: the file is not a valid codebook file.
+    """
+    if books is None:
+        return CodebookSet.default()
+    if isinstance(books, (str, os.PathLike)):
+        return CodebookSet.load(books)
+    if not isinstance(books, CodebookSet):
+        raise TypeError(
+            f"codebooks must be a CodebookSet, a path to a saved one, or None, got {type(books).__name__}"
+        )
+    return books
 
 
 def check_kind(kind: str) -> str:
@@ -423,6 +452,8 @@ class CodebookSet:
             data = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CodebookError(f"{path}: not a valid codebook file (bad JSON: {exc})") from None
+        except RecursionError:  # a few hundred kB of "[[[[..." exhausts the parser's stack
+            raise CodebookError(f"{path}: not a valid codebook file (nested too deeply to be one)") from None
         return cls.from_dict(data, source=path)
 
     @classmethod

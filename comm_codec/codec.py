@@ -7,7 +7,8 @@ size: encode allocates the frame plus O(chunks) scratch, decode the output plus
 O(chunks) scratch (and one chunk of scratch per thread for chunks with a zero mask).
 
 CUDA tensors are coded on their GPU by the numba.cuda kernels of
-:mod:`comm_codec.kernels.cuda` (imported on first use), on torch's current stream, into
+:mod:`comm_codec.kernels.cuda`, driven by :mod:`comm_codec.gpu` (imported on first use),
+on torch's current stream, into
 the same frame bytes: a frame made on either device decodes on the other. A GPU encode
 waits for the device once (to learn the frame's length); a GPU decode waits to read the
 header (once, twice past 4 KiB of header) and for the per-chunk status that becomes
@@ -25,22 +26,25 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
+import threading
 
 import numba
 import numpy as np
 import torch
 
 from . import frame as _frame
-from .codebooks import CodebookGroup, CodebookSet
+from . import warmup as _warmup
+from .codebooks import CodebookGroup, CodebookSet, as_codebook_set
 from .frame import FrameError
 from .huffman import Codebook
 from .kernels import cpu as _cpu
 from .kernels import empty_output, torch_threads_kept
 from .streams import as_bits, spec_for
 
-__all__ = ["Codec", "DEFAULT_CHUNK_ELEMS"]
+__all__ = ["Codec", "DEFAULT_CHUNK_ELEMS", "DECODE_CACHE_SIZE"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,13 @@ log = logging.getLogger(__name__)
 # the fixed per-chunk cost (table entry, lane lengths, padding: ~40 bytes) stays ~0.2 %.
 # 32 KiB of bf16 per chunk also stays in L1/L2 while its streams are coded.
 DEFAULT_CHUNK_ELEMS = 1 << 14
+
+# Decode tables kept per codec, by the frame's tuple of book ids, least recently used
+# out first. A job's frames name a handful of tuples (one per kind and dtype); frames
+# from an untrusted peer can name any mix of the set's ids, and each tuple's tables take
+# up to 2.5 MiB (per stream 16 books x 4096 entries of 2 + 8 bytes, plain and
+# multi-symbol): unbounded, 3000 crafted 88-byte frames held 864 MB; bounded, at most 80.
+DECODE_CACHE_SIZE = 32
 
 
 def _raise_on_status(status: np.ndarray, nchunks: int) -> None:
@@ -77,7 +88,7 @@ class _Tables:
         self.enc_len = np.zeros((ns, kmax, 256), dtype=np.uint8)
         self.dec = np.zeros((ns, kmax, 1 << 12), dtype=np.uint16)
         self.raw = np.array([g.raw for g in groups], dtype=np.bool_)
-        self.on_device: dict = {}  # torch.device -> kernels.cuda.DeviceTables
+        self.on_device: dict = {}  # torch.device -> gpu.DeviceTables
         self._multi = None
         for s, group in enumerate(groups):
             for k, book in enumerate(group):
@@ -87,7 +98,7 @@ class _Tables:
     def multi(self) -> np.ndarray:
         """The multi-symbol decode tables, built on first use (~4096 lookups per book)."""
         if self._multi is None:
-            multi = np.zeros(self.dec.shape, dtype=np.uint32)
+            multi = np.zeros(self.dec.shape, dtype=np.uint64)
             _cpu.multi_tables(self.dec, multi)
             self._multi = multi
         return self._multi
@@ -110,8 +121,9 @@ class Codec:
     A codec is cheap to keep and safe to share between threads; reuse one per process.
 
     Args:
-        codebooks: the :class:`CodebookSet` to code with; None loads
-            :meth:`CodebookSet.default` (the books shipped in ``codebooks/``).
+        codebooks: the :class:`CodebookSet` to code with, or a path to one saved with
+            :meth:`CodebookSet.save`; None loads :meth:`CodebookSet.default` (the books
+            shipped in ``codebooks/``).
         threads: numba threads for encode/decode; None uses numba's setting
             (``NUMBA_NUM_THREADS`` / ``numba.set_num_threads``).
         chunk_elems: elements per independently decodable chunk.
@@ -119,7 +131,9 @@ class Codec:
             payload; the header is always CRC-checked).
 
     Raises:
-        TypeError: codebooks is not a CodebookSet.
+        TypeError: codebooks is neither a CodebookSet, a path nor None.
+        FileNotFoundError, CodebookError: a codebooks path that is missing or not a
+            codebook file.
         ValueError: threads or chunk_elems out of range.
     """
 
@@ -130,10 +144,7 @@ class Codec:
         chunk_elems: int = DEFAULT_CHUNK_ELEMS,
         checksum: bool = True,
     ):
-        if codebooks is None:
-            codebooks = CodebookSet.default()
-        if not isinstance(codebooks, CodebookSet):
-            raise TypeError(f"codebooks must be a CodebookSet or None, got {type(codebooks).__name__}")
+        codebooks = as_codebook_set(codebooks)
         if threads is not None and not 1 <= int(threads) <= numba.config.NUMBA_NUM_THREADS:
             raise ValueError(
                 f"threads must be in 1..{numba.config.NUMBA_NUM_THREADS} (NUMBA_NUM_THREADS), got {threads}"
@@ -144,8 +155,9 @@ class Codec:
         self.threads = None if threads is None else int(threads)
         self.chunk_elems = int(chunk_elems)
         self.checksum = bool(checksum)
-        self._enc_cache: dict = {}
-        self._dec_cache: dict = {}
+        self._enc_cache: dict = {}  # (kind, dtype): at most len(KINDS) x len(SUPPORTED_DTYPES)
+        self._dec_cache: collections.OrderedDict = collections.OrderedDict()  # LRU, DECODE_CACHE_SIZE
+        self._dec_lock = threading.Lock()
 
     # -- encode -------------------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, kind: str = "gradient") -> torch.Tensor:
@@ -182,7 +194,7 @@ class Codec:
         books = np.zeros(nchunks, dtype=np.uint16)
         sizes = np.zeros((nchunks, ns), dtype=np.uint32)
         args = (self.chunk_elems, spec.exp_shift)
-        with self._threads():
+        with self._threads(), _warmup.first_use("encode", spec):
             if nchunks:
                 _cpu.plan_chunks(bits, *args, tables.enc_len, tables.nbooks, tables.raw, cflags, refs, books, sizes)
             counts = _frame.chunk_counts(numel, self.chunk_elems, nchunks)
@@ -207,28 +219,42 @@ class Codec:
 
     # -- decode -------------------------------------------------------------------------
     def decode(self, frame, out: torch.Tensor | None = None, max_output_bytes: int | None = None) -> torch.Tensor:
-        """Decode a frame back into the tensor it was made from.
+        """Decode a frame back into the elements of the tensor it was made from, bit for bit.
+
+        A frame records the dtype and the number of elements, not the shape: the result
+        is **1-D**. To get the shape back, reshape it (``codec.decode(frame).view(shape)``)
+        or decode into a tensor of that shape (``codec.decode(frame, out=torch.empty(shape,
+        dtype=dtype))``); the collectives and the checkpoint reader do the latter.
+
+        **Untrusted frames:** a frame of all-zero chunks is a few hundred bytes whatever
+        size it claims, so with ``max_output_bytes=None`` a 560-byte frame can make this
+        allocate (and zero) 4.4 GB. Whenever the frame comes from outside the process
+        (a peer, a file), pass the size you expect: ``max_output_bytes=expected_numel *
+        element_size`` (or ``out=``, which bounds it by ``out``'s size).
 
         Args:
             frame: a frame from :meth:`encode` (1-D torch.uint8 tensor, numpy uint8
-                array or bytes). A frame on a CUDA device is decoded there, on torch's
-                current stream, into a tensor on that device.
+                array, or a bytes-like object: bytes, bytearray, contiguous memoryview).
+                A frame on a CUDA device is decoded there, on torch's current stream,
+                into a tensor on that device.
             out: optional tensor to write into, on the frame's device (the CPU for
                 numpy arrays and bytes): same dtype and number of elements as the
-                encoded tensor, contiguous, any shape.
-            max_output_bytes: refuse frames that decode to more bytes than this (a frame
-                of all-zero chunks is tiny whatever its size, so a few bytes from an
-                untrusted peer can otherwise ask for gigabytes); None: no limit.
+                encoded tensor, contiguous, any shape, not requiring grad.
+            max_output_bytes: refuse frames that decode to more bytes than this; None:
+                no limit beyond what can be allocated (see above).
 
         Returns:
-            A 1-D tensor of the original dtype (or ``out``), bit-identical to the input.
+            ``out`` if given, else a new 1-D tensor of the original dtype; its bits
+            equal the encoded tensor's (flattened).
 
         Raises:
             FrameError: the frame is truncated, corrupted, not a comm_codec frame, of
-                an unknown version, or made with codebooks this codec does not hold.
-            TypeError: frame or out of the wrong type or dtype.
-            ValueError: out of the wrong size, non-contiguous, or not on the frame's
-                device.
+                an unknown version, made with codebooks this codec does not hold,
+                larger than max_output_bytes, or larger than memory can hold.
+            TypeError: frame or out of the wrong type or dtype (a non-contiguous
+                memoryview included).
+            ValueError: out of the wrong size, non-contiguous, not on the frame's
+                device, or requiring grad.
         """
         if isinstance(frame, torch.Tensor) and frame.device.type == "cuda":
             return self._decode_cuda(frame, out, max_output_bytes)
@@ -243,7 +269,7 @@ class Codec:
         bits, _ = as_bits(result)
         table = params.table
         status = np.zeros(params.nchunks, dtype=np.int32)
-        with self._threads():
+        with self._threads(), _warmup.first_use("decode", spec):
             _cpu.decode_chunks(
                 buf, buf.view(np.uint64), params.numel, params.chunk_elems, spec.exp_shift, tables.dec,
                 tables.multi, np.ascontiguousarray(table["cflags"]), np.ascontiguousarray(table["ref"]),
@@ -255,6 +281,55 @@ class Codec:
         _raise_on_status(status, params.nchunks)
         return result
 
+    # -- ahead of time ---------------------------------------------------------------------
+    def warmup(self, dtypes=None) -> dict:
+        """Load the kernels for these dtypes now, compiling them if numba's cache lacks them.
+
+        The first encode and decode of each element type in a process otherwise load
+        the kernels (~0.3 s from numba's on-disk cache) or, on a machine where nothing
+        was cached yet, compile them (~20 s per type here). Call this where that time
+        may go, e.g. when a training job sets up, and not inside a timed step; run
+        ``comm-codec warmup`` once after installing so that no process compiles. See
+        :mod:`comm_codec.warmup`.
+
+        Args:
+            dtypes: torch dtypes (or names such as ``"bf16"``) to be coded; None: all.
+
+        Returns:
+            dtype name -> seconds spent.
+
+        Raises:
+            TypeError: an unsupported dtype.
+        """
+        return _warmup.warm(self, dtypes)
+
+    # -- frames ---------------------------------------------------------------------------
+    @staticmethod
+    def frame_parameters(frame) -> _frame.FrameParameters:
+        """Parse and check a frame's header and chunk table, on whatever device it is.
+
+        Of a CUDA frame only the header crosses to the host (one small copy, two past
+        4 KiB of header); the payload stays put. Callers that need a frame's dtype or
+        element count before decoding (the collectives check what a peer sent) use this
+        instead of reaching into the kernels.
+
+        Args:
+            frame: a frame from :meth:`encode`: a CPU or CUDA torch.uint8 tensor, a numpy
+                uint8 array or a bytes-like object.
+
+        Returns:
+            Its :class:`comm_codec.frame.FrameParameters` (``numel``, ``dtype``, ...).
+
+        Raises:
+            FrameError: as :func:`comm_codec.frame.get_frame_parameters`.
+            TypeError: not a frame's type.
+        """
+        if isinstance(frame, torch.Tensor) and frame.device.type == "cuda":
+            from . import gpu as _gpu
+
+            return _gpu.frame_parameters(frame)
+        return _frame.get_frame_parameters(frame)
+
     # -- helpers --------------------------------------------------------------------------
     def _encode_tables(self, kind: str, spec) -> _Tables:
         key = (kind, spec.name)
@@ -265,24 +340,31 @@ class Codec:
         return tables
 
     def _decode_tables(self, ids: tuple) -> _Tables:
-        tables = self._dec_cache.get(ids)
-        if tables is None:
-            groups = []
-            for s, book_id in enumerate(ids):
-                if book_id == "0" * 16:
-                    groups.append(CodebookGroup(Codebook.raw_book()))
-                    continue
-                group = self.codebooks.group_by_id(book_id)
-                if group is None:
-                    book = self.codebooks.by_id(book_id)  # a member of a group, named alone
-                    group = CodebookGroup(book) if book is not None else None
-                if group is None:
-                    raise FrameError(
-                        f"frame stream {s} was coded with codebook {book_id}, which this codec's "
-                        "codebook set does not hold; decode with the books it was encoded with"
-                    )
-                groups.append(group)
-            tables = self._dec_cache[ids] = _Tables(groups)
+        with self._dec_lock:
+            tables = self._dec_cache.get(ids)
+            if tables is not None:
+                self._dec_cache.move_to_end(ids)
+                return tables
+        groups = []
+        for s, book_id in enumerate(ids):
+            if book_id == "0" * 16:
+                groups.append(CodebookGroup(Codebook.raw_book()))
+                continue
+            group = self.codebooks.group_by_id(book_id)
+            if group is None:
+                book = self.codebooks.by_id(book_id)  # a member of a group, named alone
+                group = CodebookGroup(book) if book is not None else None
+            if group is None:
+                raise FrameError(
+                    f"frame stream {s} was coded with codebook {book_id}, which this codec's "
+                    "codebook set does not hold; decode with the books it was encoded with"
+                )
+            groups.append(group)
+        tables = _Tables(groups)
+        with self._dec_lock:
+            self._dec_cache[ids] = tables
+            while len(self._dec_cache) > DECODE_CACHE_SIZE:
+                self._dec_cache.popitem(last=False)
         return tables
 
     def _decode_target(self, params, out, max_output_bytes, device: torch.device):
@@ -297,9 +379,16 @@ class Codec:
             tables.check_books(params.table["books"])
         if out is not None:
             return tables, self._check_out(out, params, device)
-        if device.type == "cpu":
-            return tables, empty_output(params.numel, spec.dtype)
-        return tables, torch.empty(params.numel, dtype=spec.dtype, device=device)
+        try:
+            if device.type == "cpu":
+                return tables, empty_output(params.numel, spec.dtype)
+            return tables, torch.empty(params.numel, dtype=spec.dtype, device=device)
+        except (RuntimeError, MemoryError) as exc:  # torch's allocator: "can't allocate memory", OOM
+            raise FrameError(
+                f"frame decodes to {params.numel * spec.itemsize} bytes ({params.numel} x {spec.name}), which "
+                f"cannot be allocated on {device} ({type(exc).__name__}); a frame from outside the process "
+                "should be decoded with max_output_bytes= the size you expect"
+            ) from None
 
     @staticmethod
     def _check_out(out, params, device: torch.device) -> torch.Tensor:
@@ -309,6 +398,11 @@ class Codec:
             raise TypeError(f"out has dtype {out.dtype}, the frame holds {params.spec.dtype}")
         if out.numel() != params.numel:
             raise ValueError(f"out has {out.numel()} elements, the frame holds {params.numel}")
+        if out.requires_grad:
+            raise ValueError(
+                "out requires grad: decoding writes into it behind autograd's back; "
+                "pass out.detach() (same memory) or a tensor without requires_grad"
+            )
         if out.device != device or not out.is_contiguous():
             where = "CPU" if device.type == "cpu" else str(device)
             raise ValueError(
@@ -340,9 +434,9 @@ class Codec:
             raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
         spec = spec_for(tensor.dtype)
         tables = self._encode_tables(kind, spec)
-        from .kernels import cuda as _cuda  # numba.cuda only for those who use it
+        from . import gpu as _gpu  # numba.cuda only for those who use it
 
-        return _cuda.encode_frame(tensor, spec, tables, self._device_tables(tables, tensor.device),
+        return _gpu.encode_frame(tensor, spec, tables, self._device_tables(tables, tensor.device),
                                   self.chunk_elems, self.checksum)
 
     def _decode_cuda(self, frame: torch.Tensor, out: torch.Tensor | None = None,
@@ -355,26 +449,26 @@ class Codec:
             raise TypeError(f"a frame is a 1-D torch.uint8 tensor, got {type(frame).__name__}")
         if frame.dtype != torch.uint8 or frame.dim() != 1:
             raise TypeError(f"a frame is a 1-D torch.uint8 tensor, got {frame.dtype} with shape {tuple(frame.shape)}")
-        from .kernels import cuda as _cuda
+        from . import gpu as _gpu
 
         # Checked on the host: the header alone crosses over, the payload stays put.
-        params = _frame.get_frame_parameters(_cuda.read_header(frame))
+        params = _gpu.frame_parameters(frame)
         tables, result = self._decode_target(params, out, max_output_bytes, frame.device)
         if params.nchunks == 0:
             return result
         if not frame.is_contiguous() or frame.data_ptr() % 8:
             frame = frame.clone()  # sliced out of a larger buffer; kernels read words
-        status = _cuda.decode_frame(frame, params, self._device_tables(tables, frame.device), result)
+        status = _gpu.decode_frame(frame, params, self._device_tables(tables, frame.device), result)
         _raise_on_status(status, params.nchunks)
         return result
 
     @staticmethod
     def _device_tables(tables: _Tables, device: torch.device):
-        from .kernels import cuda as _cuda
+        from . import gpu as _gpu
 
         dev = tables.on_device.get(device)
         if dev is None:
-            dev = tables.on_device[device] = _cuda.DeviceTables(_cuda._Launch(device), tables)
+            dev = tables.on_device[device] = _gpu.DeviceTables(_gpu._Launch(device), tables)
         return dev
 
     @contextlib.contextmanager

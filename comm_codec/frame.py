@@ -295,6 +295,11 @@ def _as_u8(frame) -> np.ndarray:
         if frame.device.type != "cpu":
             frame = frame.cpu()
         return frame.contiguous().numpy()
+    if isinstance(frame, memoryview) and not frame.contiguous:
+        raise TypeError(
+            f"a frame given as a memoryview must be contiguous; this one (strides {frame.strides}) is not: "
+            "pass bytes(view) or a contiguous copy"
+        )
     if isinstance(frame, (bytes, bytearray, memoryview)):
         return np.frombuffer(frame, dtype=np.uint8)
     if isinstance(frame, np.ndarray):

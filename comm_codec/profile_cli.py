@@ -248,16 +248,49 @@ def _cmd_profile(args) -> int:
     return 0
 
 
+_ENTRY_CONTRACT = """\
+Two sources, exactly one of them:
+
+  --entry module:function   your training code, imported from the current directory and
+                            called once as function(prof, steps), with
+                            steps = --steps + --holdout. It must run that many training
+                            steps; in each, hand the step's tensors to prof
+                            (prof.observe(tensor, kind), or prof.observe_gradients(model),
+                            prof.observe_parameters(model), prof.observe_optimizer(opt),
+                            prof.attach_activations(modules)) and then call prof.step().
+                            The first --steps steps build the books, the --holdout steps
+                            after them score the books on data they were not built from.
+                            Fewer prof.step() calls than --steps is an error.
+  --checkpoint FILE         the tensors of a safetensors or torch (zip) file, as kind
+                            weight (optimizer_state for names with exp_avg/state).
+
+Several processes (the histograms are summed over ranks, so every rank builds the same
+books; rank 0 writes --out and prints the report):
+
+  torchrun --standalone --nproc-per-node 2 launch_scripts/profile_codebooks.py \\
+      --entry launch_scripts.profile_entry_example:train --steps 6 --holdout 6
+
+Example entry: launch_scripts/profile_entry_example.py.
+"""
+
+
 def register(sub) -> None:
     """Add the ``profile`` subcommand to the CLI's subparsers."""
-    p = sub.add_parser("profile", help="build codebooks from a training run (--entry) or a checkpoint")
-    p.add_argument("--entry", help="module:function called as function(prof, steps)")
-    p.add_argument("--checkpoint", help="a safetensors or torch file to profile")
-    p.add_argument("--steps", type=int, default=5, help="steps that build the books (with --entry)")
-    p.add_argument("--holdout", type=int, default=0, help="later steps used to evaluate the books")
-    p.add_argument("--out", default="codebooks.json", help="where to write the books")
+    import argparse
+
+    p = sub.add_parser("profile", help="build codebooks from a training run (--entry) or a checkpoint",
+                       description="Build codebooks from a training run or a checkpoint.",
+                       epilog=_ENTRY_CONTRACT, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--entry", metavar="MODULE:FUNCTION",
+                   help="training code called as function(prof, steps); see the contract below")
+    p.add_argument("--checkpoint", metavar="FILE", help="a safetensors or torch file to profile")
+    p.add_argument("--steps", type=int, default=5, help="steps that build the books, with --entry (default: 5)")
+    p.add_argument("--holdout", type=int, default=0,
+                   help="later steps that score the books, with --entry (default: 0)")
+    p.add_argument("--out", default="codebooks.json", help="where to write the books (default: codebooks.json)")
     p.add_argument("--max-books", type=int, default=8,
-                   help="largest group of books per stream, each chunk coded with its best (8; 1 = single books)")
+                   help="largest group of books per stream, each chunk coded with its best; 1 = single books "
+                        "(default: 8)")
     p.add_argument("--plot", help="also draw each book's code lengths over its averaged distribution "
                                   "into this PNG (needs matplotlib: the 'plot' extra)")
     p.set_defaults(func=_cmd_profile)

@@ -33,7 +33,7 @@ import logging
 import numpy as np
 import torch
 
-from .codebooks import CodebookGroup, CodebookSet, check_kind
+from .codebooks import CodebookGroup, CodebookSet, as_codebook_set, check_kind
 from .codec import DEFAULT_CHUNK_ELEMS
 from .huffman import Codebook, entropy_bits, optimal_lengths
 from .kernels import cpu as _cpu
@@ -45,6 +45,13 @@ __all__ = ["WarmupProfiler", "check_same_books", "stream_counts", "coding_cost",
 log = logging.getLogger(__name__)
 
 _LLOYD_ROUNDS = 12
+# A stream whose average book is raw gets a group only if its first book saves this
+# share of the stream's bits: every chunk then pays for a histogram pass in the
+# planner. On the default books' weight rows the fp32 low mantissa bytes save 1.8 % and
+# 2.3 % (all-MiniLM-L6-v2 and EfficientNet-Lite0 chunks with few significant bits), a
+# bf16 second byte 0.1 %; torch.randn's own fp32 low byte 1.2 % (its generator's few
+# random low bits), which is not worth a pass.
+_RAW_MIN_GAIN = 0.015
 
 
 def chunk_counts(tensor: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> tuple[np.ndarray, np.ndarray]:
@@ -289,8 +296,15 @@ class WarmupProfiler:
                     "expected_bits": round(book.expected_bits(avg[s]), 4),
                     "observations": int(n_obs),
                 }
-                if self.max_books > 1 and not book.raw and len(rows[(kind, dtype)]):
-                    group, chunk_bits = grow_group(rows[(kind, dtype)][:, s], book, self.max_books, self.min_gain)
+                if self.max_books > 1 and len(rows[(kind, dtype)]):
+                    # A stream is coded only where its books pay for sizing it in every
+                    # chunk (the planner's histogram pass, ~0.5 ns per element): an average
+                    # book that beats raw storage on the chunks by less than _RAW_MIN_GAIN
+                    # (the average of many small tensors can look compressible while the
+                    # chunks, each one tensor, are not) is dropped for a raw start.
+                    chunk_rows = rows[(kind, dtype)][:, s]
+                    first = None if book.raw or not _beats_raw(chunk_rows, book) else book
+                    group, chunk_bits = grow_group(chunk_rows, first, self.max_books, self.min_gain, _RAW_MIN_GAIN)
                     entry.update(chunk_bits)
                 books[(kind, dtype, s)] = group
                 stats[(kind, dtype, s)] = entry
@@ -329,63 +343,90 @@ def _book_bits(books) -> np.ndarray:
     return np.stack([np.rint(b.symbol_bits()).astype(np.int64) for b in books])
 
 
-def grow_group(rows: np.ndarray, first: Codebook, max_books: int, min_gain: float):
-    """Grow a group of books from a first book over per-chunk histograms.
+def _beats_raw(rows: np.ndarray, book: Codebook) -> bool:
+    """Whether book, with each chunk's raw fallback, saves _RAW_MIN_GAIN of raw storage on rows."""
+    raw = 8 * rows.sum(axis=1)
+    coded = _costs(rows, raw, [book]).min(axis=1)
+    return int(coded.sum()) <= (1.0 - _RAW_MIN_GAIN) * int(raw.sum())
+
+
+def _costs(rows: np.ndarray, base: np.ndarray, books: list) -> np.ndarray:
+    """int64[nrows, 1 + len(books)]: column 0 the base cost of each row, then each book's bits."""
+    cost = np.empty((len(rows), 1 + len(books)), dtype=np.int64)
+    cost[:, 0] = base
+    if books:
+        cost[:, 1:] = rows @ _book_bits(books).T
+    return cost
+
+
+def grow_group(rows: np.ndarray, first: Codebook | None, max_books: int, min_gain: float,
+               raw_gain: float = 0.0):
+    """Grow a group of books from a first book (or from raw storage) over per-chunk histograms.
 
     Each round adds a book fitted to the chunk that the current books code worst
     relative to its own optimal Huffman code, then refits every added book to the
-    chunks that choose it (first book fixed: the group never codes a chunk worse than
-    it), until a round saves less than ``min_gain`` of the bits or the group is full.
-    Only integers are compared and ties go to the lower index: the same rows give the
-    same books on every machine.
+    chunks that choose it (the first book stays fixed: the group never codes a chunk
+    worse than it), until a round saves less than ``min_gain`` of the bits or the group
+    is full. With ``first=None`` the stream's average does not pay for coding (its book
+    is raw) and the base is 8 bits per symbol, what the encoder stores a chunk in when
+    no book of the group beats it: the group then holds only books for the chunks that
+    are compressible (e.g. the low mantissa bytes of fp32 layers that were once fp16 or
+    bf16), and is empty (raw) when none save ``min_gain``. Only integers are compared
+    and ties go to the lower index: the same rows give the same books on every machine.
 
     Args:
         rows: int64[nrows, 256] symbol counts, one row per chunk.
-        first: the group's first book (fitted to the average distribution).
+        first: the group's first book (fitted to the average distribution), or None.
         max_books: the largest group to build.
         min_gain: the smallest share of the bits a round must save to be kept.
+        raw_gain: with ``first=None``, the smallest share the first book must save
+            (coding a raw stream at all costs the planner a pass over every chunk).
 
     Returns:
-        ``(group, stats)``: the :class:`CodebookGroup` and a dict with the rows' bits per
-        symbol under the first book alone, the group and per-chunk optimal codes.
+        ``(group, stats)``: the :class:`CodebookGroup` (the raw book's group when no book
+        pays) and a dict with the rows' bits per symbol under the first book (or raw)
+        alone, the group and per-chunk optimal codes.
     """
     rows = np.asarray(rows, dtype=np.int64)
     rows = rows[rows.sum(axis=1) > 0]
     symbols = int(rows.sum())
-    books = [first]
-    best = (rows @ _book_bits(books).T).min(axis=1)
+    fixed = [first] if first is not None else []
+    base = (rows @ _book_bits(fixed).T)[:, 0] if fixed else 8 * rows.sum(axis=1)
+    added: list = []
+    best = base.copy()
     alone = total = int(best.sum())
     own = np.zeros(len(rows), dtype=np.int64)
     _cpu.huffman_costs(rows, own)
-    while len(books) < max_books and len(rows):
+    while len(fixed) + len(added) < max_books and len(rows):
         seed = int(np.argmax(best - own))
-        trial = books + [Codebook.from_counts(rows[seed], raw_threshold=None)]
-        if any(b.id == trial[-1].id for b in books):
+        trial = added + [Codebook.from_counts(rows[seed], raw_threshold=None)]
+        if any(b.id == trial[-1].id for b in fixed + added):
             break
         choice = None
         for _ in range(_LLOYD_ROUNDS):
-            cost = rows @ _book_bits(trial).T
-            new_choice = np.argmin(cost, axis=1)
+            new_choice = np.argmin(_costs(rows, base, trial), axis=1)  # 0: the base
             if choice is not None and np.array_equal(new_choice, choice):
                 break
             choice = new_choice
-            refit = [trial[0]]
-            for k in range(1, len(trial)):
+            refit: list = []
+            for k in range(1, len(trial) + 1):
                 members = rows[choice == k]
                 if len(members):
                     book = Codebook.from_counts(members.sum(axis=0), raw_threshold=None)
-                    if all(book.id != b.id for b in refit):
+                    if all(book.id != b.id for b in fixed + refit):
                         refit.append(book)
             trial = refit
-        trial_best = (rows @ _book_bits(trial).T).min(axis=1)
+        trial_best = _costs(rows, base, trial).min(axis=1)
         trial_total = int(trial_best.sum())
-        if len(trial) <= len(books) or (total - trial_total) < min_gain * total:
+        needed = max(min_gain, raw_gain) if not fixed and not added else min_gain
+        if len(trial) <= len(added) or (total - trial_total) < needed * total:
             break
-        books, best, total = trial, trial_best, trial_total
+        added, best, total = trial, trial_best, trial_total
+    books = fixed + added
     denom = max(symbols, 1)
     stats = {"group_size": len(books), "chunk_bits_one_book": round(alone / denom, 4),
              "chunk_bits_group": round(total / denom, 4), "chunk_bits_optimal": round(int(own.sum()) / denom, 4)}
-    return CodebookGroup(books), stats
+    return CodebookGroup(books if books else Codebook.raw_book()), stats
 
 
 def _gather_rows(rows: np.ndarray, process_group) -> np.ndarray:
@@ -449,13 +490,14 @@ def check_same_books(books: CodebookSet, process_group=None) -> None:
     """Verify that every rank holds the same codebook set; all ranks must call it.
 
     Args:
-        books: this rank's set.
+        books: this rank's set (or a path to one; None: the defaults).
         process_group: the group to check over (default: the world).
 
     Raises:
         RuntimeError: the sets differ; the message names the ranks and the first
             (kind, dtype, stream) whose book differs, on every rank.
     """
+    books = as_codebook_set(books)
     listing = "\n".join("%s/%s/%d=%s" % (*k, g.id) for k, g in books.groups())
     seen = _gather_strings(books.digest + "\n" + listing, process_group)
     if len(set(seen)) == 1:
@@ -481,7 +523,7 @@ def book_cost(books: CodebookSet, kind: str, dtype, counts: np.ndarray) -> tuple
     a group is priced by its first book here (:func:`coding_cost` prices whole groups).
 
     Args:
-        books: the set whose (kind, dtype) books are priced.
+        books: the set whose (kind, dtype) books are priced (or a path to one; None: the defaults).
         kind: which books.
         dtype: torch dtype or short name.
         counts: int64[nstreams, 256] counts (e.g. from :func:`stream_counts`).
@@ -494,6 +536,7 @@ def book_cost(books: CodebookSet, kind: str, dtype, counts: np.ndarray) -> tuple
     Raises:
         ValueError: no book for this kind and dtype.
     """
+    books = as_codebook_set(books)
     name = spec_for(dtype).name
     fixed = optimal = entropy = 0.0
     for s in range(counts.shape[0]):
@@ -518,7 +561,7 @@ def coding_cost(tensor: torch.Tensor, books: CodebookSet, kind: str = "gradient"
 
     Args:
         tensor: the data.
-        books: the set whose (kind, dtype) books are measured.
+        books: the set whose (kind, dtype) books are measured (or a path to one; None: the defaults).
         kind: which books.
         chunk_elems: the codec's chunk size.
 
@@ -529,6 +572,7 @@ def coding_cost(tensor: torch.Tensor, books: CodebookSet, kind: str = "gradient"
     Raises:
         TypeError: unsupported dtype. ValueError: no book for this kind and dtype.
     """
+    books = as_codebook_set(books)
     per_chunk, _ = chunk_counts(tensor, chunk_elems)
     counts = per_chunk.sum(axis=0)
     _, optimal, entropy = book_cost(books, kind, tensor.dtype, counts)

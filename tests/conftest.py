@@ -99,3 +99,29 @@ def fix_header_crc(data) -> bytes:
     if end + 4 <= len(buf):
         buf[end : end + 4] = zlib.crc32(bytes(buf[:end])).to_bytes(4, "little")
     return bytes(buf)
+
+
+def reseal(data) -> bytes:
+    """Return a frame's bytes with every chunk checksum and the header CRC recomputed.
+
+    So that edits to a payload reach the stream decoders instead of stopping at the
+    checksum. A frame whose header or chunk table does not parse comes back with only
+    its CRC fixed (see :func:`fix_header_crc`).
+    """
+    import naive
+
+    buf = bytearray(fix_header_crc(data))
+    try:
+        params = _frame.get_frame_parameters(bytes(buf))
+    except cc.FrameError:
+        return bytes(buf)
+    if params.checksums and params.nchunks:
+        ns = params.spec.nstreams
+        entry = _frame.table_dtype(ns).itemsize
+        table_at = _frame.HEADER_BYTES + 8 * ns
+        ends = list(params.offsets[1:]) + [params.frame_bytes]
+        for c, (start, end) in enumerate(zip(params.offsets, ends)):
+            value = naive.payload_hash(bytes(buf[int(start):int(end)]), c)
+            at = table_at + c * entry + 4
+            buf[at:at + 4] = value.to_bytes(4, "little")
+    return fix_header_crc(bytes(buf))

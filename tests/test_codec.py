@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import comm_codec as cc
 from comm_codec import frame as _frame
 from comm_codec.profiler import WarmupProfiler
-from conftest import MAX_THREADS, bits_equal, int_view, random_bits
+from conftest import MAX_THREADS, bits_equal, fix_header_crc, int_view, random_bits
 
 _CODECS: dict = {}
 
@@ -313,8 +313,6 @@ def test_not_a_tensor_raises_type_error(codec):
 
 
 def test_codec_argument_errors():
-    with pytest.raises(TypeError, match="codebooks must be a CodebookSet or None, got dict"):
-        cc.Codec({})
     with pytest.raises(ValueError, match="chunk_elems must be in 8"):
         cc.Codec(chunk_elems=7)
     with pytest.raises(ValueError, match="threads must be in 1"):
@@ -400,4 +398,161 @@ def test_large_round_trip_through_huge_page_outputs():
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(17 << 20, generator=g) * 1e-3).to(torch.bfloat16)  # 34 MiB: huge-page output
     codec = cc.Codec()
+    bits_equal(codec.decode(codec.encode(x)), x)
+
+
+# -- untrusted frames and misuse (issue 18), API promises (issue 16) ------------------------------
+def _empty_frame(ids: tuple[int, int], numel: int = 0, chunk_elems: int = 64) -> bytes:
+    """A bf16 frame with the given stream ids whose chunks (if any) are all flagged ZERO."""
+    nchunks = -(-numel // chunk_elems) if numel else 0
+    head = bytearray(b"CCFR" + bytes([1, 1, 2, 0]) + numel.to_bytes(8, "little")
+                     + chunk_elems.to_bytes(4, "little") + nchunks.to_bytes(4, "little"))
+    head += b"".join(i.to_bytes(8, "little") for i in ids)
+    head += bytes([_frame.CHUNK_ZERO] + [0] * 15) * nchunks  # entry: 8 + 2 x 4 bytes
+    return fix_header_crc(bytes(head) + bytes(8))
+
+
+def test_decode_table_cache_is_bounded():
+    codec = cc.Codec(chunk_elems=64)
+    ids = sorted({int(b.id, 16) for _, g in codec.codebooks.groups() for b in g if not b.raw})
+    assert len(ids) ** 2 > 3 * cc.codec.DECODE_CACHE_SIZE
+    seen = 0
+    for a in ids:
+        for b in ids[:3]:
+            out = codec.decode(_empty_frame((a, b)))
+            assert out.numel() == 0
+            seen += 1
+    assert seen > 2 * cc.codec.DECODE_CACHE_SIZE
+    assert len(codec._dec_cache) == cc.codec.DECODE_CACHE_SIZE
+    # The most recent frames' tables are the ones kept: decoding one again builds nothing.
+    last = (("%016x" % ids[-1]), ("%016x" % ids[2]))
+    assert last in codec._dec_cache
+
+
+def test_frame_claiming_more_memory_than_exists_is_a_frame_error():
+    codec = cc.Codec()
+    # 2^40 bf16 elements in 2^14 all-zero chunks of 2^26: a 128 KiB frame asking for 2 TiB.
+    frame = _empty_frame((0, 0), numel=1 << 40, chunk_elems=1 << 26)
+    with pytest.raises(cc.FrameError, match=r"frame decodes to 2199023255552 bytes .* cannot be allocated"
+                                            r".*max_output_bytes"):
+        codec.decode(frame)
+    with pytest.raises(cc.FrameError, match="more than max_output_bytes=1000"):
+        codec.decode(frame, max_output_bytes=1000)
+
+
+def test_non_contiguous_memoryview_frame_is_a_type_error(small_codec, sample):
+    f = bytes(small_codec.encode(sample).numpy().repeat(2))
+    view = memoryview(f)[::2]
+    assert not view.contiguous
+    with pytest.raises(TypeError, match=r"memoryview must be contiguous.*pass bytes\(view\)"):
+        small_codec.decode(view)
+    bits_equal(small_codec.decode(bytes(view)), sample)
+
+
+def test_decode_refuses_out_that_requires_grad(small_codec, sample):
+    f = small_codec.encode(sample)
+    leaf = torch.zeros(1200, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ValueError, match=r"out requires grad.*out.detach\(\)"):
+        small_codec.decode(f, out=leaf)
+    assert not leaf.detach().any()  # untouched
+    bits_equal(small_codec.decode(f, out=leaf.detach()), sample)
+    bits_equal(leaf.detach(), sample)
+
+
+def test_decode_returns_a_flat_tensor_and_out_keeps_the_shape(small_codec):
+    # Frames do not record a shape (issue 16: the docstring says so and shows how).
+    x = torch.randn(6, 7, 8, dtype=torch.float32)
+    f = small_codec.encode(x)
+    flat = small_codec.decode(f)
+    assert flat.shape == (x.numel(),)
+    bits_equal(flat.view(x.shape), x)
+    bits_equal(small_codec.decode(f, out=torch.empty_like(x)), x)
+    assert "1-D" in cc.Codec.decode.__doc__ and "view(shape)" in cc.Codec.decode.__doc__
+
+
+def test_codec_takes_a_path_to_books(tmp_path, default_books):
+    path = tmp_path / "books.json"
+    default_books.save(path)
+    for arg in (path, str(path)):
+        c = cc.Codec(arg, chunk_elems=64)
+        assert c.codebooks == default_books
+    with pytest.raises(FileNotFoundError):
+        cc.Codec(tmp_path / "missing.json")
+    with pytest.raises(TypeError, match="codebooks must be a CodebookSet, a path to a saved one, or None, got dict"):
+        cc.Codec({})
+
+
+def test_kernels_import_nothing_of_the_package():
+    # design.md: kernels are leaves, "arrays in, status out" (issue 14 item 5). A name
+    # imported inside a function is allowed only for the deprecated read_header shim.
+    import ast
+    import pathlib
+
+    root = pathlib.Path(cc.__file__).parent / "kernels"
+    for path in sorted(root.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:  # module level only
+            if isinstance(node, ast.ImportFrom):
+                inside = node.level == 1 or (node.module or "").startswith("comm_codec.kernels")
+                assert inside or not (node.level or (node.module or "").startswith("comm_codec")), (
+                    f"{path.name} imports {'.' * node.level}{node.module} at module level")
+
+
+def test_frame_parameters_of_a_cpu_frame(small_codec, sample):
+    f = small_codec.encode(sample)
+    for form in (f, f.numpy(), f.numpy().tobytes()):
+        params = cc.Codec.frame_parameters(form)
+        assert (params.numel, params.dtype) == (1200, torch.bfloat16)
+    with pytest.raises(cc.FrameError, match="not a comm_codec frame"):
+        cc.Codec.frame_parameters(bytes(64))
+
+
+def test_warmup_loads_kernels_and_reports_per_dtype(caplog):
+    import logging
+
+    from comm_codec import warmup
+
+    codec = cc.Codec(threads=1)
+    spent = codec.warmup([torch.bfloat16, "fp32"])
+    assert set(spent) == {"bf16", "fp32"} and all(s >= 0 for s in spent.values())
+    # A process's first use of a kernel says whether it compiled or loaded from the cache.
+    warmup._used.discard(("decode", np.dtype(np.uint16)))
+    frame = codec.encode(torch.ones(10, dtype=torch.bfloat16))
+    with caplog.at_level(logging.DEBUG, logger="comm_codec.warmup"):
+        codec.decode(frame)
+        codec.decode(frame)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("decode of bf16 ") and "2-byte float kernels" in said[0], said
+    with pytest.raises(TypeError, match="cannot code dtype torch.float64"):
+        codec.warmup([torch.float64])
+
+
+def test_warmup_command_prints_a_table(capsys):
+    from comm_codec.cli import main
+
+    assert main(["warmup", "--dtypes", "bf16", "--codec-only"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16" in out and "comm_codec kernels ready in" in out and "cache:" in out
+
+
+@settings(max_examples=40)
+@given(
+    chunk_elems=st.integers(8, 300),
+    n=st.integers(1, 3000),
+    spread=st.integers(0, 3),
+    seed=st.integers(0, 2**31),
+    masked=st.booleans(),
+)
+def test_short_codes_at_lane_ends_round_trip(chunk_elems, n, spread, seed, masked):
+    # One- and two-bit exponent codes: each lookup yields four symbols and writes four
+    # bytes, so lanes end right at the fast loop's limit (12 slots) in every position.
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randint(0, spread + 1, (n,), generator=g).float()
+    x = (torch.exp2(e) * (1 + torch.rand(n, generator=g))).to(torch.bfloat16)
+    if masked:
+        x[torch.rand(n, generator=g) < 0.4] = 0
+        x[0] = 1.0  # something to build books from
+    prof = WarmupProfiler(chunk_elems=chunk_elems, max_books=2)
+    prof.observe(x, "gradient")
+    codec = cc.Codec(prof.build(), chunk_elems=chunk_elems)
     bits_equal(codec.decode(codec.encode(x)), x)

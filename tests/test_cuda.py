@@ -132,8 +132,12 @@ def test_frames_equal_cpu_bit_for_bit(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_coded_streams_of_every_dtype(dtype):
     # Low-entropy data under the first kind whose book codes it (the shipped uint8
-    # gradient book, for one, spends 9+ bits on every small value).
-    x = torch.tensor([1, 2, 1, 1, 3, 1, 2, 1] * (CHUNK // 8), dtype=torch.float32).to(dtype)
+    # gradient book, for one, spends 9+ bits on every small value). uint8 books are of
+    # quantized values with zero point 128: small values sit just above it.
+    small = [1, 2, 1, 1, 3, 1, 2, 1]
+    if dtype == torch.uint8:
+        small = [128 + v for v in small]
+    x = torch.tensor(small * (CHUNK // 8), dtype=torch.float32).to(dtype)
     x[17] = 0
     for kind in cc.KINDS:
         f = make_codec().encode(x, kind)
@@ -185,7 +189,7 @@ def test_other_kinds_and_a_2d_non_contiguous_tensor(kind):
 @pytest.mark.parametrize("n", [0, 7, 511, 512, 513, 1500, 3 * 512])
 def test_device_header_crc_equals_zlib(n):
     # The header CRC is joined from 512-byte segment CRCs on the device.
-    from comm_codec.kernels import cuda as _cuda
+    from comm_codec import gpu as _cuda
 
     data = np.random.default_rng(n).integers(0, 256, n + 4, dtype=np.uint8)
     buf = torch.from_numpy(data).to(DEV)
@@ -205,13 +209,19 @@ def test_long_chunk_table_crc_and_header_read():
     f = assert_same_frames(make_codec(chunk_elems=8), x)
     assert _frame.get_frame_parameters(f).header_bytes > 1000
     # A header over 4 KiB is read from the device in two copies.
+    from comm_codec import gpu as _gpu
     from comm_codec.kernels import cuda as _cuda
 
     big = make_codec(chunk_elems=8).encode(torch.zeros(4000, dtype=torch.bfloat16))
     hsize = _frame.get_frame_parameters(big).header_bytes
     assert hsize > 4096
-    host = _cuda.read_header(big.to(DEV))
+    host = _gpu.read_header(big.to(DEV))
     assert host.size == big.numel() and host[:hsize].tobytes() == big[:hsize].numpy().tobytes()
+    # The old name keeps working until the collectives use Codec.frame_parameters.
+    assert np.array_equal(_cuda.read_header(big.to(DEV)), host)
+    for form in (big.to(DEV), big):
+        params = cc.Codec.frame_parameters(form)
+        assert (params.numel, params.dtype, params.header_bytes) == (4000, torch.bfloat16, hsize)
 
 
 def test_zero_heavy_runs_and_negative_zero():
@@ -319,8 +329,8 @@ def test_kernel_bounds_hold_without_the_host_checks():
     # The kernel is called with a chunk table the host never checked: offsets past the
     # frame, and sizes that disagree with the lane headers. It reports, never reads out
     # of bounds (the simulator would raise).
+    from comm_codec import gpu as _cuda
     from comm_codec.kernels import cpu as _cpu
-    from comm_codec.kernels import cuda as _cuda
 
     codec = make_codec(checksum=False)
     x = mixed_tensor(torch.bfloat16, seed=6)
@@ -547,7 +557,7 @@ def test_kernel_bounds_book_indices_without_the_host_checks():
     # (15), and past stream 1's one book but within the tables (2: zero entries). Those
     # chunks report a status, the others decode, and nothing is read out of bounds (the
     # simulator would raise).
-    from comm_codec.kernels import cuda as _cuda
+    from comm_codec import gpu as _cuda
 
     codec = _uneven_bf16_codec()
     frame = codec.encode(grouped_tensor(torch.bfloat16, seed=41)).to(DEV)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import comm_codec as cc
 from comm_codec import frame as _frame
-from conftest import bits_equal, fix_header_crc, random_bits
+from conftest import bits_equal, fix_header_crc, random_bits, reseal
 
 import naive
 
@@ -399,3 +399,44 @@ def test_mutated_big_frames_never_crash(which, mutations, fix_crc):
     except cc.FrameError:
         return
     assert out.dtype == x.dtype and out.shape == x.shape
+
+
+# -- frames of the shipped weight books: groups on every stream, fp32's low bytes coded ---------
+def _weight_inputs() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(21)
+    full = torch.randn(3 * 128, generator=g) * 0.02
+    rounded = (torch.randn(2 * 128, generator=g) * 0.02).to(torch.bfloat16).float()  # low bytes 0
+    ones = 1.0 + torch.randn(128, generator=g) * 1e-3  # LayerNorm-like
+    x = torch.cat([full, rounded, ones])
+    return [x, x.to(torch.bfloat16)]
+
+
+WEIGHTS = _weight_inputs()
+WEIGHT_FRAMES = [CODECS[True].encode(x, "weight").numpy().tobytes() for x in WEIGHTS]
+
+
+def test_weight_frames_use_books_on_low_mantissa_bytes():
+    table = cc.get_frame_parameters(WEIGHT_FRAMES[0]).table
+    coded = (table["cflags"] & (_frame.CHUNK_RAW0 << 3)) == 0
+    assert coded.any(), "no chunk codes fp32 stream 3: the fuzz below would not reach that decoder path"
+
+
+@settings(max_examples=150)
+@given(
+    which=st.integers(0, len(WEIGHTS) - 1),
+    mutations=st.lists(_mutation, min_size=1, max_size=4),
+    payload_only=st.booleans(),
+)
+def test_resealed_mutations_of_grouped_weight_frames(which, mutations, payload_only):
+    # Checksums and CRC recomputed after the edit: the edit reaches the group index
+    # checks, the lane headers and the multi-symbol decoder of every coded stream.
+    data = WEIGHT_FRAMES[which]
+    x = WEIGHTS[which]
+    if payload_only:  # edits confined to the payload, so the table still parses
+        hsize = cc.get_frame_parameters(data).header_bytes
+        bad = data[:hsize] + _apply(data[hsize:], [m for m in mutations if m[0] in ("flip", "overwrite")])
+    else:
+        bad = _apply(data, mutations)
+    out = _decode_checked(reseal(bad), x.dtype, x.numel())
+    if bad == data:
+        bits_equal(out, x)

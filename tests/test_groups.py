@@ -331,3 +331,29 @@ def test_malformed_groups_in_files_are_named(tmp_path, bf16_case, edit, message)
     path.write_text(json.dumps(data))
     with pytest.raises(cc.CodebookError, match=f"{path}: book entry .*: {message}"):
         cc.CodebookSet.load(path)
+
+
+def test_a_raw_stream_gets_books_for_the_chunks_they_pay_in():
+    # An fp32 layer whose values went through bf16 (low mantissa bytes 0) beside full
+    # ones: the average of streams 2 and 3 is nearly uniform (a raw book), but that one
+    # chunk in 32 codes them in ~1 bit. The profiler gives those streams a group; each
+    # chunk then takes it or stays raw.
+    g = torch.Generator().manual_seed(11)
+    full = torch.randn(31 * 512, generator=g) * 0.02
+    rounded = (torch.randn(512, generator=g) * 0.02).to(torch.bfloat16).float()
+    x = torch.cat([full, rounded])
+    single = WarmupProfiler(chunk_elems=512, max_books=1)
+    grouped = WarmupProfiler(chunk_elems=512, max_books=4)
+    for prof in (single, grouped):
+        prof.observe(x, "weight")
+    one, many = single.build(), grouped.build()
+    assert one.group("weight", "fp32", 3).raw
+    group = many.group("weight", "fp32", 3)
+    assert not group.raw and len(group) >= 1
+    c1, c2 = cc.Codec(one, chunk_elems=512), cc.Codec(many, chunk_elems=512)
+    f1, f2 = c1.encode(x, "weight"), c2.encode(x, "weight")
+    assert f2.numel() < f1.numel() - 700  # ~14 bits of 32 saved on 512 elements
+    table = cc.get_frame_parameters(f2).table
+    raw3 = (table["cflags"] & (_frame.CHUNK_RAW0 << 3)) != 0
+    assert raw3[:31].mean() > 0.5 and not raw3[31]  # full chunks mostly stay raw, the rounded one is coded
+    bits_equal(c2.decode(f2), x)

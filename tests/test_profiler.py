@@ -30,7 +30,7 @@ def _normalized(counts: np.ndarray) -> np.ndarray:
 
 def test_books_come_from_the_mean_of_normalized_distributions():
     big, small = _two_tensors()
-    prof = WarmupProfiler()
+    prof = WarmupProfiler(max_books=1)  # single books: the average alone decides
     prof.observe(big, kind="gradient")
     prof.observe(small, kind="gradient")
     books = prof.build()
@@ -47,6 +47,24 @@ def test_books_come_from_the_mean_of_normalized_distributions():
     pooled = cc.Codebook.from_counts((c1 + c2)[0])
     assert pooled.id != books[("gradient", "bf16", 0)].id
     assert prof.kinds() == [("gradient", "bf16")] and prof.observations == 2
+
+
+def test_an_average_book_that_loses_on_the_chunks_is_raw():
+    # The small tensor's few values make the average mantissa distribution look
+    # compressible; on the chunks (the big tensor's, one of them the small one) the
+    # average book saves nothing over raw, so with chunk rows (groups) the stream is raw.
+    big, small = _two_tensors()
+    single, grouped = WarmupProfiler(max_books=1), WarmupProfiler()
+    for prof in (single, grouped):
+        prof.observe(big, kind="gradient")
+        prof.observe(small, kind="gradient")
+    one, many = single.build(), grouped.build()
+    assert not one.group("gradient", "bf16", 1).raw and many.group("gradient", "bf16", 1).raw
+    assert one[("gradient", "bf16", 0)].id == many[("gradient", "bf16", 0)].id  # the exponent book pays
+    x = torch.cat([big, small])
+    f1, f2 = cc.Codec(one).encode(x), cc.Codec(many).encode(x)
+    assert f2.numel() <= f1.numel() + 64  # nothing lost beyond chunk-table noise
+    bits_equal(cc.Codec(many).decode(f2), x)
 
 
 def test_kinds_and_dtypes_are_kept_apart():
@@ -316,3 +334,23 @@ def test_stream_counts_are_the_symbols_the_encoder_codes(dtype, numel):
     counts, zeros = stream_counts(x, chunk_elems=chunk)
     assert zeros == int((x.view(naive._INT_OF_WIDTH[width]) == 0).sum())
     assert np.array_equal(counts, want)
+
+
+def test_load_deeply_nested_json_is_a_codebook_error(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text('{"format": "comm_codec.codebooks", "meta": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(cc.CodebookError, match=f"{path}: not a valid codebook file \\(nested too deeply"):
+        cc.CodebookSet.load(path)
+
+
+def test_profile_help_states_the_entry_contract(capsys):
+    from comm_codec.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["profile", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for needed in ("function(prof, steps)", "prof.step()", "steps = --steps + --holdout", "torchrun",
+                   "launch_scripts/profile_codebooks.py", "(default: 5)", "(default: 0)",
+                   "(default: codebooks.json)", "(default: 8)"):
+        assert needed in text, needed

@@ -21,9 +21,15 @@ quarters of the chunk's elements, preceded by their byte lengths. The decoder ad
 the four lanes in lockstep so that four table lookups are in flight at once (as huff0's
 4-stream mode); one lane alone is bound by the lookup -> shift dependency chain. Each
 lookup goes to a table, built once per book from its decode table (:func:`multi_tables`,
-cached by the codec), that holds up to three whole codes per 12-bit window (exponent
-codes are 2-3 bits): measured 2.24 -> 0.90 ns per bf16 element; escapes and invalid
-windows take the one-symbol path, which keeps the checks.
+cached by the codec), that holds up to four whole codes per 12-bit window (exponent
+codes are 2-3 bits): measured 2.24 -> 0.90 ns per bf16 element with three, and four
+took bf16 weights' kernel 34.9 -> 30.0 ms; escapes and invalid windows take the
+one-symbol path, which keeps the checks. A lookup's symbols go out as one 4-byte store
+into a byte row per stream (the next step overwrites the unused slots);
+raw streams are read where they lie in the frame; and one pass then joins each
+element's stream bytes, adds the chunk's reference and rotates the sign back (issue 14:
+decode 1.76 -> 2.34 GB/s on all-MiniLM-L6-v2's bf16 weights, 2.31 -> 2.91 fp32, kernel
+alone, 1 thread, against writing shifted symbols into the elements stream by stream).
 
 A stream may have a group of books (``nbooks[s] > 1``): the planner then takes the
 chunk's lane histograms once and prices every book on them (a 4 x 256 dot product per
@@ -34,8 +40,9 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import prange
-from numba.extending import overload
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic, overload
 
 __all__ = [
     "plan_chunks",
@@ -625,20 +632,12 @@ def _step(buf, dec):
     return sym, ln
 
 
-@numba.njit(inline="always", **_JIT)
-def _put(dst, i, v, first):
-    if first:
-        dst[i] = v
-    else:
-        dst[i] |= v
-
-
 @numba.njit(**_JIT)
 def _multi_table(dec, multi):
-    """Fill multi (uint32[4096]) with up to three whole codes per 12-bit window of dec.
+    """Fill multi (uint64[4096]) with up to four whole codes per 12-bit window of dec.
 
-    Entry: symbols in bits 0-7, 8-15, 16-23 (unused ones 0), total length in bits 24-27,
-    symbol count in bits 28-29; 0 where the window starts with an escape or no code, so
+    Entry: symbols in bits 0-7, 8-15, 16-23, 24-31 (unused ones 0), total length in bits
+    32-35, symbol count in bits 36-38; 0 where the window starts with an escape or no code, so
     the decoder falls back to :func:`_step`. A code is taken only when all its bits lie
     inside the 12 known ones (a prefix code is decided by its own bits alone).
     """
@@ -648,7 +647,7 @@ def _multi_table(dec, multi):
         entry = np.int64(0)
         total = np.int64(0)
         n = np.int64(0)
-        while n < 3:
+        while n < 4:
             e = np.int64(dec[bits & 4095])
             ln = (e >> 8) & 15
             if e >= 0x8000 or ln == 0 or ln > avail:
@@ -658,60 +657,71 @@ def _multi_table(dec, multi):
             bits >>= ln
             avail -= ln
             n += 1
-        multi[x] = (entry | (total << 24) | (n << 28)) if n else 0
+        multi[x] = (entry | (total << 32) | (n << 36)) if n else 0
+
+
+@intrinsic
+def _store4(typingctx, arr, i, value):
+    """Store the low 4 bytes of value at arr[i:i+4] (uint8 array, any alignment); the
+    caller guarantees i + 4 <= arr.size. One store instead of four byte stores."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.uint8):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ary, index, val = args
+        base = context.make_array(signature.args[0])(context, builder, ary).data
+        ptr = builder.gep(base, [index])
+        word = builder.bitcast(ptr, ir.IntType(32).as_pointer())
+        builder.store(builder.trunc(val, ir.IntType(32)), word, align=1)
+        return context.get_dummy_value()
+
+    return types.void(arr, types.int64, types.int64), codegen
 
 
 @numba.njit(inline="always", **_JIT)
-def _multi_step(buf, multi, dec, dst, i, shift, add, first):
-    """Decode up to three symbols from buf into dst[i:i+3]: (elements done, bits used).
+def _multi_step(buf, multi, dec, dst, i):
+    """Decode up to four symbols from buf into dst[i:i+4]: (symbols done, bits used).
 
-    Always writes three slots (the caller leaves room): slots past the symbols decoded
-    are rewritten by the next step, and for OR-ed streams (add 0) they OR in zero.
+    Always writes four bytes (the caller leaves room): slots past the symbols decoded
+    are rewritten by the next step. Symbols are the codes' own bytes; stream 0's
+    reference is added when the element is assembled.
     """
     e = np.int64(multi[np.int64(buf & _DEC_MASK)])
     if e != 0:
-        _put(dst, i, ((e + add) & 255) << shift, first)
-        _put(dst, i + 1, (((e >> 8) + add) & 255) << shift, first)
-        _put(dst, i + 2, (((e >> 16) + add) & 255) << shift, first)
-        return e >> 28, (e >> 24) & 15
+        _store4(dst, i, e)
+        return (e >> 36) & 7, (e >> 32) & 15
     sym, ln = _step(buf, dec)
     if ln == 0:
         return 0, 0
-    _put(dst, i, ((sym + add) & 255) << shift, first)
+    dst[i] = sym
     return 1, ln
 
 
 @numba.njit(**_JIT)
-def _lane_rest(words, base, nwords, pos, multi, dec, dst, i, end, shift, add, first):
-    """Decode dst[i:end] of one lane, three steps per refill while 9 slots remain."""
-    while i + 9 <= end:
+def _lane_rest(words, base, nwords, pos, multi, dec, dst, i, end):
+    """Decode dst[i:end] of one lane, three steps per refill while 12 slots remain."""
+    while i + 12 <= end:  # 3 steps of up to 4 symbols, each writing 4 bytes
         b = _peek(words, base, nwords, pos)
         for r in range(3):
-            n, ln = _multi_step(b, multi, dec, dst, i, shift, add, first)
+            n, ln = _multi_step(b, multi, dec, dst, i)
             if ln == 0:
                 return _ST_BAD_CODE, pos
             b >>= np.uint64(ln)
             pos += ln
             i += n
-    return _unpack_tail(words, base, nwords, pos, dec, dst, i, end, shift, add, first)
-
-
-@numba.njit(**_JIT)
-def _unpack_tail(words, base, nwords, pos, dec, dst, i, end, shift, add, first):
-    """Decode dst[i:end] of one lane, one symbol per refill; return (status, pos)."""
-    while i < end:
+    while i < end:  # one symbol per refill
         sym, ln = _step(_peek(words, base, nwords, pos), dec)
         if ln == 0:
             return _ST_BAD_CODE, pos
         pos += ln
-        _put(dst, i, ((sym + add) & 255) << shift, first)
+        dst[i] = sym
         i += 1
     return STATUS_OK, pos
 
 
-@numba.njit(inline="always", **_JIT)
-def _decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, shift, add, first):
-    """Decode one coded segment (4 lanes) of count symbols into dst; return status."""
+@numba.njit(**_JIT)
+def _decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst):
+    """Decode one coded segment (4 lanes) of count symbols into dst (uint8); return status."""
     if size < _LANE_HEADER:
         return _ST_SIZE
     lb0 = _get_u32(frame8, pos)
@@ -738,18 +748,19 @@ def _decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, shift, add
     i3 = e2
     p0 = p1 = p2 = p3 = 0
     # A round refills each lane once and takes 3 steps from each (3 x 20 bits, the
-    # longest step, fit in the 64 bits peeked); a step decodes up to 3 symbols (9 slots
-    # must remain). Lanes advance at their own pace; each finishes alone below.
-    while i0 + 9 <= e0 and i1 + 9 <= e1 and i2 + 9 <= e2 and i3 + 9 <= e3:
+    # longest step, fit in the 64 bits peeked); a step decodes up to 4 symbols and
+    # writes 4 bytes (12 slots must remain). Lanes advance at their own pace; each
+    # finishes alone below.
+    while i0 + 12 <= e0 and i1 + 12 <= e1 and i2 + 12 <= e2 and i3 + 12 <= e3:
         b0 = _peek(frame64, w0, n0, p0)
         b1 = _peek(frame64, w1, n1, p1)
         b2 = _peek(frame64, w2, n2, p2)
         b3 = _peek(frame64, w3, n3, p3)
         for r in range(3):
-            k0, l0 = _multi_step(b0, multi, dec, dst, i0, shift, add, first)
-            k1, l1 = _multi_step(b1, multi, dec, dst, i1, shift, add, first)
-            k2, l2 = _multi_step(b2, multi, dec, dst, i2, shift, add, first)
-            k3, l3 = _multi_step(b3, multi, dec, dst, i3, shift, add, first)
+            k0, l0 = _multi_step(b0, multi, dec, dst, i0)
+            k1, l1 = _multi_step(b1, multi, dec, dst, i1)
+            k2, l2 = _multi_step(b2, multi, dec, dst, i2)
+            k3, l3 = _multi_step(b3, multi, dec, dst, i3)
             if l0 == 0 or l1 == 0 or l2 == 0 or l3 == 0:
                 return _ST_BAD_CODE
             b0 >>= np.uint64(l0)
@@ -764,39 +775,63 @@ def _decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, shift, add
             i1 += k1
             i2 += k2
             i3 += k3
-    st, p0 = _lane_rest(frame64, w0, n0, p0, multi, dec, dst, i0, e0, shift, add, first)
+    st, p0 = _lane_rest(frame64, w0, n0, p0, multi, dec, dst, i0, e0)
     if st == STATUS_OK:
-        st, p1 = _lane_rest(frame64, w1, n1, p1, multi, dec, dst, i1, e1, shift, add, first)
+        st, p1 = _lane_rest(frame64, w1, n1, p1, multi, dec, dst, i1, e1)
     if st == STATUS_OK:
-        st, p2 = _lane_rest(frame64, w2, n2, p2, multi, dec, dst, i2, e2, shift, add, first)
+        st, p2 = _lane_rest(frame64, w2, n2, p2, multi, dec, dst, i2, e2)
     if st == STATUS_OK:
-        st, p3 = _lane_rest(frame64, w3, n3, p3, multi, dec, dst, i3, e3, shift, add, first)
+        st, p3 = _lane_rest(frame64, w3, n3, p3, multi, dec, dst, i3, e3)
     if st == STATUS_OK and (p0 > 8 * lb0 or p1 > 8 * lb1 or p2 > 8 * lb2 or p3 > 8 * lb3):
         return _ST_OVERRUN
     return st
 
 
+@numba.njit(inline="always", **_JIT)
+def _element(v0, v1, v2, v3, j, add, width, ra):
+    """The element whose stream bytes are v0[j], v1[j], ...: stream 0 plus add (mod 256),
+    the streams joined most significant first, rotated back (sign from bit 0)."""
+    x = (np.int64(v0[j]) + add) & 255
+    if width >= 2:
+        x = (x << 8) | np.int64(v1[j])
+    if width == 4:
+        x = (((x << 8) | np.int64(v2[j])) << 8) | np.int64(v3[j])
+    if ra:
+        x = (x >> 1) | ((x & 1) << (8 * width - 1))
+    return x
+
+
 @numba.njit(**_JIT)
-def _decode_segment(frame8, frame64, pos, size, count, dec, multi, dst, s, exp_shift, ref):
-    """Decode coded stream s into dst; stream 0 assigns, later streams OR in."""
-    if s == 0:  # constant shift and assignment: the hot case folds
-        width, _, _ = _layout(dst)
-        add = (np.int64(ref) << exp_shift) if exp_shift >= 0 else np.int64(0)
-        return _decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, 8 * (width - 1), add, True)
-    width, _, _ = _layout(dst)
-    return _decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, 8 * (width - 1 - s), 0, False)
+def _assemble(v0, v1, v2, v3, present, add, dst):
+    """dst[i] = the element of the streams' bytes i, for i < present: one vectorizable pass."""
+    width, ra, _ = _layout(dst)
+    for i in range(present):
+        dst[i] = _element(v0, v1, v2, v3, i, add, width, ra)
+
+
+@numba.njit(**_JIT)
+def _assemble_masked(v0, v1, v2, v3, add, frame8, mpos, out):
+    """out[i] = the next present element where bit i of the mask at frame8[mpos] is set, else 0."""
+    width, ra, _ = _layout(out)
+    j = 0
+    for i in range(out.size):
+        bit = (np.int64(frame8[mpos + (i >> 3)]) >> (i & 7)) & 1
+        out[i] = _element(v0, v1, v2, v3, j, add, width, ra) if bit else np.int64(0)
+        j += bit
 
 
 @numba.njit(**_JIT)
 def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_shift, dec_tables, multi, out):
-    """Decode one chunk's payload at pos into out (count elements); return a status."""
+    """Decode one chunk's payload at pos into out (count elements); return a status.
+
+    Coded streams are decoded into byte rows of a scratch array; raw streams are read
+    where they lie in the frame; then one pass (:func:`_assemble`) builds the elements.
+    """
     if flags & _CHUNK_ZERO:
         out[:] = 0
         return STATUS_OK
-    width, ra, _ = _layout(out)
     mpos = pos
     present = count
-    dst = out
     if flags & _CHUNK_MASK:
         mbytes = (count + 7) // 8
         present = 0
@@ -808,42 +843,41 @@ def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_
                 byte &= byte - 1
                 present += 1
         pos += (mbytes + 7) & ~7
-        dst = np.empty(count, dtype=out.dtype)[:present]
-    for s in range(sizes_c.size):
+    ns = sizes_c.size
+    # + 1: a masked chunk's assembly may index one past its last present element (and
+    # then skips the read); raw rows get the same slack from the frame's padding.
+    rows = np.empty((ns, present + 1), dtype=np.uint8)
+    v0 = rows[0]
+    v1 = rows[min(1, ns - 1)]
+    v2 = rows[min(2, ns - 1)]
+    v3 = rows[min(3, ns - 1)]
+    for s in range(ns):
         size = np.int64(sizes_c[s])
         if flags & (_CHUNK_RAW0 << s):
             if size != present:
                 return _ST_MASK_COUNT if flags & _CHUNK_MASK else _ST_SIZE
-            shift = 8 * (width - 1 - s)
-            raw = frame8[pos:pos + present]
+            view = frame8[pos:pos + present + 1]  # decode_chunks checked the chunk's end
             if s == 0:
-                add = (np.int64(ref) << exp_shift) if exp_shift >= 0 else np.int64(0)
-                for i in range(present):
-                    dst[i] = ((np.int64(raw[i]) + add) & 255) << shift
+                v0 = view
+            elif s == 1:
+                v1 = view
+            elif s == 2:
+                v2 = view
             else:
-                for i in range(present):
-                    dst[i] |= np.int64(raw[i]) << shift
+                v3 = view
         else:
             k = (chosen >> (4 * s)) & 15
             if k >= dec_tables.shape[1]:  # the Python layer checks it against the group; trust nothing
                 return _ST_BOOK
-            st = _decode_segment(frame8, frame64, pos, size, present, dec_tables[s, k], multi[s, k], dst, s,
-                                 exp_shift, ref)
+            st = _decode_lanes(frame8, frame64, pos, size, present, dec_tables[s, k], multi[s, k], rows[s])
             if st != STATUS_OK:
                 return st
         pos += (size + 7) & ~7
-    if ra:
-        top = np.int64(8 * width)
-        for i in range(present):
-            dst[i] = _unrot(np.int64(dst[i]) & ((np.int64(1) << top) - 1), top, np.int64(1))
+    add = (np.int64(ref) << exp_shift) if exp_shift >= 0 else np.int64(0)
     if flags & _CHUNK_MASK:
-        j = 0
-        for i in range(count):
-            if (frame8[mpos + (i >> 3)] >> (i & 7)) & 1:
-                out[i] = dst[j]
-                j += 1
-            else:
-                out[i] = 0
+        _assemble_masked(v0, v1, v2, v3, add, frame8, mpos, out)
+    else:
+        _assemble(v0, v1, v2, v3, present, add, out)
     return STATUS_OK
 
 
@@ -857,7 +891,7 @@ def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, mu
         numel, chunk_elems, exp_shift: frame parameters.
         dec_tables: uint16[nstreams, nbooks_max, 4096] decode tables (unused rows for raw
             streams).
-        multi: uint32[nstreams, nbooks_max, 4096] from :func:`multi_tables`.
+        multi: uint64[nstreams, nbooks_max, 4096] from :func:`multi_tables`.
         cflags, refs, books, sizes, offsets, checksums: the parsed chunk table (checked
             for consistency with the frame length, and books against the group sizes,
             by the Python layer).
@@ -871,20 +905,22 @@ def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, mu
         count = hi - lo
         flags = cflags[c]
         pos = offsets[c]
-        if do_checksum:
-            length = (((count + 7) // 8) + 7) & ~7 if flags & _CHUNK_MASK else 0
-            for s in range(sizes.shape[1]):
-                length += (np.int64(sizes[c, s]) + 7) & ~7
-            if _hash_words(frame64, pos // 8, length // 8, c) != checksums[c]:
-                status[c] = _ST_CHECKSUM
-                continue
+        length = (((count + 7) // 8) + 7) & ~7 if flags & _CHUNK_MASK else 0
+        for s in range(sizes.shape[1]):
+            length += (np.int64(sizes[c, s]) + 7) & ~7
+        if pos < 0 or pos % 8 or pos + length > frame8.size:  # the Python layer checked; trust nothing
+            status[c] = _ST_SIZE
+            continue
+        if do_checksum and _hash_words(frame64, pos // 8, length // 8, c) != checksums[c]:
+            status[c] = _ST_CHECKSUM
+            continue
         status[c] = _decode_chunk(frame8, frame64, pos, count, flags, np.int64(refs[c]), np.int64(books[c]),
                                   sizes[c], exp_shift, dec_tables, multi, out[lo:hi])
 
 
 @numba.njit(**_JIT)
 def multi_tables(dec_tables, multi):
-    """Fill multi (uint32[ns, nbooks, 4096]) from dec_tables (uint16[ns, nbooks, 4096]).
+    """Fill multi (uint64[ns, nbooks, 4096]) from dec_tables (uint16[ns, nbooks, 4096]).
 
     Built once per set of books (the codec caches them): ~4096 lookups per book.
     """

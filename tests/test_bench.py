@@ -1,0 +1,37 @@
+"""comm-codec bench on a user's model file: the --model dataset and the zipnn columns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comm_codec import bench
+
+
+def test_bench_model_file_rows_and_zipnn_columns(tmp_path, capsys):
+    pytest.importorskip("zipnn", reason="the bench extra (pip install comm_codec[bench]) brings zipnn")
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    path = tmp_path / "tiny.safetensors"
+    save_file({"a.weight": torch.randn(300, 400, generator=g) * 0.02, "a.bias": torch.zeros(400),
+               "ids": torch.arange(10)}, str(path))
+    out_json = tmp_path / "rows.json"
+    assert bench.run(["--quick", "--skip-real", "--skip-synthetic", "--model", str(path), "--bulk-mb", "0.5",
+                      "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    assert "xzn-r" in text and "xzn-e" in text and "xzn-d" in text
+    rows = [line for line in text.splitlines() if line.startswith("file:tiny/weight")]
+    assert {line.split()[1] for line in rows} == {"bf16", "fp32"}
+    import json
+
+    doc = json.loads(out_json.read_text())
+    ours = [r for r in doc["rows"] if r["codec"] == "comm_codec:default"]
+    assert len(ours) == 2 and all(r["exact"] and r["enc_gbps"]["1"] > 0 for r in ours)
+    assert any(c["check"].startswith("file:tiny/weight bf16: ratio, shipped books / zipnn") for c in doc["targets"])
+
+
+def test_bench_refuses_unknown_model_names(capsys):
+    with pytest.raises(SystemExit):
+        bench.run(["--pretrained", "gpt5"])
+    assert "unknown model 'gpt5'" in capsys.readouterr().err
