@@ -278,6 +278,15 @@ def _w_pipelined(rank, world):
             for r in range(world):
                 _assert_bits(rows[r], _float_input(r, n, dtype, salt=300), f"rank {rank}: pipelined all_gather {name}")
             out[name] = stats.as_dict()
+        # A group of one: nothing goes on the wire (gloo rejects zero-element collectives).
+        alone = [dist.new_group([r]) for r in range(world)][rank]
+        x = _float_input(rank, n, torch.bfloat16)
+        single = torch.empty(n, dtype=torch.bfloat16)
+        collectives.reduce_scatter(single, [x], group=alone, average=True)
+        _assert_bits(single, _rank_order([x], torch.bfloat16, True), f"rank {rank}: reduce_scatter over a group of one")
+        gathered = [torch.empty(n, dtype=torch.bfloat16)]
+        collectives.all_gather(gathered, x, group=alone)
+        _assert_bits(gathered[0], x, f"rank {rank}: all_gather over a group of one")
         return out
     finally:
         collectives._MIN_PIECE = saved
