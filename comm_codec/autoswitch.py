@@ -19,8 +19,12 @@ probe), plain is the incumbent: coding has to earn its CPU time.
 
 The owner (the DDP hook, the DeepSpeed plugin, or an FSDP2 state) calls
 :meth:`AutoSwitch.begin_step` once at the start of every step, on every rank, with the
-same step numbers, and codes that step if it returns True. Nothing here knows about
-buckets or books.
+same step numbers, and codes that step if it returns True; its ``stats()`` carry
+:meth:`AutoSwitch.stats`, so every owner reports the decision under the same keys.
+Nothing here knows about buckets or books. (The DDP hook begins a step at its first
+bucket; FSDP2, whose first collective of a step may be an all-gather prefetched at any
+point, begins step s+1 where step s's backward pass ends: the interval between two
+calls is still one whole step, forward, backward and optimizer.)
 
 Faults: a rank whose step counter differs, or whose figures are not finite positive
 times, makes every rank raise the same RuntimeError at the agreement (they all see the
@@ -83,6 +87,8 @@ class AutoSwitch:
         recheck_every: steps between the end of one probe and the start of the next.
         hysteresis: fraction by which the other mode must be faster to switch to it.
         clock: seconds, monotonic (tests inject their own timings here).
+        plain_name: what the plain mode is called in the decision's reason (the DDP
+            hook's "plain all-reduce"; FSDP2's "plain reduce-scatter/all-gather").
 
     Raises:
         ValueError: an unknown mode, or out-of-range numbers.
@@ -90,7 +96,7 @@ class AutoSwitch:
 
     __slots__ = (
         # what users tune
-        "mode", "probe_steps", "recheck_every", "hysteresis", "clock",
+        "mode", "probe_steps", "recheck_every", "hysteresis", "clock", "plain_name",
         # internal state
         "_schedule", "_next_probe", "_last_start", "_last_mode", "_samples",
         # what was decided, and on what
@@ -98,7 +104,7 @@ class AutoSwitch:
     )
 
     def __init__(self, mode: str = "auto", probe_steps: int = 4, recheck_every: int = 200,
-                 hysteresis: float = 0.05, clock=time.perf_counter):
+                 hysteresis: float = 0.05, clock=time.perf_counter, plain_name: str = "plain all-reduce"):
         check_mode(mode)
         if not isinstance(probe_steps, int) or probe_steps < 1:
             raise ValueError(f"probe_steps must be an integer >= 1, got {probe_steps!r}")
@@ -111,6 +117,7 @@ class AutoSwitch:
         self.recheck_every = recheck_every
         self.hysteresis = float(hysteresis)
         self.clock = clock
+        self.plain_name = plain_name
         self.coded = {"auto": None, "always": True, "never": False}[mode]
         self.decision: dict | None = None
         self.switches = 0
@@ -160,11 +167,20 @@ class AutoSwitch:
             return planned
         return self.coded
 
+    def stats(self) -> dict:
+        """The decision keys of an owner's ``stats()``: mode, decision, switches, probes.
+
+        ``decision`` is None before the first measurement, else the dict of :func:`agree`
+        (coded, step, plain_ms, coded_ms, per_rank_ms, reason); ``switches`` counts changes
+        of decision since the first, ``probes`` the measurements started.
+        """
+        return {"mode": self.mode, "decision": self.decision, "switches": self.switches, "probes": self.probes}
+
     def state_dict(self) -> dict:
         """The decision and counters (for stats and pickling); no clock, no samples."""
         return {"mode": self.mode, "probe_steps": self.probe_steps, "recheck_every": self.recheck_every,
-                "hysteresis": self.hysteresis, "coded": self.coded, "decision": self.decision,
-                "switches": self.switches, "probes": self.probes}
+                "hysteresis": self.hysteresis, "plain_name": self.plain_name, "coded": self.coded,
+                "decision": self.decision, "switches": self.switches, "probes": self.probes}
 
     def __getstate__(self):
         state = self.state_dict()
@@ -172,7 +188,8 @@ class AutoSwitch:
         return state
 
     def __setstate__(self, state):
-        self.__init__(state["mode"], state["probe_steps"], state["recheck_every"], state["hysteresis"])
+        self.__init__(state["mode"], state["probe_steps"], state["recheck_every"], state["hysteresis"],
+                      plain_name=state.get("plain_name", "plain all-reduce"))
         self.coded, self.decision = state["coded"], state["decision"]
         self.switches, self.probes = state["switches"], state["probes"]
         # A resumed run probes at once: its link and load may not be the saved run's.
@@ -185,7 +202,7 @@ class AutoSwitch:
         self._samples = {True: [], False: []}
         before = self.coded
         self.decision = agree(plain, coded, step, group, self.hysteresis, incumbent=before, device=device,
-                              recheck_every=self.recheck_every)
+                              recheck_every=self.recheck_every, plain_name=self.plain_name)
         self.coded = self.decision["coded"]
         if before is not None and self.coded != before:
             self.switches += 1
@@ -195,7 +212,8 @@ class AutoSwitch:
 
 
 def agree(plain_s: list[float], coded_s: list[float], step: int, group=None, hysteresis: float = 0.05, *,
-          incumbent: bool | None = None, device=None, recheck_every: int | None = None) -> dict:
+          incumbent: bool | None = None, device=None, recheck_every: int | None = None,
+          plain_name: str = "plain all-reduce") -> dict:
     """Decide from every rank's timings of both modes, the same on every rank (collective).
 
     Each rank's medians go to one all-gather; the slowest rank's median per mode is
@@ -209,6 +227,7 @@ def agree(plain_s: list[float], coded_s: list[float], step: int, group=None, hys
         hysteresis, incumbent: as for :func:`decide`.
         device: the device of the gathered tensor (NCCL: a CUDA device).
         recheck_every: said in the reason, if given.
+        plain_name: what the reason calls the plain mode.
 
     Returns:
         ``{"coded", "step", "plain_ms", "coded_ms", "per_rank_ms", "reason"}``.
@@ -224,13 +243,15 @@ def agree(plain_s: list[float], coded_s: list[float], step: int, group=None, hys
     choice = decide(incumbent, plain, coded, hysteresis)
     return {"coded": choice, "step": step, "plain_ms": 1e3 * plain, "coded_ms": 1e3 * coded,
             "per_rank_ms": [[1e3 * r[2], 1e3 * r[4]] for r in rows],
-            "reason": _reason(choice, plain, coded, incumbent, hysteresis, recheck_every)}
+            "reason": _reason(choice, plain, coded, incumbent, hysteresis, recheck_every, plain_name)}
 
 
-def _reason(coded: bool, plain_s: float, coded_s: float, before, hysteresis: float, recheck_every) -> str:
-    what = ("compressing pays here: {c:.0f} vs {p:.0f} ms/step plain" if coded else
-            "plain all-reduce is faster here: {p:.0f} vs {c:.0f} ms/step compressed")
-    words = what.format(p=1e3 * plain_s, c=1e3 * coded_s)
+def _reason(coded: bool, plain_s: float, coded_s: float, before, hysteresis: float, recheck_every,
+            plain_name: str) -> str:
+    if coded:
+        words = f"compressing pays here: {1e3 * coded_s:.0f} vs {1e3 * plain_s:.0f} ms/step plain"
+    else:
+        words = f"{plain_name} is faster here: {1e3 * plain_s:.0f} vs {1e3 * coded_s:.0f} ms/step compressed"
     if before is not None and coded == before:
         words += f" (kept: a switch needs a {100 * hysteresis:.0f} % gain)"
     elif before is not None:

@@ -26,6 +26,15 @@ wire the rank reduces the previous piece, decodes the gathered one before it, an
 encodes the next: the link and the CPU work at the same time, with two collectives per
 stage (four per piece before) and one error check at the end.
 
+:func:`reduce_scatter` and :func:`all_gather` are each one phase of that protocol and
+run on the same stages: piece k's frames are encoded while piece k-1 is on the wire and
+decoded (and, for a reduce-scatter, summed) while piece k+1 is, with the same
+workspace, the same error flags and the same rank-order sum (FSDP2 hands them a
+module's whole shard at once: :mod:`comm_codec.fsdp`).
+
+A frame that comes from a peer is never trusted with an allocation: it is decoded into
+a buffer of the size the receiver expects, and refused if its header says otherwise.
+
 Tensors may live on the CPU (gloo) or on a CUDA device (NCCL): frames, sizes and error
 flags are made on the data's device, since NCCL moves only CUDA tensors, and CUDA frames
 are coded on their GPU by the codec.
@@ -33,14 +42,16 @@ are coded on their GPU by the codec.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 import torch.distributed as dist
 
 from .codec import Codec
-from .frame import FrameError, get_frame_parameters
+from .frame import FrameError, get_frame_parameters, header_size
 from .stats import CommStats
+from .streams import spec_for
 
 __all__ = [
     "CollectiveError",
@@ -51,6 +62,7 @@ __all__ = [
     "send",
     "recv",
     "row_parallel_all_reduce",
+    "on_cuda_worker",
 ]
 
 log = logging.getLogger(__name__)
@@ -210,45 +222,47 @@ def _round_into(out: torch.Tensor, acc: torch.Tensor, average: bool, world: int)
     return out
 
 
-def _encode_shards(tensor, bounds, codec, kind, cast, stats, rank) -> list[torch.Tensor]:
-    """Encode the shards this rank does not own (its own slot: an empty frame, never sent)."""
+def _encode_each(parts: list[torch.Tensor], codec, kind, cast, stats, rank) -> list[torch.Tensor]:
+    """Encode ``parts[r]`` for every peer r (this rank's own slot: an empty frame, never sent)."""
     frames = []
-    for r, (lo, hi) in enumerate(bounds):
+    for r, part in enumerate(parts):
         if r == rank:
-            frames.append(torch.empty(0, dtype=torch.uint8, device=tensor.device))
+            frames.append(torch.empty(0, dtype=torch.uint8, device=part.device))
         else:
-            frames.append(_encode(codec, tensor[lo:hi], kind, cast, stats))
-    lo, hi = bounds[rank]
-    stats.add(bytes_in=(tensor.numel() - (hi - lo)) * tensor.element_size(),
-              bytes_out=sum(f.numel() for f in frames))
+            frames.append(_encode(codec, part, kind, cast, stats))
+    sent = sum(p.numel() for r, p in enumerate(parts) if r != rank)
+    stats.add(bytes_in=sent * parts[rank].element_size(), bytes_out=sum(f.numel() for f in frames))
     return frames
 
 
-def _reduce_shard(received, tensor, bounds, codec, cast, stats, rank, world, workspace):
-    """Decode the shards received for this rank's slot and sum them in rank order.
+def _reduce_shard(received, own: torch.Tensor, codec, cast, stats, rank, world, workspace):
+    """Decode the shards received for this rank's slot and sum them, with ``own``, in rank order.
+
+    Args:
+        received: the peers' frames by source rank (this rank's slot unused).
+        own: this rank's contribution to its slot (in the buffer dtype).
 
     Returns:
         ``(float32 accumulator (or the buffer dtype's), None)`` or ``(None, error message)``;
         the caller divides (for an average) and rounds, with :func:`_round_into`.
     """
-    lo, hi = bounds[rank]
-    coded = cast if cast is not None else tensor.dtype
-    acc_dtype = _ACC_DTYPE.get(tensor.dtype, tensor.dtype)
+    n = own.numel()
+    coded = cast if cast is not None else own.dtype
+    acc_dtype = _ACC_DTYPE.get(own.dtype, own.dtype)
     source = [rank]
 
     def parts():
         for r in range(world):
             source[0] = r
             if r == rank:
-                part = tensor[lo:hi]
                 # every rank's contribution went through the cast
-                yield part if cast is None else part.to(cast)
+                yield own if cast is None else own.to(cast)
             else:
-                target = workspace.take("decoded", hi - lo, coded, tensor.device)
-                yield _decode(codec, received[r], hi - lo, None, stats, out=target)
+                target = workspace.take("decoded", n, coded, own.device)
+                yield _decode(codec, received[r], n, None, stats, out=target)
 
     try:
-        return _reduce_parts(parts(), acc_dtype, workspace, tensor.device), None
+        return _reduce_parts(parts(), acc_dtype, workspace, own.device), None
     except (FrameError, ValueError, TypeError) as exc:
         return None, f"shard {rank} from rank {source[0]}: {exc}"
 
@@ -307,7 +321,9 @@ class _Stage:
 def _pieces(numel: int, world: int) -> list[tuple[int, int]]:
     """Split a buffer into up to _PIECES pieces of at least _MIN_PIECE elements per rank.
 
-    Pieces pipeline the two phases: piece p+1 is coded while piece p is on the wire.
+    ``world`` is the number of shards a piece is cut into (an all-reduce's ranks; 1 for
+    a reduce-scatter's or all-gather's slot, which travels whole). Pieces pipeline the
+    phases: piece p+1 is coded while piece p is on the wire.
     """
     count = max(1, min(_PIECES, numel // (_MIN_PIECE * world)))
     return [(k * numel // count, (k + 1) * numel // count) for k in range(count)]
@@ -405,7 +421,9 @@ class _StagedAllReduce:
         _agree_on_errors(self.error, self.group, self.flat.device)
 
     def _encode_phase1(self, k: int) -> list[torch.Tensor]:
-        return _encode_shards(self.pieces[k], self.bounds[k], self.codec, self.kind, self.cast, self.stats, self.rank)
+        piece = self.pieces[k]
+        return _encode_each([piece[lo:hi] for lo, hi in self.bounds[k]], self.codec, self.kind, self.cast,
+                            self.stats, self.rank)
 
     def _count_sent(self, p2, stage: _Stage) -> None:
         """Phase-1 bytes were counted when encoded; here the stage's sizes and phase 2."""
@@ -422,14 +440,13 @@ class _StagedAllReduce:
         empty = torch.empty(0, dtype=torch.uint8, device=self.flat.device)
         if self.error:
             return empty
-        piece, bounds = self.pieces[k], self.bounds[k]
-        acc, failed = _reduce_shard(received, piece, bounds, self.codec, self.cast, self.stats,
-                                    self.rank, self.world, self.workspace)
+        lo, hi = self.bounds[k][self.rank]
+        own = self.pieces[k][lo:hi]
+        acc, failed = _reduce_shard(received, own, self.codec, self.cast, self.stats, self.rank, self.world,
+                                    self.workspace)
         if failed:
             self.error = failed
             return empty
-        lo, hi = bounds[self.rank]
-        own = piece[lo:hi]
         if self.cast is None:  # rounded once to the buffer dtype; this rank's input is consumed
             _round_into(own, acc, self.average, self.world)
             return _encode(self.codec, own, self.reduced_kind, None, self.stats)
@@ -451,10 +468,121 @@ class _StagedAllReduce:
             self.error = f"reduced shard from rank {r}: {exc}"
 
 
+class _PipelinedPhase:
+    """One phase of the two-phase protocol over pieces: stage k carries piece k's frames.
+
+    :meth:`run` launches piece k's stage (its frames encoded just before, while piece
+    k-1 was on the wire), then finishes piece k-1 (decodes, and sums or copies) while
+    piece k is. A rank whose decode failed says so in the next stage's size exchange,
+    so every rank raises at the same stage; the last piece's errors are agreed on at
+    the end. Subclasses say what a piece sends (:meth:`_frames`) and what is done with
+    what arrives (:meth:`_finish`).
+    """
+
+    def __init__(self, numel: int, codec, group, stats, workspace, rank, world, device):
+        self.codec, self.group, self.stats, self.workspace = codec, group, stats, workspace
+        self.rank, self.world, self.device = rank, world, device
+        self.bounds = _pieces(numel, 1)  # a slot travels whole to (or from) every peer
+        self.error: str | None = None
+
+    def run(self) -> None:
+        if self.world == 1:  # nothing to send (and gloo rejects zero-element collectives)
+            for k in range(len(self.bounds)):
+                self._finish(k, [None], [None])
+            return
+        flying = None
+        try:
+            for k in range(len(self.bounds) + 1):
+                stage = None
+                if k < len(self.bounds):
+                    p1, p2 = self._frames(k)
+                    stage = _Stage(p1, p2, self.error, self.group, self.rank, self.world, self.device,
+                                   self.workspace, k)
+                if flying is not None:
+                    received = flying.received()
+                    if not self.error:
+                        self._finish(k - 1, *received)
+                flying = stage
+        except BaseException:
+            # A peer's error flag raised at a stage: let the stage before it land first,
+            # since its buffers are the workspace's, which the next call reuses.
+            if flying is not None:
+                with contextlib.suppress(Exception):
+                    flying.work.wait()
+            raise
+        _agree_on_errors(self.error, self.group, self.device)
+
+    def _frames(self, k: int):
+        raise NotImplementedError
+
+    def _finish(self, k: int, phase1: list[torch.Tensor], phase2: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+
+class _StagedReduceScatter(_PipelinedPhase):
+    """Phase 1 alone: piece k of every ``rows[r]`` goes to rank r, which sums them in rank order."""
+
+    def __init__(self, out, rows, codec, group, average, kind, cast, stats, workspace, rank, world):
+        super().__init__(out.numel(), codec, group, stats, workspace, rank, world, out.device)
+        self.out, self.rows, self.average, self.kind, self.cast = out, rows, average, kind, cast
+
+    def _frames(self, k: int):
+        a, b = self.bounds[k]
+        self.stats.add(bytes_out=_STAGE_HEADER * (self.world - 1))
+        if self.error:  # the stage raises on every rank: nothing worth encoding
+            return [torch.empty(0, dtype=torch.uint8, device=self.device)] * self.world, None
+        return _encode_each([row[a:b] for row in self.rows], self.codec, self.kind, self.cast, self.stats,
+                            self.rank), None
+
+    def _finish(self, k: int, phase1, phase2) -> None:
+        a, b = self.bounds[k]
+        acc, self.error = _reduce_shard(phase1, self.rows[self.rank][a:b], self.codec, self.cast, self.stats,
+                                        self.rank, self.world, self.workspace)
+        if self.error:
+            return
+        target = self.out[a:b]
+        if self.cast is None:
+            _round_into(target, acc, self.average, self.world)
+        else:  # rounded once to the cast dtype, then widened back
+            rounded = self.workspace.take("rounded", b - a, self.cast, self.device)
+            target.copy_(_round_into(rounded, acc, self.average, self.world))
+
+
+class _StagedAllGather(_PipelinedPhase):
+    """Phase 2 alone: piece k of this rank's ``flat`` goes to every peer, decoded into its slot."""
+
+    def __init__(self, outputs, flat, codec, group, kind, stats, workspace, rank, world):
+        super().__init__(flat.numel(), codec, group, stats, workspace, rank, world, flat.device)
+        self.outputs, self.flat, self.kind = outputs, flat, kind
+
+    def _frames(self, k: int):
+        a, b = self.bounds[k]
+        if self.error:
+            frame = torch.empty(0, dtype=torch.uint8, device=self.device)
+        else:
+            frame = _encode(self.codec, self.flat[a:b], self.kind, None, self.stats)
+        self.stats.add(bytes_in=(self.world - 1) * (b - a) * self.flat.element_size(),
+                       bytes_out=(self.world - 1) * (frame.numel() + _STAGE_HEADER))
+        return None, frame
+
+    def _finish(self, k: int, phase1, phase2) -> None:
+        a, b = self.bounds[k]
+        try:
+            for r in range(self.world):
+                if r != self.rank:
+                    _decode(self.codec, phase2[r], b - a, self.flat.dtype, self.stats, out=self.outputs[r][a:b])
+        except (FrameError, ValueError, TypeError) as exc:
+            self.error = f"frame from rank {r}: {exc}"
+
+
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], codec: Codec | None = None,
                    group=None, *, average: bool = False, kind: str = "activation", cast=None,
                    stats: CommStats | None = None, workspace: Workspace | None = None) -> torch.Tensor:
     """Reduce ``input_list[r]`` over all ranks into rank r's ``output``, coded.
+
+    Large tensors go in up to four pieces, pipelined as in :func:`all_reduce`: piece
+    k+1 is encoded while piece k is on the wire, and piece k-1 is summed meanwhile.
+    The inputs are read in place (rows of one buffer, e.g. FSDP's, are not copied).
 
     Args:
         output: contiguous tensor, same numel and dtype as each input; overwritten.
@@ -463,7 +591,8 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], codec: 
         average: divide by the group size.
 
     Returns:
-        ``output``: the rank-order sum (or average) of every rank's ``input_list[rank]``.
+        ``output``: the rank-order sum (or average) of every rank's ``input_list[rank]``,
+        in float32, rounded to the dtype once (to the cast dtype first, with ``cast``).
 
     Raises:
         CollectiveError: on every rank, if any rank failed to decode.
@@ -479,32 +608,26 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], codec: 
     codec = codec or Codec()
     stats = stats if stats is not None else CommStats()
     workspace = workspace if workspace is not None else Workspace()
-    n = out.numel()
-    flat = torch.cat([t.reshape(-1) for t in input_list])
-    bounds = [(r * n, (r + 1) * n) for r in range(world)]
+    rows = [t.reshape(-1) for t in input_list]
     with stats.timer("comm_seconds"):
-        frames = _encode_shards(flat, bounds, codec, kind, cast, stats, rank)
-        stage = _Stage(frames, None, None, group, rank, world, out.device)
-        stats.add(bytes_out=_STAGE_HEADER * (world - 1))
-        received, _ = stage.received()
-        acc, error = _reduce_shard(received, flat, bounds, codec, cast, stats, rank, world, workspace)
-        _agree_on_errors(error, group, out.device)
-        if cast is None:
-            _round_into(out, acc, average, world)
-        else:  # rounded once to the cast dtype, then widened back
-            out.copy_(_round_into(workspace.take("rounded", n, cast, out.device), acc, average, world))
+        _StagedReduceScatter(out, rows, codec, group, average, kind, cast, stats, workspace, rank, world).run()
         stats.add(calls=1)
     return output
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, codec: Codec | None = None,
-               group=None, *, kind: str = "activation", stats: CommStats | None = None) -> list[torch.Tensor]:
+               group=None, *, kind: str = "activation", stats: CommStats | None = None,
+               workspace: Workspace | None = None) -> list[torch.Tensor]:
     """Gather every rank's ``tensor`` into ``tensor_list``, coded; mirrors dist.all_gather.
+
+    Large tensors go in up to four pieces, pipelined: piece k+1 is encoded while piece
+    k is on the wire, and piece k-1 decoded meanwhile. ``tensor`` may be this rank's
+    own slot of the output (FSDP gathers in place); it is then left as it is.
 
     Args:
         tensor_list: one output tensor per rank (same numel and dtype as ``tensor``).
         tensor: this rank's contribution.
-        codec, group, kind, stats: as for :func:`all_reduce`.
+        codec, group, kind, stats, workspace: as for :func:`all_reduce`.
 
     Returns:
         ``tensor_list``, filled bit-exactly.
@@ -523,22 +646,13 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, codec: Cod
             raise ValueError("every output must be contiguous and match the input's numel and dtype")
     codec = codec or Codec()
     stats = stats if stats is not None else CommStats()
+    workspace = workspace if workspace is not None else Workspace()
+    outputs = [t.view(-1) for t in tensor_list]
     with stats.timer("comm_seconds"):
-        frame = _encode(codec, flat, kind, None, stats)
-        stage = _Stage(None, frame, None, group, rank, world, flat.device)
-        stats.add(bytes_in=(world - 1) * flat.numel() * flat.element_size(),
-                  bytes_out=(world - 1) * (frame.numel() + _STAGE_HEADER), calls=1)
-        _, frames = stage.received()
-        error = None
-        try:
-            for r in range(world):
-                if r == rank:
-                    tensor_list[r].view(-1).copy_(flat)
-                else:
-                    _decode(codec, frames[r], flat.numel(), flat.dtype, stats, out=tensor_list[r].view(-1))
-        except (FrameError, ValueError, TypeError) as exc:
-            error = f"frame from rank {r}: {exc}"
-        _agree_on_errors(error, group, flat.device)
+        stats.add(calls=1)
+        _StagedAllGather(outputs, flat, codec, group, kind, stats, workspace, rank, world).run()
+        if outputs[rank].data_ptr() != flat.data_ptr():
+            outputs[rank].copy_(flat)
     return tensor_list
 
 
@@ -582,8 +696,10 @@ def recv(tensor: torch.Tensor, src: int, codec: Codec | None = None, group=None,
     peer = _global_rank(group, src)
     size = torch.empty(1, dtype=torch.int64, device=out.device)
     dist.recv(size, peer, group=group)
-    if not 0 < int(size) < 1 << 40:
-        raise FrameError(f"peer {src} announced an impossible frame size {int(size)}")
+    limit = _frame_bound(out.numel(), out.dtype)
+    if not 0 < int(size) <= limit:  # never allocate what a peer claims
+        raise FrameError(f"peer {src} announced a frame of {int(size)} bytes; a frame of {out.numel()} "
+                         f"{out.dtype} elements takes 1..{limit}")
     frame = torch.empty(int(size), dtype=torch.uint8, device=out.device)
     dist.recv(frame, peer, group=group)
     dtype = _frame_parameters(frame).dtype
@@ -591,6 +707,44 @@ def recv(tensor: torch.Tensor, src: int, codec: Codec | None = None, group=None,
         raise FrameError(f"peer {src} sent a {dtype} tensor, expected {out.dtype}")
     _decode(codec, frame, out.numel(), out.dtype, stats, out=out)
     return tensor
+
+
+def _frame_bound(numel: int, dtype) -> int:
+    """The most bytes a frame of ``numel`` elements of ``dtype`` can take, for any chunk size.
+
+    :meth:`Codec.encode` never writes more than the raw bytes plus the header and up to
+    7 bytes of padding per chunk and stream; chunks hold at least 8 elements. The mask
+    bitmap (1 bit per element) is counted on top, for safety.
+    """
+    spec = spec_for(dtype)
+    chunks = -(-numel // 8)
+    return (numel * spec.itemsize + header_size(spec.nstreams, chunks) + 8 * (spec.nstreams + 1) * chunks
+            + numel // 8)
+
+
+def on_cuda_worker(device: torch.device, ready, fn):
+    """Run ``fn`` on a worker thread for CUDA tensors: after ``ready``, finished on return.
+
+    The DDP hook and FSDP2 run their coded collectives on a worker thread, which has its
+    own current device and stream. It waits on the device for the caller's event (the
+    tensor may still be being written on the caller's stream: no host sync), and
+    synchronizes its stream before returning: the caller's future (DDP) or Work (FSDP)
+    is not stream-aware, so the tensor must be complete when it resolves.
+
+    Args:
+        device: the tensors' CUDA device.
+        ready: a ``torch.cuda.Event`` recorded on the caller's stream.
+        fn: the collective, a callable without arguments.
+
+    Returns:
+        What ``fn`` returns.
+    """
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device)
+        stream.wait_event(ready)
+        result = fn()
+        stream.synchronize()
+    return result
 
 
 def _global_rank(group, rank: int) -> int:

@@ -48,8 +48,9 @@ from . import collectives
 from .autoswitch import AutoSwitch, check_mode
 from .codebooks import CodebookSet
 from .codec import Codec
-from .profiler import WarmupProfiler, check_same_books, coding_cost
-from .stats import CommStats
+from .profiler import WarmupProfiler, check_same_books
+from .refresh import BookRefresh
+from .stats import CommStats, state_stats
 
 __all__ = ["HuffmanState", "huffman_hook", "default_threads"]
 
@@ -118,13 +119,12 @@ class HuffmanState:
 
     __slots__ = (
         # what users tune
-        "process_group", "warmup_steps", "cast", "min_bucket_bytes", "threads", "log_every", "writer",
-        "drift_every", "refresh_threshold", "refresh_steps", "mode",
+        "process_group", "warmup_steps", "cast", "min_bucket_bytes", "threads", "log_every", "writer", "mode",
         # internal state
-        "codebooks", "codec", "profiler", "step", "verified", "switch", "_executor", "_pid", "_refresh_until",
+        "codebooks", "codec", "profiler", "step", "verified", "switch", "refresh", "_executor", "_pid",
         "_comm_group", "_checked", "_coding", "_workspace", "_node_threads",
         # statistics
-        "_stats", "drift", "refreshes",
+        "_stats",
     )
 
     def __init__(self, process_group=None, codebooks=None, warmup_steps: int = 0, cast=None,
@@ -141,12 +141,7 @@ class HuffmanState:
             raise ValueError(f"min_bucket_bytes must be an integer >= 0, got {min_bucket_bytes!r}")
         if not isinstance(log_every, int) or log_every < 0:
             raise ValueError(f"log_every must be an integer >= 0, got {log_every!r}")
-        if not isinstance(drift_every, int) or drift_every < 0:
-            raise ValueError(f"drift_every must be an integer >= 0 (0 = off), got {drift_every!r}")
-        if refresh_threshold is not None and not (refresh_threshold > 0 and drift_every):
-            raise ValueError("refresh_threshold must be > 0 and needs drift_every > 0 (drift is what triggers a refresh)")
-        if not isinstance(refresh_steps, int) or refresh_steps < 1:
-            raise ValueError(f"refresh_steps must be an integer >= 1, got {refresh_steps!r}")
+        refresh = BookRefresh(drift_every, refresh_threshold, refresh_steps)
         if threads is not None and not (isinstance(threads, int) and 1 <= threads <= numba.config.NUMBA_NUM_THREADS):
             raise ValueError(f"threads must be None or an integer in 1..{numba.config.NUMBA_NUM_THREADS} "
                              f"(NUMBA_NUM_THREADS), got {threads!r}")
@@ -163,14 +158,9 @@ class HuffmanState:
         self.threads = threads
         self.log_every = log_every
         self.writer = writer
-        self.drift_every = drift_every
-        self.refresh_threshold = refresh_threshold
-        self.refresh_steps = refresh_steps
         self.mode = mode
         self.switch = switch
-        self.drift = None
-        self.refreshes = 0
-        self._refresh_until = None
+        self.refresh = refresh
         self.codebooks = codebooks if codebooks is not None or warmup_steps else CodebookSet.default()
         self.codec = Codec(self.codebooks, threads=threads) if self.codebooks is not None else None
         self.profiler = WarmupProfiler() if warmup_steps and mode != "never" else None
@@ -209,15 +199,8 @@ class HuffmanState:
         since the first), probes (measurements started).
         """
         d = self._stats.as_dict()
-        d["warming_up"] = self.warming_up
-        d["books"] = self.codebooks.digest if self.codebooks is not None else None
-        d["drift"] = self.drift
-        d["refreshes"] = self.refreshes
-        d["mode"] = self.mode
-        d["coding"] = self._coding
-        d["decision"] = self.switch.decision
-        d["switches"] = self.switch.switches
-        d["probes"] = self.switch.probes
+        d.update(state_stats(warming_up=self.warming_up, codebooks=self.codebooks, refresh=self.refresh,
+                             switch=self.switch, coding=self._coding))
         return d
 
     def reset_stats(self) -> None:
@@ -231,8 +214,8 @@ class HuffmanState:
         return {
             "warmup_steps": self.warmup_steps, "cast": self.cast, "min_bucket_bytes": self.min_bucket_bytes,
             "threads": self.threads, "log_every": self.log_every, "step": self.step,
-            "drift_every": self.drift_every, "refresh_threshold": self.refresh_threshold,
-            "refresh_steps": self.refresh_steps, "refreshes": self.refreshes, "mode": self.mode,
+            "drift_every": self.refresh.drift_every, "refresh_threshold": self.refresh.refresh_threshold,
+            "refresh_steps": self.refresh.refresh_steps, "refreshes": self.refresh.refreshes, "mode": self.mode,
             "switch": self.switch, "coding": self._coding,
             "codebooks": self.codebooks.to_dict() if self.codebooks is not None else None,
             # Warmup statistics travel too: a state saved at the end of warmup builds
@@ -250,14 +233,10 @@ class HuffmanState:
         self.threads = state["threads"]
         self.log_every = state["log_every"]
         self.step = state["step"]
-        self.drift_every = state["drift_every"]
-        self.refresh_threshold = state["refresh_threshold"]
-        self.refresh_steps = state["refresh_steps"]
-        self.refreshes = state["refreshes"]
+        self.refresh = BookRefresh(state["drift_every"], state["refresh_threshold"], state["refresh_steps"])
+        self.refresh.refreshes = state["refreshes"]  # (no window open: a resumed run measures anew)
         self.mode = state.get("mode", "always")  # states pickled before modes existed always coded
         self.switch = state.get("switch") or AutoSwitch(self.mode)
-        self.drift = None
-        self._refresh_until = None
         books = state["codebooks"]
         self.codebooks = CodebookSet.from_dict(books, "<pickled HuffmanState>") if books is not None else None
         self.codec = Codec(self.codebooks, threads=self.threads) if self.codebooks is not None else None
@@ -314,10 +293,10 @@ class HuffmanState:
 
     def _shared_settings(self) -> dict:
         """The settings that change which collectives a rank issues (and the step it is at)."""
-        sw = self.switch
+        sw, rf = self.switch, self.refresh
         return {"mode": self.mode, "warmup_steps": self.warmup_steps, "cast": self.cast,
-                "min_bucket_bytes": self.min_bucket_bytes, "drift_every": self.drift_every,
-                "refresh_threshold": self.refresh_threshold, "refresh_steps": self.refresh_steps,
+                "min_bucket_bytes": self.min_bucket_bytes, "drift_every": rf.drift_every,
+                "refresh_threshold": rf.refresh_threshold, "refresh_steps": rf.refresh_steps,
                 "probe_steps": sw.probe_steps, "recheck_every": sw.recheck_every, "hysteresis": sw.hysteresis,
                 "step": self.step, "books": "online" if self.codebooks is None else "fixed"}
 
@@ -345,7 +324,7 @@ class HuffmanState:
 
     @property
     def _profiling(self) -> bool:
-        return self.profiler is not None and (self.warming_up or self._refresh_until is not None)
+        return self.profiler is not None and (self.warming_up or self.refresh.refreshing)
 
     def _group(self):
         """The group the worker thread talks on: a twin of process_group, its own.
@@ -385,36 +364,17 @@ class HuffmanState:
             log.info("comm_codec: compressing gradients with books %s", self.codebooks.digest[:12])
 
     def _measure_drift(self, tensor: torch.Tensor) -> None:
-        """Sample how much the fixed books lose on this bucket; start a refresh if asked.
-
-        The loss is the fractional excess of the fixed books over optimal Huffman codes
-        for the bucket's own histograms. With a refresh threshold, ranks agree on the
-        largest loss (one small all-reduce), so all decide the same at the same step.
-        """
-        fixed, optimal, _ = coding_cost(tensor, self.codebooks, "gradient")
-        loss = fixed / optimal - 1.0 if optimal else 0.0
-        if self.refresh_threshold is not None:
-            t = torch.tensor([loss], dtype=torch.float64, device=tensor.device)  # NCCL: CUDA only
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group())
-            loss = float(t)
-            if loss > self.refresh_threshold and self._refresh_until is None:
-                log.info("comm_codec: books lose %.2f%% (> %.2f%%) at step %d; re-profiling for %d steps",
-                         100 * loss, 100 * self.refresh_threshold, self.step, self.refresh_steps)
-                self.profiler = WarmupProfiler()
-                self._refresh_until = self.step + self.refresh_steps
-        self.drift = loss
+        """Sample how much the fixed books lose on this bucket; profile anew if the ranks agree to refresh."""
+        loss = self.refresh.measure(tensor, self.codebooks)
+        if self.refresh.agree(loss, self.step, self._group(), tensor.device):  # NCCL: on the bucket's GPU
+            self.profiler = WarmupProfiler()
 
     def _maybe_swap_books(self) -> None:
         """At the end of a refresh window, build new books collectively and swap them in."""
-        if self._refresh_until is None or self.step < self._refresh_until:
-            return
-        books = self.profiler.build(self._group(), meta={"source": "DDP refresh", "step": self.step})
-        self.codebooks = books
-        self.codec = Codec(books, threads=self._codec_threads())
-        self.profiler = None
-        self._refresh_until = None
-        self.refreshes += 1
-        log.info("comm_codec: swapped in refreshed books %s at step %d", books.digest[:12], self.step)
+        if self.refresh.swap_due(self.step):
+            self.codebooks = self.refresh.rebuild(self.profiler, self._group(), self.step, "DDP refresh")
+            self.codec = Codec(self.codebooks, threads=self._codec_threads())
+            self.profiler = None
 
 
 def _group_timeout(group):
@@ -484,7 +444,7 @@ def huffman_hook(state: "HuffmanState", bucket: dist.GradBucket) -> torch.future
 
     def work():
         if ready is not None:
-            return _on_cuda_worker(tensor.device, ready, run)
+            return collectives.on_cuda_worker(tensor.device, ready, run)
         return run()
 
     def run():
@@ -495,9 +455,9 @@ def huffman_hook(state: "HuffmanState", bucket: dist.GradBucket) -> torch.future
             state._stats.add(raw_calls=1)
         else:
             state._ensure_books()
-            if state.drift_every and index == 0 and state.step % state.drift_every == 0:
+            if index == 0 and state.refresh.due(state.step):
                 state._measure_drift(tensor)
-            refreshing = state._refresh_until is not None
+            refreshing = state.refresh.refreshing
             if refreshing:
                 state._observe(tensor, "gradient")
             cast = _CASTS[state.cast] if tensor.dtype == torch.float32 else None
@@ -525,18 +485,3 @@ def huffman_hook(state: "HuffmanState", bucket: dist.GradBucket) -> torch.future
 
     state._submit(work).add_done_callback(done)
     return outcome.then(unwrap)
-
-
-def _on_cuda_worker(device: torch.device, ready, fn):
-    """Run fn on the worker thread for a CUDA bucket: after ``ready``, finished on return.
-
-    The worker thread has its own current device and stream. It waits for the bucket's
-    event, and synchronizes its stream before returning: the future handed to DDP is not
-    stream-aware, so the bucket must be complete when it resolves.
-    """
-    with torch.cuda.device(device):
-        stream = torch.cuda.current_stream(device)
-        stream.wait_event(ready)
-        result = fn()
-        stream.synchronize()
-    return result

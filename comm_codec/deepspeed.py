@@ -420,9 +420,9 @@ class _Plugin:
         st._ensure_books()
         if not self._coded_this_step:
             self._coded_this_step = True
-            if st.drift_every and st.step % st.drift_every == 0:
+            if st.refresh.due(st.step):
                 st._measure_drift(tensor)
-        refreshing = st._refresh_until is not None
+        refreshing = st.refresh.refreshing
         if refreshing:
             st.profiler.observe(tensor, "gradient")
         cast = _CASTS[st.cast] if tensor.dtype == torch.float32 else None

@@ -14,11 +14,14 @@ every rank) and prints what ``mode="auto"``, the hook's default, would decide fr
 and why.
 
 The training loop, :func:`train`, runs on any initialized process group, so
-``launch_scripts/train_ddp.py`` runs the same training under torchrun.
+``launch_scripts/train_ddp.py`` runs the same training under torchrun. ``--fsdp`` runs
+:mod:`comm_codec.fsdp_demo` instead: TinyLM sharded with FSDP2, its reduce-scatters and
+all-gathers coded. Both spawn their ranks with :func:`spawn_ranks`.
 
 Example::
 
     $ comm-codec demo --steps 40 --warmup-steps 5
+    $ comm-codec demo --fsdp --steps 20
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["TrainConfig", "add_training_arguments", "register", "train"]
+__all__ = ["TrainConfig", "add_training_arguments", "register", "spawn_ranks", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +133,7 @@ def register(sub) -> None:
     p.add_argument("--world-size", type=int, default=2, help="processes to spawn (default: 2)")
     add_training_arguments(p)
     p.add_argument("--port", type=int, default=0, help="TCP port of the rendezvous (default: 0, a free one)")
+    p.add_argument("--fsdp", action="store_true", help="shard TinyLM with FSDP2 and code its reduce-scatters and all-gathers")
     p.set_defaults(func=_cmd_demo)
 
 
@@ -315,27 +319,46 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, config: TrainConfig, log_level: int) -> None:
+def _worker(rank: int, world: int, port: int, train_fn, config: TrainConfig, log_level: int) -> None:
     """One spawned process: join the group, train, leave."""
     logging.basicConfig(level=log_level if rank == 0 else max(log_level, logging.WARNING),
                         format=f"%(levelname)s rank {rank} %(name)s: %(message)s", stream=sys.stderr)
     torch.set_num_threads(config.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        train(config)
+        train_fn(config)
     finally:
         dist.destroy_process_group()
 
 
-def _cmd_demo(args) -> int:
+def spawn_ranks(train_fn, config: TrainConfig, world_size: int, *, port: int = 0, verbose: bool = False,
+                prog: str = "comm-codec demo") -> int:
+    """Spawn ``world_size`` gloo ranks on 127.0.0.1 that each run ``train_fn(config)``.
+
+    The demos' shared launcher (``comm-codec demo``, ``comm-codec demo --fsdp``). A rank
+    that raises or dies is reported in one line on stderr (the traceback with -v).
+
+    Args:
+        train_fn: a module-level function (spawn pickles it), e.g. :func:`train`.
+        config: the :class:`TrainConfig`.
+        world_size: processes to spawn (at least 2).
+        port: TCP port of the rendezvous (0: a free one).
+        verbose: let the workers log at DEBUG and print their tracebacks.
+        prog: the command's name, for error lines.
+
+    Returns:
+        The exit status: 0, or 1 if a rank failed.
+
+    Raises:
+        ValueError: fewer than 2 ranks or a port outside 0..65535 (before spawning).
+    """
     import torch.multiprocessing as mp
 
-    if args.world_size < 2:
-        raise ValueError(f"--world-size must be >= 2 (a data-parallel run needs peers), got {args.world_size}")
-    if not 0 <= args.port < 65536:
-        raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    config = TrainConfig.from_args(args)
-    port = args.port or _free_port()
+    if world_size < 2:
+        raise ValueError(f"--world-size must be >= 2 (a data-parallel run needs peers), got {world_size}")
+    if not 0 <= port < 65536:
+        raise ValueError(f"--port must be in 0..65535, got {port}")
+    port = port or _free_port()
     # The workers inherit these. numba's OpenMP layer sets the OpenMP thread count of the
     # thread that first runs a parallel kernel to NUMBA_NUM_THREADS (default: all cores),
     # overriding torch.set_num_threads: keep both at the per-process budget so that the
@@ -343,19 +366,26 @@ def _cmd_demo(args) -> int:
     for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS"):
         os.environ.setdefault(var, str(config.threads))
     # Workers are quiet unless -v: their INFO lines would break the table.
-    level = logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING
+    level = logging.DEBUG if verbose else logging.WARNING
     try:
-        mp.spawn(_worker, args=(args.world_size, port, config, level), nprocs=args.world_size, join=True)
+        mp.spawn(_worker, args=(world_size, port, train_fn, config, level), nprocs=world_size, join=True)
     except mp.ProcessRaisedException as exc:
         lines = [line for line in exc.msg.strip().splitlines() if line.strip()]
         log.debug("worker %d traceback:\n%s", exc.error_index, exc.msg)
-        print(f"comm-codec demo: error on rank {exc.error_index}: {lines[-1] if lines else 'unknown error'}",
-              file=sys.stderr)
-        if not getattr(args, "verbose", False):
-            print("comm-codec demo: run 'comm-codec -v demo ...' for the worker's traceback", file=sys.stderr)
+        print(f"{prog}: error on rank {exc.error_index}: {lines[-1] if lines else 'unknown error'}", file=sys.stderr)
+        if not verbose:
+            print(f"{prog}: run with -v for the worker's traceback", file=sys.stderr)
         return 1
     except mp.ProcessExitedException as exc:
-        print(f"comm-codec demo: rank {exc.error_index} (pid {exc.error_pid}) died: {exc.msg.strip()}",
-              file=sys.stderr)
+        print(f"{prog}: rank {exc.error_index} (pid {exc.error_pid}) died: {exc.msg.strip()}", file=sys.stderr)
         return 1
     return 0
+
+
+def _cmd_demo(args) -> int:
+    if args.fsdp:
+        from .fsdp_demo import run
+
+        return run(args)
+    config = TrainConfig.from_args(args)
+    return spawn_ranks(train, config, args.world_size, port=args.port, verbose=getattr(args, "verbose", False))

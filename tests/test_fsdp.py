@@ -89,7 +89,7 @@ def _batch(rank, step, dtype):
     return torch.randn(16, 24, generator=g).to(dtype), torch.randn(16, 3, generator=g)
 
 
-def _train(net, rank, steps=STEPS, before_forward=None):
+def _train(net, rank, steps=STEPS, before_forward=None, after_step=None):
     """Train a few AdamW steps on rank-specific batches; return the losses."""
     dtype = next(net.parameters()).dtype
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
@@ -103,6 +103,8 @@ def _train(net, rank, steps=STEPS, before_forward=None):
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        if after_step is not None:
+            after_step(net)
     return losses
 
 
@@ -131,8 +133,9 @@ class _RankOrderReduceScatter(ReduceScatter):
     The first ``plain_calls`` calls (the other run's warmup) are FSDP's own reduce-scatter.
     """
 
-    def __init__(self, plain_calls: int):
+    def __init__(self, plain_calls: int = 0):
         self.plain_calls = plain_calls
+        self.plain = False  # (set per step, to follow the other run's plain steps)
         self.calls = 0
 
     def allocate(self, size, *, dtype, device):
@@ -141,7 +144,7 @@ class _RankOrderReduceScatter(ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.calls += 1
         factor = getattr(op, "factor", None)
-        if self.calls <= self.plain_calls:
+        if self.calls <= self.plain_calls or self.plain:
             if factor is not None:  # gloo has no PREMUL_SUM
                 _reduce_scatter_single(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group)
                 output_tensor.mul_(factor)
@@ -164,13 +167,13 @@ class _RankOrderReduceScatter(ReduceScatter):
 
 
 def _w_lossless(rank, world, config, min_piece=None):
-    saved = ccf._MIN_PIECE
+    saved = collectives._MIN_PIECE
     if min_piece is not None:  # cut these small shards into several pipelined pieces
-        ccf._MIN_PIECE = min_piece
+        collectives._MIN_PIECE = min_piece
     try:
         return _lossless(rank, world, config)
     finally:
-        ccf._MIN_PIECE = saved
+        collectives._MIN_PIECE = saved
 
 
 def _lossless(rank, world, config):
@@ -260,16 +263,16 @@ def _w_corrupt_frame(rank, world, collective):
     state._install([])
     n = 3000
     data = (torch.randn(world * n, generator=torch.Generator().manual_seed(rank)) * 0.02).bfloat16()
-    real = ccf._InFlight.frames
+    real = collectives._Stage.received
 
     def corrupted(self):
-        frames = real(self)
-        for f in frames:
+        phase1, phase2 = real(self)
+        for f in phase1 + phase2:
             if f.numel() and rank == 1:
                 f[f.numel() // 2] ^= 0x5A
-        return frames
+        return phase1, phase2
 
-    ccf._InFlight.frames = corrupted
+    collectives._Stage.received = corrupted
     try:
         if collective == "all_gather":
             work = ccf.HuffmanAllGather(state, "layer")(data, data[rank * n:(rank + 1) * n].clone(), dist.group.WORLD)
@@ -280,7 +283,7 @@ def _w_corrupt_frame(rank, world, collective):
     except collectives.CollectiveError as exc:
         return str(exc)
     finally:
-        ccf._InFlight.frames = real
+        collectives._Stage.received = real
     return "no error"
 
 
@@ -344,20 +347,57 @@ def _w_different_books(rank, world):
     return _errors_of(lambda: ccf.compress(_model("bf16"), codebooks=books, mode="always"))
 
 
-def _w_auto(rank, world):
+# mode="auto" with step times injected through each rank's clock, as in tests/test_ddp.py:
+# (plain, coded) seconds before step 6 and from step 6 on. Rank 0 finds coding faster
+# throughout; rank 1 finds it faster at first and much slower later: the slowest rank
+# decides, and both switch together.
+COSTS = {0: ((1.0, 0.5), (1.0, 0.8)), 1: ((1.0, 0.6), (0.5, 1.5))}
+AUTO_KW = {"mode": "auto", "warmup_steps": 1, "probe_steps": 1, "recheck_every": 3, "min_bytes": 0}
+# Step 0 is warmup; steps 1-3 probe (uncounted coded, plain, coded); the decision at step 4
+# codes; steady 4-6; probe 7-9 (the later costs); the decision at step 10 switches to plain.
+AUTO_ARMS = [False, True, False, True, True, True, True, True, False, True, False, False]
+
+
+def _w_auto(rank, world, state_kw):
+    """Train with mode="auto" and injected step times; follow the arms with an uncoded reference."""
     net = _model("bf16")
-    state = ccf.compress(net, warmup_steps=1, mode="auto", min_bytes=0, probe_steps=1, probe_every=2)
-    arms = []
-    opt = torch.optim.SGD(net.parameters(), lr=1e-2)
-    for step in range(9):
-        x, y = _batch(rank, step, torch.bfloat16)
-        F.mse_loss(net(x).float(), y).backward()
-        opt.step()
-        opt.zero_grad()
-        arms.append(state.coding)
+    state = ccf.compress(net, **dict(AUTO_KW, **state_kw))
+    now = [0.0]
+
+    def clock():  # read where a step begins: the step that ended cost what this rank's table says
+        if state.step:
+            phase = COSTS[rank % 2][0 if state.step - 1 < 6 else 1]
+            now[0] += phase[1] if state.coding else phase[0]
+        return now[0]
+
+    state.switch.clock = clock
+    arms, digests, bits, books = [], [], [], []
+
+    def record(net):
+        arms.append(state.coding)  # this step's mode, decided where the last backward ended
+        books.append(state.stats()["books"])
+
+    _train(net, rank, steps=len(AUTO_ARMS), before_forward=record,
+           after_step=lambda net: (digests.append(_full_digest(net)), bits.append(_local_bits(net))))
     d = state.stats()
-    return {"arms": arms, "decisions": [x["coding"] for x in d["decisions"]], "steps": d["steps"],
-            "same_full": _same_everywhere(_full_digest(net)), "coded": d["calls"] > 0}
+    # The reference: FSDP's own reduce-scatter on the plain steps, the uncoded rank-order
+    # sum on the coded ones.
+    ref = _model("bf16")
+    reference = _RankOrderReduceScatter()
+    for m in ref.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_reduce_scatter(reference)
+    ref_bits = []
+
+    def follow(net):
+        reference.plain = not arms[len(ref_bits)]
+
+    _train(ref, rank, steps=len(AUTO_ARMS), before_forward=follow, after_step=lambda net: ref_bits.append(_local_bits(net)))
+    differ = [step for step, (a, b) in enumerate(zip(bits, ref_bits)) if any(not torch.equal(a[n], b[n]) for n in a)]
+    return {"arms": arms, "decision": d["decision"], "switches": d["switches"], "probes": d["probes"],
+            "refreshes": d["refreshes"], "books": books, "digests": digests, "differ": differ,
+            "calls": d["calls"], "raw_calls": d["raw_calls"], "steps": d["steps"],
+            "keys": sorted(k for k in d if k in ("mode", "coding", "decision", "switches", "probes"))}
 
 
 def _w_refresh(rank, world):
@@ -424,7 +464,7 @@ def test_bad_models_name_the_module():
     for r in dist_utils.run(_w_bad_models, 2):
         assert r["plain"].startswith("TypeError: Linear has no FSDP2 module")
         assert r["not_module"].startswith("TypeError: model must be a torch.nn.Module")
-        assert r["mode"].startswith("ValueError: mode must be one of auto, always, never")
+        assert r["mode"].startswith("ValueError: mode must be one of 'auto', 'always', 'never', got 'sometimes'")
         assert r["fsdp1"].startswith("TypeError: module '1' is an FSDP1 FullyShardedDataParallel")
         assert r["ddp"].startswith("TypeError: module '<root>' is a DistributedDataParallel")
         assert r["groups"].startswith("ValueError: module '<root>' holds 2 FSDP parameter groups")
@@ -437,13 +477,37 @@ def test_different_books_fail_on_every_rank():
         assert r.startswith("RuntimeError: codebooks differ across ranks"), r
 
 
-def test_auto_mode_decides_alike_on_every_rank():
-    results = dist_utils.run(_w_auto, 2)
-    assert results[0]["arms"] == results[1]["arms"]
-    assert results[0]["decisions"] == results[1]["decisions"] and len(results[0]["decisions"]) >= 2
+@pytest.mark.parametrize("world,refresh", [(2, False), (2, True), (4, False)],
+                         ids=["world2", "world2-with_refreshes", "world4"])
+def test_auto_mode_switches_mid_run_on_every_rank_at_the_same_step(world, refresh):
+    """The DDP hook's AutoSwitch decides for FSDP2 too: coding wins the first measurement
+    and loses the second (the odd ranks' figures); every rank codes and switches at the
+    same steps, the full parameters are bit-identical on every rank after every step, and
+    the sharded ones equal, step by step, a reference that sums in rank order uncoded on
+    the coded steps and uses FSDP's own reduce-scatter on the plain ones (on 2 ranks the
+    two sums coincide; on 4, gloo's bf16 reduction rounds differently, so the reference
+    checks that each step took the mode it reported). With refreshes, books are also
+    swapped every other step, at the decisions' steps too."""
+    state_kw = {"drift_every": 1, "refresh_threshold": 1e-12, "refresh_steps": 1} if refresh else {}
+    results = dist_utils.run(_w_auto, world, state_kw, timeout=120)
     for r in results:
-        assert r["same_full"] and r["coded"] and r["steps"] == 9
-        assert False in r["arms"][:4] and True in r["arms"][:4]  # the first window ran both arms
+        assert r["arms"] == AUTO_ARMS
+        assert r["differ"] == [], f"steps whose sharded parameters differ from the reference: {r['differ']}"
+        assert r["digests"] == results[0]["digests"]
+        assert r["switches"] == 1 and r["probes"] == 2 and r["steps"] == len(AUTO_ARMS)
+        assert r["decision"] == results[0]["decision"]
+        assert r["books"] == results[0]["books"]
+        assert r["calls"] > 0 and r["raw_calls"] > 0
+        assert r["keys"] == ["coding", "decision", "mode", "probes", "switches"]
+    d = results[0]["decision"]
+    assert d["coded"] is False and d["step"] == 10
+    assert d["plain_ms"] == pytest.approx(1000.0) and d["coded_ms"] == pytest.approx(1500.0)
+    assert d["per_rank_ms"] == [pytest.approx([1000.0, 800.0]), pytest.approx([500.0, 1500.0])] * (world // 2)
+    assert d["reason"] == ("switched: plain reduce-scatter/all-gather is faster here: 1000 vs 1500 ms/step "
+                           "compressed; re-checking every 3 steps")
+    if refresh:
+        assert results[0]["refreshes"] >= 3
+        assert len(set(results[0]["books"])) >= 3
 
 
 def test_drift_refresh_swaps_books_on_every_rank():
@@ -486,3 +550,24 @@ def test_demo_command_rejects_bad_options(capsys):
     assert "--world-size must be >= 2" in capsys.readouterr().err
     assert main(["--steps", "3", "--warmup-steps", "3"]) == 2
     assert "--warmup-steps must be in 1..2" in capsys.readouterr().err
+
+
+def test_comm_codec_demo_fsdp_runs_and_prints_the_bytes_saved():
+    """The README's command, as a user types it: two spawned ranks, FSDP2, a few steps."""
+    import re
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "comm_codec", "demo", "--fsdp", "--steps", "3", "--warmup-steps", "1"],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert "sharded with FSDP2 over 2 processes" in done.stdout
+    saved = re.search(r"^saved\s+(\d+\.\d+) MB$", done.stdout, re.M)
+    assert saved is not None and float(saved.group(1)) > 0, done.stdout
+    assert re.search(r"^parameters\s+bit-identical full parameters on all 2 ranks", done.stdout, re.M), done.stdout
+    # Bad options: one line, status 2, nothing spawned.
+    bad = subprocess.run([sys.executable, "-m", "comm_codec", "demo", "--fsdp", "--world-size", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == ["comm-codec demo --fsdp: error: --world-size must be >= 2 (a "
+                                               "data-parallel run needs peers), got 1"]
