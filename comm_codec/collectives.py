@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .codec import Codec
-from .frame import FrameError, get_frame_parameters, header_size
+from .frame import FrameError, header_size
 from .stats import CommStats
 from .streams import spec_for
 
@@ -153,13 +153,6 @@ def _encode(codec: Codec, tensor: torch.Tensor, kind: str, cast, stats: CommStat
         return codec.encode(tensor, kind)
 
 
-def _frame_parameters(frame: torch.Tensor):
-    """The frame's parameters; of a CUDA frame only the header crosses to the host."""
-    if frame.device.type == "cuda":
-        from .kernels.cuda import read_header
-
-        return get_frame_parameters(read_header(frame))
-    return get_frame_parameters(frame)
 
 
 def _decode(codec: Codec, frame: torch.Tensor, numel: int, dtype, stats: CommStats, out=None) -> torch.Tensor:
@@ -170,7 +163,7 @@ def _decode(codec: Codec, frame: torch.Tensor, numel: int, dtype, stats: CommSta
     ``numel`` elements expected (a peer's frame is not trusted with the allocation).
     """
     with stats.timer("decode_seconds"):
-        params = _frame_parameters(frame)
+        params = Codec.frame_parameters(frame)
         if params.numel != numel:
             raise FrameError(f"frame holds {params.numel} elements, expected {numel}")
         if out is not None and params.dtype == out.dtype:
@@ -702,7 +695,7 @@ def recv(tensor: torch.Tensor, src: int, codec: Codec | None = None, group=None,
                          f"{out.dtype} elements takes 1..{limit}")
     frame = torch.empty(int(size), dtype=torch.uint8, device=out.device)
     dist.recv(frame, peer, group=group)
-    dtype = _frame_parameters(frame).dtype
+    dtype = Codec.frame_parameters(frame).dtype
     if dtype != out.dtype:
         raise FrameError(f"peer {src} sent a {dtype} tensor, expected {out.dtype}")
     _decode(codec, frame, out.numel(), out.dtype, stats, out=out)
