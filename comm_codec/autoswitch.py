@@ -213,7 +213,7 @@ class AutoSwitch:
 
 def agree(plain_s: list[float], coded_s: list[float], step: int, group=None, hysteresis: float = 0.05, *,
           incumbent: bool | None = None, device=None, recheck_every: int | None = None,
-          plain_name: str = "plain all-reduce") -> dict:
+          plain_name: str = "plain all-reduce", unit: str = "ms/step") -> dict:
     """Decide from every rank's timings of both modes, the same on every rank (collective).
 
     Each rank's medians go to one all-gather; the slowest rank's median per mode is
@@ -228,6 +228,8 @@ def agree(plain_s: list[float], coded_s: list[float], step: int, group=None, hys
         device: the device of the gathered tensor (NCCL: a CUDA device).
         recheck_every: said in the reason, if given.
         plain_name: what the reason calls the plain mode.
+        unit: what one timing is, in the reason's words (e.g. "ms per all-reduce" where
+            single collectives were timed instead of whole steps).
 
     Returns:
         ``{"coded", "step", "plain_ms", "coded_ms", "per_rank_ms", "reason"}``.
@@ -243,15 +245,15 @@ def agree(plain_s: list[float], coded_s: list[float], step: int, group=None, hys
     choice = decide(incumbent, plain, coded, hysteresis)
     return {"coded": choice, "step": step, "plain_ms": 1e3 * plain, "coded_ms": 1e3 * coded,
             "per_rank_ms": [[1e3 * r[2], 1e3 * r[4]] for r in rows],
-            "reason": _reason(choice, plain, coded, incumbent, hysteresis, recheck_every, plain_name)}
+            "reason": _reason(choice, plain, coded, incumbent, hysteresis, recheck_every, plain_name, unit)}
 
 
 def _reason(coded: bool, plain_s: float, coded_s: float, before, hysteresis: float, recheck_every,
-            plain_name: str) -> str:
+            plain_name: str, unit: str = "ms/step") -> str:
     if coded:
-        words = f"compressing pays here: {1e3 * coded_s:.0f} vs {1e3 * plain_s:.0f} ms/step plain"
+        words = f"compressing pays here: {1e3 * coded_s:.0f} vs {1e3 * plain_s:.0f} {unit} plain"
     else:
-        words = f"{plain_name} is faster here: {1e3 * plain_s:.0f} vs {1e3 * coded_s:.0f} ms/step compressed"
+        words = f"{plain_name} is faster here: {1e3 * plain_s:.0f} vs {1e3 * coded_s:.0f} {unit} compressed"
     if before is not None and coded == before:
         words += f" (kept: a switch needs a {100 * hysteresis:.0f} % gain)"
     elif before is not None:

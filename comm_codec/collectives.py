@@ -63,6 +63,7 @@ __all__ = [
     "recv",
     "row_parallel_all_reduce",
     "on_cuda_worker",
+    "warm_kernels",
 ]
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,25 @@ def _encode(codec: Codec, tensor: torch.Tensor, kind: str, cast, stats: CommStat
         return codec.encode(tensor, kind)
 
 
+
+
+def warm_kernels(codec: Codec, tensor: torch.Tensor, cast=None) -> None:
+    """Load the codec's kernels for the dtype a tensor is coded in, before anything is timed.
+
+    A process's first encode and decode of a dtype load its kernels from numba's cache
+    (~0.3 s) or, where nothing was cached, compile them (tens of seconds). Owners of a
+    coded collective (the DDP hook, FSDP2) call this before a coded call so that this
+    one-time cost is logged by :meth:`Codec.warmup` and stays out of
+    ``encode_seconds``/``decode_seconds``. Later calls cost a set lookup. CUDA tensors
+    are coded by numba.cuda kernels, which this does not touch.
+
+    Args:
+        codec: the codec about to code ``tensor``.
+        tensor: the tensor (its dtype, or ``cast``, is what gets coded).
+        cast: the dtype the tensor is cast to before coding, if any.
+    """
+    if tensor.device.type == "cpu":
+        codec.warmup([cast if cast is not None else tensor.dtype])
 
 
 def _decode(codec: Codec, frame: torch.Tensor, numel: int, dtype, stats: CommStats, out=None) -> torch.Tensor:

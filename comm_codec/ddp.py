@@ -461,6 +461,7 @@ def huffman_hook(state: "HuffmanState", bucket: dist.GradBucket) -> torch.future
             if refreshing:
                 state._observe(tensor, "gradient")
             cast = _CASTS[state.cast] if tensor.dtype == torch.float32 else None
+            collectives.warm_kernels(state.codec, tensor, cast)
             collectives.all_reduce(tensor, state.codec, group, average=True, cast=cast, stats=state._stats,
                                    workspace=state._workspace)
             if refreshing:

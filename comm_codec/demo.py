@@ -257,7 +257,7 @@ def _auto_verdict(model: torch.nn.Module, state, group, reps: int = 4) -> dict:
                 dist.all_reduce(buf, group=group)
             if rep:
                 times[coded].append(time.perf_counter() - t0)
-    return agree(times[False], times[True], state.step, group, state.switch.hysteresis)
+    return agree(times[False], times[True], state.step, group, state.switch.hysteresis, unit="ms per all-reduce")
 
 
 def _same_parameters(model: torch.nn.Module, group) -> tuple[bool, str]:

@@ -71,6 +71,7 @@ from . import collectives
 from .autoswitch import AutoSwitch, check_mode
 from .codebooks import CodebookSet
 from .codec import Codec
+from .ddp import default_threads
 from .profiler import WarmupProfiler, check_same_books
 from .refresh import BookRefresh
 from .stats import CommStats, state_stats
@@ -109,7 +110,9 @@ class FSDPState:
             mode "auto"; "always"; "never" (FSDP's own collectives, nothing profiled).
         min_bytes: collectives whose per-rank shard is smaller than this run plainly
             (their frames' headers would cost more than coding saves).
-        threads: numba threads for the codec (None: numba's setting).
+        threads: numba threads for the codec (None: the rank's share of the cores, as
+            :func:`comm_codec.ddp.default_threads`, with the ranks on this node taken
+            from ``LOCAL_WORLD_SIZE`` (torchrun sets it) or else the group's size).
         log_every: log a traffic line every this many steps on rank 0 (0: never).
         drift_every: every this many steps, measure on the step's first coded
             reduce-scatter how much the books lose against optimal codes
@@ -175,7 +178,7 @@ class FSDPState:
             self.codebooks = None
         else:
             self.codebooks = codebooks if codebooks is not None or warmup_steps else CodebookSet.default()
-        self.codec = Codec(self.codebooks, threads=threads) if self.codebooks is not None else None
+        self.codec = Codec(self.codebooks, threads=self._codec_threads()) if self.codebooks is not None else None
         self.profiler = WarmupProfiler() if self.warmup_steps else None
         self.step = 0
         self.coding = False  # whether the current step codes (decided at its start)
@@ -329,6 +332,7 @@ class FSDPState:
             return
         if self._drift_sample is None and self.refresh.due(self.step):  # the step's first coded one
             self._drift_sample = self.refresh.measure(inp, self.codebooks)
+        collectives.warm_kernels(self.codec, inp)
         collectives.reduce_scatter(out, list(inp.view(world, n)), self.codec, twin, average=average, kind="gradient",
                                    stats=self.reduce_stats, workspace=self._workspace)
         if factor is not None:
@@ -347,6 +351,7 @@ class FSDPState:
             _all_gather_single(out, inp, group=twin)
             self.gather_stats.add(raw_calls=1)
             return
+        collectives.warm_kernels(self.codec, inp)
         collectives.all_gather(list(out.view(world, n)), inp, self.codec, twin, kind="weight", stats=self.gather_stats,
                                workspace=self._workspace)
 
@@ -398,6 +403,16 @@ class FSDPState:
         self._drift_sample = None
         self.coding = self.switch.begin_step(self.step, self._group, _group_device(self._group))
 
+    def _codec_threads(self) -> int:
+        """The user's thread count, or the rank's share of the node's cores (coding runs
+        beside FSDP's compute on the same cores: more threads oversubscribe them)."""
+        if self.threads is not None:
+            return self.threads
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+        if not local and dist.is_available() and dist.is_initialized():
+            local = dist.get_world_size(self.process_group)
+        return default_threads(local or 1)
+
     def _warmup_books(self) -> CodebookSet:
         """Build books from the warmup's statistics on every rank (collectively)."""
         if self.profiler is None or not self.profiler.kinds():
@@ -408,7 +423,7 @@ class FSDPState:
     def _swap_books(self, books: CodebookSet) -> None:
         """Check that every rank built the same books (collectively) and code with them from the next step."""
         check_same_books(books, self._group)
-        self.codebooks, self.codec, self.profiler = books, Codec(books, threads=self.threads), None
+        self.codebooks, self.codec, self.profiler = books, Codec(books, threads=self._codec_threads()), None
         self._has_book.clear()
         log.info("comm_codec.fsdp: coding with books %s from step %d", books.digest[:12], self.step + 1)
 

@@ -576,3 +576,15 @@ def test_corrupt_frames_raise_collective_error_on_every_rank(world):
         assert r["after"] == sum(range(1, world + 1))
     for key in ("phase1", "phase2", "gather"):
         assert len({r[key] for r in results}) == 1, f"{key}: ranks report different errors"
+
+
+def test_warm_kernels_loads_the_coded_dtype_once():
+    """Owners warm the dtype that is coded (the cast's, if any) before timing a coded call."""
+    from comm_codec import warmup
+    from comm_codec.streams import spec_for
+
+    codec = cc.Codec(threads=1)
+    collectives.warm_kernels(codec, torch.zeros(8, dtype=torch.float32), cast=torch.bfloat16)
+    assert any(key[0] == spec_for(torch.bfloat16).bits_dtype for key in warmup._warm)
+    collectives.warm_kernels(codec, torch.zeros(8, dtype=torch.float32))
+    assert any(key[0] == spec_for(torch.float32).bits_dtype for key in warmup._warm)

@@ -571,3 +571,12 @@ def test_comm_codec_demo_fsdp_runs_and_prints_the_bytes_saved():
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == ["comm-codec demo --fsdp: error: --world-size must be >= 2 (a "
                                                "data-parallel run needs peers), got 1"]
+
+
+def test_codec_threads_default_to_the_ranks_share_of_the_cores(monkeypatch):
+    """threads=None must not give every rank all of numba's threads (they share the cores)."""
+    from comm_codec.ddp import default_threads
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert ccf.FSDPState().codec.threads == default_threads(2)
+    assert ccf.FSDPState(threads=1).codec.threads == 1
