@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from comm_codec import checkpoint as ck
+from comm_codec.codebooks import CodebookSet
 from comm_codec.checkpoint import exact
 from comm_codec.checkpoint.files import FileMap
 from comm_codec.frame import FrameError
@@ -527,13 +528,39 @@ def test_mixed_chunks_get_a_group_and_partly_compressible_streams_a_book(tmp_pat
     fp32 = torch.randn(n, generator=gen) * 0.02
     fp32[: n // 2] = fp32[: n // 2].half().float()  # half the chunks: low mantissa bytes zero
     save_file({"mixed": mixed, "fp32": fp32}, tmp_path / "m.safetensors")
-    _, packed = _round_trip(tmp_path / "m.safetensors", tmp_path, name="with")
+    # No shipped books to weigh against: the tensors' own books alone.
+    packed, plain = tmp_path / "with.cckp", tmp_path / "without.cckp"
+    ck.compress_file(tmp_path / "m.safetensors", packed, codebooks=CodebookSet({}))
     index = ck.read_index(packed)
     t = {x["name"]: x for x in index["tensors"]}
     assert t["mixed"]["books"][0] in index["groups"] and len(index["groups"][t["mixed"]["books"][0]]) >= 2
     assert t["fp32"]["books"][3] != "0" * 16  # the lowest byte: coded where it compresses
     monkeypatch.setattr(plan, "_GROUP_MIN_ROWS", 1 << 30)  # neither groups nor partial books
-    _, plain = _round_trip(tmp_path / "m.safetensors", tmp_path, name="without")
+    ck.compress_file(tmp_path / "m.safetensors", plain, codebooks=CodebookSet({}))
     assert "groups" not in ck.read_index(plain)
     assert packed.stat().st_size < plain.stat().st_size * 0.99
+    for p in (packed, plain):
+        ck.decompress_file(p, tmp_path / f"{p.name}.out")
+        assert _sha(tmp_path / f"{p.name}.out") == _sha(tmp_path / "m.safetensors")
     assert "own x" in ck.describe(packed)
+
+
+def test_shipped_groups_are_priced_chunk_by_chunk(tmp_path):
+    """The shipped fp32 weight groups of streams 2 and 3 start with books fitted to the chunks
+    that compress (raw on average): priced chunk by chunk, with the encoder's raw fallback,
+    they code a tensor that has one such chunk among random ones, too few chunks for a book
+    of its own; priced on the tensor's summed counts they looked worse than raw."""
+    gen = torch.Generator().manual_seed(11)
+    n = 4 << 16  # four chunks of 64 Ki elements: fewer than a partly compressible stream's own book needs
+    w = torch.randn(n, generator=gen) * 0.02
+    w[: 1 << 16] = w[: 1 << 16].half().float()  # one chunk: the low 13 mantissa bits are zero
+    save_file({"w": w}, tmp_path / "w.safetensors")
+    summary, packed = _round_trip(tmp_path / "w.safetensors", tmp_path)
+    index = ck.read_index(packed)
+    t = index["tensors"][0]
+    for s in (2, 3):
+        assert t["books"][s] != "0" * 16, f"stream {s} stored raw"
+        members = index.get("groups", {}).get(t["books"][s], [t["books"][s]])
+        assert all(index["books"][b]["origin"] == f"shipped:weight/fp32/{s}" for b in members)
+    # Streams 2 and 3 of the fp16-like chunk cost ~2 and ~1 bits instead of 8 (raw): ~3 %.
+    assert summary.ratio > 1.33  # 1.29 with an own book fitted to the summed counts (256 Ki chunks)

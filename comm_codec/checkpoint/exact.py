@@ -440,7 +440,7 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
                     f"base {os.fspath(base)} shares no tensor with {src} (none has the same name, dtype and "
                     "size), so it cannot make the file smaller and would only be needed to restore it; "
                     "compress without --base, or give the previous checkpoint of the same model")
-            chooser = BookChooser(codebooks or CodebookSet.default())
+            chooser = BookChooser(CodebookSet.default() if codebooks is None else codebooks)
 
             def plan(t: FileTensor) -> None:
                 plan_tensor(t, m, bm, matches.get(t.name), chooser)
