@@ -16,6 +16,7 @@ import sys
 import zipfile
 
 import blake3
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -564,3 +565,60 @@ def test_shipped_groups_are_priced_chunk_by_chunk(tmp_path):
         assert all(index["books"][b]["origin"] == f"shipped:weight/fp32/{s}" for b in members)
     # Streams 2 and 3 of the fp16-like chunk cost ~2 and ~1 bits instead of 8 (raw): ~3 %.
     assert summary.ratio > 1.33  # 1.29 with an own book fitted to the summed counts (256 Ki chunks)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int8, torch.float8_e5m2])
+def test_planning_counts_are_the_encoders_counts(dtype):
+    """The planner's one-pass counts (comm_codec.kernels.plan) equal chunk_histograms' on the
+    sampled chunks laid end to end, at both chunk sizes, for every stream it counts; a
+    stream it leaves out (random bytes) keeps each chunk's symbol count; zeros, masked
+    chunks, a short last chunk and a sampled (strided) big tensor included."""
+    from comm_codec.checkpoint.plan import CHUNK_SIZES, BookChooser
+    from comm_codec.profiler import chunk_counts
+    from comm_codec.streams import spec_for
+
+    chooser = BookChooser(CodebookSet({}))
+    spec = spec_for(dtype)
+    for n in (5000, 300_000, 2_500_001):
+        x = torch.randn(n, generator=_GEN) * torch.logspace(-6, 1, n)
+        x[::7] = 0
+        x[: n // 9] = 0  # a masked chunk or two
+        if dtype == torch.int8:
+            t = (x * 50).clamp(-128, 127).to(dtype)
+        else:
+            t = x.to(dtype)
+            if dtype == torch.float32:
+                t[n // 3: n // 2] = t[n // 3: n // 2].half().float()  # low mantissa bytes zero: counted
+        sample = chooser.sample(t.view(torch.uint8).numpy(), spec)
+        assert (sample.scale == 1.0) == (n <= 4 << 16)  # up to four chunks, or 16 of eight or more
+        laid = torch.cat([t[a:a + k] for a, k in zip(sample.starts.tolist(), sample.lengths.tolist())])
+        counts = chooser.counts(sample, spec)
+        for chunk_elems in CHUNK_SIZES:
+            rows, zeros, coded = counts[chunk_elems]
+            want, want_zeros = chunk_counts(laid, chunk_elems)
+            assert zeros == want_zeros.sum()
+            for s in range(spec.nstreams):
+                if coded[s]:
+                    assert np.array_equal(rows[:, s], want[:, s]), (n, chunk_elems, s)
+                else:
+                    assert np.array_equal(rows[:, s].sum(axis=1), want[:, s].sum(axis=1))
+        if dtype == torch.bfloat16 and n > 100_000:
+            assert counts[CHUNK_SIZES[0]][2] == [True, False]  # sign and mantissa: random, left raw
+
+
+def test_planning_kernels_refuse_bad_arguments_with_a_status():
+    from comm_codec.kernels import plan as kp
+
+    bits = np.zeros(1000, dtype=np.uint16)
+    hist, zeros = np.zeros((1, 1, 256), dtype=np.int64), np.zeros((1, 1), dtype=np.int64)
+    one = np.ones(1, dtype=np.int64)
+    for start, length, stream, step in ((990, 20, 0, 1), (-1, 5, 0, 1), (0, 10, 2, 1), (0, 10, 0, 0)):
+        status = kp.byte_histograms(bits, np.array([start]), np.array([length]), np.array([stream]),
+                                    np.array([step]), hist, zeros)
+        assert status == kp.STATUS_BAD_ARGS and not hist.any()
+    refs = np.zeros(1, dtype=np.int64)
+    assert kp.chunk_refs(bits, np.array([0]), np.array([1001]), 1, 0, refs) == kp.STATUS_BAD_ARGS
+    assert kp.chunk_refs(bits, np.array([0]), np.array([10]), 0, 0, refs) == kp.STATUS_BAD_ARGS
+    rows = np.zeros((1, 1, 256), dtype=np.int64)
+    assert kp.chunk_rows(hist, one, one, np.array([256]), 1, 0, np.ones(1, dtype=np.bool_), rows) == kp.STATUS_BAD_ARGS
+    assert kp.chunk_rows(hist, one, one, refs, 1, 0, np.ones(1, dtype=np.bool_), rows) == kp.STATUS_OK

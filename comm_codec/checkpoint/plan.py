@@ -7,10 +7,10 @@ chosen from histograms of a sample of its chunks, by expected coded bits.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
+import math
 import threading
 
-import numba
 import numpy as np
 import torch
 
@@ -18,11 +18,12 @@ from ..codebooks import CodebookSet
 from ..codec import Codec
 from ..huffman import RAW_THRESHOLD_BITS, Codebook, entropy_bits
 from ..codebooks import CodebookGroup
-from ..profiler import chunk_counts, grow_group
+from ..kernels import plan as _plan
+from ..profiler import grow_group
 from .files import FileMap
 from .formats import FileTensor
 
-__all__ = ["CHUNK_SIZES", "TRANSFORMS", "BookChooser", "as_tensor", "make_codec", "plan_tensor"]
+__all__ = ["CHUNK_SIZES", "TRANSFORMS", "BookChooser", "Sample", "as_tensor", "make_codec", "plan_tensor"]
 
 # What storing one per-tensor book costs in the (zstd-compressed) index, in bits.
 _BOOK_COST_BITS = 160 * 8
@@ -45,8 +46,17 @@ _GROUP_MIN_CHUNKS = 8
 _GROUP_MIN_ROWS = 6  # sampled chunks a group is fitted to, at least
 _GROUP_MAX_BOOKS = 8
 _GROUP_MIN_GAIN = 0.002
+_GROUP_REACH = 0.025  # see BookChooser._own_options
 # Big tensors are sampled up to this many elements (16 chunks of 64 Ki) to fit a group.
 _GROUP_SAMPLE_ELEMS = 1 << 20
+# A stream whose every sampled chunk shows at least this entropy (bits per symbol, bias
+# corrected) on every _RAW_LOOK_STEP-th element is stored raw without a full count: no
+# book codes it below RAW_THRESHOLD_BITS (and a chunk of it below 7.6 bits, what a book
+# for partly compressible streams needs). bf16's and fp32's mantissa bytes of trained
+# weights show 7.99 here. Only chunks of at least _RAW_LOOK_MIN_ELEMS elements are looked at.
+_RAW_LOOK_BITS = 7.8
+_RAW_LOOK_STEP = 16
+_RAW_LOOK_MIN_ELEMS = 1 << 15
 # Books kept per (dtype, stream) for reuse by later tensors.
 _MAX_REUSED_BOOKS = 64
 _INT_NP = {1: np.uint8, 2: np.int16, 4: np.int32}
@@ -102,6 +112,31 @@ class _XorTransform(_Transform):
 TRANSFORMS = {t.name: t for t in (_Transform(), _XorTransform())}
 
 
+@dataclasses.dataclass
+class Sample:
+    """Whole chunks of a tensor: element bits, and where each chunk lies in them.
+
+    Attributes:
+        bits: element bits (``spec.bits_dtype``): the tensor's own bytes, or a copy of
+            the sampled chunks.
+        starts, lengths: int64 arrays: chunk k is ``bits[starts[k]:starts[k] + lengths[k]]``.
+        scale: the tensor's elements per sampled element.
+    """
+
+    bits: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+    scale: float
+
+    def xor(self, other: "Sample", spec) -> "Sample":
+        """The same chunks XORed with another tensor's (its base), as one contiguous copy."""
+        ints = np.dtype(f"u{spec.itemsize}")
+        parts = [np.bitwise_xor(self.bits[a:a + n].view(ints), other.bits[b:b + n].view(ints))
+                 for a, b, n in zip(self.starts, other.starts, self.lengths)]
+        starts = np.concatenate(([0], np.cumsum(self.lengths)[:-1])).astype(np.int64)
+        return Sample(np.concatenate(parts).view(spec.bits_dtype), starts, self.lengths, self.scale)
+
+
 class BookChooser:
     """Pick each stream's book: the tensor's own, the shipped one, or raw, by expected bits."""
 
@@ -115,8 +150,8 @@ class BookChooser:
         self._shipped: dict = {}  # (kind, dtype, stream) -> (group, its symbol bits, cut-down groups)
         self._lock = threading.Lock()
 
-    def sample(self, u8: np.ndarray, spec) -> tuple[np.ndarray, float]:
-        """Return whole chunks spread evenly over a tensor's bytes, and the scale to all.
+    def sample(self, u8: np.ndarray, spec) -> "Sample":
+        """Return whole chunks spread evenly over a tensor's bytes (all of them for a small one).
 
         Whole chunks, aligned as the encoder cuts them, so each sampled chunk gets the
         reference exponent the encoder will give it; and only their pages are read.
@@ -125,18 +160,72 @@ class BookChooser:
         nchunks = -(-u8.size // chunk)
         elems = _GROUP_SAMPLE_ELEMS if nchunks >= _GROUP_MIN_CHUNKS else _SAMPLE_ELEMS
         take = min(nchunks, max(1, elems // self.chunk_elems))
-        if take == nchunks:
-            return u8, 1.0
-        picks = [(i * nchunks) // take for i in range(take)]
-        parts = [u8[c * chunk:(c + 1) * chunk] for c in picks]
-        sample = np.concatenate(parts)
-        return sample, u8.size / sample.size
+        picks = np.array([(i * nchunks) // take for i in range(take)], dtype=np.int64)
+        numel = u8.size // spec.itemsize
+        starts = picks * self.chunk_elems
+        lengths = np.minimum(starts + self.chunk_elems, numel) - starts
+        if u8.ctypes.data % spec.itemsize == 0:
+            bits = u8[: numel * spec.itemsize].view(spec.bits_dtype)
+        else:  # misaligned in the file: copy the sampled chunks only
+            bits = np.concatenate([u8[a * spec.itemsize:(a + n) * spec.itemsize] for a, n in zip(starts, lengths)])
+            bits = bits.view(spec.bits_dtype)
+            starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+        return Sample(bits, starts, lengths, numel / max(1, int(lengths.sum())))
 
-    def counts(self, sample: np.ndarray, spec, chunk_elems: int) -> tuple[np.ndarray, float]:
-        """Return the sample's per-chunk counts int64[nchunks, nstreams, 256] and its zeros."""
-        with _numba_threads(1):
-            rows, zeros = chunk_counts(as_tensor(sample, spec), chunk_elems)
-        return rows, float(zeros.sum())
+    def counts(self, sample: "Sample", spec) -> dict:
+        """Return, per chunk size in CHUNK_SIZES, the sampled chunks' symbol counts.
+
+        One pass over the sampled 64 Ki pieces (:mod:`comm_codec.kernels.plan`) gives the
+        byte histograms of every stream that can end up coded; a chunk of 256 Ki is four
+        consecutive pieces (spread over the tensor when it is sampled, as the encoder
+        would see them were they one chunk). A stream of which every piece looks random
+        on every 16th element (over _RAW_LOOK_BITS bits of entropy, bias-corrected) is
+        left out: it is stored raw.
+
+        Returns:
+            chunk_elems -> ``(rows, zeros, coded)``: int64[nchunks, nstreams, 256] counts as
+            :func:`comm_codec.profiler.chunk_counts` gives them (rows of streams left out
+            hold the symbol count, all at symbol 0), the sampled zeros, and which streams
+            were counted.
+        """
+        ns, npieces = spec.nstreams, sample.starts.size
+        # Only chunks of enough elements say anything on a sparse look; a short last one
+        # is left to them (it is stored raw too if they say so).
+        big = sample.lengths >= _RAW_LOOK_MIN_ELEMS
+        look = [1] + [_RAW_LOOK_STEP if big.any() else 1] * (ns - 1)
+        hist = np.empty((npieces, ns, 256), dtype=np.int64)
+        zeros = np.empty((npieces, ns), dtype=np.int64)
+        _check(_plan.byte_histograms(sample.bits, sample.starts, sample.lengths, np.arange(ns, dtype=np.int64),
+                                     np.array(look, dtype=np.int64), hist, zeros))
+        coded = [True] * ns
+        sparse = [s for s in range(1, ns) if look[s] > 1]
+        if sparse:
+            # Zeros the encoder will mask are not coded: out of the sparse counts too.
+            seen = hist[:, sparse].copy()
+            masked = zeros[:, 0] * 8 > sample.lengths
+            seen[masked, :, 0] -= zeros[masked][:, sparse]
+            seen = seen[big]
+            for j, s in enumerate(sparse):
+                n = np.maximum(seen[:, j].sum(axis=1), 1)
+                coded[s] = bool((_entropies(seen[:, j]) + 255.0 / (2 * math.log(2) * n) < _RAW_LOOK_BITS).any())
+        again = [s for s in sparse if coded[s]]
+        if again:
+            full = np.empty((npieces, len(again), 256), dtype=np.int64)
+            _check(_plan.byte_histograms(sample.bits, sample.starts, sample.lengths, np.array(again, dtype=np.int64),
+                                         np.ones(len(again), dtype=np.int64), full, np.empty((npieces, len(again)),
+                                                                                             dtype=np.int64)))
+            hist[:, again] = full
+        zeros = zeros[:, 0]
+        out = {}
+        for chunk_elems in CHUNK_SIZES:
+            per = chunk_elems // self.chunk_elems
+            nchunks = -(-npieces // per)
+            refs = np.empty(nchunks, dtype=np.int64)
+            _check(_plan.chunk_refs(sample.bits, sample.starts, sample.lengths, per, spec.exp_shift, refs))
+            rows = np.empty((nchunks, ns, 256), dtype=np.int64)
+            _check(_plan.chunk_rows(hist, zeros, sample.lengths, refs, per, spec.exp_shift, np.array(coded), rows))
+            out[chunk_elems] = (rows, float(zeros.sum()), coded)
+        return out
 
     def partial(self, rows: np.ndarray, scale: float) -> tuple[Codebook, float] | None:
         """A book for a stream that is raw on the whole but compressible in some chunks.
@@ -166,7 +255,7 @@ class BookChooser:
         saved -= (len(group.books) - 1) * _BOOK_COST_BITS
         return (group, saved) if saved > 0 else None
 
-    def choose(self, rows: np.ndarray, scale: float, kind: str, spec) -> tuple[list, list[str], float]:
+    def choose(self, rows: np.ndarray, scale: float, kind: str, spec, coded=None) -> tuple[list, list[str], float]:
         """Return the books (or groups), their origins and the expected coded bits of the tensor.
 
         Every option is priced chunk by chunk as the encoder codes it: each sampled
@@ -186,6 +275,7 @@ class BookChooser:
             scale: tensor elements per sampled element.
             kind: the tensor's kind (which shipped books).
             spec: its stream layout.
+            coded: per stream, whether it was counted (False: raw, see :meth:`counts`).
         """
         grouped = len(rows) >= _GROUP_MIN_ROWS  # enough sampled chunks to fit a group to
         books, origins, total = [], [], 0.0
@@ -194,7 +284,7 @@ class BookChooser:
             raw = 8.0 * r.sum(axis=1)  # per chunk
             n = float(r.sum())
             options = [(float(raw.sum()) * scale, Codebook.raw_book(), "raw")]
-            if n:
+            if n and (coded is None or coded[s]):
                 shipped = self._shipped_option(r, raw, kind, spec.name, s, scale == 1.0)
                 if shipped is not None:
                     options.append((shipped[0] * scale + self._index_bits(shipped[1]), shipped[1],
@@ -220,7 +310,10 @@ class BookChooser:
         the whole tensor, optimistic for a sample. So a group is grown for a sampled
         tensor only when its own book alone already beats ``best`` (the other options):
         on all-MiniLM-L6-v2's bf16 word embeddings a group grown on 16 of 179 chunks
-        promised more than the shipped group and came out 1.6 kB larger.
+        promised more than the shipped group and came out 1.6 kB larger. For a tensor
+        sampled whole, a group (~1 ms to grow) is tried when the own book is within
+        _GROUP_REACH of ``best``: on all-MiniLM-L6-v2 and its Adam state the groups that
+        won saved 0.4-2.1 % over their first book, and none won from farther than 2.2 %.
         """
         c = r.sum(axis=0) * scale
         h = entropy_bits(c)
@@ -230,7 +323,8 @@ class BookChooser:
         book, new = self._own(c, float(c.sum()), h, dtype, s)
         bits = float(np.minimum(r @ book.symbol_bits(), raw).sum()) * scale + (_BOOK_COST_BITS if new else 0.0)
         options = [(bits, book, "tensor")]
-        found = self.group(r, book, scale) if grouped and (scale == 1.0 or bits < best) else None
+        reach = best * (1.0 + _GROUP_REACH) if scale == 1.0 else best
+        found = self.group(r, book, scale) if grouped and bits < reach else None
         if found is not None:
             options.append((bits - found[1], found[0], "tensor"))
         return options
@@ -330,22 +424,22 @@ def plan_tensor(t: FileTensor, src: FileMap, base: FileMap | None, base_tensor: 
     """Choose transform, chunk size and books of one tensor from a sample of its chunks."""
     spec = t.spec
     numel = t.nbytes // spec.itemsize
-    sample, scale = chooser.sample(src.u8(t.offset, t.nbytes), spec)
+    sample = chooser.sample(src.u8(t.offset, t.nbytes), spec)
     candidates = [("none", sample)]
     if base_tensor is not None:
-        base_sample, _ = chooser.sample(base.u8(base_tensor.offset, t.nbytes), spec)
-        candidates.append(("xor", _xor(sample, base_sample, spec)))
+        base_sample = chooser.sample(base.u8(base_tensor.offset, t.nbytes), spec)
+        candidates.append(("xor", sample.xor(base_sample, spec)))
 
-    def cost(transform, data, chunk_elems):
-        rows, zeros = chooser.counts(data, spec, chunk_elems)
-        books, origins, bits = chooser.choose(rows, scale, t.kind, spec)
-        zeros *= scale
-        bits += min(zeros * spec.nstreams * 8, numel)  # zeros: coded, or one mask bit each
+    def cost(transform, counts, chunk_elems):
+        rows, zeros, coded = counts[chunk_elems]
+        books, origins, bits = chooser.choose(rows, sample.scale, t.kind, spec, coded)
+        bits += min(zeros * sample.scale * spec.nstreams * 8, numel)  # zeros: coded, or one mask bit each
         bits += -(-numel // chunk_elems) * _CHUNK_OVERHEAD_BYTES * 8
-        return bits, transform, chunk_elems, books, origins, data
+        return bits, transform, chunk_elems, books, origins, counts
 
     # The transform at the small chunk size, then the large chunks for the winner only.
-    best = min((cost(tr, data, CHUNK_SIZES[0]) for tr, data in candidates), key=lambda c: c[0])
+    best = min((cost(tr, chooser.counts(data, spec), CHUNK_SIZES[0]) for tr, data in candidates),
+               key=lambda c: c[0])
     if numel > CHUNK_SIZES[0]:  # else one chunk either way
         best = min(best, cost(best[1], best[5], CHUNK_SIZES[1]), key=lambda c: c[0])
     _, t.transform, t.chunk_elems, books, origins, _ = best
@@ -355,22 +449,14 @@ def plan_tensor(t: FileTensor, src: FileMap, base: FileMap | None, base_tensor: 
     t.coding = "frame"
 
 
+def _check(status: int) -> None:
+    if status != _plan.STATUS_OK:  # our own arguments: a bug, not bad input
+        raise RuntimeError(f"planning kernel refused its arguments (status {status})")
+
+
 def _entropies(rows: np.ndarray) -> np.ndarray:
     """Shannon entropy in bits per symbol of each row of counts (0 for an empty row)."""
     n = rows.sum(axis=1)
     p = rows / np.maximum(n, 1)[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
         return -np.where(p > 0, p * np.log2(p), 0.0).sum(axis=1)
-
-
-@contextlib.contextmanager
-def _numba_threads(n: int):
-    """Run numba kernels on n threads in this thread (numba's setting is per thread)."""
-    previous = numba.get_num_threads()
-    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-    try:
-        yield
-    finally:
-        numba.set_num_threads(previous)
-
-
