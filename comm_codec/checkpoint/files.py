@@ -40,6 +40,11 @@ TEMP_MARK = "comm_codec-tmp"
 # Outputs are reserved on disk this far ahead of what was written (a full disk fails early,
 # and a claimed size is never reserved before the bytes exist).
 _RESERVE_STEP = 256 << 20
+# Every this many bytes written, the kernel is asked to start writing them to disk. Left
+# alone it starts only at vm.dirty_background_ratio (here 10 % of RAM, 2 GB), so a 2 GB
+# checkpoint's whole output went to disk in commit's fsync, after all the coding (0.8 s
+# of a 4.3 s compress at 2 threads, the cores idle).
+_WRITEBACK_STEP = 32 << 20
 _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
 
@@ -113,6 +118,20 @@ class FileMap:
         if length == 0:
             return np.zeros(0, dtype=np.uint8)
         return np.frombuffer(self.mm, dtype=np.uint8, count=length, offset=offset)
+
+    def prefetch(self, start: int, length: int) -> None:
+        """Ask the kernel to read bytes start..start+length ahead, in the background.
+
+        Advice only (``MADV_WILLNEED``): a file on disk and not cached is then read while
+        earlier pieces are coded instead of page fault by page fault; nothing is mapped
+        or counted in this process's memory.
+        """
+        if self.mm is None or length <= 0 or start >= self.size:
+            return
+        page = mmap.PAGESIZE
+        lo = start - start % page
+        with contextlib.suppress(OSError, ValueError):
+            self.mm.madvise(mmap.MADV_WILLNEED, lo, min(self.size, start + length) - lo)
 
     def release(self, start: int, end: int) -> None:
         """Drop the resident pages that lie wholly inside start..end."""
@@ -247,6 +266,8 @@ class AtomicFile:
         self.pos = 0
         self._reserved = 0
         self._target = 0
+        self._written_back = 0
+        self._pwrite_lock = threading.Lock()
 
     def write(self, data) -> None:
         try:
@@ -254,6 +275,24 @@ class AtomicFile:
         except OSError as exc:
             raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
         self.pos += memoryview(data).nbytes
+        if self.pos - self._written_back >= _WRITEBACK_STEP:
+            self.fh.flush()
+            self._write_back(self.pos)
+
+    def _write_back(self, end: int) -> None:
+        """Start writing bytes up to ``end`` to disk now, without waiting for it.
+
+        ``POSIX_FADV_DONTNEED`` on Linux starts the writeback of a range's dirty pages
+        (and drops the clean ones, which the page cache would hold for nobody); commit's
+        fsync then waits only for the tail, while the disk works in parallel with the
+        coding. Advice only: where it is missing or fails, fsync does it all.
+        """
+        if end - self._written_back < _WRITEBACK_STEP:
+            return
+        with contextlib.suppress(OSError, AttributeError):
+            os.posix_fadvise(self.fh.fileno(), self._written_back, end - self._written_back,
+                             os.POSIX_FADV_DONTNEED)
+        self._written_back = end
 
     def reserve(self, size: int) -> None:
         """Say the file will be ``size`` bytes: disk is allocated ahead of the writes.
@@ -267,6 +306,7 @@ class AtomicFile:
 
     def advance(self, done: int) -> None:
         """Note that bytes 0..done are written; allocate the next step when due."""
+        self._write_back(done)
         want = min(self._target, done + _RESERVE_STEP)
         if want <= self._reserved:
             return
@@ -278,12 +318,20 @@ class AtomicFile:
         self._reserved = want
 
     def pwrite(self, data, offset: int) -> None:
-        """Write data at offset (thread-safe; for callers that never use :meth:`write`)."""
+        """Write data at offset (thread-safe; for callers that never use :meth:`write`).
+
+        One writer at a time: the kernel holds the file's inode lock for a whole write,
+        and writers waiting for it spin on its owner (optimistic spinning) while the
+        owner copies megabytes; in this VM two threads writing 4 MiB segments to tmpfs at
+        once spent up to 2.1 s each in the kernel decompressing a 2 GB checkpoint (0.25 s
+        when they happened not to collide). A Python lock makes the other one sleep.
+        """
         view = memoryview(data).cast("B")
         try:
-            while view.nbytes:
-                n = os.pwrite(self.fh.fileno(), view, offset)
-                view, offset = view[n:], offset + n
+            with self._pwrite_lock:
+                while view.nbytes:
+                    n = os.pwrite(self.fh.fileno(), view, offset)
+                    view, offset = view[n:], offset + n
         except OSError as exc:
             raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
 
