@@ -33,7 +33,7 @@ _SHA_QUEUE = 8
 # Bytes hashed per step when a whole file is hashed (its pages are released after each).
 _HASH_BLOCK = 4 << 20
 # Pages of a mapped file are handed back in steps of at least this (see FileMap.release_upto).
-_RELEASE_STEP = 32 << 20
+_RELEASE_STEP = 16 << 20
 
 
 # Every temp file we make carries this mark, our host name and pid, so a later run can
