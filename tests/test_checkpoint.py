@@ -13,9 +13,11 @@ import pickle
 import struct
 import subprocess
 import sys
+import time
 import zipfile
 
 import blake3
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -23,6 +25,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from comm_codec import checkpoint as ck
+from comm_codec.codebooks import CodebookSet
 from comm_codec.checkpoint import exact
 from comm_codec.checkpoint.files import FileMap
 from comm_codec.frame import FrameError
@@ -527,13 +530,125 @@ def test_mixed_chunks_get_a_group_and_partly_compressible_streams_a_book(tmp_pat
     fp32 = torch.randn(n, generator=gen) * 0.02
     fp32[: n // 2] = fp32[: n // 2].half().float()  # half the chunks: low mantissa bytes zero
     save_file({"mixed": mixed, "fp32": fp32}, tmp_path / "m.safetensors")
-    _, packed = _round_trip(tmp_path / "m.safetensors", tmp_path, name="with")
+    # No shipped books to weigh against: the tensors' own books alone.
+    packed, plain = tmp_path / "with.cckp", tmp_path / "without.cckp"
+    ck.compress_file(tmp_path / "m.safetensors", packed, codebooks=CodebookSet({}))
     index = ck.read_index(packed)
     t = {x["name"]: x for x in index["tensors"]}
     assert t["mixed"]["books"][0] in index["groups"] and len(index["groups"][t["mixed"]["books"][0]]) >= 2
     assert t["fp32"]["books"][3] != "0" * 16  # the lowest byte: coded where it compresses
     monkeypatch.setattr(plan, "_GROUP_MIN_ROWS", 1 << 30)  # neither groups nor partial books
-    _, plain = _round_trip(tmp_path / "m.safetensors", tmp_path, name="without")
+    ck.compress_file(tmp_path / "m.safetensors", plain, codebooks=CodebookSet({}))
     assert "groups" not in ck.read_index(plain)
     assert packed.stat().st_size < plain.stat().st_size * 0.99
+    for p in (packed, plain):
+        ck.decompress_file(p, tmp_path / f"{p.name}.out")
+        assert _sha(tmp_path / f"{p.name}.out") == _sha(tmp_path / "m.safetensors")
     assert "own x" in ck.describe(packed)
+
+
+def test_shipped_groups_are_priced_chunk_by_chunk(tmp_path):
+    """The shipped fp32 weight groups of streams 2 and 3 start with books fitted to the chunks
+    that compress (raw on average): priced chunk by chunk, with the encoder's raw fallback,
+    they code a tensor that has one such chunk among random ones, too few chunks for a book
+    of its own; priced on the tensor's summed counts they looked worse than raw."""
+    gen = torch.Generator().manual_seed(11)
+    n = 4 << 16  # four chunks of 64 Ki elements: fewer than a partly compressible stream's own book needs
+    w = torch.randn(n, generator=gen) * 0.02
+    w[: 1 << 16] = w[: 1 << 16].half().float()  # one chunk: the low 13 mantissa bits are zero
+    save_file({"w": w}, tmp_path / "w.safetensors")
+    summary, packed = _round_trip(tmp_path / "w.safetensors", tmp_path)
+    index = ck.read_index(packed)
+    t = index["tensors"][0]
+    for s in (2, 3):
+        assert t["books"][s] != "0" * 16, f"stream {s} stored raw"
+        members = index.get("groups", {}).get(t["books"][s], [t["books"][s]])
+        assert all(index["books"][b]["origin"] == f"shipped:weight/fp32/{s}" for b in members)
+    # Streams 2 and 3 of the fp16-like chunk cost ~2 and ~1 bits instead of 8 (raw): ~3 %.
+    assert summary.ratio > 1.33  # 1.29 with an own book fitted to the summed counts (256 Ki chunks)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int8, torch.float8_e5m2])
+def test_planning_counts_are_the_encoders_counts(dtype):
+    """The planner's one-pass counts (comm_codec.kernels.plan) equal chunk_histograms' on the
+    sampled chunks laid end to end, at both chunk sizes, for every stream it counts; a
+    stream it leaves out (random bytes) keeps each chunk's symbol count; zeros, masked
+    chunks, a short last chunk and a sampled (strided) big tensor included."""
+    from comm_codec.checkpoint.plan import CHUNK_SIZES, BookChooser
+    from comm_codec.profiler import chunk_counts
+    from comm_codec.streams import spec_for
+
+    chooser = BookChooser(CodebookSet({}))
+    spec = spec_for(dtype)
+    for n in (5000, 300_000, 2_500_001):
+        x = torch.randn(n, generator=_GEN) * torch.logspace(-6, 1, n)
+        x[::7] = 0
+        x[: n // 9] = 0  # a masked chunk or two
+        if dtype == torch.int8:
+            t = (x * 50).clamp(-128, 127).to(dtype)
+        else:
+            t = x.to(dtype)
+            if dtype == torch.float32:
+                t[n // 3: n // 2] = t[n // 3: n // 2].half().float()  # low mantissa bytes zero: counted
+        sample = chooser.sample(t.view(torch.uint8).numpy(), spec)
+        assert (sample.scale == 1.0) == (n <= 4 << 16)  # up to four chunks, or 16 of eight or more
+        laid = torch.cat([t[a:a + k] for a, k in zip(sample.starts.tolist(), sample.lengths.tolist())])
+        counts = chooser.counts(sample, spec)
+        for chunk_elems in CHUNK_SIZES:
+            rows, zeros, coded = counts[chunk_elems]
+            want, want_zeros = chunk_counts(laid, chunk_elems)
+            assert zeros == want_zeros.sum()
+            for s in range(spec.nstreams):
+                if coded[s]:
+                    assert np.array_equal(rows[:, s], want[:, s]), (n, chunk_elems, s)
+                else:
+                    assert np.array_equal(rows[:, s].sum(axis=1), want[:, s].sum(axis=1))
+        if dtype == torch.bfloat16 and n > 100_000:
+            assert counts[CHUNK_SIZES[0]][2] == [True, False]  # sign and mantissa: random, left raw
+
+
+def test_planning_kernels_refuse_bad_arguments_with_a_status():
+    from comm_codec.kernels import plan as kp
+
+    bits = np.zeros(1000, dtype=np.uint16)
+    hist, zeros = np.zeros((1, 1, 256), dtype=np.int64), np.zeros((1, 1), dtype=np.int64)
+    one = np.ones(1, dtype=np.int64)
+    for start, length, stream, step in ((990, 20, 0, 1), (-1, 5, 0, 1), (0, 10, 2, 1), (0, 10, 0, 0)):
+        status = kp.byte_histograms(bits, np.array([start]), np.array([length]), np.array([stream]),
+                                    np.array([step]), hist, zeros)
+        assert status == kp.STATUS_BAD_ARGS and not hist.any()
+    refs = np.zeros(1, dtype=np.int64)
+    assert kp.chunk_refs(bits, np.array([0]), np.array([1001]), 1, 0, refs) == kp.STATUS_BAD_ARGS
+    assert kp.chunk_refs(bits, np.array([0]), np.array([10]), 0, 0, refs) == kp.STATUS_BAD_ARGS
+    rows = np.zeros((1, 1, 256), dtype=np.int64)
+    assert kp.chunk_rows(hist, one, one, np.array([256]), 1, 0, np.ones(1, dtype=np.bool_), rows) == kp.STATUS_BAD_ARGS
+    assert kp.chunk_rows(hist, one, one, refs, 1, 0, np.ones(1, dtype=np.bool_), rows) == kp.STATUS_OK
+
+
+def test_many_pieces_through_reused_buffers(tmp_path, monkeypatch):
+    """Decoded pieces land in reused buffers, handed back once written and hashed: byte-exact
+    at any threads, written to a file (positional) or read back by load()."""
+    from comm_codec.checkpoint import files
+
+    monkeypatch.setattr(exact, "PIECE_BYTES", 64 << 10)
+    slow_hash = files.new_hasher
+
+    class _Slow:  # a digest that lags behind: a buffer handed back before it is hashed would be reused
+        def __init__(self, name):
+            self.h = slow_hash(name)
+
+        def update(self, data):
+            time.sleep(0.002)
+            self.h.update(data)
+
+        def hexdigest(self):
+            return self.h.hexdigest()
+
+    monkeypatch.setattr(files, "new_hasher", _Slow)
+    sd = {f"w{i}": _weights(300_000 + 999 * i, dtype=dtype) for i, dtype in
+          enumerate((torch.bfloat16, torch.float32, torch.float16))}
+    save_file(sd, tmp_path / "m.safetensors")
+    for threads in (1, 3):
+        _, packed = _round_trip(tmp_path / "m.safetensors", tmp_path, threads=threads, name=f"t{threads}")
+        loaded = ck.load(packed, threads=threads)
+        assert all(torch.equal(loaded[k].view(torch.uint8), sd[k].view(torch.uint8)) for k in sd)

@@ -32,6 +32,8 @@ __all__ = ["FileMap", "AtomicFile", "DigestStream", "atomic_output", "check_path
 _SHA_QUEUE = 8
 # Bytes hashed per step when a whole file is hashed (its pages are released after each).
 _HASH_BLOCK = 4 << 20
+# Pages of a mapped file are handed back in steps of at least this (see FileMap.release_upto).
+_RELEASE_STEP = 16 << 20
 
 
 # Every temp file we make carries this mark, our host name and pid, so a later run can
@@ -114,6 +116,20 @@ class FileMap:
             return np.zeros(0, dtype=np.uint8)
         return np.frombuffer(self.mm, dtype=np.uint8, count=length, offset=offset)
 
+    def prefetch(self, start: int, length: int) -> None:
+        """Ask the kernel to read bytes start..start+length ahead, in the background.
+
+        Advice only (``MADV_WILLNEED``): a file on disk and not cached is then read while
+        earlier pieces are coded instead of page fault by page fault; nothing is mapped
+        or counted in this process's memory.
+        """
+        if self.mm is None or length <= 0 or start >= self.size:
+            return
+        page = mmap.PAGESIZE
+        lo = start - start % page
+        with contextlib.suppress(OSError, ValueError):
+            self.mm.madvise(mmap.MADV_WILLNEED, lo, min(self.size, start + length) - lo)
+
     def release(self, start: int, end: int) -> None:
         """Drop the resident pages that lie wholly inside start..end."""
         if self.mm is None:
@@ -124,8 +140,15 @@ class FileMap:
             self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def release_upto(self, end: int) -> None:
-        """Release every page before ``end`` (callers move forward through the file)."""
-        if end > self._released:
+        """Release every page before ``end`` (callers move forward through the file), in
+        steps of at least _RELEASE_STEP (or at the file's end).
+
+        Dropping pages flushes them from the TLB of every core running one of this
+        process's threads (an interrupt and a wait each, costly in a VM whose other vCPU
+        is busy); one call per 4 MiB segment made decompressing at 2 threads slower than
+        at one on this machine. Batched, mapped pages stay bounded by the step.
+        """
+        if end > self._released and (end - self._released >= _RELEASE_STEP or end >= self.size):
             self.release(self._released - self._released % mmap.PAGESIZE, end)
             self._released = end
 
@@ -247,6 +270,7 @@ class AtomicFile:
         self.pos = 0
         self._reserved = 0
         self._target = 0
+        self._pwrite_lock = threading.Lock()
 
     def write(self, data) -> None:
         try:
@@ -278,12 +302,20 @@ class AtomicFile:
         self._reserved = want
 
     def pwrite(self, data, offset: int) -> None:
-        """Write data at offset (thread-safe; for callers that never use :meth:`write`)."""
+        """Write data at offset (thread-safe; for callers that never use :meth:`write`).
+
+        One writer at a time: the kernel holds the file's inode lock for a whole write,
+        and writers waiting for it spin on its owner (optimistic spinning) while the
+        owner copies megabytes; in this VM two threads writing 4 MiB segments to tmpfs at
+        once spent up to 2.1 s each in the kernel decompressing a 2 GB checkpoint (0.25 s
+        when they happened not to collide). A Python lock makes the other one sleep.
+        """
         view = memoryview(data).cast("B")
         try:
-            while view.nbytes:
-                n = os.pwrite(self.fh.fileno(), view, offset)
-                view, offset = view[n:], offset + n
+            with self._pwrite_lock:
+                while view.nbytes:
+                    n = os.pwrite(self.fh.fileno(), view, offset)
+                    view, offset = view[n:], offset + n
         except OSError as exc:
             raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
 
