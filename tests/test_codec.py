@@ -556,3 +556,57 @@ def test_short_codes_at_lane_ends_round_trip(chunk_elems, n, spread, seed, maske
     prof.observe(x, "gradient")
     codec = cc.Codec(prof.build(), chunk_elems=chunk_elems)
     bits_equal(codec.decode(codec.encode(x)), x)
+
+
+# -- recycled output memory (kernels.output_pool) ----------------------------------------------
+def test_output_memory_returns_to_the_pool_only_when_no_tensor_uses_it():
+    import gc
+
+    from comm_codec.kernels import _POOL_MIN_BYTES, empty_output, output_pool
+
+    output_pool.clear()
+    n = _POOL_MIN_BYTES + 4096
+    a = empty_output(n, torch.uint8)
+    ptr = a.data_ptr()
+    view = a[10:20].view(-1)  # a view keeps the memory in use
+    del a
+    gc.collect()
+    b = empty_output(n, torch.uint8)
+    assert b.data_ptr() != ptr  # still used by `view`: not handed out again
+    del view
+    gc.collect()
+    c = empty_output(n - 100, torch.uint8)  # fits the freed block
+    assert c.data_ptr() == ptr and c.numel() == n - 100
+    assert c.untyped_storage().nbytes() == n - 100  # the tensor sees its own size only
+    del b, c
+    output_pool.clear()
+
+
+def test_output_pool_is_bounded_and_can_be_off():
+    from comm_codec.kernels import _OutputPool
+
+    pool = _OutputPool(limit=3 << 20)
+    blocks = [np.empty(1 << 20, dtype=np.uint8) for _ in range(4)]
+    for block in blocks:
+        pool.give(block)
+    assert pool._bytes == 3 << 20 and pool._free[0] is blocks[1]  # oldest dropped first
+    assert pool.take(1 << 20) is blocks[1]
+    assert pool.take(4 << 20).size == 4 << 20  # nothing that fits: fresh
+    assert pool.take(300 << 10).size == 300 << 10  # blocks over 1.5x the request are not taken
+    off = _OutputPool(limit=0)
+    off.give(np.empty(1 << 20, dtype=np.uint8))
+    assert off._bytes == 0
+
+
+def test_pooled_outputs_of_codec_round_trips_are_independent():
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(1 << 20, generator=g) * 1e-3).to(torch.bfloat16)  # 2 MiB: pooled outputs
+    y = (torch.randn(1 << 20, generator=g) * 1e-2).to(torch.bfloat16)
+    codec = cc.Codec()
+    fx, fy = codec.encode(x), codec.encode(y)
+    dx = codec.decode(fx)
+    del fy
+    dy = codec.decode(codec.encode(y))
+    bits_equal(dx, x)
+    bits_equal(dy, y)
+    bits_equal(codec.decode(fx), x)

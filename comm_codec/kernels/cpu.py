@@ -180,56 +180,63 @@ def _rotated(table, sub):
 
 @numba.njit(inline="always", **_JIT)
 def _view_bits(view, sh, sub, top, ra, mask, lens):
-    """(coded bits of view, how many of its elements are all-zero bits)."""
+    """Coded bits of view."""
     total = 0
-    zeros = 0
     for i in range(view.size):
-        v = view[i]
-        total += lens[_sym(v, sh, sub, top, ra, mask)]
-        zeros += np.int64(v == 0)
-    return total, zeros
+        total += lens[_sym(view[i], sh, sub, top, ra, mask)]
+    return total
+
+
+@numba.njit(**_JIT)
+def _view_bits0(view, lens):
+    """:func:`_view_bits` of stream 0, the reference folded into lens (a function of its
+    own with the layout as constants, like :func:`_pack0`)."""
+    total = 0
+    n = view.size
+    for j in range(0, n, 16):
+        _prefetch(view, 4 * n + j)  # the next chunk's lane, as in _hist4_0
+        for i in range(j, min(n, j + 16)):
+            total += lens[_sym0(view[i])]
+    return total
+
+
+@numba.njit(inline="always", **_JIT)
+def _segment_size(lane_bits):
+    """Bytes of a coded segment whose lanes hold lane_bits[k] bits: header, padded lanes."""
+    total = _LANE_HEADER
+    for k in range(_LANES):
+        total += (((lane_bits[k] + 7) // 8) + 7) & ~7
+    return total
 
 
 @numba.njit(**_JIT)
 def _segment_bytes(src, lo, hi, s, exp_shift, ref, lens):
-    """(bytes of the coded segment of stream s over src[lo:hi] without a mask, lane header
-    included, and the chunk's all-zero elements, counted on the way)."""
+    """Bytes of the coded segment of stream s over src[lo:hi] with one book, lane header included."""
     lane = np.zeros(_LANES, dtype=np.int64)
-    zeros = np.int64(0)
     present = hi - lo
-    if s == 0:  # a copy with constant layout, as in _write_segment
-        sh, sub, top, ra, mask = _params(src, 0, exp_shift, ref)
+    if s == 0:
+        _, sub, _, _, _ = _params(src, 0, exp_shift, ref)
         rlens = _rotated(lens, sub)
         for k in range(_LANES):
-            view = src[lo + k * present // _LANES: lo + (k + 1) * present // _LANES]
-            lane[k], z = _view_bits(view, sh, 0, top, ra, mask, rlens)
-            zeros += z
+            lane[k] = _view_bits0(src[lo + k * present // _LANES: lo + (k + 1) * present // _LANES], rlens)
     else:
         sh, sub, top, ra, mask = _params(src, s, exp_shift, ref)
         for k in range(_LANES):
             view = src[lo + k * present // _LANES: lo + (k + 1) * present // _LANES]
-            lane[k], z = _view_bits(view, sh, sub, top, ra, mask, lens)
-            zeros += z
-    total = _LANE_HEADER
-    for k in range(_LANES):
-        total += (((lane[k] + 7) // 8) + 7) & ~7
-    return total, zeros
+            lane[k] = _view_bits(view, sh, sub, top, ra, mask, lens)
+    return _segment_size(lane)
 
 
 @numba.njit(inline="always", **_JIT)
 def _hist_rest(view, start, h, sh, top, ra, mask):
-    """Count view[start:] into h (what a longer lane has past the shortest); return its zeros."""
-    zeros = np.int64(0)
+    """Count view[start:] into h (what a longer lane has past the shortest)."""
     for i in range(start, view.size):
         h[_sym(view[i], sh, 0, top, ra, mask)] += 1
-        zeros += np.int64(view[i] == 0)
-    return zeros
 
 
 @numba.njit(inline="always", **_JIT)
 def _hist4(src, lo, a1, a2, a3, a4, sh, top, ra, mask, hist):
-    """hist[k, byte] = count over lane k = src[lo+a_k : lo+a_{k+1}] (a0 = 0), lanes interleaved;
-    return the number of all-zero elements.
+    """hist[k, byte] = count over lane k = src[lo+a_k : lo+a_{k+1}] (a0 = 0), lanes interleaved.
 
     Four separate tables advanced in lockstep: consecutive increments of one counter
     would each wait for the last (exponent bytes repeat).
@@ -243,25 +250,20 @@ def _hist4(src, lo, a1, a2, a3, a4, sh, top, ra, mask, hist):
     h2 = np.zeros(256, dtype=np.int32)
     h3 = np.zeros(256, dtype=np.int32)
     m = min(min(v0.size, v1.size), min(v2.size, v3.size))
-    zeros = np.int64(0)
     for i in range(m):
-        x0 = v0[i]
-        x1 = v1[i]
-        x2 = v2[i]
-        x3 = v3[i]
-        h0[_sym(x0, sh, 0, top, ra, mask)] += 1
-        h1[_sym(x1, sh, 0, top, ra, mask)] += 1
-        h2[_sym(x2, sh, 0, top, ra, mask)] += 1
-        h3[_sym(x3, sh, 0, top, ra, mask)] += 1
-        zeros += np.int64(x0 == 0) + np.int64(x1 == 0) + np.int64(x2 == 0) + np.int64(x3 == 0)
-    zeros += _hist_rest(v0, m, h0, sh, top, ra, mask) + _hist_rest(v1, m, h1, sh, top, ra, mask)
-    zeros += _hist_rest(v2, m, h2, sh, top, ra, mask) + _hist_rest(v3, m, h3, sh, top, ra, mask)
+        h0[_sym(v0[i], sh, 0, top, ra, mask)] += 1
+        h1[_sym(v1[i], sh, 0, top, ra, mask)] += 1
+        h2[_sym(v2[i], sh, 0, top, ra, mask)] += 1
+        h3[_sym(v3[i], sh, 0, top, ra, mask)] += 1
+    _hist_rest(v0, m, h0, sh, top, ra, mask)
+    _hist_rest(v1, m, h1, sh, top, ra, mask)
+    _hist_rest(v2, m, h2, sh, top, ra, mask)
+    _hist_rest(v3, m, h3, sh, top, ra, mask)
     for b in range(256):
         hist[0, b] = h0[b]
         hist[1, b] = h1[b]
         hist[2, b] = h2[b]
         hist[3, b] = h3[b]
-    return zeros
 
 
 @intrinsic
@@ -298,7 +300,7 @@ def _zeros(view):
 def _hist4_0(src, lo, a1, a2, a3, a4, hist):
     """:func:`_hist4` for stream 0, its layout all constants (a function of its own, so
     that the compiler cannot merge it with the general one: merged, the shifts were
-    run-time values again); zeros counted by :func:`_zeros`."""
+    run-time values again)."""
     v0 = src[lo:lo + a1]
     v1 = src[lo + a1:lo + a2]
     v2 = src[lo + a2:lo + a3]
@@ -328,13 +330,11 @@ def _hist4_0(src, lo, a1, a2, a3, a4, hist):
         hist[1, b] = h1[b]
         hist[2, b] = h2[b]
         hist[3, b] = h3[b]
-    return _zeros(src[lo:lo + a4])
 
 
 @numba.njit(**_JIT)
 def _lane_histograms(src, lo, hi, s, hist):
-    """Fill hist (int64[4, 256]) with the bytes of stream s per lane, before any reference;
-    return the number of all-zero elements (counted on the way).
+    """Fill hist (int64[4, 256]) with the bytes of stream s per lane, before any reference.
 
     Lane k holds elements [lo + k*n//4, lo + (k+1)*n//4) of src, n = hi - lo (a masked
     chunk is compacted first: see :func:`_compact`).
@@ -345,9 +345,10 @@ def _lane_histograms(src, lo, hi, s, hist):
     a2 = 2 * n // _LANES
     a3 = 3 * n // _LANES
     if s == 0:  # stream 0 with constant layout: the hot case
-        return _hist4_0(src, lo, a1, a2, a3, n, hist)
-    sh, _, top, ra, mask = _params(src, s, -1, 0)
-    return _hist4(src, lo, a1, a2, a3, n, sh, top, ra, mask, hist)
+        _hist4_0(src, lo, a1, a2, a3, n, hist)
+    else:
+        sh, _, top, ra, mask = _params(src, s, -1, 0)
+        _hist4(src, lo, a1, a2, a3, n, sh, top, ra, mask, hist)
 
 
 @numba.njit(**_JIT)
@@ -403,6 +404,16 @@ def _segment_plan(hist, sub, lens, nbooks, total):
     return seg, best
 
 
+@numba.njit(**_JIT)
+def _size_stream(src, lo, hi, s, exp_shift, ref, lens, nbooks, hist, total):
+    """(coded segment bytes, book of its group) of stream s over src[lo:hi]."""
+    if nbooks == 1:  # summing code lengths beats a histogram (9 vs 11 ms / 64 MiB)
+        return _segment_bytes(src, lo, hi, s, exp_shift, ref, lens[0]), 0
+    _lane_histograms(src, lo, hi, s, hist)
+    _, sub, _, _, _ = _params(src, s, exp_shift, ref)
+    return _segment_plan(hist, sub, lens, nbooks, total)
+
+
 @numba.njit(**_PJIT)
 def plan_chunks(bits, chunk_elems, exp_shift, enc_len, nbooks, raw_stream, cflags, refs, books, sizes):
     """Choose each chunk's reference, zero handling, books and raw fallbacks; size its streams.
@@ -435,23 +446,15 @@ def plan_chunks(bits, chunk_elems, exp_shift, enc_len, nbooks, raw_stream, cflag
                 first = s
                 break
         # Unless the reference's sample saw zeros, the first coded stream is sized as if
-        # there were no mask, counting the zeros on the way (a separate pass over the
-        # chunk cost 4 % of an encode); a chunk that then takes the mask is sized again.
+        # there were no mask (while its elements come in: see _prefetch); a chunk that
+        # then takes the mask is sized again.
         sz, sn = _sample_zeros(bits, lo, hi)
         early = first >= 0 and sz * 16 <= sn
         seg0 = np.int64(0)
         k0 = 0
-        if not early:
-            chunk = bits[lo:hi]
-            zeros = np.int64(0)
-            for i in range(count):
-                zeros += np.int64(chunk[i] == 0)
-        elif nbooks[first] == 1:
-            seg0, zeros = _segment_bytes(bits, lo, hi, first, exp_shift, ref, enc_len[first, 0])
-        else:
-            zeros = _lane_histograms(bits, lo, hi, first, hist)
-            _, sub, _, _, _ = _params(bits, first, exp_shift, ref)
-            seg0, k0 = _segment_plan(hist, sub, enc_len[first], nbooks[first], total)
+        if early:
+            seg0, k0 = _size_stream(bits, lo, hi, first, exp_shift, ref, enc_len[first], nbooks[first], hist, total)
+        zeros = _zeros(bits[lo:hi])
         if zeros == count:
             cflags[c] = _CHUNK_ZERO
             for s in range(ns):
@@ -482,12 +485,8 @@ def plan_chunks(bits, chunk_elems, exp_shift, enc_len, nbooks, raw_stream, cflag
             elif s == first and early and not use_mask:
                 seg = seg0
                 k = k0
-            elif nbooks[s] == 1:  # summing code lengths beats a histogram (9 vs 11 ms / 64 MiB)
-                seg, _ = _segment_bytes(src, slo, shi, s, exp_shift, ref, enc_len[s, 0])
             else:
-                _lane_histograms(src, slo, shi, s, hist)
-                _, sub, _, _, _ = _params(bits, s, exp_shift, ref)
-                seg, k = _segment_plan(hist, sub, enc_len[s], nbooks[s], total)
+                seg, k = _size_stream(src, slo, shi, s, exp_shift, ref, enc_len[s], nbooks[s], hist, total)
             if seg >= present:
                 flags |= _CHUNK_RAW0 << s
                 sizes[c, s] = present
