@@ -48,6 +48,7 @@ __all__ = [
     "plan_chunks",
     "encode_chunks",
     "decode_chunks",
+    "decode_accumulate_chunks",
     "multi_tables",
     "chunk_histograms",
     "STATUS_OK",
@@ -1130,6 +1131,30 @@ def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_
     return STATUS_OK
 
 
+@numba.njit(**_JIT)
+def _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books, sizes,
+                offsets, checksums, do_checksum, out):
+    """Decode chunk c into out (its count elements); return its status."""
+    lo = c * chunk_elems
+    count = min(numel, lo + chunk_elems) - lo
+    flags = cflags[c]
+    pos = offsets[c]
+    length = (((count + 7) // 8) + 7) & ~7 if flags & _CHUNK_MASK else 0
+    for s in range(sizes.shape[1]):
+        length += (np.int64(sizes[c, s]) + 7) & ~7
+    if pos < 0 or pos % 8 or pos + length > frame8.size or out.size != count:  # checked above us; trust nothing
+        return _ST_SIZE
+    st = _decode_chunk(frame8, frame64, pos, count, flags, np.int64(refs[c]), np.int64(books[c]),
+                       sizes[c], exp_shift, dec_tables, multi, out)
+    # Checked after decoding (the kernels are safe on any bytes): the decode streams
+    # the payload in from memory while it computes, and the hash then reads it from
+    # cache. Hashing first made the hash wait for memory (bf16 weights, 1 thread:
+    # the checksum cost 3.4 ms of a 20.5 ms kernel, 1.5 ms on a cached payload).
+    if do_checksum and _hash_words(frame64, pos // 8, length // 8, c) != checksums[c]:
+        st = _ST_CHECKSUM
+    return st
+
+
 @numba.njit(**_PJIT)
 def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books, sizes,
                   offsets, checksums, do_checksum, out, status):
@@ -1151,24 +1176,134 @@ def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, mu
     for c in prange(cflags.size):
         lo = c * chunk_elems
         hi = min(numel, lo + chunk_elems)
-        count = hi - lo
-        flags = cflags[c]
-        pos = offsets[c]
-        length = (((count + 7) // 8) + 7) & ~7 if flags & _CHUNK_MASK else 0
-        for s in range(sizes.shape[1]):
-            length += (np.int64(sizes[c, s]) + 7) & ~7
-        if pos < 0 or pos % 8 or pos + length > frame8.size:  # the Python layer checked; trust nothing
-            status[c] = _ST_SIZE
-            continue
-        st = _decode_chunk(frame8, frame64, pos, count, flags, np.int64(refs[c]), np.int64(books[c]),
-                           sizes[c], exp_shift, dec_tables, multi, out[lo:hi])
-        # Checked after decoding (the kernels are safe on any bytes): the decode streams
-        # the payload in from memory while it computes, and the hash then reads it from
-        # cache. Hashing first made the hash wait for memory (bf16 weights, 1 thread:
-        # the checksum cost 3.4 ms of a 20.5 ms kernel, 1.5 ms on a cached payload).
-        if do_checksum and _hash_words(frame64, pos // 8, length // 8, c) != checksums[c]:
-            st = _ST_CHECKSUM
+        status[c] = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs,
+                                books, sizes, offsets, checksums, do_checksum, out[lo:hi])
+
+
+# -- decode and accumulate into float32 ------------------------------------------------------
+_QUIET = np.uint32(0x00400000)
+_ABS = np.uint32(0x7FFFFFFF)
+_INF_BITS = np.uint32(0x7F800000)
+
+
+@intrinsic
+def _as_f32(typingctx, bits):
+    """The float32 whose bits are the low 32 bits of the integer bits (numba widens
+    uint32 arithmetic to 64 bits)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        low = args[0] if bits.bitwidth == 32 else builder.trunc(args[0], ir.IntType(32))
+        return builder.bitcast(low, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, x):
+    """The bits of the float32 x, as a uint32."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@numba.njit(inline="always", **_JIT)
+def _add_f32(a, b):
+    """Bits of float32(a) + float32(b) (both given as bits), NaNs as torch's CPU add gives them.
+
+    IEEE leaves which NaN a sum of NaNs carries to the hardware and the instruction's
+    operand order; torch's ``acc.add_(x)`` gives x's NaN (quieted) when x is one, else
+    acc's (seen on x86, vectorized and scalar tails alike). Choosing it here explicitly
+    keeps the result independent of how LLVM orders the add.
+    """
+    r = _f32_bits(_as_f32(a) + _as_f32(b))
+    if (a & _ABS) > _INF_BITS:
+        r = a | _QUIET
+    if (b & _ABS) > _INF_BITS:
+        r = b | _QUIET
+    return r
+
+
+@numba.njit(inline="always", **_JIT)
+def _half_bits_f32(h):
+    """float32 bits of the fp16 bits h: exact; a NaN keeps its sign and payload and is
+    quieted (what the hardware conversion gives, and torch's vectorized one; torch's
+    scalar loop tail makes every NaN 0x7FFFFFFF instead)."""
+    sign = np.uint32(h >> 15) << np.uint32(31)
+    e = (np.uint32(h) >> np.uint32(10)) & np.uint32(31)
+    m = np.uint32(h) & np.uint32(1023)
+    r = sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13))
+    if e == 0:  # zero or subnormal: m * 2**-24, exact in float32
+        r = sign | _f32_bits(np.float32(m) * np.float32(5.9604644775390625e-08))
+    if e == 31:
+        r = (sign | _INF_BITS) if m == 0 else (sign | _INF_BITS | _QUIET | (m << np.uint32(13)))
+    return r
+
+
+@numba.njit(**_JIT)
+def _accumulate(bits, acc, half, add):
+    """acc[i] (float32 bits) += the float32 value of element bits[i] (or = it, add False).
+
+    bits are as :func:`decode_chunks` writes them: uint16 for bf16 (half False) and fp16
+    (half True), uint32 for fp32. Widening is exact, so the sum is the one of widening
+    first and adding then, bit for bit (see :func:`_add_f32` for NaNs).
+    """
+    width, _, _ = _layout(bits)
+    if width == 4:
+        if add:
+            for i in range(bits.size):
+                acc[i] = _add_f32(acc[i], np.uint32(bits[i]))
+        else:
+            for i in range(bits.size):
+                acc[i] = np.uint32(bits[i])
+    elif half:
+        if add:
+            for i in range(bits.size):
+                acc[i] = _add_f32(acc[i], _half_bits_f32(bits[i]))
+        else:
+            for i in range(bits.size):
+                acc[i] = _half_bits_f32(bits[i])
+    else:
+        if add:
+            for i in range(bits.size):
+                acc[i] = _add_f32(acc[i], np.uint32(bits[i]) << np.uint32(16))
+        else:
+            for i in range(bits.size):
+                acc[i] = np.uint32(bits[i]) << np.uint32(16)
+
+
+@numba.njit(**_PJIT)
+def decode_accumulate_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books,
+                             sizes, offsets, checksums, do_checksum, proto, half, acc, add, status):
+    """Decode every chunk and add its elements, widened to float32, into acc (or assign them).
+
+    Each chunk is decoded into a scratch chunk (it stays in L1/L2) and then added, so the
+    decoded tensor never exists in memory: one pass over acc instead of a decode, a
+    widening copy and an add. A chunk whose status is not 0 leaves its part of acc
+    untouched.
+
+    Args:
+        frame8 ... do_checksum: as for :func:`decode_chunks`.
+        proto: an empty array of the element bits' type (uint16 or uint32).
+        half: the frame holds fp16 (its uint16 bits widen differently from bf16's).
+        acc: uint32[numel], the float32 accumulator's bits (updated in place).
+        add: True: acc += value; False: acc = value.
+        status: int32[nchunks] output.
+    """
+    for c in prange(cflags.size):
+        lo = c * chunk_elems
+        hi = min(numel, lo + chunk_elems)
+        scratch = np.empty(hi - lo, dtype=proto.dtype)
+        st = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books,
+                         sizes, offsets, checksums, do_checksum, scratch)
         status[c] = st
+        if st == STATUS_OK and hi <= acc.size:
+            _accumulate(scratch, acc[lo:hi], half, add)
 
 
 @numba.njit(**_JIT)
