@@ -1318,28 +1318,36 @@ def multi_tables(dec_tables, multi):
 
 
 @numba.njit(**_PJIT)
-def chunk_histograms(bits, chunk_elems, exp_shift, local, zeros):
-    """Fill local[c, s] with the symbol counts of stream s in chunk c, zeros[c] with its zeros.
+def chunk_histograms(bits, chunk_elems, exp_shift, streams, local, zeros):
+    """Fill local[c, j] with the symbol counts of stream streams[j] in chunk c, zeros[c] with its zeros.
 
     Symbols are formed exactly as the encoder forms them: per-chunk reference exponent
     for stream 0. Exact zeros are counted where the encoder will code them, in chunks
     with at most 1/8 zeros, and left out where it will mostly mask them (a zero costs
     9+ bits in a float's streams, so the one-bit-per-element mask pays above ~1/9).
+    Streams not listed cost nothing (a checkpoint's planner skips the mantissa bytes it
+    will store raw).
 
     Args:
         bits, chunk_elems, exp_shift: as for :func:`plan_chunks`.
-        local: int64[nchunks, nstreams, 256] output (overwritten).
+        streams: int64[k], the streams to count (each in 0..nstreams-1; others are skipped).
+        local: int64[nchunks, k, 256] output (overwritten).
         zeros: int64[nchunks] output.
     """
     n = bits.size
-    ns = local.shape[1]
+    width, _, _ = _layout(bits)
     for c in prange(local.shape[0]):
         lo = c * chunk_elems
         hi = min(n, lo + chunk_elems)
         ref = _chunk_ref(bits, lo, hi, exp_shift)
         chunk = bits[lo:hi]
         quads = chunk.size // 4
-        for s in range(ns):
+        for j in range(streams.size):
+            s = streams[j]
+            h = local[c, j]
+            h[:] = 0
+            if s < 0 or s >= width:  # the Python layer checks; trust nothing
+                continue
             sh, sub, top, ra, mask = _params(bits, s, exp_shift, ref)
             # Four partial histograms: exponent symbols repeat, and with one histogram
             # each increment waits for the previous one to the same counter (measured
@@ -1356,18 +1364,17 @@ def chunk_histograms(bits, chunk_elems, exp_shift, local, zeros):
                 h3[_sym(chunk[i + 3], sh, sub, top, ra, mask)] += 1
             for i in range(4 * quads, chunk.size):
                 h0[_sym(chunk[i], sh, sub, top, ra, mask)] += 1
-            h = local[c, s]
             for k in range(256):
                 h[k] = h0[k] + h1[k] + h2[k] + h3[k]
         # Exact zeros were counted under their symbols above; take them out again.
-        z = 0
-        for i in range(chunk.size):
-            z += np.int64(chunk[i] == 0)
+        z = _zeros(chunk)
         zeros[c] = z
         if z * 8 > chunk.size:
-            for s in range(ns):
-                sh, sub, top, ra, mask = _params(bits, s, exp_shift, ref)
-                local[c, s, _sym(0, sh, sub, top, ra, mask)] -= z
+            for j in range(streams.size):
+                s = streams[j]
+                if 0 <= s < width:
+                    sh, sub, top, ra, mask = _params(bits, s, exp_shift, ref)
+                    local[c, j, _sym(0, sh, sub, top, ra, mask)] -= z
 
 
 @numba.njit(**_JIT)
