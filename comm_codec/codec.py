@@ -74,6 +74,22 @@ def _raise_on_status(status: np.ndarray, nchunks: int) -> None:
         )
 
 
+_ACCUMULABLE = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_accumulable(params, acc: torch.Tensor, device: torch.device) -> None:
+    """Raise unless a frame of these parameters can be added into acc (see Codec.decode_accumulate)."""
+    if params.spec.dtype not in _ACCUMULABLE:
+        raise TypeError(f"decode_accumulate adds bfloat16, float16 or float32 frames; this one holds {params.spec.dtype}")
+    if acc.numel() != params.numel:
+        raise ValueError(f"acc has {acc.numel()} elements, the frame holds {params.numel}")
+    if acc.requires_grad:
+        raise ValueError("acc requires grad: decode_accumulate writes into it behind autograd's back; pass acc.detach()")
+    if acc.device != device or not acc.is_contiguous():
+        where = "CPU" if device.type == "cpu" else str(device)
+        raise ValueError(f"acc must be a contiguous {where} tensor (on the frame's device), got one on {acc.device}")
+
+
 class _Tables:
     """Kernel-ready tables for one tuple of per-stream book groups."""
 
@@ -264,22 +280,89 @@ class Codec:
         tables, result = self._decode_target(params, out, max_output_bytes, torch.device("cpu"))
         if params.nchunks == 0:
             return result
-        if buf.ctypes.data % 8:
-            buf = buf.copy()  # a frame sliced out of a larger buffer; kernels read words
         bits, _ = as_bits(result)
-        table = params.table
         status = np.zeros(params.nchunks, dtype=np.int32)
         with self._threads(), _warmup.first_use("decode", spec):
-            _cpu.decode_chunks(
-                buf, buf.view(np.uint64), params.numel, params.chunk_elems, spec.exp_shift, tables.dec,
-                tables.multi, np.ascontiguousarray(table["cflags"]), np.ascontiguousarray(table["ref"]),
-                np.ascontiguousarray(table["books"]),
-                np.ascontiguousarray(table["sizes"]).reshape(params.nchunks, spec.nstreams),
-                params.offsets, np.ascontiguousarray(table["checksum"]), params.checksums,
-                bits, status,
-            )
+            _cpu.decode_chunks(*self._kernel_args(buf, params, tables), bits, status)
         _raise_on_status(status, params.nchunks)
         return result
+
+    def decode_accumulate(self, frame, acc: torch.Tensor, *, add: bool = True) -> torch.Tensor:
+        """Decode a frame and add its values into a float32 tensor, in one pass.
+
+        ``acc[i] += float32(decoded[i])`` element by element (``add=False``: ``acc[i] =
+        float32(decoded[i])``), bit for bit what ``acc.add_(codec.decode(frame).float())``
+        (``acc.copy_(...)``) gives with torch on the CPU, NaNs included: a sum's NaN is
+        the added value's when it is one, else acc's, quieted (see
+        :func:`comm_codec.kernels.cpu._add_f32`); a float16 NaN widens with its sign and
+        payload, quieted, as torch's vectorized conversion does (torch's scalar loop tail
+        makes it 0x7FFFFFFF). So a rank-order sum of decoded shards stays the same sum.
+        The decoded tensor never exists: each chunk is decoded into cache-resident
+        scratch and added from there.
+
+        A frame on a CUDA device is decoded there and added with torch (acc on the same
+        device), as ``acc.add_(decoded)`` would.
+
+        Args:
+            frame: a frame from :meth:`encode` of a bfloat16, float16 or float32 tensor
+                (any type :meth:`decode` takes). Its size is bounded by ``acc``'s: no
+                ``max_output_bytes`` is needed for untrusted frames.
+            acc: a contiguous float32 tensor with as many elements as the frame (any
+                shape), on the frame's device, not requiring grad; updated in place.
+            add: add into acc (True) or overwrite it (False, for the first addend).
+
+        Returns:
+            ``acc``.
+
+        Raises:
+            FrameError: the frame is truncated, corrupted, not a comm_codec frame, or
+                needs codebooks this codec lacks. ``acc`` may then hold a partial sum:
+                the chunks that decoded are added, the others are not.
+            TypeError: acc is not a float32 tensor, or the frame holds another dtype
+                than bfloat16, float16 or float32.
+            ValueError: acc has another number of elements than the frame, is not
+                contiguous, not on the frame's device, or requires grad.
+        """
+        if not isinstance(acc, torch.Tensor) or acc.dtype != torch.float32:
+            what = acc.dtype if isinstance(acc, torch.Tensor) else type(acc).__name__
+            raise TypeError(f"acc must be a float32 tensor, got {what}")
+        if isinstance(frame, torch.Tensor) and frame.device.type == "cuda":
+            params = self.frame_parameters(frame)
+            _check_accumulable(params, acc, frame.device)
+            decoded = self.decode(frame, max_output_bytes=params.numel * params.spec.itemsize)
+            (acc.view(-1).add_ if add else acc.view(-1).copy_)(decoded)
+            return acc
+        buf = _frame._as_u8(frame)
+        params = _frame.get_frame_parameters(buf)
+        _check_accumulable(params, acc, torch.device("cpu"))
+        tables = self._decode_tables(params.book_ids)
+        if params.nchunks == 0:
+            return acc
+        tables.check_books(params.table["books"])
+        spec = params.spec
+        status = np.zeros(params.nchunks, dtype=np.int32)
+        accu = acc.detach().view(-1).view(torch.int32).numpy().view(np.uint32)
+        with self._threads(), _warmup.first_use("decode_accumulate", spec):
+            _cpu.decode_accumulate_chunks(
+                *self._kernel_args(buf, params, tables), np.empty(0, dtype=spec.bits_dtype),
+                spec.dtype == torch.float16, accu, bool(add), status,
+            )
+        _raise_on_status(status, params.nchunks)
+        return acc
+
+    @staticmethod
+    def _kernel_args(buf: np.ndarray, params, tables: _Tables) -> tuple:
+        """The frame and chunk-table arguments that the decode kernels share."""
+        if buf.ctypes.data % 8:
+            buf = buf.copy()  # a frame sliced out of a larger buffer; kernels read words
+        table = params.table
+        ns = params.spec.nstreams
+        return (
+            buf, buf.view(np.uint64), params.numel, params.chunk_elems, params.spec.exp_shift, tables.dec,
+            tables.multi, np.ascontiguousarray(table["cflags"]), np.ascontiguousarray(table["ref"]),
+            np.ascontiguousarray(table["books"]), np.ascontiguousarray(table["sizes"]).reshape(params.nchunks, ns),
+            params.offsets, np.ascontiguousarray(table["checksum"]), params.checksums,
+        )
 
     # -- ahead of time ---------------------------------------------------------------------
     def warmup(self, dtypes=None) -> dict:

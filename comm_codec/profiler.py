@@ -54,29 +54,42 @@ _LLOYD_ROUNDS = 12
 _RAW_MIN_GAIN = 0.015
 
 
-def chunk_counts(tensor: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> tuple[np.ndarray, np.ndarray]:
+def chunk_counts(tensor: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+                 streams=None) -> tuple[np.ndarray, np.ndarray]:
     """Return the symbol counts of every chunk and stream, and each chunk's zero count.
 
     Args:
         tensor: a CPU tensor of a supported dtype (copied to the CPU if on a GPU).
         chunk_elems: the codec's chunk size.
+        streams: which streams to count, e.g. ``(0,)`` for the exponents alone; None:
+            all. The others cost nothing: a planner that will store a float's mantissa
+            bytes raw need not histogram them (for fp32, three of four passes).
 
     Returns:
-        ``(counts, zeros)``: int64[nchunks, nstreams, 256] (as :func:`stream_counts`
-        counts them, chunk by chunk) and int64[nchunks].
+        ``(counts, zeros)``: int64[nchunks, len(streams), 256] (as :func:`stream_counts`
+        counts them, chunk by chunk; ``counts[:, j]`` is stream ``streams[j]``; with
+        ``streams=None``, ``counts[:, s]`` is stream s) and int64[nchunks].
 
     Raises:
         TypeError: unsupported dtype.
+        ValueError: a stream number outside 0..nstreams-1 of the tensor's dtype.
     """
     if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
         tensor = tensor.detach().cpu()
     bits, spec = as_bits(tensor)
+    if streams is None:
+        chosen = np.arange(spec.nstreams, dtype=np.int64)
+    else:
+        chosen = np.array([int(s) for s in streams], dtype=np.int64)
+        bad = [int(s) for s in chosen if not 0 <= s < spec.nstreams]
+        if bad:
+            raise ValueError(f"streams {bad} do not exist: {spec.name} has streams 0..{spec.nstreams - 1}")
     nchunks = -(-bits.size // chunk_elems)
-    counts = np.empty((nchunks, spec.nstreams, 256), dtype=np.int64)
+    counts = np.empty((nchunks, chosen.size, 256), dtype=np.int64)
     zeros = np.empty(nchunks, dtype=np.int64)
     if nchunks:
         with torch_threads_kept():
-            _cpu.chunk_histograms(bits, chunk_elems, spec.exp_shift, counts, zeros)
+            _cpu.chunk_histograms(bits, chunk_elems, spec.exp_shift, chosen, counts, zeros)
     return counts, zeros
 
 

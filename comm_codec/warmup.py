@@ -56,8 +56,8 @@ def _sample(dtype: torch.dtype) -> torch.Tensor:
 def _kernel_stats():
     from .kernels import cpu as _cpu
 
-    names = ("plan_chunks", "encode_chunks", "decode_chunks", "multi_tables", "chunk_histograms",
-             "huffman_costs", "package_merge")
+    names = ("plan_chunks", "encode_chunks", "decode_chunks", "decode_accumulate_chunks", "multi_tables",
+             "chunk_histograms", "huffman_costs", "package_merge")
     return {n: sum(getattr(_cpu, n).stats.cache_misses.values()) for n in names}
 
 
@@ -122,13 +122,16 @@ def warm(codec, dtypes=None, profiler: bool = False) -> dict:
             if (spec.bits_dtype, profiler) not in _warm and (spec.bits_dtype, True) not in _warm:
                 x = _sample(spec.dtype)
                 try:
-                    out = codec.decode(codec.encode(x, "gradient"))
+                    frame = codec.encode(x, "gradient")
+                    out = codec.decode(frame)
                 except ValueError as exc:  # a codebook set without books for this dtype
                     log.debug("warmup: %s skipped (%s)", spec.name, exc)
                     spent[spec.name] = 0.0
                     continue
                 if not torch.equal(out.view(torch.uint8), x.reshape(-1).view(torch.uint8)):
                     raise RuntimeError(f"warmup round trip of {spec.name} is not bit-exact")  # pragma: no cover
+                if spec.dtype in (torch.bfloat16, torch.float16, torch.float32):  # the all-reduce's decode-and-add
+                    codec.decode_accumulate(frame, torch.zeros(x.numel(), dtype=torch.float32))
                 if profiler:
                     from .profiler import WarmupProfiler
 

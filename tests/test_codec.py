@@ -556,3 +556,138 @@ def test_short_codes_at_lane_ends_round_trip(chunk_elems, n, spread, seed, maske
     prof.observe(x, "gradient")
     codec = cc.Codec(prof.build(), chunk_elems=chunk_elems)
     bits_equal(codec.decode(codec.encode(x)), x)
+
+
+# -- recycled output memory (kernels.output_pool) ----------------------------------------------
+def test_output_memory_returns_to_the_pool_only_when_no_tensor_uses_it():
+    import gc
+
+    from comm_codec.kernels import _POOL_MIN_BYTES, empty_output, output_pool
+
+    output_pool.clear()
+    n = _POOL_MIN_BYTES + 4096
+    a = empty_output(n, torch.uint8)
+    ptr = a.data_ptr()
+    view = a[10:20].view(-1)  # a view keeps the memory in use
+    del a
+    gc.collect()
+    b = empty_output(n, torch.uint8)
+    assert b.data_ptr() != ptr  # still used by `view`: not handed out again
+    del view
+    gc.collect()
+    c = empty_output(n - 100, torch.uint8)  # fits the freed block
+    assert c.data_ptr() == ptr and c.numel() == n - 100
+    assert c.untyped_storage().nbytes() == n - 100  # the tensor sees its own size only
+    del b, c
+    output_pool.clear()
+
+
+def test_output_pool_is_bounded_and_can_be_off():
+    from comm_codec.kernels import _OutputPool
+
+    pool = _OutputPool(limit=3 << 20)
+    blocks = [np.empty(1 << 20, dtype=np.uint8) for _ in range(4)]
+    for block in blocks:
+        pool.give(block)
+    assert pool._bytes == 3 << 20 and pool._free[0] is blocks[1]  # oldest dropped first
+    assert pool.take(1 << 20) is blocks[1]
+    assert pool.take(4 << 20).size == 4 << 20  # nothing that fits: fresh
+    assert pool.take(300 << 10).size == 300 << 10  # blocks over 1.5x the request are not taken
+    off = _OutputPool(limit=0)
+    off.give(np.empty(1 << 20, dtype=np.uint8))
+    assert off._bytes == 0
+
+
+def test_pooled_outputs_of_codec_round_trips_are_independent():
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(1 << 20, generator=g) * 1e-3).to(torch.bfloat16)  # 2 MiB: pooled outputs
+    y = (torch.randn(1 << 20, generator=g) * 1e-2).to(torch.bfloat16)
+    codec = cc.Codec()
+    fx, fy = codec.encode(x), codec.encode(y)
+    dx = codec.decode(fx)
+    del fy
+    dy = codec.decode(codec.encode(y))
+    bits_equal(dx, x)
+    bits_equal(dy, y)
+    bits_equal(codec.decode(fx), x)
+
+
+# -- decode and accumulate (the compressed all-reduce's rank-order sum) ------------------------
+_F32_SPECIAL = [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001, 0xFFA00003,
+                0x00000001, 0x807FFFFF, 0x00800000, 0x3F800000, 0xBF800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x33800000]
+_BF16_SPECIAL = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7F81, 0xFFA3, 0x0001, 0x807F, 0x0080, 0x3F80,
+                 0xBF80, 0x7F7F, 0xFF7F, 0x3380]
+_F16_SPECIAL = [0x0000, 0x8000, 0x7C00, 0xFC00, 0x7E00, 0xFE01, 0x7C01, 0xFD03, 0x0001, 0x83FF, 0x0400, 0x3C00,
+                0xBC00, 0x7BFF, 0xFBFF, 0x1400]
+
+
+def _special_pairs(dtype: torch.dtype, n: int, seed: int):
+    """(x, acc): every special value of dtype against every special float32 value, then
+    random bit patterns and gradient-like values (so that chunks code, mask and raw)."""
+    rng = np.random.default_rng(seed)
+    special = {torch.bfloat16: _BF16_SPECIAL, torch.float16: _F16_SPECIAL, torch.float32: _F32_SPECIAL}[dtype]
+    xs, accs = np.meshgrid(np.array(special, dtype=np.uint64), np.array(_F32_SPECIAL, dtype=np.uint64))
+    width = torch.finfo(dtype).bits
+    xbits = np.concatenate([xs.ravel(), rng.integers(0, 1 << width, n // 4, dtype=np.uint64)])
+    abits = np.concatenate([accs.ravel(), rng.integers(0, 1 << 32, n // 4, dtype=np.uint64)])
+    g = torch.Generator().manual_seed(seed)
+    dense = (torch.randn(n - xbits.size, generator=g) * 1e-3).to(dtype)
+    dense[: dense.numel() // 3] = 0  # masked and all-zero chunks
+    idt = {16: np.uint16, 32: np.uint32}[width]
+    x = torch.cat([torch.from_numpy(xbits.astype(idt).view({16: np.int16, 32: np.int32}[width])).view(dtype), dense])
+    acc = torch.cat([torch.from_numpy(abits.astype(np.uint32).view(np.int32)).view(torch.float32),
+                     torch.randn(n - abits.size, generator=g)])
+    return x, acc
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("chunk_elems", [64, 1 << 14])
+def test_decode_accumulate_equals_decode_then_add_bit_for_bit(dtype, chunk_elems):
+    x, acc = _special_pairs(dtype, 40_000, seed=chunk_elems)
+    codec = cc.Codec(chunk_elems=chunk_elems)
+    frame = codec.encode(x)
+    if dtype == torch.float32:  # what the all-reduce does today: part added as is, or widened first
+        expect = acc.clone().add_(codec.decode(frame))
+    else:
+        expect = acc.clone().add_(torch.empty(x.numel()).copy_(codec.decode(frame)))
+    got = acc.clone()
+    assert codec.decode_accumulate(frame, got) is got
+    bits_equal(got, expect)
+    first = torch.full((x.numel(),), 5.0)
+    bits_equal(codec.decode_accumulate(frame, first, add=False), torch.empty(x.numel()).copy_(x))
+
+
+def test_decode_accumulate_sums_shards_in_rank_order_like_the_all_reduce():
+    g = torch.Generator().manual_seed(11)
+    parts = [(torch.randn(30_000, generator=g) * 10.0 ** -k).to(torch.bfloat16) for k in range(4)]
+    codec = cc.Codec()
+    frames = [codec.encode(p) for p in parts]
+    expect = torch.empty(30_000).copy_(parts[0])
+    for p in parts[1:]:
+        expect.add_(torch.empty(30_000).copy_(p))
+    acc = torch.empty(3, 10_000)  # any shape with the frame's element count
+    codec.decode_accumulate(frames[0], acc, add=False)
+    for f in frames[1:]:
+        codec.decode_accumulate(f, acc)
+    bits_equal(acc.view(-1), expect)
+
+
+def test_decode_accumulate_refuses_what_it_cannot_add_into():
+    codec = cc.Codec()
+    frame = codec.encode(torch.ones(100, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="acc must be a float32 tensor, got torch.float64"):
+        codec.decode_accumulate(frame, torch.zeros(100, dtype=torch.float64))
+    with pytest.raises(ValueError, match="acc has 99 elements, the frame holds 100"):
+        codec.decode_accumulate(frame, torch.zeros(99))
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        codec.decode_accumulate(frame, torch.zeros(200)[::2])
+    with pytest.raises(ValueError, match="requires grad"):
+        codec.decode_accumulate(frame, torch.zeros(100, requires_grad=True))
+    with pytest.raises(TypeError, match="adds bfloat16, float16 or float32 frames; this one holds torch.int8"):
+        codec.decode_accumulate(codec.encode(torch.ones(100, dtype=torch.int8)), torch.zeros(100))
+    bad = frame.clone()
+    bad[-3] ^= 0x10
+    acc = torch.zeros(100)
+    with pytest.raises(cc.FrameError, match="chunk 0 of 1 is bad"):
+        codec.decode_accumulate(bad, acc)
+    assert codec.decode_accumulate(codec.encode(torch.zeros(0, dtype=torch.bfloat16)), torch.zeros(0)).numel() == 0

@@ -354,3 +354,23 @@ def test_profile_help_states_the_entry_contract(capsys):
                    "launch_scripts/profile_codebooks.py", "(default: 5)", "(default: 0)",
                    "(default: codebooks.json)", "(default: 8)"):
         assert needed in text, needed
+
+
+# -- histograms of chosen streams only (checkpoint planning) -----------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+def test_chunk_counts_of_chosen_streams_equal_those_of_all(dtype):
+    from comm_codec.profiler import chunk_counts
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(10_000, generator=g) * 1e-2
+    x[:3000] = 0  # chunks where zeros are taken out of the counts
+    x = (x * 1e4).clamp(-128, 127).to(torch.int8) if dtype == torch.int8 else x.to(dtype)
+    full, zeros = chunk_counts(x, 1024)
+    ns = full.shape[1]
+    for streams in ([0], [ns - 1], list(range(ns))[::-1]):
+        part, z = chunk_counts(x, 1024, streams=streams)
+        assert part.shape == (full.shape[0], len(streams), 256)
+        assert np.array_equal(part, full[:, streams]) and np.array_equal(z, zeros)
+    assert chunk_counts(x, 1024, streams=[])[0].shape == (full.shape[0], 0, 256)
+    with pytest.raises(ValueError, match=rf"streams \[{ns}\] do not exist"):
+        chunk_counts(x, 1024, streams=[0, ns])

@@ -5,7 +5,12 @@ Python layer (:mod:`comm_codec.codec`) turns statuses into :class:`comm_codec.Fr
 """
 
 import contextlib
+import logging
+import os
+import threading
+import weakref
 
+import numpy as np
 import torch
 
 
@@ -28,10 +33,14 @@ def torch_threads_kept():
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # Linux
-# Outputs from this size get huge pages: glibc's largest mmap threshold (64-bit), above
-# which every allocation is a fresh mapping. Smaller ones come back from glibc's heap
-# already populated, which beats any page size.
+# Fresh blocks from this size get huge pages: glibc's largest mmap threshold (64-bit),
+# above which every allocation is a fresh mapping. Smaller ones may come from glibc's
+# heap, where advising them made some calls 5x slower (huge pages split and collapsed
+# as the heap moved).
 _HUGE_MIN_BYTES = 32 << 20
+# Outputs from this size live in recycled blocks (see _OutputPool); smaller ones come
+# from glibc's heap, already populated.
+_POOL_MIN_BYTES = 1 << 20
 
 
 def _libc_madvise():
@@ -54,32 +63,106 @@ def _libc_madvise():
 _madvise = _libc_madvise()
 
 
-def empty_output(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized CPU tensor for a kernel to fill, on huge pages when it is large.
+def _fresh_block(nbytes: int) -> np.ndarray:
+    """A new uint8 block, its whole huge pages advised when it is a fresh mapping."""
+    block = np.empty(nbytes, dtype=np.uint8)
+    if _madvise is not None and nbytes >= _HUGE_MIN_BYTES:
+        ptr = block.ctypes.data
+        lo = -(-ptr // _HUGE_PAGE) * _HUGE_PAGE
+        hi = (ptr + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+        if hi > lo:
+            _madvise(lo, hi - lo, _MADV_HUGEPAGE)  # advice only: a failure changes nothing
+    return block
 
-    An output of 32 MiB or more is a fresh mapping on every call, populated page by page
-    on first write: with 4 KiB pages that ran at 2.4 GB/s on this VM and held decoding
-    into new memory to 1.2 GB/s (bf16, 1 thread) against 2.1 GB/s into a reused buffer.
-    Asking for transparent huge pages (``madvise(MADV_HUGEPAGE)`` on the 2 MiB-aligned
-    interior, before the first touch) takes it to 2.0 GB/s. Smaller outputs are left to
-    the allocator, whose heap reuse is faster still; advising heap memory also made
-    some calls 5x slower here (huge pages split and collapsed as the heap moved). Only
-    whole huge pages inside the tensor are advised, so no memory is added; where THP is
-    off or madvise is missing this is plain ``torch.empty``.
+
+class _OutputPool:
+    """Memory blocks that earlier outputs lived in, kept for the next output of about their size.
+
+    A frame or a decoded tensor of a few MiB or more was fresh memory on every call,
+    populated page by page on first write: on this VM a fresh 30 MiB frame took 3-15 ms
+    to fill against ~2 ms for memory written before (bf16 weights' encode spent 19 ms
+    of 42 there). An output is a view of a block; when the last tensor using it is
+    gone, a finalizer gives the block back here, and the next output that fits (up to
+    1.5x its size) takes it. Free blocks are kept up to ``limit`` bytes, oldest dropped
+    first (``COMM_CODEC_OUTPUT_POOL_MB``, default 512; 0 turns the pool off).
+    """
+
+    def __init__(self, limit: int):
+        self.limit = int(limit)
+        self._free: list = []  # oldest first
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A block of at least nbytes: the smallest free one that fits, else a fresh one."""
+        with self._lock:
+            best = -1
+            for i, block in enumerate(self._free):
+                if nbytes <= block.size <= nbytes + nbytes // 2 and (best < 0 or block.size < self._free[best].size):
+                    best = i
+            if best >= 0:
+                block = self._free.pop(best)
+                self._bytes -= block.size
+                return block
+        return _fresh_block(nbytes)
+
+    def give(self, block: np.ndarray) -> None:
+        """Keep a block that no output uses any more (finalizer callback: any thread)."""
+        if block.size > self.limit:
+            return
+        with self._lock:
+            while self._free and self._bytes + block.size > self.limit:
+                self._bytes -= self._free.pop(0).size
+            self._free.append(block)
+            self._bytes += block.size
+
+    def clear(self) -> None:
+        """Drop every free block (their memory goes back to the allocator)."""
+        with self._lock:
+            self._free.clear()
+            self._bytes = 0
+
+
+def _pool_limit() -> int:
+    raw = os.environ.get("COMM_CODEC_OUTPUT_POOL_MB", "512")
+    try:
+        return max(0, int(raw)) << 20
+    except ValueError:
+        logging.getLogger(__name__).warning("COMM_CODEC_OUTPUT_POOL_MB=%r is not an integer; using 512", raw)
+        return 512 << 20
+
+
+output_pool = _OutputPool(_pool_limit())
+if hasattr(os, "register_at_fork"):  # a fork while another thread held the lock must not deadlock the child
+    os.register_at_fork(after_in_child=lambda: setattr(output_pool, "_lock", threading.Lock()))
+
+
+def empty_output(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized 1-D CPU tensor for a kernel to fill: recycled memory when it is large.
+
+    Outputs of 1 MiB or more are views of blocks from :data:`output_pool`: memory that an
+    earlier output was written into, so the kernel does not pay for populating fresh
+    pages (see :class:`_OutputPool`). Fresh blocks of 32 MiB or more ask for transparent
+    huge pages (``madvise(MADV_HUGEPAGE)`` on their 2 MiB-aligned interior, before the
+    first touch): with 4 KiB pages first writes ran at 2.4 GB/s on this VM. Smaller
+    outputs are plain ``torch.empty``. Like any numpy-backed tensor, a pooled output's
+    storage cannot grow (``resize_`` to a larger size raises); everything else is as
+    for ``torch.empty``.
 
     Args:
         numel: number of elements.
         dtype: element type.
 
     Returns:
-        A 1-D contiguous CPU tensor.
+        A 1-D contiguous CPU tensor of ``numel`` elements.
     """
-    out = torch.empty(numel, dtype=dtype)
-    nbytes = out.numel() * out.element_size()
-    if _madvise is not None and nbytes >= _HUGE_MIN_BYTES:
-        ptr = out.data_ptr()
-        lo = -(-ptr // _HUGE_PAGE) * _HUGE_PAGE
-        hi = (ptr + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-        if hi > lo:
-            _madvise(lo, hi - lo, _MADV_HUGEPAGE)  # advice only: a failure changes nothing
-    return out
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    nbytes = int(numel) * itemsize
+    if nbytes < _POOL_MIN_BYTES or output_pool.limit == 0:
+        return torch.empty(numel, dtype=dtype)
+    block = output_pool.take(nbytes)
+    view = block[:nbytes]
+    # The tensor holds the view (torch.from_numpy keeps it alive); when the last tensor
+    # on that memory is gone, the view goes, and the block returns to the pool.
+    weakref.finalize(view, output_pool.give, block).atexit = False
+    return torch.from_numpy(view).view(dtype)

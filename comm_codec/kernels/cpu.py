@@ -48,6 +48,7 @@ __all__ = [
     "plan_chunks",
     "encode_chunks",
     "decode_chunks",
+    "decode_accumulate_chunks",
     "multi_tables",
     "chunk_histograms",
     "STATUS_OK",
@@ -123,6 +124,25 @@ def _sym(v, sh, sub, top, ra, mask):
     return ((((x << ra) | (x >> (top - ra))) >> sh) - sub) & 255
 
 
+def _sym0(v):
+    """Stream 0's byte of element bits v (before any reference), with the layout of v's
+    type folded into constants; compile-time, like :func:`_layout`."""
+    raise NotImplementedError  # only called from kernels, through the overload below
+
+
+@overload(_sym0, jit_options=dict(cache=True))
+def _ol_sym0(v):
+    width = v.bitwidth // 8
+    if v.signed:  # int8: the byte itself
+        return lambda v: np.int64(v) & 255
+    if width == 1:  # fp8: the byte rotated left by one
+        return lambda v: ((np.int64(v) << 1) | (np.int64(v) >> 7)) & 255
+    # wider floats: the sign rotated in lands in the last stream, so stream 0 is a
+    # plain shift of the element (bf16: v >> 7)
+    shift = 8 * width - 9
+    return lambda v: (np.int64(v) >> shift) & 255
+
+
 @numba.njit(inline="always", **_JIT)
 def _unrot(x, top, ra):
     return (x >> ra) | ((x & ra) << (top - 1))
@@ -161,56 +181,63 @@ def _rotated(table, sub):
 
 @numba.njit(inline="always", **_JIT)
 def _view_bits(view, sh, sub, top, ra, mask, lens):
-    """(coded bits of view, how many of its elements are all-zero bits)."""
+    """Coded bits of view."""
     total = 0
-    zeros = 0
     for i in range(view.size):
-        v = view[i]
-        total += lens[_sym(v, sh, sub, top, ra, mask)]
-        zeros += np.int64(v == 0)
-    return total, zeros
+        total += lens[_sym(view[i], sh, sub, top, ra, mask)]
+    return total
+
+
+@numba.njit(**_JIT)
+def _view_bits0(view, lens):
+    """:func:`_view_bits` of stream 0, the reference folded into lens (a function of its
+    own with the layout as constants, like :func:`_pack0`)."""
+    total = 0
+    n = view.size
+    for j in range(0, n, 16):
+        _prefetch(view, 4 * n + j)  # the next chunk's lane, as in _hist4_0
+        for i in range(j, min(n, j + 16)):
+            total += lens[_sym0(view[i])]
+    return total
+
+
+@numba.njit(inline="always", **_JIT)
+def _segment_size(lane_bits):
+    """Bytes of a coded segment whose lanes hold lane_bits[k] bits: header, padded lanes."""
+    total = _LANE_HEADER
+    for k in range(_LANES):
+        total += (((lane_bits[k] + 7) // 8) + 7) & ~7
+    return total
 
 
 @numba.njit(**_JIT)
 def _segment_bytes(src, lo, hi, s, exp_shift, ref, lens):
-    """(bytes of the coded segment of stream s over src[lo:hi] without a mask, lane header
-    included, and the chunk's all-zero elements, counted on the way)."""
+    """Bytes of the coded segment of stream s over src[lo:hi] with one book, lane header included."""
     lane = np.zeros(_LANES, dtype=np.int64)
-    zeros = np.int64(0)
     present = hi - lo
-    if s == 0:  # a copy with constant layout, as in _write_segment
-        sh, sub, top, ra, mask = _params(src, 0, exp_shift, ref)
+    if s == 0:
+        _, sub, _, _, _ = _params(src, 0, exp_shift, ref)
         rlens = _rotated(lens, sub)
         for k in range(_LANES):
-            view = src[lo + k * present // _LANES: lo + (k + 1) * present // _LANES]
-            lane[k], z = _view_bits(view, sh, 0, top, ra, mask, rlens)
-            zeros += z
+            lane[k] = _view_bits0(src[lo + k * present // _LANES: lo + (k + 1) * present // _LANES], rlens)
     else:
         sh, sub, top, ra, mask = _params(src, s, exp_shift, ref)
         for k in range(_LANES):
             view = src[lo + k * present // _LANES: lo + (k + 1) * present // _LANES]
-            lane[k], z = _view_bits(view, sh, sub, top, ra, mask, lens)
-            zeros += z
-    total = _LANE_HEADER
-    for k in range(_LANES):
-        total += (((lane[k] + 7) // 8) + 7) & ~7
-    return total, zeros
+            lane[k] = _view_bits(view, sh, sub, top, ra, mask, lens)
+    return _segment_size(lane)
 
 
 @numba.njit(inline="always", **_JIT)
 def _hist_rest(view, start, h, sh, top, ra, mask):
-    """Count view[start:] into h (what a longer lane has past the shortest); return its zeros."""
-    zeros = np.int64(0)
+    """Count view[start:] into h (what a longer lane has past the shortest)."""
     for i in range(start, view.size):
         h[_sym(view[i], sh, 0, top, ra, mask)] += 1
-        zeros += np.int64(view[i] == 0)
-    return zeros
 
 
 @numba.njit(inline="always", **_JIT)
 def _hist4(src, lo, a1, a2, a3, a4, sh, top, ra, mask, hist):
-    """hist[k, byte] = count over lane k = src[lo+a_k : lo+a_{k+1}] (a0 = 0), lanes interleaved;
-    return the number of all-zero elements.
+    """hist[k, byte] = count over lane k = src[lo+a_k : lo+a_{k+1}] (a0 = 0), lanes interleaved.
 
     Four separate tables advanced in lockstep: consecutive increments of one counter
     would each wait for the last (exponent bytes repeat).
@@ -224,31 +251,91 @@ def _hist4(src, lo, a1, a2, a3, a4, sh, top, ra, mask, hist):
     h2 = np.zeros(256, dtype=np.int32)
     h3 = np.zeros(256, dtype=np.int32)
     m = min(min(v0.size, v1.size), min(v2.size, v3.size))
-    zeros = np.int64(0)
     for i in range(m):
-        x0 = v0[i]
-        x1 = v1[i]
-        x2 = v2[i]
-        x3 = v3[i]
-        h0[_sym(x0, sh, 0, top, ra, mask)] += 1
-        h1[_sym(x1, sh, 0, top, ra, mask)] += 1
-        h2[_sym(x2, sh, 0, top, ra, mask)] += 1
-        h3[_sym(x3, sh, 0, top, ra, mask)] += 1
-        zeros += np.int64(x0 == 0) + np.int64(x1 == 0) + np.int64(x2 == 0) + np.int64(x3 == 0)
-    zeros += _hist_rest(v0, m, h0, sh, top, ra, mask) + _hist_rest(v1, m, h1, sh, top, ra, mask)
-    zeros += _hist_rest(v2, m, h2, sh, top, ra, mask) + _hist_rest(v3, m, h3, sh, top, ra, mask)
+        h0[_sym(v0[i], sh, 0, top, ra, mask)] += 1
+        h1[_sym(v1[i], sh, 0, top, ra, mask)] += 1
+        h2[_sym(v2[i], sh, 0, top, ra, mask)] += 1
+        h3[_sym(v3[i], sh, 0, top, ra, mask)] += 1
+    _hist_rest(v0, m, h0, sh, top, ra, mask)
+    _hist_rest(v1, m, h1, sh, top, ra, mask)
+    _hist_rest(v2, m, h2, sh, top, ra, mask)
+    _hist_rest(v3, m, h3, sh, top, ra, mask)
     for b in range(256):
         hist[0, b] = h0[b]
         hist[1, b] = h1[b]
         hist[2, b] = h2[b]
         hist[3, b] = h3[b]
-    return zeros
+
+
+@intrinsic
+def _prefetch(typingctx, arr, i):
+    """Ask for the cache line holding arr[i] to be brought into L2 (a hint: never faults,
+    so i may lie past the array's end)."""
+    if not isinstance(arr, types.Array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ary, index = args
+        data = context.make_array(signature.args[0])(context, builder, ary).data
+        ptr = builder.bitcast(builder.gep(data, [index]), ir.IntType(8).as_pointer())
+        fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(
+            ir.VoidType(), [ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(32), ir.IntType(32)]))
+        builder.call(fn, [ptr, ir.Constant(ir.IntType(32), 0), ir.Constant(ir.IntType(32), 2),
+                          ir.Constant(ir.IntType(32), 1)])
+        return context.get_dummy_value()
+
+    return types.void(arr, types.int64), codegen
+
+
+@numba.njit(**_JIT)
+def _zeros(view):
+    """How many elements of view are all-zero bits (a vectorized pass: counting them in
+    the histogram's loop cost a quarter of its time)."""
+    z = np.int64(0)
+    for i in range(view.size):
+        z += np.int64(view[i] == 0)
+    return z
+
+
+@numba.njit(**_JIT)
+def _hist4_0(src, lo, a1, a2, a3, a4, hist):
+    """:func:`_hist4` for stream 0, its layout all constants (a function of its own, so
+    that the compiler cannot merge it with the general one: merged, the shifts were
+    run-time values again)."""
+    v0 = src[lo:lo + a1]
+    v1 = src[lo + a1:lo + a2]
+    v2 = src[lo + a2:lo + a3]
+    v3 = src[lo + a3:lo + a4]
+    h0 = np.zeros(256, dtype=np.int32)
+    h1 = np.zeros(256, dtype=np.int32)
+    h2 = np.zeros(256, dtype=np.int32)
+    h3 = np.zeros(256, dtype=np.int32)
+    m = min(min(v0.size, v1.size), min(v2.size, v3.size))
+    ahead = lo + a4  # the next chunk: its lines arrive while this one is counted
+    for i in range(m):
+        _prefetch(src, ahead + 4 * i)
+        h0[_sym0(v0[i])] += 1
+        h1[_sym0(v1[i])] += 1
+        h2[_sym0(v2[i])] += 1
+        h3[_sym0(v3[i])] += 1
+    for i in range(m, v0.size):
+        h0[_sym0(v0[i])] += 1
+    for i in range(m, v1.size):
+        h1[_sym0(v1[i])] += 1
+    for i in range(m, v2.size):
+        h2[_sym0(v2[i])] += 1
+    for i in range(m, v3.size):
+        h3[_sym0(v3[i])] += 1
+    for b in range(256):
+        hist[0, b] = h0[b]
+        hist[1, b] = h1[b]
+        hist[2, b] = h2[b]
+        hist[3, b] = h3[b]
 
 
 @numba.njit(**_JIT)
 def _lane_histograms(src, lo, hi, s, hist):
-    """Fill hist (int64[4, 256]) with the bytes of stream s per lane, before any reference;
-    return the number of all-zero elements (counted on the way).
+    """Fill hist (int64[4, 256]) with the bytes of stream s per lane, before any reference.
 
     Lane k holds elements [lo + k*n//4, lo + (k+1)*n//4) of src, n = hi - lo (a masked
     chunk is compacted first: see :func:`_compact`).
@@ -258,11 +345,11 @@ def _lane_histograms(src, lo, hi, s, hist):
     a1 = n // _LANES
     a2 = 2 * n // _LANES
     a3 = 3 * n // _LANES
-    if s == 0:  # stream 0 with constant layout: the hot case folds
-        sh, _, top, ra, mask = _params(src, 0, -1, 0)
-        return _hist4(src, lo, a1, a2, a3, n, sh, top, ra, mask, hist)
-    sh, _, top, ra, mask = _params(src, s, -1, 0)
-    return _hist4(src, lo, a1, a2, a3, n, sh, top, ra, mask, hist)
+    if s == 0:  # stream 0 with constant layout: the hot case
+        _hist4_0(src, lo, a1, a2, a3, n, hist)
+    else:
+        sh, _, top, ra, mask = _params(src, s, -1, 0)
+        _hist4(src, lo, a1, a2, a3, n, sh, top, ra, mask, hist)
 
 
 @numba.njit(**_JIT)
@@ -318,6 +405,16 @@ def _segment_plan(hist, sub, lens, nbooks, total):
     return seg, best
 
 
+@numba.njit(**_JIT)
+def _size_stream(src, lo, hi, s, exp_shift, ref, lens, nbooks, hist, total):
+    """(coded segment bytes, book of its group) of stream s over src[lo:hi]."""
+    if nbooks == 1:  # summing code lengths beats a histogram (9 vs 11 ms / 64 MiB)
+        return _segment_bytes(src, lo, hi, s, exp_shift, ref, lens[0]), 0
+    _lane_histograms(src, lo, hi, s, hist)
+    _, sub, _, _, _ = _params(src, s, exp_shift, ref)
+    return _segment_plan(hist, sub, lens, nbooks, total)
+
+
 @numba.njit(**_PJIT)
 def plan_chunks(bits, chunk_elems, exp_shift, enc_len, nbooks, raw_stream, cflags, refs, books, sizes):
     """Choose each chunk's reference, zero handling, books and raw fallbacks; size its streams.
@@ -350,23 +447,15 @@ def plan_chunks(bits, chunk_elems, exp_shift, enc_len, nbooks, raw_stream, cflag
                 first = s
                 break
         # Unless the reference's sample saw zeros, the first coded stream is sized as if
-        # there were no mask, counting the zeros on the way (a separate pass over the
-        # chunk cost 4 % of an encode); a chunk that then takes the mask is sized again.
+        # there were no mask (while its elements come in: see _prefetch); a chunk that
+        # then takes the mask is sized again.
         sz, sn = _sample_zeros(bits, lo, hi)
         early = first >= 0 and sz * 16 <= sn
         seg0 = np.int64(0)
         k0 = 0
-        if not early:
-            chunk = bits[lo:hi]
-            zeros = np.int64(0)
-            for i in range(count):
-                zeros += np.int64(chunk[i] == 0)
-        elif nbooks[first] == 1:
-            seg0, zeros = _segment_bytes(bits, lo, hi, first, exp_shift, ref, enc_len[first, 0])
-        else:
-            zeros = _lane_histograms(bits, lo, hi, first, hist)
-            _, sub, _, _, _ = _params(bits, first, exp_shift, ref)
-            seg0, k0 = _segment_plan(hist, sub, enc_len[first], nbooks[first], total)
+        if early:
+            seg0, k0 = _size_stream(bits, lo, hi, first, exp_shift, ref, enc_len[first], nbooks[first], hist, total)
+        zeros = _zeros(bits[lo:hi])
         if zeros == count:
             cflags[c] = _CHUNK_ZERO
             for s in range(ns):
@@ -397,12 +486,8 @@ def plan_chunks(bits, chunk_elems, exp_shift, enc_len, nbooks, raw_stream, cflag
             elif s == first and early and not use_mask:
                 seg = seg0
                 k = k0
-            elif nbooks[s] == 1:  # summing code lengths beats a histogram (9 vs 11 ms / 64 MiB)
-                seg, _ = _segment_bytes(src, slo, shi, s, exp_shift, ref, enc_len[s, 0])
             else:
-                _lane_histograms(src, slo, shi, s, hist)
-                _, sub, _, _, _ = _params(bits, s, exp_shift, ref)
-                seg, k = _segment_plan(hist, sub, enc_len[s], nbooks[s], total)
+                seg, k = _size_stream(src, slo, shi, s, exp_shift, ref, enc_len[s], nbooks[s], hist, total)
             if seg >= present:
                 flags |= _CHUNK_RAW0 << s
                 sizes[c, s] = present
@@ -496,6 +581,43 @@ def _pack(view, sh, sub, top, ra, mask, codes, lens, out64, w):
 
 
 @numba.njit(**_JIT)
+def _pack0(view, codes, lens, out64, w):
+    """:func:`_pack` of stream 0 with the reference folded into codes and lens: the
+    layout is all constants here (a separate function, so that the compiler cannot
+    merge it with the general packer's code; merged, the shifts were run-time values
+    again and the loop spilled registers)."""
+    acc = _U64_0
+    nb = 0
+    w0 = w
+    n = view.size
+    for k in range(n // 3):
+        # Lane k's elements of the next chunk lie 4 lane lengths on: ask for them now,
+        # as the histogram does (the input comes from memory, once per pass).
+        _prefetch(view, 4 * n + 3 * k)
+        s0 = _sym0(view[3 * k])
+        s1 = _sym0(view[3 * k + 1])
+        s2 = _sym0(view[3 * k + 2])
+        l0 = np.int64(lens[s0])
+        l01 = l0 + np.int64(lens[s1])
+        ln = l01 + np.int64(lens[s2])
+        code = (np.uint64(codes[s0]) | (np.uint64(codes[s1]) << np.uint64(l0))
+                | (np.uint64(codes[s2]) << np.uint64(l01)))
+        acc |= code << np.uint64(nb)
+        nb += ln
+        if nb >= 64:
+            out64[w] = acc
+            w += 1
+            nb -= 64
+            acc = code >> np.uint64(ln - nb)
+    for i in range(3 * (n // 3), n):
+        s0 = _sym0(view[i])
+        acc, nb, w = _emit(acc, nb, w, np.uint64(codes[s0]), np.int64(lens[s0]), out64)
+    if nb > 0:
+        out64[w] = acc
+    return 64 * (w - w0) + nb
+
+
+@numba.njit(**_JIT)
 def _put_u32(out8, pos, value):
     for k in range(4):
         out8[pos + k] = (value >> (8 * k)) & 255
@@ -552,7 +674,7 @@ def _write_segment(src, s, exp_shift, ref, codes, lens, out8, out64, pos):
         rlens = _rotated(lens, sub)
         for k in range(_LANES):
             view = src[k * count // _LANES: (k + 1) * count // _LANES]
-            nbytes = (_pack(view, sh, 0, top, ra, mask, rcodes, rlens, out64, wpos // 8) + 7) // 8
+            nbytes = (_pack0(view, rcodes, rlens, out64, wpos // 8) + 7) // 8
             _put_u32(out8, pos + 4 * k, nbytes)
             wpos += (nbytes + 7) & ~7
     else:
@@ -719,6 +841,102 @@ def _lane_rest(words, base, nwords, pos, multi, dec, dst, i, end):
     return STATUS_OK, pos
 
 
+@intrinsic
+def _address(typingctx, arr):
+    """The address of arr's first element, as an integer (for the raw loads below)."""
+    if not isinstance(arr, types.Array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.ptrtoint(data, ir.IntType(64))
+
+    return types.int64(arr), codegen
+
+
+def _raw_load(bits):
+    def typer(typingctx, addr):
+        def codegen(context, builder, signature, args):
+            ptr = builder.inttoptr(args[0], ir.IntType(bits).as_pointer())
+            return builder.load(ptr, align=1)
+
+        return getattr(types, f"uint{bits}")(types.int64), codegen
+
+    return intrinsic(typer)
+
+
+# Loads at raw addresses in the decoder's fast loop. Passing arrays into its inlined
+# steps made numba count references on every step (an NRT call per symbol: 17x slower);
+# integers are free. The loop's bounds are established before it runs (see
+# _decode_lanes); only aligned-or-not loads and stores of in-bounds bytes happen here.
+_ld64 = _raw_load(64)
+_ld16 = _raw_load(16)
+
+
+@intrinsic
+def _st32(typingctx, addr, value):
+    """Store the low 4 bytes of value at address addr (any alignment)."""
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(32).as_pointer())
+        builder.store(builder.trunc(args[1], ir.IntType(32)), ptr, align=1)
+        return context.get_dummy_value()
+
+    return types.void(types.int64, types.int64), codegen
+
+
+@intrinsic
+def _st8(typingctx, addr, value):
+    """Store the low byte of value at address addr."""
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+        builder.store(builder.trunc(args[1], ir.IntType(8)), ptr, align=1)
+        return context.get_dummy_value()
+
+    return types.void(types.int64, types.int64), codegen
+
+
+@numba.njit(inline="always", **_JIT)
+def _window(f, p):
+    """At least 57 bits of the frame at address f from bit p on (the caller bounds p)."""
+    return _ld64(f + (p >> 3)) >> np.uint64(p & 7)
+
+
+@numba.njit(**_JIT)
+def _slow_step(f, p, d, dec):
+    """One symbol at bit p with the plain table at address dec, stored at address d:
+    (bits used, 0 = no such code). Off the fast path (escapes), so not inlined."""
+    w = _window(f, p)
+    x = np.int64(_ld16(dec + 2 * np.int64(w & _DEC_MASK)))
+    ln = (x >> 8) & 15
+    sym = x & 255
+    if x >= 0x8000 and ln != 0:  # escape: the symbol's 8 bits follow its code
+        sym = np.int64(w >> np.uint64(ln)) & 255
+        ln += 8
+    _st8(d, sym)
+    return ln
+
+
+@numba.njit(inline="always", **_JIT)
+def _fast_step(f, b, p, d, multi, dec, bad):
+    """One step of the fast loop: (window, bit position, output address, bad).
+
+    b is the window at bit p of the frame at address f (>= 12 valid bits guaranteed by
+    the caller); d is where the next symbol goes; multi and dec are the tables'
+    addresses. A multi-symbol entry stores its symbols (one 4-byte store) and shifts the
+    window; anything else (an escape, or no code: rare) decodes one symbol from a fresh
+    read at p and reloads the window there, so the fast path needs no more valid bits
+    than 12. bad becomes True on a bit pattern that is no code (off the fast path only).
+    """
+    e = _ld64(multi + 8 * np.int64(b & _DEC_MASK))
+    if e != _U64_0:
+        _st32(d, np.int64(e))
+        ln = np.int64(e >> np.uint64(32)) & 15
+        return b >> np.uint64(ln), p + ln, d + (np.int64(e >> np.uint64(36)) & 7), bad
+    ln = _slow_step(f, p, d, dec)
+    p += ln
+    return _window(f, p), p, d + 1, bad | (ln == 0)
+
+
 @numba.njit(**_JIT)
 def _decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst):
     """Decode one coded segment (4 lanes) of count symbols into dst (uint8); return status."""
@@ -746,35 +964,67 @@ def _decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst):
     i1 = e0
     i2 = e1
     i3 = e2
-    p0 = p1 = p2 = p3 = 0
-    # A round refills each lane once and takes 3 steps from each (3 x 20 bits, the
-    # longest step, fit in the 64 bits peeked); a step decodes up to 4 symbols and
-    # writes 4 bytes (12 slots must remain). Lanes advance at their own pace; each
-    # finishes alone below.
-    while i0 + 12 <= e0 and i1 + 12 <= e1 and i2 + 12 <= e2 and i3 + 12 <= e3:
-        b0 = _peek(frame64, w0, n0, p0)
-        b1 = _peek(frame64, w1, n1, p1)
-        b2 = _peek(frame64, w2, n2, p2)
-        b3 = _peek(frame64, w3, n3, p3)
-        for r in range(3):
-            k0, l0 = _multi_step(b0, multi, dec, dst, i0)
-            k1, l1 = _multi_step(b1, multi, dec, dst, i1)
-            k2, l2 = _multi_step(b2, multi, dec, dst, i2)
-            k3, l3 = _multi_step(b3, multi, dec, dst, i3)
-            if l0 == 0 or l1 == 0 or l2 == 0 or l3 == 0:
+    # Fast loop on absolute bit positions of the frame. A round reads each lane's next
+    # 57+ bits with one unaligned load and takes 4 steps from each (up to 4 symbols and
+    # 12 bits a step; an escape reloads). Instead of checking every round, run as many
+    # rounds as no lane can go wrong in: 16 symbols a round must fit before the lane's
+    # end, and 4 x 20 bits (4 escapes) a round must leave an 8-byte read inside the
+    # frame. Valid lanes never read past their own end there; a corrupt one may read its
+    # neighbour's bits and then fails the overrun check below.
+    if multi.size != 4096 or dec.size != 4096 or dst.size < count:  # the codec's tables; trust nothing
+        return _ST_BOOK
+    f = _address(frame8)
+    mt = _address(multi)
+    dt = _address(dec)
+    d0 = _address(dst)
+    q0 = 64 * w0
+    q1 = 64 * w1
+    q2 = 64 * w2
+    q3 = 64 * w3
+    lim = 8 * (frame8.size - 8)
+    while True:
+        rounds = min(min((e0 - i0) // 16, (e1 - i1) // 16), min((e2 - i2) // 16, (e3 - i3) // 16))
+        rounds = min(rounds, (lim - max(max(q0, q1), max(q2, q3))) // 80)
+        if rounds <= 0:
+            break
+        bad = False
+        a0 = d0 + i0
+        a1 = d0 + i1
+        a2 = d0 + i2
+        a3 = d0 + i3
+        for _ in range(rounds):
+            b0 = _window(f, q0)
+            b1 = _window(f, q1)
+            b2 = _window(f, q2)
+            b3 = _window(f, q3)
+            b0, q0, a0, bad = _fast_step(f, b0, q0, a0, mt, dt, bad)
+            b1, q1, a1, bad = _fast_step(f, b1, q1, a1, mt, dt, bad)
+            b2, q2, a2, bad = _fast_step(f, b2, q2, a2, mt, dt, bad)
+            b3, q3, a3, bad = _fast_step(f, b3, q3, a3, mt, dt, bad)
+            b0, q0, a0, bad = _fast_step(f, b0, q0, a0, mt, dt, bad)
+            b1, q1, a1, bad = _fast_step(f, b1, q1, a1, mt, dt, bad)
+            b2, q2, a2, bad = _fast_step(f, b2, q2, a2, mt, dt, bad)
+            b3, q3, a3, bad = _fast_step(f, b3, q3, a3, mt, dt, bad)
+            b0, q0, a0, bad = _fast_step(f, b0, q0, a0, mt, dt, bad)
+            b1, q1, a1, bad = _fast_step(f, b1, q1, a1, mt, dt, bad)
+            b2, q2, a2, bad = _fast_step(f, b2, q2, a2, mt, dt, bad)
+            b3, q3, a3, bad = _fast_step(f, b3, q3, a3, mt, dt, bad)
+            b0, q0, a0, bad = _fast_step(f, b0, q0, a0, mt, dt, bad)
+            b1, q1, a1, bad = _fast_step(f, b1, q1, a1, mt, dt, bad)
+            b2, q2, a2, bad = _fast_step(f, b2, q2, a2, mt, dt, bad)
+            b3, q3, a3, bad = _fast_step(f, b3, q3, a3, mt, dt, bad)
+            if bad:  # a round after a bad code stays in bounds: 16 slots, no bits consumed
                 return _ST_BAD_CODE
-            b0 >>= np.uint64(l0)
-            b1 >>= np.uint64(l1)
-            b2 >>= np.uint64(l2)
-            b3 >>= np.uint64(l3)
-            p0 += l0
-            p1 += l1
-            p2 += l2
-            p3 += l3
-            i0 += k0
-            i1 += k1
-            i2 += k2
-            i3 += k3
+        i0 = a0 - d0
+        i1 = a1 - d0
+        i2 = a2 - d0
+        i3 = a3 - d0
+    p0 = q0 - 64 * w0
+    p1 = q1 - 64 * w1
+    p2 = q2 - 64 * w2
+    p3 = q3 - 64 * w3
+    if p0 > 8 * lb0 or p1 > 8 * lb1 or p2 > 8 * lb2 or p3 > 8 * lb3:
+        return _ST_OVERRUN
     st, p0 = _lane_rest(frame64, w0, n0, p0, multi, dec, dst, i0, e0)
     if st == STATUS_OK:
         st, p1 = _lane_rest(frame64, w1, n1, p1, multi, dec, dst, i1, e1)
@@ -881,6 +1131,30 @@ def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_
     return STATUS_OK
 
 
+@numba.njit(**_JIT)
+def _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books, sizes,
+                offsets, checksums, do_checksum, out):
+    """Decode chunk c into out (its count elements); return its status."""
+    lo = c * chunk_elems
+    count = min(numel, lo + chunk_elems) - lo
+    flags = cflags[c]
+    pos = offsets[c]
+    length = (((count + 7) // 8) + 7) & ~7 if flags & _CHUNK_MASK else 0
+    for s in range(sizes.shape[1]):
+        length += (np.int64(sizes[c, s]) + 7) & ~7
+    if pos < 0 or pos % 8 or pos + length > frame8.size or out.size != count:  # checked above us; trust nothing
+        return _ST_SIZE
+    st = _decode_chunk(frame8, frame64, pos, count, flags, np.int64(refs[c]), np.int64(books[c]),
+                       sizes[c], exp_shift, dec_tables, multi, out)
+    # Checked after decoding (the kernels are safe on any bytes): the decode streams
+    # the payload in from memory while it computes, and the hash then reads it from
+    # cache. Hashing first made the hash wait for memory (bf16 weights, 1 thread:
+    # the checksum cost 3.4 ms of a 20.5 ms kernel, 1.5 ms on a cached payload).
+    if do_checksum and _hash_words(frame64, pos // 8, length // 8, c) != checksums[c]:
+        st = _ST_CHECKSUM
+    return st
+
+
 @numba.njit(**_PJIT)
 def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books, sizes,
                   offsets, checksums, do_checksum, out, status):
@@ -902,20 +1176,134 @@ def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, mu
     for c in prange(cflags.size):
         lo = c * chunk_elems
         hi = min(numel, lo + chunk_elems)
-        count = hi - lo
-        flags = cflags[c]
-        pos = offsets[c]
-        length = (((count + 7) // 8) + 7) & ~7 if flags & _CHUNK_MASK else 0
-        for s in range(sizes.shape[1]):
-            length += (np.int64(sizes[c, s]) + 7) & ~7
-        if pos < 0 or pos % 8 or pos + length > frame8.size:  # the Python layer checked; trust nothing
-            status[c] = _ST_SIZE
-            continue
-        if do_checksum and _hash_words(frame64, pos // 8, length // 8, c) != checksums[c]:
-            status[c] = _ST_CHECKSUM
-            continue
-        status[c] = _decode_chunk(frame8, frame64, pos, count, flags, np.int64(refs[c]), np.int64(books[c]),
-                                  sizes[c], exp_shift, dec_tables, multi, out[lo:hi])
+        status[c] = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs,
+                                books, sizes, offsets, checksums, do_checksum, out[lo:hi])
+
+
+# -- decode and accumulate into float32 ------------------------------------------------------
+_QUIET = np.uint32(0x00400000)
+_ABS = np.uint32(0x7FFFFFFF)
+_INF_BITS = np.uint32(0x7F800000)
+
+
+@intrinsic
+def _as_f32(typingctx, bits):
+    """The float32 whose bits are the low 32 bits of the integer bits (numba widens
+    uint32 arithmetic to 64 bits)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        low = args[0] if bits.bitwidth == 32 else builder.trunc(args[0], ir.IntType(32))
+        return builder.bitcast(low, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, x):
+    """The bits of the float32 x, as a uint32."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@numba.njit(inline="always", **_JIT)
+def _add_f32(a, b):
+    """Bits of float32(a) + float32(b) (both given as bits), NaNs as torch's CPU add gives them.
+
+    IEEE leaves which NaN a sum of NaNs carries to the hardware and the instruction's
+    operand order; torch's ``acc.add_(x)`` gives x's NaN (quieted) when x is one, else
+    acc's (seen on x86, vectorized and scalar tails alike). Choosing it here explicitly
+    keeps the result independent of how LLVM orders the add.
+    """
+    r = _f32_bits(_as_f32(a) + _as_f32(b))
+    if (a & _ABS) > _INF_BITS:
+        r = a | _QUIET
+    if (b & _ABS) > _INF_BITS:
+        r = b | _QUIET
+    return r
+
+
+@numba.njit(inline="always", **_JIT)
+def _half_bits_f32(h):
+    """float32 bits of the fp16 bits h: exact; a NaN keeps its sign and payload and is
+    quieted (what the hardware conversion gives, and torch's vectorized one; torch's
+    scalar loop tail makes every NaN 0x7FFFFFFF instead)."""
+    sign = np.uint32(h >> 15) << np.uint32(31)
+    e = (np.uint32(h) >> np.uint32(10)) & np.uint32(31)
+    m = np.uint32(h) & np.uint32(1023)
+    r = sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13))
+    if e == 0:  # zero or subnormal: m * 2**-24, exact in float32
+        r = sign | _f32_bits(np.float32(m) * np.float32(5.9604644775390625e-08))
+    if e == 31:
+        r = (sign | _INF_BITS) if m == 0 else (sign | _INF_BITS | _QUIET | (m << np.uint32(13)))
+    return r
+
+
+@numba.njit(**_JIT)
+def _accumulate(bits, acc, half, add):
+    """acc[i] (float32 bits) += the float32 value of element bits[i] (or = it, add False).
+
+    bits are as :func:`decode_chunks` writes them: uint16 for bf16 (half False) and fp16
+    (half True), uint32 for fp32. Widening is exact, so the sum is the one of widening
+    first and adding then, bit for bit (see :func:`_add_f32` for NaNs).
+    """
+    width, _, _ = _layout(bits)
+    if width == 4:
+        if add:
+            for i in range(bits.size):
+                acc[i] = _add_f32(acc[i], np.uint32(bits[i]))
+        else:
+            for i in range(bits.size):
+                acc[i] = np.uint32(bits[i])
+    elif half:
+        if add:
+            for i in range(bits.size):
+                acc[i] = _add_f32(acc[i], _half_bits_f32(bits[i]))
+        else:
+            for i in range(bits.size):
+                acc[i] = _half_bits_f32(bits[i])
+    else:
+        if add:
+            for i in range(bits.size):
+                acc[i] = _add_f32(acc[i], np.uint32(bits[i]) << np.uint32(16))
+        else:
+            for i in range(bits.size):
+                acc[i] = np.uint32(bits[i]) << np.uint32(16)
+
+
+@numba.njit(**_PJIT)
+def decode_accumulate_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books,
+                             sizes, offsets, checksums, do_checksum, proto, half, acc, add, status):
+    """Decode every chunk and add its elements, widened to float32, into acc (or assign them).
+
+    Each chunk is decoded into a scratch chunk (it stays in L1/L2) and then added, so the
+    decoded tensor never exists in memory: one pass over acc instead of a decode, a
+    widening copy and an add. A chunk whose status is not 0 leaves its part of acc
+    untouched.
+
+    Args:
+        frame8 ... do_checksum: as for :func:`decode_chunks`.
+        proto: an empty array of the element bits' type (uint16 or uint32).
+        half: the frame holds fp16 (its uint16 bits widen differently from bf16's).
+        acc: uint32[numel], the float32 accumulator's bits (updated in place).
+        add: True: acc += value; False: acc = value.
+        status: int32[nchunks] output.
+    """
+    for c in prange(cflags.size):
+        lo = c * chunk_elems
+        hi = min(numel, lo + chunk_elems)
+        scratch = np.empty(hi - lo, dtype=proto.dtype)
+        st = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books,
+                         sizes, offsets, checksums, do_checksum, scratch)
+        status[c] = st
+        if st == STATUS_OK and hi <= acc.size:
+            _accumulate(scratch, acc[lo:hi], half, add)
 
 
 @numba.njit(**_JIT)
@@ -930,28 +1318,36 @@ def multi_tables(dec_tables, multi):
 
 
 @numba.njit(**_PJIT)
-def chunk_histograms(bits, chunk_elems, exp_shift, local, zeros):
-    """Fill local[c, s] with the symbol counts of stream s in chunk c, zeros[c] with its zeros.
+def chunk_histograms(bits, chunk_elems, exp_shift, streams, local, zeros):
+    """Fill local[c, j] with the symbol counts of stream streams[j] in chunk c, zeros[c] with its zeros.
 
     Symbols are formed exactly as the encoder forms them: per-chunk reference exponent
     for stream 0. Exact zeros are counted where the encoder will code them, in chunks
     with at most 1/8 zeros, and left out where it will mostly mask them (a zero costs
     9+ bits in a float's streams, so the one-bit-per-element mask pays above ~1/9).
+    Streams not listed cost nothing (a checkpoint's planner skips the mantissa bytes it
+    will store raw).
 
     Args:
         bits, chunk_elems, exp_shift: as for :func:`plan_chunks`.
-        local: int64[nchunks, nstreams, 256] output (overwritten).
+        streams: int64[k], the streams to count (each in 0..nstreams-1; others are skipped).
+        local: int64[nchunks, k, 256] output (overwritten).
         zeros: int64[nchunks] output.
     """
     n = bits.size
-    ns = local.shape[1]
+    width, _, _ = _layout(bits)
     for c in prange(local.shape[0]):
         lo = c * chunk_elems
         hi = min(n, lo + chunk_elems)
         ref = _chunk_ref(bits, lo, hi, exp_shift)
         chunk = bits[lo:hi]
         quads = chunk.size // 4
-        for s in range(ns):
+        for j in range(streams.size):
+            s = streams[j]
+            h = local[c, j]
+            h[:] = 0
+            if s < 0 or s >= width:  # the Python layer checks; trust nothing
+                continue
             sh, sub, top, ra, mask = _params(bits, s, exp_shift, ref)
             # Four partial histograms: exponent symbols repeat, and with one histogram
             # each increment waits for the previous one to the same counter (measured
@@ -968,18 +1364,17 @@ def chunk_histograms(bits, chunk_elems, exp_shift, local, zeros):
                 h3[_sym(chunk[i + 3], sh, sub, top, ra, mask)] += 1
             for i in range(4 * quads, chunk.size):
                 h0[_sym(chunk[i], sh, sub, top, ra, mask)] += 1
-            h = local[c, s]
             for k in range(256):
                 h[k] = h0[k] + h1[k] + h2[k] + h3[k]
         # Exact zeros were counted under their symbols above; take them out again.
-        z = 0
-        for i in range(chunk.size):
-            z += np.int64(chunk[i] == 0)
+        z = _zeros(chunk)
         zeros[c] = z
         if z * 8 > chunk.size:
-            for s in range(ns):
-                sh, sub, top, ra, mask = _params(bits, s, exp_shift, ref)
-                local[c, s, _sym(0, sh, sub, top, ra, mask)] -= z
+            for j in range(streams.size):
+                s = streams[j]
+                if 0 <= s < width:
+                    sh, sub, top, ra, mask = _params(bits, s, exp_shift, ref)
+                    local[c, j, _sym(0, sh, sub, top, ra, mask)] -= z
 
 
 @numba.njit(**_JIT)
