@@ -203,14 +203,21 @@ def _reduce_parts(parts, acc_dtype, workspace: Workspace, device) -> torch.Tenso
     (20 ms for 11 M elements), and the result is the same, since widening is exact.
 
     Args:
-        parts: an iterable of same-sized 1-D tensors (it may decode them lazily).
+        parts: an iterable of same-sized 1-D tensors (it may decode them lazily), or of
+            callables ``f(acc, first)`` that add (or, first, write) their values into
+            the accumulator themselves (a fused decode and add).
 
     Returns:
         The accumulator (a workspace buffer, valid until the next reduction).
     """
     acc = None
     for part in parts:
-        if acc is None:
+        if callable(part):
+            first = acc is None
+            if first:
+                acc = workspace.take("acc", part.numel, acc_dtype, device)
+            part(acc, first)
+        elif acc is None:
             acc = workspace.take("acc", part.numel(), acc_dtype, device)
             acc.copy_(part)
         elif part.dtype == acc_dtype:
@@ -220,6 +227,33 @@ def _reduce_parts(parts, acc_dtype, workspace: Workspace, device) -> torch.Tenso
             wide.copy_(part)
             acc.add_(wide)
     return acc
+
+
+class _FusedDecode:
+    """A peer's frame, decoded and added into the float32 accumulator in one pass.
+
+    :meth:`Codec.decode_accumulate` gives bit for bit ``acc.add_(decode(frame).float())``
+    without the decoded shard ever existing: on MiniLM's bf16 gradients decode, widen
+    and add took 38 ms per 22.6 M elements, the fused pass 20 ms (1 thread).
+    """
+
+    __slots__ = ("codec", "frame", "numel", "dtype", "stats")
+
+    def __init__(self, codec: Codec, frame: torch.Tensor, numel: int, dtype, stats: CommStats):
+        self.codec, self.frame, self.numel, self.dtype, self.stats = codec, frame, numel, dtype, stats
+
+    def __call__(self, acc: torch.Tensor, first: bool) -> None:
+        with self.stats.timer("decode_seconds"):
+            params = Codec.frame_parameters(self.frame)
+            if params.numel != self.numel:
+                raise FrameError(f"frame holds {params.numel} elements, expected {self.numel}")
+            if params.dtype != self.dtype:
+                raise FrameError(f"frame holds {params.dtype}, expected {self.dtype}")
+            self.codec.decode_accumulate(self.frame, acc, add=not first)
+
+
+# the dtypes whose frames Codec.decode_accumulate adds into a float32 accumulator
+_FUSABLE = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _round_into(out: torch.Tensor, acc: torch.Tensor, average: bool, world: int) -> torch.Tensor:
@@ -262,6 +296,7 @@ def _reduce_shard(received, own: torch.Tensor, codec, cast, stats, rank, world, 
     n = own.numel()
     coded = cast if cast is not None else own.dtype
     acc_dtype = _ACC_DTYPE.get(own.dtype, own.dtype)
+    fused = own.device.type == "cpu" and acc_dtype == torch.float32 and coded in _FUSABLE
     source = [rank]
 
     def parts():
@@ -270,6 +305,8 @@ def _reduce_shard(received, own: torch.Tensor, codec, cast, stats, rank, world, 
             if r == rank:
                 # every rank's contribution went through the cast
                 yield own if cast is None else own.to(cast)
+            elif fused:
+                yield _FusedDecode(codec, received[r], n, coded, stats)
             else:
                 target = workspace.take("decoded", n, coded, own.device)
                 yield _decode(codec, received[r], n, None, stats, out=target)
