@@ -52,7 +52,7 @@ from numba import cuda, int32, int64, uint16, uint64
 from .cpu import (_CHUNK_MASK, _CHUNK_RAW0, _CHUNK_ZERO, _HASH_MUL, _HASH_SEED, _LANE_HEADER, _LANES, _ST_BAD_CODE,
                   _ST_BOOK, _ST_CHECKSUM, _ST_MASK_COUNT, _ST_OVERRUN, _ST_SIZE, _U64_0, STATUS_OK)
 
-__all__ = ["SIMULATOR", "read_header"]
+__all__ = ["SIMULATOR"]
 
 # True when NUMBA_ENABLE_CUDASIM=1 was set before numba was imported (tests, CI).
 SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
@@ -656,14 +656,3 @@ def _decode_kernel(frame8, frame64, nbytes, numel, chunk_elems, width, ra, exp_s
                     j -= 1
                 else:
                     out[lo + i] = 0
-
-
-def read_header(frame):
-    """Deprecated: use :meth:`comm_codec.Codec.frame_parameters` (or :mod:`comm_codec.gpu`).
-
-    Kept, with its old behaviour, until the collectives stop calling it; it is the one
-    name here that reaches the package, and only when it is called.
-    """
-    from ..gpu import read_header as _read_header  # noqa: PLC0415 - a shim, not a dependency
-
-    return _read_header(frame)
