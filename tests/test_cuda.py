@@ -210,15 +210,12 @@ def test_long_chunk_table_crc_and_header_read():
     assert _frame.get_frame_parameters(f).header_bytes > 1000
     # A header over 4 KiB is read from the device in two copies.
     from comm_codec import gpu as _gpu
-    from comm_codec.kernels import cuda as _cuda
 
     big = make_codec(chunk_elems=8).encode(torch.zeros(4000, dtype=torch.bfloat16))
     hsize = _frame.get_frame_parameters(big).header_bytes
     assert hsize > 4096
     host = _gpu.read_header(big.to(DEV))
     assert host.size == big.numel() and host[:hsize].tobytes() == big[:hsize].numpy().tobytes()
-    # The old name keeps working until the collectives use Codec.frame_parameters.
-    assert np.array_equal(_cuda.read_header(big.to(DEV)), host)
     for form in (big.to(DEV), big):
         params = cc.Codec.frame_parameters(form)
         assert (params.numel, params.dtype, params.header_bytes) == (4000, torch.bfloat16, hsize)
