@@ -652,3 +652,22 @@ def test_many_pieces_through_reused_buffers(tmp_path, monkeypatch):
         _, packed = _round_trip(tmp_path / "m.safetensors", tmp_path, threads=threads, name=f"t{threads}")
         loaded = ck.load(packed, threads=threads)
         assert all(torch.equal(loaded[k].view(torch.uint8), sd[k].view(torch.uint8)) for k in sd)
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"a": [[1, "x"], [2, 3]], "m": {}}, "f.cckp: index.a[1][1]: expected a string, got 3"),
+    ({"a": [[1]], "m": {}}, "f.cckp: index.a[0]: expected a list of 2 items, got [1]"),
+    ({"a": [], "m": {"ab": {}}}, "f.cckp: index.m['ab']: field 'x' is missing"),
+    ({"a": [], "m": {"abc": {"x": 1}}}, "f.cckp: index.m key: expected a string of 2 characters, got 'abc'"),
+    ({"a": [], "m": {"ab": {"x": True}}}, "f.cckp: index.m['ab'].x: expected an integer from 0 to 9, got True"),
+])
+def test_index_schema_names_the_bad_field(value, message):
+    """A malformed index names the first bad field by its full path (built only on failure)."""
+    from comm_codec.checkpoint import schema as S
+
+    spec = S.Record({"a": S.ListOf(S.Row(S.Int(), S.Str())),
+                     "m": S.MapOf(S.Str(length=2), S.Record({"x": S.Int(0, 9)}))})
+    with pytest.raises(ck.CheckpointError) as info:
+        S.check(value, spec, "f.cckp")
+    assert str(info.value) == message
+    S.check({"a": [[1, "x"]], "m": {"ab": {"x": 9}}}, spec, "f.cckp")  # a fitting value passes

@@ -21,6 +21,7 @@ import importlib.metadata
 import json
 import os
 import struct
+import threading
 import zlib
 
 import zstandard
@@ -82,6 +83,16 @@ def identify(head: bytes) -> str | None:
     return None
 
 
+_tls = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's decompressor: making one per segment was 4/5 of decoding a small one."""
+    if not hasattr(_tls, "zd"):
+        _tls.zd = zstandard.ZstdDecompressor()
+    return _tls.zd
+
+
 def zstd_bounded(blob, limit: int, path, what: str) -> bytes:
     """Decompress zstd bytes, producing at most ``limit`` bytes whatever the frame claims.
 
@@ -94,7 +105,7 @@ def zstd_bounded(blob, limit: int, path, what: str) -> bytes:
     """
     parts, total = [], 0
     try:
-        with zstandard.ZstdDecompressor().stream_reader(memoryview(blob), read_across_frames=True) as reader:
+        with _decompressor().stream_reader(memoryview(blob), read_across_frames=True) as reader:
             while True:
                 part = reader.read(min(1 << 20, limit + 1 - total))
                 if not part:

@@ -246,12 +246,6 @@ def _zstd_c() -> zstandard.ZstdCompressor:
     return _tls.zc
 
 
-def _zstd_d() -> zstandard.ZstdDecompressor:
-    if not hasattr(_tls, "zd"):
-        _tls.zd = zstandard.ZstdDecompressor()
-    return _tls.zd
-
-
 def _encode_job(job: _Job, src: FileMap, base: FileMap | None, tensors: list[FileTensor]):
     """Code one segment; return (method, payload, crc32 or None)."""
     raw = src.u8(job.src_offset, job.length)

@@ -109,6 +109,7 @@ class FileMap:
             # read-only kernel specializations) while the file itself can never change.
             self.mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if self.size else None
         self._released = 0
+        self._advised = 0  # bytes 0.._advised were prefetched
 
     def u8(self, offset: int, length: int) -> np.ndarray:
         """Return bytes offset..offset+length as a uint8 array (no copy)."""
@@ -123,12 +124,16 @@ class FileMap:
         earlier pieces are coded instead of page fault by page fault; nothing is mapped
         or counted in this process's memory.
         """
-        if self.mm is None or length <= 0 or start >= self.size:
+        # Callers move forward: only what was not advised yet is (a small file is advised
+        # once, not once per segment).
+        start, end = max(start, self._advised), min(self.size, start + length)
+        if self.mm is None or end <= start:
             return
         page = mmap.PAGESIZE
         lo = start - start % page
         with contextlib.suppress(OSError, ValueError):
-            self.mm.madvise(mmap.MADV_WILLNEED, lo, min(self.size, start + length) - lo)
+            self.mm.madvise(mmap.MADV_WILLNEED, lo, end - lo)
+        self._advised = end
 
     def release(self, start: int, end: int) -> None:
         """Drop the resident pages that lie wholly inside start..end."""

@@ -25,9 +25,20 @@ class _Spec:
         raise NotImplementedError
 
 
-def _bad(where: str, expected: str, value) -> CheckpointError:
+# Where a value lies: a string, or (where of its container, item index or ".field" /
+# " key" suffix), spelled out only for a message. Formatting the path of every value of
+# an index that fits was most of the time of checking it (1 ms of a 14 ms decompress).
+def _where(where) -> str:
+    parts = []
+    while isinstance(where, tuple):
+        where, suffix = where
+        parts.append(f"[{suffix}]" if isinstance(suffix, int) else suffix)
+    return where + "".join(reversed(parts))
+
+
+def _bad(where, expected: str, value) -> CheckpointError:
     shown = repr(value)
-    return CheckpointError(f"{where}: expected {expected}, got {shown[:60]}{'...' if len(shown) > 60 else ''}")
+    return CheckpointError(f"{_where(where)}: expected {expected}, got {shown[:60]}{'...' if len(shown) > 60 else ''}")
 
 
 class Int(_Spec):
@@ -88,8 +99,9 @@ class ListOf(_Spec):
     def check(self, value, where):
         if not isinstance(value, list) or len(value) > self.max_len:
             raise _bad(where, f"a list of at most {self.max_len} items", value)
+        item = self.item
         for i, v in enumerate(value):
-            self.item.check(v, f"{where}[{i}]")
+            item.check(v, (where, i))
 
 
 class Row(_Spec):
@@ -102,7 +114,7 @@ class Row(_Spec):
         if not isinstance(value, list) or len(value) != len(self.items):
             raise _bad(where, f"a list of {len(self.items)} items", value)
         for i, (spec, v) in enumerate(zip(self.items, value)):
-            spec.check(v, f"{where}[{i}]")
+            spec.check(v, (where, i))
 
 
 class MapOf(_Spec):
@@ -115,8 +127,8 @@ class MapOf(_Spec):
         if not isinstance(value, dict) or len(value) > self.max_len:
             raise _bad(where, "an object", value)
         for k, v in value.items():
-            self.key.check(k, f"{where} key")
-            self.value.check(v, f"{where}[{k!r}]")
+            self.key.check(k, (where, " key"))
+            self.value.check(v, (where, f"[{k!r}]"))
 
 
 class Record(_Spec):
@@ -132,8 +144,8 @@ class Record(_Spec):
             if name not in value:
                 if name in self.optional:
                     continue
-                raise CheckpointError(f"{where}: field {name!r} is missing")
-            spec.check(value[name], f"{where}.{name}")
+                raise CheckpointError(f"{_where(where)}: field {name!r} is missing")
+            spec.check(value[name], (where, "." + name))
 
 
 class Nullable(_Spec):
