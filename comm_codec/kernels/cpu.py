@@ -1113,12 +1113,32 @@ def _assemble(v0, v1, v2, v3, present, add, dst):
 
 @numba.njit(**_JIT)
 def _assemble_masked(v0, v1, v2, v3, add, frame8, mpos, out):
-    """out[i] = the next present element where bit i of the mask at frame8[mpos] is set, else 0."""
+    """out[i] = the next present element where bit i of the mask at frame8[mpos] is set, else 0.
+
+    A mask byte at a time, branch-free: each of its 8 elements is built from the next
+    present element's bytes and multiplied by its bit (the rows hold one slot past the
+    last present element, so reading it is safe). An all-zero byte (zeros come in runs
+    in many gradients) stores 8 zeros. With a select per element (``if bit``, and even
+    ``& -bit``) LLVM emitted a branch that mispredicted on half-zero gradients: 4.0 ->
+    1.2 ns per element.
+    """
     width, ra, _ = _layout(out)
-    j = 0
-    for i in range(out.size):
+    j = np.int64(0)
+    n = out.size
+    for q in range(n >> 3):
+        m = np.int64(frame8[mpos + q])
+        base = 8 * q
+        if m == 0:
+            for t in range(8):
+                out[base + t] = 0
+            continue
+        for t in range(8):
+            bit = (m >> t) & 1
+            out[base + t] = _element(v0, v1, v2, v3, j, add, width, ra) * bit
+            j += bit
+    for i in range(n & ~7, n):
         bit = (np.int64(frame8[mpos + (i >> 3)]) >> (i & 7)) & 1
-        out[i] = _element(v0, v1, v2, v3, j, add, width, ra) if bit else np.int64(0)
+        out[i] = _element(v0, v1, v2, v3, j, add, width, ra) * bit
         j += bit
 
 
@@ -1141,9 +1161,11 @@ def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_
             byte = np.int64(frame8[pos + k])
             if k == mbytes - 1 and count % 8:
                 byte &= (1 << (count % 8)) - 1
-            while byte:
-                byte &= byte - 1
-                present += 1
+            # branch-free popcount: a loop over the set bits mispredicted once a byte
+            # (0.7 ns per element of a half-zero chunk)
+            byte -= (byte >> 1) & 0x55
+            byte = (byte & 0x33) + ((byte >> 2) & 0x33)
+            present += (byte + (byte >> 4)) & 0x0F
         pos += (mbytes + 7) & ~7
     ns = sizes_c.size
     # + 1: a masked chunk's assembly may index one past its last present element (and
