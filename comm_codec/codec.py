@@ -114,7 +114,7 @@ class _Tables:
     def multi(self) -> np.ndarray:
         """The multi-symbol decode tables, built on first use (~4096 lookups per book)."""
         if self._multi is None:
-            multi = np.zeros(self.dec.shape, dtype=np.uint64)
+            multi = np.zeros(self.dec.shape[:2] + (1 << _cpu.MULTI_BITS,), dtype=np.uint64)
             _cpu.multi_tables(self.dec, multi)
             self._multi = multi
         return self._multi

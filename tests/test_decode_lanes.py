@@ -1,0 +1,89 @@
+"""The decoder's lane loop on bad codes: every lane stalled, and lanes stalled mid-chunk.
+
+The fast loop lets a lane that meets a bit pattern that is no code stall in place (no
+flag is carried through the loop); these frames make sure such a lane always ends in
+the "no code" status, also when all four lanes stall at once (the loop must notice and
+stop) and when the bad code sits deep inside a long chunk.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import comm_codec as cc
+from tests.conftest import bits_equal
+
+
+def _codec_and_frame(n: int):
+    # An incomplete code (Kraft sum 7/8): 1/8 of all bit patterns are no code.
+    lengths = np.zeros(256, dtype=np.int64)
+    lengths[[1, 2, 3]] = [1, 3, 3]
+    book = cc.Codebook(lengths, escape_length=3)
+    codec = cc.Codec(cc.CodebookSet({("gradient", "uint8", 0): book}), chunk_elems=n, checksum=False)
+    gen = torch.Generator().manual_seed(n)
+    x = torch.ones(n, dtype=torch.uint8)
+    x[torch.rand(n, generator=gen) < 0.3] = 2
+    x[torch.rand(n, generator=gen) < 0.01] = 200  # escapes
+    f = codec.encode(x)
+    p = cc.get_frame_parameters(f)
+    assert p.table["cflags"].tolist() == [0]  # one coded chunk, no mask
+    bits_equal(codec.decode(f), x)
+    return codec, f, p
+
+
+def _lane_starts(f: np.ndarray, p) -> list:
+    """Byte offsets in the frame of the chunk's four lanes (the lane header holds their byte lengths)."""
+    pos = p.header_bytes
+    lens = f[pos:pos + 16].view("<u4").astype(np.int64)
+    starts, at = [], pos + 16
+    for lb in lens:
+        starts.append(at)
+        at += 8 * ((lb + 7) // 8)
+    return starts
+
+
+@pytest.mark.parametrize("where", ["start", "middle"])
+def test_every_lane_on_a_bad_code_is_reported(where):
+    n = 1 << 14
+    codec, f, p = _codec_and_frame(n)
+    bad = f.numpy().copy()
+    starts = _lane_starts(bad, p)
+    rng = np.random.default_rng(1)
+    for k, s in enumerate(starts):
+        at = s if where == "start" else s + (starts[1] - starts[0]) // 2
+        bad[at:at + 48] = 0xFF  # all ones: the 7/8 code's missing pattern, again and again
+    with pytest.raises(cc.FrameError, match="chunk 0 of 1 is bad: bit pattern that is no code"):
+        codec.decode(bad)
+    for seed in range(20):  # one lane at a time, random bytes at a random place
+        bad = f.numpy().copy()
+        k = seed % 4
+        at = starts[k] + int(rng.integers(0, 300))
+        bad[at:at + 8] = 0xFF
+        with pytest.raises(cc.FrameError, match="chunk 0 of 1 is bad"):
+            codec.decode(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int8])
+def test_masked_chunks_round_trip_bit_exact(dtype):
+    # Masked chunks (more than 1/8 exact zeros) are assembled a mask byte at a time:
+    # zero runs, scattered zeros, a last byte with fewer than 8 elements, and the
+    # special values must all come back bit for bit.
+    gen = torch.Generator().manual_seed(7)
+    n = 3 * 1021 + 5  # three full chunks and a short fourth
+    x = torch.randn(n, generator=gen) * 0.02
+    x[torch.rand(n, generator=gen) < 0.45] = 0  # scattered zeros
+    x[1024:1024 + 200] = 0  # a run of zero bytes in the mask
+    x[2048:2048 + 1024:2] = 0
+    if dtype == torch.int8:
+        x = torch.round(x * 3000).clamp(-128, 127).to(dtype)
+    else:
+        x = x.to(dtype)
+        x[5] = float("nan")
+        x[6] = float("inf")
+        x[7] = float("-inf")
+        x[9] = -0.0
+    codec = cc.Codec(chunk_elems=1021)  # not a multiple of 8: every chunk's mask ends in a partial byte
+    f = codec.encode(x, kind="gradient")
+    p = cc.get_frame_parameters(f)
+    assert (p.table["cflags"][:3] & 0x01).all()  # the full chunks are masked
+    bits_equal(codec.decode(f), x)
