@@ -9,7 +9,7 @@ from comm_codec import bench
 
 
 def test_bench_model_file_rows_and_zipnn_columns(tmp_path, capsys):
-    pytest.importorskip("zipnn", reason="the bench extra (pip install comm_codec[bench]) brings zipnn")
+    pytest.importorskip("zipnn", reason="the test extra (pip install comm_codec[test]) brings zipnn")
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(0)
