@@ -138,6 +138,26 @@ def register(sub) -> None:
 
 
 # -- the training loop ------------------------------------------------------------------------
+def _load_kernels(config: TrainConfig, main: bool) -> None:
+    """Load the codec's and the profiler's kernels before step 1, and say what it cost.
+
+    A first run in a fresh environment compiles them (~20 s here): inside the loop that
+    was a silent 20-second step 6 (the first coded one). numba caches them, so later runs
+    load them in well under a second.
+    """
+    from .codec import Codec
+    from .warmup import warm
+
+    coded = config.cast or config.dtype
+    start = time.perf_counter()
+    warm(Codec(), [coded], profiler=True)
+    seconds = time.perf_counter() - start
+    if main:
+        note = "compiled: a first run's cost, numba caches them" if seconds > 2 else "from numba's cache"
+        print(f"codec kernels for {coded}: ready in {seconds:.1f} s ({note})")
+        print()
+
+
 def train(config: TrainConfig, group=None) -> dict:
     """Train TinyLM with DDP and ``huffman_hook`` on an initialized process group.
 
@@ -177,6 +197,9 @@ def train(config: TrainConfig, group=None) -> dict:
     plain_step = 2 * (world - 1) / world * grad_bytes * world
     if main:
         _print_header(config, params, world, warmup)
+    _load_kernels(config, main)
+    if main:
+        print(" step     loss  phase        ratio  MB saved  step ms", flush=True)
 
     losses, saved_before, coded_steps, start = [], 0, 0, time.perf_counter()
     for step in range(1, config.steps + 1):
@@ -280,8 +303,6 @@ def _print_header(config: TrainConfig, params: int, world: int, warmup: int) -> 
     else:
         print(f"gradients: DDP + huffman_hook; steps 1-{warmup} all-reduce plainly while the books are "
               f"profiled, then every bucket is Huffman-coded{cast}")
-    print()
-    print(" step     loss  phase        ratio  MB saved  step ms")
     sys.stdout.flush()
 
 
