@@ -381,3 +381,15 @@ def test_any_resealed_index_edit_is_refused_cleanly_or_restores_exactly(corpus, 
     except (ck.CheckpointError, OSError):
         assert not (work / "out").exists()
     assert not [n for n in os.listdir(work) if n.endswith(".tmp")]
+
+
+def test_describe_of_a_lossy_file_whose_error_stats_are_null(corpus, tmp_path):
+    # found by the hypothesis test above: the schema admits null stats (a bound may be
+    # none), and describe formatted max_abs_error/rel_rms_error as numbers (TypeError).
+    c = crafted.Container.read(corpus / "a.ccl")
+    c.index["tensors"][0]["stats"]["max_abs_error"] = None
+    c.index["tensors"][0]["stats"]["rel_rms_error"] = None
+    c.write(tmp_path / "a.ccl")
+    text = lossy.describe(tmp_path / "a.ccl")
+    row = [line for line in text.splitlines() if line.startswith(c.index["tensors"][0]["name"] + " ")]
+    assert len(row) == 1 and row[0].split()[-3:-1] == ["-", "-"]

@@ -1135,8 +1135,8 @@ def describe(path) -> str:
         kept = "-"
         if r["kept"] is not None:
             kept = f"{100 * r['kept'] / max(1, r['nbytes'] // spec_for(CODABLE[r['dtype']]).itemsize):6.2f}%"
-        bound = s.get("bound", s.get("bound_rel"))
+        # the schema admits null for every stat (a bound may be none): "-", never a format error
+        cells = [s.get("max_abs_error", 0), s.get("rel_rms_error", 0), s.get("bound", s.get("bound_rel"))]
         lines.append(f"{r['name']:<{width}}  {r['role']:<10} {r['dtype']:<9} {r['coding']:<9} {kept:>7} "
-                     f"{s.get('max_abs_error', 0):9.2e} {s.get('rel_rms_error', 0):9.2e} "
-                     f"{'-' if bound is None else format(bound, '9.2e'):>9}")
+                     + " ".join(f"{'-' if v is None else format(v, '9.2e'):>9}" for v in cells))
     return "\n".join(lines)
