@@ -5,11 +5,10 @@ data package ``comm_codec._books`` so that ``CodebookSet.default()`` finds it in
 regular and editable installs.
 """
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     package_dir={"comm_codec._books": "codebooks"},
-    packages=["comm_codec", "comm_codec.kernels", "comm_codec.checkpoint", "comm_codec.integrations",
-              "comm_codec._books"],
-    package_data={"comm_codec._books": ["*.json", "README.md"]},
+    packages=find_packages(include=["comm_codec", "comm_codec.*"]) + ["comm_codec._books"],
+    package_data={"comm_codec._books": ["*.json", "README.md"], "comm_codec": ["*/*.md"]},
 )

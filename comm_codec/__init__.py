@@ -7,22 +7,34 @@ Quick use::
     frame = codec.encode(grad, kind="gradient")   # 1-D torch.uint8, self-describing
     same = codec.decode(frame)                    # 1-D, original dtype, bit-exact
 
-See ``comm_codec/frame_format.md`` for the frame layout and ``codebooks/README.md`` for books.
+The names below are loaded on first use (PEP 562), so that importing a submodule -- the
+command line, the error classes -- does not import torch and numba. The layers, each
+importing only those below it: ``kernels`` (numba leaves), ``core`` (streams, frames,
+books, the codec), ``books`` (fitting books from statistics), ``comm`` (the coding
+engine, collectives, the DDP / FSDP2 / DeepSpeed adapters), ``checkpoint``,
+``integrations`` and ``tools`` (command line, benchmarks, demos). ``comm_codec.ddp``,
+``.fsdp``, ``.deepspeed`` and ``.collectives`` are the adapters' public paths.
+
+See ``comm_codec/core/frame_format.md`` for the frame layout and ``codebooks/README.md`` for books.
 """
 
-from .codebooks import KINDS, CodebookGroup, CodebookSet
-from .codec import Codec
-from .frame import FrameError, get_frame_parameters
-from .huffman import Codebook, CodebookError
-from .profiler import WarmupProfiler
-from .streams import SUPPORTED_DTYPES
+from __future__ import annotations
+
+import importlib
+
+from .core.errors import ChainError, CheckpointError, CodebookError, CollectiveError, CommCodecError, FrameError
+from .core.version import __version__
 
 __all__ = [
     "Codec",
     "Codebook",
     "CodebookGroup",
     "CodebookSet",
+    "CommCodecError",
     "CodebookError",
+    "CheckpointError",
+    "ChainError",
+    "CollectiveError",
     "FrameError",
     "KINDS",
     "SUPPORTED_DTYPES",
@@ -31,4 +43,27 @@ __all__ = [
     "__version__",
 ]
 
-__version__ = "0.1.0"
+# name -> module that defines it (imported when the name is first read)
+_LAZY = {
+    "Codec": ".core.codec",
+    "Codebook": ".core.huffman",
+    "CodebookGroup": ".core.codebooks",
+    "CodebookSet": ".core.codebooks",
+    "KINDS": ".core.codebooks",
+    "SUPPORTED_DTYPES": ".core.streams",
+    "WarmupProfiler": ".books.profiler",
+    "get_frame_parameters": ".core.frame",
+}
+
+
+def __getattr__(name: str):
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'comm_codec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value  # later reads skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

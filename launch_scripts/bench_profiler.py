@@ -36,8 +36,8 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from comm_codec.profiler import WarmupProfiler, book_cost, stream_counts
-from comm_codec.tinylm import TinyLM, batches, load_corpus
+from comm_codec.books.profiler import WarmupProfiler, book_cost, stream_counts
+from comm_codec.tools.tinylm import TinyLM, batches, load_corpus
 
 log = logging.getLogger("bench_profiler")
 KINDS = ("gradient", "activation")

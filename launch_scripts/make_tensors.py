@@ -37,12 +37,12 @@ import torch
 from safetensors.torch import save_file
 
 try:
-    from comm_codec.tinylm import TinyLM, batches, load_corpus, train_steps
+    from comm_codec.tools.tinylm import TinyLM, batches, load_corpus, train_steps
 except ImportError:
     # Run from a checkout without installing: ``python launch_scripts/...``
     # puts launch_scripts/, not the repo root, on sys.path.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from comm_codec.tinylm import TinyLM, batches, load_corpus, train_steps
+    from comm_codec.tools.tinylm import TinyLM, batches, load_corpus, train_steps
 
 _log = logging.getLogger("make_tensors")
 

@@ -10,7 +10,7 @@ See comm_codec/profile_cli.py for the entry contract.
 
 import sys
 
-from comm_codec.cli import main
+from comm_codec.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["profile", *sys.argv[1:]]))

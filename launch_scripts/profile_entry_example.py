@@ -13,7 +13,7 @@ The contract: ``train(prof, steps)`` runs ``steps`` steps, hands each step's ten
 import torch
 import torch.distributed as dist
 
-from comm_codec.tinylm import TinyLM, batches, load_corpus
+from comm_codec.tools.tinylm import TinyLM, batches, load_corpus
 
 
 def train(prof, steps: int, dtype: torch.dtype = torch.bfloat16) -> None:

@@ -30,7 +30,7 @@ except ImportError:
 
 from comm_codec import Codec, CodebookSet
 from comm_codec.collectives import row_parallel_all_reduce
-from comm_codec.stats import CommStats
+from comm_codec.comm.stats import CommStats
 
 D_MODEL, D_HIDDEN, TOKENS = 256, 1024, 512
 

@@ -1,6 +1,6 @@
 """Train TinyLM with DDP and huffman_hook under torchrun: the demo, launched for real.
 
-Same training as ``comm-codec demo`` (it imports :func:`comm_codec.demo.train`), but the
+Same training as ``comm-codec demo`` (it imports :func:`comm_codec.tools.demo.train`), but the
 processes come from a launcher: rank, world size and rendezvous are read from the
 environment torchrun sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so one command
 line covers one machine or many. See ``launch_scripts/run_ddp.sh``.
@@ -34,7 +34,7 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from comm_codec.demo import TrainConfig, add_training_arguments, train  # noqa: E402
+from comm_codec.tools.demo import TrainConfig, add_training_arguments, train  # noqa: E402
 
 log = logging.getLogger("train_ddp")
 

@@ -38,7 +38,7 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from comm_codec.tinylm import TinyLM, batches, load_corpus
+from comm_codec.tools.tinylm import TinyLM, batches, load_corpus
 
 log = logging.getLogger("train_deepspeed")
 HERE = os.path.dirname(os.path.abspath(__file__))

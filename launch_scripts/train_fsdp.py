@@ -1,7 +1,7 @@
 """Train TinyLM with FSDP2 and comm_codec's coded collectives under torchrun.
 
-Same training as ``python -m comm_codec.fsdp_demo`` (it imports
-:func:`comm_codec.fsdp_demo.train_fsdp`), but the processes come from a launcher: rank,
+Same training as ``python -m comm_codec.tools.fsdp_demo`` (it imports
+:func:`comm_codec.tools.fsdp_demo.train_fsdp`), but the processes come from a launcher: rank,
 world size and rendezvous are read from the environment torchrun sets, so one command
 line covers one machine or many. See ``launch_scripts/run_fsdp.sh``.
 
@@ -31,8 +31,8 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from comm_codec.demo import TrainConfig, add_training_arguments  # noqa: E402
-from comm_codec.fsdp_demo import train_fsdp  # noqa: E402
+from comm_codec.tools.demo import TrainConfig, add_training_arguments  # noqa: E402
+from comm_codec.tools.fsdp_demo import train_fsdp  # noqa: E402
 
 log = logging.getLogger("train_fsdp")
 

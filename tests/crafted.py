@@ -133,7 +133,7 @@ def _hwm_kb() -> int:
 
 
 def run_cases(cases: list, allowed_roots: list) -> list:
-    """Run ``comm_codec.cli.main(argv)`` for each case; return what each did.
+    """Run ``comm_codec.tools.cli.main(argv)`` for each case; return what each did.
 
     Per case: exit status, stderr text, wall seconds, peak RSS in MB (VmHWM, reset before
     the case through /proc/self/clear_refs) and the paths opened outside ``allowed_roots``
@@ -141,7 +141,7 @@ def run_cases(cases: list, allowed_roots: list) -> list:
     """
     import logging
 
-    from comm_codec import cli
+    from comm_codec.tools import cli
 
     opened = []
 

@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from helpers import free_port
+
 __all__ = ["WorkerFailure", "WorkerGroup", "run", "run_fresh", "run_outcomes", "free_port", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 90.0  # seconds for one call on all ranks
@@ -51,13 +53,6 @@ _WORKER_ENV = {"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREAD
 
 class WorkerFailure(AssertionError):
     """A rank raised, died, hung, or did not exit; the message holds every rank's story."""
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

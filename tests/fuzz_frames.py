@@ -30,7 +30,7 @@ import torch
 import comm_codec as cc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import fix_header_crc, reseal  # noqa: E402
+from helpers import fix_header_crc, reseal  # noqa: E402
 
 CODEC = cc.Codec(chunk_elems=128, threads=1)
 LIMIT = 64 << 20

@@ -1,7 +1,7 @@
 """Plain-Python reference implementations the tests hold the codec core against.
 
-Written from the documented format (module docstrings of ``comm_codec.streams``,
-``comm_codec.huffman``, ``comm_codec.frame`` and ``comm_codec.kernels.cpu``), not from
+Written from the documented format (module docstrings of ``comm_codec.core.streams``,
+``comm_codec.core.huffman``, ``comm_codec.core.frame`` and ``comm_codec.kernels.cpu``), not from
 the code: slow, obvious, on Python ints and lists of bits. Nothing here imports the
 package except :func:`frame_books`, which only reads code lengths out of a book.
 

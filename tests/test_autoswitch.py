@@ -1,4 +1,4 @@
-"""The coding decision of comm_codec.autoswitch, driven by injected step times.
+"""The coding decision of comm_codec.comm.autoswitch, driven by injected step times.
 
 Single-process: without an initialized process group the agreement gathers this
 process's own row, so these tests pin the decision logic (the probe schedule, the
@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from comm_codec import autoswitch
-from comm_codec.autoswitch import AutoSwitch, decide
+from comm_codec.comm import autoswitch
+from comm_codec.comm.autoswitch import AutoSwitch, decide
 from comm_codec.ddp import HuffmanState
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comm_codec import bench
+from comm_codec.tools import bench
 
 
 def test_bench_model_file_rows_and_zipnn_columns(tmp_path, capsys):

@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from comm_codec import checkpoint as ck
-from comm_codec.codebooks import CodebookSet
+from comm_codec.core.codebooks import CodebookSet
 from comm_codec.checkpoint import exact
 from comm_codec.checkpoint.files import FileMap
-from comm_codec.frame import FrameError
+from comm_codec.core.frame import FrameError
 
 _GEN = torch.Generator().manual_seed(0)
 
@@ -436,7 +436,7 @@ def _cli(*args, cwd, limit_bytes=None):
     prefix = ""
     if limit_bytes:
         prefix = (f"import resource; resource.setrlimit(resource.RLIMIT_FSIZE, ({limit_bytes}, {limit_bytes})); ")
-    code = prefix + "import sys; from comm_codec.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = prefix + "import sys; from comm_codec.tools.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, timeout=120)
 
@@ -575,8 +575,8 @@ def test_planning_counts_are_the_encoders_counts(dtype):
     stream it leaves out (random bytes) keeps each chunk's symbol count; zeros, masked
     chunks, a short last chunk and a sampled (strided) big tensor included."""
     from comm_codec.checkpoint.plan import CHUNK_SIZES, BookChooser
-    from comm_codec.profiler import chunk_counts
-    from comm_codec.streams import spec_for
+    from comm_codec.books.profiler import chunk_counts
+    from comm_codec.core.streams import spec_for
 
     chooser = BookChooser(CodebookSet({}))
     spec = spec_for(dtype)

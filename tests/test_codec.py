@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import comm_codec as cc
-from comm_codec import frame as _frame
-from comm_codec.profiler import WarmupProfiler
-from conftest import MAX_THREADS, bits_equal, fix_header_crc, int_view, random_bits
+from comm_codec.core import frame as _frame
+from comm_codec.books.profiler import WarmupProfiler
+from helpers import MAX_THREADS, bits_equal, fix_header_crc, int_view, random_bits
 
 _CODECS: dict = {}
 
@@ -370,7 +370,7 @@ def test_max_output_bytes_refuses_large_frames(codec):
 
 
 def test_kernels_leave_torch_thread_count_alone(codec):
-    from comm_codec.profiler import stream_counts
+    from comm_codec.books.profiler import stream_counts
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -510,7 +510,7 @@ def test_frame_parameters_of_a_cpu_frame(small_codec, sample):
 def test_warmup_loads_kernels_and_reports_per_dtype(caplog):
     import logging
 
-    from comm_codec import warmup
+    from comm_codec.core import precompile as warmup
 
     codec = cc.Codec(threads=1)
     spent = codec.warmup([torch.bfloat16, "fp32"])
@@ -518,7 +518,7 @@ def test_warmup_loads_kernels_and_reports_per_dtype(caplog):
     # A process's first use of a kernel says whether it compiled or loaded from the cache.
     warmup._used.discard(("decode", np.dtype(np.uint16)))
     frame = codec.encode(torch.ones(10, dtype=torch.bfloat16))
-    with caplog.at_level(logging.DEBUG, logger="comm_codec.warmup"):
+    with caplog.at_level(logging.DEBUG, logger="comm_codec.core.precompile"):
         codec.decode(frame)
         codec.decode(frame)
     said = [r.getMessage() for r in caplog.records]
@@ -528,7 +528,7 @@ def test_warmup_loads_kernels_and_reports_per_dtype(caplog):
 
 
 def test_warmup_command_prints_a_table(capsys):
-    from comm_codec.cli import main
+    from comm_codec.tools.cli import main
 
     assert main(["warmup", "--dtypes", "bf16", "--codec-only"]) == 0
     out = capsys.readouterr().out

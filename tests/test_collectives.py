@@ -17,7 +17,7 @@ import comm_codec as cc
 import dist_utils
 from comm_codec import collectives
 from comm_codec.collectives import CollectiveError
-from comm_codec.stats import CommStats
+from comm_codec.comm.stats import CommStats
 
 WORLDS = [2, 3]
 WORLD_IDS = [f"world{w}" for w in WORLDS]
@@ -580,8 +580,8 @@ def test_corrupt_frames_raise_collective_error_on_every_rank(world):
 
 def test_warm_kernels_loads_the_coded_dtype_once():
     """Owners warm the dtype that is coded (the cast's, if any) before timing a coded call."""
-    from comm_codec import warmup
-    from comm_codec.streams import spec_for
+    from comm_codec.core import precompile as warmup
+    from comm_codec.core.streams import spec_for
 
     codec = cc.Codec(threads=1)
     collectives.warm_kernels(codec, torch.zeros(8, dtype=torch.float32), cast=torch.bfloat16)

@@ -31,8 +31,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import comm_codec as cc
-from comm_codec import frame as _frame
-from conftest import bits_equal, fix_header_crc, int_view, random_bits
+from comm_codec.core import frame as _frame
+from helpers import bits_equal, fix_header_crc, int_view, random_bits
 from test_codec import DISTS, make_tensor, special_bits, tensor_of_bits
 
 SIM = bool(numba.config.ENABLE_CUDASIM)
@@ -189,7 +189,7 @@ def test_other_kinds_and_a_2d_non_contiguous_tensor(kind):
 @pytest.mark.parametrize("n", [0, 7, 511, 512, 513, 1500, 3 * 512])
 def test_device_header_crc_equals_zlib(n):
     # The header CRC is joined from 512-byte segment CRCs on the device.
-    from comm_codec import gpu as _cuda
+    from comm_codec.core import gpu as _cuda
 
     data = np.random.default_rng(n).integers(0, 256, n + 4, dtype=np.uint8)
     buf = torch.from_numpy(data).to(DEV)
@@ -209,7 +209,7 @@ def test_long_chunk_table_crc_and_header_read():
     f = assert_same_frames(make_codec(chunk_elems=8), x)
     assert _frame.get_frame_parameters(f).header_bytes > 1000
     # A header over 4 KiB is read from the device in two copies.
-    from comm_codec import gpu as _gpu
+    from comm_codec.core import gpu as _gpu
 
     big = make_codec(chunk_elems=8).encode(torch.zeros(4000, dtype=torch.bfloat16))
     hsize = _frame.get_frame_parameters(big).header_bytes
@@ -326,7 +326,7 @@ def test_kernel_bounds_hold_without_the_host_checks():
     # The kernel is called with a chunk table the host never checked: offsets past the
     # frame, and sizes that disagree with the lane headers. It reports, never reads out
     # of bounds (the simulator would raise).
-    from comm_codec import gpu as _cuda
+    from comm_codec.core import gpu as _cuda
     from comm_codec.kernels import cpu as _cpu
 
     codec = make_codec(checksum=False)
@@ -393,7 +393,7 @@ def _group_books(dtype) -> dict:
     Stream 0: [flat, narrow, wide] (the mask is priced with the flat book; chunks pick 1
     and 2); later streams: [narrow, wide, flat]. Books that come out equal appear once.
     """
-    from comm_codec.profiler import stream_counts
+    from comm_codec.books.profiler import stream_counts
 
     narrow, wide = two_part_tensor(dtype, seed=99)
     cn, _ = stream_counts(narrow, GCHUNK)
@@ -554,7 +554,7 @@ def test_kernel_bounds_book_indices_without_the_host_checks():
     # (15), and past stream 1's one book but within the tables (2: zero entries). Those
     # chunks report a status, the others decode, and nothing is read out of bounds (the
     # simulator would raise).
-    from comm_codec import gpu as _cuda
+    from comm_codec.core import gpu as _cuda
 
     codec = _uneven_bf16_codec()
     frame = codec.encode(grouped_tensor(torch.bfloat16, seed=41)).to(DEV)

@@ -29,7 +29,7 @@ import comm_codec as cc
 import dist_utils
 from comm_codec import collectives
 from comm_codec.ddp import HuffmanState, huffman_hook
-from comm_codec.profiler import WarmupProfiler
+from comm_codec.books.profiler import WarmupProfiler
 
 WORLDS = [2, 3]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -281,7 +281,7 @@ def test_cast_bf16_with_online_warmup_builds_bf16_books():
 def _w_train(rank, world, steps):
     """Train TinyLM-small three times (plain DDP, Huffman, Huffman+bf16 cast), each in its
     own process group, from the same weights and data; return losses and stats."""
-    from comm_codec.tinylm import TinyLM, batches, load_corpus
+    from comm_codec.tools.tinylm import TinyLM, batches, load_corpus
 
     corpus = load_corpus(max_bytes=300_000)
     out = {}
@@ -757,7 +757,7 @@ def test_stalled_peer_raises_within_the_users_timeout():
 
 
 def _w_demo(rank, world):
-    from comm_codec.demo import TrainConfig, train
+    from comm_codec.tools.demo import TrainConfig, train
 
     return train(TrainConfig(steps=4, warmup_steps=2))
 

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import comm_codec as cc
-from comm_codec import frame
-from conftest import bits_equal, fix_header_crc
+from comm_codec.core import frame
+from helpers import bits_equal, fix_header_crc
 
 import naive
 

@@ -528,8 +528,8 @@ def test_state_validates_options():
 
 
 def _w_demo(rank, world):
-    from comm_codec.demo import TrainConfig
-    from comm_codec.fsdp_demo import train_fsdp
+    from comm_codec.tools.demo import TrainConfig
+    from comm_codec.tools.fsdp_demo import train_fsdp
 
     return train_fsdp(TrainConfig(steps=4, warmup_steps=2))
 
@@ -544,7 +544,7 @@ def test_demo_trains_and_reports():
 
 
 def test_demo_command_rejects_bad_options(capsys):
-    from comm_codec.fsdp_demo import main
+    from comm_codec.tools.fsdp_demo import main
 
     assert main(["--world-size", "1"]) == 2
     assert "--world-size must be >= 2" in capsys.readouterr().err

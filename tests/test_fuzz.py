@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import comm_codec as cc
-from comm_codec import frame as _frame
-from conftest import bits_equal, fix_header_crc, random_bits, reseal
+from comm_codec.core import frame as _frame
+from helpers import bits_equal, fix_header_crc, random_bits, reseal
 
 import naive
 
@@ -320,7 +320,7 @@ def test_bit_pattern_that_is_no_code_is_reported():
 # -- big frames, coded with groups of books (every chunk picks one) --------------------------
 def _own_books(x: torch.Tensor) -> cc.CodebookSet:
     """Per stream a group: a book fitted to x (rarest symbols escaped), then a flatter one."""
-    from comm_codec.profiler import stream_counts
+    from comm_codec.books.profiler import stream_counts
 
     counts, _ = stream_counts(x, 256)
     name = cc.streams.spec_for(x.dtype).name

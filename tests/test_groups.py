@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import comm_codec as cc
-from comm_codec import frame as _frame
-from comm_codec.profiler import WarmupProfiler, chunk_counts, grow_group
-from conftest import bits_equal, fix_header_crc, int_view, random_bits
+from comm_codec.core import frame as _frame
+from comm_codec.books.profiler import WarmupProfiler, chunk_counts, grow_group
+from helpers import bits_equal, fix_header_crc, int_view, random_bits
 
 import naive
 
@@ -267,7 +267,7 @@ def test_cpu_kernel_checks_book_indices_without_the_host(bf16_case):
 
 
 def test_coding_cost_prices_a_group_chunk_by_chunk(bf16_case):
-    from comm_codec.profiler import coding_cost
+    from comm_codec.books.profiler import coding_cost
 
     x, books, codec = bf16_case
     first = cc.CodebookSet({k: g.primary for k, g in books.groups()})
@@ -282,7 +282,7 @@ def test_coding_cost_prices_a_group_chunk_by_chunk(bf16_case):
 
 
 def test_merge_rows_halves_neighbours_and_keeps_every_count():
-    from comm_codec.profiler import merge_rows
+    from comm_codec.books.profiler import merge_rows
 
     rows = np.arange(7 * 2 * 256, dtype=np.int64).reshape(7, 2, 256)
     merged = merge_rows(rows, 3)

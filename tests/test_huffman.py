@@ -13,9 +13,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import comm_codec as cc
-from comm_codec import huffman
+from comm_codec.core import huffman
 from comm_codec.kernels import cpu as _cpu
-from conftest import bits_equal
+from helpers import bits_equal
 
 import naive
 

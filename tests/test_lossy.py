@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from comm_codec import checkpoint as ck
-from comm_codec import lossy
+from comm_codec.checkpoint import lossy
 from comm_codec.checkpoint import lossy_transforms
-from comm_codec.tinylm import TinyLM, batches, load_corpus, train_steps
+from comm_codec.tools.tinylm import TinyLM, batches, load_corpus, train_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -177,7 +177,7 @@ def test_weights_only_checkpoint_falls_back_and_says_so(tmp_path, caplog):
     save_file({"w": w0, "ids": torch.arange(10)}, tmp_path / "a.safetensors")
     save_file({"w": w0 + 1e-3 * torch.randn(64, 64, generator=g), "ids": torch.arange(10)}, tmp_path / "b.safetensors")
     lossy.compress_file(tmp_path / "a.safetensors", tmp_path / "a.ccl")
-    with caplog.at_level("WARNING", logger="comm_codec.lossy"):
+    with caplog.at_level("WARNING", logger="comm_codec.checkpoint.lossy"):
         s = lossy.compress_file(tmp_path / "b.safetensors", tmp_path / "b.ccl", base=tmp_path / "a.ccl")
     assert any("weights-only" in n for n in s.notes) and "weights-only" in caplog.text
     assert any("weights-only" in n for n in lossy.read_index(tmp_path / "b.ccl")["notes"])

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import comm_codec as cc
-from comm_codec.profiler import WarmupProfiler, stream_counts
+from comm_codec.books.profiler import WarmupProfiler, stream_counts
 
 import naive
-from conftest import bits_equal
+from helpers import bits_equal
 
 
 def _two_tensors():
@@ -285,7 +285,7 @@ def test_default_covers_every_kind_and_dtype():
 
 
 def test_stream_counts_counts_rare_zeros_and_leaves_out_common_ones():
-    from comm_codec.profiler import stream_counts
+    from comm_codec.books.profiler import stream_counts
 
     x = torch.randn(16384, dtype=torch.bfloat16)
     x[:1000] = 0  # 6 % zeros in the one chunk: coded inline, so counted
@@ -297,7 +297,7 @@ def test_stream_counts_counts_rare_zeros_and_leaves_out_common_ones():
 
 
 def test_distribution_is_the_average_of_normalized_observations():
-    from comm_codec.profiler import stream_counts
+    from comm_codec.books.profiler import stream_counts
 
     prof = cc.WarmupProfiler()
     a = torch.randn(5000, dtype=torch.bfloat16)
@@ -344,7 +344,7 @@ def test_load_deeply_nested_json_is_a_codebook_error(tmp_path):
 
 
 def test_profile_help_states_the_entry_contract(capsys):
-    from comm_codec.cli import main
+    from comm_codec.tools.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(["profile", "--help"])
@@ -359,7 +359,7 @@ def test_profile_help_states_the_entry_contract(capsys):
 # -- histograms of chosen streams only (checkpoint planning) -----------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
 def test_chunk_counts_of_chosen_streams_equal_those_of_all(dtype):
-    from comm_codec.profiler import chunk_counts
+    from comm_codec.books.profiler import chunk_counts
 
     g = torch.Generator().manual_seed(4)
     x = torch.randn(10_000, generator=g) * 1e-2

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import comm_codec as cc
-from comm_codec import streams
-from conftest import bits_equal, random_bits
+from comm_codec.core import streams
+from helpers import bits_equal, random_bits
 
 import naive
 

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from comm_codec import checkpoint as ck
-from comm_codec import lossy
+from comm_codec.checkpoint import lossy
 from comm_codec.checkpoint.files import temp_name
 
 import crafted

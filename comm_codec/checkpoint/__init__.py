@@ -5,7 +5,7 @@
 other byte is coded with zstd. :func:`decompress_file` writes the original file back,
 byte for byte, and checks its sha256 before the output appears. ``base=`` codes each
 tensor as the XOR of its bit pattern with the same-named tensor of a previous checkpoint.
-:mod:`comm_codec.checkpoint.lossy` (also ``comm_codec.lossy``) is the opt-in lossy mode.
+:mod:`comm_codec.checkpoint.lossy` (also ``comm_codec.checkpoint.lossy``) is the opt-in lossy mode.
 
 Example::
 
@@ -28,8 +28,7 @@ The package, one concept per module (each imports only those listed before it):
 
 from .container import LOSSY_MAGIC, MAGIC
 from .errors import CheckpointError
-from .exact import (PIECE_BYTES, VERSION, Summary, compress_file, decompress_file, describe, is_checkpoint, load,
-                    read_index, save, verify_file)
+from .exact import PIECE_BYTES, VERSION, Summary, compress_file, decompress_file, describe, is_checkpoint, load, read_index, save, verify_file
 
 __all__ = [
     "CheckpointError",
@@ -47,6 +46,3 @@ __all__ = [
     "VERSION",
     "PIECE_BYTES",
 ]
-
-# Users catch it here.
-CheckpointError.__module__ = __name__

@@ -1,6 +1,6 @@
 """``comm-codec compress / decompress / verify / ls``: checkpoint files on the command line.
 
-Registered by :mod:`comm_codec.cli`, which turns the errors a user can cause (missing or
+Registered by :mod:`comm_codec.tools.cli`, which turns the errors a user can cause (missing or
 unreadable files, corrupt input, a wrong base, a full disk) into one line on stderr and
 exit status 2. The work is done by :mod:`.exact` (exact, the default) and, with
 ``compress --lossy {excp,precision}``, by :mod:`.lossy`; ``decompress``,
@@ -92,7 +92,7 @@ def _cmd_compress(args) -> int:
         alpha=lossy.DEFAULT_ALPHA if args.alpha is None else args.alpha,
         beta=lossy.DEFAULT_BETA if args.beta is None else args.beta,
         keep_bits=args.keep_bits, threads=_used_threads(args))
-    print(summary.line())  # notes (keyframe, fallbacks) were logged by comm_codec.lossy
+    print(summary.line())  # notes (keyframe, fallbacks) were logged by comm_codec.checkpoint.lossy
     return 0
 
 

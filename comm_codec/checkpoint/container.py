@@ -46,7 +46,7 @@ __all__ = [
 
 MAGIC = b"\x89CCKP\r\n\x1a"
 LOSSY_MAGIC = b"\x89CCKL\r\n\x1a"  # the lossy container; never read as exact
-FRAME_MAGIC = b"CCFR"  # a single codec frame (comm_codec.frame)
+FRAME_MAGIC = b"CCFR"  # a single codec frame (comm_codec.core.frame)
 HEADER = struct.Struct("<8sHHI")
 TRAILER = struct.Struct("<QQIHH8s")
 FLAG_INDEX_ZSTD = 0x1

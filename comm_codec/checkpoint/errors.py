@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "fail"]
+__all__ = ["CheckpointError", "ChainError", "fail"]
 
 
-class CheckpointError(ValueError):
-    """A checkpoint cannot be compressed or restored: corrupt, wrong base, unwritable."""
+from ..core.errors import ChainError, CheckpointError
 
 
 def fail(path, what: str):

@@ -26,7 +26,7 @@ Container format, version 1 (all integers little-endian)::
               flags u16 (bit 0: index is zstd-compressed) | magic 8 bytes     (32 bytes)
 
 The magic differs from a frame's (``CCFR``) and from the *lossy* container's
-(:data:`LOSSY_MAGIC`, :mod:`comm_codec.lossy`), so no reader can take a lossy file for an
+(:data:`LOSSY_MAGIC`, :mod:`comm_codec.checkpoint.lossy`), so no reader can take a lossy file for an
 exact one. The index (``"format": "comm_codec.checkpoint"``)::
 
     source    {name, size, sha256, format: "safetensors" | "torch_zip" | "generic"}
@@ -52,7 +52,7 @@ the index, or one built for an earlier tensor that fits as well), the shipped bo
 its kind, or raw; chunks of 64 Ki or 256 Ki elements; with a base, XOR or not. Tensors
 under 4 kB stay with the zstd-coded bytes around them. A transform maps a tensor's bit
 pattern to what is coded and back: ``"none"``, and ``"xor"`` with the base tensor. The
-lossy ExCP-style mode is :mod:`comm_codec.lossy`, a container of its own
+lossy ExCP-style mode is :mod:`comm_codec.checkpoint.lossy`, a container of its own
 (:data:`LOSSY_MAGIC`) that shares this one's index reader.
 
 Untrusted input: nothing read from a source, base or compressed file is ever unpickled
@@ -83,15 +83,14 @@ import numpy as np
 import torch
 import zstandard
 
-from ..codebooks import CodebookGroup, CodebookSet
-from ..frame import FrameError
-from ..huffman import Codebook, CodebookError
-from ..streams import spec_for
+from ..core.codebooks import CodebookGroup, CodebookSet
+from ..core.frame import FrameError
+from ..core.huffman import Codebook, CodebookError
+from ..core.streams import spec_for
 from . import schema
 from .container import HEADER, MAGIC, created_by, encode_index, identify, index_file, read_container_index, zstd_bounded
 from .errors import CheckpointError, fail
-from .files import (WRITE_DIGEST, AtomicFile, DigestStream, FileMap, atomic_output, check_paths, file_digest,
-                    open_regular, recorded_digest, temp_name, track_temp, untrack_temp)
+from .files import WRITE_DIGEST, AtomicFile, DigestStream, FileMap, atomic_output, check_paths, file_digest, open_regular, recorded_digest, temp_name, track_temp, untrack_temp
 from .formats import CODABLE, FileTensor, find_tensors
 from .schema import Anything, Int, ListOf, MapOf, Nullable, OneOf, Record, Row, Str
 from .plan import CHUNK_SIZES, TRANSFORMS, BookChooser, as_tensor, make_codec, plan_tensor
@@ -510,7 +509,7 @@ def _load_index(m: FileMap) -> dict:
         kind = identify(bytes(m.u8(0, min(8, m.size))))
         if kind == "lossy":
             fail(path, "is a lossy comm_codec checkpoint: it restores an approximation, not the original; "
-                       "use comm_codec.lossy.decompress_file (`comm-codec decompress` detects it)")
+                       "use comm_codec.checkpoint.lossy.decompress_file (`comm-codec decompress` detects it)")
         if kind == "frame":
             fail(path, "is a comm_codec frame, not a checkpoint (use `comm-codec inspect`)")
         fail(path, NOT_OURS)

@@ -21,8 +21,8 @@ import zipfile
 
 from typing import TYPE_CHECKING
 
-from ..codec import Codec
-from ..streams import SUPPORTED_DTYPES, spec_for
+from ..core.codec import Codec
+from ..core.streams import SUPPORTED_DTYPES, spec_for
 from .pickle_scan import scan_torch_pickle
 
 if TYPE_CHECKING:

@@ -125,22 +125,21 @@ import numpy as np
 import torch
 import zstandard
 
-from ..codebooks import CodebookSet
-from ..codec import Codec
-from ..frame import FrameError, get_frame_parameters
-from ..huffman import Codebook
-from ..profiler import stream_counts
-from ..streams import spec_for
-from .container import (HEADER, LOSSY_MAGIC, created_by, encode_index, identify, index_file, read_container_index,
-                        zstd_bounded)
+from ..core.codebooks import CodebookSet
+from ..core.errors import ChainError
+from ..core.codec import Codec
+from ..core.frame import FrameError, get_frame_parameters
+from ..core.huffman import Codebook
+from ..books.profiler import stream_counts
+from ..core.streams import spec_for
+from .container import HEADER, LOSSY_MAGIC, created_by, encode_index, identify, index_file, read_container_index, zstd_bounded
 from . import schema
 from .errors import CheckpointError, fail
 from .exact import MIN_CODED_BYTES, NOT_OURS, human_bytes
 from .files import FileMap, atomic_output, check_paths, open_regular
 from .formats import CODABLE, FileTensor, find_tensors, is_int, zip_crc_fields
 from .schema import Anything, Int, ListOf, MapOf, Nullable, Num, OneOf, Record, Str
-from .lossy_transforms import (LOSSY_DTYPES, MANTISSA, dequantize, error_stats, fill_value, pair_moments, prunable,
-                               quantize, round_mantissa)
+from .lossy_transforms import LOSSY_DTYPES, MANTISSA, dequantize, error_stats, fill_value, pair_moments, prunable, quantize, round_mantissa
 
 __all__ = [
     "ChainError",
@@ -160,7 +159,7 @@ __all__ = [
     "DEFAULT_BETA",
 ]
 
-log = logging.getLogger("comm_codec.lossy")
+log = logging.getLogger("comm_codec.checkpoint.lossy")
 
 VERSION = 1
 MODES = ("excp", "precision")
@@ -184,14 +183,6 @@ _INTS = {"float32": np.uint32, "bfloat16": np.uint16, "float16": np.uint16}
 # high bytes.
 _PACK = {("float32", 16): "bfloat16", ("float16", 8): "float8_e5m2"}
 _CACHE_SIZE = 2
-
-
-class ChainError(CheckpointError):
-    """A lossy file's base is missing: ``missing`` is the path that was looked for."""
-
-    def __init__(self, message: str, missing: str):
-        super().__init__(message)
-        self.missing = missing
 
 
 # -- results --------------------------------------------------------------------------------

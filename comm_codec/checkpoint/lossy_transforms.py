@@ -19,7 +19,7 @@ from .formats import FileTensor, storage_keys
 __all__ = ["LOSSY_DTYPES", "MANTISSA", "pair_moments", "quantize", "dequantize", "fill_value", "error_stats",
            "prunable", "round_mantissa"]
 
-log = logging.getLogger("comm_codec.lossy")
+log = logging.getLogger("comm_codec.checkpoint.lossy")
 
 LOSSY_DTYPES = ("float32", "bfloat16", "float16")
 MANTISSA = {"float32": 23, "bfloat16": 7, "float16": 10}

@@ -14,12 +14,12 @@ import threading
 import numpy as np
 import torch
 
-from ..codebooks import CodebookSet
-from ..codec import Codec
-from ..huffman import RAW_THRESHOLD_BITS, Codebook, entropy_bits
-from ..codebooks import CodebookGroup
+from ..core.codebooks import CodebookSet
+from ..core.codec import Codec
+from ..core.huffman import RAW_THRESHOLD_BITS, Codebook, entropy_bits
+from ..core.codebooks import CodebookGroup
 from ..kernels import plan as _plan
-from ..profiler import grow_group
+from ..books.profiler import grow_group
 from .files import FileMap
 from .formats import FileTensor
 
@@ -187,7 +187,7 @@ class BookChooser:
 
         Returns:
             chunk_elems -> ``(rows, zeros, coded)``: int64[nchunks, nstreams, 256] counts as
-            :func:`comm_codec.profiler.chunk_counts` gives them (rows of streams left out
+            :func:`comm_codec.books.profiler.chunk_counts` gives them (rows of streams left out
             hold the symbol count, all at symbol 0), the sampled zeros, and which streams
             were counted.
         """

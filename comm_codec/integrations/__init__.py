@@ -45,13 +45,13 @@ def attach(model: nn.Module, **state_kwargs):
 
     model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
     if isinstance(model, DistributedDataParallel):
-        from ..ddp import HuffmanState, huffman_hook
+        from ..comm.ddp import HuffmanState, huffman_hook
 
         state = HuffmanState(process_group=model.process_group, **state_kwargs)
         model.register_comm_hook(state, huffman_hook)
         log.info("comm_codec: huffman_hook registered on the DistributedDataParallel model")
         return state
-    from .. import fsdp
+    from ..comm import fsdp
 
     if fsdp.FSDPModule is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules()):
         return fsdp.compress(model, **state_kwargs)

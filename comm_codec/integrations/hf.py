@@ -68,7 +68,7 @@ def _wrapped(model):
     """The model to register on: the DDP wrapping ``model``, or ``model`` itself (FSDP2)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from .. import fsdp
+    from ..comm import fsdp
 
     if fsdp.FSDPModule is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules()):
         return model

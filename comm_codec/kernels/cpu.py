@@ -1,13 +1,13 @@
 """numba CPU kernels: plan, encode, decode and histogram chunks of a tensor's bits.
 
-Private. The wrappers in :mod:`comm_codec.codec` validate what they pass in; still,
+Private. The wrappers in :mod:`comm_codec.core.codec` validate what they pass in; still,
 these kernels never trust frame contents: every read of a payload is bounded by its
 segment, every table entry is checked, and each chunk reports a status code instead of
 raising. Parallelism is over chunks (``prange``); a chunk is a few hundred KiB at most,
 so its working set stays in L2 while its streams are processed one by one.
 
 Element bits arrive as integer arrays whose *type* carries the layout (see
-:func:`comm_codec.streams.kernel_bits`): uint8/uint16/uint32 for IEEE types (sign rotated
+:func:`comm_codec.core.streams.kernel_bits`): uint8/uint16/uint32 for IEEE types (sign rotated
 to bit 0), int8 for 1-byte integers (not rotated). numba compiles one specialization per
 type, so element width and rotation are compile-time constants and the bit shuffling in
 the hot loops folds into a few instructions (measured: 0.63 vs 0.95 ns per symbol for

@@ -1,7 +1,7 @@
 """numba.cuda kernels: plan, encode and decode chunks on the GPU, in the CPU's frame format.
 
 Private, and a leaf like :mod:`comm_codec.kernels.cpu`: arrays in, status out; nothing
-of the package is imported here (the host side, :mod:`comm_codec.gpu`, lays out
+of the package is imported here (the host side, :mod:`comm_codec.core.gpu`, lays out
 frames, reads headers and launches these kernels). They produce and read *the same
 bytes* as the CPU kernels (same reference exponent, zero-mask and raw decisions, lanes,
 bit order, padding and checksums), so a frame made on one device decodes on the other,
@@ -49,8 +49,7 @@ from numba import cuda, int32, int64, uint16, uint64
 
 # The CPU kernels' constants: the same statuses (the codec maps both through
 # cpu.STATUS_MESSAGES), chunk flags, lane layout and checksum chains, by construction.
-from .cpu import (_CHUNK_MASK, _CHUNK_RAW0, _CHUNK_ZERO, _HASH_MUL, _HASH_SEED, _LANE_HEADER, _LANES, _ST_BAD_CODE,
-                  _ST_BOOK, _ST_CHECKSUM, _ST_MASK_COUNT, _ST_OVERRUN, _ST_SIZE, _U64_0, STATUS_OK)
+from .cpu import _CHUNK_MASK, _CHUNK_RAW0, _CHUNK_ZERO, _HASH_MUL, _HASH_SEED, _LANE_HEADER, _LANES, _ST_BAD_CODE, _ST_BOOK, _ST_CHECKSUM, _ST_MASK_COUNT, _ST_OVERRUN, _ST_SIZE, _U64_0, STATUS_OK
 
 __all__ = ["SIMULATOR"]
 

@@ -12,7 +12,7 @@ rotated by the chunk's reference. That replaced one :func:`comm_codec.kernels.cp
 chunk_histograms` pass per chunk size over every stream, and streams that can only end
 up raw get a sparse look (every 16th element) instead of a full histogram.
 
-Element layout (as :mod:`comm_codec.streams` defines it): the bits arrive as uint8,
+Element layout (as :mod:`comm_codec.core.streams` defines it): the bits arrive as uint8,
 uint16 or uint32 for IEEE types, whose bits are rotated left by one (the sign to bit 0)
 before being cut into bytes, most significant byte first (stream 0); as int8 for 1-byte
 integers, not rotated. numba compiles one specialization per array type.

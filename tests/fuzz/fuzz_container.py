@@ -17,12 +17,12 @@ import atheris
 
 # The codec and its numba kernels first, uninstrumented: numba cannot compile atheris's
 # branch hooks. Only the checkpoint package (the parsers under test) is instrumented.
-import comm_codec.codec  # noqa: E402,F401
-import comm_codec.profiler  # noqa: E402,F401
+import comm_codec.core.codec  # noqa: E402,F401
+import comm_codec.books.profiler  # noqa: E402,F401
 
 with atheris.instrument_imports(include=["comm_codec.checkpoint"]):
     from comm_codec import checkpoint as ck
-    from comm_codec import lossy
+    from comm_codec.checkpoint import lossy
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import crafted  # noqa: E402

@@ -1,13 +1,13 @@
 """The codec: tensors in, self-describing frames out, and back, bit for bit.
 
-:class:`Codec` holds a :class:`~comm_codec.codebooks.CodebookSet` (the model) and drives
+:class:`Codec` holds a :class:`~comm_codec.core.codebooks.CodebookSet` (the model) and drives
 the numba kernels (the coder). Encoding is one pass over the data per stream after a
 cheap planning pass that sizes every chunk, so the frame is allocated once at its exact
 size: encode allocates the frame plus O(chunks) scratch, decode the output plus
 O(chunks) scratch (and one chunk of scratch per thread for chunks with a zero mask).
 
 CUDA tensors are coded on their GPU by the numba.cuda kernels of
-:mod:`comm_codec.kernels.cuda`, driven by :mod:`comm_codec.gpu` (imported on first use),
+:mod:`comm_codec.kernels.cuda`, driven by :mod:`comm_codec.core.gpu` (imported on first use),
 on torch's current stream, into
 the same frame bytes: a frame made on either device decodes on the other. A GPU encode
 waits for the device once (to learn the frame's length); a GPU decode waits to read the
@@ -36,12 +36,12 @@ import numpy as np
 import torch
 
 from . import frame as _frame
-from . import warmup as _warmup
+from . import precompile as _warmup
 from .codebooks import CodebookGroup, CodebookSet, as_codebook_set
 from .frame import FrameError
 from .huffman import Codebook
-from .kernels import cpu as _cpu
-from .kernels import empty_output, torch_threads_kept
+from ..kernels import cpu as _cpu
+from ..kernels import empty_output, torch_threads_kept
 from .streams import as_bits, spec_for
 
 __all__ = ["Codec", "DEFAULT_CHUNK_ELEMS", "DECODE_CACHE_SIZE"]
@@ -181,7 +181,7 @@ class Codec:
 
         Args:
             tensor: a CPU or CUDA tensor of a supported dtype (see
-                :data:`comm_codec.streams.SUPPORTED_DTYPES`), any shape; non-contiguous
+                :data:`comm_codec.core.streams.SUPPORTED_DTYPES`), any shape; non-contiguous
                 tensors are copied first. A CUDA tensor is coded on its GPU, on torch's
                 current stream, and its frame stays there.
             kind: which books to use: "gradient", "reduced_gradient", "activation",
@@ -189,7 +189,7 @@ class Codec:
 
         Returns:
             The frame: a 1-D torch.uint8 tensor on the tensor's device. Never longer
-            than the raw tensor plus the header (:func:`comm_codec.frame.header_size`)
+            than the raw tensor plus the header (:func:`comm_codec.core.frame.header_size`)
             plus at most 7 bytes of padding per chunk and stream: a stream that coding
             would not shrink is stored raw.
 
@@ -373,7 +373,7 @@ class Codec:
         was cached yet, compile them (~20 s per type here). Call this where that time
         may go, e.g. when a training job sets up, and not inside a timed step; run
         ``comm-codec warmup`` once after installing so that no process compiles. See
-        :mod:`comm_codec.warmup`.
+        :mod:`comm_codec.core.precompile`.
 
         Args:
             dtypes: torch dtypes (or names such as ``"bf16"``) to be coded; None: all.
@@ -401,10 +401,10 @@ class Codec:
                 uint8 array or a bytes-like object.
 
         Returns:
-            Its :class:`comm_codec.frame.FrameParameters` (``numel``, ``dtype``, ...).
+            Its :class:`comm_codec.core.frame.FrameParameters` (``numel``, ``dtype``, ...).
 
         Raises:
-            FrameError: as :func:`comm_codec.frame.get_frame_parameters`.
+            FrameError: as :func:`comm_codec.core.frame.get_frame_parameters`.
             TypeError: not a frame's type.
         """
         if isinstance(frame, torch.Tensor) and frame.device.type == "cuda":
@@ -517,7 +517,7 @@ class Codec:
             raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
         spec = spec_for(tensor.dtype)
         tables = self._encode_tables(kind, spec)
-        from . import gpu as _gpu  # numba.cuda only for those who use it
+        from . import gpu as _gpu
 
         return _gpu.encode_frame(tensor, spec, tables, self._device_tables(tables, tensor.device),
                                   self.chunk_elems, self.checksum)

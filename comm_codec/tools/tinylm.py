@@ -15,7 +15,7 @@ model. This module supplies the three ingredients, all deterministic:
 Example::
 
     >>> import torch
-    >>> from comm_codec.tinylm import TinyLM, batches, load_corpus, train_steps
+    >>> from comm_codec.tools.tinylm import TinyLM, batches, load_corpus, train_steps
     >>> _ = torch.manual_seed(0)
     >>> model = TinyLM()
     >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -32,6 +32,7 @@ import zlib
 import numpy as np
 
 from . import streams as _streams
+from .errors import FrameError
 
 __all__ = [
     "FrameError",
@@ -76,8 +77,6 @@ _HEAD = np.dtype(
 assert _HEAD.itemsize == HEADER_BYTES
 
 
-class FrameError(ValueError):
-    """A frame is truncated, corrupted, foreign, or needs a codebook this codec lacks."""
 
 
 def pad8(n):

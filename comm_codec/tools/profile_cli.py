@@ -28,9 +28,9 @@ import sys
 import numpy as np
 import torch
 
-from .codebooks import CodebookSet
-from .profiler import WarmupProfiler, book_cost, stream_counts
-from .streams import SUPPORTED_DTYPES, spec_for
+from ..core.codebooks import CodebookSet
+from ..books.profiler import WarmupProfiler, book_cost, stream_counts
+from ..core.streams import SUPPORTED_DTYPES, spec_for
 
 __all__ = ["SteppedProfiler", "register", "report", "profile_checkpoint"]
 

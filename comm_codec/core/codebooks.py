@@ -10,7 +10,7 @@ chunk with whichever of them makes it smallest and records the choice in the chu
 table. One book fits a kind's *average* distribution; the layers of a model differ in
 its shape (not only in scale, which the per-chunk reference exponent absorbs): on
 TinyLM's bf16 gradients, frames were 1.71 % above an ideal per-chunk Huffman coder with
-one book and 0.88 % with a group of five (:mod:`comm_codec.profiler` grows the group
+one book and 0.88 % with a group of five (:mod:`comm_codec.books.profiler` grows the group
 from the warmup's chunk histograms).
 
 Lookups fall back when a kind has no book of its own: ``reduced_gradient`` uses

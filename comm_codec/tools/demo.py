@@ -1,7 +1,7 @@
 """``comm-codec demo``: train a small transformer on CPU processes with coded gradients.
 
 The README's first command. It spawns ``--world-size`` processes (gloo on 127.0.0.1),
-trains :class:`comm_codec.tinylm.TinyLM` on the Python standard library's own source
+trains :class:`comm_codec.tools.tinylm.TinyLM` on the Python standard library's own source
 with DDP and :func:`comm_codec.ddp.huffman_hook`, and prints on rank 0 one line per
 step, then a summary: gradient bytes a plain all-reduce would have sent against the
 bytes sent, the ratio, codec time, and a check that every rank ended with bit-identical
@@ -15,7 +15,7 @@ and why.
 
 The training loop, :func:`train`, runs on any initialized process group, so
 ``launch_scripts/train_ddp.py`` runs the same training under torchrun. ``--fsdp`` runs
-:mod:`comm_codec.fsdp_demo` instead: TinyLM sharded with FSDP2, its reduce-scatters and
+:mod:`comm_codec.tools.fsdp_demo` instead: TinyLM sharded with FSDP2, its reduce-scatters and
 all-gathers coded. Both spawn their ranks with :func:`spawn_ranks`.
 
 Example::
@@ -145,8 +145,8 @@ def _load_kernels(config: TrainConfig, main: bool) -> None:
     was a silent 20-second step 6 (the first coded one). numba caches them, so later runs
     load them in well under a second.
     """
-    from .codec import Codec
-    from .warmup import warm
+    from ..core.codec import Codec
+    from ..core.precompile import warm
 
     coded = config.cast or config.dtype
     start = time.perf_counter()
@@ -176,7 +176,7 @@ def train(config: TrainConfig, group=None) -> dict:
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    from .ddp import HuffmanState, huffman_hook
+    from ..comm.ddp import HuffmanState, huffman_hook
     from .tinylm import TinyLM, batches, load_corpus
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -257,10 +257,10 @@ def _auto_verdict(model: torch.nn.Module, state, group, reps: int = 4) -> dict:
     """Time plain and coded all-reduces of the last gradients; decide as mode="auto" would.
 
     Collective: every rank times the same all-reduces, alternating plain and coded, and
-    :func:`comm_codec.autoswitch.agree` weighs the slowest rank's medians.
+    :func:`comm_codec.comm.autoswitch.agree` weighs the slowest rank's medians.
     """
-    from . import collectives
-    from .autoswitch import agree
+    from ..comm import collectives
+    from ..comm.autoswitch import agree
 
     grads = [p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]
     flat = torch.cat(grads[::-1])  # DDP's bucket order: parameters reversed

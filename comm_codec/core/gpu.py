@@ -3,7 +3,7 @@
 Private. :class:`comm_codec.Codec` calls :func:`encode_frame` and :func:`decode_frame` for
 CUDA tensors; the kernels themselves are in :mod:`comm_codec.kernels.cuda` (arrays in,
 status out: they import nothing of this package). This module lays out frames with
-:mod:`comm_codec.frame`, reads their headers to the host and runs the kernels on torch's
+:mod:`comm_codec.core.frame`, reads their headers to the host and runs the kernels on torch's
 current stream. Importing it imports ``numba.cuda``; the codec imports it only when a
 CUDA tensor (or an explicit GPU call) arrives, so CPU users never pay for it.
 
@@ -13,14 +13,14 @@ Work per frame:
 2. **The one host synchronisation of an encode**: that plan (``nchunks x (3 + ns)`` u32)
    is copied to the host. The frame's length, which the caller needs to allocate it and
    which collectives exchange, depends on every chunk's size, so it cannot be avoided.
-   The host then lays out the header with :mod:`comm_codec.frame` (checksums still 0)
+   The host then lays out the header with :mod:`comm_codec.core.frame` (checksums still 0)
    and the chunk offsets, and copies both to the device (no wait on the device).
 3. ``_encode_kernel`` (one block per chunk) writes the payloads and chunk checksums.
 4. ``_crc_segments`` and ``_crc_combine`` recompute the header's CRC-32 on the device,
    because the checksums it covers were made there.
 
 Decode reads the header to the host (:func:`read_header`: one small copy, two for
-headers over 4 KiB), checks it with :func:`comm_codec.frame.get_frame_parameters`, runs
+headers over 4 KiB), checks it with :func:`comm_codec.core.frame.get_frame_parameters`, runs
 ``_decode_kernel`` and copies the per-chunk status back (one more small copy) so that
 the codec can raise FrameError.
 """
@@ -35,8 +35,7 @@ import torch
 from numba import cuda
 
 from . import frame as _frame
-from .kernels.cuda import (_CRC_SEGMENT, _DECODE_THREADS, _MAX_STREAMS, _PLAN_THREADS, SIMULATOR, _crc_combine,
-                           _crc_segments, _decode_kernel, _encode_kernel, _plan_kernel)
+from ..kernels.cuda import _CRC_SEGMENT, _DECODE_THREADS, _MAX_STREAMS, _PLAN_THREADS, SIMULATOR, _crc_combine, _crc_segments, _decode_kernel, _encode_kernel, _plan_kernel
 
 __all__ = ["DeviceTables", "encode_frame", "decode_frame", "read_header", "frame_parameters"]
 
@@ -139,7 +138,7 @@ def encode_frame(tensor: torch.Tensor, spec, tables, dev_tables: DeviceTables, c
 
     Args:
         tensor: a CUDA tensor (a CPU tensor under the simulator) of ``spec.dtype``.
-        spec: its :class:`comm_codec.streams.StreamSpec`.
+        spec: its :class:`comm_codec.core.streams.StreamSpec`.
         tables: the codec's host tables (book ids for the header).
         dev_tables: the same tables on the tensor's device.
         chunk_elems: elements per chunk.
@@ -213,7 +212,7 @@ def read_header(frame: torch.Tensor) -> np.ndarray:
     Returns:
         A host uint8 array as long as the frame whose first bytes hold the header (the
         rest is zero pages, never touched), so that
-        :func:`comm_codec.frame.get_frame_parameters` can check the header against the
+        :func:`comm_codec.core.frame.get_frame_parameters` can check the header against the
         frame's true length without the payload crossing to the host.
     """
     n = frame.numel()
@@ -234,7 +233,7 @@ def decode_frame(frame: torch.Tensor, params, dev_tables: DeviceTables, result: 
 
     Args:
         frame: the frame, 1-D torch.uint8 on the device, 8-byte aligned.
-        params: its :class:`comm_codec.frame.FrameParameters` (from :func:`read_header`).
+        params: its :class:`comm_codec.core.frame.FrameParameters` (from :func:`read_header`).
         dev_tables: the decode tables of its books (every book of each stream's group) on
             the device. Each chunk's book indices (``params.table["books"]``) must
             already have been checked against the group sizes (``codec._Tables.check_books``);
@@ -273,9 +272,9 @@ def frame_parameters(frame: torch.Tensor) -> _frame.FrameParameters:
         frame: a 1-D uint8 frame on a CUDA device (any device under the simulator).
 
     Returns:
-        Its :class:`comm_codec.frame.FrameParameters`.
+        Its :class:`comm_codec.core.frame.FrameParameters`.
 
     Raises:
-        FrameError: as :func:`comm_codec.frame.get_frame_parameters`.
+        FrameError: as :func:`comm_codec.core.frame.get_frame_parameters`.
     """
     return _frame.get_frame_parameters(read_header(frame))

@@ -40,7 +40,8 @@ import hashlib
 
 import numpy as np
 
-from .kernels import cpu as _cpu
+from ..kernels import cpu as _cpu
+from .errors import CodebookError
 
 __all__ = [
     "Codebook",
@@ -68,8 +69,6 @@ DEC_LEN_SHIFT = 8
 DEC_ESCAPE_FLAG = 0x8000
 
 
-class CodebookError(ValueError):
-    """A codebook file or dict is malformed: bad lengths, wrong id, Kraft violated."""
 
 
 # _REV12[x] is x's 12 low bits in reverse order: a code of length l, written MSB first,

@@ -19,8 +19,8 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .codebooks import CodebookSet
-from .profiler import WarmupProfiler, coding_cost
+from ..core.codebooks import CodebookSet
+from ..books.profiler import WarmupProfiler, coding_cost
 
 __all__ = ["BookRefresh"]
 

@@ -92,8 +92,8 @@ def state_stats(*, warming_up: bool, codebooks, refresh, switch, coding: bool) -
 
     The DDP hook (and so DeepSpeed) and FSDP2 report the same: ``warming_up``, ``books``
     (the books' digest, None while none exist), ``drift`` and ``refreshes`` (of a
-    :class:`~comm_codec.refresh.BookRefresh`), ``mode``, ``decision``, ``switches``,
-    ``probes`` (:meth:`~comm_codec.autoswitch.AutoSwitch.stats`) and ``coding``
+    :class:`~comm_codec.comm.refresh.BookRefresh`), ``mode``, ``decision``, ``switches``,
+    ``probes`` (:meth:`~comm_codec.comm.autoswitch.AutoSwitch.stats`) and ``coding``
     (whether the current step codes).
     """
     return {"warming_up": warming_up, "books": codebooks.digest if codebooks is not None else None,

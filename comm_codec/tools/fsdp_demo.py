@@ -1,7 +1,7 @@
 """The FSDP2 demo: TinyLM sharded with ``fully_shard``, its collectives coded by comm_codec.fsdp.
 
-``comm-codec demo --fsdp`` (and ``python -m comm_codec.fsdp_demo``) spawns ``--world-size`` processes (gloo on 127.0.0.1), shards
-:class:`comm_codec.tinylm.TinyLM` with ``fully_shard`` (each block, then the root), codes
+``comm-codec demo --fsdp`` (and ``python -m comm_codec.tools.fsdp_demo``) spawns ``--world-size`` processes (gloo on 127.0.0.1), shards
+:class:`comm_codec.tools.tinylm.TinyLM` with ``fully_shard`` (each block, then the root), codes
 its reduce-scatters and all-gathers with :func:`comm_codec.fsdp.compress` after a warmup,
 and prints on rank 0 a line per step and a summary: bytes the default collectives would
 have sent against the bytes sent, per collective, codec time, and a check that the full
@@ -12,7 +12,7 @@ parameters gathered on every rank are bit-identical.
 
 Example::
 
-    $ python -m comm_codec.fsdp_demo --steps 20 --warmup-steps 5
+    $ python -m comm_codec.tools.fsdp_demo --steps 20 --warmup-steps 5
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def train_fsdp(config: TrainConfig, group=None) -> dict:
     Every rank calls this; rank 0 prints a line per step and the summary.
 
     Args:
-        config: the :class:`~comm_codec.demo.TrainConfig` (``cast`` does not apply:
+        config: the :class:`~comm_codec.tools.demo.TrainConfig` (``cast`` does not apply:
             FSDP's reduce dtype is the model's; ``mode`` is "always" in the demo, to show
             the bytes saved).
         group: the process group books are built over (default: the world); FSDP
@@ -56,7 +56,7 @@ def train_fsdp(config: TrainConfig, group=None) -> dict:
     """
     from torch.distributed.fsdp import fully_shard
 
-    from .fsdp import compress
+    from ..comm.fsdp import compress
     from .tinylm import TinyLM, batches, load_corpus
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -182,8 +182,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    """``python -m comm_codec.fsdp_demo``: parse the options and :func:`run`."""
-    parser = argparse.ArgumentParser(prog="python -m comm_codec.fsdp_demo", description=__doc__.split("\n\n")[0])
+    """``python -m comm_codec.tools.fsdp_demo``: parse the options and :func:`run`."""
+    parser = argparse.ArgumentParser(prog="python -m comm_codec.tools.fsdp_demo", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     return run(parser.parse_args(argv))

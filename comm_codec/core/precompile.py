@@ -54,7 +54,7 @@ def _sample(dtype: torch.dtype) -> torch.Tensor:
 
 
 def _kernel_stats():
-    from .kernels import cpu as _cpu
+    from ..kernels import cpu as _cpu
 
     names = ("plan_chunks", "encode_chunks", "decode_chunks", "decode_accumulate_chunks", "multi_tables",
              "chunk_histograms", "huffman_costs", "package_merge")
@@ -63,7 +63,7 @@ def _kernel_stats():
 
 def cache_location() -> str:
     """Return the directory where numba caches the codec's compiled kernels."""
-    from .kernels import cpu as _cpu
+    from ..kernels import cpu as _cpu
 
     try:
         return _cpu.plan_chunks._cache._cache_path
@@ -133,7 +133,7 @@ def warm(codec, dtypes=None, profiler: bool = False) -> dict:
                 if spec.dtype in (torch.bfloat16, torch.float16, torch.float32):  # the all-reduce's decode-and-add
                     codec.decode_accumulate(frame, torch.zeros(x.numel(), dtype=torch.float32))
                 if profiler:
-                    from .profiler import WarmupProfiler
+                    from ..books.profiler import WarmupProfiler
 
                     with first_use("profiling", spec):
                         prof = WarmupProfiler(chunk_elems=1024, max_books=2)

@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 
-from . import __version__
+from ..core.version import __version__
 
 __all__ = ["main"]
 
@@ -25,9 +25,9 @@ def _cmd_inspect(args) -> int:
     """Print what a frame file's header says, or list a compressed (exact or lossy) checkpoint."""
     import numpy as np
 
-    from .checkpoint import container, exact, lossy
-    from .checkpoint.files import open_regular
-    from .frame import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, get_frame_parameters
+    from ..checkpoint import container, exact, lossy
+    from ..checkpoint.files import open_regular
+    from ..core.frame import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, get_frame_parameters
 
     with open_regular(args.file) as fh:
         kind = container.identify(fh.read(8))
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
         The exit status: 0 on success, 2 for user errors (bad input, missing files).
     """
     parser = _build_parser()
-    # The benchmark has its own options (comm_codec.bench); hand it whatever follows.
+    # The benchmark has its own options (comm_codec.tools.bench); hand it whatever follows.
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -128,8 +128,8 @@ def main(argv=None) -> int:
         args.rest = [*extra, *args.rest]
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    from .frame import FrameError
-    from .huffman import CodebookError
+    from ..core.frame import FrameError
+    from ..core.huffman import CodebookError
 
     previous = _on_termination()
     try:
@@ -162,7 +162,7 @@ def _on_termination() -> dict:
     removed by the next run that writes into the same directory, once that PID is gone.
     """
     def handler(signum, frame):
-        from .checkpoint.files import remove_live_temps
+        from ..checkpoint.files import remove_live_temps
 
         remove_live_temps()
         os.write(2, f"comm-codec: terminated by {signal.Signals(signum).name}; partial output removed\n".encode())

@@ -1,0 +1,661 @@
+"""DeepSpeed plugin: ZeRO 0/1/2 gradient reduction with Huffman-coded frames.
+
+Add a ``"comm_codec"`` section to the DeepSpeed config and call
+:func:`initialize` where you called ``deepspeed.initialize`` (same arguments, same
+return values)::
+
+    {"train_micro_batch_size_per_gpu": 8,
+     "zero_optimization": {"stage": 2},
+     "bf16": {"enabled": true},
+     "comm_codec": {"enabled": true, "codebooks": "online", "warmup_steps": 5}}
+
+    import comm_codec.deepspeed as ccds
+    engine, optimizer, loader, scheduler = ccds.initialize(model=model, config="ds_config.json",
+                                                           model_parameters=model.parameters())
+    ...
+    ccds.stats(engine)   # same dict as HuffmanState.stats(): bytes_in, bytes_out, ratio, ...
+
+Code that builds the engine itself calls :func:`install` on it.
+
+**The seam.** DeepSpeed funnels every dense gradient reduction of ZeRO stages 0-2 through
+three small methods that flatten a bucket, scale it and issue one collective; the plugin
+replaces each with a copy of DeepSpeed 0.19's own body in which only that collective is
+swapped (so DeepSpeed's pre-/post-scaling, ``gradient_predivide_factor``,
+``communication_data_type`` and ``gradient_allreduce_op`` keep their meaning):
+
+* ``DeepSpeedEngine.allreduce_bucket`` (ZeRO 0, and the BF16_Optimizer that ZeRO 1 uses
+  with bf16 weights and fp32 gradient accumulation): ``all_reduce`` becomes
+  :func:`comm_codec.collectives.all_reduce` (two-phase, coded, bit-identical on every rank).
+* ``DeepSpeedZeroOptimizer.allreduce_bucket`` (ZeRO 1 and 2). With ``rank=None`` -- the
+  default ``use_multi_rank_bucket_allreduce`` path, where ``average_tensor`` all-reduces
+  the whole bucket and each rank keeps its partition -- the coded all-reduce. With a
+  destination rank (``"use_multi_rank_bucket_allreduce": false``: each slice of the bucket
+  is reduced to the rank that owns its partition) ``reduce`` becomes a coded reduce: every
+  other rank sends the slice as one frame to the owner, which sums all ranks' slices in
+  rank order in float32. Each rank then sends ``(W-1)/W`` of the bucket, coded, as a
+  reduce-scatter would; only the owner ends with the sum, as with ``dist.reduce``.
+* ``DeepSpeedZeroOptimizer.gradient_reduction_w_predivide`` (``"reduce_scatter": false``):
+  ``all_reduce`` becomes the coded one.
+
+Sums are rank-order float32 sums rounded once to the buffer dtype, so with two ranks the
+results equal DeepSpeed's bit for bit; with more they differ in the last bit (summation
+order), as two NCCL algorithms do. Norm, overflow and parameter all-gather traffic stays
+uncompressed. Unsupported setups (ZeRO-3, pipeline or hybrid engines, MoE, sequence or
+tensor parallelism, optimizer offload, sparse embeddings, non-CPU devices, DeepSpeed
+other than 0.19.x) are refused at :func:`initialize` / :func:`install` with a message
+naming the feature, instead of running uncompressed while claiming to compress.
+
+**Warmup.** ``"warmup_steps": N`` reduces plainly for N optimizer steps while a
+:class:`~comm_codec.books.profiler.WarmupProfiler` observes the buckets, then builds the books
+from statistics summed over the data-parallel group (identical by construction, checked
+by digest), exactly as ``HuffmanState(warmup_steps=N)`` does -- the plugin keeps one as
+its state. (``"codebooks": "online"`` says the same explicitly; without warmup the
+shipped books, or a saved file's, code from the first step.)
+
+**Mode.** ``"mode": "auto"`` (the default) codes only where that measures faster on this
+run, ``"always"`` codes every step after warmup, ``"never"`` leaves DeepSpeed's
+reduction alone; ``recheck_every``, ``probe_steps`` and ``hysteresis`` tune auto as in
+:class:`comm_codec.ddp.HuffmanState`. A step's mode is decided at its first reduction,
+the same on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+import os
+from typing import Optional
+
+try:
+    import deepspeed
+    import deepspeed.comm as ds_dist
+except ImportError as _exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        f"comm_codec.deepspeed needs DeepSpeed 0.19.x, which did not import ({_exc}): "
+        "pip install 'comm_codec[deepspeed]'"
+    ) from _exc
+
+import pydantic
+import torch
+import torch.distributed as dist
+
+from . import collectives
+from .autoswitch import MODES
+from ..core.codebooks import KINDS, CodebookSet
+from .ddp import HuffmanState
+from ..core.huffman import CodebookError
+
+__all__ = ["CommCodecConfig", "SUPPORTED_DEEPSPEED", "initialize", "install", "parse_config", "stats"]
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_DEEPSPEED = "0.19"  # the major.minor whose reduction methods the plugin copies
+SECTION = "comm_codec"
+
+_CODED = (torch.float32, torch.bfloat16, torch.float16)
+_CASTS = {None: None, "bf16": torch.bfloat16}
+_SUPPORTED_KINDS = ("gradient",)
+# The DeepSpeed methods replaced, with the parameters their 0.19 bodies (copied below) take.
+_SEAMS = {
+    ("runtime.engine", "DeepSpeedEngine", "allreduce_bucket"): ["self", "bucket", "dp_group", "dp_world_size"],
+    ("runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "allreduce_bucket"):
+        ["self", "bucket", "communication_data_type", "rank", "log", "divide", "process_group"],
+    ("runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "gradient_reduction_w_predivide"):
+        ["self", "tensor", "communication_data_type"],
+}
+
+
+# -- configuration ------------------------------------------------------------------------
+class CommCodecConfig(pydantic.BaseModel):
+    """The ``"comm_codec"`` section of a DeepSpeed config; unknown keys are rejected.
+
+    Attributes:
+        enabled: install the codec (a present section defaults to true).
+        codebooks: ``"default"`` (the shipped books), ``"online"`` (built from the first
+            ``warmup_steps`` steps), or the path of a saved :class:`CodebookSet`; unset:
+            ``"online"`` when ``warmup_steps`` > 0, else ``"default"``.
+        warmup_steps: optimizer steps reduced plainly while profiling; they build the
+            books online (as ``HuffmanState(warmup_steps=...)``).
+        mode: ``"auto"``, ``"always"`` or ``"never"``, as for HuffmanState.
+        recheck_every, probe_steps, hysteresis: auto mode's measurement, as for
+            HuffmanState.
+        kinds: the traffic to code, by codebook kind; the plugin codes gradient reduction
+            (``["gradient"]``).
+        cast: null (lossless) or ``"bf16"``: fp32 buckets are rounded to bf16 before
+            coding (**lossy**, like PyTorch's bf16_compress_hook).
+        log_every: log a traffic line (and write DeepSpeed monitor events) every this
+            many steps on rank 0; 0 = never.
+        min_bucket_bytes: buckets smaller than this are reduced plainly.
+        threads: numba threads for the codec (null: numba's setting).
+        drift_every, refresh_threshold, refresh_steps: codebook drift measurement and
+            refresh, as in :class:`comm_codec.ddp.HuffmanState`.
+        monitor: also write comm_codec/* scalars to DeepSpeed's monitor (TensorBoard,
+            W&B, CSV) when one is enabled in the config.
+    """
+
+    model_config = pydantic.ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    enabled: bool = True
+    codebooks: Optional[str] = None
+    warmup_steps: int = pydantic.Field(0, ge=0)
+    mode: str = "auto"
+    recheck_every: int = pydantic.Field(200, ge=1)
+    probe_steps: int = pydantic.Field(4, ge=1)
+    hysteresis: float = pydantic.Field(0.05, ge=0, lt=1)
+    kinds: list[str] = pydantic.Field(default_factory=lambda: ["gradient"], min_length=1)
+    cast: Optional[str] = None
+    log_every: int = pydantic.Field(50, ge=0)
+    min_bucket_bytes: int = pydantic.Field(4096, ge=0)
+    threads: Optional[int] = pydantic.Field(None, ge=1)
+    drift_every: int = pydantic.Field(0, ge=0)
+    refresh_threshold: Optional[float] = pydantic.Field(None, gt=0)
+    refresh_steps: int = pydantic.Field(3, ge=1)
+    monitor: bool = True
+
+    @pydantic.field_validator("codebooks")
+    @classmethod
+    def _codebook_source(cls, value):
+        if value is None or value in ("default", "online"):
+            return value
+        if not os.path.isfile(value):
+            raise ValueError(f"codebook file {value!r} not found; expected \"default\", \"online\" or the "
+                             "path of a file saved by CodebookSet.save (e.g. train_ddp.py --save-codebooks)")
+        return value
+
+    @pydantic.field_validator("kinds")
+    @classmethod
+    def _kinds(cls, value: list) -> list:
+        for kind in value:
+            if kind not in KINDS:
+                raise ValueError(f"unknown tensor kind {kind!r}; allowed: {list(_SUPPORTED_KINDS)}")
+            if kind not in _SUPPORTED_KINDS:
+                raise ValueError(f"kind {kind!r} is not coded by the DeepSpeed plugin (it codes gradient "
+                                 f"reduction); allowed: {list(_SUPPORTED_KINDS)}")
+        return value
+
+    @pydantic.field_validator("mode")
+    @classmethod
+    def _mode(cls, value):
+        if value not in MODES:
+            raise ValueError(f"unknown mode {value!r}; allowed: " + ", ".join(f'"{m}"' for m in MODES))
+        return value
+
+    @pydantic.field_validator("cast")
+    @classmethod
+    def _cast(cls, value):
+        if value not in _CASTS:
+            raise ValueError(f"unknown cast {value!r}; allowed: null (lossless) or \"bf16\"")
+        return value
+
+    @pydantic.model_validator(mode="after")
+    def _consistent(self):
+        if self.codebooks == "online" and self.warmup_steps == 0:
+            raise ValueError("codebooks \"online\" needs warmup_steps >= 1 (the steps whose statistics "
+                             "build the books)")
+        if self.codebooks not in (None, "online") and self.warmup_steps:
+            raise ValueError(f"warmup_steps builds the books online, but codebooks is {self.codebooks!r}: "
+                             "drop codebooks (or set it to \"online\") to build them, or set warmup_steps to 0")
+        if self.codebooks is None:
+            object.__setattr__(self, "codebooks", "online" if self.warmup_steps else "default")
+        if self.refresh_threshold is not None and not self.drift_every:
+            raise ValueError("refresh_threshold needs drift_every > 0 (drift is what triggers a refresh)")
+        return self
+
+
+def _config_error(exc: pydantic.ValidationError) -> ValueError:
+    problems = []
+    for err in exc.errors():
+        key = ".".join([SECTION, *map(str, err["loc"])])
+        if err["type"] == "extra_forbidden":
+            problems.append(f"{key}: unknown key; allowed keys: {', '.join(CommCodecConfig.model_fields)}")
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        problems.append(f"{key}: {msg}" + (f" (got {err['input']!r})" if err["loc"] else ""))
+    return ValueError(f"invalid \"{SECTION}\" section in the DeepSpeed config: " + "; ".join(problems))
+
+
+def parse_config(config) -> CommCodecConfig | None:
+    """Validate the ``"comm_codec"`` section of a DeepSpeed config.
+
+    Args:
+        config: a whole DeepSpeed config (dict, or path of a JSON/HJSON file), or a
+            :class:`CommCodecConfig`.
+
+    Returns:
+        The validated section, or None when the config has none.
+
+    Raises:
+        ValueError: an unknown key or a bad value; the message names the key
+            (``comm_codec.cast``...) and what is allowed.
+        FileNotFoundError: the config file does not exist.
+    """
+    if isinstance(config, CommCodecConfig):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        config = _load_config_file(config)
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a dict or a path, got {type(config).__name__}")
+    section = config.get(SECTION)
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        raise ValueError(f"\"{SECTION}\" in the DeepSpeed config must be an object, got {section!r}")
+    try:
+        return CommCodecConfig.model_validate(section)
+    except pydantic.ValidationError as exc:
+        raise _config_error(exc) from None
+
+
+def _load_config_file(path) -> dict:
+    import hjson  # a DeepSpeed dependency; DeepSpeed reads config files with it
+
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return hjson.loads(text)
+
+
+# -- scope checks -------------------------------------------------------------------------
+def _check_version() -> None:
+    version = deepspeed.__version__
+    if ".".join(version.split(".")[:2]) != SUPPORTED_DEEPSPEED:
+        raise RuntimeError(
+            f"comm_codec.deepspeed supports DeepSpeed {SUPPORTED_DEEPSPEED}.x (it replaces version-specific "
+            f"gradient-reduction methods); found DeepSpeed {version}. Install a supported one: "
+            "pip install 'comm_codec[deepspeed]'"
+        )
+    import importlib
+
+    for (module, cls, method), params in _SEAMS.items():
+        owner = getattr(importlib.import_module(f"deepspeed.{module}"), cls, None)
+        fn = getattr(owner, method, None)
+        if fn is None or list(inspect.signature(fn).parameters) != params:
+            raise RuntimeError(
+                f"DeepSpeed {version} changed {cls}.{method} (expected parameters {params}); "
+                "comm_codec.deepspeed cannot install safely into it"
+            )
+
+
+def _unsupported(feature: str, fix: str) -> ValueError:
+    return ValueError(f"comm_codec.deepspeed does not support {feature}; {fix}, "
+                      f"or set \"{SECTION}\": {{\"enabled\": false}}")
+
+
+def _check_config(config: dict, model=None) -> None:
+    """Refuse, before an engine is built, what the config or model already shows."""
+    zero = config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if stage not in (0, 1, 2):
+        raise _unsupported(f"ZeRO stage {stage} (zero_optimization.stage)",
+                           "use ZeRO stage 0, 1 or 2")
+    opt_type = str((config.get("optimizer") or {}).get("type", "")).lower().replace("_", "")
+    if "onebit" in opt_type or "zeroone" in opt_type:
+        raise _unsupported(f"1-bit optimizers (optimizer.type {config['optimizer']['type']!r}: they "
+                           "compress gradients themselves)", "use a standard optimizer")
+    if model is not None:
+        from deepspeed.pipe import PipelineModule
+
+        if isinstance(model, PipelineModule):
+            raise _unsupported("the pipeline engine (model is a PipelineModule)",
+                               "train a plain torch.nn.Module with ZeRO 0-2")
+
+
+def _check_engine(engine) -> None:
+    """Refuse engines whose gradient reduction does not go through the seams."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(engine, PipelineEngine):
+        raise _unsupported("the pipeline engine", "train a plain torch.nn.Module with ZeRO 0-2")
+    if isinstance(engine, DeepSpeedHybridEngine):
+        raise _unsupported("the hybrid engine (hybrid_engine.enabled)", "disable hybrid_engine")
+    stage = engine.zero_optimization_stage()
+    if stage not in (0, 1, 2):
+        raise _unsupported(f"ZeRO stage {stage} (zero_optimization.stage)", "use ZeRO stage 0, 1 or 2")
+    if get_accelerator().device_name() != "cpu":
+        raise _unsupported(f"the {get_accelerator().device_name()} accelerator yet (the codec codes CPU "
+                           "buffers)", "train on CPU with gloo")
+    name = type(engine.optimizer).__name__.lower() + " " + str(engine.optimizer_name()).lower()
+    if "onebit" in name or "zeroone" in name:
+        raise _unsupported("1-bit optimizers", "use a standard optimizer")
+    if stage > 0 and not isinstance(engine.optimizer, (DeepSpeedZeroOptimizer, BF16_Optimizer)):
+        raise _unsupported(f"the ZeRO optimizer {type(engine.optimizer).__name__}",
+                           "use DeepSpeed's ZeRO 1/2 optimizer")
+    if type(engine.optimizer).__name__.startswith("ZenFlow") or engine._config.zero_config.zenflow is not None:
+        raise _unsupported("ZenFlow (zero_optimization.zenflow)", "disable zenflow")
+    if engine.zero_offload_optimizer() is not None or engine.zero_offload_param() is not None:
+        raise _unsupported("ZeRO offload (zero_optimization.offload_optimizer / offload_param)",
+                           "disable offload")
+    if engine.has_moe_layers:
+        raise _unsupported("mixture-of-experts layers (expert-parallel groups)", "train without MoE")
+    if engine.is_deepcompile_enabled():
+        raise _unsupported("DeepCompile (compile.deepcompile)", "disable deepcompile")
+    if not engine.enable_backward_allreduce:
+        raise _unsupported("engines without backward all-reduce", "leave gradient reduction to DeepSpeed")
+    world = dist.get_world_size()
+    if (engine.mpu is not None or getattr(engine, "sequence_parallel_size", 1) != 1
+            or dist.get_world_size(engine.data_parallel_group) != world):
+        raise _unsupported("model, tensor or sequence parallelism (the data-parallel group must be the "
+                           "whole world)", "use pure data parallelism")
+    sparse = [n for n, m in engine.module.named_modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        raise _unsupported(f"sparse embedding gradients (module {sparse[0]!r} has sparse=True; DeepSpeed "
+                           "all-gathers those outside the coded reduction)", "use sparse=False")
+
+
+# -- the plugin ---------------------------------------------------------------------------
+class _Plugin:
+    """What the plugin keeps per engine: its config, a HuffmanState, the step flags."""
+
+    __slots__ = ("config", "state", "engine", "_coded_this_step", "_step_open")
+
+    def __init__(self, engine, config: CommCodecConfig):
+        books = None
+        if config.codebooks not in ("default", "online"):
+            try:
+                books = CodebookSet.load(config.codebooks)
+            except (OSError, CodebookError) as exc:
+                raise ValueError(f"{SECTION}.codebooks: cannot load codebook file {config.codebooks!r}: "
+                                 f"{exc}") from None
+        try:
+            self.state = HuffmanState(
+                process_group=engine.data_parallel_group, codebooks=books, warmup_steps=config.warmup_steps,
+                cast=config.cast, min_bucket_bytes=config.min_bucket_bytes, threads=config.threads,
+                log_every=config.log_every, drift_every=config.drift_every,
+                refresh_threshold=config.refresh_threshold, refresh_steps=config.refresh_steps, mode=config.mode,
+                recheck_every=config.recheck_every, probe_steps=config.probe_steps, hysteresis=config.hysteresis)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"invalid \"{SECTION}\" section in the DeepSpeed config: {exc}") from None
+        self.config = config
+        self.engine = engine
+        self._coded_this_step = False
+        self._step_open = False
+
+    def reduce(self, tensor: torch.Tensor, group, dst: int | None = None) -> None:
+        """Sum ``tensor`` over ``group`` in place: on every rank, or only on rank ``dst``.
+
+        The collective DeepSpeed would have issued (``all_reduce``, or ``reduce`` to the
+        group rank ``dst``), coded once warmup is over; buckets the codec cannot code or
+        that are too small to pay go plainly, exactly as DeepSpeed sends them.
+        """
+        # numba's OpenMP layer resets the process-wide OpenMP thread count that torch's
+        # intra-op pool shares (torch.set_num_threads(1); one parallel kernel; and
+        # torch.get_num_threads() is NUMBA_NUM_THREADS): left alone, that oversubscribes
+        # the ranks' cores and changes the summation order, hence the bits, of the
+        # model's own matmuls. Put it back after every reduction.
+        threads = torch.get_num_threads()
+        try:
+            self._reduce(tensor, group, dst)
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+
+    def _reduce(self, tensor, group, dst) -> None:
+        st = self.state
+        if not self._step_open:  # the step's first reduction: settings check, books, mode
+            self._step_open = True
+            st._begin_step()
+        coded = (tensor.dtype in _CODED and tensor.device.type == "cpu"
+                 and tensor.numel() * tensor.element_size() >= st.min_bucket_bytes)
+        if not coded or not st._coding:
+            profiling = coded and st._profiling
+            if profiling:
+                st.profiler.observe(tensor, "gradient")
+            if dst is None:
+                ds_dist.all_reduce(tensor, group=group)
+            else:
+                ds_dist.reduce(tensor, ds_dist.get_global_rank(group, dst), group=group)
+            st._stats.add(raw_calls=1)
+            if profiling and dst is None:
+                st.profiler.observe(tensor, "reduced_gradient")
+            return
+        st._ensure_books()
+        if not self._coded_this_step:
+            self._coded_this_step = True
+            if st.refresh.due(st.step):
+                st._measure_drift(tensor)
+        refreshing = st.refresh.refreshing
+        if refreshing:
+            st.profiler.observe(tensor, "gradient")
+        cast = _CASTS[st.cast] if tensor.dtype == torch.float32 else None
+        if dst is None:
+            collectives.all_reduce(tensor, st.codec, group, cast=cast, stats=st._stats, workspace=st._workspace)
+            if refreshing:
+                st.profiler.observe(tensor, "reduced_gradient")
+        else:
+            _coded_reduce(tensor, dst, group, st.codec, cast, st._stats)
+
+    def end_of_step(self) -> None:
+        st = self.state
+        st._end_of_step()
+        self._coded_this_step = False
+        self._step_open = False
+        engine = self.engine
+        monitor = getattr(engine, "monitor", None)
+        if (self.config.monitor and monitor is not None and monitor.enabled and self.config.log_every
+                and st.step % self.config.log_every == 0 and engine.global_rank == 0):
+            d = st._stats.as_dict()
+            monitor.write_events([(f"comm_codec/{key}", d[key], engine.global_samples)
+                                  for key in ("ratio", "bytes_in", "bytes_out", "encode_seconds", "decode_seconds")])
+
+
+def _coded_reduce(tensor, dst, group, codec, cast, stats) -> None:
+    """Reduce ``tensor`` to group rank ``dst``: coded frames from every other rank.
+
+    The owner sums every rank's slice in rank order in float32 and rounds once (to the
+    cast dtype first when there is one, as :func:`collectives.all_reduce` does). Decode
+    errors are agreed on by all ranks and raised everywhere as CollectiveError.
+    """
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    flat = tensor.view(-1)
+    src = flat if cast is None else flat.to(cast)
+    error = None
+    with stats.timer("comm_seconds"):
+        if rank != dst:
+            # collectives.send counts the bytes of what it codes; a raw reduce would send
+            # the uncast buffer, so the difference is added to bytes_in.
+            collectives.send(src, ds_dist.get_global_rank(group, dst), codec, group, kind="gradient", stats=stats)
+            stats.add(bytes_in=flat.numel() * (flat.element_size() - src.element_size()))
+        else:
+            acc = torch.empty(flat.numel(), dtype=torch.float32)
+            part = torch.empty(flat.numel(), dtype=src.dtype)
+            for r in range(world):  # rank order, so the sum does not depend on arrival
+                if r == rank:
+                    value = src
+                else:
+                    try:
+                        value = collectives.recv(part, ds_dist.get_global_rank(group, r), codec, group,
+                                                 stats=stats)
+                    except (ValueError, TypeError) as exc:  # FrameError is a ValueError
+                        error = error or f"slice from rank {r}: {exc}"
+                        continue
+                if r == 0:
+                    acc.copy_(value)
+                else:
+                    acc.add_(value)
+            flat.copy_(acc.to(src.dtype) if cast is not None else acc)
+            stats.add(calls=1)  # the senders' collectives.send counted theirs
+        flag = torch.tensor([1 if error else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item():
+        raise collectives.CollectiveError(f"coded reduce to rank {dst} failed" + (f": {error}" if error else
+                                                                                 " on its owner"))
+
+
+# -- the replaced DeepSpeed methods (0.19 bodies; only the collective differs) ------------
+def _engine_allreduce_bucket(plugin, engine, bucket, dp_group, dp_world_size=None):
+    tensor = engine.flatten(bucket)
+    tensor_to_allreduce = tensor
+    if engine.communication_data_type != tensor.dtype:
+        tensor_to_allreduce = tensor.to(engine.communication_data_type)
+    if dp_world_size is None:
+        dp_world_size = ds_dist.get_world_size(group=dp_group)
+    if not engine.gradient_average:
+        plugin.reduce(tensor_to_allreduce, dp_group)
+    elif engine.postscale_gradients():
+        if engine.gradient_predivide_factor() != 1.0:
+            tensor_to_allreduce.mul_(1.0 / engine.gradient_predivide_factor())
+        plugin.reduce(tensor_to_allreduce, dp_group)
+        if engine.gradient_predivide_factor() != dp_world_size:
+            tensor_to_allreduce.mul_(engine.gradient_predivide_factor() / dp_world_size)
+    else:
+        tensor_to_allreduce.mul_(1. / dp_world_size)
+        plugin.reduce(tensor_to_allreduce, dp_group)
+    if engine.communication_data_type != tensor.dtype and tensor is not tensor_to_allreduce:
+        tensor.copy_(tensor_to_allreduce)
+    return tensor
+
+
+def _zero_allreduce_bucket(plugin, opt, bucket, communication_data_type, rank=None, log=None, divide=True,
+                           process_group=None):
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    tensor = opt.flatten(bucket)
+    process_group = opt.dp_process_group if process_group is None else process_group
+    tensor_to_allreduce = tensor
+    if stage_1_and_2.pg_correctness_test or opt.sequence_parallel_size > 1:
+        communication_data_type = torch.float32
+    if communication_data_type != tensor.dtype:
+        tensor_to_allreduce = tensor.to(communication_data_type)
+    if divide and opt.gradient_average:
+        tensor_to_allreduce.div_(ds_dist.get_world_size(group=process_group) / float(opt.sequence_parallel_size))
+    plugin.reduce(tensor_to_allreduce, process_group, rank)
+    if communication_data_type != tensor.dtype and tensor is not tensor_to_allreduce:
+        if rank is None or rank == ds_dist.get_rank(group=process_group):
+            tensor.copy_(tensor_to_allreduce)
+    return tensor_to_allreduce
+
+
+def _zero_gradient_reduction_w_predivide(plugin, opt, tensor, communication_data_type):
+    if tensor.size().numel() == 0:
+        return tensor
+    dp_world_size = ds_dist.get_world_size(group=opt.dp_process_group)
+    tensor_to_allreduce = tensor
+    if communication_data_type != tensor.dtype:
+        tensor_to_allreduce = tensor.to(communication_data_type)
+    if not opt.gradient_average:
+        plugin.reduce(tensor_to_allreduce, opt.dp_process_group)
+    elif opt.postscale_gradients:
+        if opt.gradient_predivide_factor != 1.0:
+            tensor_to_allreduce.mul_(1. / opt.gradient_predivide_factor)
+        plugin.reduce(tensor_to_allreduce, opt.dp_process_group)
+        if opt.gradient_predivide_factor != dp_world_size:
+            tensor_to_allreduce.mul_(opt.gradient_predivide_factor /
+                                     (dp_world_size / float(opt.sequence_parallel_size)))
+    else:
+        tensor_to_allreduce.div_(dp_world_size / float(opt.sequence_parallel_size))
+        plugin.reduce(tensor_to_allreduce, opt.dp_process_group)
+    if communication_data_type != tensor.dtype and tensor is not tensor_to_allreduce:
+        tensor.copy_(tensor_to_allreduce)
+    return tensor_to_allreduce
+
+
+def _wrap_step(plugin, step):
+    @functools.wraps(step)
+    def wrapped(*args, **kwargs):
+        before = plugin.engine.global_steps
+        result = step(*args, **kwargs)
+        if plugin.engine.global_steps != before:  # an optimizer step (accumulation boundary)
+            plugin.end_of_step()
+        return result
+
+    return wrapped
+
+
+# -- public -------------------------------------------------------------------------------
+def install(engine, config=None) -> None:
+    """Install the codec into an existing engine's gradient reduction.
+
+    Args:
+        engine: a ``deepspeed.DeepSpeedEngine`` (from ``deepspeed.initialize``).
+        config: the ``"comm_codec"`` section (dict or :class:`CommCodecConfig`), or None
+            to read it from the engine's DeepSpeed config.
+
+    Raises:
+        ValueError: no enabled section, bad values, a codebook file that cannot be
+            loaded, or a setup the plugin does not support (named in the message).
+        RuntimeError: an unsupported DeepSpeed version, or the plugin already installed.
+    """
+    _check_version()
+    if getattr(engine, "_comm_codec", None) is not None:
+        raise RuntimeError("comm_codec is already installed in this engine")
+    if config is None:
+        section = parse_config(engine.config if isinstance(engine.config, dict) else engine._config._param_dict)
+    elif isinstance(config, dict):
+        section = parse_config({SECTION: config})
+    else:
+        section = parse_config(config)
+    if section is None or not section.enabled:
+        raise ValueError(f"the DeepSpeed config has no enabled \"{SECTION}\" section; add "
+                         f"\"{SECTION}\": {{\"enabled\": true}} or pass config=")
+    _check_engine(engine)
+    plugin = _Plugin(engine, section)
+    engine.allreduce_bucket = functools.partial(_engine_allreduce_bucket, plugin, engine)
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer):
+        opt = engine.optimizer
+        opt.allreduce_bucket = functools.partial(_zero_allreduce_bucket, plugin, opt)
+        opt.gradient_reduction_w_predivide = functools.partial(_zero_gradient_reduction_w_predivide, plugin, opt)
+    engine.step = _wrap_step(plugin, engine.step)
+    engine._comm_codec = plugin
+    if engine.global_rank == 0:
+        log.info("comm_codec installed: ZeRO stage %d, %s, books %s, warmup %d, cast %s, mode %s",
+                 engine.zero_optimization_stage(), type(engine.optimizer).__name__, section.codebooks,
+                 section.warmup_steps, section.cast, section.mode)
+
+
+def initialize(*args, **kwargs):
+    """``deepspeed.initialize`` plus the ``"comm_codec"`` config section.
+
+    Takes the same arguments and returns the same ``(engine, optimizer,
+    training_dataloader, lr_scheduler)``. The section is validated, and what the config
+    or model already shows to be unsupported is refused, before DeepSpeed builds the
+    engine; without an enabled section this is plain ``deepspeed.initialize``.
+
+    Raises:
+        ValueError, RuntimeError: as :func:`install`.
+    """
+    _check_version()
+    bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
+    params = bound.arguments
+    config = params.get("config") or params.get("config_params")
+    ds_args = params.get("args")
+    if config is None and getattr(ds_args, "deepspeed_config", None) is not None:
+        config = ds_args.deepspeed_config
+    if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
+        config = _load_config_file(config)
+    section = None
+    if isinstance(config, dict):
+        section = parse_config(config)
+        if section is not None and section.enabled:
+            _check_config(config, params.get("model"))
+    result = deepspeed.initialize(*args, **kwargs)
+    engine = result[0]
+    if section is None:  # a config DeepSpeed read itself (base64...): look at what it parsed
+        section = parse_config(engine.config if isinstance(engine.config, dict) else engine._config._param_dict)
+    if section is not None and section.enabled:
+        install(engine, section)
+    return result
+
+
+def stats(engine) -> dict:
+    """Return the plugin's traffic statistics: the dict of :meth:`HuffmanState.stats`.
+
+    Raises:
+        ValueError: the engine has no comm_codec plugin installed.
+    """
+    plugin = getattr(engine, "_comm_codec", None)
+    if plugin is None:
+        raise ValueError("this engine has no comm_codec plugin; build it with comm_codec.deepspeed.initialize "
+                         "and an enabled \"comm_codec\" config section, or call comm_codec.deepspeed.install")
+    return plugin.state.stats()
