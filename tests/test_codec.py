@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import comm_codec as cc
+from comm_codec.core.codec import DECODE_CACHE_SIZE
 from comm_codec.core import frame as _frame
 from comm_codec.books.profiler import WarmupProfiler
 from helpers import MAX_THREADS, bits_equal, fix_header_crc, int_view, random_bits
@@ -415,15 +416,15 @@ def _empty_frame(ids: tuple[int, int], numel: int = 0, chunk_elems: int = 64) ->
 def test_decode_table_cache_is_bounded():
     codec = cc.Codec(chunk_elems=64)
     ids = sorted({int(b.id, 16) for _, g in codec.codebooks.groups() for b in g if not b.raw})
-    assert len(ids) ** 2 > 3 * cc.codec.DECODE_CACHE_SIZE
+    assert len(ids) ** 2 > 3 * DECODE_CACHE_SIZE
     seen = 0
     for a in ids:
         for b in ids[:3]:
             out = codec.decode(_empty_frame((a, b)))
             assert out.numel() == 0
             seen += 1
-    assert seen > 2 * cc.codec.DECODE_CACHE_SIZE
-    assert len(codec._dec_cache) == cc.codec.DECODE_CACHE_SIZE
+    assert seen > 2 * DECODE_CACHE_SIZE
+    assert len(codec._dec_cache) == DECODE_CACHE_SIZE
     # The most recent frames' tables are the ones kept: decoding one again builds nothing.
     last = (("%016x" % ids[-1]), ("%016x" % ids[2]))
     assert last in codec._dec_cache

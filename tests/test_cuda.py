@@ -31,6 +31,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import comm_codec as cc
+from comm_codec.core.streams import spec_for
 from comm_codec.core import frame as _frame
 from helpers import bits_equal, fix_header_crc, int_view, random_bits
 from test_codec import DISTS, make_tensor, special_bits, tensor_of_bits
@@ -195,7 +196,7 @@ def test_device_header_crc_equals_zlib(n):
     buf = torch.from_numpy(data).to(DEV)
     launch = _cuda._Launch(DEV)
     _cuda._header_crc(launch, buf, n, _cuda.DeviceTables(launch, make_codec()._encode_tables("gradient",
-                                                                                         cc.streams.spec_for("bf16"))))
+                                                                                         spec_for("bf16"))))
     assert int.from_bytes(buf[n:].cpu().numpy().tobytes(), "little") == zlib.crc32(data[:n].tobytes())
 
 
@@ -398,7 +399,7 @@ def _group_books(dtype) -> dict:
     narrow, wide = two_part_tensor(dtype, seed=99)
     cn, _ = stream_counts(narrow, GCHUNK)
     cw, _ = stream_counts(wide, GCHUNK)
-    name = cc.streams.spec_for(dtype).name
+    name = spec_for(dtype).name
     groups = {}
     for s in range(cn.shape[0]):
         fit_n = cc.Codebook.from_counts(cn[s] + 1e-9, raw_threshold=None)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import comm_codec as cc
-from tests.conftest import bits_equal
+from helpers import bits_equal
 
 
 def _codec_and_frame(n: int):

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import comm_codec as cc
+from comm_codec.core.streams import spec_for
 from comm_codec.core import frame as _frame
 from helpers import bits_equal, fix_header_crc, random_bits, reseal
 
@@ -323,7 +324,7 @@ def _own_books(x: torch.Tensor) -> cc.CodebookSet:
     from comm_codec.books.profiler import stream_counts
 
     counts, _ = stream_counts(x, 256)
-    name = cc.streams.spec_for(x.dtype).name
+    name = spec_for(x.dtype).name
     groups = {}
     for s, c in enumerate(counts):
         fitted = cc.Codebook.from_counts(c + 1e-9, raw_threshold=None)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import comm_codec as cc
+from comm_codec.core.streams import spec_for
 from comm_codec.books.profiler import WarmupProfiler, stream_counts
 
 import naive
@@ -275,7 +276,7 @@ def test_default_covers_every_kind_and_dtype():
     assert books is cc.CodebookSet.default()  # loaded once
     for kind in cc.KINDS:
         for dtype in cc.SUPPORTED_DTYPES:
-            name = cc.streams.spec_for(dtype).name
+            name = spec_for(dtype).name
             for s in range(torch.empty(0, dtype=dtype).element_size()):
                 assert (kind, name, s) in books, (kind, name, s)
     assert len(books) == len(cc.KINDS) * (2 + 2 + 4 + 1 + 1 + 1 + 1)
