@@ -110,27 +110,24 @@ def test_invalid_mode_names_the_allowed_ones():
 
 def test_rows_from_ranks_out_of_step_or_with_broken_figures_are_refused():
     good = [3.0, 2, 0.1, 2, 0.2]
-    autoswitch._check_rows([good, list(good)], 3)
+    autoswitch.check_rows([good, list(good)], 3)
     with pytest.raises(RuntimeError, match=r"ranks reached the decision at different steps \(rank 0 at step 3, "
                                            r"rank 1 at step 4\)"):
-        autoswitch._check_rows([good, [4.0, 2, 0.1, 2, 0.2]], 3)
+        autoswitch.check_rows([good, [4.0, 2, 0.1, 2, 0.2]], 3)
     with pytest.raises(RuntimeError, match="rank 1 measured no valid step times at step 3"):
-        autoswitch._check_rows([good, [3.0, 2, math.nan, 2, 0.2]], 3)
+        autoswitch.check_rows([good, [3.0, 2, math.nan, 2, 0.2]], 3)
     with pytest.raises(RuntimeError, match="rank 0 measured no valid step times"):
-        autoswitch._check_rows([[3.0, 0, math.nan, 2, 0.2], good], 3)
+        autoswitch.check_rows([[3.0, 0, math.nan, 2, 0.2], good], 3)
 
 
-def test_the_slowest_rank_decides():
+def test_the_slowest_rank_decides(monkeypatch):
     """Per mode the gathered maximum counts: a synchronous step waits for its slowest rank."""
     sw = AutoSwitch("auto", probe_steps=1, recheck_every=100)
     rows = [[3.0, 1, 0.100, 1, 0.080], [3.0, 1, 0.101, 1, 0.120]]  # rank 1 finds coding slower
-    original = autoswitch._gather_rows
-    autoswitch._gather_rows = lambda mine, group, device: rows
-    try:
-        drive = _Steps(sw, lambda step, coded: 0.1)
-        drive.run(4)
-    finally:
-        autoswitch._gather_rows = original
+    # what the all-gather would return from two ranks
+    monkeypatch.setattr(autoswitch, "gather_rows", lambda mine, group, device: rows)
+    drive = _Steps(sw, lambda step, coded: 0.1)
+    drive.run(4)
     assert sw.coded is False
     assert sw.decision["plain_ms"] == pytest.approx(101.0) and sw.decision["coded_ms"] == pytest.approx(120.0)
     assert sw.decision["per_rank_ms"] == [[100.0, 80.0], [101.0, 120.0]]

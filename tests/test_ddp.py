@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import comm_codec as cc
 import dist_utils
+from helpers import int_view
 from comm_codec import collectives
 from comm_codec.ddp import HuffmanState, huffman_hook
 from comm_codec.books.profiler import WarmupProfiler
@@ -108,13 +109,9 @@ def _rank_order_average(parts, dtype, cast=None):
     return acc.to(cast).to(dtype) if cast is not None else acc.to(dtype)
 
 
-def _int_view(t):
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
 def _assert_bits(got, expected, what):
     assert got.dtype == expected.dtype and got.shape == expected.shape, (what, got.dtype, expected.dtype)
-    a, b = _int_view(got), _int_view(expected)
+    a, b = int_view(got), int_view(expected)
     if not torch.equal(a, b):
         bad = (a != b).nonzero().reshape(-1)
         i = int(bad[0])
@@ -151,7 +148,7 @@ def _w_exact(rank, world, dtype_name, steps, warmup, model_kw=None, ddp_kw=None,
     model = _Net(**(model_kw or {})).to(dtype)
     ref = copy.deepcopy(model)
     ddp = DDP(model, **(ddp_kw or {}))
-    state = HuffmanState(warmup_steps=warmup, min_bucket_bytes=0, cast=cast, **dict({"mode": "always"}, **(state_kw or {})))
+    state = HuffmanState(warmup_steps=warmup, min_bytes=0, cast=cast, **dict({"mode": "always"}, **(state_kw or {})))
     rec = _Recorder(state)
     ddp.register_comm_hook(rec, _recording_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
@@ -367,7 +364,7 @@ def _w_pickle(rank, world):
         torch.manual_seed(0)
         model = _Net()
         ddp = DDP(model, process_group=group)
-        state = HuffmanState(process_group=group, warmup_steps=warmup, min_bucket_bytes=0, mode="always")
+        state = HuffmanState(process_group=group, warmup_steps=warmup, min_bytes=0, mode="always")
         ddp.register_comm_hook(state, huffman_hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         for step in range(steps):
@@ -467,7 +464,7 @@ def test_hook_annotations_are_the_types_ddp_checks():
     ({"warmup_steps": 1.5}, "warmup_steps must be an integer >= 0"),
     ({"cast": "fp8"}, "cast must be None or 'bf16', got 'fp8'"),
     ({"codebooks": "BOOKS", "warmup_steps": 3}, "give either codebooks (fixed books) or warmup_steps > 0"),
-    ({"min_bucket_bytes": -1}, "min_bucket_bytes must be an integer >= 0"),
+    ({"min_bytes": -1}, "min_bytes must be an integer >= 0"),
 ])
 def test_huffman_state_rejects_bad_arguments(kwargs, phrase):
     if kwargs.get("codebooks") == "BOOKS":
@@ -510,13 +507,13 @@ def _w_errors(rank, world, other_books_path):
     torch.manual_seed(0)
     ddp = DDP(_Net(), bucket_cap_mb=0.01)
     books = other_books_path if rank == 1 else None
-    ddp.register_comm_hook(HuffmanState(codebooks=books, min_bucket_bytes=0, mode="always"), huffman_hook)
+    ddp.register_comm_hook(HuffmanState(codebooks=books, min_bytes=0, mode="always"), huffman_hook)
     out["books"] = _one_backward(ddp, rank)
 
     # (b) the last rank flips one payload byte of the first frame it sends (to rank 0).
     torch.manual_seed(0)
     ddp = DDP(_Net(), bucket_cap_mb=0.01)
-    state = HuffmanState(min_bucket_bytes=0, mode="always")
+    state = HuffmanState(min_bytes=0, mode="always")
     if rank == world - 1:
         encode = state.codec.encode
         corrupted = []
@@ -611,13 +608,13 @@ def _w_auto(rank, world, steps, state_kw):
     model = _Net()
     ref = copy.deepcopy(model)
     ddp = DDP(model, bucket_cap_mb=0.01)
-    state = HuffmanState(min_bucket_bytes=0, **dict(AUTO_KW, **state_kw))
+    state = HuffmanState(min_bytes=0, **dict(AUTO_KW, **state_kw))
     now = [0.0]
 
     def clock():  # at a step's start: the step before cost what this rank's table says
         if state.step:
             phase = COSTS[rank % 2][0 if state.step - 1 < 6 else 1]
-            now[0] += phase[1] if state._coding else phase[0]
+            now[0] += phase[1] if state.coding else phase[0]
         return now[0]
 
     state.switch.clock = clock
@@ -633,9 +630,9 @@ def _w_auto(rank, world, steps, state_kw):
         opt.zero_grad()
         _loss(ddp(x), y).backward()
         got = _flat_grads(model)
-        modes.append(state._coding)
-        what = f"rank {rank} step {step} ({'coded' if state._coding else 'plain'})"
-        if state._coding:
+        modes.append(state.coding)
+        what = f"rank {rank} step {step} ({'coded' if state.coding else 'plain'})"
+        if state.coding:
             _assert_bits(got, _rank_order_average(parts, torch.float32), what)
         else:  # DDP's default hook: divide, then sum (exact for two ranks)
             _assert_bits(got, parts[0] / 2 + parts[1] / 2, what)
@@ -683,8 +680,8 @@ def _w_different_settings(rank, world, settings):
 
 
 @pytest.mark.parametrize("name, settings, phrase", [
-    ("min_bucket_bytes", [{"min_bucket_bytes": 4096}, {"min_bucket_bytes": 0}],
-     "min_bucket_bytes is 4096 on rank 0 but 0 on rank 1"),
+    ("min_bytes", [{"min_bytes": 4096}, {"min_bytes": 0}],
+     "min_bytes is 4096 on rank 0 but 0 on rank 1"),
     ("warmup_steps", [{"warmup_steps": 2}, {"warmup_steps": 3}], "warmup_steps is 2 on rank 0 but 3 on rank 1"),
 ])
 def test_ranks_configured_differently_raise_on_every_rank_at_the_first_step(name, settings, phrase):
@@ -700,7 +697,7 @@ def _w_dies_before_the_decision(rank, world):
 
     torch.manual_seed(0)
     ddp = DDP(_Net(), bucket_cap_mb=0.01)
-    state = HuffmanState(min_bucket_bytes=0, **AUTO_KW)
+    state = HuffmanState(min_bytes=0, **AUTO_KW)
     ddp.register_comm_hook(state, huffman_hook)
     for step in range(4):
         if step == 3 and rank == 1:
@@ -732,7 +729,7 @@ def _w_stalled_peer(rank, world, sleep_s):
 
     torch.manual_seed(0)
     ddp = DDP(_Net(), bucket_cap_mb=0.01)
-    state = HuffmanState(min_bucket_bytes=0, mode="always")
+    state = HuffmanState(min_bytes=0, mode="always")
     ddp.register_comm_hook(state, huffman_hook)
     for step in range(3):
         if step == 2 and rank == 1:
@@ -782,7 +779,7 @@ def _w_pickle_at_end_of_warmup(rank, world):
     torch.manual_seed(0)
     model = _Net()
     ddp = DDP(model)
-    state = HuffmanState(warmup_steps=2, min_bucket_bytes=0, mode="always")
+    state = HuffmanState(warmup_steps=2, min_bytes=0, mode="always")
     ddp.register_comm_hook(state, huffman_hook)
     for step in range(2):
         x, y = _batch(rank, step, torch.float32)

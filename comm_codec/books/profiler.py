@@ -19,10 +19,11 @@ added books to the chunks that choose them (Lloyd iterations), and stops when an
 book saves less than ``min_gain`` of the stream's bits or at ``max_books``. Everything
 is integer arithmetic over counts, so every rank builds the same books.
 
-Distributed: :meth:`WarmupProfiler.build` with a process group all-reduces the summed
-distributions and observation counts and all-gathers the chunk histograms before
-building, so every rank builds byte-identical books; :func:`check_same_books` verifies
-that ranks hold the same set.
+Distributed runs: :meth:`WarmupProfiler.statistics` gives the counts as plain arrays,
+:func:`comm_codec.comm.agreement.sum_statistics` sums them over a process group, and
+:meth:`WarmupProfiler.build` builds from the sum, so every rank builds byte-identical
+books (:func:`comm_codec.comm.agreement.build_books` does the three in one call). This
+module itself knows nothing of processes.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from ..kernels import cpu as _cpu
 from ..kernels import torch_threads_kept
 from ..core.streams import as_bits, spec_for
 
-__all__ = ["WarmupProfiler", "check_same_books", "stream_counts", "coding_cost", "book_cost"]
+__all__ = ["WarmupProfiler", "ProfileStatistics", "chunk_counts", "stream_counts", "coding_cost", "book_cost",
+           "grow_group", "merge_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +112,29 @@ def stream_counts(tensor: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS) 
     """
     per_chunk, zeros = chunk_counts(tensor, chunk_elems)
     return per_chunk.sum(axis=0), int(zeros.sum())
+
+
+class ProfileStatistics:
+    """What a profiler has seen, as plain arrays: the unit ranks sum before books are built.
+
+    Attributes:
+        sums: (kind, dtype name) -> (sum of normalized distributions float64[ns, 256],
+            observations, raw counts [ns, 256]).
+        rows: (kind, dtype name) -> kept chunk histograms int64[rows, ns, 256].
+        max_rows: the row budget of the profiler that made them.
+        rows_wanted: whether books are grown into groups (rows are used at all).
+        world_size: how many ranks' statistics these are.
+    """
+
+    __slots__ = ("sums", "rows", "max_rows", "rows_wanted", "world_size")
+
+    def __init__(self, sums: dict, rows: dict, max_rows: int, rows_wanted: bool, world_size: int):
+        self.sums, self.rows, self.max_rows = sums, rows, max_rows
+        self.rows_wanted, self.world_size = rows_wanted, world_size
+
+    def merged_rows(self, key, limit: int) -> np.ndarray:
+        """Return the rows of ``key`` merged down to at most ``limit`` (see :func:`merge_rows`)."""
+        return merge_rows(self.rows[key], limit)
 
 
 class WarmupProfiler:
@@ -252,49 +277,37 @@ class WarmupProfiler:
         """Return the (kind, dtype) pairs observed so far."""
         return sorted(self._acc)
 
-    def build(self, process_group=None, meta: dict | None = None) -> CodebookSet:
+    def statistics(self) -> "ProfileStatistics":
+        """Return this process's statistics as plain arrays, ready to be summed over ranks.
+
+        :func:`comm_codec.comm.agreement.sum_statistics` sums them over a process group;
+        :meth:`build` turns them (summed or not) into books.
+        """
+        keys = self.kinds()
+        rows = {}
+        for k in keys:
+            kept = self.chunk_rows(*k)
+            rows[k] = kept if kept is not None else np.zeros((0, self._acc[k][2].shape[0], 256), np.int64)
+        sums = {k: (self._acc[k][0].copy(), float(self._acc[k][1]), self._acc[k][2].copy()) for k in keys}
+        return ProfileStatistics(sums, rows, self.max_rows, self.max_books > 1, 1)
+
+    def build(self, meta: dict | None = None, statistics: "ProfileStatistics | None" = None) -> CodebookSet:
         """Build a :class:`CodebookSet` from the averaged distributions.
 
         Args:
-            process_group: a torch.distributed group to sum statistics over first (all
-                ranks must call build, having observed the same (kind, dtype) pairs);
-                None builds from this process's statistics alone.
             meta: extra metadata to store in the set.
+            statistics: statistics to build from, e.g. this profiler's summed over every
+                rank (:func:`comm_codec.comm.agreement.build_books` does both steps);
+                None: this process's own (:meth:`statistics`).
 
         Returns:
             The books, with entropy and expected bits per book in their stats.
 
         Raises:
             ValueError: nothing (or only all-zero tensors) was observed.
-            RuntimeError: ranks observed different (kind, dtype) pairs.
         """
-        keys = self.kinds()
-        world = 1
-        rows = {}
-        for k in keys:
-            kept = self.chunk_rows(*k)
-            rows[k] = kept if kept is not None else np.zeros((0, self._acc[k][2].shape[0], 256), np.int64)
-        sums = {k: (self._acc[k][0].copy(), float(self._acc[k][1]), self._acc[k][2].copy()) for k in keys}
-        if process_group is not None or _dist_ready():
-            import torch.distributed as dist
-
-            if process_group is not None or dist.is_initialized():
-                world = dist.get_world_size(process_group)
-                _check_same_keys(keys, process_group)
-                for k in keys:
-                    dist_sum, n_obs, raw = sums[k]
-                    packed = torch.from_numpy(np.concatenate([dist_sum.ravel(), [n_obs], raw.ravel().astype(np.float64)]))
-                    packed = packed.to(_collective_device(process_group))
-                    dist.all_reduce(packed, group=process_group)
-                    arr = packed.cpu().numpy()
-                    ns = dist_sum.shape[0]
-                    sums[k] = (arr[: ns * 256].reshape(ns, 256), float(arr[ns * 256]),
-                               arr[ns * 256 + 1:].reshape(ns, 256))
-                if self.max_books > 1:
-                    # Each rank sends its share of max_rows, so the gathered rows stay
-                    # bounded however many ranks there are.
-                    share = max(1, -(-self.max_rows // world))
-                    rows = {k: _gather_rows(merge_rows(rows[k], share), process_group) for k in keys}
+        summed = statistics if statistics is not None else self.statistics()
+        keys, sums, rows, world = sorted(summed.sums), summed.sums, summed.rows, summed.world_size
         books, stats = {}, {}
         for (kind, dtype) in keys:
             dist_sum, n_obs, raw = sums[(kind, dtype)]
@@ -440,93 +453,6 @@ def grow_group(rows: np.ndarray, first: Codebook | None, max_books: int, min_gai
     stats = {"group_size": len(books), "chunk_bits_one_book": round(alone / denom, 4),
              "chunk_bits_group": round(total / denom, 4), "chunk_bits_optimal": round(int(own.sum()) / denom, 4)}
     return CodebookGroup(books if books else Codebook.raw_book()), stats
-
-
-def _gather_rows(rows: np.ndarray, process_group) -> np.ndarray:
-    """All ranks' chunk histograms, in rank order (the same array on every rank)."""
-    import torch.distributed as dist
-
-    device = _collective_device(process_group)
-    world = dist.get_world_size(process_group)
-    n = torch.tensor([len(rows)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n, group=process_group)
-    sizes = [int(x.item()) for x in sizes]
-    most = max(sizes)
-    if most == 0:
-        return rows
-    padded = np.zeros((most,) + rows.shape[1:], dtype=np.int64)
-    padded[: len(rows)] = rows
-    mine = torch.from_numpy(padded).to(device)
-    parts = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(parts, mine, group=process_group)
-    return np.concatenate([p.cpu().numpy()[:k] for p, k in zip(parts, sizes)])
-
-
-def _dist_ready() -> bool:
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return dist.is_available() and dist.is_initialized()
-
-
-def _collective_device(process_group) -> torch.device:
-    """Where a tensor must live for a collective of this group: NCCL moves CUDA tensors only."""
-    import torch.distributed as dist
-
-    backend = str(dist.get_backend(process_group)).lower()
-    if "nccl" in backend and "gloo" not in backend and "mpi" not in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _gather_strings(text: str, process_group) -> list[str]:
-    import torch.distributed as dist
-
-    out = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(out, text, group=process_group)
-    return out
-
-
-def _check_same_keys(keys, process_group) -> None:
-    text = ";".join("%s/%s" % k for k in keys)
-    seen = _gather_strings(text, process_group)
-    if len(set(seen)) != 1:
-        raise RuntimeError(
-            "ranks observed different tensor kinds/dtypes before building books: "
-            + " | ".join(f"rank {r}: {s or '(none)'}" for r, s in enumerate(seen))
-        )
-
-
-def check_same_books(books: CodebookSet, process_group=None) -> None:
-    """Verify that every rank holds the same codebook set; all ranks must call it.
-
-    Args:
-        books: this rank's set (or a path to one; None: the defaults).
-        process_group: the group to check over (default: the world).
-
-    Raises:
-        RuntimeError: the sets differ; the message names the ranks and the first
-            (kind, dtype, stream) whose book differs, on every rank.
-    """
-    books = as_codebook_set(books)
-    listing = "\n".join("%s/%s/%d=%s" % (*k, g.id) for k, g in books.groups())
-    seen = _gather_strings(books.digest + "\n" + listing, process_group)
-    if len(set(seen)) == 1:
-        return
-    mine = dict(line.split("=") for line in seen[0].splitlines()[1:] if "=" in line)
-    for rank, other in enumerate(seen):
-        theirs = dict(line.split("=") for line in other.splitlines()[1:] if "=" in line)
-        for key in sorted(set(mine) | set(theirs)):
-            if mine.get(key) != theirs.get(key):
-                raise RuntimeError(
-                    f"codebooks differ across ranks: {key} is {mine.get(key, 'missing')} on rank 0 "
-                    f"but {theirs.get(key, 'missing')} on rank {rank}; load the same codebook file on "
-                    "every rank or build them with WarmupProfiler.build(process_group=...)"
-                )
-    raise RuntimeError("codebook set digests differ across ranks")
-
 
 
 def book_cost(books: CodebookSet, kind: str, dtype, counts: np.ndarray) -> tuple[float, float, float]:

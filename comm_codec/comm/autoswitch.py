@@ -1,9 +1,9 @@
 """Compress or send plainly: decided from this run's own step times, the same on every rank.
 
 Coding pays where the wire is the bottleneck and costs time where the CPU is: the same
-model at 1 Gbit/s took 0.67x the default hook's step time with coding, and 1.20x at
-10 Gbit/s (issue #13). No fixed threshold can know the link, the load on the cores or
-the compression ratio of this model's gradients, so :class:`AutoSwitch` measures.
+model can train faster coded on a slow link and slower coded on a fast one. No fixed
+threshold can know the link, the load on the cores or the compression ratio of this
+model's gradients, so :class:`AutoSwitch` measures.
 
 Every ``recheck_every`` steps it *probes*: one coded step that is not counted (the first
 coded step after plain ones pays for cold caches, or builds the books), then plain and
@@ -39,10 +39,9 @@ import math
 import statistics
 import time
 
-import torch
-import torch.distributed as dist
+from .agreement import gather_rows, rank_of
 
-__all__ = ["MODES", "AutoSwitch", "agree", "check_mode", "decide"]
+__all__ = ["MODES", "AutoSwitch", "agree", "check_mode", "check_rows", "decide"]
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +206,7 @@ class AutoSwitch:
         if before is not None and self.coded != before:
             self.switches += 1
         self._next_probe = step + self.recheck_every
-        if _rank(group) == 0:
+        if rank_of(group) == 0:
             log.info("comm_codec: %s", self.decision["reason"])
 
 
@@ -238,8 +237,8 @@ def agree(plain_s: list[float], coded_s: list[float], step: int, group=None, hys
         RuntimeError: the ranks' steps differ or a rank has no valid times (every rank).
     """
     mine = [float(step), len(plain_s), _median(plain_s), len(coded_s), _median(coded_s)]
-    rows = _gather_rows(mine, group, device)
-    _check_rows(rows, step)
+    rows = gather_rows(mine, group, device)
+    check_rows(rows, step)
     plain = max(r[2] for r in rows)
     coded = max(r[4] for r in rows)
     choice = decide(incumbent, plain, coded, hysteresis)
@@ -265,21 +264,7 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
-def _rank(group) -> int:
-    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
-
-
-def _gather_rows(mine: list[float], group, device) -> list[list[float]]:
-    """All-gather one row of floats per rank (exact bytes: every rank gets the same rows)."""
-    row = torch.tensor(mine, dtype=torch.float64, device=device)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return [row.tolist()]
-    out = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, row, group=group)
-    return [t.tolist() for t in out]
-
-
-def _check_rows(rows: list[list[float]], step: int) -> None:
+def check_rows(rows: list[list[float]], step: int) -> None:
     """Refuse to decide on rows that cannot be right (every rank checks the same rows)."""
     steps = {int(r[0]) for r in rows}
     if len(steps) != 1:

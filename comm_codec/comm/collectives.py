@@ -1,7 +1,7 @@
 """Compressed collectives: all_reduce, reduce_scatter, all_gather, send, recv.
 
 Frames have data-dependent sizes, so each collective exchanges sizes first. All reduce is
-two-phase (design.md, "All-reduce of variable-length frames"):
+two-phase:
 
 1. *reduce-scatter*: the buffer is split into W shards; every rank encodes the shards
    it does not own and sends shard r to rank r with one uneven ``all_to_all_single``;
@@ -24,7 +24,7 @@ flag) and one uneven ``all_to_all_single`` that carries, to each peer, the phase
 of one piece and the phase-2 frame of the piece two before it. While a stage is on the
 wire the rank reduces the previous piece, decodes the gathered one before it, and
 encodes the next: the link and the CPU work at the same time, with two collectives per
-stage (four per piece before) and one error check at the end.
+stage and one error check at the end.
 
 :func:`reduce_scatter` and :func:`all_gather` are each one phase of that protocol and
 run on the same stages: piece k's frames are encoded while piece k-1 is on the wire and
@@ -55,6 +55,8 @@ from .stats import CommStats
 from ..core.streams import spec_for
 
 __all__ = [
+    "MAX_PIECES",
+    "MIN_PIECE_ELEMS",
     "CollectiveError",
     "Workspace",
     "all_reduce",
@@ -62,17 +64,20 @@ __all__ = [
     "all_gather",
     "send",
     "recv",
+    "reduce",
     "row_parallel_all_reduce",
     "on_cuda_worker",
-    "warm_kernels",
+    "pieces",
 ]
 
 log = logging.getLogger(__name__)
 
 _ACC_DTYPE = {torch.float32: torch.float32, torch.bfloat16: torch.float32, torch.float16: torch.float32}
-# Pipelining: at most this many pieces, each at least this many elements per rank.
-_PIECES = 4
-_MIN_PIECE = 1 << 18
+# Pipelining: a buffer goes in at most MAX_PIECES pieces, each of at least
+# MIN_PIECE_ELEMS elements per rank (smaller pieces cost more in per-stage latency than
+# the overlap gains). Read at every call: a caller (or a test) may tune them.
+MAX_PIECES = 4
+MIN_PIECE_ELEMS = 1 << 18
 # Bytes of one rank's size message to one peer in an all_reduce stage: three int64
 # (phase-1 frame, phase-2 frame, error flag).
 _STAGE_HEADER = 24
@@ -82,9 +87,8 @@ class Workspace:
     """Scratch buffers that the reductions reuse from call to call.
 
     The rank-order sum needs float32 accumulators and decode targets the size of a
-    shard. Fresh ones cost their page faults on every call: widening 11 M bf16
-    elements into a new float32 tensor took 15 ms here, into a reused one 3 ms. A
-    workspace keeps one buffer per role, grown as needed; give one to each thread that
+    shard. Fresh ones cost their page faults on every call, several times the work of
+    filling a reused one. A workspace keeps one buffer per role, grown as needed; give one to each thread that
     calls the collectives (the DDP hook keeps one per state). It is not thread-safe.
     """
 
@@ -153,25 +157,6 @@ def _encode(codec: Codec, tensor: torch.Tensor, kind: str, cast, stats: CommStat
 
 
 
-def warm_kernels(codec: Codec, tensor: torch.Tensor, cast=None) -> None:
-    """Load the codec's kernels for the dtype a tensor is coded in, before anything is timed.
-
-    A process's first encode and decode of a dtype load its kernels from numba's cache
-    (~0.3 s) or, where nothing was cached, compile them (tens of seconds). Owners of a
-    coded collective (the DDP hook, FSDP2) call this before a coded call so that this
-    one-time cost is logged by :meth:`Codec.warmup` and stays out of
-    ``encode_seconds``/``decode_seconds``. Later calls cost a set lookup. CUDA tensors
-    are coded by numba.cuda kernels, which this does not touch.
-
-    Args:
-        codec: the codec about to code ``tensor``.
-        tensor: the tensor (its dtype, or ``cast``, is what gets coded).
-        cast: the dtype the tensor is cast to before coding, if any.
-    """
-    if tensor.device.type == "cpu":
-        codec.warmup([cast if cast is not None else tensor.dtype])
-
-
 def _decode(codec: Codec, frame: torch.Tensor, numel: int, dtype, stats: CommStats, out=None) -> torch.Tensor:
     """Decode a peer's frame, checking it holds numel elements; into out if given.
 
@@ -195,9 +180,9 @@ def _decode(codec: Codec, frame: torch.Tensor, numel: int, dtype, stats: CommSta
 def _add_into(acc: torch.Tensor, part: torch.Tensor, first: bool, workspace: Workspace) -> None:
     """Add part into acc (write it, when first), widened exactly to acc's dtype.
 
-    A narrower part is widened into a reused buffer before it is added: an in-place add
-    of a bf16 tensor into a float32 one ran at a fifth of the speed of a float32 add here
-    (20 ms for 11 M elements), and the result is the same, since widening is exact.
+    A narrower part is widened into a reused buffer before it is added: torch's in-place
+    add of a bf16 tensor into a float32 one is several times slower than a float32 add,
+    and the result is the same, since widening is exact.
     """
     if first:
         acc.copy_(part)
@@ -214,8 +199,7 @@ def _decode_into(codec: Codec, frame: torch.Tensor, numel: int, dtype, acc: torc
     """Decode a peer's frame of ``numel`` elements of ``dtype`` and add it into the float32 acc in one pass.
 
     :meth:`Codec.decode_accumulate` gives bit for bit ``acc.add_(decode(frame).float())``
-    without the decoded shard ever existing: on MiniLM's bf16 gradients decode, widen
-    and add took 38 ms per 22.6 M elements, the fused pass 20 ms (1 thread).
+    without the decoded shard ever existing (one pass over memory instead of three).
     """
     with stats.timer("decode_seconds"):
         params = Codec.frame_parameters(frame)
@@ -338,14 +322,14 @@ class _Stage:
         return p1, p2
 
 
-def _pieces(numel: int, world: int) -> list[tuple[int, int]]:
-    """Split a buffer into up to _PIECES pieces of at least _MIN_PIECE elements per rank.
+def pieces(numel: int, world: int) -> list[tuple[int, int]]:
+    """Split a buffer into up to MAX_PIECES pieces of at least MIN_PIECE_ELEMS elements per rank.
 
     ``world`` is the number of shards a piece is cut into (an all-reduce's ranks; 1 for
     a reduce-scatter's or all-gather's slot, which travels whole). Pieces pipeline the
     phases: piece p+1 is coded while piece p is on the wire.
     """
-    count = max(1, min(_PIECES, numel // (_MIN_PIECE * world)))
+    count = max(1, min(MAX_PIECES, numel // (MIN_PIECE_ELEMS * world)))
     return [(k * numel // count, (k + 1) * numel // count) for k in range(count)]
 
 
@@ -405,7 +389,7 @@ class _StagedAllReduce:
         self.flat, self.codec, self.group = flat, codec, group
         self.average, self.kind, self.reduced_kind, self.cast = average, kind, reduced_kind, cast
         self.stats, self.workspace, self.rank, self.world = stats, workspace, rank, world
-        self.pieces = [flat[a:b] for a, b in _pieces(flat.numel(), world)]
+        self.pieces = [flat[a:b] for a, b in pieces(flat.numel(), world)]
         self.bounds = [_shard_bounds(p.numel(), world) for p in self.pieces]
         self.error: str | None = None
 
@@ -502,7 +486,7 @@ class _PipelinedPhase:
     def __init__(self, numel: int, codec, group, stats, workspace, rank, world, device):
         self.codec, self.group, self.stats, self.workspace = codec, group, stats, workspace
         self.rank, self.world, self.device = rank, world, device
-        self.bounds = _pieces(numel, 1)  # a slot travels whole to (or from) every peer
+        self.bounds = pieces(numel, 1)  # a slot travels whole to (or from) every peer
         self.error: str | None = None
 
     def run(self) -> None:
@@ -713,20 +697,78 @@ def recv(tensor: torch.Tensor, src: int, codec: Codec | None = None, group=None,
     out = _check_tensor(tensor)
     codec = codec or Codec()
     stats = stats if stats is not None else CommStats()
-    peer = _global_rank(group, src)
-    size = torch.empty(1, dtype=torch.int64, device=out.device)
-    dist.recv(size, peer, group=group)
-    limit = _frame_bound(out.numel(), out.dtype)
-    if not 0 < int(size) <= limit:  # never allocate what a peer claims
-        raise FrameError(f"peer {src} announced a frame of {int(size)} bytes; a frame of {out.numel()} "
-                         f"{out.dtype} elements takes 1..{limit}")
-    frame = torch.empty(int(size), dtype=torch.uint8, device=out.device)
-    dist.recv(frame, peer, group=group)
-    dtype = Codec.frame_parameters(frame).dtype
-    if dtype != out.dtype:
-        raise FrameError(f"peer {src} sent a {dtype} tensor, expected {out.dtype}")
+    frame = _recv_frame(out.numel(), out.dtype, src, group, out.device)
     _decode(codec, frame, out.numel(), out.dtype, stats, out=out)
     return tensor
+
+
+def _recv_frame(numel: int, dtype, src: int, group, device) -> torch.Tensor:
+    """Receive one :func:`send` frame from ``src``; refuse a size or dtype other than expected."""
+    peer = _global_rank(group, src)
+    size = torch.empty(1, dtype=torch.int64, device=device)
+    dist.recv(size, peer, group=group)
+    limit = _frame_bound(numel, dtype)
+    if not 0 < int(size) <= limit:  # never allocate what a peer claims
+        raise FrameError(f"peer {src} announced a frame of {int(size)} bytes; a frame of {numel} "
+                         f"{dtype} elements takes 1..{limit}")
+    frame = torch.empty(int(size), dtype=torch.uint8, device=device)
+    dist.recv(frame, peer, group=group)
+    sent = Codec.frame_parameters(frame).dtype
+    if sent != dtype:
+        raise FrameError(f"peer {src} sent a {sent} tensor, expected {dtype}")
+    return frame
+
+
+def reduce(tensor: torch.Tensor, dst: int, codec: Codec | None = None, group=None, *, cast=None,
+           kind: str = "gradient", stats: CommStats | None = None, workspace: Workspace | None = None) -> None:
+    """Sum ``tensor`` over the group into rank ``dst``'s copy, every other rank sending one coded frame.
+
+    The owner adds every rank's tensor in rank order in float32 (peers' frames decoded
+    and added in one pass, :meth:`Codec.decode_accumulate`) and rounds once to the
+    coded dtype, as :func:`all_reduce` does; the other ranks' tensors are unchanged, as
+    with ``dist.reduce``. A frame that fails on the owner raises on every rank.
+
+    Args:
+        tensor: contiguous bf16, fp16 or fp32 tensor, summed in place on ``dst``.
+        dst: the destination rank (in ``group``).
+        codec, group, kind, stats, workspace: as for :func:`all_reduce`.
+        cast: a narrower dtype to code fp32 in (lossy), or None.
+
+    Raises:
+        CollectiveError: on every rank, when the owner could not decode a frame.
+    """
+    flat = _check_tensor(tensor)
+    codec = codec or Codec()
+    stats = stats if stats is not None else CommStats()
+    workspace = workspace if workspace is not None else Workspace()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    src = flat if cast is None or flat.dtype == cast else flat.to(cast)
+    error = None
+    with stats.timer("comm_seconds"):
+        if rank != dst:
+            send(src, dst, codec, group, kind=kind, stats=stats)
+            # a plain reduce would send the uncast buffer: count what it would have sent
+            stats.add(bytes_in=flat.numel() * (flat.element_size() - src.element_size()))
+        else:
+            acc = workspace.take("acc", flat.numel(), torch.float32, flat.device)
+            for r in range(world):  # rank order, so the sum does not depend on arrival
+                first = r == 0
+                if r == rank:
+                    _add_into(acc, src, first, workspace)
+                    continue
+                try:
+                    frame = _recv_frame(src.numel(), src.dtype, r, group, flat.device)
+                    _decode_into(codec, frame, src.numel(), src.dtype, acc, first, stats)
+                except (ValueError, TypeError) as exc:  # FrameError is a ValueError
+                    error = error or f"frame from rank {r}: {exc}"
+                    if first:
+                        acc.zero_()
+            flat.copy_(acc.to(src.dtype) if src is not flat else acc)
+            stats.add(calls=1)  # the senders' send() counted theirs
+        flag = torch.tensor([1 if error else 0], dtype=torch.int32, device=flat.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item():
+        raise CollectiveError(f"coded reduce to rank {dst} failed" + (f": {error}" if error else " on its owner"))
 
 
 def _frame_bound(numel: int, dtype) -> int:

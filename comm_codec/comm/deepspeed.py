@@ -48,9 +48,10 @@ naming the feature, instead of running uncompressed while claiming to compress.
 **Warmup.** ``"warmup_steps": N`` reduces plainly for N optimizer steps while a
 :class:`~comm_codec.books.profiler.WarmupProfiler` observes the buckets, then builds the books
 from statistics summed over the data-parallel group (identical by construction, checked
-by digest), exactly as ``HuffmanState(warmup_steps=N)`` does -- the plugin keeps one as
-its state. (``"codebooks": "online"`` says the same explicitly; without warmup the
-shipped books, or a saved file's, code from the first step.)
+by digest), exactly as ``HuffmanState(warmup_steps=N)`` does: the plugin runs the same
+:class:`~comm_codec.comm.engine.CodingEngine`. (``"codebooks": "online"`` says the same
+explicitly; without warmup the shipped books, or a saved file's, code from the first
+step.)
 
 **Mode.** ``"mode": "auto"`` (the default) codes only where that measures faster on this
 run, ``"always"`` codes every step after warmup, ``"never"`` leaves DeepSpeed's
@@ -81,11 +82,11 @@ import pydantic
 import torch
 import torch.distributed as dist
 
+from ..core.codebooks import KINDS, CodebookSet
+from ..core.errors import CodebookError
 from . import collectives
 from .autoswitch import MODES
-from ..core.codebooks import KINDS, CodebookSet
-from .ddp import HuffmanState
-from ..core.huffman import CodebookError
+from .engine import CASTS, CodingEngine
 
 __all__ = ["CommCodecConfig", "SUPPORTED_DEEPSPEED", "initialize", "install", "parse_config", "stats"]
 
@@ -94,8 +95,6 @@ log = logging.getLogger(__name__)
 SUPPORTED_DEEPSPEED = "0.19"  # the major.minor whose reduction methods the plugin copies
 SECTION = "comm_codec"
 
-_CODED = (torch.float32, torch.bfloat16, torch.float16)
-_CASTS = {None: None, "bf16": torch.bfloat16}
 _SUPPORTED_KINDS = ("gradient",)
 # The DeepSpeed methods replaced, with the parameters their 0.19 bodies (copied below) take.
 _SEAMS = {
@@ -127,7 +126,7 @@ class CommCodecConfig(pydantic.BaseModel):
             coding (**lossy**, like PyTorch's bf16_compress_hook).
         log_every: log a traffic line (and write DeepSpeed monitor events) every this
             many steps on rank 0; 0 = never.
-        min_bucket_bytes: buckets smaller than this are reduced plainly.
+        min_bytes: buckets smaller than this are reduced plainly.
         threads: numba threads for the codec (null: numba's setting).
         drift_every, refresh_threshold, refresh_steps: codebook drift measurement and
             refresh, as in :class:`comm_codec.ddp.HuffmanState`.
@@ -147,7 +146,7 @@ class CommCodecConfig(pydantic.BaseModel):
     kinds: list[str] = pydantic.Field(default_factory=lambda: ["gradient"], min_length=1)
     cast: Optional[str] = None
     log_every: int = pydantic.Field(50, ge=0)
-    min_bucket_bytes: int = pydantic.Field(4096, ge=0)
+    min_bytes: int = pydantic.Field(4096, ge=0)
     threads: Optional[int] = pydantic.Field(None, ge=1)
     drift_every: int = pydantic.Field(0, ge=0)
     refresh_threshold: Optional[float] = pydantic.Field(None, gt=0)
@@ -185,7 +184,7 @@ class CommCodecConfig(pydantic.BaseModel):
     @pydantic.field_validator("cast")
     @classmethod
     def _cast(cls, value):
-        if value not in _CASTS:
+        if value not in CASTS:
             raise ValueError(f"unknown cast {value!r}; allowed: null (lossless) or \"bf16\"")
         return value
 
@@ -353,9 +352,9 @@ def _check_engine(engine) -> None:
 
 # -- the plugin ---------------------------------------------------------------------------
 class _Plugin:
-    """What the plugin keeps per engine: its config, a HuffmanState, the step flags."""
+    """What the plugin keeps per engine: its config, the coding engine, the step flag."""
 
-    __slots__ = ("config", "state", "engine", "_coded_this_step", "_step_open")
+    __slots__ = ("config", "coder", "engine", "_step_open")
 
     def __init__(self, engine, config: CommCodecConfig):
         books = None
@@ -366,17 +365,17 @@ class _Plugin:
                 raise ValueError(f"{SECTION}.codebooks: cannot load codebook file {config.codebooks!r}: "
                                  f"{exc}") from None
         try:
-            self.state = HuffmanState(
-                process_group=engine.data_parallel_group, codebooks=books, warmup_steps=config.warmup_steps,
-                cast=config.cast, min_bucket_bytes=config.min_bucket_bytes, threads=config.threads,
-                log_every=config.log_every, drift_every=config.drift_every,
-                refresh_threshold=config.refresh_threshold, refresh_steps=config.refresh_steps, mode=config.mode,
-                recheck_every=config.recheck_every, probe_steps=config.probe_steps, hysteresis=config.hysteresis)
+            self.coder = CodingEngine(
+                engine.data_parallel_group, books, config.warmup_steps, config.mode, config.cast,
+                config.min_bytes, config.threads, config.log_every, drift_every=config.drift_every,
+                refresh_threshold=config.refresh_threshold, refresh_steps=config.refresh_steps,
+                recheck_every=config.recheck_every, probe_steps=config.probe_steps, hysteresis=config.hysteresis,
+                name="comm_codec.deepspeed")
         except (ValueError, TypeError) as exc:
             raise ValueError(f"invalid \"{SECTION}\" section in the DeepSpeed config: {exc}") from None
+        self.coder.group()  # creating a group is collective: here, where every rank installs
         self.config = config
         self.engine = engine
-        self._coded_this_step = False
         self._step_open = False
 
     def reduce(self, tensor: torch.Tensor, group, dst: int | None = None) -> None:
@@ -399,96 +398,43 @@ class _Plugin:
                 torch.set_num_threads(threads)
 
     def _reduce(self, tensor, group, dst) -> None:
-        st = self.state
+        coder = self.coder
         if not self._step_open:  # the step's first reduction: settings check, books, mode
             self._step_open = True
-            st._begin_step()
-        coded = (tensor.dtype in _CODED and tensor.device.type == "cpu"
-                 and tensor.numel() * tensor.element_size() >= st.min_bucket_bytes)
-        if not coded or not st._coding:
-            profiling = coded and st._profiling
-            if profiling:
-                st.profiler.observe(tensor, "gradient")
+            coder.begin_step()
+        stats = coder.stats_for("all_reduce")
+        codable = tensor.device.type == "cpu" and coder.codable(tensor, tensor.numel())
+        if not (codable and coder.codes(tensor, tensor.numel(), "gradient")):
+            if codable:
+                coder.observe(tensor, "gradient")
             if dst is None:
                 ds_dist.all_reduce(tensor, group=group)
             else:
                 ds_dist.reduce(tensor, ds_dist.get_global_rank(group, dst), group=group)
-            st._stats.add(raw_calls=1)
-            if profiling and dst is None:
-                st.profiler.observe(tensor, "reduced_gradient")
+            stats.add(raw_calls=1)
+            if codable and dst is None:
+                coder.observe(tensor, "reduced_gradient")
             return
-        st._ensure_books()
-        if not self._coded_this_step:
-            self._coded_this_step = True
-            if st.refresh.due(st.step):
-                st._measure_drift(tensor)
-        refreshing = st.refresh.refreshing
-        if refreshing:
-            st.profiler.observe(tensor, "gradient")
-        cast = _CASTS[st.cast] if tensor.dtype == torch.float32 else None
+        coder.sample_drift(tensor)
+        coder.observe(tensor, "gradient")
+        cast = coder.cast_dtype(tensor)
         if dst is None:
-            collectives.all_reduce(tensor, st.codec, group, cast=cast, stats=st._stats, workspace=st._workspace)
-            if refreshing:
-                st.profiler.observe(tensor, "reduced_gradient")
+            collectives.all_reduce(tensor, coder.codec, group, cast=cast, stats=stats, workspace=coder.workspace)
+            coder.observe(tensor, "reduced_gradient")
         else:
-            _coded_reduce(tensor, dst, group, st.codec, cast, st._stats)
+            collectives.reduce(tensor, dst, coder.codec, group, cast=cast, stats=stats, workspace=coder.workspace)
 
     def end_of_step(self) -> None:
-        st = self.state
-        st._end_of_step()
-        self._coded_this_step = False
+        coder = self.coder
+        coder.end_step()
         self._step_open = False
         engine = self.engine
         monitor = getattr(engine, "monitor", None)
         if (self.config.monitor and monitor is not None and monitor.enabled and self.config.log_every
-                and st.step % self.config.log_every == 0 and engine.global_rank == 0):
-            d = st._stats.as_dict()
+                and coder.step % self.config.log_every == 0 and engine.global_rank == 0):
+            d = coder.stats()
             monitor.write_events([(f"comm_codec/{key}", d[key], engine.global_samples)
                                   for key in ("ratio", "bytes_in", "bytes_out", "encode_seconds", "decode_seconds")])
-
-
-def _coded_reduce(tensor, dst, group, codec, cast, stats) -> None:
-    """Reduce ``tensor`` to group rank ``dst``: coded frames from every other rank.
-
-    The owner sums every rank's slice in rank order in float32 and rounds once (to the
-    cast dtype first when there is one, as :func:`collectives.all_reduce` does). Decode
-    errors are agreed on by all ranks and raised everywhere as CollectiveError.
-    """
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    flat = tensor.view(-1)
-    src = flat if cast is None else flat.to(cast)
-    error = None
-    with stats.timer("comm_seconds"):
-        if rank != dst:
-            # collectives.send counts the bytes of what it codes; a raw reduce would send
-            # the uncast buffer, so the difference is added to bytes_in.
-            collectives.send(src, ds_dist.get_global_rank(group, dst), codec, group, kind="gradient", stats=stats)
-            stats.add(bytes_in=flat.numel() * (flat.element_size() - src.element_size()))
-        else:
-            acc = torch.empty(flat.numel(), dtype=torch.float32)
-            part = torch.empty(flat.numel(), dtype=src.dtype)
-            for r in range(world):  # rank order, so the sum does not depend on arrival
-                if r == rank:
-                    value = src
-                else:
-                    try:
-                        value = collectives.recv(part, ds_dist.get_global_rank(group, r), codec, group,
-                                                 stats=stats)
-                    except (ValueError, TypeError) as exc:  # FrameError is a ValueError
-                        error = error or f"slice from rank {r}: {exc}"
-                        continue
-                if r == 0:
-                    acc.copy_(value)
-                else:
-                    acc.add_(value)
-            flat.copy_(acc.to(src.dtype) if cast is not None else acc)
-            stats.add(calls=1)  # the senders' collectives.send counted theirs
-        flag = torch.tensor([1 if error else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if flag.item():
-        raise collectives.CollectiveError(f"coded reduce to rank {dst} failed" + (f": {error}" if error else
-                                                                                 " on its owner"))
 
 
 # -- the replaced DeepSpeed methods (0.19 bodies; only the collective differs) ------------
@@ -649,7 +595,7 @@ def initialize(*args, **kwargs):
 
 
 def stats(engine) -> dict:
-    """Return the plugin's traffic statistics: the dict of :meth:`HuffmanState.stats`.
+    """Return the plugin's traffic statistics: the dict of :meth:`CodingEngine.stats` (as HuffmanState's).
 
     Raises:
         ValueError: the engine has no comm_codec plugin installed.
@@ -658,4 +604,4 @@ def stats(engine) -> dict:
     if plugin is None:
         raise ValueError("this engine has no comm_codec plugin; build it with comm_codec.deepspeed.initialize "
                          "and an enabled \"comm_codec\" config section, or call comm_codec.deepspeed.install")
-    return plugin.state.stats()
+    return plugin.coder.stats()

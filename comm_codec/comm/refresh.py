@@ -1,6 +1,6 @@
 """Codebook drift and refresh: when fixed books have aged, rebuild them on every rank at once.
 
-Symbol statistics move during training (design.md, "Drift"). Every ``drift_every`` steps
+Symbol statistics move during training. Every ``drift_every`` steps
 an owner (the DDP hook, the DeepSpeed plugin, an FSDP2 state) samples, on one coded
 tensor of the step, how much its fixed books lose against optimal codes for that tensor
 (:meth:`BookRefresh.measure`, a fraction). With a ``refresh_threshold`` the ranks agree
@@ -17,10 +17,10 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 
-from ..core.codebooks import CodebookSet
 from ..books.profiler import WarmupProfiler, coding_cost
+from ..core.codebooks import CodebookSet
+from .agreement import build_books, max_over_ranks
 
 __all__ = ["BookRefresh"]
 
@@ -98,9 +98,7 @@ class BookRefresh:
         """
         opened = False
         if self.refresh_threshold is not None:
-            worst = torch.tensor([loss], dtype=torch.float64, device=device)
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-            loss = float(worst)
+            loss = max_over_ranks(loss, group, device)
             if loss > self.refresh_threshold and self.until is None:
                 log.info("comm_codec: books lose %.2f%% (> %.2f%%) at step %d; re-profiling for %d steps",
                          100 * loss, 100 * self.refresh_threshold, step, self.refresh_steps)
@@ -109,13 +107,13 @@ class BookRefresh:
         self.drift = loss
         return opened
 
-    def rebuild(self, profiler: WarmupProfiler, group, step: int, source: str) -> CodebookSet:
+    def rebuild(self, profiler: WarmupProfiler, group, step: int, source: str, device=None) -> CodebookSet:
         """Build the window's books from every rank's statistics (collective) and close it.
 
         Returns:
             The new books, identical on every rank by construction.
         """
-        books = profiler.build(group, meta={"source": source, "step": step})
+        books = build_books(profiler, group, meta={"source": source, "step": step}, device=device)
         self.until = None
         self.refreshes += 1
         log.info("comm_codec: swapped in refreshed books %s at step %d (%s)", books.digest[:12], step, source)

@@ -74,6 +74,17 @@ class CommStats:
         d["bytes_saved"] = d["bytes_in"] - d["bytes_out"]
         return d
 
+    @staticmethod
+    def sum(records) -> dict:
+        """Add up several :meth:`as_dict` results (one per collective) into one, ratio recomputed."""
+        total = {name: 0 for name in CommStats._FIELDS}
+        for d in records:
+            for name in CommStats._FIELDS:
+                total[name] += d[name]
+        total["ratio"] = total["bytes_in"] / total["bytes_out"] if total["bytes_out"] else 1.0
+        total["bytes_saved"] = total["bytes_in"] - total["bytes_out"]
+        return total
+
     def __getstate__(self):
         return {name: getattr(self, name) for name in self._FIELDS}
 

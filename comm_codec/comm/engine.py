@@ -1,0 +1,461 @@
+"""The coding engine: what every coded-communication adapter shares, written once.
+
+The DDP hook (:class:`comm_codec.ddp.HuffmanState`), the FSDP2 collectives
+(:class:`comm_codec.fsdp.FSDPState`) and the DeepSpeed plugin differ only in *where*
+they meet the framework: a gradient bucket, FSDP's reduce-scatter and all-gather
+buffers, DeepSpeed's reduction methods. Everything else is this engine's:
+
+* **Settings**, validated once, with one keyword set (:data:`OPTIONS`) for every adapter.
+* **Books**: given, the shipped defaults, or built online after ``warmup_steps`` steps
+  from statistics summed over the ranks; checked to be the same on every rank; measured
+  for drift and refreshed (:class:`~comm_codec.comm.refresh.BookRefresh`).
+* **The step**: :meth:`begin_step` is where every rank runs the engine's own small
+  collectives, at the same point, while nothing else of the engine is on the wire --
+  the settings check (first step), the books at the end of warmup, the drift agreement,
+  the refreshed books, the auto decision (:class:`~comm_codec.comm.autoswitch.AutoSwitch`);
+  it returns whether the step codes. :meth:`end_step` counts it and logs.
+* **The worker**: one thread per engine runs the coded collectives in call order
+  (:meth:`submit`), on the engine's twin of the process group
+  (:func:`~comm_codec.comm.agreement.twin_group`, with the user's timeout): two
+  threads' collectives on one group could be ordered differently on each rank.
+* **Threads**: the codec gets the rank's share of the node's cores (:func:`default_threads`).
+* **Statistics**: one :class:`~comm_codec.comm.stats.CommStats` per collective the
+  adapter runs, summed in :meth:`stats` under the same keys for every adapter.
+
+Cross-rank agreement itself is :mod:`comm_codec.comm.agreement`'s.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+
+import numba
+import torch
+
+from ..books.profiler import WarmupProfiler
+from ..core.codebooks import CodebookSet
+from ..core.codec import Codec
+from . import agreement
+from .autoswitch import AutoSwitch, check_mode
+from .collectives import Workspace, on_cuda_worker
+from .refresh import BookRefresh
+from .stats import CommStats, state_stats
+
+__all__ = ["CASTS", "CODED_DTYPES", "OPTIONS", "CodingEngine", "default_threads"]
+
+log = logging.getLogger(__name__)
+
+# The dtypes the coded collectives sum in float32 (and so code); others travel plainly.
+CODED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# cast= values: None is lossless; "bf16" rounds fp32 tensors to bf16 before coding (lossy).
+CASTS = {None: None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+# The keyword arguments every adapter takes (HuffmanState, comm_codec.fsdp.compress, the
+# DeepSpeed section), so that one set of settings fits them all.
+OPTIONS = ("codebooks", "warmup_steps", "mode", "cast", "min_bytes", "threads", "log_every", "writer",
+           "drift_every", "refresh_threshold", "refresh_steps", "recheck_every", "probe_steps", "hysteresis")
+
+
+def default_threads(local_world_size: int) -> int:
+    """Return the codec threads a rank gets by default: its share of the cores torch uses.
+
+    The codec runs while torch computes (buckets are coded during backward) and on the
+    same cores, so more codec threads than the rank's share oversubscribe them. The
+    share is the cores this process may run on divided by the ranks on this node,
+    capped by torch's own thread count and numba's, and at least 1.
+
+    Args:
+        local_world_size: the ranks of the group that run on this node.
+
+    Returns:
+        The thread count.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    share = cores // max(1, local_world_size)
+    return max(1, min(share, torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+
+
+def _check_count(name: str, value, minimum: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+class CodingEngine:
+    """Books, warmup, the coding decision, the worker thread and statistics of one adapter.
+
+    Args:
+        process_group: the group the engine agrees and codes over (None: the world).
+        codebooks: a :class:`CodebookSet`, a path to a saved one, or None: the shipped
+            defaults, or books built online when ``warmup_steps`` > 0.
+        warmup_steps: steps run plainly while the profiler observes, before books are
+            built and coding starts; 0 codes from the start. Excludes ``codebooks``.
+        mode: "auto" (default: code only where it measures faster), "always" (code every
+            step after warmup) or "never" (the framework's own collectives).
+        cast: None (lossless) or "bf16": fp32 tensors are rounded to bf16 before coding.
+            **Lossy.** Only adapters whose collectives sum (all-reduce) accept it.
+        min_bytes: a collective whose per-rank input is smaller than this runs plainly
+            (its frames' headers would cost more than coding saves).
+        threads: numba threads for the codec (None: :func:`default_threads` of the ranks
+            on this node, found at the first step).
+        log_every: log a traffic line every this many steps on rank 0 (0: never).
+        writer: optional TensorBoard ``SummaryWriter``; scalars go under comm_codec/.
+        drift_every: every this many steps, measure on the step's first coded tensor
+            how much the books lose against optimal codes for it (``stats()["drift"]``);
+            0 = off.
+        refresh_threshold: when the largest measured loss over the ranks exceeds this
+            fraction, profile ``refresh_steps`` more steps (still coding) and swap in
+            rebuilt books on every rank at the same step; None = never.
+        refresh_steps: steps profiled for a refresh.
+        recheck_every: in auto mode, steps between two measurements of both modes.
+        probe_steps: in auto mode, steps timed per mode in a measurement.
+        hysteresis: in auto mode, the fraction by which the other mode must be faster
+            for the engine to switch to it.
+        name: the adapter's name in messages and logs.
+        plain_name: what the auto decision calls the plain collectives.
+        collectives: the names of the collectives the adapter runs (one statistics
+            record each; with several, :meth:`stats` also reports each under its name).
+        kinds: the tensor kinds the adapter profiles (for its error messages).
+        allow_cast: whether ``cast`` may be set.
+
+    Raises:
+        ValueError: bad counts, an unknown mode or cast, both codebooks and warmup, a
+            refresh threshold without drift measurement, threads out of range.
+        TypeError: codebooks of the wrong type.
+    """
+
+    __slots__ = (
+        # what users tune
+        "process_group", "warmup_steps", "mode", "cast", "min_bytes", "threads", "log_every", "writer",
+        # what the adapter is
+        "name", "collectives",
+        # books and the decision
+        "codebooks", "codec", "profiler", "switch", "refresh", "step", "coding", "verified",
+        # the run (never pickled)
+        "workspace", "_group", "_executor", "_pid", "_checked", "_node_threads", "_drift_sample",
+        "_drift_pending", "_has_book",
+        # statistics
+        "_stats",
+    )
+
+    def __init__(self, process_group=None, codebooks=None, warmup_steps: int = 0, mode: str = "auto", cast=None,
+                 min_bytes: int = 4096, threads: int | None = None, log_every: int = 50, writer=None,
+                 drift_every: int = 0, refresh_threshold: float | None = None, refresh_steps: int = 3,
+                 recheck_every: int = 200, probe_steps: int = 4, hysteresis: float = 0.05, *,
+                 name: str = "comm_codec", plain_name: str = "plain all-reduce",
+                 collectives: tuple[str, ...] = ("all_reduce",), allow_cast: bool = True):
+        check_mode(mode)
+        _check_count("warmup_steps", warmup_steps)
+        _check_count("min_bytes", min_bytes)
+        _check_count("log_every", log_every)
+        if codebooks is not None and warmup_steps:
+            raise ValueError("give either codebooks (fixed books) or warmup_steps > 0 (books built online), not both")
+        if cast not in CASTS:
+            raise ValueError(f"cast must be None or 'bf16', got {cast!r}")
+        if cast is not None and not allow_cast:
+            raise ValueError(f"{name} does not take cast={cast!r}: its collectives move weights and gradients "
+                             "that must arrive exactly; use cast=None")
+        if threads is not None and not (isinstance(threads, int) and 1 <= threads <= numba.config.NUMBA_NUM_THREADS):
+            raise ValueError(f"threads must be None or an integer in 1..{numba.config.NUMBA_NUM_THREADS} "
+                             f"(NUMBA_NUM_THREADS), got {threads!r}")
+        refresh = BookRefresh(drift_every, refresh_threshold, refresh_steps)
+        switch = AutoSwitch(mode, probe_steps=probe_steps, recheck_every=recheck_every, hysteresis=hysteresis,
+                            plain_name=plain_name)
+        if isinstance(codebooks, (str, os.PathLike)):
+            codebooks = CodebookSet.load(codebooks)
+        if codebooks is not None and not isinstance(codebooks, CodebookSet):
+            raise TypeError(f"codebooks must be a CodebookSet, a path or None, got {type(codebooks).__name__}")
+        self.process_group = process_group
+        self.warmup_steps = warmup_steps if mode != "never" else 0
+        self.mode = mode
+        self.cast = cast
+        self.min_bytes = min_bytes
+        self.threads = threads
+        self.log_every = log_every
+        self.writer = writer
+        self.name = name
+        self.collectives = tuple(collectives)
+        self.switch = switch
+        self.refresh = refresh
+        if mode == "never":
+            self.codebooks = None
+        else:
+            self.codebooks = codebooks if codebooks is not None or warmup_steps else CodebookSet.default()
+        self.codec = Codec(self.codebooks, threads=threads) if self.codebooks is not None else None
+        self.profiler = WarmupProfiler() if self.warmup_steps else None
+        self.step = 0
+        self.coding = False
+        self.verified = False
+        self._stats = {c: CommStats() for c in self.collectives}
+        self._init_run()
+        log.info("%s: mode=%s, warmup_steps=%d, cast=%s, books=%s", name, mode, self.warmup_steps, cast,
+                 "online" if self.codebooks is None else self.codebooks.digest[:12])
+
+    def _init_run(self) -> None:
+        self.workspace = Workspace()  # the worker's scratch buffers, reused from call to call
+        self._group = None
+        self._executor = None
+        self._pid = None
+        self._checked = False
+        self._node_threads = None
+        self._drift_sample = None
+        self._drift_pending = False
+        self._has_book = {}
+
+    # -- what adapters and users read ------------------------------------------------------
+    @property
+    def warming_up(self) -> bool:
+        """True while the books are still being profiled (steps before ``warmup_steps``)."""
+        return self.mode != "never" and self.codebooks is None and self.step < self.warmup_steps
+
+    @property
+    def profiling(self) -> bool:
+        """True while the profiler observes what is sent (warmup, or an open refresh window)."""
+        return self.profiler is not None and (self.warming_up or self.refresh.refreshing)
+
+    def stats_for(self, collective: str) -> CommStats:
+        """Return the traffic counters of one of the adapter's collectives (by name)."""
+        return self._stats[collective]
+
+    def stats(self) -> dict:
+        """Return traffic statistics and the coding decision, the same keys for every adapter.
+
+        Returns:
+            bytes_in, bytes_out, ratio, bytes_saved, encode_seconds, decode_seconds,
+            comm_seconds, calls, raw_calls, steps (summed over the adapter's collectives,
+            see :class:`CommStats`); warming_up, books, drift, refreshes; mode, coding
+            (whether the current step codes), decision (None before the first
+            measurement; else coded, step, plain_ms, coded_ms, per_rank_ms, reason),
+            switches, probes. With several collectives, each one's counters also under
+            its name (e.g. "reduce_scatter", "all_gather").
+        """
+        parts = {name: s.as_dict() for name, s in self._stats.items()}
+        total = CommStats.sum(parts.values())
+        total["steps"] = self.step
+        if len(parts) > 1:
+            total.update(parts)
+        total.update(state_stats(warming_up=self.warming_up, codebooks=self.codebooks, refresh=self.refresh,
+                                 switch=self.switch, coding=self.coding))
+        return total
+
+    def reset_stats(self) -> None:
+        """Zero the traffic counters (the step count, the books and the decision stay)."""
+        for s in self._stats.values():
+            s.reset()
+
+    # -- the step ---------------------------------------------------------------------------
+    def group(self):
+        """Return the engine's twin of ``process_group`` (made, collectively, at the first call)."""
+        if self._group is None:
+            self._group = agreement.twin_group(self.process_group)
+        return self._group
+
+    def use_group(self, group) -> None:
+        """Agree and code over ``group`` (an adapter's own twin of ``process_group``) instead of a new twin."""
+        self._group = group
+
+    def begin_step(self, like: torch.Tensor | None = None) -> bool:
+        """Start a step on every rank; return whether it codes (collective).
+
+        Call it at the same point of every step on every rank, while none of the
+        engine's collectives is in flight: the engine's own agreements run here.
+
+        Args:
+            like: a tensor of the step (a CUDA one makes the agreements use its device).
+
+        Returns:
+            Whether this step's collectives code.
+
+        Raises:
+            ValueError: at the first step, on every rank, if the ranks' settings differ.
+            RuntimeError: ranks hold different books, or disagree at a decision.
+        """
+        group = self.group()
+        device = agreement.collective_device(group, like)
+        if not self._checked:
+            self._check_settings(group, device)
+        if self.mode == "never":
+            self.coding = False
+            return False
+        if self.codebooks is None and self.step >= self.warmup_steps:
+            self.swap_books(self._warmup_books(group, device), group, device)
+        if self.codebooks is not None and not self.verified:
+            agreement.check_same_books(self.codebooks, group, device)
+            self.verified = True
+            log.info("%s: coding with books %s", self.name, self.codebooks.digest[:12])
+        if self._drift_pending:
+            # The last step sampled the drift on its first coded tensor (0 where none was).
+            sample, self._drift_sample, self._drift_pending = self._drift_sample, None, False
+            if self.refresh.agree(sample or 0.0, self.step, group, device):
+                self.profiler = WarmupProfiler()
+        if self.refresh.swap_due(self.step):
+            source = f"{self.name} refresh"
+            self.swap_books(self.refresh.rebuild(self.profiler, group, self.step, source, device), group, device)
+        self.coding = False if self.warming_up else self.switch.begin_step(self.step, group, device)
+        self._drift_pending = self.coding and self.refresh.due(self.step)
+        return self.coding
+
+    def end_step(self) -> None:
+        """Count a finished step; log the traffic line and the TensorBoard scalars when due."""
+        self.step += 1
+        log_now = bool(self.log_every) and self.step % self.log_every == 0
+        if not log_now and self.writer is None:
+            return
+        d = self.stats()
+        if log_now and agreement.rank_of(self.process_group) == 0:
+            log.info("%s step %d: ratio %.3f, %.1f MB saved, encode %.2fs decode %.2fs, %s", self.name, self.step,
+                     d["ratio"], d["bytes_saved"] / 1e6, d["encode_seconds"], d["decode_seconds"],
+                     "coding" if self.coding else "plain")
+        if self.writer is not None:
+            for key in ("ratio", "bytes_in", "bytes_out", "encode_seconds", "decode_seconds"):
+                self.writer.add_scalar(f"comm_codec/{key}", d[key], self.step)
+            self.writer.add_scalar("comm_codec/coding", float(self.coding), self.step)
+
+    def codes(self, tensor: torch.Tensor, numel_per_rank: int, kind: str) -> bool:
+        """Whether a collective on ``tensor`` codes now: a coded step, a dtype, size and book that pay.
+
+        Args:
+            tensor: the collective's input.
+            numel_per_rank: the elements each rank contributes (``min_bytes`` applies to them).
+            kind: the books' kind ("gradient", "weight", ...).
+        """
+        if not self.coding or self.codec is None or not self.codable(tensor, numel_per_rank):
+            return False
+        dtype = self.cast_dtype(tensor) or tensor.dtype
+        key = (kind, dtype)
+        if key not in self._has_book:
+            try:
+                self.codebooks.group(kind, dtype, 0)
+                self._has_book[key] = True
+            except ValueError:  # books profiled on other dtypes: this one travels plainly
+                self._has_book[key] = False
+        return self._has_book[key]
+
+    def codable(self, tensor: torch.Tensor, numel_per_rank: int) -> bool:
+        """Whether the coded collectives can take ``tensor`` at all: dtype, device and size."""
+        return (tensor.dtype in CODED_DTYPES and tensor.device.type in ("cpu", "cuda")
+                and numel_per_rank * tensor.element_size() >= self.min_bytes)
+
+    def cast_dtype(self, tensor: torch.Tensor):
+        """The dtype ``tensor`` is coded in when it is not its own (``cast`` on fp32), else None."""
+        cast = CASTS[self.cast]
+        return cast if cast is not None and tensor.dtype == torch.float32 else None
+
+    def observe(self, tensor: torch.Tensor, kind: str) -> None:
+        """Profile a tensor as it will be coded (cast first where the cast applies), when profiling."""
+        if not self.profiling:
+            return
+        cast = self.cast_dtype(tensor)
+        self.profiler.observe(tensor.to(cast) if cast is not None else tensor, kind)
+
+    def sample_drift(self, tensor: torch.Tensor, kind: str = "gradient") -> None:
+        """Measure the books' loss on the step's first coded tensor, when the step samples drift."""
+        if self._drift_pending and self._drift_sample is None:
+            self._drift_sample = self.refresh.measure(tensor, self.codebooks, kind)
+
+    def precompile_for(self, tensor: torch.Tensor) -> None:
+        """Load the codec's kernels for the dtype ``tensor`` is coded in, before it is timed."""
+        if tensor.device.type == "cpu":
+            self.codec.warmup([self.cast_dtype(tensor) or tensor.dtype])
+
+    def swap_books(self, books: CodebookSet, group=None, device=None) -> None:
+        """Check that every rank holds ``books`` (collective) and code with them from now on."""
+        agreement.check_same_books(books, group if group is not None else self.group(), device)
+        self.codebooks, self.codec, self.profiler = books, Codec(books, threads=self.codec_threads()), None
+        self.verified = True
+        self._has_book.clear()
+        log.info("%s: coding with books %s from step %d", self.name, books.digest[:12], self.step)
+
+    def codec_threads(self) -> int | None:
+        """The user's thread count, else the rank's share of the node (once the first step found it)."""
+        return self.threads if self.threads is not None else self._node_threads
+
+    # -- the worker -------------------------------------------------------------------------
+    def submit(self, fn, like: torch.Tensor | None = None) -> concurrent.futures.Future:
+        """Run ``fn`` on the engine's worker thread, after every job submitted before it.
+
+        Args:
+            fn: the work, a callable without arguments.
+            like: the tensor ``fn`` works on; a CUDA one makes the worker wait on the
+                caller's stream first (it may still be being written) and synchronize
+                its own before the future resolves.
+
+        Returns:
+            A future of what ``fn`` returns (or raises).
+        """
+        if self._executor is None or self._pid != os.getpid():  # a forked child needs its own thread
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="comm_codec")
+            self._pid = os.getpid()
+        if like is not None and like.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(like.device))
+            return self._executor.submit(on_cuda_worker, like.device, ready, fn)
+        return self._executor.submit(fn)
+
+    def shutdown(self) -> None:
+        """Let the worker thread finish what was submitted and stop it (a later submit starts a new one)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # -- pickling: settings, books, decision, counters; no group, worker or writer -------------
+    def __getstate__(self):
+        return {
+            "settings": {"warmup_steps": self.warmup_steps, "mode": self.mode, "cast": self.cast,
+                         "min_bytes": self.min_bytes, "threads": self.threads, "log_every": self.log_every},
+            "name": self.name, "collectives": self.collectives, "step": self.step, "coding": self.coding,
+            "switch": self.switch, "refresh": self.refresh,
+            "codebooks": self.codebooks.to_dict() if self.codebooks is not None else None,
+            # Warmup statistics travel too: a state saved at the end of warmup builds its
+            # books from them at the first step after resuming.
+            "profiler": self.profiler,
+            "stats": {name: s.__getstate__() for name, s in self._stats.items()},
+        }
+
+    def __setstate__(self, state):
+        for key, value in state["settings"].items():
+            setattr(self, key, value)
+        self.process_group = None
+        self.writer = None
+        self.name, self.collectives = state["name"], tuple(state["collectives"])
+        self.step, self.coding = state["step"], state["coding"]
+        self.switch, self.refresh = state["switch"], state["refresh"]
+        self.refresh.until = None  # a resumed run measures anew
+        books = state["codebooks"]
+        self.codebooks = CodebookSet.from_dict(books, f"<pickled {self.name}>") if books is not None else None
+        self.codec = Codec(self.codebooks, threads=self.threads) if self.codebooks is not None else None
+        self.profiler = state["profiler"]
+        self.verified = False
+        self._stats = {}
+        for name, counters in state["stats"].items():
+            self._stats[name] = CommStats()
+            self._stats[name].__setstate__(counters)
+        self._init_run()
+
+    # -- internal -----------------------------------------------------------------------------
+    def _shared_settings(self) -> dict:
+        """The settings that change which collectives a rank issues (and the step it is at)."""
+        sw, rf = self.switch, self.refresh
+        return {"mode": self.mode, "warmup_steps": self.warmup_steps, "cast": self.cast,
+                "min_bytes": self.min_bytes, "drift_every": rf.drift_every,
+                "refresh_threshold": rf.refresh_threshold, "refresh_steps": rf.refresh_steps,
+                "probe_steps": sw.probe_steps, "recheck_every": sw.recheck_every, "hysteresis": sw.hysteresis,
+                "step": self.step, "books": "online" if self.codebooks is None else "fixed"}
+
+    def _check_settings(self, group, device) -> None:
+        hosts = agreement.check_same_settings(self.name, self._shared_settings(), group, device)
+        self._node_threads = default_threads(agreement.ranks_per_node(hosts))
+        if self.codec is not None:
+            self.codec.threads = self.codec_threads()
+        self._checked = True
+
+    def _warmup_books(self, group, device) -> CodebookSet:
+        if self.profiler is None or not self.profiler.kinds():
+            raise RuntimeError(f"{self.name}: warmup ended without observing any tensor of a float dtype; "
+                               "nothing to build books from")
+        return agreement.build_books(self.profiler, group, {"source": f"online {self.name} warmup",
+                                                            "steps": self.warmup_steps}, device)
