@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import comm_codec as cc
 import dist_utils
-from comm_codec import collectives
+from comm_codec.comm import collectives
 from comm_codec.collectives import CollectiveError
 from comm_codec.comm.stats import CommStats
 
@@ -30,7 +30,7 @@ ALL_DTYPES = dict(FLOATS, fp8_e4m3=torch.float8_e4m3fn, fp8_e5m2=torch.float8_e5
 # Helpers (run inside the ranks)
 # ----------------------------------------------------------------------------------------
 def _sizes(world):
-    # The last size spans several pipelined pieces (collectives._PIECES / _MIN_PIECE).
+    # The last size spans several pipelined pieces (collectives.MAX_PIECES / MIN_PIECE_ELEMS).
     return [0, 1, world - 1, 1000, 100003, 3 * world * (1 << 18) + 5]
 
 
@@ -125,7 +125,7 @@ def test_all_reduce_bit_exact_rank_order(world, dtype_name, average):
             # in phase 1, this rank's reduced shard to every other rank in phase 2 — per
             # pipelined piece (large buffers go in pieces, each sharded over the ranks).
             expected = 0
-            for a, b in collectives._pieces(n, world):
+            for a, b in collectives.pieces(n, world):
                 shards = _shard_sizes(b - a, world)
                 expected += (b - a - shards[rank] + (world - 1) * shards[rank]) * itemsize
             assert s["bytes_in"] == expected
@@ -252,9 +252,9 @@ def test_reduce_scatter_bit_exact_rank_order(world, dtype_name, average):
 
 
 def _w_pipelined(rank, world):
-    """Slots cut into several pieces (a small _MIN_PIECE): the same bits as one piece, in place."""
-    saved = collectives._MIN_PIECE
-    collectives._MIN_PIECE = 1000  # 5003 elements: 4 uneven pieces
+    """Slots cut into several pieces (a small MIN_PIECE_ELEMS): the same bits as one piece, in place."""
+    saved = collectives.MIN_PIECE_ELEMS
+    collectives.MIN_PIECE_ELEMS = 1000  # 5003 elements: 4 uneven pieces
     try:
         n, out = 5003, {}
         workspace = collectives.Workspace()
@@ -289,7 +289,7 @@ def _w_pipelined(rank, world):
         _assert_bits(gathered[0], x, f"rank {rank}: all_gather over a group of one")
         return out
     finally:
-        collectives._MIN_PIECE = saved
+        collectives.MIN_PIECE_ELEMS = saved
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
@@ -304,26 +304,24 @@ def test_reduce_scatter_and_all_gather_pipeline_pieces_bit_exactly(world):
 def _w_peer_frames(rank, world):
     """Frames from a peer that do not hold what the receiver expects are refused, never allocated."""
     out = {}
-    saved = collectives._MIN_PIECE
-    collectives._MIN_PIECE = 1000
-    real_received = collectives._Stage.received
+    saved = collectives.MIN_PIECE_ELEMS
+    collectives.MIN_PIECE_ELEMS = 1000
     try:
-        # (1) Piece 1 of 4 of a reduce-scatter arrives corrupted on rank 1: every rank raises,
-        #     at the same stage, and the group stays in step.
-        stages = [0]
+        # (1) Piece 1 of 4 of a reduce-scatter arrives corrupted on rank 1 (rank 0 flips a
+        #     byte of the second frame it encodes): every rank raises, at the same stage,
+        #     and the group stays in step.
+        honest, flipper = cc.Codec(), cc.Codec()
+        encoded = [0]
 
-        def bad_received(self):
-            phase1, phase2 = real_received(self)
-            stages[0] += 1
-            if stages[0] == 2 and phase1[0].numel():
-                phase1[0] = _flip_payload_byte(phase1[0])
-            return phase1, phase2
+        def flip_second(tensor, kind="gradient"):
+            encoded[0] += 1
+            frame = honest.encode(tensor, kind)
+            return _flip_payload_byte(frame) if encoded[0] == 2 else frame
 
-        if rank == 1:
-            collectives._Stage.received = bad_received
+        flipper.encode = flip_second
         inputs = [_float_input(rank, 5003, torch.bfloat16, salt=j) for j in range(world)]
-        out["piece"] = _catch(lambda: collectives.reduce_scatter(torch.empty(5003, dtype=torch.bfloat16), inputs))
-        collectives._Stage.received = real_received
+        out["piece"] = _catch(lambda: collectives.reduce_scatter(torch.empty(5003, dtype=torch.bfloat16), inputs,
+                                                                 flipper if rank == 0 else honest))
 
         # (2) Rank 0 sends a frame of 16 Mi zeros (a few hundred bytes) where 1000 elements
         #     are expected: decoding it would allocate 32 MB; the header check refuses it.
@@ -334,8 +332,7 @@ def _w_peer_frames(rank, world):
         out["zeros"] = _catch(lambda: collectives.all_gather(outputs, x, liar if rank == 0 else codec))
         out["zeros_frame"] = codec.encode(torch.zeros(1 << 24, dtype=torch.bfloat16), "activation").numel()
     finally:
-        collectives._Stage.received = real_received
-        collectives._MIN_PIECE = saved
+        collectives.MIN_PIECE_ELEMS = saved
     # (3) recv: a size announcement larger than any frame of the receiver's tensor.
     if rank == 0:
         dist.send(torch.tensor([1 << 39], dtype=torch.int64), 1)
@@ -513,21 +510,12 @@ def _w_errors(rank, world):
     n = 30000
     codec = cc.Codec()
 
-    # (1) Phase 1: rank 1 receives a corrupted shard from rank 0.
-    real_received = collectives._Stage.received
-
-    def bad_received(self):
-        phase1, phase2 = real_received(self)
-        if phase1[0].numel():
-            phase1[0] = _flip_payload_byte(phase1[0])
-        return phase1, phase2
-
-    if rank == 1:
-        collectives._Stage.received = bad_received
-    try:
-        out["phase1"] = _catch(lambda: collectives.all_reduce(_float_input(rank, n, torch.bfloat16), codec))
-    finally:
-        collectives._Stage.received = real_received
+    # (1) Phase 1: rank 0's shards for its peers are corrupted after encoding.
+    flipper = cc.Codec()
+    flipper.encode = lambda tensor, kind="gradient": (_flip_payload_byte(codec.encode(tensor, kind))
+                                                      if kind == "gradient" else codec.encode(tensor, kind))
+    out["phase1"] = _catch(lambda: collectives.all_reduce(_float_input(rank, n, torch.bfloat16),
+                                                          flipper if rank == 0 else codec))
 
     # (2) Phase 2: rank 0's reduced shard is corrupted after encoding.
     bad = cc.Codec()
@@ -578,13 +566,19 @@ def test_corrupt_frames_raise_collective_error_on_every_rank(world):
         assert len({r[key] for r in results}) == 1, f"{key}: ranks report different errors"
 
 
-def test_warm_kernels_loads_the_coded_dtype_once():
-    """Owners warm the dtype that is coded (the cast's, if any) before timing a coded call."""
-    from comm_codec.core import precompile as warmup
-    from comm_codec.core.streams import spec_for
+def test_engine_precompiles_the_coded_dtype_before_a_coded_call():
+    """Owners load the kernels of the dtype that is coded (the cast's, if any) before timing a call."""
+    from comm_codec.comm.engine import CodingEngine
 
-    codec = cc.Codec(threads=1)
-    collectives.warm_kernels(codec, torch.zeros(8, dtype=torch.float32), cast=torch.bfloat16)
-    assert any(key[0] == spec_for(torch.bfloat16).bits_dtype for key in warmup._warm)
-    collectives.warm_kernels(codec, torch.zeros(8, dtype=torch.float32))
-    assert any(key[0] == spec_for(torch.float32).bits_dtype for key in warmup._warm)
+    asked = []
+
+    class Recording(cc.Codec):
+        def precompile(self, dtypes=None):
+            asked.append(list(dtypes))
+            return {}
+
+    engine = CodingEngine(cast="bf16")
+    engine.codec = Recording(threads=1)
+    engine.precompile_for(torch.zeros(8, dtype=torch.float32))
+    engine.precompile_for(torch.zeros(8, dtype=torch.float16))
+    assert asked == [[torch.bfloat16], [torch.float16]]

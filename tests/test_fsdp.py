@@ -27,7 +27,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 import comm_codec as cc
 import comm_codec.fsdp as ccf
 import dist_utils
-from comm_codec import collectives
+from comm_codec.comm import collectives
 
 STEPS = 5
 WARMUP = 2
@@ -167,13 +167,13 @@ class _RankOrderReduceScatter(ReduceScatter):
 
 
 def _w_lossless(rank, world, config, min_piece=None):
-    saved = collectives._MIN_PIECE
+    saved = collectives.MIN_PIECE_ELEMS
     if min_piece is not None:  # cut these small shards into several pipelined pieces
-        collectives._MIN_PIECE = min_piece
+        collectives.MIN_PIECE_ELEMS = min_piece
     try:
         return _lossless(rank, world, config)
     finally:
-        collectives._MIN_PIECE = saved
+        collectives.MIN_PIECE_ELEMS = saved
 
 
 def _lossless(rank, world, config):
@@ -236,7 +236,7 @@ def _w_async_unshard(rank, world):
     sync_bits = _local_bits(sync)
     # A direct call: a real Work whose wait() finishes the decode.
     state = ccf.FSDPState(mode="always", min_bytes=0)
-    state._install([])
+    state.install([])
     gather = ccf.HuffmanAllGather(state, "direct")
     n = 5000
     shard = (torch.randn(n, generator=torch.Generator().manual_seed(rank)) * 0.02).bfloat16()
@@ -254,25 +254,24 @@ def _w_async_unshard(rank, world):
             "same": all(torch.equal(bits[n], sync_bits[n]) for n in bits) and losses == sync_losses,
             "handles": sum(h is not None for h in works), "is_work": is_work,
             "direct": torch.equal(out.view(torch.int16), expect.view(torch.int16)),
-            "calls": state.gather_stats.calls}
+            "calls": state.stats()["all_gather"]["calls"]}
 
 
 def _w_corrupt_frame(rank, world, collective):
     """Rank 1 receives a frame with a flipped byte: every rank raises CollectiveError, none hangs."""
     state = ccf.FSDPState(mode="always", min_bytes=0)
-    state._install([])
+    state.install([])
     n = 3000
     data = (torch.randn(world * n, generator=torch.Generator().manual_seed(rank)) * 0.02).bfloat16()
-    real = collectives._Stage.received
+    if rank == 0:  # every frame rank 0 sends has a flipped byte
+        encode = state.codec.encode
 
-    def corrupted(self):
-        phase1, phase2 = real(self)
-        for f in phase1 + phase2:
-            if f.numel() and rank == 1:
-                f[f.numel() // 2] ^= 0x5A
-        return phase1, phase2
+        def corrupted(tensor, kind="gradient"):
+            frame = encode(tensor, kind).clone()
+            frame[frame.numel() // 2] ^= 0x5A
+            return frame
 
-    collectives._Stage.received = corrupted
+        state.codec.encode = corrupted
     try:
         if collective == "all_gather":
             work = ccf.HuffmanAllGather(state, "layer")(data, data[rank * n:(rank + 1) * n].clone(), dist.group.WORLD)
@@ -282,8 +281,6 @@ def _w_corrupt_frame(rank, world, collective):
                                                      dist.ReduceOp.AVG)
     except collectives.CollectiveError as exc:
         return str(exc)
-    finally:
-        collectives._Stage.received = real
     return "no error"
 
 
@@ -301,7 +298,7 @@ def _w_frozen_mixed(rank, world):
     plain = _shard(plain)
     plain_losses = _train(plain, rank, steps=3)
     return {"same_full": _same_everywhere(_full_digest(net)), "losses": losses, "plain": plain_losses,
-            "raw_gathers": state.gather_stats.raw_calls, "coded": state.reduce_stats.calls}
+            "raw_gathers": state.stats()["all_gather"]["raw_calls"], "coded": state.stats()["reduce_scatter"]["calls"]}
 
 
 def _errors_of(fn) -> str:

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from ..core.codec import Codec
 from ..core.errors import CollectiveError
 from ..core.frame import FrameError, header_size
+from .agreement import gather_texts
 from .stats import CommStats
 from ..core.streams import spec_for
 
@@ -78,6 +79,8 @@ _ACC_DTYPE = {torch.float32: torch.float32, torch.bfloat16: torch.float32, torch
 # the overlap gains). Read at every call: a caller (or a test) may tune them.
 MAX_PIECES = 4
 MIN_PIECE_ELEMS = 1 << 18
+# The most bytes of one rank's error message that travel to its peers.
+_MAX_ERROR_BYTES = 4096
 # Bytes of one rank's size message to one peer in an all_reduce stage: three int64
 # (phase-1 frame, phase-2 frame, error flag).
 _STAGE_HEADER = 24
@@ -121,10 +124,10 @@ def _shard_bounds(n: int, world: int) -> list[tuple[int, int]]:
     return [(r * n // world, (r + 1) * n // world) for r in range(world)]
 
 
-def _raise_gathered(error: str | None, group) -> None:
+def _raise_gathered(error: str | None, group, device=None) -> None:
     """Gather every rank's error message and raise them as one CollectiveError (collective)."""
-    messages = [None] * dist.get_world_size(group)
-    dist.all_gather_object(messages, error, group=group)
+    text = (error or "").encode("utf-8", "replace")[:_MAX_ERROR_BYTES].decode("utf-8", "ignore")
+    messages = gather_texts(text, group, device, limit=_MAX_ERROR_BYTES)
     failed = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m)
     raise CollectiveError(f"compressed collective failed: {failed}")
 
@@ -137,7 +140,7 @@ def _agree_on_errors(error: str | None, group, device=None) -> None:
     flag = torch.tensor([1 if error else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if flag.item():
-        _raise_gathered(error, group)
+        _raise_gathered(error, group, device)
 
 
 def _check_tensor(tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
@@ -299,7 +302,7 @@ class _Stage:
         dist.all_to_all_single(sizes, header.to(device), group=group)
         sizes = sizes.cpu()
         if int(sizes[:, 2].max()):
-            _raise_gathered(error, group)
+            _raise_gathered(error, group, device)
         self.sizes = sizes
         send_splits = [0 if d == rank else int(header[d, 0] + header[d, 1]) for d in range(world)]
         self.splits = [0 if r == rank else int(sizes[r, 0] + sizes[r, 1]) for r in range(world)]

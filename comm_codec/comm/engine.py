@@ -185,13 +185,13 @@ class CodingEngine:
             self.codebooks = None
         else:
             self.codebooks = codebooks if codebooks is not None or warmup_steps else CodebookSet.default()
-        self.codec = Codec(self.codebooks, threads=threads) if self.codebooks is not None else None
         self.profiler = WarmupProfiler() if self.warmup_steps else None
         self.step = 0
         self.coding = False
         self.verified = False
         self._stats = {c: CommStats() for c in self.collectives}
         self._init_run()
+        self.codec = Codec(self.codebooks, threads=self.codec_threads()) if self.codebooks is not None else None
         log.info("%s: mode=%s, warmup_steps=%d, cast=%s, books=%s", name, mode, self.warmup_steps, cast,
                  "online" if self.codebooks is None else self.codebooks.digest[:12])
 
@@ -201,7 +201,8 @@ class CodingEngine:
         self._executor = None
         self._pid = None
         self._checked = False
-        self._node_threads = None
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 0) or 0)  # torchrun's; else counted at the first step
+        self._node_threads = default_threads(local) if local > 0 else None
         self._drift_sample = None
         self._drift_pending = False
         self._has_book = {}
@@ -427,7 +428,6 @@ class CodingEngine:
         self.refresh.until = None  # a resumed run measures anew
         books = state["codebooks"]
         self.codebooks = CodebookSet.from_dict(books, f"<pickled {self.name}>") if books is not None else None
-        self.codec = Codec(self.codebooks, threads=self.threads) if self.codebooks is not None else None
         self.profiler = state["profiler"]
         self.verified = False
         self._stats = {}
@@ -435,6 +435,7 @@ class CodingEngine:
             self._stats[name] = CommStats()
             self._stats[name].__setstate__(counters)
         self._init_run()
+        self.codec = Codec(self.codebooks, threads=self.codec_threads()) if self.codebooks is not None else None
 
     # -- internal -----------------------------------------------------------------------------
     def _shared_settings(self) -> dict:
