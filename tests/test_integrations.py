@@ -176,3 +176,45 @@ def test_lightning_callback_on_cpu():
     for r in results:
         assert r["unused_calls"] == 0, "Lightning registered the hook on CPU: update the README's note"
         assert r["logged"] > 1.0
+
+
+# One keyword set for every adapter: the same settings attach DDP and FSDP2 alike.
+SHARED_SETTINGS = {"warmup_steps": 1, "mode": "always", "min_bytes": 0, "threads": 1, "log_every": 0,
+                   "drift_every": 1, "refresh_steps": 1, "recheck_every": 10, "probe_steps": 2, "hysteresis": 0.1}
+
+
+def _w_attach_same_settings(rank, world):
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from comm_codec.integrations import attach
+
+    results = {}
+    for name in ("ddp", "fsdp2"):
+        model = _mlp()
+        if name == "ddp":
+            model = DDP(model)
+        else:
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer)
+            fully_shard(model)
+        state = attach(model, **SHARED_SETTINGS)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(3):
+            x, y = _batch(rank, step)
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        s = state.stats()
+        results[name] = {"type": type(state).__name__, "calls": s["calls"], "steps": s["steps"],
+                         "min_bytes": state.min_bytes, "warmup": state.warmup_steps}
+    return results
+
+
+def test_attach_takes_one_keyword_set_for_ddp_and_fsdp2():
+    for r in dist_utils.run(_w_attach_same_settings, 2, timeout=120):
+        assert r["ddp"]["type"] == "HuffmanState" and r["fsdp2"]["type"] == "FSDPState"
+        for name in ("ddp", "fsdp2"):
+            assert r[name]["min_bytes"] == 0 and r[name]["warmup"] == 1
+            assert r[name]["steps"] == 3 and r[name]["calls"] > 0, (name, r[name])
