@@ -60,7 +60,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -75,6 +74,8 @@ try:
     import comm_codec  # noqa: F401
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from comm_codec.tools.procs import free_port  # noqa: E402
 
 log = logging.getLogger("bench_link_sweep")
 
@@ -469,19 +470,13 @@ def _loadavg() -> str:
         return " ".join(fh.read().split()[:3])
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_pair(args, model: str, world: int) -> dict:
     import torch.multiprocessing as mp
 
     args.model_name = model
     with tempfile.TemporaryDirectory(prefix="cc-sweep-") as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.start_processes(_rank_main, args=(world, _free_port(), args, out), nprocs=world, join=True,
+        mp.start_processes(_rank_main, args=(world, free_port(), args, out), nprocs=world, join=True,
                            start_method="spawn")
         with open(out) as fh:
             return json.load(fh)
