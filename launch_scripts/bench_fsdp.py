@@ -22,7 +22,7 @@ with ``mode="auto"`` (the default; the same books) until its first decision and 
 what it decided and why.
 
 With ``--rate`` (default 1gbit) the ranks run inside a network namespace whose loopback
-is shaped with tbf (design.md's recipe; needs root and iproute2), named ``ccfsdp`` (or
+is shaped with tbf (``launch_scripts/netns.sh``'s recipe; needs root and iproute2), named ``ccfsdp`` (or
 $CCFSDP_NS), deleted afterwards whatever happens; ``--no-netns`` uses plain loopback.
 
 Usage::

@@ -31,8 +31,8 @@ with ``transformers``), fine-tuned as a sentence encoder (mean pooling, in-batch
 contrastive loss of two halves of a window of stdlib source tokens). Its word-embedding
 gradients are mostly exact zeros (rows of tokens absent from the batch).
 
-Cost on a 2-core machine: a MiniLM step is ~0.6 s unshaped, ~2 s at 0.5 Gbit/s; one
-(model, ranks) pair over three links takes ~5-8 minutes. Run subsets, one per bench-lock
+A run is long (a MiniLM step on CPU ranks takes seconds on a slow link, and one
+(model, ranks) pair over three links takes minutes). Run subsets, one per bench-lock
 slot, each with ``--json``, then merge them::
 
     flock /tmp/cc-bench.lock python launch_scripts/bench_link_sweep.py --links 1,10 --ranks 2 \\
