@@ -379,11 +379,24 @@ class _TimedWork:
         return getattr(self._work, name)
 
 
+def _coded_modules(pkg: str):
+    """The module whose all_reduce the DDP hook calls, and the Codec class, of a source tree.
+
+    The package is layered (``comm/collectives.py``, ``core/codec.py``); a ``--baseline``
+    tree may have the flat layout (``collectives.py``, ``codec.py``).
+    """
+    for collectives, codec in ((".comm.collectives", ".core.codec"), (".collectives", ".codec")):
+        try:
+            return importlib.import_module(pkg + collectives), importlib.import_module(pkg + codec).Codec
+        except ModuleNotFoundError as exc:
+            if not (exc.name or "").startswith(pkg):
+                raise
+    raise SystemExit(f"bench_link_sweep.py: {pkg} has neither comm/collectives.py nor collectives.py")
+
+
 def _profile_step(cfg: _Config) -> list[dict]:
     """Run one step with the package's codec and collectives instrumented; return per-bucket rows."""
-    pkg = "cc_baseline" if cfg.name == "base" else "comm_codec"
-    coll = importlib.import_module(pkg + ".collectives")
-    codec_cls = importlib.import_module(pkg + ".codec").Codec
+    coll, codec_cls = _coded_modules("cc_baseline" if cfg.name == "base" else "comm_codec")
     rec = _Recorder()
     saved = {"encode": codec_cls.encode, "decode": codec_cls.decode, "dist": coll.dist,
              "all_reduce": coll.all_reduce}
