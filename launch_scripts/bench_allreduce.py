@@ -57,7 +57,6 @@ import argparse
 import json
 import logging
 import os
-import socket
 import statistics
 import sys
 import time
@@ -73,6 +72,7 @@ except ImportError:  # running from a checkout without an install
 from comm_codec import CodebookSet, Codec, collectives
 from comm_codec.books.profiler import WarmupProfiler
 from comm_codec.comm.stats import CommStats
+from comm_codec.tools.procs import free_port
 from comm_codec.tools.tinylm import TinyLM, batches, load_corpus
 
 log = logging.getLogger("bench_allreduce")
@@ -395,12 +395,6 @@ def _worker(rank, world, port, args):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(args) -> int:
     import torch.multiprocessing as mp
 
@@ -420,7 +414,7 @@ def run(args) -> int:
     _print_run_header(args)
     t0 = time.perf_counter()
     try:
-        mp.spawn(_worker, args=(args.world_size, args.port or _free_port(), args), nprocs=args.world_size)
+        mp.spawn(_worker, args=(args.world_size, args.port or free_port(), args), nprocs=args.world_size)
     except mp.ProcessRaisedException as exc:
         lines = [line for line in exc.msg.strip().splitlines() if line.strip()]
         print(f"bench_allreduce.py: rank {exc.error_index} failed: {lines[-1] if lines else '?'}\n{exc.msg}",

@@ -3,13 +3,13 @@
 # buckets, 2 and 4 gloo ranks, on loopback shaped to 1 and 10 Gbit/s inside a network
 # namespace, then on plain loopback. Needs root (ip netns, tc) and iproute2.
 #
-#   bash launch_scripts/bench_allreduce.sh            # ~2 min on 2 cores (+1.5 min building data)
-#   bash launch_scripts/bench_allreduce.sh --quick    # 3 repetitions, no DDP step timing: ~1.5 min
+#   bash launch_scripts/bench_allreduce.sh            # a few minutes (building the data first)
+#   bash launch_scripts/bench_allreduce.sh --quick    # 3 repetitions, no DDP step timing
 #   options: --out DIR (default /tmp/comm_codec_bench), --fresh (rebuild the gradient
 #            buckets and books), --no-netns (plain loopback only, no root needed)
 #
 # Besides the all-reduce of one 25 MB bucket, the full run times whole DDP training steps
-# at 1 Gbit/s (2 ranks only: 4 ranks on 2 cores would time the CPU, not the link). The namespace
+# at 1 Gbit/s (2 ranks only: more ranks than cores would time the CPU, not the link). The namespace
 # (default name ccbw, or $CCBW_NS) holds only 127.0.0.1; the loopback's rate is shared by
 # all ranks. It is deleted on exit, whatever happens.
 set -euo pipefail

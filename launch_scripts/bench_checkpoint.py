@@ -10,7 +10,7 @@ One run prints (and with ``--json PATH`` writes) four tables:
    standalone vs against the previous checkpoint, from the compressed files' indexes.
 3. **Peak memory**: peak RSS (VmHWM) of a subprocess compressing and decompressing a
    multi-GB checkpoint on disk, beside the file size and its RSS after the imports.
-4. **Targets**: PASS/MISS per target of the issue, from the numbers above.
+4. **Targets**: PASS/MISS per target (ratio and speed against zipnn, memory), from the numbers above.
 
 How things are measured (also printed):
 
@@ -21,7 +21,7 @@ How things are measured (also printed):
     the whole file, CRCs, temp file, fsync, rename) on tmpfs (``/dev/shm``), so disk
     speed does not count. The targets are judged on this row against ``zipnn f2f``; the
     two are timed alternately (ours 1T, ours 2T, zipnn 1T, zipnn 2T, then again), best of
-    ``--repeat``, so a load change on this shared machine hits both alike.
+    ``--repeat``, so a load change on a shared machine hits both alike.
   - the comparators (zstd, bz2, lzma, zipnn) run in memory on the file's bytes (their
     best case);
   - ``zipnn f2f``: zipnn under the same file I/O as comm_codec's file row: read the file,
@@ -497,7 +497,7 @@ def _row(results, dataset, codec_prefix, suffix=""):
 
 
 def _targets(results: list, kinds: dict, rss: dict | None, xor: dict) -> list:
-    """Issue #16's targets, judged on the rows above (comparators from the same run)."""
+    """The targets, judged on the rows above (comparators from the same run)."""
     lines = []
 
     def add(what, value, need, ok):

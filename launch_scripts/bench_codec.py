@@ -3,7 +3,7 @@
 A thin wrapper around :func:`comm_codec.tools.bench.run` (the same as ``comm-codec bench``);
 see that module for what is measured and how.
 
-Usage (from the repository root; ~4 minutes on 2 cores, --quick under 1 minute)::
+Usage (from the repository root; a few minutes, --quick under one)::
 
     python launch_scripts/bench_codec.py [--quick] [--json bench.json]
 """

@@ -22,7 +22,7 @@ with ``mode="auto"`` (the default; the same books) until its first decision and 
 what it decided and why.
 
 With ``--rate`` (default 1gbit) the ranks run inside a network namespace whose loopback
-is shaped with tbf (design.md's recipe; needs root and iproute2), named ``ccfsdp`` (or
+is shaped with tbf (``launch_scripts/netns.sh``'s recipe; needs root and iproute2), named ``ccfsdp`` (or
 $CCFSDP_NS), deleted afterwards whatever happens; ``--no-netns`` uses plain loopback.
 
 Usage::
@@ -42,7 +42,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,6 +56,8 @@ try:
     import comm_codec  # noqa: F401
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from comm_codec.tools.procs import free_port  # noqa: E402
 
 log = logging.getLogger("bench_fsdp")
 
@@ -325,9 +326,7 @@ def main(argv=None) -> int:
         return _run_in_netns(args, argv)
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS"):
         os.environ.setdefault(var, "1")
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,6 +1,6 @@
 """GPU codec benchmark: correctness and encode/decode GB/s against copy and cast bandwidth.
 
-One prepared script for a machine with a CUDA GPU (issue #8). For each size (default
+One prepared script for a machine with a CUDA GPU. For each size (default
 64, 256 and 1024 MiB of bf16 gradient-like data, built on the GPU: per-"layer" scales
 spread over 2**-20..2**-6 and 5 % of rows exactly zero, like an embedding's gradient):
 

@@ -31,8 +31,8 @@ with ``transformers``), fine-tuned as a sentence encoder (mean pooling, in-batch
 contrastive loss of two halves of a window of stdlib source tokens). Its word-embedding
 gradients are mostly exact zeros (rows of tokens absent from the batch).
 
-Cost on a 2-core machine: a MiniLM step is ~0.6 s unshaped, ~2 s at 0.5 Gbit/s; one
-(model, ranks) pair over three links takes ~5-8 minutes. Run subsets, one per bench-lock
+A run is long (a MiniLM step on CPU ranks takes seconds on a slow link, and one
+(model, ranks) pair over three links takes minutes). Run subsets, one per bench-lock
 slot, each with ``--json``, then merge them::
 
     flock /tmp/cc-bench.lock python launch_scripts/bench_link_sweep.py --links 1,10 --ranks 2 \\
@@ -60,7 +60,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -75,6 +74,8 @@ try:
     import comm_codec  # noqa: F401
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from comm_codec.tools.procs import free_port  # noqa: E402
 
 log = logging.getLogger("bench_link_sweep")
 
@@ -378,11 +379,24 @@ class _TimedWork:
         return getattr(self._work, name)
 
 
+def _coded_modules(pkg: str):
+    """The module whose all_reduce the DDP hook calls, and the Codec class, of a source tree.
+
+    The package is layered (``comm/collectives.py``, ``core/codec.py``); a ``--baseline``
+    tree may have the flat layout (``collectives.py``, ``codec.py``).
+    """
+    for collectives, codec in ((".comm.collectives", ".core.codec"), (".collectives", ".codec")):
+        try:
+            return importlib.import_module(pkg + collectives), importlib.import_module(pkg + codec).Codec
+        except ModuleNotFoundError as exc:
+            if not (exc.name or "").startswith(pkg):
+                raise
+    raise SystemExit(f"bench_link_sweep.py: {pkg} has neither comm/collectives.py nor collectives.py")
+
+
 def _profile_step(cfg: _Config) -> list[dict]:
     """Run one step with the package's codec and collectives instrumented; return per-bucket rows."""
-    pkg = "cc_baseline" if cfg.name == "base" else "comm_codec"
-    coll = importlib.import_module(pkg + ".collectives")
-    codec_cls = importlib.import_module(pkg + ".codec").Codec
+    coll, codec_cls = _coded_modules("cc_baseline" if cfg.name == "base" else "comm_codec")
     rec = _Recorder()
     saved = {"encode": codec_cls.encode, "decode": codec_cls.decode, "dist": coll.dist,
              "all_reduce": coll.all_reduce}
@@ -469,19 +483,13 @@ def _loadavg() -> str:
         return " ".join(fh.read().split()[:3])
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_pair(args, model: str, world: int) -> dict:
     import torch.multiprocessing as mp
 
     args.model_name = model
     with tempfile.TemporaryDirectory(prefix="cc-sweep-") as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.start_processes(_rank_main, args=(world, _free_port(), args, out), nprocs=world, join=True,
+        mp.start_processes(_rank_main, args=(world, free_port(), args, out), nprocs=world, join=True,
                            start_method="spawn")
         with open(out) as fh:
             return json.load(fh)

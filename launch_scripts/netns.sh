@@ -1,5 +1,5 @@
 # Sourced by the bandwidth benchmarks: a network namespace whose loopback is shaped with
-# tbf (design.md's recipe). Only 127.0.0.1 lives in it, and it is deleted on exit,
+# tbf. Only 127.0.0.1 lives in it, and it is deleted on exit,
 # whatever happens. Set NS (default: $CCBW_NS or ccbw) before sourcing.
 #
 #   source launch_scripts/netns.sh

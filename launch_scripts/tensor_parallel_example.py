@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 import torch
@@ -31,6 +30,7 @@ except ImportError:
 from comm_codec import Codec, CodebookSet
 from comm_codec.collectives import row_parallel_all_reduce
 from comm_codec.comm.stats import CommStats
+from comm_codec.tools.procs import free_port
 
 D_MODEL, D_HIDDEN, TOKENS = 256, 1024, 512
 
@@ -83,9 +83,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(worker, args=(args.world_size, port, args.steps), nprocs=args.world_size)
     return 0
 

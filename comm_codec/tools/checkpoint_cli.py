@@ -2,9 +2,11 @@
 
 Registered by :mod:`comm_codec.tools.cli`, which turns the errors a user can cause (missing or
 unreadable files, corrupt input, a wrong base, a full disk) into one line on stderr and
-exit status 2. The work is done by :mod:`.exact` (exact, the default) and, with
-``compress --lossy {excp,precision}``, by :mod:`.lossy`; ``decompress``,
-``verify`` and ``ls`` recognize a lossy file by its magic and hand it to the latter.
+exit status 2. The work is done by :mod:`comm_codec.checkpoint.exact` (exact, the default)
+and, with ``compress --lossy {excp,precision}``, by :mod:`comm_codec.checkpoint.lossy`;
+``decompress``, ``verify`` and ``ls`` recognize a lossy file by its magic and hand it to
+the latter. The parsers import nothing of the checkpoint package: each command imports
+it when it runs, so that ``comm-codec --help`` does not load torch and numba.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def _threads(text: str) -> int:
 
 
 def _is_lossy(path) -> bool:
-    from . import lossy
+    from ..checkpoint import lossy
 
     try:
         return lossy.is_lossy(path)
@@ -62,7 +64,7 @@ def _is_lossy(path) -> bool:
 
 
 def _cmd_compress(args) -> int:
-    from . import exact as checkpoint, lossy
+    from ..checkpoint import exact as checkpoint, lossy
 
     if args.lossy is None:
         used = [f"--{n.replace('_', '-')}" for n in ("bits", "alpha", "beta", "keep_bits")
@@ -97,7 +99,7 @@ def _cmd_compress(args) -> int:
 
 
 def _cmd_decompress(args) -> int:
-    from . import exact as checkpoint, lossy
+    from ..checkpoint import exact as checkpoint, lossy
 
     _refuse_existing(args.dst, args.force)
     threads = _used_threads(args)
@@ -110,7 +112,7 @@ def _cmd_decompress(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    from . import exact as checkpoint, lossy
+    from ..checkpoint import exact as checkpoint, lossy
 
     if _is_lossy(args.file):
         print(lossy.verify_file(args.file, base=args.base, threads=_used_threads(args)).line())
@@ -124,7 +126,7 @@ def _cmd_verify(args) -> int:
 
 
 def _cmd_ls(args) -> int:
-    from . import exact as checkpoint, lossy
+    from ..checkpoint import exact as checkpoint, lossy
 
     print(lossy.describe(args.file) if _is_lossy(args.file) else checkpoint.describe(args.file))
     return 0
