@@ -1,7 +1,7 @@
 """Plain-Python reference implementations the tests hold the codec core against.
 
 Written from the documented format (module docstrings of ``comm_codec.core.streams``,
-``comm_codec.core.huffman``, ``comm_codec.core.frame`` and ``comm_codec.kernels.cpu``), not from
+``comm_codec.core.huffman``, ``comm_codec.core.frame`` and ``comm_codec.kernels``), not from
 the code: slow, obvious, on Python ints and lists of bits. Nothing here imports the
 package except :func:`frame_books`, which only reads code lengths out of a book.
 
@@ -246,7 +246,7 @@ MAGIC = b"CCFR"
 HEADER = struct.Struct("<4sBBBBQII")  # magic, version, dtype, nstreams, flags, numel, chunk_elems, nchunks
 CHUNK_MASK, CHUNK_ZERO, CHUNK_RAW0 = 0x01, 0x02, 0x10
 LANES = 4
-# The payload checksum constants are not in the format docs; taken from kernels/cpu.py.
+# The payload checksum constants are not in the format docs; taken from kernels/layout.py.
 _HASH_SEED = 0xCBF29CE484222325
 _HASH_MUL = 0x9E3779B97F4A7C15
 _M64 = (1 << 64) - 1

@@ -66,12 +66,12 @@ def make_codec(chunk_elems: int = CHUNK, checksum: bool = True) -> cc.Codec:
 
 
 def gpu_encode(codec: cc.Codec, x: torch.Tensor, kind: str = "gradient") -> torch.Tensor:
-    return codec._encode_cuda(x.to(DEV), kind).cpu()
+    return codec.encode_cuda(x.to(DEV), kind).cpu()
 
 
 def gpu_decode(codec: cc.Codec, frame, out=None) -> torch.Tensor:
     frame = torch.as_tensor(np.frombuffer(bytes(frame), dtype=np.uint8).copy()) if isinstance(frame, bytes) else frame
-    return codec._decode_cuda(frame.to(DEV), out=out).cpu()
+    return codec.decode_cuda(frame.to(DEV), out=out).cpu()
 
 
 def mixed_tensor(dtype, seed: int) -> torch.Tensor:
@@ -190,13 +190,14 @@ def test_other_kinds_and_a_2d_non_contiguous_tensor(kind):
 @pytest.mark.parametrize("n", [0, 7, 511, 512, 513, 1500, 3 * 512])
 def test_device_header_crc_equals_zlib(n):
     # The header CRC is joined from 512-byte segment CRCs on the device.
-    from comm_codec.core import gpu as _cuda
+    from comm_codec.core import gpu
+    from comm_codec.core.tables import encode_tables
 
     data = np.random.default_rng(n).integers(0, 256, n + 4, dtype=np.uint8)
     buf = torch.from_numpy(data).to(DEV)
-    launch = _cuda._Launch(DEV)
-    _cuda._header_crc(launch, buf, n, _cuda.DeviceTables(launch, make_codec()._encode_tables("gradient",
-                                                                                         spec_for("bf16"))))
+    launch = gpu.Launch(DEV)
+    tables = encode_tables(make_codec().codebooks, "gradient", spec_for("bf16"))
+    gpu.header_crc(launch, buf, n, gpu.DeviceTables(launch, tables))
     assert int.from_bytes(buf[n:].cpu().numpy().tobytes(), "little") == zlib.crc32(data[:n].tobytes())
 
 
@@ -236,16 +237,16 @@ def test_decode_into_out_and_from_a_misaligned_slice():
     x = mixed_tensor(torch.bfloat16, seed=3)
     f = codec.encode(x)
     out = torch.full((x.numel(),), float("nan"), dtype=torch.bfloat16, device=DEV)
-    res = codec._decode_cuda(f.to(DEV), out=out)
+    res = codec.decode_cuda(f.to(DEV), out=out)
     assert res is out
     bits_equal(out.cpu(), x)
     big = torch.zeros(f.numel() + 3, dtype=torch.uint8)
     big[3:] = f
     bits_equal(gpu_decode(codec, big[3:]), x)  # not 8-byte aligned: copied first
     with pytest.raises(ValueError, match="out has 10 elements"):
-        codec._decode_cuda(f.to(DEV), out=torch.empty(10, dtype=torch.bfloat16, device=DEV))
+        codec.decode_cuda(f.to(DEV), out=torch.empty(10, dtype=torch.bfloat16, device=DEV))
     with pytest.raises(TypeError, match="out has dtype torch.float16"):
-        codec._decode_cuda(f.to(DEV), out=torch.empty(x.numel(), dtype=torch.float16, device=DEV))
+        codec.decode_cuda(f.to(DEV), out=torch.empty(x.numel(), dtype=torch.float16, device=DEV))
 
 
 def test_max_output_bytes_and_unknown_books():
@@ -253,12 +254,12 @@ def test_max_output_bytes_and_unknown_books():
     x = torch.zeros(4 * CHUNK, dtype=torch.bfloat16)
     f = codec.encode(x)
     with pytest.raises(cc.FrameError, match="more than max_output_bytes=100"):
-        codec._decode_cuda(f.to(DEV), max_output_bytes=100)
+        codec.decode_cuda(f.to(DEV), max_output_bytes=100)
     y = (torch.randn(300) * 1e-2).to(torch.bfloat16)
     f = codec.encode(y)
     other = cc.Codec(cc.CodebookSet({}), chunk_elems=CHUNK)  # holds no book
     with pytest.raises(cc.FrameError, match="which this codec's codebook set does not hold"):
-        other._decode_cuda(f.to(DEV))
+        other.decode_cuda(f.to(DEV))
 
 
 # -- bad input ---------------------------------------------------------------------------------------
@@ -328,17 +329,18 @@ def test_kernel_bounds_hold_without_the_host_checks():
     # frame, and sizes that disagree with the lane headers. It reports, never reads out
     # of bounds (the simulator would raise).
     from comm_codec.core import gpu as _cuda
-    from comm_codec.kernels import cpu as _cpu
+    from comm_codec.core.tables import decode_tables
+    from comm_codec.kernels.layout import STATUS_MESSAGES, STATUS_SIZE
 
     codec = make_codec(checksum=False)
     x = mixed_tensor(torch.bfloat16, seed=6)
     frame = codec.encode(x).to(DEV)
     params = _frame.get_frame_parameters(frame.cpu())
-    dev_tables = codec._device_tables(codec._decode_tables(params.book_ids), frame.device)
+    dev_tables = _cuda.DeviceTables(_cuda.Launch(frame.device), decode_tables(codec.codebooks, params.book_ids))
     out = torch.empty(params.numel, dtype=torch.bfloat16, device=DEV)
     far = dataclasses.replace(params, offsets=params.offsets + frame.numel())
     status = _cuda.decode_frame(frame, far, dev_tables, out)
-    assert (status == 5).all() and _cpu.STATUS_MESSAGES[5].startswith("stream size")
+    assert (status == STATUS_SIZE).all() and STATUS_MESSAGES[STATUS_SIZE].startswith("stream size")
     table = params.table.copy()
     table["sizes"][:, 0] = np.where(table["cflags"] & _frame.CHUNK_ZERO, 0, 16)  # lane header only
     status = _cuda.decode_frame(frame, dataclasses.replace(params, table=table), dev_tables, out)
@@ -556,13 +558,14 @@ def test_kernel_bounds_book_indices_without_the_host_checks():
     # chunks report a status, the others decode, and nothing is read out of bounds (the
     # simulator would raise).
     from comm_codec.core import gpu as _cuda
+    from comm_codec.core.tables import decode_tables
 
     codec = _uneven_bf16_codec()
     frame = codec.encode(grouped_tensor(torch.bfloat16, seed=41)).to(DEV)
     params = _frame.get_frame_parameters(frame.cpu())
-    tables = codec._decode_tables(params.book_ids)
+    tables = decode_tables(codec.codebooks, params.book_ids)
     assert tables.dec.shape[1] == 3 and tables.nbooks.tolist() == [3, 1]
-    dev_tables = codec._device_tables(tables, DEV)
+    dev_tables = _cuda.DeviceTables(_cuda.Launch(DEV), tables)
     cflags = params.table["cflags"]
     out = torch.empty(params.numel, dtype=torch.bfloat16, device=DEV)
     for s, k in [(0, 15), (1, 2)]:

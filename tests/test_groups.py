@@ -230,12 +230,12 @@ def test_profiler_argument_errors():
 @given(st.lists(st.lists(st.integers(0, 10**6), min_size=256, max_size=256), min_size=1, max_size=4),
        st.integers(0, 255))
 def test_huffman_costs_match_the_textbook_code(rows, sparse):
-    from comm_codec.kernels import cpu
+    from comm_codec.kernels.histogram import huffman_costs
 
     counts = np.array(rows, dtype=np.int64)
     counts[:, :sparse] = 0  # few symbols, down to one or none
     out = np.zeros(len(counts), dtype=np.int64)
-    cpu.huffman_costs(counts, out)
+    huffman_costs(counts, out)
     for r, c in enumerate(counts):
         present = [int(x) for x in c if x]
         want = 0 if not present else present[0] if len(present) == 1 else sum(
@@ -246,23 +246,25 @@ def test_huffman_costs_match_the_textbook_code(rows, sparse):
 def test_cpu_kernel_checks_book_indices_without_the_host(bf16_case):
     # decode_chunks called with a book index the Python layer never checked (past every
     # table): that chunk reports a status, the others decode (numba does not bound-check).
-    from comm_codec.kernels import cpu
+    from comm_codec.core.tables import decode_tables
+    from comm_codec.kernels.decode import decode_chunks
+    from comm_codec.kernels.layout import STATUS_MESSAGES
 
     x, books, codec = bf16_case
     f = codec.encode(x).numpy()
     p = cc.get_frame_parameters(f)
-    tables = codec._decode_tables(p.book_ids)
+    tables = decode_tables(codec.codebooks, p.book_ids)
     t = p.table
     c = int(np.nonzero((t["cflags"] & (_frame.CHUNK_RAW0 | _frame.CHUNK_ZERO)) == 0)[0][0])
     chosen = t["books"].copy()
     chosen[c] = 15
     out = np.zeros(p.numel, dtype=np.uint16)
     status = np.zeros(p.nchunks, dtype=np.int32)
-    cpu.decode_chunks(f, f.view(np.uint64), p.numel, p.chunk_elems, 0, tables.dec, tables.multi,
+    decode_chunks(f, f.view(np.uint64), p.numel, p.chunk_elems, 0, tables.dec, tables.multi,
                       np.ascontiguousarray(t["cflags"]), np.ascontiguousarray(t["ref"]), chosen,
                       np.ascontiguousarray(t["sizes"]), p.offsets, np.ascontiguousarray(t["checksum"]),
                       False, out, status)
-    assert cpu.STATUS_MESSAGES[int(status[c])].startswith("names a book that its stream's group does not hold")
+    assert STATUS_MESSAGES[int(status[c])].startswith("names a book that its stream's group does not hold")
     assert (np.delete(status, c) == 0).all()
 
 

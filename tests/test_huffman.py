@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import comm_codec as cc
 from comm_codec.core import huffman
-from comm_codec.kernels import cpu as _cpu
+from comm_codec.kernels.histogram import package_merge
 from helpers import bits_equal
 
 import naive
@@ -208,7 +208,7 @@ def test_package_merge_kernel_matches_textbook_package_merge(weights, limit):
     # The kernel keeps only leaf/package flags per level; the reference carries every
     # item's leaves. Small weights force ties, where the tie-breaking must agree too.
     order = sorted(range(len(weights)), key=lambda i: (weights[i], i))
-    by_rank = _cpu.package_merge(np.array([weights[i] for i in order], dtype=np.int64), limit)
+    by_rank = package_merge(np.array([weights[i] for i in order], dtype=np.int64), limit)
     lengths = [0] * len(weights)
     for rank, i in enumerate(order):
         lengths[i] = int(by_rank[rank])

@@ -26,40 +26,36 @@ Example::
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
-import threading
 
 import numba
 import numpy as np
 import torch
 
+from ..kernels.decode import decode_accumulate_chunks, decode_chunks
+from ..kernels.encode import encode_chunks, plan_chunks
+from ..kernels.layout import STATUS_MESSAGES
 from . import frame as _frame
-from . import precompile as _warmup
-from .codebooks import CodebookGroup, CodebookSet, as_codebook_set
+from . import precompile as _precompile
+from .codebooks import CodebookSet, as_codebook_set
 from .frame import FrameError
-from .huffman import Codebook
-from ..kernels import cpu as _cpu
-from ..kernels import empty_output, torch_threads_kept
+from .memory import empty_output, torch_threads_kept
 from .streams import as_bits, spec_for
+from .tables import KernelTables, TablesCache, encode_tables
 
 __all__ = ["Codec", "DEFAULT_CHUNK_ELEMS", "DECODE_CACHE_SIZE"]
 
 log = logging.getLogger(__name__)
 
 # 16 Ki elements. Smaller chunks follow the scale of each layer more closely through
-# their reference exponent: on TinyLM's bf16 gradient buckets the frame ratio was 1.425
+# their reference exponent: on TinyLM's bf16 gradient buckets the frame ratio is 1.425
 # with 64 Ki-element chunks, 1.470 with 32 Ki, 1.497 with 16 Ki, 1.509 with 8 Ki, while
 # the fixed per-chunk cost (table entry, lane lengths, padding: ~40 bytes) stays ~0.2 %.
 # 32 KiB of bf16 per chunk also stays in L1/L2 while its streams are coded.
 DEFAULT_CHUNK_ELEMS = 1 << 14
 
-# Decode tables kept per codec, by the frame's tuple of book ids, least recently used
-# out first. A job's frames name a handful of tuples (one per kind and dtype); frames
-# from an untrusted peer can name any mix of the set's ids, and each tuple's tables take
-# up to 2.5 MiB (per stream 16 books x 4096 entries of 2 + 8 bytes, plain and
-# multi-symbol): unbounded, 3000 crafted 88-byte frames held 864 MB; bounded, at most 80.
+# Decode tables kept per codec, by the frame's tuple of book ids (see TablesCache).
 DECODE_CACHE_SIZE = 32
 
 
@@ -69,7 +65,7 @@ def _raise_on_status(status: np.ndarray, nchunks: int) -> None:
     if bad.size:
         first = int(bad[0])
         raise FrameError(
-            f"chunk {first} of {nchunks} is bad: {_cpu.STATUS_MESSAGES[int(status[first])]}"
+            f"chunk {first} of {nchunks} is bad: {STATUS_MESSAGES[int(status[first])]}"
             + (f" ({bad.size} chunks bad)" if bad.size > 1 else "")
         )
 
@@ -88,47 +84,6 @@ def _check_accumulable(params, acc: torch.Tensor, device: torch.device) -> None:
     if acc.device != device or not acc.is_contiguous():
         where = "CPU" if device.type == "cpu" else str(device)
         raise ValueError(f"acc must be a contiguous {where} tensor (on the frame's device), got one on {acc.device}")
-
-
-class _Tables:
-    """Kernel-ready tables for one tuple of per-stream book groups."""
-
-    __slots__ = ("ids", "nbooks", "enc_code", "enc_len", "dec", "raw", "on_device", "_multi")
-
-    def __init__(self, groups: list[CodebookGroup]):
-        ns = len(groups)
-        kmax = max(len(g) for g in groups)
-        self.ids = np.array([g.id_int for g in groups], dtype=np.uint64)
-        self.nbooks = np.array([len(g) for g in groups], dtype=np.int64)
-        self.enc_code = np.zeros((ns, kmax, 256), dtype=np.uint32)
-        self.enc_len = np.zeros((ns, kmax, 256), dtype=np.uint8)
-        self.dec = np.zeros((ns, kmax, 1 << 12), dtype=np.uint16)
-        self.raw = np.array([g.raw for g in groups], dtype=np.bool_)
-        self.on_device: dict = {}  # torch.device -> gpu.DeviceTables
-        self._multi = None
-        for s, group in enumerate(groups):
-            for k, book in enumerate(group):
-                self.enc_code[s, k], self.enc_len[s, k], self.dec[s, k] = book.tables()
-
-    @property
-    def multi(self) -> np.ndarray:
-        """The multi-symbol decode tables, built on first use (~4096 lookups per book)."""
-        if self._multi is None:
-            multi = np.zeros(self.dec.shape[:2] + (1 << _cpu.MULTI_BITS,), dtype=np.uint64)
-            _cpu.multi_tables(self.dec, multi)
-            self._multi = multi
-        return self._multi
-
-    def check_books(self, books: np.ndarray) -> None:
-        """Raise FrameError if a chunk names a book beyond its stream's group."""
-        for s, n in enumerate(self.nbooks):
-            k = (books.astype(np.int64) >> (4 * s)) & 15
-            if np.any(k >= n):
-                bad = int(np.nonzero(k >= n)[0][0])
-                raise FrameError(
-                    f"chunk {bad} says stream {s} was coded with book {int(k[bad])} of its group, "
-                    f"which holds {int(n)}"
-                )
 
 
 class Codec:
@@ -151,6 +106,11 @@ class Codec:
         FileNotFoundError, CodebookError: a codebooks path that is missing or not a
             codebook file.
         ValueError: threads or chunk_elems out of range.
+
+    Attributes:
+        decode_cache: the decode tables this codec keeps, by the book ids that frames
+            name (a :class:`comm_codec.core.tables.TablesCache` of
+            :data:`DECODE_CACHE_SIZE` entries; ``len()`` and ``in`` tell what it holds).
     """
 
     def __init__(
@@ -172,8 +132,7 @@ class Codec:
         self.chunk_elems = int(chunk_elems)
         self.checksum = bool(checksum)
         self._enc_cache: dict = {}  # (kind, dtype): at most len(KINDS) x len(SUPPORTED_DTYPES)
-        self._dec_cache: collections.OrderedDict = collections.OrderedDict()  # LRU, DECODE_CACHE_SIZE
-        self._dec_lock = threading.Lock()
+        self.decode_cache = TablesCache(DECODE_CACHE_SIZE)
 
     # -- encode -------------------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, kind: str = "gradient") -> torch.Tensor:
@@ -199,7 +158,7 @@ class Codec:
                 kind.
         """
         if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
-            return self._encode_cuda(tensor, kind)
+            return self.encode_cuda(tensor, kind)
         bits, spec = as_bits(tensor)
         tables = self._encode_tables(kind, spec)
         numel = bits.size
@@ -210,9 +169,9 @@ class Codec:
         books = np.zeros(nchunks, dtype=np.uint16)
         sizes = np.zeros((nchunks, ns), dtype=np.uint32)
         args = (self.chunk_elems, spec.exp_shift)
-        with self._threads(), _warmup.first_use("encode", spec):
+        with self._threads(), _precompile.first_use("encode", spec):
             if nchunks:
-                _cpu.plan_chunks(bits, *args, tables.enc_len, tables.nbooks, tables.raw, cflags, refs, books, sizes)
+                plan_chunks(bits, *args, tables.enc_len, tables.nbooks, tables.raw, cflags, refs, books, sizes)
             counts = _frame.chunk_counts(numel, self.chunk_elems, nchunks)
             lengths = _frame.payload_bytes(cflags.astype(np.int64), sizes, counts)
             hsize = _frame.header_size(ns, nchunks)
@@ -222,7 +181,7 @@ class Codec:
             out8 = out.numpy()
             checksums = np.zeros(nchunks, dtype=np.uint32)
             if nchunks:
-                _cpu.encode_chunks(
+                encode_chunks(
                     bits, *args, tables.enc_code, tables.enc_len, cflags, refs, books, sizes,
                     offsets, out8, out8.view(np.uint64), checksums, self.checksum,
                 )
@@ -273,8 +232,8 @@ class Codec:
                 device, or requiring grad.
         """
         if isinstance(frame, torch.Tensor) and frame.device.type == "cuda":
-            return self._decode_cuda(frame, out, max_output_bytes)
-        buf = _frame._as_u8(frame)
+            return self.decode_cuda(frame, out, max_output_bytes)
+        buf = _frame.as_frame_bytes(frame)
         params = _frame.get_frame_parameters(buf)
         spec = params.spec
         tables, result = self._decode_target(params, out, max_output_bytes, torch.device("cpu"))
@@ -282,8 +241,8 @@ class Codec:
             return result
         bits, _ = as_bits(result)
         status = np.zeros(params.nchunks, dtype=np.int32)
-        with self._threads(), _warmup.first_use("decode", spec):
-            _cpu.decode_chunks(*self._kernel_args(buf, params, tables), bits, status)
+        with self._threads(), _precompile.first_use("decode", spec):
+            decode_chunks(*self._kernel_args(buf, params, tables), bits, status)
         _raise_on_status(status, params.nchunks)
         return result
 
@@ -294,7 +253,7 @@ class Codec:
         float32(decoded[i])``), bit for bit what ``acc.add_(codec.decode(frame).float())``
         (``acc.copy_(...)``) gives with torch on the CPU, NaNs included: a sum's NaN is
         the added value's when it is one, else acc's, quieted (see
-        :func:`comm_codec.kernels.cpu._add_f32`); a float16 NaN widens with its sign and
+        :mod:`comm_codec.kernels.decode`); a float16 NaN widens with its sign and
         payload, quieted, as torch's vectorized conversion does (torch's scalar loop tail
         makes it 0x7FFFFFFF). So a rank-order sum of decoded shards stays the same sum.
         The decoded tensor never exists: each chunk is decoded into cache-resident
@@ -332,18 +291,18 @@ class Codec:
             decoded = self.decode(frame, max_output_bytes=params.numel * params.spec.itemsize)
             (acc.view(-1).add_ if add else acc.view(-1).copy_)(decoded)
             return acc
-        buf = _frame._as_u8(frame)
+        buf = _frame.as_frame_bytes(frame)
         params = _frame.get_frame_parameters(buf)
         _check_accumulable(params, acc, torch.device("cpu"))
-        tables = self._decode_tables(params.book_ids)
+        tables = self.decode_cache.get(self.codebooks, params.book_ids)
         if params.nchunks == 0:
             return acc
         tables.check_books(params.table["books"])
         spec = params.spec
         status = np.zeros(params.nchunks, dtype=np.int32)
         accu = acc.detach().view(-1).view(torch.int32).numpy().view(np.uint32)
-        with self._threads(), _warmup.first_use("decode_accumulate", spec):
-            _cpu.decode_accumulate_chunks(
+        with self._threads(), _precompile.first_use("decode_accumulate", spec):
+            decode_accumulate_chunks(
                 *self._kernel_args(buf, params, tables), np.empty(0, dtype=spec.bits_dtype),
                 spec.dtype == torch.float16, accu, bool(add), status,
             )
@@ -351,7 +310,7 @@ class Codec:
         return acc
 
     @staticmethod
-    def _kernel_args(buf: np.ndarray, params, tables: _Tables) -> tuple:
+    def _kernel_args(buf: np.ndarray, params, tables: KernelTables) -> tuple:
         """The frame and chunk-table arguments that the decode kernels share."""
         if buf.ctypes.data % 8:
             buf = buf.copy()  # a frame sliced out of a larger buffer; kernels read words
@@ -365,14 +324,15 @@ class Codec:
         )
 
     # -- ahead of time ---------------------------------------------------------------------
-    def warmup(self, dtypes=None) -> dict:
+    def precompile(self, dtypes=None) -> dict:
         """Load the kernels for these dtypes now, compiling them if numba's cache lacks them.
 
         The first encode and decode of each element type in a process otherwise load
-        the kernels (~0.3 s from numba's on-disk cache) or, on a machine where nothing
-        was cached yet, compile them (~20 s per type here). Call this where that time
-        may go, e.g. when a training job sets up, and not inside a timed step; run
-        ``comm-codec warmup`` once after installing so that no process compiles. See
+        the kernels from numba's on-disk cache (a fraction of a second) or, on a machine
+        where nothing was cached yet, compile them (tens of seconds per element type).
+        Call this where that time may go, e.g. when a training job sets up, and not
+        inside a timed step; precompile once after installing (the command line's
+        precompile command) so that no process compiles. See
         :mod:`comm_codec.core.precompile`.
 
         Args:
@@ -384,7 +344,7 @@ class Codec:
         Raises:
             TypeError: an unsupported dtype.
         """
-        return _warmup.warm(self, dtypes)
+        return _precompile.precompile(self, dtypes)
 
     # -- frames ---------------------------------------------------------------------------
     @staticmethod
@@ -414,40 +374,11 @@ class Codec:
         return _frame.get_frame_parameters(frame)
 
     # -- helpers --------------------------------------------------------------------------
-    def _encode_tables(self, kind: str, spec) -> _Tables:
+    def _encode_tables(self, kind: str, spec) -> KernelTables:
         key = (kind, spec.name)
         tables = self._enc_cache.get(key)
         if tables is None:
-            groups = [self.codebooks.group(kind, spec.name, s) for s in range(spec.nstreams)]
-            tables = self._enc_cache[key] = _Tables(groups)
-        return tables
-
-    def _decode_tables(self, ids: tuple) -> _Tables:
-        with self._dec_lock:
-            tables = self._dec_cache.get(ids)
-            if tables is not None:
-                self._dec_cache.move_to_end(ids)
-                return tables
-        groups = []
-        for s, book_id in enumerate(ids):
-            if book_id == "0" * 16:
-                groups.append(CodebookGroup(Codebook.raw_book()))
-                continue
-            group = self.codebooks.group_by_id(book_id)
-            if group is None:
-                book = self.codebooks.by_id(book_id)  # a member of a group, named alone
-                group = CodebookGroup(book) if book is not None else None
-            if group is None:
-                raise FrameError(
-                    f"frame stream {s} was coded with codebook {book_id}, which this codec's "
-                    "codebook set does not hold; decode with the books it was encoded with"
-                )
-            groups.append(group)
-        tables = _Tables(groups)
-        with self._dec_lock:
-            self._dec_cache[ids] = tables
-            while len(self._dec_cache) > DECODE_CACHE_SIZE:
-                self._dec_cache.popitem(last=False)
+            tables = self._enc_cache[key] = encode_tables(self.codebooks, kind, spec)
         return tables
 
     def _decode_target(self, params, out, max_output_bytes, device: torch.device):
@@ -457,7 +388,7 @@ class Codec:
             raise FrameError(
                 f"frame decodes to {params.numel * spec.itemsize} bytes, more than max_output_bytes={max_output_bytes}"
             )
-        tables = self._decode_tables(params.book_ids)
+        tables = self.decode_cache.get(self.codebooks, params.book_ids)
         if params.nchunks:
             tables.check_books(params.table["books"])
         if out is not None:
@@ -494,12 +425,13 @@ class Codec:
         return out
 
     # -- GPU ------------------------------------------------------------------------------
-    def _encode_cuda(self, tensor: torch.Tensor, kind: str = "gradient") -> torch.Tensor:
+    def encode_cuda(self, tensor: torch.Tensor, kind: str = "gradient") -> torch.Tensor:
         """Encode with the numba.cuda kernels: a CUDA tensor, or a CPU one under the simulator.
 
-        The frame's bytes equal :meth:`encode`'s on the CPU. Tests call this directly
-        with CPU tensors when ``NUMBA_ENABLE_CUDASIM=1``; :meth:`encode` calls it for
-        CUDA tensors.
+        The frame's bytes equal :meth:`encode`'s on the CPU. :meth:`encode` calls this
+        for CUDA tensors; with ``NUMBA_ENABLE_CUDASIM=1`` set (before numba is imported)
+        it takes CPU tensors and runs the GPU kernels in numba's CUDA simulator, which
+        is how the GPU path is tested without a GPU.
 
         Args:
             tensor: as for :meth:`encode`, on a CUDA device (any device under the simulator).
@@ -522,11 +454,13 @@ class Codec:
         return _gpu.encode_frame(tensor, spec, tables, self._device_tables(tables, tensor.device),
                                   self.chunk_elems, self.checksum)
 
-    def _decode_cuda(self, frame: torch.Tensor, out: torch.Tensor | None = None,
-                     max_output_bytes: int | None = None) -> torch.Tensor:
+    def decode_cuda(self, frame: torch.Tensor, out: torch.Tensor | None = None,
+                    max_output_bytes: int | None = None) -> torch.Tensor:
         """Decode with the numba.cuda kernels: a frame on a CUDA device, or a CPU one under the simulator.
 
-        Args, Returns and Raises: as for :meth:`decode`; the output is on the frame's device.
+        :meth:`decode` calls this for CUDA frames; see :meth:`encode_cuda` for the
+        simulator. Args, Returns and Raises: as for :meth:`decode`; the output is on the
+        frame's device.
         """
         if not isinstance(frame, torch.Tensor):
             raise TypeError(f"a frame is a 1-D torch.uint8 tensor, got {type(frame).__name__}")
@@ -546,12 +480,12 @@ class Codec:
         return result
 
     @staticmethod
-    def _device_tables(tables: _Tables, device: torch.device):
+    def _device_tables(tables: KernelTables, device: torch.device):
         from . import gpu as _gpu
 
         dev = tables.on_device.get(device)
         if dev is None:
-            dev = tables.on_device[device] = _gpu.DeviceTables(_gpu._Launch(device), tables)
+            dev = tables.on_device[device] = _gpu.DeviceTables(_gpu.Launch(device), tables)
         return dev
 
     @contextlib.contextmanager

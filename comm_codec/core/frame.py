@@ -2,7 +2,7 @@
 
 One format serves the wire, files, the CPU and the GPU. Everything is little-endian.
 Every section starts on an 8-byte boundary so that kernels can move whole 64-bit words.
-The full specification is in ``comm_codec/frame_format.md``; the
+The full specification is in ``frame_format.md`` beside this module; the
 summary::
 
     header   magic "CCFR" | version u8 | dtype u8 | nstreams u8 | flags u8
@@ -31,6 +31,7 @@ import zlib
 
 import numpy as np
 
+from ..kernels.layout import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO
 from . import streams as _streams
 from .errors import FrameError
 
@@ -46,6 +47,7 @@ __all__ = [
     "CHUNK_ZERO",
     "CHUNK_RAW0",
     "get_frame_parameters",
+    "as_frame_bytes",
     "header_size",
     "table_dtype",
     "pad8",
@@ -58,9 +60,8 @@ MAX_CHUNK_ELEMS = 1 << 26
 HEADER_BYTES = 24
 FLAG_CHECKSUM = 0x01
 _KNOWN_FLAGS = FLAG_CHECKSUM
-CHUNK_MASK = 0x01
-CHUNK_ZERO = 0x02
-CHUNK_RAW0 = 0x10  # stream s raw: CHUNK_RAW0 << s, s < 4
+# The chunk flags (CHUNK_MASK, CHUNK_ZERO, CHUNK_RAW0 << s) are the kernels' own
+# (comm_codec.kernels.layout), re-exported here with the rest of the format.
 
 _HEAD = np.dtype(
     [
@@ -171,7 +172,7 @@ def get_frame_parameters(frame) -> FrameParameters:
             version, are truncated, or their header fails its CRC or its consistency
             checks; the message says which.
     """
-    buf = _as_u8(frame)
+    buf = as_frame_bytes(frame)
     n = buf.size
     if n < HEADER_BYTES:
         _fail(f"frame too short: {n} bytes, a header alone is {HEADER_BYTES}")
@@ -285,7 +286,16 @@ def _payload_layout(table, spec, numel, chunk_elems, ids, hsize, version):
     return offsets.astype(np.int64), int(hsize + lengths.sum())
 
 
-def _as_u8(frame) -> np.ndarray:
+def as_frame_bytes(frame) -> np.ndarray:
+    """Return a frame's bytes as a contiguous 1-D numpy uint8 array (no copy where it can).
+
+    Args:
+        frame: a 1-D torch.uint8 tensor (copied to the host if on a GPU), a 1-D numpy
+            uint8 array, or a bytes-like object (bytes, bytearray, contiguous memoryview).
+
+    Raises:
+        TypeError: any other type, dtype or shape, or a non-contiguous memoryview.
+    """
     import torch
 
     if isinstance(frame, torch.Tensor):

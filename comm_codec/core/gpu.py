@@ -1,6 +1,6 @@
 """The host side of the GPU codec: launches, header reads and planning around the numba.cuda kernels.
 
-Private. :class:`comm_codec.Codec` calls :func:`encode_frame` and :func:`decode_frame` for
+:class:`comm_codec.Codec` calls :func:`encode_frame` and :func:`decode_frame` for
 CUDA tensors; the kernels themselves are in :mod:`comm_codec.kernels.cuda` (arrays in,
 status out: they import nothing of this package). This module lays out frames with
 :mod:`comm_codec.core.frame`, reads their headers to the host and runs the kernels on torch's
@@ -9,19 +9,19 @@ CUDA tensor (or an explicit GPU call) arrives, so CPU users never pay for it.
 
 Work per frame:
 
-1. ``_plan_kernel`` (one block per chunk) plans every chunk as the CPU planner does.
+1. ``plan_kernel`` (one block per chunk) plans every chunk as the CPU planner does.
 2. **The one host synchronisation of an encode**: that plan (``nchunks x (3 + ns)`` u32)
    is copied to the host. The frame's length, which the caller needs to allocate it and
    which collectives exchange, depends on every chunk's size, so it cannot be avoided.
    The host then lays out the header with :mod:`comm_codec.core.frame` (checksums still 0)
    and the chunk offsets, and copies both to the device (no wait on the device).
-3. ``_encode_kernel`` (one block per chunk) writes the payloads and chunk checksums.
-4. ``_crc_segments`` and ``_crc_combine`` recompute the header's CRC-32 on the device,
+3. ``encode_kernel`` (one block per chunk) writes the payloads and chunk checksums.
+4. ``crc_segments`` and ``crc_combine`` recompute the header's CRC-32 on the device,
    because the checksums it covers were made there.
 
 Decode reads the header to the host (:func:`read_header`: one small copy, two for
 headers over 4 KiB), checks it with :func:`comm_codec.core.frame.get_frame_parameters`, runs
-``_decode_kernel`` and copies the per-chunk status back (one more small copy) so that
+``decode_kernel`` and copies the per-chunk status back (one more small copy) so that
 the codec can raise FrameError.
 """
 
@@ -35,11 +35,12 @@ import torch
 from numba import cuda
 
 from . import frame as _frame
-from ..kernels.cuda import _CRC_SEGMENT, _DECODE_THREADS, _MAX_STREAMS, _PLAN_THREADS, SIMULATOR, _crc_combine, _crc_segments, _decode_kernel, _encode_kernel, _plan_kernel
+from ..kernels.cuda import (CRC_SEGMENT, DECODE_THREADS, MAX_STREAMS, PLAN_THREADS, SIMULATOR, crc_combine,
+                            crc_segments, decode_kernel, encode_kernel, plan_kernel)
+from ..kernels.layout import UNSIGNED_BITS
 
-__all__ = ["DeviceTables", "encode_frame", "decode_frame", "read_header", "frame_parameters"]
+__all__ = ["Launch", "DeviceTables", "encode_frame", "decode_frame", "header_crc", "read_header", "frame_parameters"]
 
-_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 _TORCH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
@@ -56,15 +57,23 @@ def _crc_table() -> np.ndarray:
 _CRC_TABLE = _crc_table()
 if SIMULATOR:
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray as _FakeArray
-# Column b: the CRC register 1 << b after _CRC_SEGMENT zero bytes; zlib.crc32(d, v) runs
+# Column b: the CRC register 1 << b after CRC_SEGMENT zero bytes; zlib.crc32(d, v) runs
 # the register from ~v and returns its complement.
 _CRC_SHIFT = np.array(
-    [~zlib.crc32(bytes(_CRC_SEGMENT), ~(1 << b) & 0xFFFFFFFF) & 0xFFFFFFFF for b in range(32)], dtype=np.uint32
+    [~zlib.crc32(bytes(CRC_SEGMENT), ~(1 << b) & 0xFFFFFFFF) & 0xFFFFFFFF for b in range(32)], dtype=np.uint32
 )
 
 
-class _Launch:
-    """Kernel arguments and launch configuration for one device (a CUDA one or the simulator)."""
+class Launch:
+    """Kernel arguments and launch configuration for one device (a CUDA one or the simulator).
+
+    Args:
+        device: a CUDA device, or (under ``NUMBA_ENABLE_CUDASIM=1``) the CPU.
+
+    Raises:
+        RuntimeError: a CUDA device while the simulator is on.
+        ValueError: a CPU device without the simulator.
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -107,7 +116,7 @@ class _Launch:
 
 
 class DeviceTables:
-    """A codec's per-stream tables (see ``codec._Tables``) copied to one device, once.
+    """A codec's per-stream tables (:class:`comm_codec.core.tables.KernelTables`) copied to one device, once.
 
     ``enc_code``, ``enc_len`` and ``dec`` hold every book of each stream's group
     (``[ns, nbooks_max, ...]``); ``nbooks`` says how many of them are real.
@@ -115,7 +124,7 @@ class DeviceTables:
 
     __slots__ = ("enc_code", "enc_len", "nbooks", "raw", "dec", "crc_table", "crc_shift")
 
-    def __init__(self, launch: _Launch, tables):
+    def __init__(self, launch: Launch, tables):
         self.enc_code = launch.put(tables.enc_code.view(np.int32))
         self.enc_len = launch.put(tables.enc_len)
         self.nbooks = launch.put(tables.nbooks.astype(np.int64))
@@ -148,17 +157,17 @@ def encode_frame(tensor: torch.Tensor, spec, tables, dev_tables: DeviceTables, c
         The frame, a 1-D torch.uint8 tensor on the tensor's device. Its bytes may still be
         being written by the device (torch's current stream orders every later use).
     """
-    launch = _Launch(tensor.device)
+    launch = Launch(tensor.device)
     bits_t = _bits_of(tensor, spec)
     numel = bits_t.numel()
     ns = spec.nstreams
     nchunks = -(-numel // chunk_elems)
     ra = 1 if spec.rotate else 0
     width = spec.itemsize
-    bits = launch.array(bits_t, _UNSIGNED[width])
+    bits = launch.array(bits_t, UNSIGNED_BITS[width])
     plan_t = torch.empty((nchunks, 3 + ns), dtype=torch.int32, device=tensor.device)
     if nchunks:
-        launch(_plan_kernel, nchunks, _PLAN_THREADS, bits, numel, chunk_elems, width, ra, spec.exp_shift,
+        launch(plan_kernel, nchunks, PLAN_THREADS, bits, numel, chunk_elems, width, ra, spec.exp_shift,
                launch.array(dev_tables.enc_len), launch.array(dev_tables.nbooks), launch.array(dev_tables.raw),
                launch.array(plan_t, np.uint32))
     # The one synchronisation: the frame's length depends on every chunk's plan.
@@ -183,23 +192,28 @@ def encode_frame(tensor: torch.Tensor, spec, tables, dev_tables: DeviceTables, c
     out8 = launch.array(out)
     out64 = launch.array(out.view(torch.int64), np.uint64)
     table_pos = _frame.HEADER_BYTES + 8 * ns
-    launch(_encode_kernel, nchunks, _PLAN_THREADS, bits, numel, chunk_elems, width, ra, spec.exp_shift,
+    launch(encode_kernel, nchunks, PLAN_THREADS, bits, numel, chunk_elems, width, ra, spec.exp_shift,
            launch.array(dev_tables.enc_code, np.uint32), launch.array(dev_tables.enc_len),
            launch.array(plan_t, np.uint32), launch.array(launch.put(offsets)), out8, out64,
            table_pos, table.dtype.itemsize, checksum)
     if checksum:  # the header CRC covers the checksums just written
-        _header_crc(launch, out, hsize - 8, dev_tables)
+        header_crc(launch, out, hsize - 8, dev_tables)
     return out
 
 
-def _header_crc(launch: _Launch, buf: torch.Tensor, crc_end: int, dev_tables: DeviceTables) -> None:
-    """Store zlib's CRC-32 of buf[:crc_end] at buf[crc_end:crc_end+4], on the device."""
-    nseg = crc_end // _CRC_SEGMENT
+def header_crc(launch: Launch, buf: torch.Tensor, crc_end: int, dev_tables: DeviceTables) -> None:
+    """Store zlib's CRC-32 of buf[:crc_end] at buf[crc_end:crc_end+4], on the device.
+
+    :func:`encode_frame` calls it for the header, whose chunk checksums were made on the
+    device. Segments of :data:`~comm_codec.kernels.cuda.CRC_SEGMENT` bytes are CRC'd in
+    parallel and joined with the "shift by L zero bytes" operator.
+    """
+    nseg = crc_end // CRC_SEGMENT
     seg_crcs = torch.empty(max(nseg, 1), dtype=torch.int64, device=buf.device)
     buf8 = launch.array(buf)
-    launch(_crc_segments, -(-nseg // 128), 128, buf8, _CRC_SEGMENT, nseg,
+    launch(crc_segments, -(-nseg // 128), 128, buf8, CRC_SEGMENT, nseg,
            launch.array(dev_tables.crc_table, np.uint32), launch.array(seg_crcs))
-    launch(_crc_combine, 1, 1, buf8, _CRC_SEGMENT, nseg, crc_end, launch.array(seg_crcs),
+    launch(crc_combine, 1, 1, buf8, CRC_SEGMENT, nseg, crc_end, launch.array(seg_crcs),
            launch.array(dev_tables.crc_shift, np.uint32), launch.array(dev_tables.crc_table, np.uint32))
 
 
@@ -222,7 +236,7 @@ def read_header(frame: torch.Tensor) -> np.ndarray:
     if first >= _frame.HEADER_BYTES:
         ns = int(host[6])
         nchunks = int.from_bytes(host[20:24].tobytes(), "little")
-        hsize = _frame.header_size(ns, nchunks) if 1 <= ns <= _MAX_STREAMS else 0
+        hsize = _frame.header_size(ns, nchunks) if 1 <= ns <= MAX_STREAMS else 0
         if first < hsize <= n:
             host[first:hsize] = frame[first:hsize].cpu().numpy()
     return host
@@ -236,15 +250,17 @@ def decode_frame(frame: torch.Tensor, params, dev_tables: DeviceTables, result: 
         params: its :class:`comm_codec.core.frame.FrameParameters` (from :func:`read_header`).
         dev_tables: the decode tables of its books (every book of each stream's group) on
             the device. Each chunk's book indices (``params.table["books"]``) must
-            already have been checked against the group sizes (``codec._Tables.check_books``);
+            already have been checked against the group sizes (:meth:`KernelTables.check_books
+            <comm_codec.core.tables.KernelTables.check_books>`);
             an index past the tables gives the chunk a bad-code status.
         result: contiguous output tensor of the frame's dtype and element count.
 
     Returns:
-        int32[nchunks] status codes on the host (0 = ok; see cpu.STATUS_MESSAGES). The
+        int32[nchunks] status codes on the host (0 = ok; see
+        :data:`comm_codec.kernels.layout.STATUS_MESSAGES`). The
         copy back is the decode's second synchronisation.
     """
-    launch = _Launch(frame.device)
+    launch = Launch(frame.device)
     spec = params.spec
     nchunks = params.nchunks
     table = params.table
@@ -257,11 +273,11 @@ def decode_frame(frame: torch.Tensor, params, dev_tables: DeviceTables, result: 
     offsets = launch.put(params.offsets)
     status = torch.zeros(nchunks, dtype=torch.int32, device=frame.device)
     out_bits = _bits_of(result, spec)
-    launch(_decode_kernel, nchunks, _DECODE_THREADS, launch.array(frame), launch.array(frame.view(torch.int64),
+    launch(decode_kernel, nchunks, DECODE_THREADS, launch.array(frame), launch.array(frame.view(torch.int64),
            np.uint64), frame.numel(), params.numel, params.chunk_elems, spec.itemsize, 1 if spec.rotate else 0,
            spec.exp_shift, launch.array(dev_tables.dec, np.uint16), launch.array(cflags), launch.array(refs),
            launch.array(books), launch.array(sizes, np.uint32), launch.array(offsets), launch.array(checks, np.uint32),
-           params.checksums, launch.array(out_bits, _UNSIGNED[spec.itemsize]), launch.array(status))
+           params.checksums, launch.array(out_bits, UNSIGNED_BITS[spec.itemsize]), launch.array(status))
     return status.cpu().numpy()
 
 

@@ -40,7 +40,7 @@ import hashlib
 
 import numpy as np
 
-from ..kernels import cpu as _cpu
+from ..kernels.histogram import package_merge
 from .errors import CodebookError
 
 __all__ = [
@@ -177,7 +177,7 @@ class Codebook:
         order = np.argsort(weights, kind="stable")
         if (1 << MAX_CODE_LENGTH) < symbols.size:  # pragma: no cover - 257 symbols always fit
             raise ValueError(f"{symbols.size} symbols cannot be coded in {MAX_CODE_LENGTH} bits")
-        by_rank = _cpu.package_merge(weights[order].astype(np.int64), MAX_CODE_LENGTH)
+        by_rank = package_merge(weights[order].astype(np.int64), MAX_CODE_LENGTH)
         lens = np.empty(symbols.size, dtype=np.int64)
         lens[order] = by_rank
         lengths = np.zeros(256, dtype=np.uint8)

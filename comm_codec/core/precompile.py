@@ -2,17 +2,17 @@
 
 numba compiles a kernel on its first call for each element type (bf16 and fp16 share
 one, fp32 has its own, the 1-byte floats another, int8/uint8 the last) and caches the
-machine code on disk. Compiling one element type's encode and decode kernels took
-~20 s on the 2-core development VM (issue 14: a fresh install's first training step
-paused 87 s, two ranks compiling the same kernels at once); loading them back from the
-cache takes ~0.3 s. So:
+machine code on disk. Compiling one element type's encode and decode kernels takes tens
+of seconds, and every process of a fresh install that codes pays it at once (two ranks
+compile the same kernels side by side); loading them back from the cache takes a
+fraction of a second. So:
 
-* ``comm-codec warmup`` (run once after installing, as the README's install step does)
-  fills the cache for every element type and prints what it took;
-* :meth:`comm_codec.Codec.warmup` does the same inside a process, for the dtypes it
-  will code, so that a caller can keep compile or cache-load time out of its first
+* :func:`precompile` (run once after installing, from the command line) fills the
+  cache for every element type;
+* :meth:`comm_codec.Codec.precompile` does the same inside a process, for the dtypes
+  it will code, so that a caller can keep compile or cache-load time out of its first
   measured encode and decode (the DDP hook's ``encode_seconds``);
-* whichever call compiles first logs it once, with its duration.
+* whichever call compiles first logs it once, with its duration (:func:`first_use`).
 
 Where the cache goes: numba writes beside the package (``__pycache__``) when it can, and
 otherwise (a read-only site-packages) under the user's cache directory; set
@@ -26,16 +26,20 @@ import logging
 import threading
 import time
 
+import numpy as np
 import torch
 
-from .streams import SUPPORTED_DTYPES, spec_for
+from ..kernels import jit as _jit
+from ..kernels.histogram import chunk_histograms, huffman_costs
+from .huffman import Codebook
+from .streams import SUPPORTED_DTYPES, as_bits, spec_for
 
-__all__ = ["warm", "first_use", "cache_location", "register"]
+__all__ = ["precompile", "is_precompiled", "first_use", "cache_location"]
 
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_warm: set = set()  # (bits dtype, profiler) that warm() has run in this process
+_done: set = set()  # (bits dtype, profiler) that precompile() has run in this process
 _used: set = set()  # (operation, bits dtype) whose kernels this process has loaded
 
 
@@ -53,60 +57,73 @@ def _sample(dtype: torch.dtype) -> torch.Tensor:
     return x
 
 
-def _kernel_stats():
-    from ..kernels import cpu as _cpu
-
-    names = ("plan_chunks", "encode_chunks", "decode_chunks", "decode_accumulate_chunks", "multi_tables",
-             "chunk_histograms", "huffman_costs", "package_merge")
-    return {n: sum(getattr(_cpu, n).stats.cache_misses.values()) for n in names}
-
-
 def cache_location() -> str:
     """Return the directory where numba caches the codec's compiled kernels."""
-    from ..kernels import cpu as _cpu
-
-    try:
-        return _cpu.plan_chunks._cache._cache_path
-    except AttributeError:  # pragma: no cover - a numba without this attribute
-        return "(numba's cache directory)"
+    return _jit.cache_location()
 
 
 @contextlib.contextmanager
 def first_use(operation: str, spec):
     """Around a kernel call: on its first use of this element type in the process, log
     a compile (INFO, with its duration) or a cache load (DEBUG); later uses cost a set
-    lookup."""
+    lookup.
+
+    Args:
+        operation: what the call does ("encode", "decode", ...), as the log line names it.
+        spec: the :class:`comm_codec.core.streams.StreamSpec` of the element type.
+    """
     key = (operation, spec.bits_dtype)
     if key in _used:
         yield
         return
-    before = _kernel_stats()
+    before = _jit.compile_counts()
     start = time.perf_counter()
     yield
     seconds = time.perf_counter() - start
     _used.add(key)
-    compiled = [n for n, v in _kernel_stats().items() if v > before[n]]
+    compiled = [n for n, v in _jit.compile_counts().items() if v > before.get(n, 0)]
     width = f"{spec.itemsize}-byte" + (" float" if spec.rotate else " integer")
     if compiled:
         log.info("%s of %s compiled comm_codec's %s kernels (%s) in %.1f s, once: numba caches them in %s "
-                 "(`comm-codec warmup` or Codec.warmup() does this ahead of time)", operation, spec.name, width,
-                 ", ".join(compiled), seconds, cache_location())
+                 "(Codec.precompile() or the command line's precompile command does this ahead of time)",
+                 operation, spec.name, width, ", ".join(compiled), seconds, cache_location())
     else:
         log.debug("%s of %s loaded comm_codec's %s kernels from numba's cache in %.2f s", operation, spec.name,
                   width, seconds)
 
 
-def warm(codec, dtypes=None, profiler: bool = False) -> dict:
+def _profile_kernels(x: torch.Tensor) -> None:
+    """Run the kernels that book fitting runs, with the argument types it passes them.
+
+    :class:`comm_codec.WarmupProfiler` histograms chunks (chunk_histograms over int64
+    stream lists and counts), prices groups of books (huffman_costs on int64 rows) and
+    builds books (package-merge, through :meth:`Codebook.from_counts`).
+    """
+    bits, spec = as_bits(x)
+    chunk_elems = 1024
+    streams = np.arange(spec.nstreams, dtype=np.int64)
+    nchunks = -(-bits.size // chunk_elems)
+    counts = np.empty((nchunks, streams.size, 256), dtype=np.int64)
+    zeros = np.empty(nchunks, dtype=np.int64)
+    chunk_histograms(bits, chunk_elems, spec.exp_shift, streams, counts, zeros)
+    rows = np.ascontiguousarray(counts[:, 0])
+    huffman_costs(rows, np.zeros(len(rows), dtype=np.int64))
+    Codebook.from_counts(rows.sum(axis=0) + 1, raw_threshold=None)
+
+
+def precompile(codec, dtypes=None, profiler: bool = False) -> dict:
     """Load (compiling if the cache lacks them) the kernels that coding these dtypes needs.
 
-    Runs one small encode and decode per dtype with ``codec`` (its books and threads).
-    Element types already warm in this process cost next to nothing. A compile is
-    logged at INFO once, with its duration; a cache load at DEBUG.
+    Runs one small encode and decode per dtype with ``codec`` (its books and threads),
+    and a decode-and-add for the float types. Element types already done in this process
+    cost next to nothing. A compile is logged at INFO once, with its duration; a cache
+    load at DEBUG.
 
     Args:
         codec: the :class:`comm_codec.Codec` whose books and threads to use.
         dtypes: torch dtypes (or names such as ``"bf16"``); None: every supported dtype.
-        profiler: also warm the profiler's kernels (chunk histograms, book building).
+        profiler: also load the kernels that book fitting runs (chunk histograms,
+            Huffman costs, package-merge).
 
     Returns:
         dtype name -> seconds this call spent on it.
@@ -119,58 +136,36 @@ def warm(codec, dtypes=None, profiler: bool = False) -> dict:
     for spec in specs:
         with _lock:  # two threads' first calls: one compiles, the other waits for it
             start = time.perf_counter()
-            if (spec.bits_dtype, profiler) not in _warm and (spec.bits_dtype, True) not in _warm:
+            if (spec.bits_dtype, profiler) not in _done and (spec.bits_dtype, True) not in _done:
                 x = _sample(spec.dtype)
                 try:
                     frame = codec.encode(x, "gradient")
                     out = codec.decode(frame)
                 except ValueError as exc:  # a codebook set without books for this dtype
-                    log.debug("warmup: %s skipped (%s)", spec.name, exc)
+                    log.debug("precompile: %s skipped (%s)", spec.name, exc)
                     spent[spec.name] = 0.0
                     continue
                 if not torch.equal(out.view(torch.uint8), x.reshape(-1).view(torch.uint8)):
-                    raise RuntimeError(f"warmup round trip of {spec.name} is not bit-exact")  # pragma: no cover
+                    raise RuntimeError(f"precompile round trip of {spec.name} is not bit-exact")  # pragma: no cover
                 if spec.dtype in (torch.bfloat16, torch.float16, torch.float32):  # the all-reduce's decode-and-add
                     codec.decode_accumulate(frame, torch.zeros(x.numel(), dtype=torch.float32))
                 if profiler:
-                    from ..books.profiler import WarmupProfiler
-
                     with first_use("profiling", spec):
-                        prof = WarmupProfiler(chunk_elems=1024, max_books=2)
-                        prof.observe(x, "gradient")
-                        prof.build()
-                _warm.add((spec.bits_dtype, profiler))
+                        _profile_kernels(x)
+                _done.add((spec.bits_dtype, profiler))
             spent[spec.name] = time.perf_counter() - start
     return spent
 
 
-def _cmd_warmup(args) -> int:
-    from .codec import Codec
+def is_precompiled(dtype, profiler: bool = False) -> bool:
+    """Return whether :func:`precompile` has run for ``dtype``'s element type in this process.
 
-    dtypes = None
-    if args.dtypes:
-        dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    codec = Codec(threads=1)
-    start = time.perf_counter()
-    spent = warm(codec, dtypes, profiler=not args.codec_only)
-    print(f"{'dtype':<10} {'seconds':>8}")
-    for name, seconds in spent.items():
-        print(f"{name:<10} {seconds:8.2f}")
-    print(f"comm_codec kernels ready in {time.perf_counter() - start:.1f} s; cache: {cache_location()}")
-    return 0
+    Args:
+        dtype: a torch dtype or a name such as ``"bf16"`` (bf16 and fp16 share kernels).
+        profiler: ask about a call that also loaded the book-fitting kernels.
 
-
-def register(sub) -> None:
-    """Add the ``warmup`` subcommand to the CLI's subparsers."""
-    p = sub.add_parser(
-        "warmup", help="compile the codec's kernels into numba's cache (run once after installing)",
-        description="Compile the codec's numba kernels for every dtype (or --dtypes) into numba's on-disk "
-                    "cache, so that no training process pauses to compile them. Run once per machine "
-                    "after installing (and after upgrading numba or comm_codec); set NUMBA_CACHE_DIR to "
-                    "put the cache somewhere else (a read-only site-packages falls back to the user's "
-                    "cache directory).")
-    p.add_argument("--dtypes", metavar="LIST",
-                   help="comma-separated dtypes, e.g. bf16,fp32 (default: every supported dtype)")
-    p.add_argument("--codec-only", action="store_true",
-                   help="skip the profiler's kernels (histograms and book building)")
-    p.set_defaults(func=_cmd_warmup)
+    Raises:
+        TypeError: an unsupported dtype.
+    """
+    bits = spec_for(dtype).bits_dtype
+    return (bits, True) in _done or (not profiler and (bits, False) in _done)

@@ -34,6 +34,8 @@ import dataclasses
 import numpy as np
 import torch
 
+from ..kernels.layout import bits_dtype
+
 __all__ = [
     "StreamSpec",
     "SUPPORTED_DTYPES",
@@ -74,12 +76,10 @@ class StreamSpec:
     def bits_dtype(self) -> np.dtype:
         """The integer numpy dtype the kernels see one element's bit pattern as.
 
-        Unsigned for rotated (IEEE) types, int8 for the 1-byte integer types: the kernels
-        read the layout from the array type, so each gets compiled code of its own.
+        See :func:`comm_codec.kernels.layout.bits_dtype`: unsigned for rotated (IEEE)
+        types, int8 for the 1-byte integer types.
         """
-        if not self.rotate:
-            return np.dtype(np.int8)
-        return np.dtype({1: np.uint8, 2: np.uint16, 4: np.uint32}[self.itemsize])
+        return bits_dtype(self.itemsize, self.rotate)
 
 
 _SPECS = (

@@ -1,168 +1,19 @@
-"""Private compute kernels: ``cpu`` (numba njit) and, where available, ``cuda`` (numba.cuda).
+"""The compute kernels: numba on the CPU and, where available, numba.cuda on the GPU.
 
-Kernels never raise on bad data; they bound-check and report a status per chunk, and the
-Python layer (:mod:`comm_codec.core.codec`) turns statuses into :class:`comm_codec.FrameError`.
+Leaves of the package: they import numpy, numba and each other, nothing else.
+
+* :mod:`.jit` — numba's flags in one place, and which kernels compiled;
+* :mod:`.layout` — what every kernel agrees on: statuses, chunk flags, lanes, checksum
+  constants, the element bit layout (numpy only);
+* :mod:`.symbols` — element bits to stream symbols, the chunk reference, the checksum;
+* :mod:`.intrinsics` — prefetch hints, unaligned loads and stores;
+* :mod:`.encode` — plan and write chunks; :mod:`.lanes` and :mod:`.decode` — read them
+  back (and decode-and-add into float32);
+* :mod:`.histogram` — symbol histograms and Huffman cost arithmetic for book fitting;
+* :mod:`.plan` — the checkpoint planner's sampled byte histograms;
+* :mod:`.cuda` — the same frames on a GPU (imported only by the GPU host driver).
+
+Kernels never raise on bad data; they bound-check and report a status per chunk
+(:data:`.layout.STATUS_MESSAGES`), and the Python layer (:mod:`comm_codec.core.codec`)
+turns statuses into :class:`comm_codec.FrameError`.
 """
-
-import contextlib
-import logging
-import os
-import threading
-import weakref
-
-import numpy as np
-import torch
-
-
-@contextlib.contextmanager
-def torch_threads_kept():
-    """Run parallel kernels without changing torch's thread count.
-
-    numba's OpenMP layer sets the calling thread's OpenMP thread count when a parallel
-    kernel runs, and torch reads the same setting: a rank pinned with
-    torch.set_num_threads(1) would silently go back to all cores (seen: 4 ranks on 2
-    cores, DDP steps 5x slower).
-    """
-    before = torch.get_num_threads()
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != before:
-            torch.set_num_threads(before)
-
-
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14  # Linux
-# Fresh blocks from this size get huge pages: glibc's largest mmap threshold (64-bit),
-# above which every allocation is a fresh mapping. Smaller ones may come from glibc's
-# heap, where advising them made some calls 5x slower (huge pages split and collapsed
-# as the heap moved).
-_HUGE_MIN_BYTES = 32 << 20
-# Outputs from this size live in recycled blocks (see _OutputPool); smaller ones come
-# from glibc's heap, already populated.
-_POOL_MIN_BYTES = 1 << 20
-
-
-def _libc_madvise():
-    try:
-        import ctypes
-        import ctypes.util
-        import sys
-
-        if not sys.platform.startswith("linux"):
-            return None
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.madvise
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        return fn
-    except (OSError, AttributeError):  # pragma: no cover - no libc: plain pages
-        return None
-
-
-_madvise = _libc_madvise()
-
-
-def _fresh_block(nbytes: int) -> np.ndarray:
-    """A new uint8 block, its whole huge pages advised when it is a fresh mapping."""
-    block = np.empty(nbytes, dtype=np.uint8)
-    if _madvise is not None and nbytes >= _HUGE_MIN_BYTES:
-        ptr = block.ctypes.data
-        lo = -(-ptr // _HUGE_PAGE) * _HUGE_PAGE
-        hi = (ptr + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-        if hi > lo:
-            _madvise(lo, hi - lo, _MADV_HUGEPAGE)  # advice only: a failure changes nothing
-    return block
-
-
-class _OutputPool:
-    """Memory blocks that earlier outputs lived in, kept for the next output of about their size.
-
-    A frame or a decoded tensor of a few MiB or more was fresh memory on every call,
-    populated page by page on first write: on this VM a fresh 30 MiB frame took 3-15 ms
-    to fill against ~2 ms for memory written before (bf16 weights' encode spent 19 ms
-    of 42 there). An output is a view of a block; when the last tensor using it is
-    gone, a finalizer gives the block back here, and the next output that fits (up to
-    1.5x its size) takes it. Free blocks are kept up to ``limit`` bytes, oldest dropped
-    first (``COMM_CODEC_OUTPUT_POOL_MB``, default 512; 0 turns the pool off).
-    """
-
-    def __init__(self, limit: int):
-        self.limit = int(limit)
-        self._free: list = []  # oldest first
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> np.ndarray:
-        """A block of at least nbytes: the smallest free one that fits, else a fresh one."""
-        with self._lock:
-            best = -1
-            for i, block in enumerate(self._free):
-                if nbytes <= block.size <= nbytes + nbytes // 2 and (best < 0 or block.size < self._free[best].size):
-                    best = i
-            if best >= 0:
-                block = self._free.pop(best)
-                self._bytes -= block.size
-                return block
-        return _fresh_block(nbytes)
-
-    def give(self, block: np.ndarray) -> None:
-        """Keep a block that no output uses any more (finalizer callback: any thread)."""
-        if block.size > self.limit:
-            return
-        with self._lock:
-            while self._free and self._bytes + block.size > self.limit:
-                self._bytes -= self._free.pop(0).size
-            self._free.append(block)
-            self._bytes += block.size
-
-    def clear(self) -> None:
-        """Drop every free block (their memory goes back to the allocator)."""
-        with self._lock:
-            self._free.clear()
-            self._bytes = 0
-
-
-def _pool_limit() -> int:
-    raw = os.environ.get("COMM_CODEC_OUTPUT_POOL_MB", "512")
-    try:
-        return max(0, int(raw)) << 20
-    except ValueError:
-        logging.getLogger(__name__).warning("COMM_CODEC_OUTPUT_POOL_MB=%r is not an integer; using 512", raw)
-        return 512 << 20
-
-
-output_pool = _OutputPool(_pool_limit())
-if hasattr(os, "register_at_fork"):  # a fork while another thread held the lock must not deadlock the child
-    os.register_at_fork(after_in_child=lambda: setattr(output_pool, "_lock", threading.Lock()))
-
-
-def empty_output(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized 1-D CPU tensor for a kernel to fill: recycled memory when it is large.
-
-    Outputs of 1 MiB or more are views of blocks from :data:`output_pool`: memory that an
-    earlier output was written into, so the kernel does not pay for populating fresh
-    pages (see :class:`_OutputPool`). Fresh blocks of 32 MiB or more ask for transparent
-    huge pages (``madvise(MADV_HUGEPAGE)`` on their 2 MiB-aligned interior, before the
-    first touch): with 4 KiB pages first writes ran at 2.4 GB/s on this VM. Smaller
-    outputs are plain ``torch.empty``. Like any numpy-backed tensor, a pooled output's
-    storage cannot grow (``resize_`` to a larger size raises); everything else is as
-    for ``torch.empty``.
-
-    Args:
-        numel: number of elements.
-        dtype: element type.
-
-    Returns:
-        A 1-D contiguous CPU tensor of ``numel`` elements.
-    """
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    nbytes = int(numel) * itemsize
-    if nbytes < _POOL_MIN_BYTES or output_pool.limit == 0:
-        return torch.empty(numel, dtype=dtype)
-    block = output_pool.take(nbytes)
-    view = block[:nbytes]
-    # The tensor holds the view (torch.from_numpy keeps it alive); when the last tensor
-    # on that memory is gone, the view goes, and the block returns to the pool.
-    weakref.finalize(view, output_pool.give, block).atexit = False
-    return torch.from_numpy(view).view(dtype)

@@ -1,7 +1,7 @@
 """numba.cuda kernels: plan, encode and decode chunks on the GPU, in the CPU's frame format.
 
-Private, and a leaf like :mod:`comm_codec.kernels.cpu`: arrays in, status out; nothing
-of the package is imported here (the host side, :mod:`comm_codec.core.gpu`, lays out
+A leaf like the CPU kernels: arrays in, status out; only :mod:`comm_codec.kernels.layout`
+is imported here (the host side, :mod:`comm_codec.core.gpu`, lays out
 frames, reads headers and launches these kernels). They produce and read *the same
 bytes* as the CPU kernels (same reference exponent, zero-mask and raw decisions, lanes,
 bit order, padding and checksums), so a frame made on one device decodes on the other,
@@ -10,20 +10,20 @@ kernels run in numba's CUDA simulator on CPU arrays, which is how CI tests them.
 
 Kernels:
 
-1. ``_plan_kernel`` (one block per chunk): the chunk's reference exponent (mode of the
+1. ``plan_kernel`` (one block per chunk): the chunk's reference exponent (mode of the
    same strided sample as the CPU), its zero count and mask decision (priced with each
    stream's first book), every stream's lane bit counts under each book of its group,
    hence the book with the fewest bits (ties to the lower index) and the segment size
    with it, and the raw fallback. Output: one u32 row per chunk
    ``[cflags, ref, books, size_0 .. size_{ns-1}]`` (``books`` as in the chunk table:
    the book of stream s in bits 4s..4s+3, 0 for raw streams).
-2. ``_encode_kernel`` (one block per chunk): mask bitmap, raw bytes, coded lanes (bit
+2. ``encode_kernel`` (one block per chunk): mask bitmap, raw bytes, coded lanes (bit
    offsets from an exclusive scan of per-thread bit counts, packed with 64-bit atomic
    ORs), each coded stream with the book the plan chose, then the chunk checksum,
    written straight into the frame's chunk table.
-3. ``_crc_segments`` and ``_crc_combine``: the header's CRC-32 (zlib's): segment CRCs in
+3. ``crc_segments`` and ``crc_combine``: the header's CRC-32 (zlib's): segment CRCs in
    parallel, joined with the linear "shift by L zero bytes" operator.
-4. ``_decode_kernel`` (one block per chunk, one thread per lane; the decode table of
+4. ``decode_kernel`` (one block per chunk, one thread per lane; the decode table of
    each coded stream's chosen book in shared memory).
 
 This version favours exact equality and simplicity over speed. A faster one would: give
@@ -37,7 +37,7 @@ scratch buffer. No performance figure is claimed for this code;
 ``launch_scripts/bench_gpu.py`` measures it.
 
 Kernels never raise: bad frames give a status per chunk (the codes of
-:data:`comm_codec.kernels.cpu.STATUS_MESSAGES`), every read is bounded by the frame's
+:data:`comm_codec.kernels.layout.STATUS_MESSAGES`), every read is bounded by the frame's
 length and by its segment, and every table lookup is checked.
 """
 
@@ -48,25 +48,26 @@ import numpy as np
 from numba import cuda, int32, int64, uint16, uint64
 
 # The CPU kernels' constants: the same statuses (the codec maps both through
-# cpu.STATUS_MESSAGES), chunk flags, lane layout and checksum chains, by construction.
-from .cpu import _CHUNK_MASK, _CHUNK_RAW0, _CHUNK_ZERO, _HASH_MUL, _HASH_SEED, _LANE_HEADER, _LANES, _ST_BAD_CODE, _ST_BOOK, _ST_CHECKSUM, _ST_MASK_COUNT, _ST_OVERRUN, _ST_SIZE, _U64_0, STATUS_OK
+# layout.STATUS_MESSAGES), chunk flags, lane layout and checksum chains, by construction.
+from .layout import (CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, DEC_ENTRIES, HASH_MUL, HASH_SEED, LANE_HEADER, LANES,
+                     MAX_STREAMS, STATUS_BAD_CODE, STATUS_BOOK, STATUS_CHECKSUM, STATUS_MASK_COUNT, STATUS_OK,
+                     STATUS_OVERRUN, STATUS_SIZE)
 
-__all__ = ["SIMULATOR"]
+__all__ = ["SIMULATOR", "PLAN_THREADS", "DECODE_THREADS", "CRC_SEGMENT", "MAX_STREAMS", "plan_kernel",
+           "encode_kernel", "crc_segments", "crc_combine", "decode_kernel"]
 
 # True when NUMBA_ENABLE_CUDASIM=1 was set before numba was imported (tests, CI).
 SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
 
 # Threads per block. The simulator runs each thread as a Python thread, so it gets fewer.
-_PLAN_THREADS = 8 if SIMULATOR else 128
-_DECODE_THREADS = 8 if SIMULATOR else 32
+PLAN_THREADS = 8 if SIMULATOR else 128
+DECODE_THREADS = 8 if SIMULATOR else 32
 _MAX_THREADS = 256  # size of the per-thread shared scratch arrays
-_STATUS_SLOTS = _LANES + 1  # shared array shapes must be plain constants
-_DEC_ENTRIES = 4096
-_MAX_STREAMS = 4
+_STATUS_SLOTS = LANES + 1  # shared array shapes must be plain constants
 _MAX_BOOKS = 16  # books per group: four bits per stream in the chunk table
-_CRC_SEGMENT = 512  # header bytes per thread of _crc_segments
+CRC_SEGMENT = 512  # header bytes per thread of crc_segments
 
-_ST_OK = STATUS_OK
+_U64_0 = np.uint64(0)
 _U64_1 = np.uint64(1)
 _U64_63 = np.uint64(63)
 _U64_4095 = np.uint64(4095)
@@ -74,7 +75,7 @@ _U64_32 = np.uint64(32)
 _U64_LO32 = np.uint64(0xFFFFFFFF)
 
 
-# -- element bits -> stream symbols (the same arithmetic as cpu._sym) -------------------
+# -- element bits -> stream symbols (the same arithmetic as symbols.symbol) ---------------
 @cuda.jit(device=True)
 def _sym(v, s, width, ra, sub):
     """Stream s's symbol of element bits v (rotated by ra, minus sub, mod 256)."""
@@ -146,15 +147,15 @@ def _pad8(n):
 @cuda.jit(device=True)
 def _hash_chain(words, start, nwords, seed, j):
     """Chain j of the chunk checksum: the words i = j (mod 4) of words[start:start+nwords]."""
-    h = (_HASH_SEED ^ uint64(seed)) ^ uint64(j)
+    h = (HASH_SEED ^ uint64(seed)) ^ uint64(j)
     for i in range(j, nwords, 4):
-        h = (h ^ words[start + i]) * _HASH_MUL
+        h = (h ^ words[start + i]) * HASH_MUL
     return h
 
 
 @cuda.jit(device=True)
 def _hash_fold(h0, h1, h2, h3):
-    h = (((h0 ^ h1) * _HASH_MUL ^ h2) * _HASH_MUL ^ h3) * _HASH_MUL
+    h = (((h0 ^ h1) * HASH_MUL ^ h2) * HASH_MUL ^ h3) * HASH_MUL
     return (h >> _U64_32) ^ (h & _U64_LO32)
 
 
@@ -171,8 +172,8 @@ def _block_scan(vals, nthreads):
 
 # -- plan ---------------------------------------------------------------------------------
 @cuda.jit
-def _plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_len, nbooks, raw_stream, plan):
-    """Plan chunk blockIdx.x: plan[c] = [cflags, ref, books, sizes...] exactly as cpu.plan_chunks.
+def plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_len, nbooks, raw_stream, plan):
+    """Plan chunk blockIdx.x: plan[c] = [cflags, ref, books, sizes...] exactly as encode.plan_chunks.
 
     enc_len is uint8[ns, nbooks_max, 256]; nbooks[s] is the size of stream s's group.
     """
@@ -185,12 +186,12 @@ def _plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_len, nbooks, ra
     count = hi - lo
     hist = cuda.shared.array(256, int64)
     nz = cuda.shared.array(_MAX_THREADS, int64)
-    lanes = cuda.shared.array((_MAX_BOOKS, _LANES), int64)  # per book of the group
+    lanes = cuda.shared.array((_MAX_BOOKS, LANES), int64)  # per book of the group
     info = cuda.shared.array(4, int64)  # ref, use_mask, present, all_zero
     for e in range(t, 256, nt):
         hist[e] = 0
     cuda.syncthreads()
-    # Reference exponent: mode of a strided sample, exact zeros left out (cpu._chunk_ref).
+    # Reference exponent: mode of a strided sample, exact zeros left out (symbols.chunk_ref).
     if exp_shift >= 0:
         step = _imax(int64(1), count // 256)
         nsamp = (count + step - 1) // step
@@ -228,7 +229,7 @@ def _plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_len, nbooks, ra
         info[3] = int64(zeros == count)
         plan[c, 1] = best
         plan[c, 2] = 0
-        plan[c, 0] = _CHUNK_ZERO if zeros == count else (_CHUNK_MASK if use_mask else 0)
+        plan[c, 0] = CHUNK_ZERO if zeros == count else (CHUNK_MASK if use_mask else 0)
     cuda.syncthreads()
     if info[3]:
         if t < ns:
@@ -237,20 +238,20 @@ def _plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_len, nbooks, ra
     ref = info[0]
     use_mask = info[1] != 0
     present = info[2]
-    b1 = present // _LANES
-    b2 = 2 * present // _LANES
-    b3 = 3 * present // _LANES
+    b1 = present // LANES
+    b2 = 2 * present // LANES
+    b3 = 3 * present // LANES
     j0 = nz[t] if use_mask else a - lo
     for s in range(ns):
         if raw_stream[s]:  # the same for every thread: no divergence around the barriers
             if t == 0:
-                plan[c, 0] = plan[c, 0] | (_CHUNK_RAW0 << s)
+                plan[c, 0] = plan[c, 0] | (CHUNK_RAW0 << s)
                 plan[c, 3 + s] = present
             continue
         # One pass over the chunk per book of the group (the tables bound the count).
         nb = _imax(int64(1), _imin(int64(nbooks[s]), int64(_imin(enc_len.shape[1], _MAX_BOOKS))))
-        for e in range(t, nb * _LANES, nt):
-            lanes[e // _LANES, e % _LANES] = 0
+        for e in range(t, nb * LANES, nt):
+            lanes[e // LANES, e % LANES] = 0
         cuda.syncthreads()
         sub = _sub_for(s, exp_shift, ref)
         for k in range(nb):
@@ -263,7 +264,7 @@ def _plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_len, nbooks, ra
         cuda.syncthreads()
         if t == 0:
             # The book with the fewest bits over the chunk, ties to the lower index
-            # (cpu._segment_plan); its segment is sized with the lanes padded.
+            # (as encode.plan_chunks); its segment is sized with the lanes padded.
             chosen = 0
             fewest = int64(-1)
             for k in range(nb):
@@ -271,11 +272,11 @@ def _plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_len, nbooks, ra
                 if fewest < 0 or total < fewest:
                     fewest = total
                     chosen = k
-            seg = int64(_LANE_HEADER)
-            for q in range(_LANES):
+            seg = int64(LANE_HEADER)
+            for q in range(LANES):
                 seg += _pad8((lanes[chosen, q] + 7) // 8)
             if seg >= present:
-                plan[c, 0] = plan[c, 0] | (_CHUNK_RAW0 << s)
+                plan[c, 0] = plan[c, 0] | (CHUNK_RAW0 << s)
                 plan[c, 3 + s] = present
             else:
                 plan[c, 2] = plan[c, 2] | (chosen << (4 * s))
@@ -285,7 +286,7 @@ def _plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_len, nbooks, ra
 
 # -- encode -------------------------------------------------------------------------------
 @cuda.jit
-def _encode_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_code, enc_len, plan, offsets,
+def encode_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_code, enc_len, plan, offsets,
                    out8, out64, table_pos, entry_bytes, do_checksum):
     """Write chunk blockIdx.x's payload at offsets[c] and its checksum into the chunk table.
 
@@ -304,16 +305,16 @@ def _encode_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_code, enc_len
     chosen = int64(plan[c, 2])
     pos = int64(offsets[c])
     nz = cuda.shared.array(_MAX_THREADS, int64)
-    lane_bits = cuda.shared.array((_MAX_THREADS, _LANES), int64)
-    lane_word = cuda.shared.array(_LANES, int64)
-    chains = cuda.shared.array(_LANES, uint64)
+    lane_bits = cuda.shared.array((_MAX_THREADS, LANES), int64)
+    lane_word = cuda.shared.array(LANES, int64)
+    chains = cuda.shared.array(LANES, uint64)
     info = cuda.shared.array(1, int64)
     per = (count + nt - 1) // nt
     a = _imin(hi, lo + t * per)
     b = _imin(hi, a + per)
-    use_mask = (flags & _CHUNK_MASK) != 0
+    use_mask = (flags & CHUNK_MASK) != 0
     end = pos
-    if not (flags & _CHUNK_ZERO):
+    if not (flags & CHUNK_ZERO):
         present = count
         j0 = a - lo
         if use_mask:
@@ -336,14 +337,14 @@ def _encode_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_code, enc_len
             present = info[0]
             j0 = nz[t]
             pos += _pad8(mbytes)
-        b1 = present // _LANES
-        b2 = 2 * present // _LANES
-        b3 = 3 * present // _LANES
+        b1 = present // LANES
+        b2 = 2 * present // LANES
+        b3 = 3 * present // LANES
         for s in range(ns):
             size = int64(plan[c, 3 + s])
             book = (chosen >> (4 * s)) & 15
             sub = _sub_for(s, exp_shift, ref)
-            if flags & (_CHUNK_RAW0 << s):
+            if flags & (CHUNK_RAW0 << s):
                 j = j0
                 for i in range(a, b):
                     v = bits[i]
@@ -361,12 +362,12 @@ def _encode_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_code, enc_len
                 lane_bits[t, 1] = l1
                 lane_bits[t, 2] = l2
                 lane_bits[t, 3] = l3
-                first_word = (pos + _LANE_HEADER) // 8
-                for w in range(t, (size - _LANE_HEADER) // 8, nt):
+                first_word = (pos + LANE_HEADER) // 8
+                for w in range(t, (size - LANE_HEADER) // 8, nt):
                     out64[first_word + w] = _U64_0
                 cuda.syncthreads()
                 # Exclusive scan over threads, per lane (thread k scans lane k).
-                if t < _LANES:
+                if t < LANES:
                     total = int64(0)
                     for q in range(nt):
                         v2 = lane_bits[q, t]
@@ -379,7 +380,7 @@ def _encode_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_code, enc_len
                 cuda.syncthreads()
                 if t == 0:
                     w = first_word
-                    for k in range(_LANES):
+                    for k in range(LANES):
                         words = lane_word[k]
                         lane_word[k] = w
                         w += words
@@ -420,12 +421,12 @@ def _encode_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_code, enc_len
                 cuda.syncthreads()
             pos += _pad8(size)
         end = pos
-    # Checksum of the payload words, four chains as in cpu._hash_words.
+    # Checksum of the payload words, four chains as in symbols.hash_words.
     cuda.syncthreads()
     if do_checksum:
         start = int64(offsets[c]) // 8
         nwords = (end - int64(offsets[c])) // 8
-        if t < _LANES:
+        if t < LANES:
             chains[t] = _hash_chain(out64, start, nwords, c, t)
         cuda.syncthreads()
         if t == 0:
@@ -437,7 +438,7 @@ def _encode_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_code, enc_len
 
 # -- header CRC ---------------------------------------------------------------------------
 @cuda.jit
-def _crc_segments(frame8, seg, nseg, crc_table, seg_crcs):
+def crc_segments(frame8, seg, nseg, crc_table, seg_crcs):
     """seg_crcs[i] = the unconditioned CRC-32 register of frame8[i*seg:(i+1)*seg] from 0."""
     i = cuda.grid(1)
     if i >= nseg:
@@ -449,7 +450,7 @@ def _crc_segments(frame8, seg, nseg, crc_table, seg_crcs):
 
 
 @cuda.jit
-def _crc_combine(frame8, seg, nseg, crc_end, seg_crcs, shift_cols, crc_table):
+def crc_combine(frame8, seg, nseg, crc_end, seg_crcs, shift_cols, crc_table):
     """Join the segment CRCs into zlib's CRC-32 of frame8[:crc_end]; store it at crc_end.
 
     The register update is linear over GF(2): crc(A + B) = Z_|B|(crc(A)) ^ crc0(B), where
@@ -489,9 +490,9 @@ def _lane_u32(frame8, at):
 
 
 @cuda.jit
-def _decode_kernel(frame8, frame64, nbytes, numel, chunk_elems, width, ra, exp_shift, dec_tables,
+def decode_kernel(frame8, frame64, nbytes, numel, chunk_elems, width, ra, exp_shift, dec_tables,
                    cflags, refs, books, sizes, offsets, checksums, do_checksum, out, status):
-    """Decode chunk blockIdx.x into out (element bits); status[c] = 0 or a cpu status code.
+    """Decode chunk blockIdx.x into out (element bits); status[c] = 0 or a layout.STATUS_* code.
 
     dec_tables is uint16[ns, nbooks_max, 4096]; coded stream s of chunk c was coded with
     book (books[c] >> 4s) & 15 of its group, whose table is loaded into shared memory.
@@ -500,9 +501,9 @@ def _decode_kernel(frame8, frame64, nbytes, numel, chunk_elems, width, ra, exp_s
     t = cuda.threadIdx.x
     nt = cuda.blockDim.x
     ns = sizes.shape[1]
-    dec = cuda.shared.array((_MAX_STREAMS, _DEC_ENTRIES), uint16)
-    chains = cuda.shared.array(_LANES, uint64)
-    st = cuda.shared.array(_STATUS_SLOTS, int32)  # per lane, and [_LANES] for the chunk
+    dec = cuda.shared.array((MAX_STREAMS, DEC_ENTRIES), uint16)
+    chains = cuda.shared.array(LANES, uint64)
+    st = cuda.shared.array(_STATUS_SLOTS, int32)  # per lane, and [LANES] for the chunk
     cnt = cuda.shared.array(1, int64)
     lo = int64(c) * chunk_elems
     hi = _imin(int64(numel), lo + chunk_elems)
@@ -511,34 +512,34 @@ def _decode_kernel(frame8, frame64, nbytes, numel, chunk_elems, width, ra, exp_s
     chosen = int64(books[c])
     nbooks = int64(dec_tables.shape[1])
     pos = int64(offsets[c])
-    masked = (flags & _CHUNK_MASK) != 0
+    masked = (flags & CHUNK_MASK) != 0
     mbytes = (count + 7) // 8
     length = _pad8(mbytes) if masked else int64(0)
     for s in range(ns):
         length += _pad8(int64(sizes[c, s]))
-    if t <= _LANES:
-        st[t] = _ST_OK
+    if t <= LANES:
+        st[t] = STATUS_OK
     if t == 0:
         cnt[0] = 0
     cuda.syncthreads()
     # The host checked the layout; the kernel trusts nothing and checks again.
     if pos < 0 or pos % 8 != 0 or pos + length > nbytes:
         if t == 0:
-            status[c] = _ST_SIZE
+            status[c] = STATUS_SIZE
         return
     if do_checksum:
-        if t < _LANES:
+        if t < LANES:
             chains[t] = _hash_chain(frame64, pos // 8, length // 8, c, t)
         cuda.syncthreads()
         if _hash_fold(chains[0], chains[1], chains[2], chains[3]) != uint64(checksums[c]):
             if t == 0:
-                status[c] = _ST_CHECKSUM
+                status[c] = STATUS_CHECKSUM
             return
-    if flags & _CHUNK_ZERO:
+    if flags & CHUNK_ZERO:
         for i in range(lo + t, hi, nt):
             out[i] = 0
         if t == 0:
-            status[c] = _ST_OK
+            status[c] = STATUS_OK
         return
     present = count
     if masked:
@@ -558,46 +559,46 @@ def _decode_kernel(frame8, frame64, nbytes, numel, chunk_elems, width, ra, exp_s
         spos = pos + (_pad8(mbytes) if masked else 0)
         for s in range(ns):
             size = int64(sizes[c, s])
-            if st[_LANES] == _ST_OK:
-                if flags & (_CHUNK_RAW0 << s):
+            if st[LANES] == STATUS_OK:
+                if flags & (CHUNK_RAW0 << s):
                     if size != present:
-                        st[_LANES] = _ST_MASK_COUNT if masked else _ST_SIZE
+                        st[LANES] = STATUS_MASK_COUNT if masked else STATUS_SIZE
                 elif ((chosen >> (4 * s)) & 15) >= nbooks:  # the host checks it against the group
-                    st[_LANES] = _ST_BOOK
-                elif size < _LANE_HEADER:
-                    st[_LANES] = _ST_SIZE
+                    st[LANES] = STATUS_BOOK
+                elif size < LANE_HEADER:
+                    st[LANES] = STATUS_SIZE
                 else:
                     words = int64(0)
-                    for k in range(_LANES):
+                    for k in range(LANES):
                         words += (_lane_u32(frame8, spos + 4 * k) + 7) // 8
-                    if _LANE_HEADER + 8 * words != size:
-                        st[_LANES] = _ST_SIZE
+                    if LANE_HEADER + 8 * words != size:
+                        st[LANES] = STATUS_SIZE
             spos += _pad8(size)
     for s in range(ns):
         k = (chosen >> (4 * s)) & 15
-        if not (flags & (_CHUNK_RAW0 << s)) and k < nbooks:
-            for e in range(t, _DEC_ENTRIES, nt):
+        if not (flags & (CHUNK_RAW0 << s)) and k < nbooks:
+            for e in range(t, DEC_ENTRIES, nt):
                 dec[s, e] = dec_tables[s, k, e]
     cuda.syncthreads()
-    if st[_LANES] != _ST_OK:
+    if st[LANES] != STATUS_OK:
         if t == 0:
-            status[c] = st[_LANES]
+            status[c] = st[LANES]
         return
     # One thread per lane: lane k's symbols of every stream, then its elements unrotated.
     # Masked chunks decode compactly into out[lo:lo+present] and are expanded below.
-    if t < _LANES:
+    if t < LANES:
         k = t
-        jlo = k * present // _LANES
-        jhi = (k + 1) * present // _LANES
+        jlo = k * present // LANES
+        jhi = (k + 1) * present // LANES
         top = 8 * width
         spos = pos + (_pad8(mbytes) if masked else 0)
         for s in range(ns):
-            if st[k] != _ST_OK:
+            if st[k] != STATUS_OK:
                 break
             size = int64(sizes[c, s])
             shift = 8 * (width - 1 - s)
             add = _sub_for(s, exp_shift, refs[c])
-            if flags & (_CHUNK_RAW0 << s):
+            if flags & (CHUNK_RAW0 << s):
                 for j in range(jlo, jhi):
                     v = ((int64(frame8[spos + j]) + add) & 255) << shift
                     if s == 0:
@@ -605,7 +606,7 @@ def _decode_kernel(frame8, frame64, nbytes, numel, chunk_elems, width, ra, exp_s
                     else:
                         out[lo + j] = int64(out[lo + j]) | v
             else:
-                base = (spos + _LANE_HEADER) // 8
+                base = (spos + LANE_HEADER) // 8
                 lane_bytes = int64(0)
                 for q in range(k + 1):
                     lane_bytes = _lane_u32(frame8, spos + 4 * q)
@@ -619,7 +620,7 @@ def _decode_kernel(frame8, frame64, nbytes, numel, chunk_elems, width, ra, exp_s
                     ln = (e >> 8) & 15
                     y = e & 255
                     if ln == 0:
-                        st[k] = _ST_BAD_CODE
+                        st[k] = STATUS_BAD_CODE
                         break
                     if e >= 0x8000:  # escape: the symbol's 8 bits follow the code
                         y = int64(buf >> uint64(ln)) & 255
@@ -630,24 +631,24 @@ def _decode_kernel(frame8, frame64, nbytes, numel, chunk_elems, width, ra, exp_s
                         out[lo + j] = v
                     else:
                         out[lo + j] = int64(out[lo + j]) | v
-                if st[k] == _ST_OK and p > 8 * lane_bytes:
-                    st[k] = _ST_OVERRUN
+                if st[k] == STATUS_OK and p > 8 * lane_bytes:
+                    st[k] = STATUS_OVERRUN
             spos += _pad8(size)
-        if ra and st[k] == _ST_OK:
+        if ra and st[k] == STATUS_OK:
             full = (int64(1) << top) - 1
             for j in range(jlo, jhi):
                 x = int64(out[lo + j]) & full
                 out[lo + j] = (x >> 1) | ((x & 1) << (top - 1))
     cuda.syncthreads()
     if t == 0:
-        code = _ST_OK
-        for k in range(_LANES):
-            if code == _ST_OK:
+        code = STATUS_OK
+        for k in range(LANES):
+            if code == STATUS_OK:
                 code = st[k]
         status[c] = code
         # Expand a masked chunk in place, from the back: the j-th present element moves
         # to its position i >= j, so no element is overwritten before it is moved.
-        if code == _ST_OK and masked:
+        if code == STATUS_OK and masked:
             j = present - 1
             for i in range(count - 1, -1, -1):
                 if (int64(frame8[pos + (i >> 3)]) >> (i & 7)) & 1:

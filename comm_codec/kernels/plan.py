@@ -1,61 +1,32 @@
 """numba kernels for the checkpoint planner: byte histograms of sampled chunks, chunk references.
 
-Private, arrays in and a status out; nothing of the package is imported (the element
-layout is restated below), so the kernels stand alone. :mod:`comm_codec.checkpoint.plan`
-samples whole chunks of a tensor and wants, per chunk size it weighs (64 Ki and 256 Ki
-elements), the symbol counts the encoder would see. Symbols of stream 0 depend on the
-chunk's reference exponent, the rest do not, so one pass suffices: the histograms of the
-*bytes* (before any reference) of every sampled 64 Ki piece, the pieces' all-zero element
-counts, and the references of the chunks of each size (:func:`chunk_refs`); the counts
-of a chunk made of several pieces are the sums of its pieces' histograms, stream 0's
-rotated by the chunk's reference. That replaced one :func:`comm_codec.kernels.cpu.
-chunk_histograms` pass per chunk size over every stream, and streams that can only end
-up raw get a sparse look (every 16th element) instead of a full histogram.
+Arrays in, a status out (:data:`~comm_codec.kernels.layout.STATUS_OK` or
+:data:`~comm_codec.kernels.layout.STATUS_BAD_ARGS`, one per call).
+:mod:`comm_codec.checkpoint.plan` samples whole chunks of a tensor and wants, per chunk
+size it weighs (64 Ki and 256 Ki elements), the symbol counts the encoder would see.
+Symbols of stream 0 depend on the chunk's reference exponent, the rest do not, so one
+pass suffices: the histograms of the *bytes* (before any reference) of every sampled
+64 Ki piece, the pieces' all-zero element counts, and the references of the chunks of
+each size (:func:`chunk_refs`); the counts of a chunk made of several pieces are the
+sums of its pieces' histograms, stream 0's rotated by the chunk's reference
+(:func:`chunk_rows`). Streams that can only end up raw get a sparse look (every 16th
+element) instead of a full histogram.
 
-Element layout (as :mod:`comm_codec.core.streams` defines it): the bits arrive as uint8,
-uint16 or uint32 for IEEE types, whose bits are rotated left by one (the sign to bit 0)
-before being cut into bytes, most significant byte first (stream 0); as int8 for 1-byte
-integers, not rotated. numba compiles one specialization per array type.
+Element bits are typed as :mod:`comm_codec.kernels.layout` describes.
 """
 
 from __future__ import annotations
 
-import numba
 import numpy as np
-from numba.extending import overload
+
+from .jit import entry, jit
+from .layout import STATUS_BAD_ARGS, STATUS_OK
+from .symbols import element_layout, symbol
 
 __all__ = ["byte_histograms", "chunk_refs", "chunk_rows", "STATUS_OK", "STATUS_BAD_ARGS"]
 
-_JIT = dict(nogil=True, cache=True)
 
-STATUS_OK = 0
-STATUS_BAD_ARGS = 1  # a piece outside bits, a stream out of range, a step < 1 or shapes that disagree
-
-
-def _width(bits):
-    """(bytes per element, 1 if rotated else 0); compile-time through the overload below."""
-    raise NotImplementedError  # only called from kernels
-
-
-@overload(_width, jit_options=dict(cache=True))
-def _ol_width(bits):
-    width = bits.dtype.bitwidth // 8
-    rotate = 0 if bits.dtype.signed else 1
-
-    def impl(bits):
-        return width, rotate
-
-    return impl
-
-
-@numba.njit(inline="always", **_JIT)
-def _byte(v, sh, top, ra, mask):
-    """Byte of stream (width-1 - sh/8) of element bits v: rotate left by ra within top bits, shift."""
-    x = np.int64(v) & mask
-    return (((x << ra) | (x >> (top - ra))) >> sh) & 255
-
-
-@numba.njit(**_JIT)
+@jit
 def _check_pieces(bits, starts, lengths):
     if starts.size != lengths.size:
         return False
@@ -65,7 +36,7 @@ def _check_pieces(bits, starts, lengths):
     return True
 
 
-@numba.njit(**_JIT)
+@entry
 def byte_histograms(bits, starts, lengths, streams, steps, hist, zeros):
     """Count the bytes of some streams over pieces of a tensor's element bits.
 
@@ -82,7 +53,7 @@ def byte_histograms(bits, starts, lengths, streams, steps, hist, zeros):
     Returns:
         STATUS_OK, or STATUS_BAD_ARGS (nothing written) for out-of-range arguments.
     """
-    width, ra = _width(bits)
+    width, ra, _ = element_layout(bits)
     m = streams.size
     if (steps.size != m or hist.shape[0] != starts.size or hist.shape[1] != m or hist.shape[2] != 256
             or zeros.shape[0] != starts.size or zeros.shape[1] != m or not _check_pieces(bits, starts, lengths)):
@@ -108,18 +79,18 @@ def byte_histograms(bits, starts, lengths, streams, steps, hist, zeros):
                 quads = piece.size // 4
                 for q in range(quads):
                     i = 4 * q
-                    h0[_byte(piece[i], sh, top, ra, mask)] += 1
-                    h1[_byte(piece[i + 1], sh, top, ra, mask)] += 1
-                    h2[_byte(piece[i + 2], sh, top, ra, mask)] += 1
-                    h3[_byte(piece[i + 3], sh, top, ra, mask)] += 1
+                    h0[symbol(piece[i], sh, 0, top, ra, mask)] += 1
+                    h1[symbol(piece[i + 1], sh, 0, top, ra, mask)] += 1
+                    h2[symbol(piece[i + 2], sh, 0, top, ra, mask)] += 1
+                    h3[symbol(piece[i + 3], sh, 0, top, ra, mask)] += 1
                 for i in range(4 * quads, piece.size):
-                    h0[_byte(piece[i], sh, top, ra, mask)] += 1
+                    h0[symbol(piece[i], sh, 0, top, ra, mask)] += 1
                 for i in range(piece.size):
                     z += np.int64(piece[i] == 0)
             else:
                 for i in range(0, piece.size, step):
                     v = piece[i]
-                    h0[_byte(v, sh, top, ra, mask)] += 1
+                    h0[symbol(v, sh, 0, top, ra, mask)] += 1
                     z += np.int64(v == 0)
             for b in range(256):
                 hist[k, j, b] = h0[b] + h1[b] + h2[b] + h3[b]
@@ -127,14 +98,14 @@ def byte_histograms(bits, starts, lengths, streams, steps, hist, zeros):
     return STATUS_OK
 
 
-@numba.njit(**_JIT)
+@entry
 def chunk_refs(bits, starts, lengths, per, exp_shift, refs):
     """Reference exponents of chunks made of consecutive pieces, as the encoder picks them.
 
     Chunk c is pieces c*per .. c*per+per-1 (the last chunk may have fewer) laid end to
     end; its reference is the mode of the exponents (``byte0 >> exp_shift``) of every
     ``max(1, n // 256)``-th of its n elements from its first, all-zero elements left out,
-    ties to the smaller exponent: what :func:`comm_codec.kernels.cpu.plan_chunks` computes
+    ties to the smaller exponent: what :func:`comm_codec.kernels.symbols.chunk_ref` computes
     for a chunk of those elements. With ``exp_shift < 0`` (integers) every reference is 0.
 
     Args:
@@ -146,7 +117,7 @@ def chunk_refs(bits, starts, lengths, per, exp_shift, refs):
     Returns:
         STATUS_OK, or STATUS_BAD_ARGS (nothing written).
     """
-    width, ra = _width(bits)
+    width, ra, _ = element_layout(bits)
     npieces = starts.size
     if per < 1 or refs.size != (npieces + per - 1) // per or not _check_pieces(bits, starts, lengths):
         return STATUS_BAD_ARGS
@@ -173,7 +144,7 @@ def chunk_refs(bits, starts, lengths, per, exp_shift, refs):
                 p += 1
             v = bits[starts[p] + i - base]
             if v != 0:
-                hist[_byte(v, sh, top, ra, mask) >> exp_shift] += 1
+                hist[symbol(v, sh, 0, top, ra, mask) >> exp_shift] += 1
         best = 0
         for e in range(256):
             if hist[e] > hist[best]:
@@ -182,7 +153,7 @@ def chunk_refs(bits, starts, lengths, per, exp_shift, refs):
     return STATUS_OK
 
 
-@numba.njit(**_JIT)
+@entry
 def chunk_rows(hist, zeros, lengths, refs, per, exp_shift, counted, rows):
     """Symbol counts of chunks made of consecutive pieces, from the pieces' byte histograms.
 

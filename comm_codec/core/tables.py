@@ -1,0 +1,157 @@
+"""The kernels' view of a codebook set: per-stream tables for one tuple of book groups.
+
+:class:`comm_codec.Codec` keeps one :class:`KernelTables` per (kind, dtype) it encodes
+(:func:`encode_tables`) and a bounded cache of them by the book ids that frames name
+(:func:`decode_tables`, :class:`TablesCache`). The GPU host driver copies them to a
+device once (:class:`comm_codec.core.gpu.DeviceTables`, kept in
+:attr:`KernelTables.on_device`).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import numpy as np
+
+from ..kernels.lanes import MULTI_BITS, multi_tables
+from ..kernels.layout import DEC_ENTRIES
+from .codebooks import CodebookGroup, CodebookSet
+from .errors import FrameError
+from .huffman import Codebook
+
+__all__ = ["KernelTables", "TablesCache", "encode_tables", "decode_tables", "RAW_ID"]
+
+RAW_ID = "0" * 16  # the id a frame names for a stream stored raw
+
+
+class KernelTables:
+    """Kernel-ready tables for one tuple of per-stream book groups.
+
+    Attributes:
+        ids: uint64[ns], each stream's group id (the frame header's book ids).
+        nbooks: int64[ns], how many books each stream's group holds.
+        enc_code, enc_len: uint32/uint8[ns, nbooks_max, 256] encoder tables.
+        dec: uint16[ns, nbooks_max, 4096] decode tables.
+        raw: bool[ns], streams whose book is raw.
+        on_device: torch.device -> :class:`comm_codec.core.gpu.DeviceTables`, filled by
+            whoever copies the tables to a device.
+    """
+
+    __slots__ = ("ids", "nbooks", "enc_code", "enc_len", "dec", "raw", "on_device", "_multi")
+
+    def __init__(self, groups: list[CodebookGroup]):
+        ns = len(groups)
+        kmax = max(len(g) for g in groups)
+        self.ids = np.array([g.id_int for g in groups], dtype=np.uint64)
+        self.nbooks = np.array([len(g) for g in groups], dtype=np.int64)
+        self.enc_code = np.zeros((ns, kmax, 256), dtype=np.uint32)
+        self.enc_len = np.zeros((ns, kmax, 256), dtype=np.uint8)
+        self.dec = np.zeros((ns, kmax, DEC_ENTRIES), dtype=np.uint16)
+        self.raw = np.array([g.raw for g in groups], dtype=np.bool_)
+        self.on_device: dict = {}
+        self._multi = None
+        for s, group in enumerate(groups):
+            for k, book in enumerate(group):
+                self.enc_code[s, k], self.enc_len[s, k], self.dec[s, k] = book.tables()
+
+    @property
+    def multi(self) -> np.ndarray:
+        """The multi-symbol decode tables, built on first use (4096 lookups per book)."""
+        if self._multi is None:
+            multi = np.zeros(self.dec.shape[:2] + (1 << MULTI_BITS,), dtype=np.uint64)
+            multi_tables(self.dec, multi)
+            self._multi = multi
+        return self._multi
+
+    def check_books(self, books: np.ndarray) -> None:
+        """Raise FrameError if a chunk names a book beyond its stream's group.
+
+        Args:
+            books: the chunk table's ``books`` column (book of stream s in bits 4s..4s+3).
+        """
+        for s, n in enumerate(self.nbooks):
+            k = (books.astype(np.int64) >> (4 * s)) & 15
+            if np.any(k >= n):
+                bad = int(np.nonzero(k >= n)[0][0])
+                raise FrameError(
+                    f"chunk {bad} says stream {s} was coded with book {int(k[bad])} of its group, "
+                    f"which holds {int(n)}"
+                )
+
+
+def encode_tables(codebooks: CodebookSet, kind: str, spec) -> KernelTables:
+    """Return the tables that encode ``kind`` tensors of ``spec``'s dtype with ``codebooks``.
+
+    Raises:
+        ValueError: an unknown kind, or a set without books for it (as
+            :meth:`CodebookSet.group`).
+    """
+    return KernelTables([codebooks.group(kind, spec.name, s) for s in range(spec.nstreams)])
+
+
+def decode_tables(codebooks: CodebookSet, ids: tuple) -> KernelTables:
+    """Return the tables that decode a frame whose streams name the book (group) ids ``ids``.
+
+    Args:
+        codebooks: the set to find the books in.
+        ids: one 16-hex-digit id per stream (:attr:`FrameParameters.book_ids`); an id may
+            name a group or one book of a group; :data:`RAW_ID` is a raw stream.
+
+    Raises:
+        FrameError: an id that the set does not hold.
+    """
+    groups = []
+    for s, book_id in enumerate(ids):
+        if book_id == RAW_ID:
+            groups.append(CodebookGroup(Codebook.raw_book()))
+            continue
+        group = codebooks.group_by_id(book_id)
+        if group is None:
+            book = codebooks.by_id(book_id)  # a member of a group, named alone
+            group = CodebookGroup(book) if book is not None else None
+        if group is None:
+            raise FrameError(
+                f"frame stream {s} was coded with codebook {book_id}, which this codec's "
+                "codebook set does not hold; decode with the books it was encoded with"
+            )
+        groups.append(group)
+    return KernelTables(groups)
+
+
+class TablesCache:
+    """Decode tables by book-id tuple, least recently used out first; safe between threads.
+
+    A job's frames name a handful of tuples (one per kind and dtype), but frames from an
+    untrusted peer can name any mix of a set's ids, and each tuple's tables take up to
+    2.5 MiB (per stream 16 books x 4096 entries of 2 + 8 bytes, plain and multi-symbol):
+    the cache is bounded so that crafted frames cannot grow it.
+
+    Args:
+        maxsize: entries kept.
+    """
+
+    def __init__(self, maxsize: int):
+        self.maxsize = int(maxsize)
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, codebooks: CodebookSet, ids: tuple) -> KernelTables:
+        """Return the cached tables for ``ids``, building them (:func:`decode_tables`) if absent."""
+        with self._lock:
+            tables = self._entries.get(ids)
+            if tables is not None:
+                self._entries.move_to_end(ids)
+                return tables
+        tables = decode_tables(codebooks, ids)  # outside the lock: other threads keep decoding
+        with self._lock:
+            self._entries[ids] = tables
+            while len(self._entries) > self.maxsize:
+                self._entries.popitem(last=False)
+        return tables
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, ids) -> bool:
+        return ids in self._entries

@@ -1,0 +1,307 @@
+"""Decode kernels: a chunk's streams into elements, and decode-and-add into float32.
+
+A chunk decodes in two phases. Its coded streams are decoded lane by lane
+(:func:`comm_codec.kernels.lanes.decode_lanes`) into byte rows of a scratch array, while
+raw streams are read where they lie in the frame; then one pass joins each element's
+stream bytes, adds the chunk's reference to stream 0 and rotates the sign back
+(:func:`_assemble`, vectorizable), or spreads the present elements out by the zero mask
+(:func:`_assemble_masked`). Writing each stream's symbols into the elements stream by
+stream instead would touch the output once per stream.
+
+:func:`decode_accumulate_chunks` decodes each chunk into cache-resident scratch and adds
+it, widened to float32, into an accumulator: bit for bit what torch's CPU ``add_`` gives,
+NaNs included (:func:`_add_f32`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from .intrinsics import address, as_f32, f32_bits
+from .jit import inline, jit, parallel_entry
+from .lanes import decode_lanes
+from .layout import (CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, STATUS_BOOK, STATUS_CHECKSUM, STATUS_MASK_COUNT,
+                     STATUS_OK, STATUS_SIZE)
+from .symbols import element_layout, hash_words
+
+__all__ = ["decode_chunks", "decode_accumulate_chunks"]
+
+
+@inline
+def _element(v0, v1, v2, v3, j, add, width, ra):
+    """The element whose stream bytes are v0[j], v1[j], ...: stream 0 plus add (mod 256),
+    the streams joined most significant first, rotated back (sign from bit 0)."""
+    x = (np.int64(v0[j]) + add) & 255
+    if width >= 2:
+        x = (x << 8) | np.int64(v1[j])
+    if width == 4:
+        x = (((x << 8) | np.int64(v2[j])) << 8) | np.int64(v3[j])
+    if ra:
+        x = (x >> 1) | ((x & 1) << (8 * width - 1))
+    return x
+
+
+@jit
+def _assemble(v0, v1, v2, v3, present, add, dst):
+    """dst[i] = the element of the streams' bytes i, for i < present: one vectorizable pass."""
+    width, ra, _ = element_layout(dst)
+    for i in range(present):
+        dst[i] = _element(v0, v1, v2, v3, i, add, width, ra)
+
+
+@jit
+def _assemble_masked(v0, v1, v2, v3, present, add, frame8, mpos, out):
+    """out[i] = the next of the present elements (streams' bytes 0..present-1) where bit
+    i of the mask at frame8[mpos] is set, else 0.
+
+    Two passes: the present elements are built densely into a scratch row (the
+    vectorized :func:`_assemble`), then spread out by the mask a byte at a time,
+    branch-free: each element takes the next dense one multiplied by its bit (the
+    scratch row holds a zero one past the last, so nothing past the streams' bytes is
+    read even where a raw stream ends the frame). An all-zero mask byte (zeros come in
+    runs in many gradients) stores 8 zeros. Element by element with a select (``if
+    bit``, and even ``& -bit``), LLVM emits a branch that mispredicts on half-zero
+    gradients.
+    """
+    dense = np.empty(present + 1, dtype=out.dtype)
+    _assemble(v0, v1, v2, v3, present, add, dense)
+    dense[present] = 0
+    j = np.int64(0)
+    n = out.size
+    for q in range(n >> 3):
+        m = np.int64(frame8[mpos + q])
+        base = 8 * q
+        if m == 0:
+            for t in range(8):
+                out[base + t] = 0
+            continue
+        for t in range(8):
+            bit = (m >> t) & 1
+            out[base + t] = dense[j] * bit
+            j += bit
+    for i in range(n & ~7, n):
+        bit = (np.int64(frame8[mpos + (i >> 3)]) >> (i & 7)) & 1
+        out[i] = dense[j] * bit
+        j += bit
+
+
+@jit
+def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_shift, dec_tables, multi, out):
+    """Decode one chunk's payload at pos into out (count elements); return a status.
+
+    Coded streams are decoded into byte rows of a scratch array; raw streams are read
+    where they lie in the frame; then one pass (:func:`_assemble`) builds the elements.
+    """
+    if flags & CHUNK_ZERO:
+        out[:] = 0
+        return STATUS_OK
+    mpos = pos
+    present = count
+    if flags & CHUNK_MASK:
+        mbytes = (count + 7) // 8
+        present = 0
+        for k in range(mbytes):
+            byte = np.int64(frame8[pos + k])
+            if k == mbytes - 1 and count % 8:
+                byte &= (1 << (count % 8)) - 1
+            # branch-free popcount: a loop over the set bits mispredicts once a byte
+            byte -= (byte >> 1) & 0x55
+            byte = (byte & 0x33) + ((byte >> 2) & 0x33)
+            present += (byte + (byte >> 4)) & 0x0F
+        pos += (mbytes + 7) & ~7
+    ns = sizes_c.size
+    # + 1: a masked chunk's assembly may index one past its last present element (and
+    # then skips the read); raw rows get the same slack from the frame's padding.
+    rows = np.empty((ns, present + 1), dtype=np.uint8)
+    v0 = rows[0]
+    v1 = rows[min(1, ns - 1)]
+    v2 = rows[min(2, ns - 1)]
+    v3 = rows[min(3, ns - 1)]
+    # What the coded streams' decoding prefetches: the rest of the chunk's payload (raw
+    # streams) and the output.
+    pf_end = address(frame8) + pos
+    for s in range(ns):
+        pf_end += (np.int64(sizes_c[s]) + 7) & ~7
+    pf_out = address(out)
+    pf_out_end = pf_out + out.size * out.itemsize
+    for s in range(ns):
+        size = np.int64(sizes_c[s])
+        pf_in = address(frame8) + pos + size
+        if flags & (CHUNK_RAW0 << s):
+            if size != present:
+                return STATUS_MASK_COUNT if flags & CHUNK_MASK else STATUS_SIZE
+            view = frame8[pos:pos + present + 1]  # decode_chunks checked the chunk's end
+            if s == 0:
+                v0 = view
+            elif s == 1:
+                v1 = view
+            elif s == 2:
+                v2 = view
+            else:
+                v3 = view
+        else:
+            k = (chosen >> (4 * s)) & 15
+            if k >= dec_tables.shape[1]:  # the Python layer checks it against the group; trust nothing
+                return STATUS_BOOK
+            st = decode_lanes(frame8, frame64, pos, size, present, dec_tables[s, k], multi[s, k], rows[s],
+                               pf_in, pf_end, pf_out, pf_out_end)
+            if st != STATUS_OK:
+                return st
+        pos += (size + 7) & ~7
+    add = (np.int64(ref) << exp_shift) if exp_shift >= 0 else np.int64(0)
+    if flags & CHUNK_MASK:
+        _assemble_masked(v0, v1, v2, v3, present, add, frame8, mpos, out)
+    else:
+        _assemble(v0, v1, v2, v3, present, add, out)
+    return STATUS_OK
+
+
+@jit
+def _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books, sizes,
+                offsets, checksums, do_checksum, out):
+    """Decode chunk c into out (its count elements); return its status."""
+    lo = c * chunk_elems
+    count = min(numel, lo + chunk_elems) - lo
+    flags = cflags[c]
+    pos = offsets[c]
+    length = (((count + 7) // 8) + 7) & ~7 if flags & CHUNK_MASK else 0
+    for s in range(sizes.shape[1]):
+        length += (np.int64(sizes[c, s]) + 7) & ~7
+    if pos < 0 or pos % 8 or pos + length > frame8.size or out.size != count:  # checked above us; trust nothing
+        return STATUS_SIZE
+    st = _decode_chunk(frame8, frame64, pos, count, flags, np.int64(refs[c]), np.int64(books[c]),
+                       sizes[c], exp_shift, dec_tables, multi, out)
+    # Checked after decoding (the kernels are safe on any bytes): the decode streams
+    # the payload in from memory while it computes, and the hash then reads it from
+    # cache. Hashing first would make the hash wait for memory.
+    if do_checksum and hash_words(frame64, pos // 8, length // 8, c) != checksums[c]:
+        st = STATUS_CHECKSUM
+    return st
+
+
+@parallel_entry
+def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books, sizes,
+                  offsets, checksums, do_checksum, out, status):
+    """Decode every chunk into out; status[c] gets a code per chunk (0 = ok).
+
+    Args:
+        frame8, frame64: the frame as uint8 and uint64 (same memory, 8-byte aligned).
+        numel, chunk_elems, exp_shift: frame parameters.
+        dec_tables: uint16[nstreams, nbooks_max, 4096] decode tables (unused rows for raw
+            streams).
+        multi: uint64[nstreams, nbooks_max, 4096] from
+            :func:`comm_codec.kernels.lanes.multi_tables`.
+        cflags, refs, books, sizes, offsets, checksums: the parsed chunk table (checked
+            for consistency with the frame length, and books against the group sizes,
+            by the Python layer).
+        do_checksum: verify checksums.
+        out: element bits output, typed as ``bits`` in
+            :func:`comm_codec.kernels.encode.plan_chunks`.
+        status: int32[nchunks] output.
+    """
+    for c in prange(cflags.size):
+        lo = c * chunk_elems
+        hi = min(numel, lo + chunk_elems)
+        status[c] = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs,
+                                books, sizes, offsets, checksums, do_checksum, out[lo:hi])
+
+
+# -- decode and accumulate into float32 ------------------------------------------------------
+_QUIET = np.uint32(0x00400000)
+_ABS = np.uint32(0x7FFFFFFF)
+_INF_BITS = np.uint32(0x7F800000)
+
+
+@inline
+def _add_f32(a, b):
+    """Bits of float32(a) + float32(b) (both given as bits), NaNs as torch's CPU add gives them.
+
+    IEEE leaves which NaN a sum of NaNs carries to the hardware and the instruction's
+    operand order; torch's ``acc.add_(x)`` gives x's NaN (quieted) when x is one, else
+    acc's (seen on x86, vectorized and scalar tails alike). Choosing it here explicitly
+    keeps the result independent of how LLVM orders the add.
+    """
+    r = f32_bits(as_f32(a) + as_f32(b))
+    if (a & _ABS) > _INF_BITS:
+        r = a | _QUIET
+    if (b & _ABS) > _INF_BITS:
+        r = b | _QUIET
+    return r
+
+
+@inline
+def _half_bits_f32(h):
+    """float32 bits of the fp16 bits h: exact; a NaN keeps its sign and payload and is
+    quieted (what the hardware conversion gives, and torch's vectorized one; torch's
+    scalar loop tail makes every NaN 0x7FFFFFFF instead)."""
+    sign = np.uint32(h >> 15) << np.uint32(31)
+    e = (np.uint32(h) >> np.uint32(10)) & np.uint32(31)
+    m = np.uint32(h) & np.uint32(1023)
+    r = sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13))
+    if e == 0:  # zero or subnormal: m * 2**-24, exact in float32
+        r = sign | f32_bits(np.float32(m) * np.float32(5.9604644775390625e-08))
+    if e == 31:
+        r = (sign | _INF_BITS) if m == 0 else (sign | _INF_BITS | _QUIET | (m << np.uint32(13)))
+    return r
+
+
+@jit
+def _accumulate(bits, acc, half, add):
+    """acc[i] (float32 bits) += the float32 value of element bits[i] (or = it, add False).
+
+    bits are as :func:`decode_chunks` writes them: uint16 for bf16 (half False) and fp16
+    (half True), uint32 for fp32. Widening is exact, so the sum is the one of widening
+    first and adding then, bit for bit (see :func:`_add_f32` for NaNs).
+    """
+    width, _, _ = element_layout(bits)
+    if width == 4:
+        if add:
+            for i in range(bits.size):
+                acc[i] = _add_f32(acc[i], np.uint32(bits[i]))
+        else:
+            for i in range(bits.size):
+                acc[i] = np.uint32(bits[i])
+    elif half:
+        if add:
+            for i in range(bits.size):
+                acc[i] = _add_f32(acc[i], _half_bits_f32(bits[i]))
+        else:
+            for i in range(bits.size):
+                acc[i] = _half_bits_f32(bits[i])
+    else:
+        if add:
+            for i in range(bits.size):
+                acc[i] = _add_f32(acc[i], np.uint32(bits[i]) << np.uint32(16))
+        else:
+            for i in range(bits.size):
+                acc[i] = np.uint32(bits[i]) << np.uint32(16)
+
+
+@parallel_entry
+def decode_accumulate_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books,
+                             sizes, offsets, checksums, do_checksum, proto, half, acc, add, status):
+    """Decode every chunk and add its elements, widened to float32, into acc (or assign them).
+
+    Each chunk is decoded into a scratch chunk (it stays in L1/L2) and then added, so the
+    decoded tensor never exists in memory: one pass over acc instead of a decode, a
+    widening copy and an add. A chunk whose status is not 0 leaves its part of acc
+    untouched.
+
+    Args:
+        frame8 ... do_checksum: as for :func:`decode_chunks`.
+        proto: an empty array of the element bits' type (uint16 or uint32).
+        half: the frame holds fp16 (its uint16 bits widen differently from bf16's).
+        acc: uint32[numel], the float32 accumulator's bits (updated in place).
+        add: True: acc += value; False: acc = value.
+        status: int32[nchunks] output.
+    """
+    for c in prange(cflags.size):
+        lo = c * chunk_elems
+        hi = min(numel, lo + chunk_elems)
+        scratch = np.empty(hi - lo, dtype=proto.dtype)
+        st = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books,
+                         sizes, offsets, checksums, do_checksum, scratch)
+        status[c] = st
+        if st == STATUS_OK and hi <= acc.size:
+            _accumulate(scratch, acc[lo:hi], half, add)

@@ -1,0 +1,68 @@
+"""How the CPU kernels are compiled: numba's flags in one place, and what was compiled.
+
+Every CPU kernel is decorated with one of the four decorators below, so that the flags
+are the same everywhere: machine code is cached on disk across processes
+(``cache=True``), kernels release the GIL (``nogil``), and ``fastmath`` stays off (the
+kernels do integer work, and bit-exactness is the point). Only the entry points whose
+outer loop is a ``prange`` over chunks are compiled with ``parallel=True``.
+
+The entry points (the kernels that the layer above calls) are registered here, so that
+:func:`compile_counts` can tell a compile from a cache load, and :func:`cache_location`
+where numba keeps them.
+"""
+
+from __future__ import annotations
+
+import numba
+
+__all__ = ["FLAGS", "OVERLOAD_OPTIONS", "jit", "inline", "entry", "parallel_entry", "compile_counts",
+           "cache_location"]
+
+FLAGS = dict(nogil=True, cache=True)
+OVERLOAD_OPTIONS = dict(cache=True)  # jit_options of numba.extending.overload
+
+_ENTRY_POINTS: dict = {}  # name -> dispatcher
+
+
+def jit(fn):
+    """Compile a helper that kernels call."""
+    return numba.njit(**FLAGS)(fn)
+
+
+def inline(fn):
+    """Compile a helper that is inlined into every kernel that calls it (numba IR inlining)."""
+    return numba.njit(inline="always", **FLAGS)(fn)
+
+
+def entry(fn):
+    """Compile a kernel that the Python layer calls, and register it."""
+    dispatcher = numba.njit(**FLAGS)(fn)
+    _ENTRY_POINTS[fn.__name__] = dispatcher
+    return dispatcher
+
+
+def parallel_entry(fn):
+    """:func:`entry` for a kernel whose outer loop is a ``prange`` (numba's threads)."""
+    dispatcher = numba.njit(parallel=True, **FLAGS)(fn)
+    _ENTRY_POINTS[fn.__name__] = dispatcher
+    return dispatcher
+
+
+def compile_counts() -> dict:
+    """Return, for every registered entry point, how many signatures this process compiled.
+
+    A kernel loaded from numba's on-disk cache counts nothing; compare two calls to see
+    whether the code between them compiled. Only the kernel modules imported so far are
+    registered (each registers its entry points when it is imported).
+    """
+    return {name: sum(k.stats.cache_misses.values()) for name, k in _ENTRY_POINTS.items()}
+
+
+def cache_location() -> str:
+    """Return the directory where numba caches the compiled kernels."""
+    for dispatcher in _ENTRY_POINTS.values():
+        try:
+            return dispatcher._cache._cache_path  # numba keeps no public name for it
+        except AttributeError:  # pragma: no cover - a numba without this attribute
+            break
+    return "(numba's cache directory)"

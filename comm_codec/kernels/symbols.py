@@ -1,0 +1,151 @@
+"""Element bits to stream symbols, the chunk's reference exponent, zero counts, the payload checksum.
+
+The element bit layout is :mod:`comm_codec.kernels.layout`'s. numba compiles one
+specialization per array type, so element width and rotation are compile-time constants
+(:func:`element_layout`) and the bit shuffling in the hot loops folds into a few
+instructions (with the layout as run-time parameters, the shifts and masks would be
+computed in every iteration of the hot loops).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba.extending import overload
+
+from .jit import OVERLOAD_OPTIONS, inline, jit
+from .layout import HASH_MUL, HASH_SEED
+
+__all__ = ["element_layout", "stream_params", "symbol", "symbol0", "rotated", "chunk_ref", "count_zeros",
+           "hash_words"]
+
+
+def element_layout(bits):
+    """(width in bytes, rotate, all-ones mask) of an element-bits array; compile-time."""
+    raise NotImplementedError  # only called from kernels, through the overload below
+
+
+@overload(element_layout, jit_options=OVERLOAD_OPTIONS)
+def _ol_element_layout(bits):
+    width = bits.dtype.bitwidth // 8
+    rotate = 1 if not bits.dtype.signed else 0
+    mask = (1 << (8 * width)) - 1
+
+    def impl(bits):
+        return width, rotate, mask
+
+    return impl
+
+
+@inline
+def stream_params(bits, s, exp_shift, ref):
+    """(sh, sub, top, ra, mask) for :func:`symbol` of stream s of this array type."""
+    width, ra, mask = element_layout(bits)
+    sub = (np.int64(ref) << exp_shift) if (s == 0 and exp_shift >= 0) else np.int64(0)
+    return np.int64(8 * (width - 1 - s)), sub, np.int64(8 * width), np.int64(ra), np.int64(mask)
+
+
+@inline
+def symbol(v, sh, sub, top, ra, mask):
+    """One stream's symbol of element bits v.
+
+    The element is rotated left by ra (1: sign to bit 0) within top bits, shifted right
+    by sh (8 * (width - 1 - stream)) and, for an exponent stream, reduced by sub
+    (ref << exp_shift) modulo 256.
+    """
+    x = np.int64(v) & mask
+    return ((((x << ra) | (x >> (top - ra))) >> sh) - sub) & 255
+
+
+def symbol0(v):
+    """Stream 0's byte of element bits v (before any reference), with the layout of v's
+    type folded into constants; compile-time, like :func:`element_layout`."""
+    raise NotImplementedError  # only called from kernels, through the overload below
+
+
+@overload(symbol0, jit_options=OVERLOAD_OPTIONS)
+def _ol_symbol0(v):
+    width = v.bitwidth // 8
+    if v.signed:  # int8: the byte itself
+        return lambda v: np.int64(v) & 255
+    if width == 1:  # fp8: the byte rotated left by one
+        return lambda v: ((np.int64(v) << 1) | (np.int64(v) >> 7)) & 255
+    # wider floats: the sign rotated in lands in the last stream, so stream 0 is a
+    # plain shift of the element (bf16: v >> 7)
+    shift = 8 * width - 9
+    return lambda v: (np.int64(v) >> shift) & 255
+
+
+@inline
+def rotated(table, sub):
+    """table re-indexed by the absolute byte: out[b] = table[(b - sub) mod 256].
+
+    Stream 0's reference folded into a copy of its tables once per chunk costs 256
+    lookups; subtracting it from every element would cost one per symbol.
+    """
+    out = np.empty(256, dtype=table.dtype)
+    for b in range(256):
+        out[b] = table[(b - sub) & 255]
+    return out
+
+
+@jit
+def chunk_ref(bits, lo, hi, exp_shift):
+    """Reference exponent of a chunk: the mode of a strided sample of its exponents.
+
+    Every ``max(1, n // 256)``-th element from the chunk's first; exact zeros are left
+    out (they are masked or rare); ties go to the smaller exponent. A poor reference
+    only costs bits, never correctness. 0 when ``exp_shift < 0`` (integers).
+    """
+    if exp_shift < 0:
+        return 0
+    hist = np.zeros(256, dtype=np.int64)
+    step = max(1, (hi - lo) // 256)
+    sh, _, top, ra, mask = stream_params(bits, 0, -1, 0)
+    for i in range(lo, hi, step):
+        if bits[i] != 0:
+            hist[symbol(bits[i], sh, 0, top, ra, mask) >> exp_shift] += 1
+    best = 0
+    for e in range(256):
+        if hist[e] > hist[best]:
+            best = e
+    return best
+
+
+@jit
+def count_zeros(view):
+    """How many elements of view are all-zero bits (a vectorized pass of its own: counting
+    them inside a histogram's loop cost a quarter of its time)."""
+    z = np.int64(0)
+    for i in range(view.size):
+        z += np.int64(view[i] == 0)
+    return z
+
+
+@jit
+def hash_words(words, start, nwords, seed):
+    """Checksum of words[start:start+nwords]: four multiply-xor chains, then combined.
+
+    Four chains (over words k = j mod 4) keep four multiplications in flight; one chain
+    is bound by the multiply's latency. The 64-bit result is folded to 32 bits.
+    """
+    base = HASH_SEED ^ np.uint64(seed)
+    h0 = base
+    h1 = base ^ np.uint64(1)
+    h2 = base ^ np.uint64(2)
+    h3 = base ^ np.uint64(3)
+    view = words[start:start + nwords]
+    q = view.size // 4
+    for k in range(q):
+        h0 = (h0 ^ view[4 * k]) * HASH_MUL
+        h1 = (h1 ^ view[4 * k + 1]) * HASH_MUL
+        h2 = (h2 ^ view[4 * k + 2]) * HASH_MUL
+        h3 = (h3 ^ view[4 * k + 3]) * HASH_MUL
+    r = view.size - 4 * q
+    if r > 0:
+        h0 = (h0 ^ view[4 * q]) * HASH_MUL
+    if r > 1:
+        h1 = (h1 ^ view[4 * q + 1]) * HASH_MUL
+    if r > 2:
+        h2 = (h2 ^ view[4 * q + 2]) * HASH_MUL
+    h = (((h0 ^ h1) * HASH_MUL ^ h2) * HASH_MUL ^ h3) * HASH_MUL
+    return np.uint32((h >> np.uint64(32)) ^ (h & np.uint64(0xFFFFFFFF)))
