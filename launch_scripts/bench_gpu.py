@@ -161,8 +161,8 @@ def main(argv=None) -> int:
     if not gpu and args.chunk_elems is None:
         kw["chunk_elems"] = 1024
     codec = cc.Codec(**kw)
-    encode = codec.encode if gpu else codec._encode_cuda
-    decode = codec.decode if gpu else codec._decode_cuda
+    encode = codec.encode if gpu else codec.encode_cuda
+    decode = codec.decode if gpu else codec.decode_cuda
     timer = _Timer(torch, gpu)
     name = torch.cuda.get_device_name(device) if gpu else "numba CUDA simulator (timings meaningless)"
     log.info("bench_gpu on %s: sizes %s MiB, repeat %d, chunk_elems %d", name,

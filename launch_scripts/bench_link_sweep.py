@@ -343,8 +343,8 @@ def _stat_delta(cfg: _Config, before) -> dict:
 
 
 def _drop(cfg: _Config) -> None:
-    if cfg.state is not None and getattr(cfg.state, "_executor", None) is not None:
-        cfg.state._executor.shutdown(wait=True)
+    if cfg.state is not None and hasattr(cfg.state, "shutdown"):
+        cfg.state.shutdown()
 
 
 # -- profile: a timeline of one coded step ------------------------------------------------------

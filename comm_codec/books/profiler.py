@@ -37,8 +37,8 @@ import torch
 from ..core.codebooks import CodebookGroup, CodebookSet, as_codebook_set, check_kind
 from ..core.codec import DEFAULT_CHUNK_ELEMS
 from ..core.huffman import Codebook, entropy_bits, optimal_lengths
-from ..kernels import cpu as _cpu
-from ..kernels import torch_threads_kept
+from ..core.memory import torch_threads_kept
+from ..kernels.histogram import chunk_histograms, huffman_costs
 from ..core.streams import as_bits, spec_for
 
 __all__ = ["WarmupProfiler", "ProfileStatistics", "chunk_counts", "stream_counts", "coding_cost", "book_cost",
@@ -91,7 +91,7 @@ def chunk_counts(tensor: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     zeros = np.empty(nchunks, dtype=np.int64)
     if nchunks:
         with torch_threads_kept():
-            _cpu.chunk_histograms(bits, chunk_elems, spec.exp_shift, chosen, counts, zeros)
+            chunk_histograms(bits, chunk_elems, spec.exp_shift, chosen, counts, zeros)
     return counts, zeros
 
 
@@ -422,7 +422,7 @@ def grow_group(rows: np.ndarray, first: Codebook | None, max_books: int, min_gai
     best = base.copy()
     alone = total = int(best.sum())
     own = np.zeros(len(rows), dtype=np.int64)
-    _cpu.huffman_costs(rows, own)
+    huffman_costs(rows, own)
     while len(fixed) + len(added) < max_books and len(rows):
         seed = int(np.argmax(best - own))
         trial = added + [Codebook.from_counts(rows[seed], raw_threshold=None)]

@@ -361,7 +361,7 @@ class CodingEngine:
     def precompile_for(self, tensor: torch.Tensor) -> None:
         """Load the codec's kernels for the dtype ``tensor`` is coded in, before it is timed."""
         if tensor.device.type == "cpu":
-            self.codec.warmup([self.cast_dtype(tensor) or tensor.dtype])
+            self.codec.precompile([self.cast_dtype(tensor) or tensor.dtype])
 
     def swap_books(self, books: CodebookSet, group=None, device=None) -> None:
         """Check that every rank holds ``books`` (collective) and code with them from now on."""

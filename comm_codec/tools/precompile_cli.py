@@ -30,9 +30,9 @@ def precompile(codec, dtypes=None, profiler: bool = True) -> tuple[dict, str]:
     Raises:
         TypeError: an unsupported dtype.
     """
-    from ..core.precompile import cache_location, warm
+    from ..core import precompile as kernels
 
-    return warm(codec, dtypes, profiler=profiler), cache_location()
+    return kernels.precompile(codec, dtypes, profiler=profiler), kernels.cache_location()
 
 
 def _cmd_precompile(args) -> int:

@@ -67,7 +67,13 @@ def _cmd_profile(args) -> int:
     else:
         prof = profile_checkpoint(args.checkpoint, WarmupProfiler(max_books=args.max_books))
         heldout = None
-    books = prof.build(meta={"source": args.entry or args.checkpoint})
+    meta = {"source": args.entry or args.checkpoint}
+    if group_ready:  # every rank builds the same books from the histograms summed over ranks
+        from ..comm.agreement import build_books
+
+        books = build_books(prof, None, meta)
+    else:
+        books = prof.build(meta=meta)
     rank = 0
     if group_ready:
         import torch.distributed as dist
