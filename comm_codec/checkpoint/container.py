@@ -36,6 +36,7 @@ __all__ = [
     "HEADER",
     "TRAILER",
     "FLAG_INDEX_ZSTD",
+    "NOT_OURS",
     "created_by",
     "identify",
     "read_container_index",
@@ -50,6 +51,9 @@ FRAME_MAGIC = b"CCFR"  # a single codec frame (comm_codec.core.frame)
 HEADER = struct.Struct("<8sHHI")
 TRAILER = struct.Struct("<QQIHH8s")
 FLAG_INDEX_ZSTD = 0x1
+# What every reader says of a file that is no comm_codec file at all.
+NOT_OURS = ("not a comm_codec checkpoint or frame (bad magic): give a file written by "
+            "`comm-codec compress` (or a codec frame, for inspect)")
 # Largest index (JSON text) read: a checkpoint of 250 000 segments needs about 15 MB.
 _MAX_INDEX_BYTES = 128 << 20
 # What json.loads may build, estimated from the text before it runs (each JSON value costs
