@@ -626,7 +626,7 @@ def decompress_file(src, dst, base=None, threads: int | None = None, progress: b
 
     Args:
         src: a file written by :func:`compress_file`.
-        dst: where to write the original; it appears only once its sha256 matched.
+        dst: where to write the original; it appears only once its digest matched.
         base: the base the file was compressed against (the original file, or a
             standalone compressed one); required for delta files, refused if different.
         threads: worker threads (default: the CPU count, at most NUMBA_NUM_THREADS).
@@ -654,7 +654,7 @@ def verify_file(src, base=None, threads: int | None = None, progress: bool | Non
 
     Every checksum is checked (index CRC, segment CRCs, frame header CRCs and chunk
     checksums) and, when the original can be rebuilt (no base needed, or base given),
-    the sha256 of the restored bytes. ``Summary.sha256`` is None when it was not.
+    the digest of the restored bytes. ``Summary.digest`` is None when it was not.
 
     Raises:
         CheckpointError: the file is corrupted, or the base is wrong.

@@ -23,7 +23,8 @@ from .files import FileMap
 from .formats import CODABLE, FileTensor
 from .lossy_blobs import FileBooks, read_skeleton
 from .lossy_index import STREAMS
-from .lossy_transforms import LOSSY_DTYPES, MANTISSA, dequantize, error_stats, fill_value, prunable, quantize, round_mantissa
+from .lossy_transforms import (LOSSY_DTYPES, MANTISSA, dequantize, error_stats, fill_value, prunable, quantize,
+                               round_mantissa)
 
 __all__ = ["Encoder", "decode_tensors", "WEIGHTS_ONLY_FACTOR"]
 
