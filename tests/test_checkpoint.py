@@ -537,7 +537,7 @@ def test_mixed_chunks_get_a_group_and_partly_compressible_streams_a_book(tmp_pat
     t = {x["name"]: x for x in index["tensors"]}
     assert t["mixed"]["books"][0] in index["groups"] and len(index["groups"][t["mixed"]["books"][0]]) >= 2
     assert t["fp32"]["books"][3] != "0" * 16  # the lowest byte: coded where it compresses
-    monkeypatch.setattr(plan, "_GROUP_MIN_ROWS", 1 << 30)  # neither groups nor partial books
+    monkeypatch.setattr(plan, "GROUP_MIN_ROWS", 1 << 30)  # neither groups nor partial books
     ck.compress_file(tmp_path / "m.safetensors", plain, codebooks=CodebookSet({}))
     assert "groups" not in ck.read_index(plain)
     assert packed.stat().st_size < plain.stat().st_size * 0.99

@@ -1,4 +1,4 @@
-"""Untrusted input (issue #18): crafted containers and pickles whose checksums still hold.
+"""Untrusted input: crafted containers and pickles whose checksums still hold.
 
 Every crafted file goes through the real command line in one subprocess
 (``tests/crafted.py``), which records per case: the exit status, stderr, peak RSS (VmHWM,

@@ -3,9 +3,9 @@
 :func:`compress_file` finds the tensors inside a safetensors file or a ``torch.save`` zip
 *without unpickling anything* and codes each one with :class:`~comm_codec.Codec`; every
 other byte is coded with zstd. :func:`decompress_file` writes the original file back,
-byte for byte, and checks its sha256 before the output appears. ``base=`` codes each
+byte for byte, and checks its digest before the output appears. ``base=`` codes each
 tensor as the XOR of its bit pattern with the same-named tensor of a previous checkpoint.
-:mod:`comm_codec.checkpoint.lossy` (also ``comm_codec.checkpoint.lossy``) is the opt-in lossy mode.
+:mod:`comm_codec.checkpoint.lossy` is the opt-in lossy mode.
 
 Example::
 
@@ -16,19 +16,23 @@ Example::
 
 The package, one concept per module (each imports only those listed before it):
 
-- :mod:`.errors`: :class:`CheckpointError`.
+- :mod:`.errors`: :class:`CheckpointError`, :class:`ChainError`.
 - :mod:`.files`: read-only maps, atomic outputs, streaming hashes.
+- :mod:`.schema`: the checks a JSON index is held to.
 - :mod:`.container`: header, index and trailer shared by both formats; magics.
 - :mod:`.pickle_scan`, :mod:`.formats`: finding tensors in safetensors and torch zips.
 - :mod:`.plan`: transforms and book choice per tensor.
-- :mod:`.exact`: the lossless format (this package's face re-exports it).
-- :mod:`.lossy_transforms`, :mod:`.lossy`: the ExCP-style and precision-cut format.
+- :mod:`.exact_index`, :mod:`.exact`: the lossless format (this package's face re-exports it).
+- :mod:`.lossy_transforms`, :mod:`.lossy_index`, :mod:`.lossy_blobs`, :mod:`.lossy_tensors`,
+  :mod:`.lossy_chain`, :mod:`.lossy`: the ExCP-style and precision-cut format
+  (``lossy_format.md``).
 - :mod:`.cli`: ``comm-codec compress / decompress / verify / ls``.
 """
 
 from .container import LOSSY_MAGIC, MAGIC
 from .errors import CheckpointError
-from .exact import PIECE_BYTES, VERSION, Summary, compress_file, decompress_file, describe, is_checkpoint, load, read_index, save, verify_file
+from .exact import PIECE_BYTES, Summary, compress_file, decompress_file, describe, load, save, verify_file
+from .exact_index import VERSION, is_checkpoint, read_index
 
 __all__ = [
     "CheckpointError",

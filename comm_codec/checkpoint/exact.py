@@ -4,7 +4,7 @@
 *without unpickling anything* and codes each one with :class:`~comm_codec.Codec`; every
 other byte (headers, pickles, zip directories, tensors of dtypes the codec cannot code,
 files of unknown format) is coded with zstd. :func:`decompress_file` writes the original
-file back, byte for byte, and checks its sha256 before the output appears. ``base=``
+file back, byte for byte, and checks its digest before the output appears. ``base=``
 codes each tensor as the XOR of its bit pattern with the same-named tensor of a previous
 checkpoint (the *original* file), which is cheap when training changed few bits.
 
@@ -17,49 +17,29 @@ Example::
     >>> checkpoint.compress_file("step1100.safetensors", "step1100.cckp",
     ...                          base="step1000.safetensors")                  # doctest: +SKIP
 
-Container format, version 1 (all integers little-endian)::
-
-    header    magic 8 bytes b"\\x89CCKP\\r\\n\\x1a" | version u16 | flags u16 (0) | 0 u32
-    segments  the coded source bytes, in source order, each padded with zeros to 8 bytes
-    index     zstd-compressed UTF-8 JSON (below)
-    trailer   index offset u64 | index length u64 | index CRC-32 u32 | version u16 |
-              flags u16 (bit 0: index is zstd-compressed) | magic 8 bytes     (32 bytes)
-
-The magic differs from a frame's (``CCFR``) and from the *lossy* container's
-(:data:`LOSSY_MAGIC`, :mod:`comm_codec.checkpoint.lossy`), so no reader can take a lossy file for an
-exact one. The index (``"format": "comm_codec.checkpoint"``)::
-
-    source    {name, size, sha256, format: "safetensors" | "torch_zip" | "generic"}
-    base      null, or {name, size, sha256} of the file deltas were taken against
-    books     {id: {origin, book}}: every codebook a frame uses, per-tensor and shipped
-              alike (a file never depends on the installed default books)
-    tensors   [{name, dtype, shape, offset, nbytes, kind, coding: "frame" | "opaque",
-                transform: "none" | "xor", base_offset, books: [id per stream], chunk_elems}]
-    segments  [[src_offset, src_length, offset, length, method, crc32, tensor], ...]
-
-Segments cover the source exactly, in order. ``method`` is ``"frame"`` (one
-:meth:`Codec.encode` frame of the tensor's elements src_offset..src_offset+src_length,
-after the tensor's transform, in chunks of the tensor's ``chunk_elems``; frames carry a
-CRC-32 header and a checksum per chunk), ``"zstd"`` (level 3) or ``"stored"``;
-``crc32`` (CRC-32 of the coded bytes) is set for the last two. Big tensors are cut into
-pieces of about :data:`PIECE_BYTES` so memory stays bounded and pieces code in parallel.
-Every byte of the container is checked on the way back: header fields, segment layout
-and zero padding, CRCs, frame checksums, and the sha256 of the restored file.
+The file is a container (:mod:`.container`: header, coded segments, JSON index,
+trailer) under its own magic (:data:`MAGIC`), which differs from a frame's and from the
+lossy container's, so no reader takes a lossy file for an exact one. The source is cut
+into *segments* that cover it in order: pieces of about :data:`PIECE_BYTES` of each
+tensor (whole chunks), coded as codec frames, and the bytes between tensors, coded with
+zstd (level 3) or stored. Pieces bound memory and code in parallel, in order, on worker
+threads. What the index records, and every check a reader makes of it, is
+:mod:`.exact_index`; every byte of the container is checked on the way back (header
+fields, segment layout and zero padding, CRCs, frame checksums, and the digest of the
+restored file).
 
 How a tensor is coded is decided from a sample of its chunks, by expected coded bits
-(:mod:`.plan`): per stream, a book built for the tensor (stored in
-the index, or one built for an earlier tensor that fits as well), the shipped book of
-its kind, or raw; chunks of 64 Ki or 256 Ki elements; with a base, XOR or not. Tensors
-under 4 kB stay with the zstd-coded bytes around them. A transform maps a tensor's bit
-pattern to what is coded and back: ``"none"``, and ``"xor"`` with the base tensor. The
-lossy ExCP-style mode is :mod:`comm_codec.checkpoint.lossy`, a container of its own
-(:data:`LOSSY_MAGIC`) that shares this one's index reader.
+(:mod:`.plan`): per stream, a book built for the tensor (stored in the index, or one
+built for an earlier tensor that fits as well), the shipped book of its kind, or raw;
+chunks of 64 Ki or 256 Ki elements; with a base, XOR or not. Tensors under
+:data:`MIN_CODED_BYTES` stay with the zstd-coded bytes around them. The lossy ExCP-style
+mode is :mod:`comm_codec.checkpoint.lossy`, a container of its own (:data:`LOSSY_MAGIC`).
 
 Untrusted input: nothing read from a source, base or compressed file is ever unpickled
-(torch pickles are scanned opcode by opcode, :mod:`.pickle_scan`);
-codebooks and metadata are JSON; every length and offset is checked before use; a
-failure raises :class:`CheckpointError` and leaves no output file behind. Files are
-mapped, written and hashed by :mod:`.files`.
+(torch pickles are scanned opcode by opcode, :mod:`.pickle_scan`); codebooks and
+metadata are JSON; every length and offset is checked before use; a failure raises
+:class:`CheckpointError` and leaves no output file behind. Files are mapped, written and
+hashed by :mod:`.files`.
 """
 
 from __future__ import annotations
@@ -79,20 +59,20 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
-import numpy as np
 import torch
 import zstandard
 
-from ..core.codebooks import CodebookGroup, CodebookSet
+from ..core.codebooks import CodebookSet
 from ..core.frame import FrameError
-from ..core.huffman import Codebook, CodebookError
+from ..core.huffman import Codebook
 from ..core.streams import spec_for
-from . import schema
-from .container import HEADER, MAGIC, created_by, encode_index, identify, index_file, read_container_index, zstd_bounded
-from .errors import CheckpointError, fail
-from .files import WRITE_DIGEST, AtomicFile, DigestStream, FileMap, atomic_output, check_paths, file_digest, open_regular, recorded_digest, temp_name, track_temp, untrack_temp
+from .container import HEADER, MAGIC, created_by, encode_index, identify, zstd_bounded
+from .container import NOT_OURS  # noqa: F401 - named as exact.NOT_OURS by `comm-codec inspect`
+from .errors import CheckpointError
+from .exact_index import INDEX_FORMAT, VERSION, is_checkpoint, load_index, read_index
+from .files import (WRITE_DIGEST, AtomicFile, DigestStream, FileMap, atomic_output, check_paths, file_digest,
+                    recorded_digest, temp_name, track_temp, untrack_temp)
 from .formats import CODABLE, FileTensor, find_tensors
-from .schema import Anything, Int, ListOf, MapOf, Nullable, OneOf, Record, Row, Str
 from .plan import CHUNK_SIZES, TRANSFORMS, BookChooser, as_tensor, make_codec, plan_tensor
 
 __all__ = [
@@ -113,21 +93,12 @@ __all__ = [
 
 log = logging.getLogger("comm_codec.checkpoint")
 
-VERSION = 1
+# Source bytes per segment: memory stays bounded, and pieces code in parallel.
 PIECE_BYTES = 4 << 20
-_INDEX_FORMAT = "comm_codec.checkpoint"
 _ZSTD_LEVEL = 3
 # Tensors smaller than this are left to zstd with the bytes around them: a frame's header
 # and a codebook cost more than coding saves.
 MIN_CODED_BYTES = 4096
-_METHODS = ("frame", "zstd", "stored")
-# What every reader says of a file that is no comm_codec file at all.
-NOT_OURS = ("not a comm_codec checkpoint or frame (bad magic): give a file written by "
-            "`comm-codec compress` (or a codec frame, for inspect)")
-# Largest piece of source one segment may restore: what this writer makes (PIECE_BYTES, or
-# one chunk of a tensor when larger) with room to spare. A reader holds a few segments in
-# memory at a time, so this bounds its memory whatever sizes a file claims.
-MAX_SEGMENT_BYTES = 64 << 20
 # Bytes of a source (or compressed file) read ahead of the segment being handed out.
 _READ_AHEAD = 2 * PIECE_BYTES
 
@@ -145,7 +116,7 @@ class Summary:
         threads: worker threads used.
         format: the source's format ("safetensors", "torch_zip", "generic").
         tensors: tensors found; coded: those coded with frames; delta: those XOR-coded.
-        digest: ``"blake3:<hex>"`` (``"sha256:<hex>"`` for files written before 0.1.1) of
+        digest: ``"blake3:<hex>"`` (``"sha256:<hex>"`` for a file that records sha256) of
             the original checkpoint, as checked; None when verify could not check it.
     """
 
@@ -162,7 +133,7 @@ class Summary:
 
     @property
     def sha256(self) -> str | None:
-        """The original's sha256, for files that record one (written before BLAKE3)."""
+        """The original's sha256, for files that record one instead of BLAKE3."""
         return self.digest[7:] if self.digest and self.digest.startswith("sha256:") else None
 
     @property
@@ -175,7 +146,7 @@ class Summary:
 
         The call runs from opening the files to the committed output: it includes a
         first-call kernel compile (numba's cache makes that once per install), not the
-        interpreter's start-up and imports (~2 s for torch and numba).
+        interpreter's start-up and imports (seconds, for torch and numba).
         """
         return self.original_bytes / max(self.seconds, 1e-9) / 1e9
 
@@ -196,6 +167,7 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
+# -- segments, coded on worker threads ------------------------------------------------------
 @dataclasses.dataclass
 class _Job:
     src_offset: int
@@ -467,7 +439,7 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
                         meter.update(job.length)
                 meter.close()
                 index = {
-                    "format": _INDEX_FORMAT, "version": VERSION,
+                    "format": INDEX_FORMAT, "version": VERSION,
                     "created_by": created_by(),
                     "source": {"name": os.path.basename(src), "size": m.size, h.name: h.hexdigest(), "format": fmt},
                     # A base no tensor was coded against is not recorded: the file stands alone.
@@ -496,128 +468,13 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
     return summary
 
 
-# -- reading the container ------------------------------------------------------------------
-def is_checkpoint(path) -> bool:
-    """Return True when the file starts with the checkpoint container's magic."""
-    with open_regular(os.fspath(path)) as fh:
-        return fh.read(len(MAGIC)) == MAGIC
-
-
-def _load_index(m: FileMap) -> dict:
-    path = m.path
-    if m.size < len(MAGIC) or bytes(m.u8(0, len(MAGIC))) != MAGIC:
-        kind = identify(bytes(m.u8(0, min(8, m.size))))
-        if kind == "lossy":
-            fail(path, "is a lossy comm_codec checkpoint: it restores an approximation, not the original; "
-                       "use comm_codec.checkpoint.lossy.decompress_file (`comm-codec decompress` detects it)")
-        if kind == "frame":
-            fail(path, "is a comm_codec frame, not a checkpoint (use `comm-codec inspect`)")
-        fail(path, NOT_OURS)
-    return read_container_index(m, MAGIC, VERSION, _check_index, "checkpoint")
-
-
-_SHA = Str(length=64)
-_BOOK_ID = Str(length=16)
-# The exact index (module docstring), as read: every field the readers use.
-_INDEX = Record({
-    "format": OneOf(_INDEX_FORMAT), "version": OneOf(VERSION), "created_by": Str(),
-    "source": Record({"name": Str(), "size": Int(), "blake3": _SHA, "sha256": _SHA,
-                      "format": OneOf("safetensors", "torch_zip", "generic")}, optional=("blake3", "sha256")),
-    "base": Nullable(Record({"name": Str(), "size": Int(), "blake3": _SHA, "sha256": _SHA},
-                            optional=("blake3", "sha256"))),
-    "books": MapOf(_BOOK_ID, Record({"origin": Str(), "book": Anything(dict)})),
-    "groups": MapOf(_BOOK_ID, ListOf(_BOOK_ID, CodebookGroup.MAX_BOOKS)),
-    "tensors": ListOf(Record({
-        "name": Str(1 << 16), "dtype": Str(64), "shape": Nullable(ListOf(Int(), 64)), "offset": Int(),
-        "nbytes": Int(), "kind": Str(64), "coding": OneOf("frame", "opaque"), "transform": OneOf(*TRANSFORMS),
-        "base_offset": Nullable(Int()), "books": Nullable(ListOf(_BOOK_ID, 8)),
-        "chunk_elems": Nullable(OneOf(*CHUNK_SIZES))})),
-    "segments": ListOf(Row(Int(), Int(1, MAX_SEGMENT_BYTES), Int(), Int(), OneOf(*_METHODS),
-                           Nullable(Int(0, 0xFFFFFFFF)), Int(-1, 1 << 31))),
-}, optional=("created_by", "groups"))
-
-
-def _check_index(index: dict, index_offset: int, path) -> None:
-    """Check the whole index (schema, then layout); raise CheckpointError naming the first bad field."""
-    if index.get("format") != _INDEX_FORMAT or index.get("version") != VERSION:
-        fail(path, f"index format {str(index.get('format'))[:40]!r} version {str(index.get('version'))[:10]!r}, "
-                   f"expected {_INDEX_FORMAT!r} version {VERSION}")
-    schema.check(index, _INDEX, path)
-    src, base = index["source"], index["base"]
-    for what, rec in (("source", src), ("base", base)):
-        if rec is not None and not any(d in rec for d in ("blake3", "sha256")):
-            fail(path, f"index.{what}: no digest (blake3 or sha256)")
-    books = {}
-    for book_id, entry in index["books"].items():
-        try:
-            book = Codebook.from_dict(entry["book"])
-        except CodebookError as exc:
-            fail(path, f"index: codebook {book_id}: {exc}")
-        if book.id != book_id:
-            fail(path, f"index: codebook listed as {book_id} is {book.id}")
-        books[book_id] = book
-    for group_id, members in index.get("groups", {}).items():
-        if any(b not in books for b in members):
-            fail(path, f"index: codebook group {group_id} names books the file does not hold")
-        try:
-            group = CodebookGroup([books[b] for b in members])
-        except ValueError as exc:
-            fail(path, f"index: codebook group {group_id}: {exc}")
-        if group.id != group_id:
-            fail(path, f"index: codebook group listed as {group_id} is {group.id}")
-        books[group_id] = group
-    index["_books"] = books
-    for i, t in enumerate(index["tensors"]):
-        if t["offset"] + t["nbytes"] > src["size"]:
-            fail(path, f"index: tensor {i} lies outside the source")
-        if t["coding"] == "frame":
-            if t["dtype"] not in CODABLE or t["transform"] not in TRANSFORMS:
-                fail(path, f"index: tensor {i} has dtype {t['dtype']!r} / transform {t['transform']!r}")
-            spec = spec_for(CODABLE[t["dtype"]])
-            if t["books"] is None or t["chunk_elems"] is None or len(t["books"]) != spec.nstreams or any(
-                    b != "0" * 16 and b not in books for b in t["books"]):
-                fail(path, f"index: tensor {i} ({t['name']}) names codebooks the file does not hold")
-            if t["transform"] != "none" and (base is None or t["base_offset"] is None
-                                             or t["base_offset"] + t["nbytes"] > base["size"]):
-                fail(path, f"index: tensor {i} ({t['name']}) has a bad base range")
-    pos, at = 0, HEADER.size
-    for k, seg in enumerate(index["segments"]):
-        src_off, src_len, off, length, method, crc, ti = seg
-        # Segments follow each other, each padded to 8 bytes: every byte has a known place.
-        if not (src_off == pos and off == at and off + length <= index_offset and ti < len(index["tensors"])):
-            fail(path, f"index: segment {k} is malformed")
-        at = off + length + (-length % 8)
-        if method == "frame":
-            t = index["tensors"][ti] if ti >= 0 else None
-            if t is None or t["coding"] != "frame" or not (t["offset"] <= src_off and src_off + src_len <= t["offset"] + t["nbytes"]) \
-                    or (src_off - t["offset"]) % spec_for(CODABLE[t["dtype"]]).itemsize \
-                    or src_len % spec_for(CODABLE[t["dtype"]]).itemsize:
-                fail(path, f"index: segment {k} is a frame outside any coded tensor")
-        elif crc is None or (method == "stored" and length != src_len):
-            fail(path, f"index: segment {k} is malformed")
-        pos += src_len
-    if pos != src["size"]:
-        fail(path, f"index: segments cover {pos} bytes, the source had {src['size']}")
-    if at != index_offset:
-        fail(path, f"index: segments end at {at}, the index starts at {index_offset}")
-
-
-def read_index(path) -> dict:
-    """Return the JSON index of a compressed checkpoint (checked; see the module docstring).
-
-    Raises:
-        CheckpointError: not a checkpoint, truncated, or corrupted.
-    """
-    return index_file(path, _load_index)
-
-
 # -- decompress -----------------------------------------------------------------------------
 def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str) -> Summary:
     """Decode every segment in order into ``sink`` (None: decode and check only)."""
     started = time.perf_counter()
     m = FileMap(path)
     try:
-        index = _load_index(m)
+        index = load_index(m)
         books = index.pop("_books")
         tensors = index["tensors"]
         need = index["base"]
@@ -704,12 +561,12 @@ def _read_ahead(segments, m: FileMap):
 class _Buffers:
     """Reused buffers for decoded segments (thread-safe).
 
-    A fresh ``torch.empty`` per 4 MiB segment is a fresh mapping: its pages fault in on
-    first write and are unmapped again once hashed, and unmapping in a process with
-    several threads costs a TLB shootdown on every core (here a VM exit each). Decompressing
-    a 2 GB checkpoint at 2 threads spent 5.6 s in the kernel against 1.7 s at one.
+    A fresh ``torch.empty`` per segment is a fresh mapping: its pages fault in on first
+    write and are unmapped again once hashed, and unmapping in a process with several
+    threads costs a TLB shootdown on every core (a VM exit each under virtualization), so
+    with threads the kernel time of page faults and unmaps can exceed the decoding.
     A buffer goes back once its bytes are written and hashed; at most the segments in
-    flight plus those waiting for the digest are out, which bounds memory as before.
+    flight plus those waiting for the digest are out, which bounds memory.
     """
 
     def __init__(self):
@@ -764,14 +621,12 @@ def _decode_segment(seg, m: FileMap, bm: FileMap | None, tensors, path, buffers:
     return restored, buf
 
 
-
-
 def decompress_file(src, dst, base=None, threads: int | None = None, progress: bool | None = None) -> Summary:
     """Restore the original checkpoint, byte for byte, from a compressed file.
 
     Args:
         src: a file written by :func:`compress_file`.
-        dst: where to write the original; it appears only once its sha256 matched.
+        dst: where to write the original; it appears only once its digest matched.
         base: the base the file was compressed against (the original file, or a
             standalone compressed one); required for delta files, refused if different.
         threads: worker threads (default: the CPU count, at most NUMBA_NUM_THREADS).
@@ -799,7 +654,7 @@ def verify_file(src, base=None, threads: int | None = None, progress: bool | Non
 
     Every checksum is checked (index CRC, segment CRCs, frame header CRCs and chunk
     checksums) and, when the original can be rebuilt (no base needed, or base given),
-    the sha256 of the restored bytes. ``Summary.sha256`` is None when it was not.
+    the digest of the restored bytes. ``Summary.digest`` is None when it was not.
 
     Raises:
         CheckpointError: the file is corrupted, or the base is wrong.

@@ -1,8 +1,8 @@
-"""Files for the checkpoint compressors: read-only maps, atomic outputs, streaming sha256.
+"""Files for the checkpoint compressors: read-only maps, atomic outputs, streaming digests.
 
 Used by the exact (:mod:`.exact`) and lossy (:mod:`.lossy`) formats: a source is
 mapped read-only (and its pages handed back as work moves on, so memory stays bounded),
-an output appears only once complete (temp file, fsync, rename), and the sha256 of what
+an output appears only once complete (temp file, fsync, rename), and the digest of what
 passes through is computed on a thread of its own when there are threads to spare.
 """
 
@@ -150,8 +150,8 @@ class FileMap:
 
         Dropping pages flushes them from the TLB of every core running one of this
         process's threads (an interrupt and a wait each, costly in a VM whose other vCPU
-        is busy); one call per 4 MiB segment made decompressing at 2 threads slower than
-        at one on this machine. Batched, mapped pages stay bounded by the step.
+        is busy); one call per segment can make decompressing with two threads slower
+        than with one. Batched, mapped pages stay bounded by the step.
         """
         if end > self._released and (end - self._released >= _RELEASE_STEP or end >= self.size):
             self.release(self._released - self._released % mmap.PAGESIZE, end)
@@ -170,9 +170,9 @@ class FileMap:
                 pass
 
 
-# The whole-file digest new files record: BLAKE3 hashes at ~3.5 GB/s on one core here,
-# sha256 at ~0.8-2 GB/s (it was 15-24 % of a checkpoint's time). Files written before
-# record sha256, which is still checked.
+# The whole-file digest new files record: BLAKE3, several times faster than sha256 on one
+# core (sha256 would be a large share of a checkpoint's time). A file may record sha256
+# instead; readers check whichever it records.
 WRITE_DIGEST = "blake3"
 DIGESTS = ("blake3", "sha256")
 
@@ -311,9 +311,8 @@ class AtomicFile:
 
         One writer at a time: the kernel holds the file's inode lock for a whole write,
         and writers waiting for it spin on its owner (optimistic spinning) while the
-        owner copies megabytes; in this VM two threads writing 4 MiB segments to tmpfs at
-        once spent up to 2.1 s each in the kernel decompressing a 2 GB checkpoint (0.25 s
-        when they happened not to collide). A Python lock makes the other one sleep.
+        owner copies megabytes, so two threads writing segments at once can spend many
+        times the copy's time in the kernel. A Python lock makes the other one sleep.
         """
         view = memoryview(data).cast("B")
         try:

@@ -28,7 +28,7 @@ from .pickle_scan import scan_torch_pickle
 if TYPE_CHECKING:
     from .files import FileMap
 
-__all__ = ["CODABLE", "FileTensor", "find_tensors", "is_int", "zip_crc_fields", "storage_keys"]
+__all__ = ["CODABLE", "FileTensor", "find_tensors", "itemsize", "is_int", "zip_crc_fields", "storage_keys"]
 
 log = logging.getLogger("comm_codec.checkpoint")
 
@@ -39,7 +39,8 @@ _MAX_BYTEORDER_BYTES = 16
 _MAX_NAME = 4096
 
 
-def _itemsize(dtype: str) -> int | None:
+def itemsize(dtype: str) -> int | None:
+    """Return the bytes per element of a codable dtype name ("bfloat16"), None for any other."""
     return spec_for(CODABLE[dtype]).itemsize if dtype in CODABLE else None
 
 
@@ -161,7 +162,7 @@ def _torch_zip_tensors(m: FileMap) -> list[FileTensor]:
         storages = {}
         if pickles[0].file_size <= _MAX_PICKLE_BYTES:
             try:
-                storages = scan_torch_pickle(zf.read(pickles[0]), _itemsize)
+                storages = scan_torch_pickle(zf.read(pickles[0]), itemsize)
             except Exception as exc:  # noqa: BLE001 - an unreadable pickle: storages stay opaque
                 log.debug("%s: pickle not understood (%s); its storages are coded as opaque bytes", m.path, exc)
         order = next((i for i in infos if i.filename == prefix + "byteorder"), None)

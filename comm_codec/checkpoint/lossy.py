@@ -7,104 +7,30 @@ arXiv 2406.11257: ≈70× on Pythia-410M), or cut mantissa bits as ZipNN suggest
 (Hershcovitch et al., 2024). Both modes write a container of their own magic
 (:data:`~comm_codec.checkpoint.LOSSY_MAGIC`), which the exact reader refuses, and both
 decompress to a file of the *same format* as the source (safetensors or ``torch.save``
-zip) that ``safetensors.torch.load_file`` / ``torch.load(weights_only=True)`` read: every
-non-tensor byte is the source's, every rewritten zip record has its CRC-32 patched in
-its local header, data descriptor and central directory.
+zip) that ``safetensors.torch.load_file`` / ``torch.load(weights_only=True)`` read.
 
 Example::
 
-    >>> from comm_codec import lossy
+    >>> from comm_codec.checkpoint import lossy
     >>> lossy.compress_file("step00060.pt", "step00060.ccl")                    # doctest: +SKIP
     >>> s = lossy.compress_file("step00070.pt", "step00070.ccl", base="step00060.ccl")  # doctest: +SKIP
     >>> lossy.decompress_file("step00070.ccl", "step00070.recon.pt")           # doctest: +SKIP
     >>> lossy.compress_file("w.safetensors", "w.ccl", mode="precision", keep_bits=7)  # doctest: +SKIP
 
-Modes
------
-``excp`` (a checkpoint holding weights and AdamW state): for each weight ``W`` with its
-first moment ``exp_avg`` (m) and second moment ``exp_avg_sq`` (v):
+``excp`` (a checkpoint holding weights and AdamW state) codes each weight's residual
+against the *reconstructed* previous checkpoint (closed loop: a chain never drifts),
+prunes residuals and moments by ExCP's per-tensor rules and quantizes what survives with
+1-D k-means; the first file of a series (no base) is a *keyframe* whose weights are kept
+exactly. Decompressing the n-th file needs files 0..n-1, looked for beside it.
+``precision`` rounds every float tensor of 4 kB or more to ``keep_bits`` mantissa bits
+and codes it losslessly. Tensors neither mode rewrites pass through exactly.
 
-1. residual ``R = W - Ŵ_prev`` against the *reconstructed* previous checkpoint (closed
-   loop: what one file drops is still in the next residual, so a chain never drifts);
-2. weight pruning: keep ``|R| > f · median|R|`` with ``f = min(2.5, alpha / sqrt(mean v))``
-   (ExCP's per-tensor rule: tensors with large second moments change more and keep
-   more). Vectors (biases, norm scales) are quantized but not pruned
-   (:func:`lossy_transforms.prunable`);
-3. moment pruning (not for vectors): keep ``|m| > beta · mean|m|`` *and* where the residual
-   was kept; v is kept where m is (ExCP prunes both moments with one mask). Pruned m is restored as 0;
-   pruned v as one number per tensor, the mean sqrt(v) of its pruned elements, squared
-   (ExCP restores 0, after which Adam takes oversized steps for ~1000 steps: see
-   :func:`lossy_transforms.fill_value`);
-4. non-uniform quantization of what survives: 1-D k-means (Lloyd's algorithm on the
-   sorted values, exact and deterministic) with ``2**bits - 1`` centroids plus zero. m
-   and R are quantized as values; v in the sqrt domain (Adam divides by sqrt(v), so that
-   is where its error matters, and v spans decades that linear centroids would lump);
-5. masks (bit-packed; the m mask only over the positions where R was kept, since it is
-   zero elsewhere) and centroid indices (numbered by frequency, so one book fits every
-   tensor) are concatenated per stream over the whole file and coded with the codec's
-   Huffman frames, one book per stream built from the file's own counts. Five books cost
-   ~0.8 kB of a file of ~560 kB (TinyLM, 3.3 M parameters), so a fixed shipped book could
-   save at most 0.15 % and would fit worse; per-tensor books would cost more than that.
-   Measured there: 0.53 bit per weight for the mask at 14 % kept (its entropy if bits were
-   independent: 0.59) and 3.5 bits per kept value with 15 centroids.
-
-The first checkpoint of a series has no base (a *keyframe*): its weights are stored
-exactly (coded losslessly), because every later reconstruction is built on them and a
-4-bit copy of full weights (not residuals) would cost the model accuracy; its moments are
-pruned and quantized like any other's. A weights-only checkpoint (no Adam state) falls
-back to magnitude pruning of the residual at ``median|R|`` (no v to scale by) and says
-so. Decompressing the n-th file needs files 0..n-1: each file names its base and its
-base's sha256; bases are looked for beside the file (``base=`` overrides the first).
-
-``precision``: every float tensor of 4 kB or more is rounded to nearest (ties to even)
-to ``keep_bits`` mantissa bits (non-finite values untouched), then coded losslessly; an
-fp32 tensor kept to at most 7 bits is coded as the bf16 it then equals, an fp16 one kept
-to at most 2 bits as fp8 e5m2. Relative error <= 2**-(keep_bits+1) for normal values.
-
-Tensors no mode rewrites (integers, unmatched floats, small tensors) pass through
-exactly: 4 kB or more as lossless frames, the rest with the file's other bytes.
-
-Container format, version 1 (integers little-endian)::
-
-    header    LOSSY_MAGIC b"\\x89CCKL\\r\\n\\x1a" | version u16 | flags u16 (0) | 0 u32
-    blobs     codec frames (streams, exact tensors) and the zstd "skeleton" (the source
-              bytes outside rewritten tensors), each padded with zeros to 8 bytes
-    index     zstd-compressed UTF-8 JSON (never pickle)
-    trailer   index offset u64 | index length u64 | index CRC-32 u32 | version u16 |
-              flags u16 (bit 0: index is zstd-compressed) | LOSSY_MAGIC   (32 bytes)
-
-Index (``"format": "comm_codec.lossy"``)::
-
-    mode, params      "excp" {bits, alpha, beta} | "precision" {keep_bits}
-    source            {name, size, sha256, format}: the original file
-    reconstruction    {size, sha256}: what decompression writes (checked on the way back)
-    base              null, or {name, sha256} of the previous *lossy* file
-    notes             [str]: fallbacks taken (weights-only pruning...)
-    books             {id: book}: every Huffman book a frame uses
-    streams           {name: {offset, length, size, book} | null}   (excp)
-    skeleton          {offset, length, size, crc32}
-    tensors           [{name, dtype, shape, offset, nbytes, role, coding, param, centroids,
-                        domain, kept, fill, frame, skeleton_offset, crc_at, stats}]
-    errors            {role: worst tensor's relative RMS error, role_all: all tensors' of that role}
-
-Streams are read in tensor order: a residual takes ceil(n/8) bytes of weight_mask and
-``kept`` symbols of weight_index; an exp_avg takes ceil(kept of its weight / 8) bytes of
-exp_avg_mask and ``kept`` symbols; an exp_avg_sq ``kept`` symbols (its exp_avg's mask).
-Symbol s > 0 is ``centroids[s-1]`` (squared in the sqrt domain), 0 is ``fill``.
-
-``role`` is weight / exp_avg / exp_avg_sq / tensor; ``coding`` is residual (pruned and
-quantized against the base), value (pruned and quantized values), frame (a lossless
-or precision-cut frame) or skeleton (exact, with the other bytes). ``stats`` holds what
-was *achieved*, measured on the reconstruction: ``max_abs_error``, ``rel_rms_error``
-(‖Ŵ−W‖/‖W‖), and per mode ``threshold``, ``bound`` (max(threshold, largest quantization
-error): no element's residual error exceeds it), ``max_rel_error``/``bound_rel``.
-
-Untrusted input: the source is parsed without unpickling (:mod:`.formats`), the
-container's index is JSON and checked field by field, frames carry CRCs, and the
-reconstruction's sha256 is checked before any output appears. Memory: one checkpoint's
-tensors and the previous reconstruction's weights (the most recent two reconstructions
-stay cached in the process, keyed by the lossy file's sha256, so compressing a series
-one file after the other never decodes a chain twice).
+The format (container, index, streams, what each mode stores and why) is specified in
+``comm_codec/checkpoint/lossy_format.md``. This module is the public face; the work is
+done by :mod:`.lossy_index` (reading and checking the index), :mod:`.lossy_blobs` (frames
+with the file's own books, the skeleton of untouched bytes), :mod:`.lossy_tensors` (each
+tensor coded and decoded), :mod:`.lossy_chain` (bases and the cache of reconstructions)
+and :mod:`.lossy_transforms` (quantization, pruning rules, mantissa rounding).
 """
 
 from __future__ import annotations
@@ -116,8 +42,6 @@ import io
 import logging
 import math
 import os
-import struct
-import threading
 import time
 import zlib
 
@@ -125,21 +49,17 @@ import numpy as np
 import torch
 import zstandard
 
-from ..core.codebooks import CodebookSet
-from ..core.errors import ChainError
-from ..core.codec import Codec
-from ..core.frame import FrameError, get_frame_parameters
-from ..core.huffman import Codebook
-from ..books.profiler import stream_counts
 from ..core.streams import spec_for
-from .container import HEADER, LOSSY_MAGIC, created_by, encode_index, identify, index_file, read_container_index, zstd_bounded
-from . import schema
-from .errors import CheckpointError, fail
-from .exact import MIN_CODED_BYTES, NOT_OURS, human_bytes
-from .files import FileMap, atomic_output, check_paths, open_regular
-from .formats import CODABLE, FileTensor, find_tensors, is_int, zip_crc_fields
-from .schema import Anything, Int, ListOf, MapOf, Nullable, Num, OneOf, Record, Str
-from .lossy_transforms import LOSSY_DTYPES, MANTISSA, dequantize, error_stats, fill_value, pair_moments, prunable, quantize, round_mantissa
+from .container import HEADER, LOSSY_MAGIC, created_by, encode_index
+from .errors import ChainError, CheckpointError, fail
+from .exact import human_bytes
+from .files import FileMap, atomic_output, check_paths
+from .formats import CODABLE, FileTensor, find_tensors, zip_crc_fields
+from .lossy_blobs import FileBooks, cut_skeleton, rebuild, skeleton_offsets
+from .lossy_chain import chain_weights, clear_cache, file_sha256, find_base, remember
+from .lossy_index import INDEX_FORMAT, MODES, STREAMS, VERSION, is_lossy, load_index, read_index
+from .lossy_tensors import WEIGHTS_ONLY_FACTOR, Encoder, decode_tensors
+from .lossy_transforms import pair_moments
 
 __all__ = [
     "ChainError",
@@ -161,8 +81,6 @@ __all__ = [
 
 log = logging.getLogger("comm_codec.checkpoint.lossy")
 
-VERSION = 1
-MODES = ("excp", "precision")
 DEFAULT_BITS = 4
 # ExCP's alpha is relative to sqrt(mean v), i.e. to the gradient scale of the run (their
 # Pythia default, 5e-5, prunes almost nothing on TinyLM, whose sqrt(mean v) is 2e-4..7e-3).
@@ -172,17 +90,6 @@ DEFAULT_BITS = 4
 # The default keeps the 1 % resume target with a margin.
 DEFAULT_ALPHA = 5e-4
 DEFAULT_BETA = 2.0
-_MAX_FACTOR = 2.5  # ExCP caps f: beyond it pruning removes residuals that matter
-_WEIGHTS_ONLY_FACTOR = 1.0  # no v to scale by: prune the smaller half of the residual
-_INDEX_FORMAT = "comm_codec.lossy"
-_CHUNK = 1 << 16
-_BOOK_COST_BYTES = 160  # a book's place in the (compressed) index
-_STREAMS = ("weight_mask", "weight_index", "exp_avg_mask", "exp_avg_index", "exp_avg_sq_index")
-_INTS = {"float32": np.uint32, "bfloat16": np.uint16, "float16": np.uint16}
-# Narrower dtypes a precision-cut tensor equals: (dtype, min dropped bits) -> dtype of its
-# high bytes.
-_PACK = {("float32", 16): "bfloat16", ("float16", 8): "float8_e5m2"}
-_CACHE_SIZE = 2
 
 
 # -- results --------------------------------------------------------------------------------
@@ -233,565 +140,6 @@ class LossySummary:
                 + (f"; base {self.base}" if self.base else ""))
 
 
-# -- coding streams and tensors with the Huffman core ---------------------------------------
-class _Books:
-    """The Huffman books of one file, and codecs that code with them."""
-
-    def __init__(self, threads: int | None):
-        self.threads = threads
-        self.books: dict[str, Codebook] = {}
-        self._codecs: dict = {}
-
-    def codec(self, books: list[Codebook], dtype: torch.dtype) -> Codec:
-        spec = spec_for(dtype)
-        key = (spec.name, tuple(b.id for b in books))
-        codec = self._codecs.get(key)
-        if codec is None:
-            keyed = {("weight", spec.name, s): b for s, b in enumerate(books)}
-            codec = self._codecs[key] = Codec(CodebookSet(keyed), threads=self.threads, chunk_elems=_CHUNK)
-        return codec
-
-    def fit(self, tensor: torch.Tensor) -> list[Codebook]:
-        """Return one book per stream fitted to the tensor, raw where a book does not pay."""
-        counts, _ = stream_counts(tensor, _CHUNK)
-        books = []
-        for c in counts:
-            n = float(c.sum())
-            book = Codebook.raw_book()
-            if n:
-                own = Codebook.from_counts(c)
-                if not own.raw and (8 - own.expected_bits(c)) * n / 8 > _BOOK_COST_BYTES:
-                    book = own
-            books.append(book)
-            if not book.raw:
-                self.books[book.id] = book
-        return books
-
-    def encode(self, tensor: torch.Tensor) -> tuple[np.ndarray, list[str]]:
-        books = self.fit(tensor)
-        return self.codec(books, tensor.dtype).encode(tensor, kind="weight").numpy(), [b.id for b in books]
-
-    def decode(self, frame: np.ndarray, ids: list[str], dtype: torch.dtype, numel: int, where: str):
-        books = [Codebook.raw_book() if i == "0" * 16 else self.books[i] for i in ids]
-        try:
-            # The frame's own header must agree with the index before anything is allocated.
-            p = get_frame_parameters(frame)
-            if p.numel != numel or p.chunk_elems != _CHUNK or p.spec.dtype != dtype:
-                raise FrameError(f"frame holds {p.numel} {p.spec.name} elements in chunks of {p.chunk_elems}, "
-                                 f"the index says {numel} {spec_for(dtype).name} in chunks of {_CHUNK}")
-            out = torch.empty(numel, dtype=dtype)
-            self.codec(books, dtype).decode(frame, out=out, max_output_bytes=numel * out.element_size())
-        except (FrameError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{where}: {exc}") from None
-        return out
-
-
-# -- the ExCP transform ---------------------------------------------------------------------
-def _floats(t: FileTensor, m: FileMap) -> np.ndarray:
-    """A tensor's values as float32 (a copy)."""
-    raw = torch.from_numpy(m.u8(t.offset, t.nbytes).copy()).view(CODABLE[t.dtype])
-    return raw.float().numpy()
-
-
-def _cast(values: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 values -> the bytes of dtype (round to nearest even)."""
-    return torch.from_numpy(values).to(CODABLE[dtype]).view(torch.uint8).numpy()
-
-
-def _back(u8: np.ndarray, dtype: str) -> np.ndarray:
-    return torch.from_numpy(np.ascontiguousarray(u8)).view(CODABLE[dtype]).float().numpy()
-
-
-def _as_weight(u8: np.ndarray, dtype: str, shape) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(u8)).view(CODABLE[dtype])
-    return t.reshape(shape) if shape is not None and math.prod(shape) == t.numel() else t
-
-
-def _record(t: FileTensor, role: str, coding: str, **extra) -> dict:
-    rec = {"name": t.name, "dtype": t.dtype, "shape": t.shape, "offset": t.offset, "nbytes": t.nbytes,
-           "role": role, "coding": coding, "param": None, "centroids": None, "domain": None, "kept": None,
-           "fill": 0.0, "frame": None, "skeleton_offset": None, "crc_at": [], "stats": {}}
-    rec.update(extra)
-    return rec
-
-
-class _Encoder:
-    """Turns a source checkpoint into records, stream pieces and frames (in memory)."""
-
-    def __init__(self, m: FileMap, books: _Books):
-        self.m = m
-        self.books = books
-        self.records: list[dict] = []
-        self.values: dict[int, np.ndarray] = {}  # record number -> reconstructed bytes
-        self.frames: list[tuple[dict, np.ndarray]] = []  # (record["frame"], frame bytes)
-        self.streams = {s: [] for s in _STREAMS}
-        self.weights: dict[str, torch.Tensor] = {}  # reconstructed weights, for the next link
-
-    def add(self, rec: dict, recon: np.ndarray | None) -> None:
-        if recon is not None:
-            self.values[len(self.records)] = recon
-        self.records.append(rec)
-
-    def exact(self, t: FileTensor, role: str = "tensor") -> dict:
-        """Pass a tensor through exactly: a lossless frame, or with the other bytes."""
-        if t.codable and t.nbytes >= MIN_CODED_BYTES:
-            tensor = torch.from_numpy(self.m.u8(t.offset, t.nbytes).copy()).view(CODABLE[t.dtype])
-            frame, ids = self.books.encode(tensor)
-            rec = _record(t, role, "frame", frame={"dtype": t.dtype, "books": ids}, stats={"max_abs_error": 0.0,
-                                                                                           "rel_rms_error": 0.0})
-            self.frames.append((rec["frame"], frame))
-            self.add(rec, self.m.u8(t.offset, t.nbytes))
-        else:
-            rec = _record(t, role, "skeleton", stats={"max_abs_error": 0.0, "rel_rms_error": 0.0})
-            self.add(rec, None)
-        return rec
-
-    def param(self, w: FileTensor, m1: FileTensor | None, m2: FileTensor | None, base: torch.Tensor | None,
-              p: dict) -> None:
-        """Code one weight (a residual against base, or exactly in a keyframe) and its moments."""
-        k = (1 << p["bits"]) - 1
-        W = _floats(w, self.m)
-        n = W.size
-        if base is None:
-            self.exact(w, "weight")
-            recon_u8 = self.m.u8(w.offset, w.nbytes).copy()
-            kept = np.ones(n, bool)
-        else:
-            B = base.float().numpy().reshape(-1)
-            R = W - B
-            if m2 is not None:
-                v_mean = float(np.mean(_floats(m2, self.m), dtype=np.float64))
-                factor = min(_MAX_FACTOR, p["alpha"] / math.sqrt(v_mean)) if v_mean > 0 else _MAX_FACTOR
-            else:
-                factor = _WEIGHTS_ONLY_FACTOR
-            if not prunable(w):
-                factor = 0.0
-            absR = np.abs(R)
-            threshold = float(np.median(absR)) * factor if n else 0.0
-            kept = absR > threshold
-            sym, cents = quantize(R[kept], k)
-            deq = np.zeros(n, np.float32)
-            deq[kept] = dequantize(sym, cents, "value")
-            recon_u8 = _cast(B + deq, w.dtype)
-            qerr = float(np.max(np.abs(R[kept] - deq[kept]))) if sym.size else 0.0
-            stats = {"factor": factor, "threshold": threshold, "bound": max(threshold, qerr),
-                     **error_stats(_back(recon_u8, w.dtype), W)}
-            self.streams["weight_mask"].append(np.packbits(kept, bitorder="little"))
-            self.streams["weight_index"].append(sym)
-            self.add(_record(w, "weight", "residual", centroids=cents.tolist(), domain="value",
-                             kept=int(kept.sum()), stats=stats), recon_u8)
-        self.weights[w.name] = _as_weight(recon_u8, w.dtype, w.shape)
-        if m1 is None:
-            return
-        M = _floats(m1, self.m)
-        beta = p["beta"] if prunable(w) else 0.0
-        threshold = beta * float(np.mean(np.abs(M), dtype=np.float64)) if n else 0.0
-        mask = (np.abs(M) > threshold) & kept
-        self.streams["exp_avg_mask"].append(np.packbits(mask[kept], bitorder="little"))
-        for mt, role, x, domain in ((m1, "exp_avg", M, "value"),
-                                    (m2, "exp_avg_sq", _floats(m2, self.m), "sqrt")):
-            sym, cents = quantize(np.sqrt(x[mask]) if domain == "sqrt" else x[mask], k)
-            fill = fill_value(x, mask) if role == "exp_avg_sq" else 0.0
-            vals = np.full(n, dequantize(np.zeros(1, np.uint8), np.zeros(0, np.float32), domain, fill)[0])
-            vals[mask] = dequantize(sym, cents, domain)
-            recon_u8 = _cast(vals, mt.dtype)
-            stats = {"threshold": threshold if role == "exp_avg" else None, **error_stats(_back(recon_u8, mt.dtype), x)}
-            self.streams[f"{role}_index"].append(sym)
-            self.add(_record(mt, role, "value", param=w.name, centroids=cents.tolist(), domain=domain,
-                             kept=int(mask.sum()), fill=fill, stats=stats), recon_u8)
-
-    def precision(self, t: FileTensor, keep_bits: int) -> None:
-        """Round a float tensor's mantissas to keep_bits and code it losslessly."""
-        if not (t.codable and t.dtype in LOSSY_DTYPES and t.nbytes >= MIN_CODED_BYTES):
-            self.exact(t)
-            return
-        ints = self.m.u8(t.offset, t.nbytes).copy().view(_INTS[t.dtype])
-        drop = MANTISSA[t.dtype] - min(keep_bits, MANTISSA[t.dtype])
-        cut = round_mantissa(ints, drop, t.dtype)
-        packed = next((d for (src, least), d in _PACK.items() if src == t.dtype and drop >= least), None)
-        if packed is not None:
-            shift = 8 * (cut.itemsize - spec_for(CODABLE[packed]).itemsize)
-            narrow = (cut >> shift).astype(np.uint16 if spec_for(CODABLE[packed]).itemsize == 2 else np.uint8)
-            tensor = torch.from_numpy(narrow).view(CODABLE[packed])
-        else:
-            tensor = torch.from_numpy(cut).view(CODABLE[t.dtype])
-        frame, ids = self.books.encode(tensor)
-        orig, recon = _back(ints.view(np.uint8), t.dtype), _back(cut.view(np.uint8), t.dtype)
-        # The relative bound holds for normal values; subnormals have fewer bits to keep.
-        normal = np.isfinite(orig) & (np.abs(orig) >= float(torch.finfo(CODABLE[t.dtype]).tiny))
-        rel = np.abs(recon[normal].astype(np.float64) - orig[normal]) / np.abs(orig[normal])
-        stats = {"keep_bits": keep_bits, "bound_rel": 2.0 ** -(min(keep_bits, MANTISSA[t.dtype]) + 1),
-                 "max_rel_error": float(rel.max()) if rel.size else 0.0,
-                 **error_stats(np.where(np.isfinite(orig), recon, 0), np.where(np.isfinite(orig), orig, 0))}
-        rec = _record(t, "tensor", "precision", frame={"dtype": packed or t.dtype, "books": ids}, stats=stats)
-        self.frames.append((rec["frame"], frame))
-        self.add(rec, cut.view(np.uint8))
-
-
-# -- the file -------------------------------------------------------------------------------
-def _skeleton(m_or_bytes, size: int, records: list[dict]) -> tuple[bytes, list]:
-    """Return the source bytes outside rewritten tensors, and those tensors' (offset, nbytes)."""
-    cut = sorted((r["offset"], r["nbytes"]) for r in records if r["coding"] != "skeleton")
-    parts, pos = [], 0
-    for off, nb in cut:
-        parts.append(bytes(m_or_bytes(pos, off - pos)))
-        pos = off + nb
-    parts.append(bytes(m_or_bytes(pos, size - pos)))
-    return b"".join(parts), cut
-
-
-def _rebuild(size: int, skeleton: bytes, records: list[dict], values: dict) -> bytearray:
-    """Lay the skeleton and the reconstructed tensors out as the source was; patch zip CRCs."""
-    out = bytearray(size)
-    cut = sorted((r["offset"], r["nbytes"], i) for i, r in enumerate(records) if r["coding"] != "skeleton")
-    pos = spos = 0
-    for off, nb, i in cut:
-        out[pos:off] = skeleton[spos:spos + off - pos]
-        spos += off - pos
-        out[off:off + nb] = memoryview(values[i]).cast("B")
-        pos = off + nb
-    out[pos:] = skeleton[spos:]
-    for off, nb, i in cut:
-        crc = zlib.crc32(memoryview(out)[off:off + nb])
-        for at in records[i]["crc_at"]:
-            struct.pack_into("<I", out, at, crc)
-    return out
-
-
-def _skeleton_offsets(records: list[dict]) -> None:
-    """Set each skeleton-coded record's offset inside the skeleton blob."""
-    cut = sorted((r["offset"], r["nbytes"]) for r in records if r["coding"] != "skeleton")
-    for r in records:
-        if r["coding"] == "skeleton":
-            r["skeleton_offset"] = r["offset"] - sum(nb for off, nb in cut if off < r["offset"])
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open_regular(path) as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def is_lossy(path) -> bool:
-    """Return True when the file starts with the lossy container's magic.
-
-    Args:
-        path: any file.
-
-    Returns:
-        Whether it is a lossy comm_codec checkpoint (by its first 8 bytes).
-
-    Raises:
-        OSError: the file cannot be opened.
-    """
-    with open_regular(os.fspath(path)) as fh:
-        return fh.read(len(LOSSY_MAGIC)) == LOSSY_MAGIC
-
-
-def _load_index(m: FileMap) -> dict:
-    """Read and check a lossy file's index; books are parsed into index["_books"]."""
-    path = m.path
-    kind = identify(bytes(m.u8(0, min(8, m.size))))
-    if kind != "lossy":
-        if kind == "exact":
-            fail(path, "is an exact (lossless) comm_codec checkpoint, not a lossy one; restore it with "
-                       "`comm-codec decompress` or comm_codec.checkpoint.decompress_file")
-        fail(path, NOT_OURS)
-    return read_container_index(m, LOSSY_MAGIC, VERSION, _check_index, "lossy checkpoint")
-
-
-def _check_blob(b, end: int) -> bool:
-    return is_int(b["offset"], HEADER.size, end) and is_int(b["length"], 0, end) and b["offset"] + b["length"] <= end
-
-
-_SHA = Str(length=64)
-_BLOB = {"offset": Int(), "length": Int()}
-# The lossy index (module docstring), as read: every field the readers use.
-_INDEX = Record({
-    "format": OneOf(_INDEX_FORMAT), "version": OneOf(VERSION), "mode": OneOf(*MODES),
-    "params": MapOf(Str(32), Num()),
-    "source": Record({"name": Str(), "size": Int(), "sha256": _SHA, "format": OneOf("safetensors", "torch_zip")}),
-    "reconstruction": Record({"size": Int(), "sha256": _SHA}),
-    "base": Nullable(Record({"name": Str(), "sha256": _SHA})),
-    "notes": ListOf(Str(), 64),
-    "books": MapOf(Str(length=16), Anything(dict)),
-    "streams": Record({name: Nullable(Record({**_BLOB, "size": Int(), "book": Str(length=16)}))
-                       for name in _STREAMS}),
-    "skeleton": Record({**_BLOB, "size": Int(), "crc32": Int(0, 0xFFFFFFFF)}),
-    "tensors": ListOf(Record({
-        "name": Str(1 << 16), "dtype": Str(64), "shape": Nullable(ListOf(Int(), 64)), "offset": Int(),
-        "nbytes": Int(), "role": OneOf("weight", "exp_avg", "exp_avg_sq", "tensor"),
-        "coding": OneOf("residual", "value", "frame", "precision", "skeleton"), "param": Nullable(Str(1 << 16)),
-        "centroids": Nullable(ListOf(Num(), 255)), "domain": Nullable(OneOf("value", "sqrt")),
-        "kept": Nullable(Int()), "fill": Num(lo=0.0),
-        "frame": Nullable(Record({**_BLOB, "dtype": Str(64), "books": ListOf(Str(length=16), 8)})),
-        "skeleton_offset": Nullable(Int()), "crc_at": ListOf(Int(), 8),
-        "stats": MapOf(Str(32), Nullable(Num(finite=False)))})),
-    "errors": MapOf(Str(64), Num(finite=False)),
-}, optional=("created_by",))
-
-
-def _check_index(index: dict, end: int, path) -> None:
-    """Check the whole index (schema, then layout); raise CheckpointError naming the first bad field."""
-    if index.get("format") != _INDEX_FORMAT or index.get("version") != VERSION:
-        fail(path, f"index format {str(index.get('format'))[:40]!r} version {str(index.get('version'))[:10]!r}")
-    schema.check(index, _INDEX, path)
-    size = index["reconstruction"]["size"]
-    if size != index["source"]["size"]:
-        fail(path, "index: the reconstruction and the source differ in size")
-    books = {}
-    for book_id, entry in index["books"].items():
-        book = Codebook.from_dict(entry)
-        if book.id != book_id:
-            fail(path, f"index: codebook listed as {book_id} is {book.id}")
-        books[book_id] = book
-    index["_books"] = books
-    if not _check_blob(index["skeleton"], end):
-        fail(path, "index: skeleton lies outside the file")
-    for name, s in index["streams"].items():
-        if name not in _STREAMS or (s is not None and not (_check_blob(s, end) and is_int(s["size"])
-                                                           and (s["book"] == "0" * 16 or s["book"] in books))):
-            fail(path, f"index: stream {name!r} is malformed")
-    weights = set()
-    for i, r in enumerate(index["tensors"]):
-        ok = (isinstance(r["name"], str) and is_int(r["offset"]) and is_int(r["nbytes"])
-              and r["offset"] + r["nbytes"] <= size and (r["dtype"] in CODABLE or r["coding"] == "skeleton")
-              and (r["dtype"] not in CODABLE or r["nbytes"] % spec_for(CODABLE[r["dtype"]]).itemsize == 0)
-              and all(is_int(a, 0, size - 4) for a in r["crc_at"]))
-        if r["coding"] in ("frame", "precision"):
-            f = r["frame"]
-            ok = ok and _check_blob(f, end) and f["dtype"] in CODABLE and all(
-                b == "0" * 16 or b in books for b in f["books"])
-        elif r["coding"] in ("residual", "value"):
-            ok = ok and r["dtype"] in LOSSY_DTYPES and isinstance(r["centroids"], list) and len(
-                r["centroids"]) <= 255 and r["domain"] in ("value", "sqrt") and is_int(r["kept"])
-            ok = ok and (r["coding"] == "residual" or r["param"] in weights)
-            ok = ok and isinstance(r["fill"], (int, float)) and math.isfinite(r["fill"]) and r["fill"] >= 0
-        elif r["coding"] == "skeleton":
-            ok = ok and is_int(r["skeleton_offset"]) and r["skeleton_offset"] + r["nbytes"] <= index["skeleton"]["size"]
-        else:
-            ok = False
-        if not ok:
-            fail(path, f"index: tensor {i} ({r.get('name')!r}) is malformed")
-        if r["role"] == "weight":
-            weights.add(r["name"])
-    # Rewritten tensors tile the reconstruction without overlap; the skeleton is the rest.
-    pos = cut = 0
-    for off, nb in sorted((r["offset"], r["nbytes"]) for r in index["tensors"] if r["coding"] != "skeleton"):
-        if off < pos:
-            fail(path, "index: rewritten tensors overlap")
-        pos, cut = off + nb, cut + nb
-    if index["skeleton"]["size"] != size - cut:
-        fail(path, f"index: the skeleton holds {index['skeleton']['size']} bytes, the tensors leave {size - cut}")
-
-
-def read_index(path) -> dict:
-    """Return the checked JSON index of a lossy file (see the module docstring).
-
-    Args:
-        path: a lossy file.
-
-    Returns:
-        The index dict: mode, parameters, source, base, errors achieved, tensors.
-
-    Raises:
-        CheckpointError: not a lossy file, truncated, or corrupted.
-    """
-    return index_file(path, _load_index)
-
-
-# -- decoding -------------------------------------------------------------------------------
-_cache: collections.OrderedDict = collections.OrderedDict()
-_cache_lock = threading.Lock()
-
-
-def clear_cache() -> None:
-    """Forget the cached reconstructions (the next decode walks its whole chain)."""
-    with _cache_lock:
-        _cache.clear()
-
-
-def _cache_get(sha: str):
-    with _cache_lock:
-        hit = _cache.get(sha)
-        if hit is not None:
-            _cache.move_to_end(sha)
-        return hit
-
-
-def _cache_put(sha: str, weights: dict) -> None:
-    with _cache_lock:
-        _cache[sha] = weights
-        _cache.move_to_end(sha)
-        while len(_cache) > _CACHE_SIZE:
-            _cache.popitem(last=False)
-
-
-def _decode(path: str, m: FileMap, index: dict, base: dict | None, full: bool, threads: int | None):
-    """Decode a lossy file: reconstructed weights, and (full) every rewritten tensor's bytes."""
-    books = _Books(threads)
-    books.books = index["_books"]
-    streams = {}
-    for name, s in index["streams"].items():
-        if s is None or not (full or name.startswith("weight_")):  # a chain link needs weights only
-            streams[name] = np.zeros(0, np.uint8)
-            continue
-        frame = m.u8(s["offset"], s["length"])
-        streams[name] = books.decode(frame, [s["book"]], torch.uint8, s["size"], f"{path}: stream {name}").numpy()
-    cursor = dict.fromkeys(_STREAMS, 0)
-
-    def take(name, count):
-        at = cursor[name]
-        if at + count > streams[name].size:
-            fail(path, f"stream {name} is shorter than its tensors need")
-        cursor[name] = at + count
-        return streams[name][at:at + count]
-
-    skeleton = None
-    if full or any(r["coding"] == "skeleton" and r["role"] == "weight" for r in index["tensors"]):
-        skeleton = _skeleton_bytes(path, m, index)
-    values, weights, kept_of = {}, {}, {}
-    for i, r in enumerate(index["tensors"]):
-        if r["coding"] == "skeleton" and r["role"] != "weight":
-            continue  # restored with the other bytes
-        n = r["nbytes"] // spec_for(CODABLE[r["dtype"]]).itemsize
-        if not full and r["role"] != "weight":
-            continue
-        where = f"{path}: tensor {r['name']!r}"
-        if r["coding"] in ("frame", "precision"):
-            f = r["frame"]
-            narrow = spec_for(CODABLE[f["dtype"]])
-            out = books.decode(m.u8(f["offset"], f["length"]), f["books"], CODABLE[f["dtype"]], n, where)
-            out = out.view(torch.uint8).numpy()
-            u8 = _widen(out, r["dtype"], f["dtype"]) if narrow.itemsize != spec_for(CODABLE[r["dtype"]]).itemsize \
-                else out.view(np.uint8)
-            kept_of[r["name"]] = np.ones(n, bool)
-        elif r["coding"] == "skeleton":
-            u8 = np.frombuffer(skeleton, np.uint8, r["nbytes"], r["skeleton_offset"]).copy()
-            kept_of[r["name"]] = np.ones(n, bool)
-        elif r["coding"] == "residual":
-            if base is None or r["name"] not in base:
-                fail(path, f"tensor {r['name']!r} is a residual, but its base holds no such weight")
-            kept = np.unpackbits(take("weight_mask", -(-n // 8)), count=n, bitorder="little").astype(bool)
-            sym = take("weight_index", r["kept"])
-            if int(kept.sum()) != r["kept"] or (sym.size and sym.max() > len(r["centroids"])) or not sym.all():
-                fail(path, f"tensor {r['name']!r}: its mask or indices are corrupted")
-            deq = np.zeros(n, np.float32)
-            deq[kept] = dequantize(sym, np.array(r["centroids"], np.float32), "value")
-            u8 = _cast(base[r["name"]].float().numpy().reshape(-1) + deq, r["dtype"])
-            kept_of[r["name"]] = kept
-        else:  # value: a moment, pruned where its weight's residual was
-            wkept = kept_of[r["param"]]
-            if r["role"] == "exp_avg":
-                bits = take("exp_avg_mask", -(-int(wkept.sum()) // 8))
-                mask = np.zeros(n, bool)
-                mask[wkept] = np.unpackbits(bits, count=int(wkept.sum()), bitorder="little").astype(bool)
-                kept_of["exp_avg:" + r["param"]] = mask
-            else:
-                mask = kept_of.get("exp_avg:" + r["param"])
-                if mask is None:
-                    fail(path, f"tensor {r['name']!r} comes before its first moment")
-            sym = take(f"{r['role']}_index", r["kept"])
-            if int(mask.sum()) != r["kept"] or (sym.size and sym.max() > len(r["centroids"])) or not sym.all():
-                fail(path, f"tensor {r['name']!r}: its mask or indices are corrupted")
-            fill = dequantize(np.zeros(1, np.uint8), np.zeros(0, np.float32), r["domain"], r["fill"])[0]
-            vals = np.full(n, fill, np.float32)
-            vals[mask] = dequantize(sym, np.array(r["centroids"], np.float32), r["domain"])
-            u8 = _cast(vals, r["dtype"])
-        if r["role"] == "weight":
-            weights[r["name"]] = _as_weight(u8, r["dtype"], r["shape"])
-        if r["coding"] != "skeleton":
-            values[i] = u8
-    left = [name for name in _STREAMS if cursor[name] != streams[name].size]
-    if left:
-        fail(path, f"stream {left[0]} holds more than its tensors use: corrupted")
-    return weights, values, skeleton
-
-
-def _widen(narrow: np.ndarray, dtype: str, packed: str) -> np.ndarray:
-    """The bytes of a precision-cut tensor coded as the narrower dtype of its high bytes."""
-    wide = _INTS[dtype]
-    shift = 8 * (np.dtype(wide).itemsize - spec_for(CODABLE[packed]).itemsize)
-    ints = narrow.view(np.uint8 if spec_for(CODABLE[packed]).itemsize == 1 else np.uint16)
-    return (ints.astype(wide) << wide(shift)).view(np.uint8)
-
-
-def _skeleton_bytes(path: str, m: FileMap, index: dict) -> bytes:
-    s = index["skeleton"]
-    blob = m.u8(s["offset"], s["length"])
-    if zlib.crc32(blob) != s["crc32"]:
-        fail(path, "the bytes around the tensors are corrupted (CRC-32 mismatch)")
-    out = zstd_bounded(blob, s["size"], path, "the bytes around the tensors")
-    if len(out) != s["size"]:
-        fail(path, "the bytes around the tensors have the wrong size")
-    return out
-
-
-def _base_path(path: str, index: dict, override) -> tuple[str, str]:
-    """Find and check the base a lossy file names; return (path, sha256).
-
-    The recorded name comes from the file, so it is never followed as a path: it must be
-    a plain file name, looked for beside the file, and a regular file. Only a base the
-    user names (``override``) may lie anywhere.
-    """
-    rec = index["base"]
-    if override is not None:
-        cand = os.fspath(override)
-    else:
-        name = rec["name"]
-        if name in ("", ".", "..") or os.path.basename(name) != name or "\0" in name:
-            fail(path, f"records its base as {name[:80]!r}, which is not a plain file name: the file is "
-                       "corrupted or crafted; pass the base's path yourself (--base)")
-        cand = os.path.join(os.path.dirname(os.path.abspath(path)), name)
-    if not os.path.exists(cand):
-        raise ChainError(
-            f"{path} is a lossy delta against {rec['name']} (sha256 {rec['sha256'][:16]}...), which is "
-            f"missing: no file {cand}. Decompressing it needs every earlier file of its chain back to the "
-            "keyframe: keep them side by side, or pass the base's path (--base)", cand)
-    sha = _sha256(cand)
-    if sha != rec["sha256"]:
-        raise CheckpointError(f"wrong base: {cand} has sha256 {sha[:16]}..., but {path} was compressed against "
-                              f"{rec['name']} with sha256 {rec['sha256'][:16]}...")
-    return cand, sha
-
-
-def _chain_weights(path: str, sha: str, threads: int | None) -> dict:
-    """Reconstructed weights of a lossy file, decoding its chain back to the nearest cached
-    link or keyframe (iteratively: chains may be long)."""
-    chain, seen = [], set()
-    cur, cur_sha = path, sha
-    weights = None
-    while True:
-        weights = _cache_get(cur_sha)
-        if weights is not None:
-            break
-        if cur_sha in seen:
-            fail(path, "its chain of bases loops")
-        seen.add(cur_sha)
-        m = FileMap(cur)
-        try:
-            index = _load_index(m)
-        finally:
-            m.close()
-        if index["mode"] != "excp":
-            fail(cur, f"is a lossy {index['mode']} file; only excp files form chains")
-        chain.append((cur, cur_sha))
-        if index["base"] is None:
-            break
-        cur, cur_sha = _base_path(cur, index, None)
-    for link, link_sha in reversed(chain):
-        m = FileMap(link)
-        try:
-            index = _load_index(m)
-            weights, _, _ = _decode(link, m, index, weights, False, threads)
-        finally:
-            m.close()
-        _cache_put(link_sha, weights)
-    return weights
-
-
 # -- compress -------------------------------------------------------------------------------
 def compress_file(src, dst, mode: str = "excp", base=None, bits: int = DEFAULT_BITS, alpha: float = DEFAULT_ALPHA,
                   beta: float = DEFAULT_BETA, keep_bits: int | None = None,
@@ -831,8 +179,8 @@ def compress_file(src, dst, mode: str = "excp", base=None, bits: int = DEFAULT_B
             raise CheckpointError(f"base {base} is not a lossy comm_codec file: --base takes the previous "
                                   "checkpoint's lossy file (residuals are taken against its reconstruction, "
                                   "so a chain does not drift)")
-        bsha = _sha256(base)
-        base_weights = _chain_weights(base, bsha, threads)
+        bsha = file_sha256(base)
+        base_weights = chain_weights(base, bsha, threads)
         base_rec = {"name": os.path.basename(base), "sha256": bsha}
     m = FileMap(src)
     try:
@@ -840,8 +188,8 @@ def compress_file(src, dst, mode: str = "excp", base=None, bits: int = DEFAULT_B
         if fmt not in ("safetensors", "torch_zip"):
             raise CheckpointError(f"{src} is not a safetensors or torch.save checkpoint; lossy modes rewrite "
                                   "tensors in place and need one (compress other files losslessly)")
-        books = _Books(threads)
-        enc = _Encoder(m, books)
+        books = FileBooks(threads)
+        enc = Encoder(m, books)
         notes = []
         if mode == "excp":
             pairs, rest = pair_moments(src, fmt, tensors)
@@ -850,7 +198,7 @@ def compress_file(src, dst, mode: str = "excp", base=None, bits: int = DEFAULT_B
             alone = [p.name for p, m1, _ in pairs if m1 is None]
             if pairs and len(alone) == len(pairs):
                 notes.append("no Adam state (exp_avg/exp_avg_sq) found: weights-only fallback, residuals "
-                             f"pruned below {_WEIGHTS_ONLY_FACTOR:g} x median|residual|, no moments coded")
+                             f"pruned below {WEIGHTS_ONLY_FACTOR:g} x median|residual|, no moments coded")
             elif alone:
                 notes.append(f"{len(alone)} weights have no Adam state ({', '.join(alone[:3])}"
                              f"{'...' if len(alone) > 3 else ''}): pruned by magnitude only")
@@ -870,10 +218,10 @@ def compress_file(src, dst, mode: str = "excp", base=None, bits: int = DEFAULT_B
         for r in records:
             if r["coding"] != "skeleton":
                 r["crc_at"] = crcs.get(r["offset"], [])
-        _skeleton_offsets(records)
-        skeleton, _ = _skeleton(m.u8, m.size, records)
+        skeleton_offsets(records)
+        skeleton = cut_skeleton(m.u8, m.size, records)
         source_sha = hashlib.sha256(m.u8(0, m.size)).hexdigest() if m.size else hashlib.sha256().hexdigest()
-        recon = _rebuild(m.size, skeleton, records, enc.values)
+        recon = rebuild(m.size, skeleton, records, enc.values)
         stream_frames = {}
         for name, parts in enc.streams.items():
             data = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
@@ -881,7 +229,7 @@ def compress_file(src, dst, mode: str = "excp", base=None, bits: int = DEFAULT_B
                 frame, ids = books.encode(torch.from_numpy(data))
                 stream_frames[name] = (frame, ids[0], data.size)
         index = {
-            "format": _INDEX_FORMAT, "version": VERSION, "created_by": created_by(),
+            "format": INDEX_FORMAT, "version": VERSION, "created_by": created_by(),
             "mode": mode, "params": params,
             "source": {"name": os.path.basename(src), "size": m.size, "sha256": source_sha, "format": fmt},
             "reconstruction": {"size": len(recon), "sha256": hashlib.sha256(recon).hexdigest()},
@@ -902,7 +250,7 @@ def compress_file(src, dst, mode: str = "excp", base=None, bits: int = DEFAULT_B
                 return at
 
             put(HEADER.pack(LOSSY_MAGIC, VERSION, 0, 0))
-            for name in _STREAMS:
+            for name in STREAMS:
                 if name in stream_frames:
                     frame, book, size = stream_frames[name]
                     index["streams"][name] = {"offset": put(frame), "length": frame.size, "size": size, "book": book}
@@ -925,7 +273,7 @@ def compress_file(src, dst, mode: str = "excp", base=None, bits: int = DEFAULT_B
                                       "once it is complete")
             out.commit()
         if mode == "excp":
-            _cache_put(h.hexdigest(), enc.weights)
+            remember(h.hexdigest(), enc.weights)
     finally:
         m.close()
     summary = LossySummary("compress", mode, m.size, total, time.perf_counter() - started, fmt,
@@ -994,15 +342,15 @@ def _restore(src: str, base, threads: int | None) -> tuple[bytearray, dict, int]
     """Rebuild the reconstructed checkpoint's bytes in memory; check their sha256."""
     m = FileMap(src)
     try:
-        index = _load_index(m)
+        index = load_index(m)
         weights = None
         if index["base"] is not None:
-            bpath, bsha = _base_path(src, index, base)
-            weights = _chain_weights(bpath, bsha, threads)
+            bpath, bsha = find_base(src, index, base)
+            weights = chain_weights(bpath, bsha, threads)
         elif base is not None:
             log.warning("%s is not a delta (no base); ignoring base %s", src, base)
-        _, values, skeleton = _decode(src, m, index, weights, True, threads)
-        out = _rebuild(index["reconstruction"]["size"], skeleton, index["tensors"], values)
+        _, values, skeleton = decode_tensors(src, m, index, weights, True, threads)
+        out = rebuild(index["reconstruction"]["size"], skeleton, index["tensors"], values)
         if hashlib.sha256(out).hexdigest() != index["reconstruction"]["sha256"]:
             fail(src, "the reconstruction's sha256 does not match the one recorded: the file or its chain "
                       "is corrupted")

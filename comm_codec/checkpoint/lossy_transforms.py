@@ -1,9 +1,9 @@
 """The lossy transforms: which moments belong to which weight, quantization, rounding.
 
-Used by :mod:`.lossy` (the container, the chain and the ExCP steps that
-use these). Pure functions of arrays and tensor lists: pairing a weight with its AdamW
-``exp_avg`` and ``exp_avg_sq``, an exact 1-D k-means, the value a pruned second moment
-comes back as, the error statistics recorded per tensor, and ZipNN-style mantissa
+Used by the lossy format's modules (:mod:`.lossy`, :mod:`.lossy_index`,
+:mod:`.lossy_tensors`). Pure functions of arrays and tensor lists: pairing a weight with
+its AdamW ``exp_avg`` and ``exp_avg_sq``, an exact 1-D k-means, the value a pruned second
+moment comes back as, the error statistics recorded per tensor, and ZipNN-style mantissa
 rounding.
 """
 
@@ -149,6 +149,7 @@ def dequantize(symbols: np.ndarray, centroids: np.ndarray, domain: str, fill: fl
 
 
 def error_stats(recon: np.ndarray, orig: np.ndarray) -> dict:
+    """Return the max |error|, the relative RMS error and the norm of orig (for summing errors)."""
     err = recon.astype(np.float64) - orig.astype(np.float64)
     norm = float(np.sqrt(np.sum(orig.astype(np.float64) ** 2)))
     return {"max_abs_error": float(np.max(np.abs(err))) if err.size else 0.0,

@@ -11,20 +11,16 @@ from __future__ import annotations
 import math
 import pickletools
 
-__all__ = ["scan_torch_pickle", "PickleTooLarge", "MAX_OPS"]
+__all__ = ["scan_torch_pickle", "MAX_OPS"]
 
 # Opcodes scanned at most. Each one makes at most one small object, so this bounds the
-# scanner's memory (~200 MB at worst) and time (~2 s); torch.save spends ~25 per tensor,
+# scanner's memory (~200 MB at worst) and time; torch.save spends ~25 per tensor,
 # so 80 000 tensors fit. A bigger pickle is not understood: its storages stay opaque.
 MAX_OPS = 2_000_000
 # A tensor deeper than this many keys is named after its storage, not its path.
 _MAX_NAME_DEPTH = 64
 # Objects walked when naming storages.
 _MAX_WALK = 1_000_000
-
-
-class PickleTooLarge(ValueError):
-    """The pickle has more opcodes than :data:`MAX_OPS`."""
 
 
 def _is_int(x) -> bool:
@@ -100,9 +96,11 @@ def scan_torch_pickle(data: bytes, itemsize) -> dict:
     is its path of dict keys from the root ("state.0.exp_avg").
 
     Raises:
-        PickleTooLarge: more than :data:`MAX_OPS` opcodes.
-        ValueError, IndexError, KeyError...: not a pickle this scanner understands (the
-            caller codes the storages as opaque bytes, which is always exact).
+        ValueError: more than :data:`MAX_OPS` opcodes.
+        ValueError, IndexError, KeyError...: not a pickle this scanner understands.
+
+    The caller (:mod:`.formats`) catches every error and codes the storages as opaque
+    bytes, which is always exact: none of them reaches a user.
     """
     stack, marks, memo, storages = [], [], {}, {}
     root = None
@@ -115,7 +113,7 @@ def scan_torch_pickle(data: bytes, itemsize) -> dict:
 
     for count, (op, arg, _) in enumerate(pickletools.genops(data)):
         if count >= MAX_OPS:
-            raise PickleTooLarge(f"pickle has more than {MAX_OPS} opcodes")
+            raise ValueError(f"pickle has more than {MAX_OPS} opcodes")
         name = op.name
         if name in _PUSH_ARG:
             stack.append(arg)

@@ -23,7 +23,8 @@ from ..books.profiler import grow_group
 from .files import FileMap
 from .formats import FileTensor
 
-__all__ = ["CHUNK_SIZES", "TRANSFORMS", "BookChooser", "Sample", "as_tensor", "make_codec", "plan_tensor"]
+__all__ = ["CHUNK_SIZES", "GROUP_MIN_ROWS", "TRANSFORMS", "BookChooser", "Sample", "as_tensor", "make_codec",
+           "plan_tensor"]
 
 # What storing one per-tensor book costs in the (zstd-compressed) index, in bits.
 _BOOK_COST_BITS = 160 * 8
@@ -43,7 +44,9 @@ _SAMPLE_ELEMS = 1 << 18
 # A tensor of at least this many chunks may get a group of books per stream, chosen chunk
 # by chunk (frame version 2), when its sampled chunks say the group pays for its books.
 _GROUP_MIN_CHUNKS = 8
-_GROUP_MIN_ROWS = 6  # sampled chunks a group is fitted to, at least
+# Sampled chunks a group (or a book for a stream's compressible chunks) is fitted to, at
+# least: fewer and the tensor gets single books only.
+GROUP_MIN_ROWS = 6
 _GROUP_MAX_BOOKS = 8
 _GROUP_MIN_GAIN = 0.002
 _GROUP_REACH = 0.025  # see BookChooser._own_options
@@ -61,7 +64,7 @@ _RAW_LOOK_MIN_ELEMS = 1 << 15
 _MAX_REUSED_BOOKS = 64
 _INT_NP = {1: np.uint8, 2: np.int16, 4: np.int32}
 # One raw book for every option that stores a stream raw: building one per stream and
-# tensor was 2 % of a small file's compress.
+# tensor would cost 2 % of a small file's compress.
 _RAW_BOOK = Codebook.raw_book()
 
 
@@ -272,7 +275,7 @@ class BookChooser:
         on the summed counts it lost to raw. Books the file does not hold yet are
         charged their place in the index.
 
-        With at least _GROUP_MIN_ROWS sampled chunks, an own book may grow into a group
+        With at least GROUP_MIN_ROWS sampled chunks, an own book may grow into a group
         (chosen chunk by chunk), and a stream raw on the whole may get a book for the
         chunks that compress (:meth:`partial`).
 
@@ -283,7 +286,7 @@ class BookChooser:
             spec: its stream layout.
             coded: per stream, whether it was counted (False: raw, see :meth:`counts`).
         """
-        grouped = len(rows) >= _GROUP_MIN_ROWS  # enough sampled chunks to fit a group to
+        grouped = len(rows) >= GROUP_MIN_ROWS  # enough sampled chunks to fit a group to
         books, origins, total = [], [], 0.0
         for s in range(spec.nstreams):
             r = rows[:, s, :]
@@ -318,7 +321,7 @@ class BookChooser:
         tensor only when its own book alone already beats ``best`` (the other options):
         on all-MiniLM-L6-v2's bf16 word embeddings a group grown on 16 of 179 chunks
         promised more than the shipped group and came out 1.6 kB larger. For a tensor
-        sampled whole, a group (~1 ms to grow) is tried when the own book is within
+        sampled whole, a group (cheap to grow) is tried when the own book is within
         _GROUP_REACH of ``best``: on all-MiniLM-L6-v2 and its Adam state the groups that
         won saved 0.4-2.1 % over their first book, and none won from farther than 2.2 %.
         """
@@ -465,7 +468,7 @@ def _entropies(rows: np.ndarray, n: np.ndarray | None = None) -> np.ndarray:
     """Shannon entropy in bits per symbol of each row of counts (0 for an empty row);
     ``n``: the rows' sums, when the caller has them."""
     # log2(n) - sum(c log2 c) / n: one log over the counts, no division of each count
-    # (planning calls this ~50 times per file; it was 4 % of a small file's compress).
+    # (planning calls this ~50 times per file: its cost shows in a small file's compress).
     n = np.maximum(rows.sum(axis=1) if n is None else n, 1)
     h = np.log2(n) - (rows * np.log2(np.maximum(rows, 1))).sum(axis=1) / n
     return np.maximum(h, 0.0)  # rounding: a single symbol gives +-1e-16
