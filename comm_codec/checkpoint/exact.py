@@ -67,7 +67,6 @@ from ..core.frame import FrameError
 from ..core.huffman import Codebook
 from ..core.streams import spec_for
 from .container import HEADER, MAGIC, created_by, encode_index, identify, zstd_bounded
-from .container import NOT_OURS  # noqa: F401 - named as exact.NOT_OURS by `comm-codec inspect`
 from .errors import CheckpointError
 from .exact_index import INDEX_FORMAT, VERSION, is_checkpoint, load_index, read_index
 from .files import (WRITE_DIGEST, AtomicFile, DigestStream, FileMap, atomic_output, check_paths, file_digest,

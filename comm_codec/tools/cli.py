@@ -31,6 +31,7 @@ def _cmd_inspect(args) -> int:
 
     from ..checkpoint import container, exact, lossy
     from ..checkpoint.files import open_regular
+    from ..core.errors import CheckpointError
     from ..core.frame import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, get_frame_parameters
 
     with open_regular(args.file) as fh:
@@ -42,7 +43,7 @@ def _cmd_inspect(args) -> int:
             print(lossy.describe(args.file))
             return 0
         if kind is None:
-            raise exact.CheckpointError(f"{args.file}: {exact.NOT_OURS}")
+            raise CheckpointError(f"{args.file}: {container.NOT_OURS}")
         fh.seek(0)
         data = np.frombuffer(fh.read(), dtype=np.uint8)
     p = get_frame_parameters(data)
