@@ -12,7 +12,8 @@ slowest rank's, per step) and its ratio to DDP's default hook *in the same run*:
   picks; the table says what it picked;
 * ``cast``: ``mode="always", cast="bf16"`` (lossy; fp32 models only);
 * ``base``: ``always`` from another source tree (``--baseline DIR``, e.g. ``git archive``
-  of an older commit), to compare protocols in the same run.
+  of an older commit), to compare protocols in the same run; ``base_auto``: ``auto``
+  from that tree (where its HuffmanState has modes).
 
 Configurations alternate within a run: after ``--warm`` untimed steps each (auto also
 runs its first measurement then), ``--rounds`` rounds give every configuration
@@ -55,6 +56,7 @@ import copy
 import datetime
 import importlib
 import importlib.util
+import inspect
 import json
 import logging
 import math
@@ -79,9 +81,11 @@ from comm_codec.tools.procs import free_port  # noqa: E402
 
 log = logging.getLogger("bench_link_sweep")
 
-ALL_CONFIGS = ("default", "fp16", "always", "auto", "cast", "base")
+ALL_CONFIGS = ("default", "fp16", "always", "auto", "cast", "base", "base_auto")
+AUTO_CONFIGS = ("auto", "base_auto")
 LABELS = {"default": "default hook", "fp16": "fp16_compress_hook*", "always": "huffman always",
-          "auto": "huffman auto", "cast": "huffman cast=bf16*", "base": "always (baseline)"}
+          "auto": "huffman auto", "cast": "huffman cast=bf16*", "base": "always (baseline)",
+          "base_auto": "auto (baseline)"}
 _TINYLM = {"d_model": 512, "n_layers": 4}
 _BOOK_WARMUP = 3
 
@@ -215,10 +219,12 @@ class _Config:
             self.state = HuffmanState(codebooks=books, mode="auto" if name == "auto" else "always",
                                       cast="bf16" if name == "cast" else None, log_every=0)
             self.ddp.register_comm_hook(self.state, huffman_hook)
-        elif name == "base":
+        elif name in ("base", "base_auto"):
             ddp_mod = importlib.import_module("cc_baseline.ddp")
             base_books = baseline.CodebookSet.from_dict(books.to_dict(), "<bench books>")
-            self.state = ddp_mod.HuffmanState(codebooks=base_books, log_every=0)
+            modes = "mode" in inspect.signature(ddp_mod.HuffmanState).parameters
+            kw = {"mode": "auto" if name == "base_auto" else "always"} if modes else {}
+            self.state = ddp_mod.HuffmanState(codebooks=base_books, log_every=0, **kw)
             self.ddp.register_comm_hook(self.state, ddp_mod.huffman_hook)
         self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=1e-5)
         self.data = work.batches(seed)
@@ -294,7 +300,7 @@ def _link_label(rate: float) -> str:
 def _run_link(rate, work, configs, books, baseline, args, rank) -> dict:
     _shape(rate, rank)
     built = {name: _Config(name, work, books, baseline, args.seed) for name in configs}
-    warm = {name: args.warm + (1 + 2 * built[name].state.switch.probe_steps if name == "auto" else 0)
+    warm = {name: args.warm + (1 + 2 * built[name].state.switch.probe_steps if name in AUTO_CONFIGS else 0)
             for name in configs}
     for name in configs:
         for _ in range(warm[name]):
@@ -334,7 +340,7 @@ def _stat_delta(cfg: _Config, before) -> dict:
     s = cfg.state.stats()
     bytes_in, bytes_out = s["bytes_in"] - before["bytes_in"], s["bytes_out"] - before["bytes_out"]
     row = {"ratio": bytes_in / bytes_out if bytes_out else 1.0}
-    if cfg.name == "auto":
+    if cfg.name in AUTO_CONFIGS:
         decision = s.get("decision") or {}
         row["coded"] = decision.get("coded")
         row["reason"] = decision.get("reason")
@@ -455,7 +461,7 @@ def _rank_main(rank: int, world: int, port: int, args, out_path: str) -> None:
         baseline = _load_baseline(args.baseline) if args.baseline else None
         configs = [c for c in args.config_list if c != "cast" or dtype == torch.float32]
         if baseline is None:
-            configs = [c for c in configs if c != "base"]
+            configs = [c for c in configs if c not in ("base", "base_auto")]
         _shape(0, rank)
         books = _build_books(work, args.seed)
         result = {"model": args.model_name, "description": work.description, "world_size": world,
@@ -504,7 +510,7 @@ def _print_link(result: dict, link: dict) -> None:
     print(f"  {'configuration':<22}{'ms/step':>9}{'x default':>10}{'ratio':>7}{'comm CPU ms':>12}{'cores':>7}")
     for name, row in rows.items():
         extra = ""
-        if name == "auto":
+        if name in AUTO_CONFIGS:
             extra = f"  -> {'coding' if row.get('coded') else 'plain'}: {row.get('reason')}"
         print(f"  {LABELS[name]:<22}{row['ms']:>9.0f}{row['ms'] / default:>9.2f}x{row['ratio']:>7.2f}"
               f"{row['comm_cpu_ms']:>12.0f}{row['cores_used']:>7.2f}{extra}")
@@ -566,7 +572,7 @@ def print_summary(results: list[dict]) -> None:
                     continue
                 x = rows[c]["ms"] / rows["default"]["ms"]
                 tag = ""
-                if c == "auto":
+                if c in AUTO_CONFIGS:
                     tag = " C" if rows[c].get("coded") else " P"
                 cells.append(f"{rows[c]['ms']:>10.0f} ({x:.2f}x){tag:<2}".rjust(22))
             print(f"{_link_label(link['rate_gbit']):<12}" + "".join(cells))
