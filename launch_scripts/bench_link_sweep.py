@@ -11,6 +11,8 @@ slowest rank's, per step) and its ratio to DDP's default hook *in the same run*:
 * ``auto``: ``huffman_hook`` with ``mode="auto"`` (the default): it measures both and
   picks; the table says what it picked;
 * ``cast``: ``mode="always", cast="bf16"`` (lossy; fp32 models only);
+* ``never``: ``huffman_hook`` with ``mode="never"``: the hook's plain path alone (what
+  ``auto`` runs when it sends plainly), to price the hook against DDP's own all-reduce;
 * ``base``: ``always`` from another source tree (``--baseline DIR``, e.g. ``git archive``
   of an older commit), to compare protocols in the same run; ``base_auto``: ``auto``
   from that tree (where its HuffmanState has modes).
@@ -81,10 +83,10 @@ from comm_codec.tools.procs import free_port  # noqa: E402
 
 log = logging.getLogger("bench_link_sweep")
 
-ALL_CONFIGS = ("default", "fp16", "always", "auto", "cast", "base", "base_auto")
+ALL_CONFIGS = ("default", "fp16", "always", "auto", "cast", "never", "base", "base_auto")
 AUTO_CONFIGS = ("auto", "base_auto")
 LABELS = {"default": "default hook", "fp16": "fp16_compress_hook*", "always": "huffman always",
-          "auto": "huffman auto", "cast": "huffman cast=bf16*", "base": "always (baseline)",
+          "auto": "huffman auto", "cast": "huffman cast=bf16*", "never": "huffman never", "base": "always (baseline)",
           "base_auto": "auto (baseline)"}
 _TINYLM = {"d_model": 512, "n_layers": 4}
 _BOOK_WARMUP = 3
@@ -215,8 +217,8 @@ class _Config:
         self.state = None
         if name == "fp16":
             self.ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif name in ("always", "auto", "cast"):
-            self.state = HuffmanState(codebooks=books, mode="auto" if name == "auto" else "always",
+        elif name in ("always", "auto", "cast", "never"):
+            self.state = HuffmanState(codebooks=books, mode=name if name in ("auto", "never") else "always",
                                       cast="bf16" if name == "cast" else None, log_every=0)
             self.ddp.register_comm_hook(self.state, huffman_hook)
         elif name in ("base", "base_auto"):
