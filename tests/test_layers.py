@@ -547,6 +547,8 @@ def test_checker_finds_a_function_level_upward_import(tmp_path):
     ("checkpoint/x.py", "def f():\n    from ..tools.cli import main\n", "nothing outside tools imports tools"),
     ("comm/x.py", "import importlib\nimportlib.import_module('comm_codec.tools.cli')\n",
      "nothing outside tools imports tools"),
+    ("core/x.py", "import importlib\nimportlib.import_module('..comm.engine', __package__)\n",
+     "core imports comm_codec.comm.engine (comm layer"),
     ("__init__.py", "from .core.codec import Codec\n", "the package root imports from comm_codec.core.codec import Codec eagerly"),
     ("fsdp.py", "from .core.frame import Frame\n", "facade imports from comm_codec.core.frame import Frame"),
     ("core/x.py", "import comm_codec as cc\n", "imports the package root (comm_codec)"),
@@ -559,6 +561,12 @@ def test_checker_finds_layer_breaks(tmp_path, where, source, expected):
     bad = check_layers(pkg)
     assert len(bad) == 1 and expected in bad[0], bad
     assert bad[0].startswith(f"comm_codec/{where}:")
+
+
+def test_checker_does_not_guess_an_anchor_it_cannot_read(tmp_path):
+    source = "import importlib\nimportlib.import_module('.comm', __name__.rpartition('.')[0])\n"
+    pkg = make_package(tmp_path, {**CLEAN, "core/x.py": source})
+    assert imports_of(pkg, pkg.modules["comm_codec.core.x"])[1:] == [] and check_layers(pkg) == []
 
 
 def test_checker_lists_every_offender(tmp_path):
