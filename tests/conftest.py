@@ -82,8 +82,8 @@ TIERS = {
 }
 
 # test module -> what the quick tier leaves out: fnmatch patterns over test names, with
-# parameters ("test_x[2-bf16]") or without ("test_x"); "*" is every test, and "!pattern"
-# takes tests back into the quick tier. As in .gitignore, the last pattern that matches a
+# parameters ("test_x[2-bf16]", "test_x[*-bf16]") or without ("test_x": every case);
+# "*" is every test, and "!pattern" takes tests back into the quick tier. As in .gitignore, the last pattern that matches a
 # test decides. Chosen from `pytest --durations=0`: the quick tier keeps a few tests of
 # every module where that is cheap, and shares one 2-rank gloo group among its dist tests
 # (3 and 4 ranks, fresh groups and module-wide training runs are slow).
@@ -117,22 +117,36 @@ SLOW: dict[str, tuple[str, ...]] = {
     "test_integrations.py": ("*",),
     "test_lossy.py": ("test_cli_round_trip_and_errors",),
     "test_untrusted.py": ("test_crafted_inputs_exit_cleanly_in_bounded_memory",
-                          "test_termination_signals_remove_the_temp_file[[]1[]]"),
+                          "test_termination_signals_remove_the_temp_file[1]"),
 }
 
 
-def is_slow(module: str, name: str, originalname: str) -> bool:
+def matches(name: str, pattern: str) -> bool:
+    """Whether a test name ("test_x" or "test_x[params]") matches a SLOW pattern.
+
+    A pattern's brackets hold a pattern over the parameters (not an fnmatch character
+    class): "test_x[*-bf16]" is every bf16 case of test_x; "test_x" is all of them.
+    """
+    base, _, params = name.partition("[")
+    pbase, bracket, pparams = pattern.partition("[")
+    if not bracket:
+        return fnmatch.fnmatchcase(base, pattern) or fnmatch.fnmatchcase(name, pattern)
+    return fnmatch.fnmatchcase(base, pbase) and fnmatch.fnmatchcase(params.removesuffix("]"),
+                                                                     pparams.removesuffix("]"))
+
+
+def is_slow(module: str, name: str) -> bool:
     """Whether SLOW leaves a test out of the quick tier (the last matching pattern decides)."""
     slow = False
     for pattern in SLOW.get(module, ()):
-        keep = pattern.startswith("!")
-        if any(fnmatch.fnmatchcase(n, pattern.lstrip("!")) for n in (name, originalname)):
-            slow = not keep
+        if matches(name, pattern.lstrip("!")):
+            slow = not pattern.startswith("!")
     return slow
 
 
-def tier_markers(module: str, name: str, originalname: str) -> list[str]:
-    """The markers of one test: its tier(s) from TIERS, and ``slow`` if SLOW lists it.
+def tier_markers(module: str, name: str) -> list[str]:
+    """The markers of one test (``name`` with its parameters): its tier(s) from TIERS, and
+    ``slow`` if SLOW leaves it out of the quick tier.
 
     Raises:
         KeyError: the module is not in TIERS.
@@ -140,10 +154,10 @@ def tier_markers(module: str, name: str, originalname: str) -> list[str]:
     spec = TIERS[module]
     markers, overrides = (spec, {}) if isinstance(spec, str) else spec
     for pattern, these in overrides.items():
-        if fnmatch.fnmatchcase(originalname, pattern):
+        if fnmatch.fnmatchcase(name.partition("[")[0], pattern):
             markers = these
             break
-    return markers.split() + (["slow"] if is_slow(module, name, originalname) else [])
+    return markers.split() + (["slow"] if is_slow(module, name) else [])
 
 
 def pytest_collection_modifyitems(config, items):
@@ -157,7 +171,7 @@ def pytest_collection_modifyitems(config, items):
         if module not in TIERS:
             unknown.add(module)
             continue
-        for marker in tier_markers(module, item.name, getattr(item, "originalname", item.name)):
+        for marker in tier_markers(module, item.name):
             item.add_marker(marker)
     if unknown:
         raise pytest.UsageError(
