@@ -1,4 +1,5 @@
-"""Helpers the tests share: bit-pattern comparison, random bit patterns, frame resealing, free ports.
+"""Helpers the tests share: bit-pattern comparison, random bit patterns, frame resealing, free ports,
+the command line in a subprocess.
 
 Imported by test modules (``from helpers import bits_equal``) and by conftest.py; kept
 out of conftest so that scripts beside the tests (fuzz harnesses) can import them too.
@@ -6,7 +7,10 @@ out of conftest so that scripts beside the tests (fuzz harnesses) can import the
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import zlib
 
 import numba
@@ -14,6 +18,8 @@ import torch
 
 import comm_codec as cc
 from comm_codec.core import frame as _frame
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Most threads a Codec may be given on this machine (tests use 1 and this).
 MAX_THREADS = min(2, numba.config.NUMBA_NUM_THREADS)
@@ -105,3 +111,69 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _cli_command(args, limit_bytes: int | None, limit_memory: int | None) -> list[str]:
+    """``python -m comm_codec ARGS``, or the same through ``runpy`` after setting resource limits.
+
+    The limits are set in the child before the package is imported rather than in a
+    ``preexec_fn``, which is not safe in a test process that runs threads (numba, torch).
+    """
+    args = [os.fspath(a) if isinstance(a, os.PathLike) else str(a) for a in args]
+    if limit_bytes is None and limit_memory is None:
+        return [sys.executable, "-m", "comm_codec", *args]
+    limits = []
+    if limit_bytes is not None:
+        limits.append(f"resource.setrlimit(resource.RLIMIT_FSIZE, ({int(limit_bytes)}, {int(limit_bytes)}))")
+    if limit_memory is not None:
+        limits.append(f"resource.setrlimit(resource.RLIMIT_AS, ({int(limit_memory)}, {int(limit_memory)}))")
+    code = "; ".join(["import resource, runpy", *limits,
+                      "runpy.run_module('comm_codec', run_name='__main__', alter_sys=True)"])
+    return [sys.executable, "-c", code, *args]
+
+
+def _cli_env(env: dict | None) -> dict:
+    """The environment for a CLI subprocess: this one, with ``env`` applied (a None value removes a
+    variable) and this checkout first on PYTHONPATH, so the package under test runs from any cwd."""
+    out = dict(os.environ)
+    for key, value in (env or {}).items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = str(value)
+    path = [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != REPO]
+    out["PYTHONPATH"] = os.pathsep.join([REPO, *path])
+    return out
+
+
+def run_cli(*args, cwd=None, env: dict | None = None, timeout: float | None = 120, input: str | None = None,
+            limit_bytes: int | None = None, limit_memory: int | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m comm_codec ARGS`` (the ``comm-codec`` command) and return its outcome.
+
+    Args:
+        args: command-line arguments; paths and numbers are turned into strings.
+        cwd: working directory (default: the repository root).
+        env: variables to set (or, with the value None, remove) over this process's environment.
+        timeout: seconds before ``subprocess.TimeoutExpired`` (None: no limit).
+        input: text for the command's stdin (default: none, stdin is closed).
+        limit_bytes: largest file the command may write (``RLIMIT_FSIZE``): a bigger write fails
+            with ``File too large``.
+        limit_memory: the command's address-space limit in bytes (``RLIMIT_AS``).
+
+    Returns:
+        The completed process, with ``returncode``, and ``stdout`` and ``stderr`` as text.
+    """
+    return subprocess.run(_cli_command(args, limit_bytes, limit_memory), cwd=REPO if cwd is None else cwd,
+                          env=_cli_env(env), input=input, stdin=None if input is not None else subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def start_cli(*args, cwd=None, env: dict | None = None, limit_bytes: int | None = None,
+              limit_memory: int | None = None) -> subprocess.Popen:
+    """Start ``python -m comm_codec ARGS`` without waiting (to signal it, or watch its files).
+
+    Arguments as for :func:`run_cli`; stdout and stderr are text pipes, stdin is closed.
+    """
+    return subprocess.Popen(_cli_command(args, limit_bytes, limit_memory), cwd=REPO if cwd is None else cwd,
+                            env=_cli_env(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
