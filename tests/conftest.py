@@ -54,7 +54,7 @@ TIERS = {
     "test_checkpoint.py": ("unit", {"test_cli_*": "cli"}),
     "test_cli.py": "cli",
     "test_codec.py": "unit",
-    "test_collectives.py": ("dist", {"test_warm_kernels_loads_the_coded_dtype_once": "unit"}),
+    "test_collectives.py": ("dist", {"test_engine_precompiles_the_coded_dtype_before_a_coded_call": "unit"}),
     "test_cuda.py": "unit",  # the simulator run is pytest in a child process, not the CLI
     "test_ddp.py": ("dist", {"test_hook_annotations_are_the_types_ddp_checks": "unit",
                              "test_huffman_state_rejects_bad_arguments": "unit",
@@ -93,7 +93,7 @@ SLOW: dict[str, tuple[str, ...]] = {
                            "test_same_output_for_any_number_of_threads", "test_cli_round_trip_and_errors"),
     "test_cli.py": ("*", "!test_version_and_help", "!test_unknown_option_is_a_usage_error", "!test_inspect_frame"),
     "test_codec.py": ("test_frames_from_numpy_bytes_and_buffers_decode",
-                      "test_warmup_loads_kernels_and_reports_per_dtype"),
+                      "test_precompile_loads_kernels_and_reports_per_dtype"),
     "test_collectives.py": ("*world3*", "test_all_reduce_bit_exact_rank_order[*]",
                             "!test_all_reduce_bit_exact_rank_order[sum-bf16-world2]",
                             "!test_all_reduce_bit_exact_rank_order[average-fp32-world2]",
