@@ -66,6 +66,7 @@ TIERS = {
                               "test_demo_command_rejects_bad_options": "unit",
                               "test_comm_codec_demo_fsdp_runs_and_prints_the_bytes_saved": "cli dist",
                               "test_codec_threads_default_to_the_ranks_share_of_the_cores": "unit"}),
+    "test_errors.py": "unit",
     "test_fuzz.py": "unit",
     "test_golden.py": "unit",
     "test_groups.py": ("unit", {"test_distributed_build_equals_one_process_over_all_ranks_data": "dist"}),

@@ -31,7 +31,6 @@ import datetime
 import multiprocessing.connection
 import os
 import pickle
-import socket
 import time
 import traceback
 

@@ -11,8 +11,6 @@ import hashlib
 import os
 import pickle
 import struct
-import subprocess
-import sys
 import time
 import zipfile
 
@@ -29,6 +27,7 @@ from comm_codec.core.codebooks import CodebookSet
 from comm_codec.checkpoint import exact
 from comm_codec.checkpoint.files import FileMap
 from comm_codec.core.frame import FrameError
+from helpers import run_cli
 
 _GEN = torch.Generator().manual_seed(0)
 
@@ -432,30 +431,21 @@ def test_container_magic_and_trailer_are_pinned(packed):
 
 
 # -- command line ------------------------------------------------------------------------
-def _cli(*args, cwd, limit_bytes=None):
-    prefix = ""
-    if limit_bytes:
-        prefix = (f"import resource; resource.setrlimit(resource.RLIMIT_FSIZE, ({limit_bytes}, {limit_bytes})); ")
-    code = prefix + "import sys; from comm_codec.tools.cli import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
-
-
 def test_cli_round_trip_and_errors(tmp_path):
     torch.save(_state_dict(0), tmp_path / "a.pt")
     torch.save(_state_dict(1), tmp_path / "b.pt")
-    r = _cli("compress", "b.pt", "b.cckp", "--base", "a.pt", "--threads", "2", cwd=tmp_path)
+    r = run_cli("compress", "b.pt", "b.cckp", "--base", "a.pt", "--threads", "2", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("compressed ") and "ratio" in r.stdout and "GB/s" in r.stdout
-    r = _cli("decompress", "b.cckp", "b.out", cwd=tmp_path)
+    r = run_cli("decompress", "b.cckp", "b.out", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("comm-codec: error: b.cckp was compressed against base a.pt")
     assert "Traceback" not in r.stderr and not (tmp_path / "b.out").exists()
-    r = _cli("decompress", "b.cckp", "b.out", "--base", "a.pt", cwd=tmp_path)
+    r = run_cli("decompress", "b.cckp", "b.out", "--base", "a.pt", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert _sha(tmp_path / "b.out") == _sha(tmp_path / "b.pt")
-    r = _cli("ls", "b.cckp", cwd=tmp_path)
+    r = run_cli("ls", "b.cckp", cwd=tmp_path)
     assert r.returncode == 0 and "model.w_bf16" in r.stdout and "xor-frame" in r.stdout
-    r = _cli("verify", "missing.cckp", cwd=tmp_path)
+    r = run_cli("verify", "missing.cckp", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr == "comm-codec: error: No such file or directory: missing.cckp\n"
     assert _leftovers(tmp_path) == ["b.out"]
 
@@ -463,7 +453,7 @@ def test_cli_round_trip_and_errors(tmp_path):
 def test_cli_file_size_limit_is_a_clean_error(tmp_path):
     """RLIMIT_FSIZE stands in for a full disk: a clear message, exit 2, nothing left."""
     (tmp_path / "r.bin").write_bytes(os.urandom(300_000))
-    r = _cli("compress", "r.bin", "r.cckp", cwd=tmp_path, limit_bytes=100_000)
+    r = run_cli("compress", "r.bin", "r.cckp", cwd=tmp_path, limit_bytes=100_000)
     assert r.returncode == 2 and r.stderr.startswith("comm-codec: error: cannot write r.cckp: File too large")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.bin"]
 

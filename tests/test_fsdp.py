@@ -552,19 +552,17 @@ def test_demo_command_rejects_bad_options(capsys):
 def test_comm_codec_demo_fsdp_runs_and_prints_the_bytes_saved():
     """The README's command, as a user types it: two spawned ranks, FSDP2, a few steps."""
     import re
-    import subprocess
-    import sys
 
-    done = subprocess.run([sys.executable, "-m", "comm_codec", "demo", "--fsdp", "--steps", "3", "--warmup-steps", "1"],
-                          capture_output=True, text=True, timeout=240)
+    from helpers import run_cli
+
+    done = run_cli("demo", "--fsdp", "--steps", "3", "--warmup-steps", "1", timeout=240)
     assert done.returncode == 0, done.stderr
     assert "sharded with FSDP2 over 2 processes" in done.stdout
     saved = re.search(r"^saved\s+(\d+\.\d+) MB$", done.stdout, re.M)
     assert saved is not None and float(saved.group(1)) > 0, done.stdout
     assert re.search(r"^parameters\s+bit-identical full parameters on all 2 ranks", done.stdout, re.M), done.stdout
     # Bad options: one line, status 2, nothing spawned.
-    bad = subprocess.run([sys.executable, "-m", "comm_codec", "demo", "--fsdp", "--world-size", "1"],
-                         capture_output=True, text=True, timeout=60)
+    bad = run_cli("demo", "--fsdp", "--world-size", "1", timeout=60)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == ["comm-codec demo --fsdp: error: --world-size must be >= 2 (a "
                                                "data-parallel run needs peers), got 1"]

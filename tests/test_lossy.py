@@ -8,8 +8,6 @@ tensor; the errors the file records must be the errors achieved.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import zipfile
 
 import numpy as np
@@ -21,6 +19,7 @@ from comm_codec import checkpoint as ck
 from comm_codec.checkpoint import lossy
 from comm_codec.checkpoint import lossy_transforms
 from comm_codec.tools.tinylm import TinyLM, batches, load_corpus, train_steps
+from helpers import run_cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -166,8 +165,7 @@ def test_metadata_round_trip_and_inspect(series, tmp_path):
     text = lossy.describe(packed[1])
     assert "LOSSY" in text and "mode excp" in text and "bits=3" in text and packed[0].name in text
     for cmd in ("inspect", "ls"):
-        r = subprocess.run([sys.executable, "-m", "comm_codec", cmd, str(packed[1])], cwd=REPO,
-                           capture_output=True, text=True)
+        r = run_cli(cmd, packed[1])
         assert r.returncode == 0 and "LOSSY" in r.stdout and "exp_avg_sq" in r.stdout, r.stderr
 
 
@@ -307,22 +305,17 @@ def test_quantizer_is_lloyd_optimal_and_rounding_matches_torch():
 
 
 # -- command line ---------------------------------------------------------------------------
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "comm_codec", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True)
-
-
 def test_cli_round_trip_and_errors(series, tmp_path):
     a, b = tmp_path / "a.ccl", tmp_path / "b.ccl"
-    r = _cli("compress", series[0], a, "--lossy", "excp")
+    r = run_cli("compress", series[0], a, "--lossy", "excp")
     assert r.returncode == 0 and "keyframe" in r.stderr and "lossy excp" in r.stdout, r.stderr
-    r = _cli("compress", series[1], b, "--lossy", "excp", "--base", a, "--bits", "3")
+    r = run_cli("compress", series[1], b, "--lossy", "excp", "--base", a, "--bits", "3")
     assert r.returncode == 0 and f"base {a.name}" in r.stdout, r.stderr
-    r = _cli("decompress", b, tmp_path / "b.pt")
+    r = run_cli("decompress", b, tmp_path / "b.pt")
     assert r.returncode == 0, r.stderr
     torch.load(tmp_path / "b.pt", weights_only=True)
-    assert _cli("verify", b).returncode == 0
-    r = _cli("compress", series[0], tmp_path / "p.ccl", "--lossy", "precision", "--keep-bits", "5")
+    assert run_cli("verify", b).returncode == 0
+    r = run_cli("compress", series[0], tmp_path / "p.ccl", "--lossy", "precision", "--keep-bits", "5")
     assert r.returncode == 0, r.stderr
     bad = [
         (("compress", series[0], tmp_path / "x", "--bits", "3"), "--bits only apply to lossy compression"),
@@ -332,9 +325,9 @@ def test_cli_round_trip_and_errors(series, tmp_path):
         (("compress", series[1], tmp_path / "x", "--base", a), "is a lossy file"),
     ]
     for args, message in bad:
-        r = _cli(*args)
+        r = run_cli(*args)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
     os.rename(a, tmp_path / "gone.ccl")
-    r = _cli("decompress", b, tmp_path / "c.pt")
+    r = run_cli("decompress", b, tmp_path / "c.pt")
     assert r.returncode == 2 and f"no file {a}" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "c.pt").exists() and not (tmp_path / "x").exists()

@@ -10,7 +10,6 @@ file behind and open nothing it was not given. A hang shows as the subprocess's 
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import struct
@@ -29,6 +28,7 @@ from safetensors.torch import save_file
 from comm_codec import checkpoint as ck
 from comm_codec.checkpoint import lossy
 from comm_codec.checkpoint.files import temp_name
+from helpers import start_cli
 
 import crafted
 
@@ -307,8 +307,7 @@ def _big_source(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_termination_signals_remove_the_temp_file(tmp_path, sig):
     src = _big_source(tmp_path)
-    proc = subprocess.Popen([sys.executable, "-m", "comm_codec", "compress", str(src), str(tmp_path / "o.cckp"),
-                             "--threads", "1"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_cli("compress", src, tmp_path / "o.cckp", "--threads", "1")
     deadline = time.time() + 120
     while time.time() < deadline and not any(n.endswith(".tmp") for n in os.listdir(tmp_path)):
         time.sleep(0.02)

@@ -162,22 +162,9 @@ def gather_texts(text: str, group=None, device=None, limit: int = MAX_MESSAGE_BY
         raise ValueError(f"agreement message of {len(data)} bytes is over the {limit}-byte limit")
     if not is_initialized() or dist.get_world_size(group) == 1:
         return [data.decode("utf-8")]
-    world = dist.get_world_size(group)
-    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.empty_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n, group=group)
-    lengths = [int(s.item()) for s in sizes]
-    bad = [(r, k) for r, k in enumerate(lengths) if not 0 <= k <= limit]
-    if bad:
-        raise RuntimeError("comm_codec agreement: " + ", ".join(f"rank {r} announced a {k}-byte message" for r, k in bad)
-                           + f" (at most {limit})")
-    longest = max(1, max(lengths))  # never a zero-element collective (gloo rejects them)
-    mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
-    mine = mine.to(device)
-    parts = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(parts, mine, group=group)
-    return [bytes(p.cpu().numpy()[:k]).decode("utf-8", "replace") for p, k in zip(parts, lengths)]
+    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    parts = _gather_uneven(mine, limit, "a {}-byte message", group, device)
+    return [bytes(p.numpy()).decode("utf-8", "replace") for p in parts]
 
 
 def check_same_settings(owner: str, settings: dict, group=None, device=None) -> list[str]:
@@ -312,21 +299,31 @@ def build_books(profiler: WarmupProfiler, group=None, meta: dict | None = None, 
 
 def _gather_chunk_rows(rows: np.ndarray, limit: int, group, device) -> np.ndarray:
     """All ranks' chunk histograms, in rank order (the same array on every rank)."""
+    parts = _gather_uneven(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)), limit,
+                           "{} chunk histograms", group, device)
+    return np.concatenate([p.numpy() for p in parts])
+
+
+def _gather_uneven(mine: torch.Tensor, limit: int, what: str, group, device) -> list[torch.Tensor]:
+    """All-gather a tensor whose first dimension differs by rank, in rank order, on the CPU.
+
+    The lengths travel first and are claims: one outside 0..``limit`` is refused (on every
+    rank alike) before anything is allocated for it. ``what`` names one rank's part in that
+    message, with ``{}`` for its length.
+    """
     world = dist.get_world_size(group)
-    n = torch.tensor([len(rows)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(n) for _ in range(world)]
+    n = torch.tensor([mine.shape[0]], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(n) for _ in range(world)]
     dist.all_gather(sizes, n, group=group)
-    sizes = [int(x.item()) for x in sizes]
-    bad = [(r, k) for r, k in enumerate(sizes) if not 0 <= k <= limit]
+    lengths = [int(s.item()) for s in sizes]
+    bad = [(r, k) for r, k in enumerate(lengths) if not 0 <= k <= limit]
     if bad:
-        raise RuntimeError("comm_codec agreement: " + ", ".join(f"rank {r} announced {k} chunk histograms" for r, k in bad)
-                           + f" (at most {limit})")
-    most = max(sizes)
-    if most == 0:
-        return rows
-    padded = np.zeros((most,) + rows.shape[1:], dtype=np.int64)
-    padded[: len(rows)] = rows
-    mine = torch.from_numpy(padded).to(device)
-    parts = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(parts, mine, group=group)
-    return np.concatenate([p.cpu().numpy()[:k] for p, k in zip(parts, sizes)])
+        raise RuntimeError("comm_codec agreement: " + ", ".join(f"rank {r} announced " + what.format(k)
+                                                               for r, k in bad) + f" (at most {limit})")
+    longest = max(1, max(lengths))  # never a zero-element collective (gloo rejects them)
+    padded = torch.zeros((longest,) + tuple(mine.shape[1:]), dtype=mine.dtype)
+    padded[: mine.shape[0]] = mine
+    padded = padded.to(device)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return [p.cpu()[:k] for p, k in zip(parts, lengths)]
