@@ -53,7 +53,7 @@ from ..core.errors import CollectiveError
 from ..core.frame import FrameError, header_size
 from .agreement import gather_texts
 from .stats import CommStats
-from ..core.streams import spec_for
+from ..core.streams import ACCUMULABLE_DTYPES, spec_for
 
 __all__ = [
     "MAX_PIECES",
@@ -213,10 +213,6 @@ def _decode_into(codec: Codec, frame: torch.Tensor, numel: int, dtype, acc: torc
         codec.decode_accumulate(frame, acc, add=not first)
 
 
-# the dtypes whose frames Codec.decode_accumulate adds into a float32 accumulator
-_FUSABLE = (torch.bfloat16, torch.float16, torch.float32)
-
-
 def _round_into(out: torch.Tensor, acc: torch.Tensor, average: bool, world: int) -> torch.Tensor:
     """Write acc (divided by world when averaging) into out, rounded once to out's dtype.
 
@@ -257,7 +253,7 @@ def _reduce_shard(received, own: torch.Tensor, codec, cast, stats, rank, world, 
     n = own.numel()
     coded = cast if cast is not None else own.dtype
     acc = workspace.take("acc", n, _ACC_DTYPE.get(own.dtype, own.dtype), own.device)
-    fused = own.device.type == "cpu" and acc.dtype == torch.float32 and coded in _FUSABLE
+    fused = own.device.type == "cpu" and acc.dtype == torch.float32 and coded in ACCUMULABLE_DTYPES
     try:
         for r in range(world):
             first = r == 0

@@ -37,6 +37,7 @@ import torch
 from ..books.profiler import WarmupProfiler
 from ..core.codebooks import CodebookSet
 from ..core.codec import Codec
+from ..core.streams import ACCUMULABLE_DTYPES
 from . import agreement
 from .autoswitch import AutoSwitch, check_mode
 from .collectives import Workspace, on_cuda_worker
@@ -48,7 +49,7 @@ __all__ = ["CASTS", "CODED_DTYPES", "OPTIONS", "CodingEngine", "default_threads"
 log = logging.getLogger(__name__)
 
 # The dtypes the coded collectives sum in float32 (and so code); others travel plainly.
-CODED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CODED_DTYPES = ACCUMULABLE_DTYPES
 # cast= values: None is lossless; "bf16" rounds fp32 tensors to bf16 before coding (lossy).
 CASTS = {None: None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 # The keyword arguments every adapter takes (HuffmanState, comm_codec.fsdp.compress, the

@@ -41,7 +41,7 @@ from . import precompile as _precompile
 from .codebooks import CodebookSet, as_codebook_set
 from .frame import FrameError
 from .memory import empty_output, torch_threads_kept
-from .streams import as_bits, spec_for
+from .streams import ACCUMULABLE_DTYPES, as_bits, spec_for
 from .tables import KernelTables, TablesCache, encode_tables
 
 __all__ = ["Codec", "DEFAULT_CHUNK_ELEMS", "DECODE_CACHE_SIZE"]
@@ -70,12 +70,9 @@ def _raise_on_status(status: np.ndarray, nchunks: int) -> None:
         )
 
 
-_ACCUMULABLE = (torch.bfloat16, torch.float16, torch.float32)
-
-
 def _check_accumulable(params, acc: torch.Tensor, device: torch.device) -> None:
     """Raise unless a frame of these parameters can be added into acc (see Codec.decode_accumulate)."""
-    if params.spec.dtype not in _ACCUMULABLE:
+    if params.spec.dtype not in ACCUMULABLE_DTYPES:
         raise TypeError(f"decode_accumulate adds bfloat16, float16 or float32 frames; this one holds {params.spec.dtype}")
     if acc.numel() != params.numel:
         raise ValueError(f"acc has {acc.numel()} elements, the frame holds {params.numel}")

@@ -32,7 +32,7 @@ import torch
 from ..kernels import jit as _jit
 from ..kernels.histogram import chunk_histograms, huffman_costs
 from .huffman import Codebook
-from .streams import SUPPORTED_DTYPES, as_bits, spec_for
+from .streams import ACCUMULABLE_DTYPES, SUPPORTED_DTYPES, as_bits, spec_for
 
 __all__ = ["precompile", "is_precompiled", "first_use", "cache_location"]
 
@@ -147,7 +147,7 @@ def precompile(codec, dtypes=None, profiler: bool = False) -> dict:
                     continue
                 if not torch.equal(out.view(torch.uint8), x.reshape(-1).view(torch.uint8)):
                     raise RuntimeError(f"precompile round trip of {spec.name} is not bit-exact")  # pragma: no cover
-                if spec.dtype in (torch.bfloat16, torch.float16, torch.float32):  # the all-reduce's decode-and-add
+                if spec.dtype in ACCUMULABLE_DTYPES:  # the all-reduce's decode-and-add
                     codec.decode_accumulate(frame, torch.zeros(x.numel(), dtype=torch.float32))
                 if profiler:
                     with first_use("profiling", spec):

@@ -37,6 +37,7 @@ import torch
 from ..kernels.layout import bits_dtype
 
 __all__ = [
+    "ACCUMULABLE_DTYPES",
     "StreamSpec",
     "SUPPORTED_DTYPES",
     "spec_for",
@@ -96,6 +97,9 @@ _BY_CODE = {s.code: s for s in _SPECS}
 _BY_NAME = {s.name: s for s in _SPECS}
 
 SUPPORTED_DTYPES = tuple(s.dtype for s in _SPECS)
+# The float types whose frames add into a float32 sum (Codec.decode_accumulate): what the
+# coded all-reduce, reduce-scatter and reduce sum.
+ACCUMULABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _supported_names() -> str:

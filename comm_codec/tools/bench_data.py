@@ -17,7 +17,7 @@ import torch
 
 from ..books.profiler import WarmupProfiler
 from ..core.codebooks import CodebookSet
-from ..core.streams import spec_for
+from ..core.streams import ACCUMULABLE_DTYPES, spec_for
 
 __all__ = ["MIB", "Dataset", "tensor_bytes", "pretrained_datasets", "tinylm_datasets", "synthetic_datasets"]
 
@@ -188,7 +188,7 @@ def pretrained_datasets(args) -> list:
 def _synthetic(dtype: torch.dtype, numel: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     t = torch.randn(numel, generator=gen) * 1e-3
-    if dtype in (torch.bfloat16, torch.float16, torch.float32):
+    if dtype in ACCUMULABLE_DTYPES:
         return t.to(dtype)
     amax = t.abs().max().clamp_min(1e-30)
     if dtype == torch.float8_e4m3fn:
