@@ -294,10 +294,12 @@ def test_merge_rows_halves_neighbours_and_keeps_every_count():
 
 
 def _w_build_groups(rank, world):
-    """Each rank observes its own layers; build() over the world. Returns the set's file dict."""
+    """Each rank observes its own layers; books built over the world. Returns the set's file dict."""
+    from comm_codec.comm.agreement import build_books
+
     prof = WarmupProfiler(chunk_elems=256, min_gain=0.0)
     prof.observe(_layered(torch.bfloat16, seed=20 + rank))
-    return prof.build().to_dict()
+    return build_books(prof).to_dict()
 
 
 def test_distributed_build_equals_one_process_over_all_ranks_data():
