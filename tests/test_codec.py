@@ -402,7 +402,7 @@ def test_large_round_trip_through_huge_page_outputs():
     bits_equal(codec.decode(codec.encode(x)), x)
 
 
-# -- untrusted frames and misuse (issue 18), API promises (issue 16) ------------------------------
+# -- untrusted frames and misuse, API promises ----------------------------------------------------
 def _empty_frame(ids: tuple[int, int], numel: int = 0, chunk_elems: int = 64) -> bytes:
     """A bf16 frame with the given stream ids whose chunks (if any) are all flagged ZERO."""
     nchunks = -(-numel // chunk_elems) if numel else 0
@@ -463,7 +463,7 @@ def test_decode_refuses_out_that_requires_grad(small_codec, sample):
 
 
 def test_decode_returns_a_flat_tensor_and_out_keeps_the_shape(small_codec):
-    # Frames do not record a shape (issue 16: the docstring says so and shows how).
+    # Frames do not record a shape (the docstring says so and shows how).
     x = torch.randn(6, 7, 8, dtype=torch.float32)
     f = small_codec.encode(x)
     flat = small_codec.decode(f)

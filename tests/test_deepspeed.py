@@ -59,7 +59,7 @@ CASES = [(f"zero{stage}-{dtype}", stage, dtype, {}, {}) for stage in (0, 1, 2) f
     # "reduce_scatter": false: DeepSpeed's gradient_reduction_w_predivide.
     ("zero2-bf16-allreduce", 2, "bf16", {}, {"reduce_scatter": False}),
 ]
-# The natural config: warmup_steps alone means books built online (issue #13).
+# The natural config: warmup_steps alone means books built online.
 WARMUP = ("zero2-bf16-online", 2, "bf16", {"warmup_steps": 2, "mode": "always"}, {})
 CAST = ("zero0-fp32-cast", 0, "fp32", {"cast": "bf16", "mode": "always"}, {})
 
