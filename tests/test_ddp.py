@@ -691,6 +691,44 @@ def test_ranks_configured_differently_raise_on_every_rank_at_the_first_step(name
         assert f"HuffmanState differs across ranks: {phrase}; give every rank the same settings" in r["message"]
 
 
+class _OpensAFile:
+    """A pickle that, when unpickled, creates the file at ``path`` (what an attacker would run)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _w_peer_sends_a_pickle(rank, world, marker):
+    """Rank 1 answers the settings check with a pickle instead of settings; rank 0 must refuse it unread."""
+    torch.manual_seed(0)
+    ddp = DDP(_Net(), bucket_cap_mb=0.01)
+    state = HuffmanState(min_bytes=0, mode="always")
+    if rank == 0:
+        ddp.register_comm_hook(state, huffman_hook)
+        return _one_backward(ddp, rank)
+    # What a malicious rank sends on the settings exchange: a length, then its bytes.
+    payload = pickle.dumps(_OpensAFile(marker))
+    group = state.group()
+    n = torch.tensor([len(payload)], dtype=torch.int64)
+    sizes = [torch.empty_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n, group=group)
+    padded = torch.zeros(max(int(s) for s in sizes), dtype=torch.uint8)
+    padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    dist.all_gather([torch.empty_like(padded) for _ in range(world)], padded, group=group)
+    return None
+
+
+def test_a_pickle_from_a_peer_is_never_unpickled(tmp_path):
+    """Control messages between ranks are JSON in byte tensors: a peer's pickle payload never runs."""
+    marker = str(tmp_path / "ran")
+    results = dist_utils.run_fresh(_w_peer_sends_a_pickle, 2, marker, timeout=60)
+    assert not os.path.exists(marker), "a peer's pickle ran on rank 0"
+    assert results[0] is not None and "rank 1 sent settings that are not JSON" in results[0]["message"], results[0]
+
+
 def _w_dies_before_the_decision(rank, world):
     """Rank 1 exits when the first decision is due; rank 0 must raise, not wait."""
     import time

@@ -575,3 +575,38 @@ def test_codec_threads_default_to_the_ranks_share_of_the_cores(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert ccf.FSDPState().codec.threads == default_threads(2)
     assert ccf.FSDPState(threads=1).codec.threads == 1
+
+
+# The user's init_process_group(timeout=...), in seconds, for the stalled-rank test.
+STALL_TIMEOUT = 5.0
+
+
+def _w_stalled_rank(rank, world, sleep_s):
+    """Rank 1 stalls once coding runs; rank 0's next step must fail within the user's timeout."""
+    import time
+
+    net = _model("bf16")
+    ccf.compress(net, mode="always", min_bytes=0)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    for step in range(3):
+        if step == 2 and rank == 1:
+            time.sleep(sleep_s)
+        t0 = time.monotonic()
+        try:
+            x, y = _batch(rank, step, torch.bfloat16)
+            F.mse_loss(net(x).float(), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        except Exception as exc:  # what FSDP2 lets through from the coded collective
+            return {"step": step, "seconds": time.monotonic() - t0, "message": f"{type(exc).__name__}: {exc}"}
+    return {"step": None}
+
+
+def test_a_stalled_rank_fails_the_other_within_the_users_timeout():
+    """Every group comm_codec.fsdp makes takes the user's timeout (torch gives new groups 30 minutes)."""
+    outcomes = dist_utils.run_outcomes(_w_stalled_rank, 2, 4 * STALL_TIMEOUT, timeout=60 + 8 * STALL_TIMEOUT,
+                                       pg_timeout=STALL_TIMEOUT)
+    assert outcomes[0]["status"] == "ok", outcomes[0]
+    waited = outcomes[0]["value"]
+    assert waited["step"] == 2, f"rank 0 did not fail at the stalled step: {waited}"
+    assert waited["seconds"] < 2 * STALL_TIMEOUT + 10, waited  # not the peer's 4x-longer stall
