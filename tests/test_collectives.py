@@ -582,3 +582,33 @@ def test_engine_precompiles_the_coded_dtype_before_a_coded_call():
     engine.precompile_for(torch.zeros(8, dtype=torch.float32))
     engine.precompile_for(torch.zeros(8, dtype=torch.float16))
     assert asked == [[torch.bfloat16], [torch.float16]]
+
+def _w_peer_announces(rank, world, claim):
+    """Rank 2 answers a stage's size exchange with ``claim`` bytes to rank 0 (and nothing to rank 1)."""
+    import time
+
+    if rank == 2:
+        header = torch.zeros(world, 3, dtype=torch.int64)
+        header[0, 0] = claim
+        dist.all_to_all_single(torch.empty(world, 3, dtype=torch.int64), header)
+        time.sleep(1)
+        return None
+    t0 = time.monotonic()
+    try:
+        collectives.all_reduce(_float_input(rank, 4000, torch.bfloat16))
+    except Exception as exc:  # the type is part of what is checked
+        return {"type": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - t0}
+    return {"type": None}
+
+
+@pytest.mark.parametrize("claim", [1 << 40, -5], ids=["huge", "negative"])
+def test_a_peer_announcing_an_impossible_size_fails_every_honest_rank_in_time(claim):
+    """Sizes in a stage's exchange are claims: nothing is allocated for one the receiver cannot
+    expect, and every honest rank raises CollectiveError within the group's timeout."""
+    outcomes = dist_utils.run_outcomes(_w_peer_announces, 3, claim, timeout=90, pg_timeout=5.0)
+    for rank in (0, 1):
+        assert outcomes[rank]["status"] == "ok", outcomes[rank]
+        got = outcomes[rank]["value"]
+        assert got["type"] == "CollectiveError", (rank, got)
+        assert got["seconds"] < 20, (rank, got)
+    assert f"rank 2 announced frames of {claim} and 0 bytes" in outcomes[0]["value"]["message"]

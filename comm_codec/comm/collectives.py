@@ -79,6 +79,8 @@ _ACC_DTYPE = {torch.float32: torch.float32, torch.bfloat16: torch.float32, torch
 # the overlap gains). Read at every call: a caller (or a test) may tune them.
 MAX_PIECES = 4
 MIN_PIECE_ELEMS = 1 << 18
+# Bytes a peer's announced frame may exceed the largest frame of what the receiver expects.
+_CLAIM_SLACK = 1 << 20
 # The most bytes of one rank's error message that travel to its peers.
 _MAX_ERROR_BYTES = 4096
 # Bytes of one rank's size message to one peer in an all_reduce stage: three int64
@@ -122,6 +124,22 @@ class Workspace:
 
 def _shard_bounds(n: int, world: int) -> list[tuple[int, int]]:
     return [(r * n // world, (r + 1) * n // world) for r in range(world)]
+
+
+def _width(bounds: tuple[int, int]) -> int:
+    return bounds[1] - bounds[0]
+
+
+@contextlib.contextmanager
+def _failures_as_collective_errors():
+    """Raise what the transport raises mid-protocol (a peer that stalled past the group's
+    timeout, died, or broke the protocol) as CollectiveError, the collectives' one error."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:
+        raise CollectiveError(f"compressed collective failed: {exc}") from exc
 
 
 def _raise_gathered(error: str | None, group, device=None) -> None:
@@ -275,13 +293,20 @@ class _Stage:
 
     The size exchange that opens a stage carries, from every rank to every rank, the two
     frame sizes and the sender's error flag: a rank that failed earlier says so here,
-    and every rank raises at the same stage, before any data moves.
+    and every rank raises at the same stage, before any data moves. The sizes are a
+    peer's claims: ``limits[r]`` bounds what rank r may send (the largest frames of the
+    elements this rank expects from it), and a claim outside them is refused before
+    anything is allocated for it. (A small slack, :data:`_CLAIM_SLACK`, lets a wrong but
+    small frame through to the decoder's exact check, which every rank agrees on at the
+    next stage; a refused claim fails this rank at once and its peers within the group's
+    timeout.)
     """
 
     __slots__ = ("work", "recv", "splits", "send", "sizes", "p2_bytes")
 
     def __init__(self, p1: list[torch.Tensor] | None, p2: torch.Tensor | None, error: str | None,
-                 group, rank: int, world: int, device, workspace: Workspace | None = None, slot: int = 0):
+                 group, rank: int, world: int, device, limits: list[tuple[int, int]],
+                 workspace: Workspace | None = None, slot: int = 0):
         empty = torch.empty(0, dtype=torch.uint8, device=device)
         self.p2_bytes = p2.numel() if p2 is not None else 0
         header = torch.zeros(world, 3, dtype=torch.int64)
@@ -299,6 +324,12 @@ class _Stage:
         sizes = sizes.cpu()
         if int(sizes[:, 2].max()):
             _raise_gathered(error, group, device)
+        for r in range(world):
+            a, b = int(sizes[r, 0]), int(sizes[r, 1])
+            if r != rank and not (0 <= a <= limits[r][0] + _CLAIM_SLACK and 0 <= b <= limits[r][1] + _CLAIM_SLACK):
+                raise CollectiveError(f"compressed collective failed: rank {rank}: rank {r} announced frames of "
+                                      f"{a} and {b} bytes; what it may send here takes at most {limits[r][0]} and "
+                                      f"{limits[r][1]} (+{_CLAIM_SLACK})")
         self.sizes = sizes
         send_splits = [0 if d == rank else int(header[d, 0] + header[d, 1]) for d in range(world)]
         self.splits = [0 if r == rank else int(sizes[r, 0] + sizes[r, 1]) for r in range(world)]
@@ -374,8 +405,9 @@ def all_reduce(tensor: torch.Tensor, codec: Codec | None = None, group=None, *, 
             flat.copy_(flat.to(cast))
         return tensor
     with stats.timer("comm_seconds"):
-        _StagedAllReduce(flat, codec, group, average, kind, reduced_kind, cast, stats, workspace,
-                         rank, world).run()
+        with _failures_as_collective_errors():
+            _StagedAllReduce(flat, codec, group, average, kind, reduced_kind, cast, stats, workspace,
+                             rank, world).run()
         stats.add(calls=1)
     return tensor
 
@@ -404,7 +436,8 @@ class _StagedAllReduce:
             if p1 is not None or p2 is not None:
                 stage = _Stage(outgoing.pop(p1) if p1 is not None else None,
                                reduced.pop(p2) if p2 is not None else None,
-                               self.error, self.group, self.rank, self.world, self.flat.device, self.workspace, s)
+                               self.error, self.group, self.rank, self.world, self.flat.device,
+                               self._limits(p1, p2), self.workspace, s)
                 self._count_sent(p2, stage)
             # while the stage is on the wire:
             if s + 1 < count:
@@ -422,6 +455,14 @@ class _StagedAllReduce:
         for k in sorted(inbox2):
             self._finish(k, inbox2.pop(k))
         _agree_on_errors(self.error, self.group, self.flat.device)
+
+    def _limits(self, p1, p2) -> list[tuple[int, int]]:
+        """The largest frames each peer may send at a stage: this rank's shard of piece p1,
+        and the peer's own reduced shard of piece p2, in the coded dtype."""
+        dtype = self.cast or self.flat.dtype
+        mine = _frame_bound(_width(self.bounds[p1][self.rank]), dtype) if p1 is not None else 0
+        return [(mine, _frame_bound(_width(self.bounds[p2][r]), dtype) if p2 is not None else 0)
+                for r in range(self.world)]
 
     def _encode_phase1(self, k: int) -> list[torch.Tensor]:
         piece = self.pieces[k]
@@ -500,7 +541,7 @@ class _PipelinedPhase:
                 if k < len(self.bounds):
                     p1, p2 = self._frames(k)
                     stage = _Stage(p1, p2, self.error, self.group, self.rank, self.world, self.device,
-                                   self.workspace, k)
+                                   self._limits(k), self.workspace, k)
                 if flying is not None:
                     received = flying.received()
                     if not self.error:
@@ -518,6 +559,9 @@ class _PipelinedPhase:
     def _frames(self, k: int):
         raise NotImplementedError
 
+    def _limits(self, k: int) -> list[tuple[int, int]]:
+        raise NotImplementedError
+
     def _finish(self, k: int, phase1: list[torch.Tensor], phase2: list[torch.Tensor]) -> None:
         raise NotImplementedError
 
@@ -528,6 +572,10 @@ class _StagedReduceScatter(_PipelinedPhase):
     def __init__(self, out, rows, codec, group, average, kind, cast, stats, workspace, rank, world):
         super().__init__(out.numel(), codec, group, stats, workspace, rank, world, out.device)
         self.out, self.rows, self.average, self.kind, self.cast = out, rows, average, kind, cast
+
+    def _limits(self, k: int) -> list[tuple[int, int]]:
+        a, b = self.bounds[k]
+        return [(_frame_bound(b - a, self.cast or self.out.dtype), 0)] * self.world
 
     def _frames(self, k: int):
         a, b = self.bounds[k]
@@ -557,6 +605,10 @@ class _StagedAllGather(_PipelinedPhase):
     def __init__(self, outputs, flat, codec, group, kind, stats, workspace, rank, world):
         super().__init__(flat.numel(), codec, group, stats, workspace, rank, world, flat.device)
         self.outputs, self.flat, self.kind = outputs, flat, kind
+
+    def _limits(self, k: int) -> list[tuple[int, int]]:
+        a, b = self.bounds[k]
+        return [(0, _frame_bound(b - a, self.flat.dtype))] * self.world
 
     def _frames(self, k: int):
         a, b = self.bounds[k]
@@ -613,7 +665,8 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], codec: 
     workspace = workspace if workspace is not None else Workspace()
     rows = [t.reshape(-1) for t in input_list]
     with stats.timer("comm_seconds"):
-        _StagedReduceScatter(out, rows, codec, group, average, kind, cast, stats, workspace, rank, world).run()
+        with _failures_as_collective_errors():
+            _StagedReduceScatter(out, rows, codec, group, average, kind, cast, stats, workspace, rank, world).run()
         stats.add(calls=1)
     return output
 
@@ -653,7 +706,8 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, codec: Cod
     outputs = [t.view(-1) for t in tensor_list]
     with stats.timer("comm_seconds"):
         stats.add(calls=1)
-        _StagedAllGather(outputs, flat, codec, group, kind, stats, workspace, rank, world).run()
+        with _failures_as_collective_errors():
+            _StagedAllGather(outputs, flat, codec, group, kind, stats, workspace, rank, world).run()
         if outputs[rank].data_ptr() != flat.data_ptr():
             outputs[rank].copy_(flat)
     return tensor_list
