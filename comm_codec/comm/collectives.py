@@ -50,10 +50,13 @@ import torch.distributed as dist
 
 from ..core.codec import Codec
 from ..core.errors import CollectiveError
-from ..core.frame import FrameError, header_size
+from ..core.frame import FrameError
 from .agreement import gather_texts
+from .framing import add_into, check_flat, decode_add, decode_part, encode_part, frame_bound, round_into
+from .p2p import recv, reduce, send
 from .stats import CommStats
-from ..core.streams import ACCUMULABLE_DTYPES, spec_for
+from .workspace import Workspace
+from ..core.streams import ACCUMULABLE_DTYPES
 
 __all__ = [
     "MAX_PIECES",
@@ -86,40 +89,6 @@ _MAX_ERROR_BYTES = 4096
 # Bytes of one rank's size message to one peer in an all_reduce stage: three int64
 # (phase-1 frame, phase-2 frame, error flag).
 _STAGE_HEADER = 24
-
-
-class Workspace:
-    """Scratch buffers that the reductions reuse from call to call.
-
-    The rank-order sum needs float32 accumulators and decode targets the size of a
-    shard. Fresh ones cost their page faults on every call, several times the work of
-    filling a reused one. A workspace keeps one buffer per role, grown as needed; give one to each thread that
-    calls the collectives (the DDP hook keeps one per state). It is not thread-safe.
-    """
-
-    __slots__ = ("_buffers",)
-
-    def __init__(self):
-        self._buffers: dict = {}
-
-    def take(self, role: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-        """Return a 1-D tensor of ``numel`` elements for ``role``, reusing memory."""
-        device = torch.device(device)
-        key = (role, dtype, device)
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = self._buffers[key] = torch.empty(max(numel, 1), dtype=dtype, device=device)
-        return buf[:numel]
-
-    def clear(self) -> None:
-        """Free every buffer."""
-        self._buffers.clear()
-
-    def __getstate__(self):  # scratch memory never travels
-        return {}
-
-    def __setstate__(self, state):
-        self._buffers = {}
 
 
 def _shard_bounds(n: int, world: int) -> list[tuple[int, int]]:
@@ -161,89 +130,6 @@ def _agree_on_errors(error: str | None, group, device=None) -> None:
         _raise_gathered(error, group, device)
 
 
-def _check_tensor(tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if not tensor.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (results are written in place)")
-    return tensor.view(-1)
-
-
-def _encode(codec: Codec, tensor: torch.Tensor, kind: str, cast, stats: CommStats) -> torch.Tensor:
-    if cast is not None and tensor.dtype != cast:
-        tensor = tensor.to(cast)
-    with stats.timer("encode_seconds"):
-        return codec.encode(tensor, kind)
-
-
-
-
-def _decode(codec: Codec, frame: torch.Tensor, numel: int, dtype, stats: CommStats, out=None) -> torch.Tensor:
-    """Decode a peer's frame, checking it holds numel elements; into out if given.
-
-    A frame of out's dtype is decoded straight into it; one of another dtype (a cast
-    shard) is decoded and converted. The frame may never decode to more than the
-    ``numel`` elements expected (a peer's frame is not trusted with the allocation).
-    """
-    with stats.timer("decode_seconds"):
-        params = Codec.frame_parameters(frame)
-        if params.numel != numel:
-            raise FrameError(f"frame holds {params.numel} elements, expected {numel}")
-        if out is not None and params.dtype == out.dtype:
-            return codec.decode(frame, out=out)
-        result = codec.decode(frame, max_output_bytes=numel * params.spec.itemsize)
-    if out is not None:
-        out.copy_(result)
-        return out
-    return result if dtype is None or result.dtype == dtype else result.to(dtype)
-
-
-def _add_into(acc: torch.Tensor, part: torch.Tensor, first: bool, workspace: Workspace) -> None:
-    """Add part into acc (write it, when first), widened exactly to acc's dtype.
-
-    A narrower part is widened into a reused buffer before it is added: torch's in-place
-    add of a bf16 tensor into a float32 one is several times slower than a float32 add,
-    and the result is the same, since widening is exact.
-    """
-    if first:
-        acc.copy_(part)
-    elif part.dtype == acc.dtype:
-        acc.add_(part)
-    else:
-        wide = workspace.take("wide", part.numel(), acc.dtype, acc.device)
-        wide.copy_(part)
-        acc.add_(wide)
-
-
-def _decode_into(codec: Codec, frame: torch.Tensor, numel: int, dtype, acc: torch.Tensor, first: bool,
-                 stats: CommStats) -> None:
-    """Decode a peer's frame of ``numel`` elements of ``dtype`` and add it into the float32 acc in one pass.
-
-    :meth:`Codec.decode_accumulate` gives bit for bit ``acc.add_(decode(frame).float())``
-    without the decoded shard ever existing (one pass over memory instead of three).
-    """
-    with stats.timer("decode_seconds"):
-        params = Codec.frame_parameters(frame)
-        if params.numel != numel:
-            raise FrameError(f"frame holds {params.numel} elements, expected {numel}")
-        if params.dtype != dtype:
-            raise FrameError(f"frame holds {params.dtype}, expected {dtype}")
-        codec.decode_accumulate(frame, acc, add=not first)
-
-
-def _round_into(out: torch.Tensor, acc: torch.Tensor, average: bool, world: int) -> torch.Tensor:
-    """Write acc (divided by world when averaging) into out, rounded once to out's dtype.
-
-    One pass: the division runs in acc's dtype and its result is rounded as it is
-    stored, bit for bit what ``acc.div_(world)`` then ``out.copy_(acc)`` give.
-    """
-    if average:
-        torch.div(acc, world, out=out)
-    else:
-        out.copy_(acc)
-    return out
-
-
 def _encode_each(parts: list[torch.Tensor], codec, kind, cast, stats, rank) -> list[torch.Tensor]:
     """Encode ``parts[r]`` for every peer r (this rank's own slot: an empty frame, never sent)."""
     frames = []
@@ -251,7 +137,7 @@ def _encode_each(parts: list[torch.Tensor], codec, kind, cast, stats, rank) -> l
         if r == rank:
             frames.append(torch.empty(0, dtype=torch.uint8, device=part.device))
         else:
-            frames.append(_encode(codec, part, kind, cast, stats))
+            frames.append(encode_part(codec, part, kind, cast, stats))
     sent = sum(p.numel() for r, p in enumerate(parts) if r != rank)
     stats.add(bytes_in=sent * parts[rank].element_size(), bytes_out=sum(f.numel() for f in frames))
     return frames
@@ -277,12 +163,12 @@ def _reduce_shard(received, own: torch.Tensor, codec, cast, stats, rank, world, 
             first = r == 0
             if r == rank:
                 # every rank's contribution went through the cast
-                _add_into(acc, own if cast is None else own.to(cast), first, workspace)
+                add_into(acc, own if cast is None else own.to(cast), first, workspace)
             elif fused:
-                _decode_into(codec, received[r], n, coded, acc, first, stats)
+                decode_add(codec, received[r], n, coded, acc, first, stats)
             else:
                 target = workspace.take("decoded", n, coded, own.device)
-                _add_into(acc, _decode(codec, received[r], n, None, stats, out=target), first, workspace)
+                add_into(acc, decode_part(codec, received[r], n, None, stats, out=target), first, workspace)
     except (FrameError, ValueError, TypeError) as exc:
         return None, f"shard {rank} from rank {r}: {exc}"
     return acc, None
@@ -394,7 +280,7 @@ def all_reduce(tensor: torch.Tensor, codec: Codec | None = None, group=None, *, 
         TypeError, ValueError: bad arguments (same on every rank, raised before any
             communication).
     """
-    flat = _check_tensor(tensor)
+    flat = check_flat(tensor)
     codec = codec or Codec()
     stats = stats if stats is not None else CommStats()
     workspace = workspace if workspace is not None else Workspace()
@@ -460,8 +346,8 @@ class _StagedAllReduce:
         """The largest frames each peer may send at a stage: this rank's shard of piece p1,
         and the peer's own reduced shard of piece p2, in the coded dtype."""
         dtype = self.cast or self.flat.dtype
-        mine = _frame_bound(_width(self.bounds[p1][self.rank]), dtype) if p1 is not None else 0
-        return [(mine, _frame_bound(_width(self.bounds[p2][r]), dtype) if p2 is not None else 0)
+        mine = frame_bound(_width(self.bounds[p1][self.rank]), dtype) if p1 is not None else 0
+        return [(mine, frame_bound(_width(self.bounds[p2][r]), dtype) if p2 is not None else 0)
                 for r in range(self.world)]
 
     def _encode_phase1(self, k: int) -> list[torch.Tensor]:
@@ -492,12 +378,12 @@ class _StagedAllReduce:
             self.error = failed
             return empty
         if self.cast is None:  # rounded once to the buffer dtype; this rank's input is consumed
-            _round_into(own, acc, self.average, self.world)
-            return _encode(self.codec, own, self.reduced_kind, None, self.stats)
+            round_into(own, acc, self.average, self.world)
+            return encode_part(self.codec, own, self.reduced_kind, None, self.stats)
         rounded = self.workspace.take("rounded", hi - lo, self.cast, self.flat.device)
-        _round_into(rounded, acc, self.average, self.world)  # rounded once to the cast dtype: what all receive
+        round_into(rounded, acc, self.average, self.world)  # rounded once to the cast dtype: what all receive
         own.copy_(rounded)
-        return _encode(self.codec, rounded, self.reduced_kind, None, self.stats)
+        return encode_part(self.codec, rounded, self.reduced_kind, None, self.stats)
 
     def _finish(self, k: int, received) -> None:
         """Decode every owner's reduced shard of piece k into place."""
@@ -507,7 +393,7 @@ class _StagedAllReduce:
         try:
             for r, (a, b) in enumerate(self.bounds[k]):
                 if r != self.rank:
-                    _decode(self.codec, received[r], b - a, piece.dtype, self.stats, out=piece[a:b])
+                    decode_part(self.codec, received[r], b - a, piece.dtype, self.stats, out=piece[a:b])
         except (FrameError, ValueError, TypeError) as exc:
             self.error = f"reduced shard from rank {r}: {exc}"
 
@@ -575,7 +461,7 @@ class _StagedReduceScatter(_PipelinedPhase):
 
     def _limits(self, k: int) -> list[tuple[int, int]]:
         a, b = self.bounds[k]
-        return [(_frame_bound(b - a, self.cast or self.out.dtype), 0)] * self.world
+        return [(frame_bound(b - a, self.cast or self.out.dtype), 0)] * self.world
 
     def _frames(self, k: int):
         a, b = self.bounds[k]
@@ -593,10 +479,10 @@ class _StagedReduceScatter(_PipelinedPhase):
             return
         target = self.out[a:b]
         if self.cast is None:
-            _round_into(target, acc, self.average, self.world)
+            round_into(target, acc, self.average, self.world)
         else:  # rounded once to the cast dtype, then widened back
             rounded = self.workspace.take("rounded", b - a, self.cast, self.device)
-            target.copy_(_round_into(rounded, acc, self.average, self.world))
+            target.copy_(round_into(rounded, acc, self.average, self.world))
 
 
 class _StagedAllGather(_PipelinedPhase):
@@ -608,14 +494,14 @@ class _StagedAllGather(_PipelinedPhase):
 
     def _limits(self, k: int) -> list[tuple[int, int]]:
         a, b = self.bounds[k]
-        return [(0, _frame_bound(b - a, self.flat.dtype))] * self.world
+        return [(0, frame_bound(b - a, self.flat.dtype))] * self.world
 
     def _frames(self, k: int):
         a, b = self.bounds[k]
         if self.error:
             frame = torch.empty(0, dtype=torch.uint8, device=self.device)
         else:
-            frame = _encode(self.codec, self.flat[a:b], self.kind, None, self.stats)
+            frame = encode_part(self.codec, self.flat[a:b], self.kind, None, self.stats)
         self.stats.add(bytes_in=(self.world - 1) * (b - a) * self.flat.element_size(),
                        bytes_out=(self.world - 1) * (frame.numel() + _STAGE_HEADER))
         return None, frame
@@ -625,7 +511,7 @@ class _StagedAllGather(_PipelinedPhase):
         try:
             for r in range(self.world):
                 if r != self.rank:
-                    _decode(self.codec, phase2[r], b - a, self.flat.dtype, self.stats, out=self.outputs[r][a:b])
+                    decode_part(self.codec, phase2[r], b - a, self.flat.dtype, self.stats, out=self.outputs[r][a:b])
         except (FrameError, ValueError, TypeError) as exc:
             self.error = f"frame from rank {r}: {exc}"
 
@@ -653,7 +539,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], codec: 
         CollectiveError: on every rank, if any rank failed to decode.
         ValueError: wrong number of inputs or mismatched sizes.
     """
-    out = _check_tensor(output, "output")
+    out = check_flat(output, "output")
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     if len(input_list) != world:
@@ -713,130 +599,6 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, codec: Cod
     return tensor_list
 
 
-def send(tensor: torch.Tensor, dst: int, codec: Codec | None = None, group=None, *, kind: str = "activation",
-         stats: CommStats | None = None) -> None:
-    """Send a tensor to rank ``dst`` as a coded frame (its size first); pair with :func:`recv`.
-
-    Args:
-        tensor: the tensor to send.
-        dst: destination rank (in ``group``).
-        codec, group, kind, stats: as for :func:`all_reduce`.
-    """
-    codec = codec or Codec()
-    stats = stats if stats is not None else CommStats()
-    frame = _encode(codec, tensor.reshape(-1), kind, None, stats)
-    peer = _global_rank(group, dst)
-    dist.send(torch.tensor([frame.numel()], dtype=torch.int64, device=frame.device), peer, group=group)
-    dist.send(frame, peer, group=group)
-    stats.add(bytes_in=tensor.numel() * tensor.element_size(), bytes_out=frame.numel() + 8, calls=1)
-
-
-def recv(tensor: torch.Tensor, src: int, codec: Codec | None = None, group=None, *,
-         stats: CommStats | None = None) -> torch.Tensor:
-    """Receive a frame sent by :func:`send` from rank ``src`` and decode it into ``tensor``.
-
-    Args:
-        tensor: contiguous output of the sent tensor's dtype and numel.
-        src: source rank.
-        codec, group, stats: as for :func:`all_reduce`.
-
-    Returns:
-        ``tensor``.
-
-    Raises:
-        FrameError: the frame is corrupt, or its size or dtype does not match ``tensor``
-            (only the receiver can know; the sender has already returned).
-    """
-    out = _check_tensor(tensor)
-    codec = codec or Codec()
-    stats = stats if stats is not None else CommStats()
-    frame = _recv_frame(out.numel(), out.dtype, src, group, out.device)
-    _decode(codec, frame, out.numel(), out.dtype, stats, out=out)
-    return tensor
-
-
-def _recv_frame(numel: int, dtype, src: int, group, device) -> torch.Tensor:
-    """Receive one :func:`send` frame from ``src``; refuse a size or dtype other than expected."""
-    peer = _global_rank(group, src)
-    size = torch.empty(1, dtype=torch.int64, device=device)
-    dist.recv(size, peer, group=group)
-    limit = _frame_bound(numel, dtype)
-    if not 0 < int(size) <= limit:  # never allocate what a peer claims
-        raise FrameError(f"peer {src} announced a frame of {int(size)} bytes; a frame of {numel} "
-                         f"{dtype} elements takes 1..{limit}")
-    frame = torch.empty(int(size), dtype=torch.uint8, device=device)
-    dist.recv(frame, peer, group=group)
-    sent = Codec.frame_parameters(frame).dtype
-    if sent != dtype:
-        raise FrameError(f"peer {src} sent a {sent} tensor, expected {dtype}")
-    return frame
-
-
-def reduce(tensor: torch.Tensor, dst: int, codec: Codec | None = None, group=None, *, cast=None,
-           kind: str = "gradient", stats: CommStats | None = None, workspace: Workspace | None = None) -> None:
-    """Sum ``tensor`` over the group into rank ``dst``'s copy, every other rank sending one coded frame.
-
-    The owner adds every rank's tensor in rank order in float32 (peers' frames decoded
-    and added in one pass, :meth:`Codec.decode_accumulate`) and rounds once to the
-    coded dtype, as :func:`all_reduce` does; the other ranks' tensors are unchanged, as
-    with ``dist.reduce``. A frame that fails on the owner raises on every rank.
-
-    Args:
-        tensor: contiguous bf16, fp16 or fp32 tensor, summed in place on ``dst``.
-        dst: the destination rank (in ``group``).
-        codec, group, kind, stats, workspace: as for :func:`all_reduce`.
-        cast: a narrower dtype to code fp32 in (lossy), or None.
-
-    Raises:
-        CollectiveError: on every rank, when the owner could not decode a frame.
-    """
-    flat = _check_tensor(tensor)
-    codec = codec or Codec()
-    stats = stats if stats is not None else CommStats()
-    workspace = workspace if workspace is not None else Workspace()
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    src = flat if cast is None or flat.dtype == cast else flat.to(cast)
-    error = None
-    with stats.timer("comm_seconds"):
-        if rank != dst:
-            send(src, dst, codec, group, kind=kind, stats=stats)
-            # a plain reduce would send the uncast buffer: count what it would have sent
-            stats.add(bytes_in=flat.numel() * (flat.element_size() - src.element_size()))
-        else:
-            acc = workspace.take("acc", flat.numel(), torch.float32, flat.device)
-            for r in range(world):  # rank order, so the sum does not depend on arrival
-                first = r == 0
-                if r == rank:
-                    _add_into(acc, src, first, workspace)
-                    continue
-                try:
-                    frame = _recv_frame(src.numel(), src.dtype, r, group, flat.device)
-                    _decode_into(codec, frame, src.numel(), src.dtype, acc, first, stats)
-                except (ValueError, TypeError) as exc:  # FrameError is a ValueError
-                    error = error or f"frame from rank {r}: {exc}"
-                    if first:
-                        acc.zero_()
-            flat.copy_(acc.to(src.dtype) if src is not flat else acc)
-            stats.add(calls=1)  # the senders' send() counted theirs
-        flag = torch.tensor([1 if error else 0], dtype=torch.int32, device=flat.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if flag.item():
-        raise CollectiveError(f"coded reduce to rank {dst} failed" + (f": {error}" if error else " on its owner"))
-
-
-def _frame_bound(numel: int, dtype) -> int:
-    """The most bytes a frame of ``numel`` elements of ``dtype`` can take, for any chunk size.
-
-    :meth:`Codec.encode` never writes more than the raw bytes plus the header and up to
-    7 bytes of padding per chunk and stream; chunks hold at least 8 elements. The mask
-    bitmap (1 bit per element) is counted on top, for safety.
-    """
-    spec = spec_for(dtype)
-    chunks = -(-numel // 8)
-    return (numel * spec.itemsize + header_size(spec.nstreams, chunks) + 8 * (spec.nstreams + 1) * chunks
-            + numel // 8)
-
-
 def on_cuda_worker(device: torch.device, ready, fn):
     """Run ``fn`` on a worker thread for CUDA tensors: after ``ready``, finished on return.
 
@@ -860,11 +622,6 @@ def on_cuda_worker(device: torch.device, ready, fn):
         result = fn()
         stream.synchronize()
     return result
-
-
-def _global_rank(group, rank: int) -> int:
-    """torch.distributed's send/recv take global ranks; ours take ranks in the group."""
-    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 class _RowParallelAllReduce(torch.autograd.Function):
