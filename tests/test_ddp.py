@@ -856,3 +856,36 @@ def test_ddp_find_unused_parameters_stays_bit_exact(world):
     results = dist_utils.run(_w_exact, world, "fp32", 4, 0, model_kw={"unused": True}, ddp_kw=ddp_kw,
                              timeout=15)
     _check_exact_report(results, 4, 0)
+
+
+def _w_stats_count_every_call(rank, world, mode, warmup):
+    """Train 4 steps; return the stats and the gradient bytes a plain run all-reduces per step."""
+    torch.manual_seed(0)
+    ddp = DDP(_Net(), bucket_cap_mb=0.01)
+    state = HuffmanState(mode=mode, warmup_steps=warmup, min_bytes=0, probe_steps=1, recheck_every=100)
+    ddp.register_comm_hook(state, huffman_hook)
+    for step in range(4):
+        x, y = _batch(rank, step, torch.float32)
+        _loss(ddp(x), y).backward()
+    grad_bytes = sum(p.numel() * p.element_size() for p in ddp.parameters())
+    return {"stats": state.stats(), "grad_bytes": grad_bytes}
+
+
+@pytest.mark.parametrize("mode, warmup", [("never", 0), ("always", 2), ("auto", 2)])
+def test_stats_count_every_call_plain_and_coded(mode, warmup):
+    """bytes_in is what a plain run sends (on 2 ranks, a ring all-reduce sends each bucket's
+    bytes once per step), bytes_out what was sent, plain calls at ratio 1; the coded calls
+    alone are under coded_*."""
+    for r in dist_utils.run(_w_stats_count_every_call, 2, mode, warmup):
+        s = r["stats"]
+        assert s["bytes_in"] == 4 * r["grad_bytes"], s
+        assert (s["calls"] + s["raw_calls"]) % 4 == 0 and s["calls"] + s["raw_calls"] > 0  # every bucket, every step
+        assert s["bytes_in"] == s["coded_bytes_in"] + s["plain_bytes"]
+        assert s["bytes_out"] == s["coded_bytes_out"] + s["plain_bytes"]
+        assert s["codec_seconds"] == pytest.approx(s["encode_seconds"] + s["decode_seconds"])
+        if mode == "never":
+            assert s["calls"] == 0 and s["bytes_out"] == s["bytes_in"] and s["ratio"] == 1.0
+        else:
+            assert s["calls"] > 0 and s["raw_calls"] > 0  # the warmup steps are plain, and counted
+            assert 1.0 < s["ratio"] < s["coded_ratio"]
+            assert s["ratio"] == pytest.approx(s["bytes_in"] / s["bytes_out"])

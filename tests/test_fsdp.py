@@ -610,3 +610,25 @@ def test_a_stalled_rank_fails_the_other_within_the_users_timeout():
     waited = outcomes[0]["value"]
     assert waited["step"] == 2, f"rank 0 did not fail at the stalled step: {waited}"
     assert waited["seconds"] < 2 * STALL_TIMEOUT + 10, waited  # not the peer's 4x-longer stall
+
+
+def _w_stats_by_mode(rank, world):
+    out = {}
+    for mode in ("never", "always"):
+        net = _model("bf16")
+        state = ccf.compress(net, mode=mode, warmup_steps=0 if mode == "never" else 1, min_bytes=0)
+        _train(net, rank, steps=3)
+        out[mode] = state.stats()
+    return out
+
+
+def test_stats_count_every_call_plain_and_coded():
+    """FSDP2's own collectives count at ratio 1: a never run's bytes_in equals a coded run's."""
+    for r in dist_utils.run(_w_stats_by_mode, 2):
+        never, coded = r["never"], r["always"]
+        assert never["bytes_in"] == coded["bytes_in"] > 0
+        assert never["bytes_out"] == never["bytes_in"] and never["ratio"] == 1.0 and never["calls"] == 0
+        assert coded["raw_calls"] > 0 and coded["calls"] > 0  # step 0 warms up plainly, and is counted
+        assert 1.0 < coded["ratio"] < coded["coded_ratio"]
+        for part in ("reduce_scatter", "all_gather"):
+            assert never[part]["bytes_in"] == coded[part]["bytes_in"] > 0

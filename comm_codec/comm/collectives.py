@@ -72,6 +72,7 @@ __all__ = [
     "row_parallel_all_reduce",
     "on_cuda_worker",
     "pieces",
+    "plain_wire_bytes",
 ]
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ def _encode_each(parts: list[torch.Tensor], codec, kind, cast, stats, rank) -> l
         else:
             frames.append(encode_part(codec, part, kind, cast, stats))
     sent = sum(p.numel() for r, p in enumerate(parts) if r != rank)
-    stats.add(bytes_in=sent * parts[rank].element_size(), bytes_out=sum(f.numel() for f in frames))
+    stats.add(coded_bytes_in=sent * parts[rank].element_size(), coded_bytes_out=sum(f.numel() for f in frames))
     return frames
 
 
@@ -247,6 +248,36 @@ def pieces(numel: int, world: int) -> list[tuple[int, int]]:
     """
     count = max(1, min(MAX_PIECES, numel // (MIN_PIECE_ELEMS * world)))
     return [(k * numel // count, (k + 1) * numel // count) for k in range(count)]
+
+
+def plain_wire_bytes(collective: str, numel: int, itemsize: int, world: int, rank: int, dst: int | None = None) -> int:
+    """Return the bytes a plain collective puts on the wire from ``rank``: what its coded twin counts as coded_bytes_in.
+
+    Args:
+        collective: "all_reduce" (``numel``: the buffer), "reduce_scatter" (the input
+            of W rows), "all_gather" (this rank's shard) or "reduce" (the buffer, to ``dst``).
+        numel, itemsize: the tensor's elements and element size.
+        world, rank: the group's size and this rank in it.
+        dst: the destination of a "reduce".
+
+    Returns:
+        The bytes (0 for a group of one).
+    """
+    if world <= 1:
+        return 0
+    if collective == "all_reduce":  # per piece: the others' shards out, this rank's reduced shard to each
+        total = 0
+        for a, b in pieces(numel, world):
+            lo, hi = _shard_bounds(b - a, world)[rank]
+            total += (b - a) - (hi - lo) + (world - 1) * (hi - lo)
+        return total * itemsize
+    if collective == "reduce_scatter":
+        return (world - 1) * (numel // world) * itemsize
+    if collective == "all_gather":
+        return (world - 1) * numel * itemsize
+    if collective == "reduce":
+        return 0 if rank == dst else numel * itemsize
+    raise ValueError(f"unknown collective {collective!r}")
 
 
 def all_reduce(tensor: torch.Tensor, codec: Codec | None = None, group=None, *, average: bool = False,
@@ -363,7 +394,7 @@ class _StagedAllReduce:
             lo, hi = self.bounds[p2][self.rank]
             bytes_in = (self.world - 1) * (hi - lo) * self.flat.element_size()
             sent += (self.world - 1) * stage.p2_bytes
-        self.stats.add(bytes_in=bytes_in, bytes_out=sent)
+        self.stats.add(coded_bytes_in=bytes_in, coded_bytes_out=sent)
 
     def _reduce(self, k: int, received) -> torch.Tensor:
         """Sum piece k's shard of this rank; write it in place and encode it for phase 2."""
@@ -465,7 +496,7 @@ class _StagedReduceScatter(_PipelinedPhase):
 
     def _frames(self, k: int):
         a, b = self.bounds[k]
-        self.stats.add(bytes_out=_STAGE_HEADER * (self.world - 1))
+        self.stats.add(coded_bytes_out=_STAGE_HEADER * (self.world - 1))
         if self.error:  # the stage raises on every rank: nothing worth encoding
             return [torch.empty(0, dtype=torch.uint8, device=self.device)] * self.world, None
         return _encode_each([row[a:b] for row in self.rows], self.codec, self.kind, self.cast, self.stats,
@@ -502,8 +533,8 @@ class _StagedAllGather(_PipelinedPhase):
             frame = torch.empty(0, dtype=torch.uint8, device=self.device)
         else:
             frame = encode_part(self.codec, self.flat[a:b], self.kind, None, self.stats)
-        self.stats.add(bytes_in=(self.world - 1) * (b - a) * self.flat.element_size(),
-                       bytes_out=(self.world - 1) * (frame.numel() + _STAGE_HEADER))
+        self.stats.add(coded_bytes_in=(self.world - 1) * (b - a) * self.flat.element_size(),
+                       coded_bytes_out=(self.world - 1) * (frame.numel() + _STAGE_HEADER))
         return None, frame
 
     def _finish(self, k: int, phase1, phase2) -> None:

@@ -79,7 +79,7 @@ def _plain_all_reduce(state: HuffmanState, tensor: torch.Tensor) -> torch.future
     group = state.process_group
     tensor.div_(dist.get_world_size(group))
     fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
-    state.stats_for("all_reduce").add(raw_calls=1)
+    state.count_plain("all_reduce", tensor, group)
     return fut
 
 
@@ -90,7 +90,7 @@ def _coded_all_reduce(state: HuffmanState, tensor: torch.Tensor, is_last: bool) 
     if not state.codes(tensor, tensor.numel(), "gradient"):
         tensor.div_(dist.get_world_size(group))
         dist.all_reduce(tensor, group=group)
-        stats.add(raw_calls=1)
+        state.count_plain("all_reduce", tensor, group)
     else:
         state.sample_drift(tensor)
         state.observe(tensor, "gradient")

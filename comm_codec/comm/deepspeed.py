@@ -409,9 +409,10 @@ class _Plugin:
                 coder.observe(tensor, "gradient")
             if dst is None:
                 ds_dist.all_reduce(tensor, group=group)
+                coder.count_plain("all_reduce", tensor, group)
             else:
                 ds_dist.reduce(tensor, ds_dist.get_global_rank(group, dst), group=group)
-            stats.add(raw_calls=1)
+                coder.count_plain("reduce", tensor, group, record="all_reduce", dst=dst)
             if codable and dst is None:
                 coder.observe(tensor, "reduced_gradient")
             return
@@ -591,17 +592,33 @@ def initialize(*args, **kwargs):
         section = parse_config(engine.config if isinstance(engine.config, dict) else engine._config._param_dict)
     if section is not None and section.enabled:
         install(engine, section)
+    elif section is not None:
+        engine._comm_codec_disabled = True  # stats() reports a disabled plugin instead of refusing
     return result
 
 
 def stats(engine) -> dict:
     """Return the plugin's traffic statistics: the dict of :meth:`CodingEngine.stats` (as HuffmanState's).
 
+    An engine whose config has a ``"comm_codec"`` section with ``"enabled": false``
+    gets a record with ``"enabled": False`` and every counter 0.
+
     Raises:
-        ValueError: the engine has no comm_codec plugin installed.
+        ValueError: the engine was not built by :func:`initialize` with a ``"comm_codec"``
+            section, nor given the plugin by :func:`install`.
     """
     plugin = getattr(engine, "_comm_codec", None)
+    if plugin is None and getattr(engine, "_comm_codec_disabled", False):
+        return _disabled_stats()
     if plugin is None:
         raise ValueError("this engine has no comm_codec plugin; build it with comm_codec.deepspeed.initialize "
                          "and an enabled \"comm_codec\" config section, or call comm_codec.deepspeed.install")
     return plugin.coder.stats()
+
+
+def _disabled_stats() -> dict:
+    """The stats of a ``"comm_codec"`` section with ``"enabled": false``: nothing coded, nothing counted."""
+    from .stats import CommStats
+
+    return {"enabled": False, **CommStats().as_dict(), "warming_up": False, "books": None, "drift": None,
+            "refreshes": 0, "mode": "never", "decision": None, "switches": 0, "probes": 0, "coding": False}

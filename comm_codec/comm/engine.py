@@ -33,6 +33,7 @@ import os
 
 import numba
 import torch
+import torch.distributed as dist
 
 from ..books.profiler import WarmupProfiler
 from ..core.codebooks import CodebookSet
@@ -40,7 +41,7 @@ from ..core.codec import Codec
 from ..core.streams import ACCUMULABLE_DTYPES
 from . import agreement
 from .autoswitch import AutoSwitch, check_mode
-from .collectives import Workspace, on_cuda_worker
+from .collectives import Workspace, on_cuda_worker, plain_wire_bytes
 from .refresh import BookRefresh
 from .stats import CommStats, state_stats
 
@@ -219,6 +220,22 @@ class CodingEngine:
         """True while the profiler observes what is sent (warmup, or an open refresh window)."""
         return self.profiler is not None and (self.warming_up or self.refresh.refreshing)
 
+    def count_plain(self, collective: str, tensor: torch.Tensor, group, *, record: str | None = None,
+                    dst: int | None = None) -> None:
+        """Count a plain call on ``tensor`` over ``group``: its wire bytes go into bytes_in and bytes_out alike.
+
+        Args:
+            collective: "all_reduce", "reduce_scatter" (``tensor``: the W-row input),
+                "all_gather" (this rank's shard) or "reduce".
+            tensor: the collective's input.
+            group: the group it runs on.
+            record: the statistics record to count it in (default: ``collective``'s).
+            dst: the destination rank of a "reduce".
+        """
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        wire = plain_wire_bytes(collective, tensor.numel(), tensor.element_size(), world, rank, dst)
+        self._stats[record or collective].add_plain(wire)
+
     def stats_for(self, collective: str) -> CommStats:
         """Return the traffic counters of one of the adapter's collectives (by name)."""
         return self._stats[collective]
@@ -227,9 +244,12 @@ class CodingEngine:
         """Return traffic statistics and the coding decision, the same keys for every adapter.
 
         Returns:
-            bytes_in, bytes_out, ratio, bytes_saved, encode_seconds, decode_seconds,
-            comm_seconds, calls, raw_calls, steps (summed over the adapter's collectives,
-            see :class:`CommStats`); warming_up, books, drift, refreshes; mode, coding
+            bytes_in and bytes_out (what plain collectives would have sent over the
+            whole run, and what was sent: plain calls count at ratio 1), ratio,
+            bytes_saved; coded_bytes_in, coded_bytes_out, coded_ratio (the coded calls
+            alone), plain_bytes; calls (coded) and raw_calls (plain); encode_seconds,
+            decode_seconds, codec_seconds, comm_seconds; steps (summed over the
+            adapter's collectives, see :class:`CommStats`); warming_up, books, drift, refreshes; mode, coding
             (whether the current step codes), decision (None before the first
             measurement; else coded, step, plain_ms, coded_ms, per_rank_ms, reason),
             switches, probes. With several collectives, each one's counters also under
@@ -309,8 +329,9 @@ class CodingEngine:
             return
         d = self.stats()
         if log_now and agreement.rank_of(self.process_group) == 0:
-            log.info("%s step %d: ratio %.3f, %.1f MB saved, encode %.2fs decode %.2fs, %s", self.name, self.step,
-                     d["ratio"], d["bytes_saved"] / 1e6, d["encode_seconds"], d["decode_seconds"],
+            log.info("%s step %d: wire ratio %.3f over the run (%d of %d calls coded, at %.3f), %.1f MB saved, "
+                     "codec %.2fs, %s", self.name, self.step, d["ratio"], d["calls"], d["calls"] + d["raw_calls"],
+                     d["coded_ratio"], d["bytes_saved"] / 1e6, d["codec_seconds"],
                      "coding" if self.coding else "plain")
         if self.writer is not None:
             for key in ("ratio", "bytes_in", "bytes_out", "encode_seconds", "decode_seconds"):

@@ -203,7 +203,7 @@ class FSDPState(CodingEngine):
         stats = self.stats_for("reduce_scatter")
         if not self.codes(inp, n, "gradient"):
             _plain_reduce_scatter(out, inp, twin, op, factor)
-            stats.add(raw_calls=1)
+            self.count_plain("reduce_scatter", inp, twin)
             return
         self.sample_drift(inp)
         self.precompile_for(inp)
@@ -225,7 +225,7 @@ class FSDPState(CodingEngine):
         stats = self.stats_for("all_gather")
         if not self.codes(inp, n, "weight"):
             _all_gather_single(out, inp, group=twin)
-            stats.add(raw_calls=1)
+            self.count_plain("all_gather", inp, twin)
             return
         self.precompile_for(inp)
         collectives.all_gather(list(out.view(world, n)), inp, self.codec, twin, kind="weight", stats=stats,

@@ -33,7 +33,7 @@ def send(tensor: torch.Tensor, dst: int, codec: Codec | None = None, group=None,
     peer = global_rank(group, dst)
     dist.send(torch.tensor([frame.numel()], dtype=torch.int64, device=frame.device), peer, group=group)
     dist.send(frame, peer, group=group)
-    stats.add(bytes_in=tensor.numel() * tensor.element_size(), bytes_out=frame.numel() + 8, calls=1)
+    stats.add(coded_bytes_in=tensor.numel() * tensor.element_size(), coded_bytes_out=frame.numel() + 8, calls=1)
 
 
 def recv(tensor: torch.Tensor, src: int, codec: Codec | None = None, group=None, *,
@@ -106,7 +106,7 @@ def reduce(tensor: torch.Tensor, dst: int, codec: Codec | None = None, group=Non
         if rank != dst:
             send(src, dst, codec, group, kind=kind, stats=stats)
             # a plain reduce would send the uncast buffer: count what it would have sent
-            stats.add(bytes_in=flat.numel() * (flat.element_size() - src.element_size()))
+            stats.add(coded_bytes_in=flat.numel() * (flat.element_size() - src.element_size()))
         else:
             acc = workspace.take("acc", flat.numel(), torch.float32, flat.device)
             for r in range(world):  # rank order, so the sum does not depend on arrival

@@ -31,7 +31,7 @@ __all__ = ["CommCodecCallback"]
 
 log = logging.getLogger(__name__)
 
-_LOGGED = ("ratio", "bytes_saved", "bytes_in", "bytes_out", "encode_seconds", "decode_seconds")
+_LOGGED = ("ratio", "coded_ratio", "bytes_saved", "bytes_in", "bytes_out", "calls", "raw_calls", "codec_seconds")
 
 
 class CommCodecCallback(TrainerCallback):
