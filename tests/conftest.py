@@ -54,7 +54,8 @@ TIERS = {
     "test_checkpoint.py": ("unit", {"test_cli_*": "cli"}),
     "test_cli.py": "cli",
     "test_codec.py": "unit",
-    "test_collectives.py": ("dist", {"test_engine_precompiles_the_coded_dtype_before_a_coded_call": "unit"}),
+    "test_collectives.py": ("dist", {"test_engine_precompiles_the_coded_dtype_before_a_coded_call": "unit",
+                                     "test_a_first_coded_call_that_waits_for_kernels_says_so": "unit"}),
     "test_cuda.py": "unit",  # the simulator run is pytest in a child process, not the CLI
     "test_ddp.py": ("dist", {"test_hook_annotations_are_the_types_ddp_checks": "unit",
                              "test_huffman_state_rejects_bad_arguments": "unit",

@@ -612,3 +612,31 @@ def test_a_peer_announcing_an_impossible_size_fails_every_honest_rank_in_time(cl
         assert got["type"] == "CollectiveError", (rank, got)
         assert got["seconds"] < 20, (rank, got)
     assert f"rank 2 announced frames of {claim} and 0 bytes" in outcomes[0]["value"]["message"]
+
+
+def test_a_first_coded_call_that_waits_for_kernels_says_so(monkeypatch, caplog):
+    """A compile still running when the first coded call comes: silent for 2 s, then a WARNING
+    that names the dtypes and how long it has run, then one when they are ready."""
+    import logging
+    import time
+
+    from comm_codec.comm import engine as engine_module
+
+    def slow_precompile(codec, dtypes):  # what an empty numba cache costs, shortened
+        time.sleep(3.0)
+        return {}
+
+    monkeypatch.setattr(engine_module, "precompile_kernels", slow_precompile)
+    engine = engine_module.CodingEngine(mode="always")
+    engine.start_precompile([torch.bfloat16, torch.int64])  # int64 is never coded
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="comm_codec.comm.engine"):
+        engine.precompile_for(torch.zeros(8, dtype=torch.bfloat16))
+    assert time.monotonic() - started >= 2.5
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(messages) == 2, messages
+    assert "waits for the codec's kernels (bfloat16), compiling for 2 s so far" in messages[0]
+    assert "comm-codec precompile" in messages[0] and "ready after 3 s" in messages[1]
+    caplog.clear()
+    engine.precompile_for(torch.zeros(8, dtype=torch.bfloat16))  # once ready, no more waiting or words
+    assert not caplog.records

@@ -546,6 +546,7 @@ def install(engine, config=None) -> None:
                          f"\"{SECTION}\": {{\"enabled\": true}} or pass config=")
     _check_engine(engine)
     plugin = _Plugin(engine, section)
+    plugin.coder.start_precompile({p.dtype for p in engine.module.parameters()} | {engine.communication_data_type})
     engine.allreduce_bucket = functools.partial(_engine_allreduce_bucket, plugin, engine)
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 

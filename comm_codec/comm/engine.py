@@ -30,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import time
 
 import numba
 import torch
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from ..books.profiler import WarmupProfiler
 from ..core.codebooks import CodebookSet
 from ..core.codec import Codec
+from ..core.precompile import precompile as precompile_kernels
 from ..core.streams import ACCUMULABLE_DTYPES
 from . import agreement
 from .autoswitch import AutoSwitch, check_mode
@@ -139,7 +141,7 @@ class CodingEngine:
         "codebooks", "codec", "profiler", "switch", "refresh", "step", "coding", "verified",
         # the run (never pickled)
         "workspace", "_group", "_executor", "_pid", "_checked", "_node_threads", "_drift_sample",
-        "_drift_pending", "_has_book",
+        "_drift_pending", "_has_book", "_precompiling",
         # statistics
         "_stats",
     )
@@ -208,6 +210,7 @@ class CodingEngine:
         self._drift_sample = None
         self._drift_pending = False
         self._has_book = {}
+        self._precompiling = None  # (start time, dtype names, future) of the background precompile
 
     # -- what adapters and users read ------------------------------------------------------
     @property
@@ -300,6 +303,8 @@ class CodingEngine:
         device = agreement.collective_device(group, like)
         if not self._checked:
             self._check_settings(group, device)
+            if like is not None:
+                self.start_precompile([like.dtype])
         if self.mode == "never":
             self.coding = False
             return False
@@ -380,10 +385,51 @@ class CodingEngine:
         if self._drift_pending and self._drift_sample is None:
             self._drift_sample = self.refresh.measure(tensor, self.codebooks, kind)
 
+    def start_precompile(self, dtypes) -> None:
+        """Start loading (or, with an empty cache, compiling) the kernels these dtypes are coded with, in the background.
+
+        Adapters call it where they first see the model (FSDP2's ``compress``, the
+        DeepSpeed plugin's install, the DDP hook's first bucket), so that the compile runs
+        during warmup instead of stalling the first coded step. Once per engine; dtypes
+        that are never coded are left out.
+
+        Args:
+            dtypes: the torch dtypes of the tensors the adapter will code.
+        """
+        if self._precompiling is not None or self.mode == "never":
+            return
+        cast = CASTS[self.cast]
+        coded = sorted({cast if cast is not None and d == torch.float32 else d for d in dtypes if d in CODED_DTYPES},
+                       key=str)
+        if not coded:
+            return
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="comm_codec_precompile")
+        # Books do not change the kernels; one thread, since training runs beside it.
+        future = pool.submit(precompile_kernels, Codec(threads=1), coded)
+        pool.shutdown(wait=False)
+        self._precompiling = (time.monotonic(), ", ".join(str(d).replace("torch.", "") for d in coded), future)
+
     def precompile_for(self, tensor: torch.Tensor) -> None:
-        """Load the codec's kernels for the dtype ``tensor`` is coded in, before it is timed."""
-        if tensor.device.type == "cpu":
-            self.codec.precompile([self.cast_dtype(tensor) or tensor.dtype])
+        """Load the codec's kernels for the dtype ``tensor`` is coded in, before it is timed.
+
+        Waits for the background precompile if it still runs: silently for 2 s, then with
+        a WARNING that says what it waits for and since when.
+        """
+        if tensor.device.type != "cpu":
+            return
+        if self._precompiling is not None:
+            started, names, future = self._precompiling
+            try:
+                future.result(timeout=2.0)
+            except concurrent.futures.TimeoutError:
+                log.warning("%s: the first coded step waits for the codec's kernels (%s), compiling for %.0f s "
+                            "so far (numba caches them: `comm-codec precompile` once after installing skips this)",
+                            self.name, names, time.monotonic() - started)
+                future.result()
+                log.warning("%s: the codec's kernels (%s) are ready after %.0f s", self.name, names,
+                            time.monotonic() - started)
+            self._precompiling = None
+        self.codec.precompile([self.cast_dtype(tensor) or tensor.dtype])
 
     def swap_books(self, books: CodebookSet, group=None, device=None) -> None:
         """Check that every rank holds ``books`` (collective) and code with them from now on."""

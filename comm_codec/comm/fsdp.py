@@ -378,6 +378,7 @@ def compress(model: nn.Module, *, process_group=None, **state_kwargs) -> FSDPSta
         raise RuntimeError("torch.distributed is not initialized: call init_process_group before compress()")
     modules = _fsdp_modules(model)
     state = FSDPState(process_group, **state_kwargs)
+    state.start_precompile({p.dtype for p in model.parameters()})
     state.install(modules)
     return state
 
