@@ -52,16 +52,15 @@ import io
 import logging
 import os
 import sys
-import tempfile
 import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
-import numba
 import torch
 import zstandard
 
+from ..core.atomic import create_temp
 from ..core.codebooks import CodebookSet
 from ..core.frame import FrameError
 from ..core.huffman import Codebook
@@ -70,7 +69,7 @@ from .container import HEADER, MAGIC, created_by, encode_index, identify, zstd_b
 from .errors import CheckpointError
 from .exact_index import INDEX_FORMAT, VERSION, is_checkpoint, load_index, read_index
 from .files import (WRITE_DIGEST, AtomicFile, DigestStream, FileMap, atomic_output, check_paths, file_digest,
-                    recorded_digest, temp_name, track_temp, untrack_temp)
+                    recorded_digest, track_temp, untrack_temp)
 from .formats import CODABLE, FileTensor, find_tensors
 from .plan import CHUNK_SIZES, TRANSFORMS, BookChooser, as_tensor, make_codec, plan_tensor
 
@@ -270,6 +269,8 @@ def _ordered_map(fn, jobs, threads: int):
 
 def _threads(threads: int | None) -> int:
     if threads is None:
+        import numba  # after the kernels: kernels.jit names a bad NUMBA_* setting in its error
+
         return max(1, min(os.cpu_count() or 1, numba.config.NUMBA_NUM_THREADS))
     if not isinstance(threads, int) or not 1 <= threads <= 1024:
         raise ValueError(f"threads must be an integer from 1 to 1024, got {threads!r}")
@@ -317,7 +318,7 @@ def _base_file(base, scratch_dir: str, threads: int):
             if index["base"] is not None:
                 raise CheckpointError(f"base {base} is itself a delta checkpoint; give the original file "
                                       "(decompress it first)")
-            fd, tmp = tempfile.mkstemp(prefix=temp_name("base"), suffix=".tmp", dir=scratch_dir)
+            fd, tmp = create_temp(os.path.join(scratch_dir, "base"))
             track_temp(tmp)
             os.close(fd)
             decompress_file(base, tmp, threads=threads, progress=False)
@@ -720,8 +721,7 @@ def save(state_dict, path, base=None, threads: int | None = None) -> Summary:
         The compression :class:`Summary`.
     """
     path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(prefix=temp_name(os.path.basename(path) + ".pt"), suffix=".tmp",
-                               dir=os.path.dirname(os.path.abspath(path)))
+    fd, tmp = create_temp(path + ".pt")
     try:
         with os.fdopen(fd, "wb") as fh:
             torch.save(state_dict, fh)
