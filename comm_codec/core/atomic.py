@@ -18,8 +18,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import secrets
 import socket
+import tempfile
 
 __all__ = ["TEMP_MARK", "NAME_MAX", "host_name", "temp_prefix", "create_temp", "atomic_write"]
 
@@ -27,11 +27,9 @@ __all__ = ["TEMP_MARK", "NAME_MAX", "host_name", "temp_prefix", "create_temp", "
 TEMP_MARK = "comm_codec-tmp"
 # Bytes in one directory entry's name (Linux, macOS and the usual file systems).
 NAME_MAX = 255
-# What create_temp adds after the prefix: 8 random hex digits and ".tmp".
-_RANDOM_HEX = 8
+# What create_temp adds after the prefix: mkstemp's 8 random characters and ".tmp".
+_RANDOM_CHARS = 8
 _SUFFIX = ".tmp"
-_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-_TRIES = 100
 
 
 def host_name() -> str:
@@ -51,19 +49,20 @@ def _fit(name: str, room: int) -> str:
 def temp_prefix(name: str, pid: int | None = None) -> str:
     """Return the prefix of our temp files for output ``name``: hidden, marked, host, pid.
 
-    ``.NAME.comm_codec-tmp.HOST.PID.`` then 8 random hex digits and ``.tmp``; NAME is
+    ``.NAME.comm_codec-tmp.HOST.PID.`` then 8 random characters and ``.tmp``; NAME is
     shortened (whole characters) so that the whole name fits in :data:`NAME_MAX` bytes.
     """
     tail = f".{TEMP_MARK}.{host_name()}.{os.getpid() if pid is None else pid}."
-    room = NAME_MAX - 1 - len(tail) - _RANDOM_HEX - len(_SUFFIX)
+    room = NAME_MAX - 1 - len(tail) - _RANDOM_CHARS - len(_SUFFIX)
     return f".{_fit(name, room)}{tail}"
 
 
 def create_temp(path, mode: int = 0o600) -> tuple[int, str]:
     """Create a new, empty temp file for output ``path`` in the same directory.
 
-    The file is created with ``O_EXCL | O_NOFOLLOW`` (never an existing file, never
-    through a symlink), ``mode`` less the umask.
+    ``tempfile.mkstemp`` makes it: ``O_CREAT | O_EXCL | O_NOFOLLOW`` (never an existing
+    file, never through a symlink; a taken name is retried with other random digits),
+    then it gets ``mode`` less the umask.
 
     Returns:
         (file descriptor open for writing, the temp file's path).
@@ -73,16 +72,23 @@ def create_temp(path, mode: int = 0o600) -> tuple[int, str]:
     """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    prefix = temp_prefix(os.path.basename(path))
-    for _ in range(_TRIES):
-        tmp = os.path.join(folder, f"{prefix}{secrets.token_hex(_RANDOM_HEX // 2)}{_SUFFIX}")
-        try:
-            return os.open(tmp, _FLAGS, mode), tmp
-        except FileExistsError:
-            continue
-        except OSError as exc:  # name the file the user asked for, not our temp file
-            raise type(exc)(exc.errno, exc.strerror, path) from None
-    raise FileExistsError(17, f"no free temp name after {_TRIES} tries", path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(os.path.basename(path)), suffix=_SUFFIX, dir=folder)
+    except OSError as exc:  # name the file the user asked for, not our temp file
+        raise type(exc)(exc.errno, exc.strerror, path) from None
+    if mode != 0o600:
+        os.fchmod(fd, mode & ~_umask())
+    return fd, tmp
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (os.umask would, for every thread)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    return 0o022
 
 
 def atomic_write(path, data, mode: int = 0o666) -> None:
