@@ -8,7 +8,8 @@ outer loop is a ``prange`` over chunks are compiled with ``parallel=True``.
 
 Without a writable cache (a read-only install, HOME not writable, a bad
 ``NUMBA_CACHE_DIR``) numba refuses ``cache=True`` outright; then :data:`CACHING` is False,
-the kernels are compiled in memory by every process, and a warning says so once.
+the kernels are compiled in memory by every process (:mod:`comm_codec.core.precompile`
+says so once).
 
 The entry points (the kernels that the layer above calls) are registered here, so that
 :func:`compile_counts` can tell a compile from a cache load, and :func:`cache_location`
@@ -17,21 +18,14 @@ where numba keeps them.
 
 from __future__ import annotations
 
-import logging
-import os
-
 try:
     import numba
 except ValueError as _exc:  # numba's own check of its environment, e.g. NUMBA_NUM_THREADS=0
-    raise ValueError(f"numba cannot start: {_exc} (check the NUMBA_* environment variables, "
-                     f"e.g. NUMBA_NUM_THREADS={os.environ.get('NUMBA_NUM_THREADS', '(unset)')!r}: "
-                     "a positive integer, or unset)") from None
+    raise ValueError(f"numba cannot start: {_exc} (check the NUMBA_* environment variables: "
+                     "NUMBA_NUM_THREADS must be a positive integer, or unset)") from None
 
 __all__ = ["FLAGS", "OVERLOAD_OPTIONS", "CACHING", "jit", "inline", "entry", "parallel_entry", "compile_counts",
            "cache_location"]
-
-log = logging.getLogger("comm_codec")
-
 
 def _caching_works() -> bool:
     """Whether numba can cache functions of this package (a writable cache location exists).
@@ -52,10 +46,6 @@ def _caching_works() -> bool:
 
 # Whether compiled kernels are cached on disk (False: compiled in memory, per process).
 CACHING = _caching_works()
-if not CACHING:
-    log.warning("numba has no writable cache directory (HOME, the package directory and "
-                "NUMBA_CACHE_DIR are not writable): kernels are compiled in memory by every process; "
-                "set NUMBA_CACHE_DIR to a writable directory to cache them")
 
 FLAGS = dict(nogil=True, cache=CACHING)
 OVERLOAD_OPTIONS = dict(cache=CACHING)  # jit_options of numba.extending.overload

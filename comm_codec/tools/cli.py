@@ -139,9 +139,9 @@ def main(argv=None) -> int:
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     previous = _on_termination()
     try:
-        # numba first, through the module that sets its flags: a bad NUMBA_* setting is then
-        # named in the error, and a missing cache is said once, whichever command imports it.
-        from ..kernels import jit  # noqa: F401
+        # numba first, through the modules that set its flags: a bad NUMBA_* setting is then
+        # named in the error, and a missing cache is said once, whichever command runs.
+        from ..core import precompile  # noqa: F401
 
         return int(args.func(args) or 0)
     except BrokenPipeError:
