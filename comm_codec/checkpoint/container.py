@@ -43,6 +43,7 @@ __all__ = [
     "index_file",
     "encode_index",
     "zstd_bounded",
+    "parse_json",
 ]
 
 MAGIC = b"\x89CCKP\r\n\x1a"
@@ -123,8 +124,9 @@ def zstd_bounded(blob, limit: int, path, what: str) -> bytes:
     return b"".join(parts)
 
 
-def _parse_json(text: bytes, path):
-    """json.loads, refused when its objects could not fit in memory or nest too deep."""
+def parse_json(text: bytes, path):
+    """json.loads of UTF-8 text, refused (CheckpointError) when its objects could not fit in
+    memory (estimated from the text before parsing) or nest too deep."""
     values = text.count(b",") + text.count(b":") + text.count(b"[") + text.count(b"{") + 1
     if values * _VALUE_COST + len(text) > _MAX_INDEX_MEMORY:
         fail(path, f"index holds {values} JSON values, more than this reader takes "
@@ -179,7 +181,7 @@ def read_container_index(m, magic: bytes, version_expected: int, check, kind: st
     if flags & FLAG_INDEX_ZSTD:
         blob = zstd_bounded(blob, _MAX_INDEX_BYTES, path, "index")
     try:
-        index = _parse_json(blob, path)
+        index = parse_json(blob, path)
         if not isinstance(index, dict):
             fail(path, f"index is malformed (a JSON {type(index).__name__}, not an object)")
         check(index, off, path)

@@ -44,6 +44,7 @@ hashed by :mod:`.files`.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import dataclasses
@@ -52,16 +53,15 @@ import io
 import logging
 import os
 import sys
-import tempfile
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 
-import numba
+import numpy as np
 import torch
 import zstandard
 
+from ..core.atomic import create_temp
 from ..core.codebooks import CodebookSet
 from ..core.frame import FrameError
 from ..core.huffman import Codebook
@@ -70,8 +70,9 @@ from .container import HEADER, MAGIC, created_by, encode_index, identify, zstd_b
 from .errors import CheckpointError
 from .exact_index import INDEX_FORMAT, VERSION, is_checkpoint, load_index, read_index
 from .files import (WRITE_DIGEST, AtomicFile, DigestStream, FileMap, atomic_output, check_paths, file_digest,
-                    recorded_digest, temp_name, track_temp, untrack_temp)
+                    new_hasher, recorded_digest, track_temp, untrack_temp)
 from .formats import CODABLE, FileTensor, find_tensors
+from .pipeline import Budget, Buffers, ordered_map
 from .plan import CHUNK_SIZES, TRANSFORMS, BookChooser, as_tensor, make_codec, plan_tensor
 
 __all__ = [
@@ -100,6 +101,14 @@ _ZSTD_LEVEL = 3
 MIN_CODED_BYTES = 4096
 # Bytes of a source (or compressed file) read ahead of the segment being handed out.
 _READ_AHEAD = 2 * PIECE_BYTES
+# Segment bytes in flight at once (being coded, waiting to be written or hashed), whatever
+# the threads: a file of 64 MiB segments cannot make each of many workers hold one.
+_IN_FLIGHT_BYTES = 128 << 20
+# A file whose original is this many times its own size (all-zero chunks cost a table
+# entry, zstd blocks of one byte repeated four bytes) is restored twice: once to check its
+# digest, writing nothing, then into the output. Real checkpoints are 1-4x; a crafted one
+# claiming what it does not hold then fails before it writes a byte.
+_CHECK_FIRST_RATIO = 64
 
 
 # -- results --------------------------------------------------------------------------------
@@ -239,37 +248,10 @@ def _encode_job(job: _Job, src: FileMap, base: FileMap | None, tensors: list[Fil
     return "stored", raw, zlib.crc32(raw)
 
 
-def _ordered_map(fn, jobs, threads: int):
-    """Yield (job, fn(job)) in job order, running up to ``threads`` jobs at once.
-
-    One thread runs everything inline. Otherwise at most ``2 * threads + 2`` jobs are in
-    flight, which bounds memory; the numba kernels and zstd release the GIL.
-    """
-    if threads == 1:
-        for job in jobs:
-            yield job, fn(job)
-        return
-    pending = collections.deque()
-    it = iter(jobs)
-    ex = ThreadPoolExecutor(threads, thread_name_prefix="comm_codec-ckpt")
-    try:
-        for job in it:
-            pending.append((job, ex.submit(fn, job)))
-            if len(pending) >= 2 * threads + 2:
-                break
-        while pending:
-            job, fut = pending.popleft()
-            result = fut.result()
-            nxt = next(it, None)
-            if nxt is not None:
-                pending.append((nxt, ex.submit(fn, nxt)))
-            yield job, result
-    finally:
-        ex.shutdown(wait=True, cancel_futures=True)
-
-
 def _threads(threads: int | None) -> int:
     if threads is None:
+        import numba  # after the kernels: kernels.jit names a bad NUMBA_* setting in its error
+
         return max(1, min(os.cpu_count() or 1, numba.config.NUMBA_NUM_THREADS))
     if not isinstance(threads, int) or not 1 <= threads <= 1024:
         raise ValueError(f"threads must be an integer from 1 to 1024, got {threads!r}")
@@ -303,33 +285,43 @@ class _Progress:
 
 # -- compress -------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _base_file(base, scratch_dir: str, threads: int):
-    """Open a base checkpoint: the original file, or a standalone compressed one (restored
-    to a temporary file). Yield (map, digest): ``digest(name)`` hashes it (once per name)."""
+def _base_file(base, scratch_dir: str | None, threads: int):
+    """Open a base checkpoint: the original file, or a standalone compressed one. Yield
+    (map, digest): ``digest(name)`` hashes it (once per name).
+
+    A compressed base is restored to a temp file in ``scratch_dir`` (the output's
+    directory), or, with ``scratch_dir`` None, read through :class:`_CompressedBase`
+    (decoded piece by piece in memory: nothing is written).
+    """
     if base is None:
         yield None, None
         return
     base = os.fspath(base)
     tmp = None
     try:
+        m = None
         if is_checkpoint(base):
             index = read_index(base)
             if index["base"] is not None:
                 raise CheckpointError(f"base {base} is itself a delta checkpoint; give the original file "
                                       "(decompress it first)")
-            fd, tmp = tempfile.mkstemp(prefix=temp_name("base"), suffix=".tmp", dir=scratch_dir)
-            track_temp(tmp)
-            os.close(fd)
-            decompress_file(base, tmp, threads=threads, progress=False)
-            path = tmp
+            if scratch_dir is None:
+                m = _CompressedBase(base, threads)
+            else:
+                fd, tmp = create_temp(os.path.join(scratch_dir, "base"))
+                track_temp(tmp)
+                os.close(fd)
+                decompress_file(base, tmp, threads=threads, progress=False)
+                path = tmp
         else:
             path = base
-        m = FileMap(path)
+        if m is None:
+            m = FileMap(path)
         cache = {}
 
         def digest(name: str = WRITE_DIGEST) -> str:
             if name not in cache:
-                cache[name] = file_digest(m, name)
+                cache[name] = m.digest(name) if isinstance(m, _CompressedBase) else file_digest(m, name)
             return cache[name]
 
         try:
@@ -341,6 +333,82 @@ def _base_file(base, scratch_dir: str, threads: int):
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             untrack_temp(tmp)
+
+
+class _HashSink:
+    """A sink for :func:`_restore` that only hashes what is written to it."""
+
+    def __init__(self, name: str):
+        self._h = new_hasher(name)
+
+    def write(self, data) -> None:
+        self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+class _CompressedBase:
+    """A standalone compressed checkpoint read as its original's bytes, decoded as asked for.
+
+    What a delta needs of its base (``size``, ``u8``, ``release``) without restoring the
+    base anywhere: the segments holding the bytes asked for are decoded in memory, the last
+    few kept (deltas ask in order). Thread-safe; decoding is serialized.
+    """
+
+    _KEEP = 3  # segments kept decoded
+
+    def __init__(self, path: str, threads: int):
+        self.path, self._threads = path, threads
+        self._m = FileMap(path)
+        try:
+            index = load_index(self._m)
+        except BaseException:
+            self._m.close()
+            raise
+        _attach_codecs(index["tensors"], index.pop("_books"))
+        self._index = index
+        self.size = index["source"]["size"]
+        self._starts = [seg[0] for seg in index["segments"]]
+        self._kept: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def digest(self, name: str) -> str:
+        """Return the original's digest ``name``, from a full decode (which checks the recorded one)."""
+        sink = _HashSink(name)
+        _restore(self.path, sink, None, self._threads, False, "verify")
+        return sink.hexdigest()
+
+    def _segment(self, k: int) -> np.ndarray:
+        if k not in self._kept:
+            data, _ = _decode_segment(self._index["segments"][k], self._m, None, self._index["tensors"], self.path,
+                                      Buffers(0, PIECE_BYTES))
+            self._kept[k] = np.array(np.frombuffer(data, dtype=np.uint8))  # a copy: the buffer is not pooled
+            self._m.release_upto(self._index["segments"][k][2] + self._index["segments"][k][3])
+            while len(self._kept) > self._KEEP:
+                self._kept.popitem(last=False)
+        return self._kept[k]
+
+    def u8(self, offset: int, length: int) -> np.ndarray:
+        """Return the original's bytes offset..offset+length (a new array)."""
+        out = np.empty(length, dtype=np.uint8)
+        pos, end = offset, offset + length
+        with self._lock:
+            while pos < end:
+                k = bisect.bisect_right(self._starts, pos) - 1
+                seg_off, seg_len = self._index["segments"][k][:2]
+                data = self._segment(k)
+                n = min(seg_off + seg_len, end) - pos
+                out[pos - offset:pos - offset + n] = data[pos - seg_off:pos - seg_off + n]
+                pos += n
+        return out
+
+    def release(self, start: int, end: int) -> None:
+        """Nothing to hand back (decoded segments are dropped as newer ones are kept)."""
+
+    def close(self) -> None:
+        self._kept.clear()
+        self._m.close()
 
 
 def _shown(record: dict, width: int = 16) -> str:
@@ -424,8 +492,9 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
             meter = _Progress("compressing", m.size, progress)
             with atomic_output(dst, mode=_mode(src)) as out, contextlib.closing(h):
                 out.write(HEADER.pack(MAGIC, VERSION, 0, 0))
-                work = _ordered_map(lambda j: _encode_job(j, m, bm, tensors),
-                                    _jobs(m.size, tensors, plan, m), threads)
+                budget = Budget(_IN_FLIGHT_BYTES)
+                work = ordered_map(lambda j: _encode_job(j, m, bm, tensors),
+                                    _jobs(m.size, tensors, plan, m), threads, budget, lambda j: j.length)
                 with contextlib.closing(work):
                     for job, (method, payload, crc) in work:
                         end = job.src_offset + job.length
@@ -435,6 +504,7 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
                         segments.append([job.src_offset, job.length, offset, out.pos - offset, method, crc, job.tensor])
                         out.pad8()
                         del payload
+                        budget.give(job.length)
                         meter.update(job.length)
                 meter.close()
                 index = {
@@ -468,8 +538,13 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
 
 
 # -- decompress -----------------------------------------------------------------------------
-def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str) -> Summary:
-    """Decode every segment in order into ``sink`` (None: decode and check only)."""
+def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str,
+             scratch: str | None = None) -> Summary:
+    """Decode every segment in order into ``sink`` (None: decode and check only).
+
+    ``scratch``: the directory a compressed base may be restored into (the output's);
+    None: nothing is written anywhere (a compressed base is then decoded piece by piece).
+    """
     started = time.perf_counter()
     m = FileMap(path)
     try:
@@ -484,7 +559,6 @@ def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str
             raise CheckpointError(
                 f"{path} was compressed against base {need['name']} ({_shown(need)}); "
                 "pass that original file as base (--base)")
-        scratch = os.path.dirname(os.path.abspath(path))
         with _base_file(base if need is not None else None, scratch, threads) as (bm, base_sha):
             if bm is not None:
                 name, want = recorded_digest(need)
@@ -492,62 +566,91 @@ def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str
                     raise CheckpointError(
                         f"wrong base: {base} has {name} {base_sha(name)[:16]}... ({bm.size} bytes), but {path} was "
                         f"compressed against {need['name']} with {name} {want[:16]}... ({need['size']} bytes)")
-            codecs = {}
-            for t in tensors:
-                if t["coding"] == "frame":
-                    spec = spec_for(CODABLE[t["dtype"]])
-                    key = (spec.name, tuple(t["books"]))
-                    if key not in codecs:
-                        # Frames carry their chunk size; the codec's own is not used to decode.
-                        codecs[key] = make_codec([books.get(b) or Codebook.raw_book() for b in t["books"]], spec,
-                                             CHUNK_SIZES[0])
-                    t["_codec"] = codecs[key]
-
-            # Restored bytes land at their source offsets, so workers write their own
-            # segments (pwrite) and this thread only hashes, in order.
-            positional = isinstance(sink, AtomicFile)
-            if positional:
-                sink.reserve(index["source"]["size"])
-
-            buffers = _Buffers()
-
-            def decode(seg):
-                data, buf = _decode_segment(seg, m, bm, tensors, path, buffers)
-                if positional and data is not None:
-                    sink.pwrite(data, seg[0])
-                return data, buf
-
-            done = 0
-
-            h = DigestStream(threads > 1, recorded_digest(index["source"])[0])
-            meter = _Progress("decompressing" if sink is not None else "verifying", index["source"]["size"], progress)
-            work = _ordered_map(decode, _read_ahead(index["segments"], m), threads)
-            with contextlib.closing(work), contextlib.closing(h):
-                for seg, (data, buf) in work:
-                    if data is not None:
-                        h.update(data, None if buf is None else functools.partial(buffers.give, buf))
-                        if sink is not None and not positional:
-                            sink.write(data)
-                    elif buf is not None:
-                        buffers.give(buf)
-                    del data, buf
-                    m.release_upto(seg[2] + seg[3])
-                    meter.update(seg[1])
-                    done += seg[1]
-                    if positional:
-                        sink.advance(done)
-            meter.close()
+            _attach_codecs(tensors, books)
             checked = bm is not None or need is None
-            want = index["source"][h.name]
-            if checked and h.hexdigest() != want:
-                raise CheckpointError(f"{path}: restored bytes have {h.name} {h.hexdigest()[:16]}..., the "
-                                      f"original had {want[:16]}...: corrupted")
+            size = index["source"]["size"]
+            label = "decompressing" if sink is not None else "verifying"
+            if sink is not None and checked and size > _CHECK_FIRST_RATIO * m.size:
+                _check_digest(path, index, _decode_all(m, index, bm, None, threads, progress, "checking"))
+            h = _decode_all(m, index, bm, sink, threads, progress, label)
+            if checked:
+                _check_digest(path, index, h)
     finally:
         m.close()
     return Summary(op, index["source"]["size"], m.size, time.perf_counter() - started, threads,
                    index["source"]["format"], len(tensors), sum(t["coding"] == "frame" for t in tensors),
                    sum(t["transform"] != "none" for t in tensors),
                    digest=f"{h.name}:{index['source'][h.name]}" if checked else None)
+
+
+def _attach_codecs(tensors: list, books: dict) -> None:
+    """Give every frame-coded tensor record the codec that decodes it (under ``"_codec"``)."""
+    codecs = {}
+    for t in tensors:
+        if t["coding"] == "frame":
+            spec = spec_for(CODABLE[t["dtype"]])
+            key = (spec.name, tuple(t["books"]))
+            if key not in codecs:
+                # Frames carry their chunk size; the codec's own is not used to decode.
+                codecs[key] = make_codec([books.get(b) or Codebook.raw_book() for b in t["books"]], spec,
+                                         CHUNK_SIZES[0])
+            t["_codec"] = codecs[key]
+
+
+def _check_digest(path: str, index: dict, h: DigestStream) -> None:
+    want = index["source"][h.name]
+    if h.hexdigest() != want:
+        raise CheckpointError(f"{path}: restored bytes have {h.name} {h.hexdigest()[:16]}..., the "
+                              f"original had {want[:16]}...: corrupted")
+
+
+def _segment_cost(seg) -> int:
+    """Bytes one segment holds while in flight: its restored bytes, in a pooled buffer of at least PIECE_BYTES."""
+    return max(seg[1], PIECE_BYTES)
+
+
+def _decode_all(m: FileMap, index: dict, bm, sink, threads: int, progress: bool | None, label: str) -> DigestStream:
+    """Restore every segment in order into ``sink`` (None: nothing written); return the digest of the bytes."""
+    tensors = index["tensors"]
+    # Restored bytes land at their source offsets, so workers write their own segments
+    # (pwrite) and this thread only hashes, in order.
+    positional = isinstance(sink, AtomicFile)
+    if positional:
+        sink.reserve(index["source"]["size"])
+    budget = Budget(_IN_FLIGHT_BYTES)
+    buffers = Buffers(_IN_FLIGHT_BYTES, PIECE_BYTES)
+
+    def decode(seg):
+        data, buf = _decode_segment(seg, m, bm, tensors, m.path, buffers)
+        if positional and data is not None:
+            sink.pwrite(data, seg[0])
+        return data, buf
+
+    def finished(seg, buf) -> None:  # written and hashed: the buffer and its bytes go back
+        if buf is not None:
+            buffers.give(buf)
+        budget.give(_segment_cost(seg))
+
+    done = 0
+    h = DigestStream(threads > 1, recorded_digest(index["source"])[0])
+    meter = _Progress(label, index["source"]["size"], progress)
+    work = ordered_map(decode, _read_ahead(index["segments"], m), threads, budget, _segment_cost)
+    with contextlib.closing(work), contextlib.closing(h):
+        for seg, (data, buf) in work:
+            if data is not None:
+                if sink is not None and not positional:
+                    sink.write(data)  # before the digest: once hashed, the buffer is reused
+                h.update(data, functools.partial(finished, seg, buf))
+            else:
+                finished(seg, buf)
+            del data, buf
+            m.release_upto(seg[2] + seg[3])
+            meter.update(seg[1])
+            done += seg[1]
+            if positional:
+                sink.advance(done)
+    meter.close()
+    return h
 
 
 def _read_ahead(segments, m: FileMap):
@@ -557,35 +660,7 @@ def _read_ahead(segments, m: FileMap):
         yield seg
 
 
-class _Buffers:
-    """Reused buffers for decoded segments (thread-safe).
-
-    A fresh ``torch.empty`` per segment is a fresh mapping: its pages fault in on first
-    write and are unmapped again once hashed, and unmapping in a process with several
-    threads costs a TLB shootdown on every core (a VM exit each under virtualization), so
-    with threads the kernel time of page faults and unmaps can exceed the decoding.
-    A buffer goes back once its bytes are written and hashed; at most the segments in
-    flight plus those waiting for the digest are out, which bounds memory.
-    """
-
-    def __init__(self):
-        self._free: list = []
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """Return a uint8 tensor of at least nbytes (at least PIECE_BYTES)."""
-        with self._lock:
-            for i, buf in enumerate(self._free):
-                if buf.numel() >= nbytes:
-                    return self._free.pop(i)
-        return torch.empty(max(nbytes, PIECE_BYTES), dtype=torch.uint8)
-
-    def give(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(buf)
-
-
-def _decode_segment(seg, m: FileMap, bm: FileMap | None, tensors, path, buffers: _Buffers):
+def _decode_segment(seg, m: FileMap, bm: FileMap | None, tensors, path, buffers: Buffers):
     """Restore one segment's source bytes; return them and the pooled buffer they lie in (or None)."""
     src_off, src_len, off, length, method, crc, ti = seg
     payload = m.u8(off, length)
@@ -643,7 +718,7 @@ def decompress_file(src, dst, base=None, threads: int | None = None, progress: b
     threads = _threads(threads)
     check_paths(src, dst, None if base is None else os.fspath(base))
     with atomic_output(dst, mode=_mode(src)) as out:
-        summary = _restore(src, out, base, threads, progress, "decompress")
+        summary = _restore(src, out, base, threads, progress, "decompress", os.path.dirname(os.path.abspath(dst)))
         out.commit()
     return summary
 
@@ -720,8 +795,7 @@ def save(state_dict, path, base=None, threads: int | None = None) -> Summary:
         The compression :class:`Summary`.
     """
     path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(prefix=temp_name(os.path.basename(path) + ".pt"), suffix=".tmp",
-                               dir=os.path.dirname(os.path.abspath(path)))
+    fd, tmp = create_temp(path + ".pt")
     try:
         with os.fdopen(fd, "wb") as fh:
             torch.save(state_dict, fh)

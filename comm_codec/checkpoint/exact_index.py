@@ -28,8 +28,10 @@ raises :class:`CheckpointError` naming the first bad field.
 from __future__ import annotations
 
 import os
+import struct
 
 from ..core.codebooks import CodebookGroup
+from ..core.frame import header_size
 from ..core.huffman import Codebook, CodebookError
 from ..core.streams import spec_for
 from . import schema
@@ -49,6 +51,12 @@ METHODS = ("frame", "zstd", "stored")
 # or one chunk of a tensor when larger) with room to spare. A reader holds a few segments in
 # memory at a time, so this bounds its memory whatever sizes a file claims.
 MAX_SEGMENT_BYTES = 64 << 20
+# Most source bytes one zstd byte can restore: a block (at most 128 KiB) costs at least a
+# 3-byte header and one byte.
+_ZSTD_MAX_RATIO = (128 << 10) // 4
+# A frame's fixed header (comm_codec.core.frame): magic, version, dtype, nstreams, flags,
+# numel, chunk_elems, nchunks.
+_FRAME_HEAD = struct.Struct("<4sBBBBQII")
 
 
 def is_checkpoint(path) -> bool:
@@ -77,7 +85,35 @@ def load_index(m: FileMap) -> dict:
         if kind == "frame":
             fail(path, "is a comm_codec frame, not a checkpoint (use `comm-codec inspect`)")
         fail(path, NOT_OURS)
-    return read_container_index(m, MAGIC, VERSION, _check_index, "checkpoint")
+    index = read_container_index(m, MAGIC, VERSION, _check_index, "checkpoint")
+    _check_claims(m, index)
+    return index
+
+
+def _check_claims(m: FileMap, index: dict) -> None:
+    """Check that every segment can hold the source bytes it claims, before any is decoded.
+
+    A frame's header must say the elements and chunk size the index records (the writer
+    codes each tensor in its recorded chunks: an all-zero chunk then costs a table entry per
+    chunk_elems, never one entry for any size), and a zstd segment cannot restore more than
+    zstd's largest ratio. So the total a file declares is bounded by its own size.
+    """
+    path, tensors = m.path, index["tensors"]
+    for k, (src_off, src_len, off, length, method, crc, ti) in enumerate(index["segments"]):
+        if method == "zstd" and src_len > length * _ZSTD_MAX_RATIO:
+            fail(path, f"index: segment {k} claims {src_len} bytes from {length} zstd bytes, more than zstd "
+                       "can restore: corrupted")
+        if method != "frame":
+            continue
+        t = tensors[ti]
+        itemsize = spec_for(CODABLE[t["dtype"]]).itemsize
+        if length < _FRAME_HEAD.size:
+            fail(path, f"index: segment {k} is {length} bytes, too short for a frame: corrupted")
+        _, _, _, ns, _, numel, chunk, nchunks = _FRAME_HEAD.unpack(bytes(m.u8(off, _FRAME_HEAD.size)))
+        if chunk != t["chunk_elems"] or numel * itemsize != src_len or nchunks != -(-numel // chunk) \
+                or header_size(ns, nchunks) > length:
+            fail(path, f"index: segment {k} of tensor {ti} holds a frame of {numel} elements in chunks of {chunk}, "
+                       f"but the index says {src_len // itemsize} elements in chunks of {t['chunk_elems']}: corrupted")
 
 
 _SHA = Str(length=64)

@@ -14,13 +14,12 @@ import mmap
 import os
 import queue
 import re
-import socket
 import stat
-import tempfile
 import threading
 
 import numpy as np
 
+from ..core.atomic import TEMP_MARK, create_temp, host_name, temp_prefix
 from .errors import CheckpointError
 
 __all__ = ["FileMap", "AtomicFile", "DigestStream", "atomic_output", "check_paths", "file_digest", "new_hasher",
@@ -36,9 +35,6 @@ _HASH_BLOCK = 4 << 20
 _RELEASE_STEP = 16 << 20
 
 
-# Every temp file we make carries this mark, our host name and pid, so a later run can
-# tell its own stale ones (a run killed by SIGKILL cannot clean up) from anyone else's.
-TEMP_MARK = "comm_codec-tmp"
 # Outputs are reserved on disk this far ahead of what was written (a full disk fails early,
 # and a claimed size is never reserved before the bytes exist).
 _RESERVE_STEP = 256 << 20
@@ -265,10 +261,7 @@ class AtomicFile:
         if not os.path.isdir(folder):
             raise FileNotFoundError(2, "No such directory", folder)
         sweep_stale_temps(folder)
-        try:
-            fd, self.tmp = tempfile.mkstemp(prefix=temp_name(os.path.basename(path)), suffix=".tmp", dir=folder)
-        except OSError as exc:  # name the file the user asked for, not our temp file
-            raise type(exc)(exc.errno, exc.strerror, path) from None
+        fd, self.tmp = create_temp(path)  # O_EXCL | O_NOFOLLOW, beside path
         track_temp(self.tmp)
         os.fchmod(fd, (0o666 if mode is None else mode & 0o777) & ~_umask())
         self.fh = os.fdopen(fd, "wb", buffering=1 << 20)
@@ -390,17 +383,14 @@ def remove_live_temps() -> list:
     return removed
 
 
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname().split(".")[0]) or "host"
-
-
 def temp_name(name: str, pid: int | None = None) -> str:
     """Return the prefix of our temp files for output ``name``: hidden, marked, host, pid.
 
-    ``mkstemp(prefix=temp_name(name), suffix=".tmp")`` gives
-    ``.NAME.comm_codec-tmp.HOST.PID.XXXXXXXX.tmp``, which :func:`sweep_stale_temps` knows.
+    Files made by :func:`comm_codec.core.atomic.create_temp` (and :class:`AtomicFile`)
+    are ``.NAME.comm_codec-tmp.HOST.PID.XXXXXXXX.tmp``, which :func:`sweep_stale_temps`
+    knows; NAME is shortened so that the whole name fits in 255 bytes.
     """
-    return f".{name}.{TEMP_MARK}.{_host()}.{os.getpid() if pid is None else pid}."
+    return temp_prefix(name, pid)
 
 
 _STALE = re.compile(r"^\..+\.%s\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.[^.]+\.tmp$" % TEMP_MARK)
@@ -416,7 +406,7 @@ def sweep_stale_temps(folder: str) -> list:
     Returns:
         The names removed.
     """
-    host, removed = _host(), []
+    host, removed = host_name(), []
     try:
         names = os.listdir(folder)
     except OSError:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import json
 import logging
 import re
 import struct
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from ..core.codec import Codec
 from ..core.streams import SUPPORTED_DTYPES, spec_for
+from .container import parse_json
 from .pickle_scan import scan_torch_pickle
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ def _safetensors_tensors(m: FileMap) -> list[FileTensor]:
     (hlen,) = struct.unpack("<Q", bytes(m.u8(0, 8)))
     if hlen > min(m.size - 8, 100 << 20):
         raise ValueError(f"header length {hlen} exceeds the file")
-    header = json.loads(bytes(m.u8(8, hlen)).decode("utf-8"))
+    header = parse_json(bytes(m.u8(8, hlen)), m.path)  # refused before parsing if it could not fit in memory
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
     start = 8 + hlen
@@ -160,14 +160,16 @@ def _torch_zip_tensors(m: FileMap) -> list[FileTensor]:
             raise ValueError(f"{len(pickles)} data.pkl entries, expected 1")
         prefix = pickles[0].filename[: -len("data.pkl")]
         storages = {}
-        if pickles[0].file_size <= _MAX_PICKLE_BYTES:
+        data = _read_member(zf, pickles[0], _MAX_PICKLE_BYTES)
+        if data is not None:
             try:
-                storages = scan_torch_pickle(zf.read(pickles[0]), itemsize)
+                storages = scan_torch_pickle(data, itemsize)
             except Exception as exc:  # noqa: BLE001 - an unreadable pickle: storages stay opaque
                 log.debug("%s: pickle not understood (%s); its storages are coded as opaque bytes", m.path, exc)
+        del data
         order = next((i for i in infos if i.filename == prefix + "byteorder"), None)
         # Read only a size a byte order can have ("little"): the entry is untrusted.
-        little = order is None or (order.file_size <= _MAX_BYTEORDER_BYTES and zf.read(order) == b"little")
+        little = order is None or _read_member(zf, order, _MAX_BYTEORDER_BYTES) == b"little"
     out = []
     for info in infos:
         if not info.filename.startswith(prefix + "data/") or info.compress_type != zipfile.ZIP_STORED:
@@ -187,6 +189,28 @@ def _torch_zip_tensors(m: FileMap) -> list[FileTensor]:
         t.codable = (little and dtype in CODABLE and info.compress_size == info.file_size == nbytes)
         out.append(t)
     return out
+
+
+# Zip methods whose members are inflated in bounded pieces: zipfile hands deflate a cap
+# on its output per call, but inflates a bzip2 or LZMA member's compressed bytes in one
+# call, whatever the member claims (18 kB of bzip2 make 1 GiB).
+_BOUNDED_METHODS = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED)
+_READ_STEP = 1 << 20
+
+
+def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int) -> bytes | None:
+    """Return a zip member's bytes, or None when it is encrypted, of another method than
+    stored or deflate, or larger than ``limit`` (declared or actual): read in pieces."""
+    if info.compress_type not in _BOUNDED_METHODS or info.flag_bits & 0x1 or info.file_size > limit:
+        return None
+    parts, total = [], 0
+    with zf.open(info) as fh:
+        while part := fh.read(min(_READ_STEP, limit + 1 - total)):
+            total += len(part)
+            if total > limit:
+                return None
+            parts.append(part)
+    return b"".join(parts)
 
 
 # -- zip layout ----------------------------------------------------------------------------

@@ -16,7 +16,9 @@ fraction of a second. So:
 
 Where the cache goes: numba writes beside the package (``__pycache__``) when it can, and
 otherwise (a read-only site-packages) under the user's cache directory; set
-``NUMBA_CACHE_DIR`` to choose one, e.g. a directory shared by every rank of a node.
+``NUMBA_CACHE_DIR`` to choose one, e.g. a directory shared by every rank of a node. With
+none writable the kernels are compiled in memory, in every process; importing this module
+says so once (a warning).
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _done: set = set()  # (bits dtype, profiler) that precompile() has run in this process
 _used: set = set()  # (operation, bits dtype) whose kernels this process has loaded
+
+if not _jit.CACHING:
+    log.warning("numba has no writable cache directory (HOME, the package directory and NUMBA_CACHE_DIR are not "
+                "writable): kernels are compiled in memory by every process; set NUMBA_CACHE_DIR to a writable "
+                "directory to cache them")
 
 
 def _sample(dtype: torch.dtype) -> torch.Tensor:

@@ -6,6 +6,11 @@ are the same everywhere: machine code is cached on disk across processes
 kernels do integer work, and bit-exactness is the point). Only the entry points whose
 outer loop is a ``prange`` over chunks are compiled with ``parallel=True``.
 
+Without a writable cache (a read-only install, HOME not writable, a bad
+``NUMBA_CACHE_DIR``) numba refuses ``cache=True`` outright; then :data:`CACHING` is False,
+the kernels are compiled in memory by every process (:mod:`comm_codec.core.precompile`
+says so once).
+
 The entry points (the kernels that the layer above calls) are registered here, so that
 :func:`compile_counts` can tell a compile from a cache load, and :func:`cache_location`
 where numba keeps them.
@@ -13,13 +18,37 @@ where numba keeps them.
 
 from __future__ import annotations
 
-import numba
+try:
+    import numba
+except ValueError as _exc:  # numba's own check of its environment, e.g. NUMBA_NUM_THREADS=0
+    raise ValueError(f"numba cannot start: {_exc} (check the NUMBA_* environment variables: "
+                     "NUMBA_NUM_THREADS must be a positive integer, or unset)") from None
 
-__all__ = ["FLAGS", "OVERLOAD_OPTIONS", "jit", "inline", "entry", "parallel_entry", "compile_counts",
+__all__ = ["FLAGS", "OVERLOAD_OPTIONS", "CACHING", "jit", "inline", "entry", "parallel_entry", "compile_counts",
            "cache_location"]
 
-FLAGS = dict(nogil=True, cache=True)
-OVERLOAD_OPTIONS = dict(cache=True)  # jit_options of numba.extending.overload
+def _caching_works() -> bool:
+    """Whether numba can cache functions of this package (a writable cache location exists).
+
+    numba looks for one (NUMBA_CACHE_DIR, ``__pycache__`` beside the module, the user's
+    cache directory) when a ``cache=True`` function is decorated, and raises if none is
+    writable. The kernels live beside this module, so one probe here answers for all.
+    """
+    def probe():  # pragma: no cover - never called, only decorated
+        return 0
+
+    try:
+        numba.njit(cache=True)(probe)
+    except RuntimeError:
+        return False
+    return True
+
+
+# Whether compiled kernels are cached on disk (False: compiled in memory, per process).
+CACHING = _caching_works()
+
+FLAGS = dict(nogil=True, cache=CACHING)
+OVERLOAD_OPTIONS = dict(cache=CACHING)  # jit_options of numba.extending.overload
 
 _ENTRY_POINTS: dict = {}  # name -> dispatcher
 
@@ -60,6 +89,8 @@ def compile_counts() -> dict:
 
 def cache_location() -> str:
     """Return the directory where numba caches the compiled kernels."""
+    if not CACHING:
+        return "nowhere (no writable cache directory: set NUMBA_CACHE_DIR)"
     for dispatcher in _ENTRY_POINTS.values():
         try:
             return dispatcher._cache._cache_path  # numba keeps no public name for it

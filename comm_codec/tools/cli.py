@@ -27,12 +27,10 @@ log = logging.getLogger("comm_codec")
 
 def _cmd_inspect(args) -> int:
     """Print what a frame file's header says, or list a compressed (exact or lossy) checkpoint."""
-    import numpy as np
-
     from ..checkpoint import container, exact, lossy
     from ..checkpoint.files import open_regular
     from ..core.errors import CheckpointError
-    from ..core.frame import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, get_frame_parameters
+    from ..core.frame import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, HEADER_BYTES, get_frame_parameters, header_size
 
     with open_regular(args.file) as fh:
         kind = container.identify(fh.read(8))
@@ -44,8 +42,7 @@ def _cmd_inspect(args) -> int:
             return 0
         if kind is None:
             raise CheckpointError(f"{args.file}: {container.NOT_OURS}")
-        fh.seek(0)
-        data = np.frombuffer(fh.read(), dtype=np.uint8)
+        data = _frame_head(fh, args.file, HEADER_BYTES, header_size)
     p = get_frame_parameters(data)
     raw = p.numel * p.spec.itemsize
     print(f"file        {args.file}")
@@ -59,6 +56,34 @@ def _cmd_inspect(args) -> int:
         nraw = int(((flags & (CHUNK_RAW0 << s)) != 0).sum())
         print(f"stream {s}    book {book if int(book, 16) else 'raw'}, {nraw} of {p.nchunks} chunks raw")
     return 0
+
+
+# Largest frame header and chunk table inspect reads (4 M chunks: a tensor of 2^40 elements).
+_MAX_FRAME_HEAD = 64 << 20
+
+
+def _frame_head(fh, path: str, head_bytes: int, header_size):
+    """Read a frame file's header and chunk table, not its payload; refuse a file whose size
+    the header does not declare. Returns the frame as a zero-copy view (header, table and,
+    unread, the payload) so the frame's own checks run on it."""
+    import mmap
+
+    import numpy as np
+
+    from ..core.errors import CheckpointError
+
+    size = os.fstat(fh.fileno()).st_size
+    fh.seek(0)
+    head = fh.read(head_bytes)
+    if len(head) < head_bytes:
+        raise FrameError(f"{path}: frame too short: {len(head)} bytes, a header alone is {head_bytes}")
+    hsize = header_size(head[6], int.from_bytes(head[20:24], "little"))
+    if hsize > min(size, _MAX_FRAME_HEAD):
+        raise CheckpointError(f"{path}: frame header and chunk table of {hsize} bytes, but the file has {size} "
+                              f"(inspect reads at most {_MAX_FRAME_HEAD}): truncated or corrupted")
+    # Mapped, never read as a whole: the checks touch the header and table pages only, and
+    # compare the size the table declares with the file's.
+    return np.frombuffer(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
 
 
 def _cmd_bench(args) -> int:
@@ -114,6 +139,10 @@ def main(argv=None) -> int:
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     previous = _on_termination()
     try:
+        # numba first, through the modules that set its flags: a bad NUMBA_* setting is then
+        # named in the error, and a missing cache is said once, whichever command runs.
+        from ..core import precompile  # noqa: F401
+
         return int(args.func(args) or 0)
     except BrokenPipeError:
         # The reader went away (e.g. `comm-codec ls FILE | head`): not an error of ours.

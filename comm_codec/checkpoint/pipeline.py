@@ -1,0 +1,114 @@
+"""Segments coded on worker threads, in order, within a budget of bytes in flight.
+
+Used by the exact format (:mod:`.exact`): :func:`ordered_map` runs a function over
+segments on a thread pool and yields the results in order; a :class:`Budget` bounds the
+bytes the segments in flight hold (being coded, waiting to be written or hashed), whatever
+the number of threads; :class:`Buffers` recycles the buffers restored segments land in.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+__all__ = ["Budget", "ordered_map", "Buffers"]
+
+
+class Budget:
+    """Bytes in flight, bounded: taken before a segment is handed out, given back once its
+    bytes are written and hashed (thread-safe)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+        self._cv = threading.Condition()
+
+    def take(self, n: int, block: bool) -> bool:
+        """Take n bytes; False (when not ``block``) if that would pass the limit. With nothing
+        taken, any size is granted, so one segment larger than the limit still runs alone."""
+        with self._cv:
+            while self.used and self.used + n > self.limit:
+                if not block:
+                    return False
+                self._cv.wait()
+            self.used += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._cv:
+            self.used -= n
+            self._cv.notify_all()
+
+
+def ordered_map(fn, jobs, threads: int, budget: Budget, cost):
+    """Yield (job, fn(job)) in job order, running up to ``threads`` jobs at once.
+
+    A job is started only once ``budget.take(cost(job))`` grants it; the consumer gives
+    ``cost(job)`` back when done with the result (for a digest computed on another thread,
+    once hashed), so memory stays within the budget at any number of threads. At most
+    ``2 * threads + 2`` jobs are in flight; one thread runs everything inline. The numba
+    kernels and zstd release the GIL.
+    """
+    if threads == 1:
+        for job in jobs:
+            budget.take(cost(job), block=True)
+            yield job, fn(job)
+        return
+    pending = collections.deque()
+    it = iter(jobs)
+    held = []  # a job the budget did not grant yet
+    ex = ThreadPoolExecutor(threads, thread_name_prefix="comm_codec-ckpt")
+
+    def admit():
+        while len(pending) < 2 * threads + 2:
+            job = held.pop() if held else next(it, None)
+            if job is None:
+                return
+            # Wait for the budget only with nothing running (the digest thread gives back).
+            if not budget.take(cost(job), block=not pending):
+                held.append(job)
+                return
+            pending.append((job, ex.submit(fn, job)))
+
+    try:
+        admit()
+        while pending:
+            job, fut = pending.popleft()
+            result = fut.result()
+            yield job, result
+            admit()
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
+
+
+class Buffers:
+    """Reused buffers for decoded segments (thread-safe).
+
+    A fresh ``torch.empty`` per segment is a fresh mapping: its pages fault in on first
+    write and are unmapped again once hashed, and unmapping in a process with several
+    threads costs a TLB shootdown on every core (a VM exit each under virtualization), so
+    with threads the kernel time of page faults and unmaps can exceed the decoding.
+    A buffer goes back once its bytes are written and hashed; at most the segments in
+    flight plus those waiting for the digest are out (a :class:`Budget` bounds them), and
+    the buffers kept for reuse are bounded by ``keep`` bytes.
+    """
+
+    def __init__(self, keep: int, least: int):
+        self._free: list = []
+        self._keep, self._least = keep, least
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """Return a uint8 tensor of at least nbytes (at least ``least``): the smallest free one that fits."""
+        with self._lock:
+            fits = [i for i, buf in enumerate(self._free) if buf.numel() >= nbytes]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        return torch.empty(max(nbytes, self._least), dtype=torch.uint8)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            if sum(b.numel() for b in self._free) + buf.numel() <= self._keep:
+                self._free.append(buf)
