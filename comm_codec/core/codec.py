@@ -29,10 +29,11 @@ from __future__ import annotations
 import contextlib
 import logging
 
-import numba
 import numpy as np
 import torch
 
+# kernels.jit imports numba first and turns a bad numba setting (NUMBA_NUM_THREADS) into one clear error
+from ..kernels import jit  # noqa: F401  (isort: skip)
 from ..kernels.decode import decode_accumulate_chunks, decode_chunks
 from ..kernels.encode import encode_chunks, plan_chunks
 from ..kernels.layout import STATUS_MESSAGES
@@ -43,6 +44,8 @@ from .frame import FrameError
 from .memory import empty_output, torch_threads_kept
 from .streams import ACCUMULABLE_DTYPES, as_bits, spec_for
 from .tables import KernelTables, TablesCache, encode_tables
+
+import numba  # noqa: E402 - after the kernels: see above
 
 __all__ = ["Codec", "DEFAULT_CHUNK_ELEMS", "DECODE_CACHE_SIZE"]
 
