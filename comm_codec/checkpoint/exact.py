@@ -345,8 +345,10 @@ def _base_file(base, scratch_dir: str, threads: int):
 
 def _shown(record: dict, width: int = 16) -> str:
     """'blake3 ab12...' for a source or base record."""
+    from ..core.quoting import printable
+
     name, hexdigest = recorded_digest(record)
-    return f"{name} {hexdigest[:width]}{'...' if width < len(hexdigest) else ''}"
+    return f"{name} {printable(hexdigest[:width], width)}{'...' if width < len(hexdigest) else ''}"
 
 
 def _base_matches(tensors: list[FileTensor], bm: FileMap | None) -> dict:
@@ -664,6 +666,8 @@ def verify_file(src, base=None, threads: int | None = None, progress: bool | Non
 # -- description ----------------------------------------------------------------------------
 def describe(path) -> str:
     """Return a table of a compressed checkpoint: tensors, dtypes, ratios and books."""
+    from ..core.quoting import printable
+
     path = os.fspath(path)
     index = read_index(path)
     size = os.path.getsize(path)
@@ -671,10 +675,13 @@ def describe(path) -> str:
     coded = collections.Counter()
     for s_off, s_len, off, length, method, crc, ti in index["segments"]:
         coded[ti] += length
+    # Every string below but the path comes from the file: printable() escapes what could
+    # drive the terminal or start a line of its own.
     lines = [
         f"file      {path}: comm_codec checkpoint v{index['version']}, {human_bytes(size)}",
-        f"source    {src['name']}: {src['format']}, {human_bytes(src['size'])}, {_shown(src, 64)}",
-        "base      " + ("none" if base is None else f"{base['name']}: {human_bytes(base['size'])}, {_shown(base, 64)}"),
+        f"source    {printable(src['name'])}: {src['format']}, {human_bytes(src['size'])}, {_shown(src, 64)}",
+        "base      " + ("none" if base is None else
+                        f"{printable(base['name'])}: {human_bytes(base['size'])}, {_shown(base, 64)}"),
         f"ratio     {src['size'] / max(1, size):.3f} ({human_bytes(src['size'])} -> {human_bytes(size)}); "
         f"{len(index['tensors'])} tensors, {sum(t['coding'] == 'frame' for t in index['tensors'])} coded, "
         f"{sum(t['transform'] != 'none' for t in index['tensors'])} as deltas",
@@ -682,10 +689,11 @@ def describe(path) -> str:
     origin = {bid: e["origin"] for bid, e in index["books"].items()}
     own = sum(o == "tensor" for o in origin.values())
     lines.append(f"books     {own} per-tensor, {len(origin) - own} shipped")
-    width = max([len(t["name"]) for t in index["tensors"]] + [6])
+    names = [printable(t["name"]) for t in index["tensors"]]
+    width = max([len(n) for n in names] + [6])
     lines.append(f"{'tensor':<{width}}  {'dtype':<13} {'shape':<16} {'kind':<15} {'coding':<10} {'chunk':>6} "
                  f"{'ratio':>6}  books")
-    for i, t in enumerate(index["tensors"]):
+    for i, (name, t) in enumerate(zip(names, index["tensors"])):
         shape = "-" if t["shape"] is None else "x".join(map(str, t["shape"])) or "scalar"
         if t["coding"] == "frame":
             ratio = f"{t['nbytes'] / max(1, coded[i]):.3f}"
@@ -696,8 +704,8 @@ def describe(path) -> str:
         else:
             ratio, how, bk = "-", "opaque", "zstd"
         chunk = f"{t['chunk_elems'] >> 10}Ki" if t.get("chunk_elems") else "-"
-        lines.append(f"{t['name']:<{width}}  {t['dtype']:<13} {shape:<16} {t['kind']:<15} {how:<10} {chunk:>6} "
-                     f"{ratio:>6}  {bk}")
+        lines.append(f"{name:<{width}}  {printable(t['dtype'], 64):<13} {shape:<16} {printable(t['kind'], 64):<15} "
+                     f"{how:<10} {chunk:>6} {ratio:>6}  {bk}")
     opaque_in = sum(s[1] for s in index["segments"] if s[6] < 0)
     opaque_out = sum(s[3] for s in index["segments"] if s[6] < 0)
     lines.append(f"{'(other bytes)':<{width}}  {'-':<13} {'-':<16} {'-':<15} {'opaque':<10} {'-':>6} "
