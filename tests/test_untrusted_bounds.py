@@ -354,3 +354,19 @@ def test_members_and_headers_that_inflate_are_not_inflated(tmp_path):
     for n in ("pkl.pt", "order.pt", "lists.safetensors"):
         ck.decompress_file(tmp_path / (n + ".cckp"), tmp_path / (n + ".out"))
         assert (tmp_path / (n + ".out")).read_bytes() == (tmp_path / n).read_bytes()
+
+
+def test_codebook_save_never_writes_through_a_planted_symlink(tmp_path):
+    """CodebookSet.save (and so `comm-codec profile --out`) writes a temp file of its own, never
+    through a symlink at the name it once used, and replaces a symlink at the output itself."""
+    import comm_codec as cc
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    out = tmp_path / "books.json"
+    os.symlink(victim, f"{out}.tmp{os.getpid()}")
+    os.symlink(victim, out)
+    books = cc.CodebookSet.default()
+    books.save(out)
+    assert victim.read_text() == "keep"
+    assert not out.is_symlink() and cc.CodebookSet.load(out).digest == books.digest

@@ -66,6 +66,7 @@ from ..core.codebooks import CodebookSet
 from ..core.frame import FrameError
 from ..core.huffman import Codebook
 from ..core.streams import spec_for
+from ..core.quoting import printable
 from .container import HEADER, MAGIC, created_by, encode_index, identify, zstd_bounded
 from .errors import CheckpointError
 from .exact_index import INDEX_FORMAT, VERSION, is_checkpoint, load_index, read_index
@@ -414,7 +415,7 @@ class _CompressedBase:
 def _shown(record: dict, width: int = 16) -> str:
     """'blake3 ab12...' for a source or base record."""
     name, hexdigest = recorded_digest(record)
-    return f"{name} {hexdigest[:width]}{'...' if width < len(hexdigest) else ''}"
+    return f"{name} {printable(hexdigest[:width], width)}{'...' if width < len(hexdigest) else ''}"
 
 
 def _base_matches(tensors: list[FileTensor], bm: FileMap | None) -> dict:
@@ -557,7 +558,7 @@ def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str
             base = None
         if need is not None and base is None and sink is not None:
             raise CheckpointError(
-                f"{path} was compressed against base {need['name']} ({_shown(need)}); "
+                f"{path} was compressed against base {printable(need['name'])} ({_shown(need)}); "
                 "pass that original file as base (--base)")
         with _base_file(base if need is not None else None, scratch, threads) as (bm, base_sha):
             if bm is not None:
@@ -565,7 +566,7 @@ def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str
                 if bm.size != need["size"] or base_sha(name) != want:
                     raise CheckpointError(
                         f"wrong base: {base} has {name} {base_sha(name)[:16]}... ({bm.size} bytes), but {path} was "
-                        f"compressed against {need['name']} with {name} {want[:16]}... ({need['size']} bytes)")
+                        f"compressed against {printable(need['name'])} with {name} {want[:16]}... ({need['size']} bytes)")
             _attach_codecs(tensors, books)
             checked = bm is not None or need is None
             size = index["source"]["size"]
@@ -683,7 +684,7 @@ def _decode_segment(seg, m: FileMap, bm: FileMap | None, tensors, path, buffers:
     try:
         t["_codec"].decode(payload, out=out, max_output_bytes=src_len)
     except (FrameError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: tensor {t['name']!r}, {where}: {exc}") from None
+        raise CheckpointError(f"{path}: tensor {printable(t['name'])!r}, {where}: {exc}") from None
     coded = buf[:src_len].numpy()
     if t["transform"] == "none":
         return coded, buf
@@ -746,10 +747,13 @@ def describe(path) -> str:
     coded = collections.Counter()
     for s_off, s_len, off, length, method, crc, ti in index["segments"]:
         coded[ti] += length
+    # Every string below but the path comes from the file: printable() escapes what could
+    # drive the terminal or start a line of its own.
     lines = [
         f"file      {path}: comm_codec checkpoint v{index['version']}, {human_bytes(size)}",
-        f"source    {src['name']}: {src['format']}, {human_bytes(src['size'])}, {_shown(src, 64)}",
-        "base      " + ("none" if base is None else f"{base['name']}: {human_bytes(base['size'])}, {_shown(base, 64)}"),
+        f"source    {printable(src['name'])}: {src['format']}, {human_bytes(src['size'])}, {_shown(src, 64)}",
+        "base      " + ("none" if base is None else
+                        f"{printable(base['name'])}: {human_bytes(base['size'])}, {_shown(base, 64)}"),
         f"ratio     {src['size'] / max(1, size):.3f} ({human_bytes(src['size'])} -> {human_bytes(size)}); "
         f"{len(index['tensors'])} tensors, {sum(t['coding'] == 'frame' for t in index['tensors'])} coded, "
         f"{sum(t['transform'] != 'none' for t in index['tensors'])} as deltas",
@@ -757,10 +761,11 @@ def describe(path) -> str:
     origin = {bid: e["origin"] for bid, e in index["books"].items()}
     own = sum(o == "tensor" for o in origin.values())
     lines.append(f"books     {own} per-tensor, {len(origin) - own} shipped")
-    width = max([len(t["name"]) for t in index["tensors"]] + [6])
+    names = [printable(t["name"]) for t in index["tensors"]]
+    width = max([len(n) for n in names] + [6])
     lines.append(f"{'tensor':<{width}}  {'dtype':<13} {'shape':<16} {'kind':<15} {'coding':<10} {'chunk':>6} "
                  f"{'ratio':>6}  books")
-    for i, t in enumerate(index["tensors"]):
+    for i, (name, t) in enumerate(zip(names, index["tensors"])):
         shape = "-" if t["shape"] is None else "x".join(map(str, t["shape"])) or "scalar"
         if t["coding"] == "frame":
             ratio = f"{t['nbytes'] / max(1, coded[i]):.3f}"
@@ -771,8 +776,8 @@ def describe(path) -> str:
         else:
             ratio, how, bk = "-", "opaque", "zstd"
         chunk = f"{t['chunk_elems'] >> 10}Ki" if t.get("chunk_elems") else "-"
-        lines.append(f"{t['name']:<{width}}  {t['dtype']:<13} {shape:<16} {t['kind']:<15} {how:<10} {chunk:>6} "
-                     f"{ratio:>6}  {bk}")
+        lines.append(f"{name:<{width}}  {printable(t['dtype'], 64):<13} {shape:<16} {printable(t['kind'], 64):<15} "
+                     f"{how:<10} {chunk:>6} {ratio:>6}  {bk}")
     opaque_in = sum(s[1] for s in index["segments"] if s[6] < 0)
     opaque_out = sum(s[3] for s in index["segments"] if s[6] < 0)
     lines.append(f"{'(other bytes)':<{width}}  {'-':<13} {'-':<16} {'-':<15} {'opaque':<10} {'-':>6} "

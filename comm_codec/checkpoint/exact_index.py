@@ -33,6 +33,7 @@ import struct
 from ..core.codebooks import CodebookGroup
 from ..core.frame import header_size
 from ..core.huffman import Codebook, CodebookError
+from ..core.quoting import printable, shown
 from ..core.streams import spec_for
 from . import schema
 from .container import HEADER, MAGIC, NOT_OURS, identify, index_file, read_container_index
@@ -140,7 +141,7 @@ _INDEX = Record({
 def _check_index(index: dict, index_offset: int, path) -> None:
     """Check the whole index (schema, then layout); raise CheckpointError naming the first bad field."""
     if index.get("format") != INDEX_FORMAT or index.get("version") != VERSION:
-        fail(path, f"index format {str(index.get('format'))[:40]!r} version {str(index.get('version'))[:10]!r}, "
+        fail(path, f"index format {shown(index.get('format'), 40)} version {shown(index.get('version'), 10)}, "
                    f"expected {INDEX_FORMAT!r} version {VERSION}")
     schema.check(index, _INDEX, path)
     src, base = index["source"], index["base"]
@@ -176,10 +177,10 @@ def _check_index(index: dict, index_offset: int, path) -> None:
             spec = spec_for(CODABLE[t["dtype"]])
             if t["books"] is None or t["chunk_elems"] is None or len(t["books"]) != spec.nstreams or any(
                     b != "0" * 16 and b not in books for b in t["books"]):
-                fail(path, f"index: tensor {i} ({t['name']}) names codebooks the file does not hold")
+                fail(path, f"index: tensor {i} ({printable(t['name'])}) names codebooks the file does not hold")
             if t["transform"] != "none" and (base is None or t["base_offset"] is None
                                              or t["base_offset"] + t["nbytes"] > base["size"]):
-                fail(path, f"index: tensor {i} ({t['name']}) has a bad base range")
+                fail(path, f"index: tensor {i} ({printable(t['name'])}) has a bad base range")
     pos, at = 0, HEADER.size
     for k, seg in enumerate(index["segments"]):
         src_off, src_len, off, length, method, crc, ti = seg

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 import zstandard
 
+from ..core.quoting import printable, shown
 from ..core.streams import spec_for
 from .container import HEADER, LOSSY_MAGIC, created_by, encode_index
 from .errors import ChainError, CheckpointError, fail
@@ -56,7 +57,7 @@ from .exact import human_bytes
 from .files import FileMap, atomic_output, check_paths
 from .formats import CODABLE, FileTensor, find_tensors, zip_crc_fields
 from .lossy_blobs import FileBooks, cut_skeleton, rebuild, skeleton_offsets
-from .lossy_chain import chain_weights, clear_cache, file_sha256, find_base, remember
+from .lossy_chain import chain_files, chain_weights, clear_cache, file_sha256, find_base, remember
 from .lossy_index import INDEX_FORMAT, MODES, STREAMS, VERSION, is_lossy, load_index, read_index
 from .lossy_tensors import WEIGHTS_ONLY_FACTOR, Encoder, decode_tensors
 from .lossy_transforms import pair_moments
@@ -132,12 +133,12 @@ class LossySummary:
         what = {"compress": f"compressed (lossy {self.mode}) {a} -> {b}",
                 "decompress": f"decompressed (lossy {self.mode}) {b} -> {a}",
                 "verify": f"verified (lossy {self.mode}) {b} ({a} reconstructed, sha256 ok)"}[self.op]
-        errs = ", ".join(f"{k[:-4]} {v:.2e}" for k, v in self.errors.items() if k.endswith("_all"))
+        errs = ", ".join(f"{printable(k[:-4], 64)} {v:.2e}" for k, v in self.errors.items() if k.endswith("_all"))
         if "weight" in self.errors:
             errs += f" (worst weight tensor {self.errors['weight']:.2e})"
         return (f"{what} (ratio {self.ratio:.2f}) in {self.seconds:.2f} s; "
                 f"{self.lossy_tensors} tensors lossy" + (f", rel. RMS error {errs}" if errs else "")
-                + (f"; base {self.base}" if self.base else ""))
+                + (f"; base {printable(self.base)}" if self.base else ""))
 
 
 # -- compress -------------------------------------------------------------------------------
@@ -308,18 +309,20 @@ def _check_same_run(base: str, base_weights: dict, params: list[FileTensor]) -> 
     for p in params:
         bw = base_weights.get(p.name)
         if bw is None:
-            raise CheckpointError(f"base {base} is not from the same run: it holds no weight {p.name!r} "
-                                  f"(it holds {len(base_weights)} weights, e.g. {next(iter(base_weights), '-')!r})")
+            example = shown(next(iter(base_weights), "-"), 200)
+            raise CheckpointError(f"base {base} is not from the same run: it holds no weight {shown(p.name, 200)} "
+                                  f"(it holds {len(base_weights)} weights, e.g. {example})")
         shape = list(p.shape) if p.shape is not None else None
         if str(bw.dtype).replace("torch.", "") != p.dtype or bw.numel() * bw.element_size() != p.nbytes \
                 or (shape is not None and list(bw.shape) != shape):
-            raise CheckpointError(f"base {base} is not from the same run: weight {p.name!r} is "
+            raise CheckpointError(f"base {base} is not from the same run: weight {shown(p.name, 200)} is "
                                   f"{str(bw.dtype).replace('torch.', '')} with {bw.numel()} elements there, "
                                   f"{p.dtype} {shape} here")
     missing = sorted(set(base_weights) - names)
     if missing:
+        listed = ", ".join(shown(n, 200) for n in missing[:3]) + ("..." if len(missing) > 3 else "")
         raise CheckpointError(f"base {base} is not from the same run: it holds weights this checkpoint does "
-                              f"not ({', '.join(repr(n) for n in missing[:3])}{'...' if len(missing) > 3 else ''})")
+                              f"not ({listed})")
 
 
 def _worst(records: list[dict]) -> dict:
@@ -379,11 +382,27 @@ def decompress_file(src, dst, base=None, threads: int | None = None) -> LossySum
     started = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
     check_paths(src, dst, None if base is None else os.fspath(base))
+    _check_not_in_chain(src, dst, base)
     out, index, size = _restore(src, base, threads)
     with atomic_output(dst, mode=os.stat(src).st_mode) as fh:
         fh.write(out)
         fh.commit()
     return _summary("decompress", index, size, started)
+
+
+def _check_not_in_chain(src: str, dst: str, base) -> None:
+    """Refuse an output that would replace a file of src's chain (its base found beside it, ...)."""
+    if not os.path.exists(dst) or not is_lossy(src):
+        return
+    m = FileMap(src)
+    try:
+        index = load_index(m)
+    finally:
+        m.close()
+    for link in chain_files(src, index, base):
+        if os.path.samefile(link, dst):
+            raise CheckpointError(f"output {dst} is {link}, a file of {src}'s chain of bases, which "
+                                  "decompressing it needs; choose another output path (inputs are never modified)")
 
 
 def verify_file(src, base=None, threads: int | None = None) -> LossySummary:
@@ -454,28 +473,35 @@ def describe(path) -> str:
     index = read_index(path)
     size = os.path.getsize(path)
     src, base = index["source"], index["base"]
-    params = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in index["params"].items())
+    # Every string below but the path comes from the file: printable() escapes what could
+    # drive the terminal or start a line of its own.
+    params = ", ".join(f"{printable(k, 32)}={v:g}" if isinstance(v, float) else f"{printable(k, 32)}={v}"
+                       for k, v in index["params"].items())
     lines = [
         f"file      {path}: LOSSY comm_codec checkpoint v{index['version']} (mode {index['mode']}), {human_bytes(size)}",
         f"params    {params}",
-        f"source    {src['name']}: {src['format']}, {human_bytes(src['size'])}, sha256 {src['sha256']}",
-        f"restores  an approximation: sha256 {index['reconstruction']['sha256']} (not the source's)",
-        "base      " + ("none (keyframe)" if base is None else f"{base['name']}: sha256 {base['sha256']} "
+        f"source    {printable(src['name'])}: {src['format']}, {human_bytes(src['size'])}, "
+        f"sha256 {printable(src['sha256'])}",
+        f"restores  an approximation: sha256 {printable(index['reconstruction']['sha256'])} (not the source's)",
+        "base      " + ("none (keyframe)" if base is None else f"{printable(base['name'])}: sha256 "
+                                                              f"{printable(base['sha256'])} "
                                                               "(its chain is needed to decompress)"),
         f"ratio     {src['size'] / max(1, size):.2f} ({human_bytes(src['size'])} -> {human_bytes(size)})",
-        "errors    " + (", ".join(f"{k}: rel. RMS <= {v:.3e}" for k, v in index["errors"].items()) or "none"),
+        "errors    " + (", ".join(f"{printable(k, 64)}: rel. RMS <= {v:.3e}" for k, v in index["errors"].items())
+                        or "none"),
     ]
-    lines += [f"note      {n}" for n in index["notes"]]
-    width = max([len(r["name"]) for r in index["tensors"]] + [6])
+    lines += [f"note      {printable(n, 4096)}" for n in index["notes"]]
+    names = [printable(r["name"]) for r in index["tensors"]]
+    width = max([len(n) for n in names] + [6])
     lines.append(f"{'tensor':<{width}}  {'role':<10} {'dtype':<9} {'coding':<9} {'kept':>7} {'max|err|':>9} "
                  f"{'relRMS':>9} {'bound':>9}")
-    for r in index["tensors"]:
+    for name, r in zip(names, index["tensors"]):
         s = r["stats"]
         kept = "-"
         if r["kept"] is not None:
             kept = f"{100 * r['kept'] / max(1, r['nbytes'] // spec_for(CODABLE[r['dtype']]).itemsize):6.2f}%"
         # the schema admits null for every stat (a bound may be none): "-", never a format error
         cells = [s.get("max_abs_error", 0), s.get("rel_rms_error", 0), s.get("bound", s.get("bound_rel"))]
-        lines.append(f"{r['name']:<{width}}  {r['role']:<10} {r['dtype']:<9} {r['coding']:<9} {kept:>7} "
+        lines.append(f"{name:<{width}}  {r['role']:<10} {printable(r['dtype'], 64):<9} {r['coding']:<9} {kept:>7} "
                      + " ".join(f"{'-' if v is None else format(v, '9.2e'):>9}" for v in cells))
     return "\n".join(lines)

@@ -15,12 +15,13 @@ import hashlib
 import os
 import threading
 
+from ..core.quoting import printable, shown
 from .errors import ChainError, CheckpointError, fail
 from .files import FileMap, open_regular
 from .lossy_index import load_index
 from .lossy_tensors import decode_tensors
 
-__all__ = ["chain_weights", "find_base", "remember", "clear_cache", "file_sha256"]
+__all__ = ["chain_weights", "chain_files", "find_base", "remember", "clear_cache", "file_sha256"]
 
 _CACHE_SIZE = 2
 _cache: collections.OrderedDict = collections.OrderedDict()
@@ -72,24 +73,54 @@ def find_base(path: str, index: dict, override) -> tuple[str, str]:
             has another sha256.
     """
     rec = index["base"]
-    if override is not None:
-        cand = os.fspath(override)
-    else:
-        name = rec["name"]
-        if name in ("", ".", "..") or os.path.basename(name) != name or "\0" in name:
-            fail(path, f"records its base as {name[:80]!r}, which is not a plain file name: the file is "
-                       "corrupted or crafted; pass the base's path yourself (--base)")
-        cand = os.path.join(os.path.dirname(os.path.abspath(path)), name)
+    cand = _base_path(path, rec, override)
     if not os.path.exists(cand):
         raise ChainError(
-            f"{path} is a lossy delta against {rec['name']} (sha256 {rec['sha256'][:16]}...), which is "
-            f"missing: no file {cand}. Decompressing it needs every earlier file of its chain back to the "
-            "keyframe: keep them side by side, or pass the base's path (--base)", cand)
+            f"{path} is a lossy delta against {printable(rec['name'])} (sha256 {printable(rec['sha256'][:16])}...), "
+            f"which is missing: no file {printable(cand)}. Decompressing it needs every earlier file of its chain "
+            "back to the keyframe: keep them side by side, or pass the base's path (--base)", cand)
     sha = file_sha256(cand)
     if sha != rec["sha256"]:
-        raise CheckpointError(f"wrong base: {cand} has sha256 {sha[:16]}..., but {path} was compressed against "
-                              f"{rec['name']} with sha256 {rec['sha256'][:16]}...")
+        raise CheckpointError(f"wrong base: {printable(cand)} has sha256 {sha[:16]}..., but {path} was compressed "
+                              f"against {printable(rec['name'])} with sha256 {printable(rec['sha256'][:16])}...")
     return cand, sha
+
+
+def _base_path(path: str, rec: dict, override) -> str:
+    """Where the base a file records is looked for: ``override``, or its plain name beside the file."""
+    if override is not None:
+        return os.fspath(override)
+    name = rec["name"]
+    if name in ("", ".", "..") or os.path.basename(name) != name or "\0" in name:
+        fail(path, f"records its base as {shown(name, 80)}, which is not a plain file name: the file is "
+                   "corrupted or crafted; pass the base's path yourself (--base)")
+    return os.path.join(os.path.dirname(os.path.abspath(path)), name)
+
+
+def chain_files(path: str, index: dict, override) -> list[str]:
+    """Return the files of a lossy file's chain that exist: its base, that file's base, and so on.
+
+    Only names are followed (no digest is checked: :func:`find_base` does that when the
+    chain is decoded), so that an output can be refused before anything is decoded when
+    it would replace a file the chain needs. Stops at a keyframe, at a link that is
+    missing or unreadable, or where the chain loops.
+    """
+    files: list[str] = []
+    cur, rec, over = path, index["base"], override
+    while rec is not None:
+        cand = _base_path(cur, rec, over)
+        if not os.path.isfile(cand) or any(os.path.samefile(cand, f) for f in files + [path]):
+            break
+        files.append(cand)
+        m = FileMap(cand)
+        try:
+            rec = load_index(m)["base"]
+        except CheckpointError:
+            break  # decoding the chain reports it
+        finally:
+            m.close()
+        cur, over = cand, None
+    return files
 
 
 def chain_weights(path: str, sha: str, threads: int | None) -> dict:

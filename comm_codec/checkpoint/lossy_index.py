@@ -13,13 +13,14 @@ import math
 import os
 
 from ..core.huffman import Codebook
+from ..core.quoting import printable, shown
 from ..core.streams import spec_for
 from . import schema
 from .container import HEADER, LOSSY_MAGIC, NOT_OURS, identify, index_file, read_container_index
 from .errors import fail
 from .files import FileMap, open_regular
 from .formats import CODABLE, is_int
-from .lossy_transforms import LOSSY_DTYPES
+from .lossy_transforms import LOSSY_DTYPES, PACKED
 from .schema import Anything, Int, ListOf, MapOf, Nullable, Num, OneOf, Record, Str
 
 __all__ = ["VERSION", "MODES", "INDEX_FORMAT", "STREAMS", "is_lossy", "load_index", "read_index"]
@@ -116,7 +117,7 @@ def _check_blob(b, end: int) -> bool:
 def _check_index(index: dict, end: int, path) -> None:
     """Check the whole index (schema, then layout); raise CheckpointError naming the first bad field."""
     if index.get("format") != INDEX_FORMAT or index.get("version") != VERSION:
-        fail(path, f"index format {str(index.get('format'))[:40]!r} version {str(index.get('version'))[:10]!r}")
+        fail(path, f"index format {shown(index.get('format'), 40)} version {shown(index.get('version'), 10)}")
     schema.check(index, _INDEX, path)
     size = index["reconstruction"]["size"]
     if size != index["source"]["size"]:
@@ -131,32 +132,17 @@ def _check_index(index: dict, end: int, path) -> None:
     if not _check_blob(index["skeleton"], end):
         fail(path, "index: skeleton lies outside the file")
     for name, s in index["streams"].items():
-        if name not in STREAMS or (s is not None and not (_check_blob(s, end) and is_int(s["size"])
+        # A stream holds at most a byte per element of the tensors it serves.
+        if name not in STREAMS or (s is not None and not (_check_blob(s, end) and is_int(s["size"], 0, size)
                                                           and (s["book"] == "0" * 16 or s["book"] in books))):
             fail(path, f"index: stream {name!r} is malformed")
-    weights = set()
+    weights = {}  # name -> elements
     for i, r in enumerate(index["tensors"]):
-        ok = (isinstance(r["name"], str) and is_int(r["offset"]) and is_int(r["nbytes"])
-              and r["offset"] + r["nbytes"] <= size and (r["dtype"] in CODABLE or r["coding"] == "skeleton")
-              and (r["dtype"] not in CODABLE or r["nbytes"] % spec_for(CODABLE[r["dtype"]]).itemsize == 0)
-              and all(is_int(a, 0, size - 4) for a in r["crc_at"]))
-        if r["coding"] in ("frame", "precision"):
-            f = r["frame"]
-            ok = ok and _check_blob(f, end) and f["dtype"] in CODABLE and all(
-                b == "0" * 16 or b in books for b in f["books"])
-        elif r["coding"] in ("residual", "value"):
-            ok = ok and r["dtype"] in LOSSY_DTYPES and isinstance(r["centroids"], list) and len(
-                r["centroids"]) <= 255 and r["domain"] in ("value", "sqrt") and is_int(r["kept"])
-            ok = ok and (r["coding"] == "residual" or r["param"] in weights)
-            ok = ok and isinstance(r["fill"], (int, float)) and math.isfinite(r["fill"]) and r["fill"] >= 0
-        elif r["coding"] == "skeleton":
-            ok = ok and is_int(r["skeleton_offset"]) and r["skeleton_offset"] + r["nbytes"] <= index["skeleton"]["size"]
-        else:
-            ok = False
-        if not ok:
-            fail(path, f"index: tensor {i} ({r.get('name')!r}) is malformed")
+        problem = _tensor_problem(r, size, end, index["skeleton"]["size"], books, weights)
+        if problem:
+            fail(path, f"index: tensor {i} ({printable(r['name'])}) is malformed: {problem}")
         if r["role"] == "weight":
-            weights.add(r["name"])
+            weights[r["name"]] = r["nbytes"] // spec_for(CODABLE[r["dtype"]]).itemsize
     # Rewritten tensors tile the reconstruction without overlap; the skeleton is the rest.
     pos = cut = 0
     for off, nb in sorted((r["offset"], r["nbytes"]) for r in index["tensors"] if r["coding"] != "skeleton"):
@@ -165,3 +151,51 @@ def _check_index(index: dict, end: int, path) -> None:
         pos, cut = off + nb, cut + nb
     if index["skeleton"]["size"] != size - cut:
         fail(path, f"index: the skeleton holds {index['skeleton']['size']} bytes, the tensors leave {size - cut}")
+
+
+def _tensor_problem(r: dict, size: int, end: int, skeleton_size: int, books: dict, weights: dict) -> str | None:
+    """What is wrong with one tensor record (None if nothing), given the weights before it.
+
+    Every dtype a decoder will look up is one it knows, every frame holds the record's
+    own dtype (or, for a precision cut, the narrower dtype of its high bytes), and a
+    moment has as many elements as its weight: a decoder never meets a mismatch.
+    """
+    if not (r["offset"] + r["nbytes"] <= size and all(is_int(a, 0, size - 4) for a in r["crc_at"])):
+        return "it lies outside the reconstruction"
+    coded = r["dtype"] in CODABLE
+    if not coded and (r["coding"] != "skeleton" or r["role"] != "tensor"):
+        return f"dtype {printable(r['dtype'], 64)} cannot be {r['coding']}-coded as a {r['role']}"
+    if r["role"] != "tensor" and r["dtype"] not in LOSSY_DTYPES:
+        return f"a {r['role']} of dtype {printable(r['dtype'], 64)} (lossy modes rewrite {', '.join(LOSSY_DTYPES)})"
+    if coded and r["nbytes"] % spec_for(CODABLE[r["dtype"]]).itemsize:
+        return f"{r['nbytes']} bytes is no whole number of {r['dtype']} elements"
+    if (r["kept"] is not None) != (r["coding"] in ("residual", "value")):
+        return "its kept count does not fit its coding"
+    if r["coding"] in ("frame", "precision"):
+        f = r["frame"]
+        allowed = {r["dtype"]}
+        if r["coding"] == "precision":
+            if r["dtype"] not in LOSSY_DTYPES:
+                return f"a precision cut of dtype {r['dtype']}"
+            allowed.add(PACKED.get(r["dtype"], (r["dtype"],))[0])
+        if f["dtype"] not in allowed:
+            return f"its frame holds {printable(f['dtype'], 64)}, not {' or '.join(sorted(allowed))}"
+        if not (_check_blob(f, end) and all(b == "0" * 16 or b in books for b in f["books"])):
+            return "its frame lies outside the file or names codebooks the file does not hold"
+    elif r["coding"] in ("residual", "value"):
+        if not (isinstance(r["centroids"], list) and len(r["centroids"]) <= 255 and r["domain"] in ("value", "sqrt")
+                and math.isfinite(r["fill"]) and r["fill"] >= 0):
+            return "its quantization is malformed"
+        if r["coding"] == "value":
+            if r["role"] not in ("exp_avg", "exp_avg_sq"):
+                return f"a {r['role']} coded as a moment"
+            if r["param"] not in weights:
+                return "it names no weight before it"
+            n = r["nbytes"] // spec_for(CODABLE[r["dtype"]]).itemsize
+            if n != weights[r["param"]]:
+                return f"{n} elements, its weight {weights[r['param']]}"
+        elif r["role"] != "weight":
+            return f"a residual {r['role']}"
+    elif not (is_int(r["skeleton_offset"]) and r["skeleton_offset"] + r["nbytes"] <= skeleton_size):
+        return "it lies outside the skeleton"
+    return None

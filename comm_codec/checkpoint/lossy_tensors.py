@@ -16,6 +16,7 @@ import math
 import numpy as np
 import torch
 
+from ..core.quoting import printable
 from ..core.streams import spec_for
 from .errors import fail
 from .exact import MIN_CODED_BYTES
@@ -23,17 +24,22 @@ from .files import FileMap
 from .formats import CODABLE, FileTensor
 from .lossy_blobs import FileBooks, read_skeleton
 from .lossy_index import STREAMS
-from .lossy_transforms import (LOSSY_DTYPES, MANTISSA, dequantize, error_stats, fill_value, prunable, quantize,
-                               round_mantissa)
+from .lossy_transforms import (LOSSY_DTYPES, MANTISSA, PACKED, dequantize, error_stats, fill_value, prunable,
+                               quantize, round_mantissa)
 
-__all__ = ["Encoder", "decode_tensors", "WEIGHTS_ONLY_FACTOR"]
+__all__ = ["Encoder", "decode_tensors", "check_expansion", "WEIGHTS_ONLY_FACTOR", "MAX_EXPANSION"]
 
 _MAX_FACTOR = 2.5  # ExCP caps f: beyond it pruning removes residuals that matter
 WEIGHTS_ONLY_FACTOR = 1.0  # no v to scale by: prune the smaller half of the residual
+# Most bytes a lossy file may restore per byte it holds. A frame chunk of zeros costs a
+# 16- or 24-byte table entry whatever its size, so only a checkpoint of whole chunks of
+# zeros (64 Ki elements each) comes near this; excp deltas reach ~70x and a keyframe
+# or a precision cut far less. Past it a file is refused before anything is decoded:
+# a 99 kB file claiming 1 GiB (or 3.9 MB claiming 40 GiB) is a decompression bomb.
+MAX_EXPANSION = 4096
+# Files smaller than this may restore up to MAX_EXPANSION times this many bytes.
+_SMALL_FILE = 16 << 10
 _INTS = {"float32": np.uint32, "bfloat16": np.uint16, "float16": np.uint16}
-# Narrower dtypes a precision-cut tensor equals: (dtype, min dropped bits) -> dtype of its
-# high bytes.
-_PACK = {("float32", 16): "bfloat16", ("float16", 8): "float8_e5m2"}
 
 
 def _floats(t: FileTensor, m: FileMap) -> np.ndarray:
@@ -160,7 +166,8 @@ class Encoder:
         ints = self.m.u8(t.offset, t.nbytes).copy().view(_INTS[t.dtype])
         drop = MANTISSA[t.dtype] - min(keep_bits, MANTISSA[t.dtype])
         cut = round_mantissa(ints, drop, t.dtype)
-        packed = next((d for (src, least), d in _PACK.items() if src == t.dtype and drop >= least), None)
+        narrow, least = PACKED.get(t.dtype, (None, 0))
+        packed = narrow if narrow is not None and drop >= least else None
         if packed is not None:
             shift = 8 * (cut.itemsize - spec_for(CODABLE[packed]).itemsize)
             narrow = (cut >> shift).astype(np.uint16 if spec_for(CODABLE[packed]).itemsize == 2 else np.uint8)
@@ -198,6 +205,7 @@ def decode_tensors(path: str, m: FileMap, index: dict, base: dict | None, full: 
     Raises:
         CheckpointError: a stream, frame or tensor is corrupted or disagrees with the index.
     """
+    check_expansion(path, m.size, index)
     books = FileBooks(threads, index["_books"])
     streams = {}
     for name, s in index["streams"].items():
@@ -225,7 +233,7 @@ def decode_tensors(path: str, m: FileMap, index: dict, base: dict | None, full: 
         n = r["nbytes"] // spec_for(CODABLE[r["dtype"]]).itemsize
         if not full and r["role"] != "weight":
             continue
-        where = f"{path}: tensor {r['name']!r}"
+        where = f"{path}: tensor {printable(r['name'])}"
         if r["coding"] in ("frame", "precision"):
             f = r["frame"]
             narrow = spec_for(CODABLE[f["dtype"]])
@@ -239,14 +247,18 @@ def decode_tensors(path: str, m: FileMap, index: dict, base: dict | None, full: 
             kept_of[r["name"]] = np.ones(n, bool)
         elif r["coding"] == "residual":
             if base is None or r["name"] not in base:
-                fail(path, f"tensor {r['name']!r} is a residual, but its base holds no such weight")
+                fail(path, f"tensor {printable(r['name'])} is a residual, but its base holds no such weight")
             kept = np.unpackbits(take("weight_mask", -(-n // 8)), count=n, bitorder="little").astype(bool)
             sym = take("weight_index", r["kept"])
             if int(kept.sum()) != r["kept"] or (sym.size and sym.max() > len(r["centroids"])) or not sym.all():
-                fail(path, f"tensor {r['name']!r}: its mask or indices are corrupted")
+                fail(path, f"tensor {printable(r['name'])}: its mask or indices are corrupted")
             deq = np.zeros(n, np.float32)
             deq[kept] = dequantize(sym, np.array(r["centroids"], np.float32), "value")
-            u8 = _cast(base[r["name"]].float().numpy().reshape(-1) + deq, r["dtype"])
+            prev = base[r["name"]]
+            if prev.numel() != n:
+                fail(path, f"tensor {printable(r['name'])} is a residual of {n} elements against a base weight of "
+                           f"{prev.numel()}: the file or its base is corrupted")
+            u8 = _cast(prev.float().numpy().reshape(-1) + deq, r["dtype"])
             kept_of[r["name"]] = kept
         else:  # value: a moment, pruned where its weight's residual was
             wkept = kept_of[r["param"]]
@@ -258,10 +270,10 @@ def decode_tensors(path: str, m: FileMap, index: dict, base: dict | None, full: 
             else:
                 mask = kept_of.get("exp_avg:" + r["param"])
                 if mask is None:
-                    fail(path, f"tensor {r['name']!r} comes before its first moment")
+                    fail(path, f"tensor {printable(r['name'])} comes before its first moment")
             sym = take(f"{r['role']}_index", r["kept"])
             if int(mask.sum()) != r["kept"] or (sym.size and sym.max() > len(r["centroids"])) or not sym.all():
-                fail(path, f"tensor {r['name']!r}: its mask or indices are corrupted")
+                fail(path, f"tensor {printable(r['name'])}: its mask or indices are corrupted")
             fill = dequantize(np.zeros(1, np.uint8), np.zeros(0, np.float32), r["domain"], r["fill"])[0]
             vals = np.full(n, fill, np.float32)
             vals[mask] = dequantize(sym, np.array(r["centroids"], np.float32), r["domain"])
@@ -274,6 +286,19 @@ def decode_tensors(path: str, m: FileMap, index: dict, base: dict | None, full: 
     if left:
         fail(path, f"stream {left[0]} holds more than its tensors use: corrupted")
     return weights, values, skeleton
+
+
+def check_expansion(path: str, file_size: int, index: dict) -> None:
+    """Refuse a file whose declared reconstruction is more than it can hold (:data:`MAX_EXPANSION`).
+
+    Raises:
+        CheckpointError: before anything is allocated.
+    """
+    claimed = index["reconstruction"]["size"]
+    if claimed > MAX_EXPANSION * max(file_size, _SMALL_FILE):
+        fail(path, f"claims to restore {claimed} bytes from {file_size}, more than {MAX_EXPANSION} times its size, "
+                   "which no checkpoint but one of nearly all zeros compresses to: corrupted or crafted "
+                   "(a decompression bomb); refused before decoding")
 
 
 def _widen(narrow: np.ndarray, dtype: str, packed: str) -> np.ndarray:

@@ -16,13 +16,16 @@ import numpy as np
 
 from .formats import FileTensor, storage_keys
 
-__all__ = ["LOSSY_DTYPES", "MANTISSA", "pair_moments", "quantize", "dequantize", "fill_value", "error_stats",
+__all__ = ["LOSSY_DTYPES", "MANTISSA", "PACKED", "pair_moments", "quantize", "dequantize", "fill_value", "error_stats",
            "prunable", "round_mantissa"]
 
 log = logging.getLogger("comm_codec.checkpoint.lossy")
 
 LOSSY_DTYPES = ("float32", "bfloat16", "float16")
 MANTISSA = {"float32": 23, "bfloat16": 7, "float16": 10}
+# A precision-cut tensor whose dropped bits cover its low bytes is coded as the narrower
+# dtype of its high bytes: dtype -> (that dtype, the fewest dropped bits that allow it).
+PACKED = {"float32": ("bfloat16", 16), "float16": ("float8_e5m2", 8)}
 _OPT_STATE = re.compile(r"^(?P<prefix>(?:.*\.)?)state\.(?P<index>\d+)\.(?P<moment>exp_avg|exp_avg_sq)$")
 _ANY_STATE = re.compile(r"(^|\.)state\.\d+\.")  # optimizer state of any kind (step counters...)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+from ..core.quoting import shown
 from .errors import CheckpointError
 
 __all__ = ["Int", "Num", "Str", "OneOf", "ListOf", "Row", "MapOf", "Record", "Nullable", "Anything", "check",
@@ -37,8 +38,8 @@ def _where(where) -> str:
 
 
 def _bad(where, expected: str, value) -> CheckpointError:
-    shown = repr(value)
-    return CheckpointError(f"{_where(where)}: expected {expected}, got {shown[:60]}{'...' if len(shown) > 60 else ''}")
+    # shown(), not repr(): a value may nest deeper than repr can recurse, or be megabytes long
+    return CheckpointError(f"{_where(where)}: expected {expected}, got {shown(value)}")
 
 
 class Int(_Spec):

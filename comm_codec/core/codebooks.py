@@ -36,11 +36,14 @@ import hashlib
 import json
 import logging
 import os
+import stat
 from importlib import resources
 
 import numpy as np
 
+from .atomic import atomic_write
 from .huffman import Codebook, CodebookError
+from .quoting import printable, shown
 from .streams import spec_for
 
 __all__ = ["CodebookSet", "CodebookGroup", "KINDS", "FALLBACK", "CodebookError", "as_codebook_set"]
@@ -60,6 +63,11 @@ _FILE_FORMAT = "comm_codec.codebooks"
 _FILE_VERSION = 2  # 2 adds groups; version 1 files (single books) are read and, without groups, written
 _FILE_VERSIONS = (1, 2)
 _DEFAULT_NAME = "default.json"
+# Largest codebook file read: a book takes ~400 bytes of JSON, the shipped set 180 kB.
+MAX_FILE_BYTES = 64 << 20
+# Integers a codebook file holds are small (streams, lengths, counts): more digits than
+# this is no codebook file, and int() of thousands of digits is slow or refused.
+_MAX_DIGITS = 30
 _default_cache: "CodebookSet | None" = None
 
 
@@ -203,7 +211,7 @@ class CodebookGroup:
                     raise
                 raise CodebookError(str(exc)) from None
             if entry.get("group") != group.id:
-                raise CodebookError(f"group id {entry.get('group')!r} does not match its books ({group.id})")
+                raise CodebookError(f"group id {shown(entry.get('group'))} does not match its books ({group.id})")
             return group
         return cls(Codebook.from_dict(entry["book"]))
 
@@ -372,18 +380,8 @@ class CodebookSet:
         Raises:
             OSError: the file cannot be written.
         """
-        path = os.fspath(path)
-        tmp = f"{path}.tmp{os.getpid()}"
-        text = json.dumps(self.to_dict(), indent=1, sort_keys=False) + "\n"
-        try:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        # a temp file of its own (O_EXCL, O_NOFOLLOW) beside path, renamed over it when complete
+        atomic_write(os.fspath(path), json.dumps(self.to_dict(), indent=1, sort_keys=False, allow_nan=False) + "\n")
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "<dict>") -> "CodebookSet":
@@ -404,7 +402,7 @@ class CodebookSet:
             raise CodebookError(f"{source}: not a comm_codec codebook file (no format {_FILE_FORMAT!r})")
         if data.get("version") not in _FILE_VERSIONS:
             raise CodebookError(
-                f"{source}: codebook file version {data.get('version')!r}; this build reads versions "
+                f"{source}: codebook file version {shown(data.get('version'))}; this build reads versions "
                 + ", ".join(map(str, _FILE_VERSIONS))
             )
         entries = data.get("books")
@@ -413,17 +411,23 @@ class CodebookSet:
         books, stats = {}, {}
         for i, entry in enumerate(entries):
             try:
-                key = (entry["kind"], entry["dtype"], int(entry["stream"]))
+                stream = entry["stream"]
+                if not (isinstance(stream, int) and not isinstance(stream, bool) and 0 <= stream < 256):
+                    raise CodebookError(f"stream {shown(stream)} is not a stream number")
+                if not (isinstance(entry["kind"], str) and isinstance(entry["dtype"], str)):
+                    raise CodebookError("kind and dtype must be strings")
+                key = (entry["kind"], entry["dtype"], stream)
                 if "books" in entry and data["version"] < 2:
                     raise CodebookError("groups of books need codebook file version 2")
                 books[key] = CodebookGroup.from_dict(entry)
                 stats[key] = {k: v for k, v in entry.items()
                               if k not in ("kind", "dtype", "stream", "book", "books", "group")}
-            except (KeyError, TypeError) as exc:
-                raise CodebookError(f"{source}: book entry {i} is malformed ({exc!r})") from None
+            except (KeyError, TypeError, AttributeError) as exc:
+                raise CodebookError(f"{source}: book entry {i} is malformed ({type(exc).__name__}: "
+                                    f"{printable(str(exc), 80)})") from None
             except CodebookError as exc:
-                raise CodebookError(f"{source}: book entry {i} ({entry.get('kind')}/{entry.get('dtype')}/"
-                                    f"{entry.get('stream')}): {exc}") from None
+                where = "/".join(printable(entry.get(k), 20) for k in ("kind", "dtype", "stream"))
+                raise CodebookError(f"{source}: book entry {i} ({where}): {exc}") from None
         meta = data.get("meta", {})
         try:
             return cls(books, meta if isinstance(meta, dict) else {}, stats)
@@ -446,12 +450,13 @@ class CodebookSet:
                 names the file and the problem.
         """
         path = os.fspath(path)
-        with open(path, "rb") as fh:
-            raw = fh.read()
+        raw = _read_book_file(path)
         try:
-            data = json.loads(raw.decode("utf-8"))
+            data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_int=_small_int)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CodebookError(f"{path}: not a valid codebook file (bad JSON: {exc})") from None
+        except CodebookError as exc:
+            raise CodebookError(f"{path}: not a valid codebook file ({exc})") from None
         except RecursionError:  # a few hundred kB of "[[[[..." exhausts the parser's stack
             raise CodebookError(f"{path}: not a valid codebook file (nested too deeply to be one)") from None
         return cls.from_dict(data, source=path)
@@ -477,3 +482,38 @@ class CodebookSet:
                     )
                 _default_cache = cls.load(path)
         return _default_cache
+
+
+def _no_constant(name: str):
+    raise CodebookError(f"JSON {name} is no number a codebook file holds")
+
+
+def _small_int(text: str) -> int:
+    if len(text.lstrip("-")) > _MAX_DIGITS:
+        raise CodebookError(f"an integer of {len(text)} digits is no number a codebook file holds")
+    return int(text)
+
+
+def _read_book_file(path: str) -> bytes:
+    """Read a codebook file: a regular file of at most MAX_FILE_BYTES, or CodebookError.
+
+    The type is checked before ``open`` (a FIFO would block in it, a device never end)
+    and again on the open descriptor, which is opened non-blocking.
+
+    Raises:
+        FileNotFoundError, PermissionError, IsADirectoryError: as ``open``.
+        CodebookError: not a regular file, or larger than MAX_FILE_BYTES.
+    """
+    st = os.stat(path)
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(21, "Is a directory", path)
+    if not stat.S_ISREG(st.st_mode):
+        raise CodebookError(f"{path} is not a regular file (a FIFO, device or socket); give a codebook file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CodebookError(f"{path} is not a regular file; give a codebook file")
+        raw = fh.read(MAX_FILE_BYTES + 1)
+    if len(raw) > MAX_FILE_BYTES:
+        raise CodebookError(f"{path} is larger than {MAX_FILE_BYTES} bytes: not a codebook file")
+    return raw

@@ -42,6 +42,7 @@ import numpy as np
 
 from ..kernels.histogram import package_merge
 from .errors import CodebookError
+from .quoting import shown
 
 __all__ = [
     "Codebook",
@@ -324,14 +325,14 @@ class Codebook:
             raise CodebookError(f"a codebook must be a JSON object, got {type(data).__name__}")
         if data.get("format") != _FORMAT:
             raise CodebookError(
-                f"unsupported codebook format {data.get('format')!r}; this version reads format {_FORMAT}"
+                f"unsupported codebook format {shown(data.get('format'))}; this version reads format {_FORMAT}"
             )
         if data.get("raw"):
             book = cls.raw_book()
         else:
             if data.get("max_length", MAX_CODE_LENGTH) != MAX_CODE_LENGTH:
                 raise CodebookError(
-                    f"codebook max_length {data.get('max_length')!r} is not {MAX_CODE_LENGTH}"
+                    f"codebook max_length {shown(data.get('max_length'))} is not {MAX_CODE_LENGTH}"
                 )
             rows = data.get("lengths")
             if not isinstance(rows, list) or not all(isinstance(r, str) for r in rows):
@@ -344,12 +345,12 @@ class Codebook:
             except ValueError as exc:
                 raise CodebookError(f"codebook 'lengths' is not hexadecimal: {exc}") from None
             esc = data.get("escape_length", 0)
-            if not isinstance(esc, int):
+            if not isinstance(esc, int) or isinstance(esc, bool):
                 raise CodebookError("codebook 'escape_length' must be an integer")
             book = cls(lengths, esc)
         if "id" in data and data["id"] != book.id:
             raise CodebookError(
-                f"codebook id {data['id']!r} does not match its lengths (digest {book.id}); "
+                f"codebook id {shown(data['id'])} does not match its lengths (digest {book.id}); "
                 "the file is corrupted or was edited"
             )
         return book

@@ -17,12 +17,16 @@ import sys
 import threading
 
 from ..core.errors import CodebookError, FrameError
+from ..core.quoting import printable
 from ..core.version import __version__
 from . import checkpoint_cli, demo_cli, precompile_cli, profile_cli
 
 __all__ = ["main"]
 
 log = logging.getLogger("comm_codec")
+
+# The longest error line the command prints (names from files in it are escaped).
+_ERROR_LIMIT = 1000
 
 
 def _cmd_inspect(args) -> int:
@@ -149,10 +153,10 @@ def main(argv=None) -> int:
         sys.stdout = None
         return 0
     except (FrameError, CodebookError, ValueError, TypeError) as exc:
-        print(f"comm-codec: error: {exc}", file=sys.stderr)
+        print(f"comm-codec: error: {printable(str(exc), _ERROR_LIMIT)}", file=sys.stderr)
     except OSError as exc:
         where = f": {exc.filename}" if exc.filename else ""
-        print(f"comm-codec: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        print(f"comm-codec: error: {printable(str(exc.strerror or exc) + where, _ERROR_LIMIT)}", file=sys.stderr)
     except KeyboardInterrupt:
         print("comm-codec: interrupted; partial output removed", file=sys.stderr)
         return 130

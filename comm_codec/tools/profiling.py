@@ -14,12 +14,12 @@ The command itself is :mod:`comm_codec.tools.profile_cli`.
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import torch
 
 from ..core.codebooks import CodebookSet
+from ..core.quoting import printable
 from ..books.profiler import WarmupProfiler, book_cost, stream_counts
 from ..core.streams import SUPPORTED_DTYPES, spec_for
 
@@ -139,15 +139,16 @@ def plot_books(books: CodebookSet, path: str, prof: WarmupProfiler | None = None
 
 def _checkpoint_tensors(path: str):
     """Yield (name, tensor) from a safetensors or torch file, never running its pickle code."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(2, "No such file or directory", path)
-    with open(path, "rb") as fh:
+    from ..checkpoint.files import open_regular
+
+    # A FIFO or device is refused before it is opened (reading one would block or never end).
+    with open_regular(path) as fh:
         head = fh.read(8)
     if head[:4] == b"PK\x03\x04":
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # torch raises many types for foreign files
-            raise ValueError(f"{path}: not a loadable torch checkpoint ({exc})") from None
+            raise ValueError(f"{path}: not a loadable torch checkpoint ({printable(str(exc))})") from None
         stack = [("", state)]
         while stack:
             prefix, obj = stack.pop()
@@ -163,7 +164,8 @@ def _checkpoint_tensors(path: str):
 
         tensors = load_file(path)
     except Exception as exc:
-        raise ValueError(f"{path}: neither a torch zip checkpoint nor a safetensors file ({exc})") from None
+        raise ValueError(f"{path}: neither a torch zip checkpoint nor a safetensors file "
+                         f"({printable(str(exc))})") from None
     yield from tensors.items()
 
 
