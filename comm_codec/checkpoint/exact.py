@@ -65,8 +65,8 @@ from ..core.atomic import create_temp
 from ..core.codebooks import CodebookSet
 from ..core.frame import FrameError
 from ..core.huffman import Codebook
-from ..core.streams import spec_for
 from ..core.quoting import printable
+from ..core.streams import spec_for
 from .container import HEADER, MAGIC, created_by, encode_index, identify, zstd_bounded
 from .errors import CheckpointError
 from .exact_index import INDEX_FORMAT, VERSION, is_checkpoint, load_index, read_index
