@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 
-from ..core.atomic import TEMP_MARK, create_temp, host_name, temp_prefix
+from ..core.atomic import TEMP_MARK, create_temp, host_name, temp_prefix, umask
 from .errors import CheckpointError
 
 __all__ = ["FileMap", "AtomicFile", "DigestStream", "atomic_output", "check_paths", "file_digest", "new_hasher",
@@ -263,7 +263,7 @@ class AtomicFile:
         sweep_stale_temps(folder)
         fd, self.tmp = create_temp(path)  # O_EXCL | O_NOFOLLOW, beside path
         track_temp(self.tmp)
-        os.fchmod(fd, (0o666 if mode is None else mode & 0o777) & ~_umask())
+        os.fchmod(fd, (0o666 if mode is None else mode & 0o777) & ~umask())
         self.fh = os.fdopen(fd, "wb", buffering=1 << 20)
         self.pos = 0
         self._reserved = 0
@@ -342,16 +342,6 @@ class AtomicFile:
         with contextlib.suppress(OSError):
             os.unlink(self.tmp)
         untrack_temp(self.tmp)
-
-
-def _umask() -> int:
-    """The process umask, read without changing it (os.umask would, for every thread)."""
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    return 0o022
 
 
 # Temp files this process is writing: a termination signal removes them and exits at once

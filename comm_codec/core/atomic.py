@@ -21,7 +21,7 @@ import re
 import socket
 import tempfile
 
-__all__ = ["TEMP_MARK", "NAME_MAX", "host_name", "temp_prefix", "create_temp", "atomic_write"]
+__all__ = ["TEMP_MARK", "NAME_MAX", "host_name", "temp_prefix", "create_temp", "atomic_write", "umask"]
 
 # Every temp file we make carries this mark, our host name and pid.
 TEMP_MARK = "comm_codec-tmp"
@@ -77,11 +77,11 @@ def create_temp(path, mode: int = 0o600) -> tuple[int, str]:
     except OSError as exc:  # name the file the user asked for, not our temp file
         raise type(exc)(exc.errno, exc.strerror, path) from None
     if mode != 0o600:
-        os.fchmod(fd, mode & ~_umask())
+        os.fchmod(fd, mode & ~umask())
     return fd, tmp
 
 
-def _umask() -> int:
+def umask() -> int:
     """The process umask, read without changing it (os.umask would, for every thread)."""
     with contextlib.suppress(OSError, ValueError):
         with open("/proc/self/status", encoding="ascii") as fh:
