@@ -177,3 +177,28 @@ def start_cli(*args, cwd=None, env: dict | None = None, limit_bytes: int | None 
     return subprocess.Popen(_cli_command(args, limit_bytes, limit_memory), cwd=REPO if cwd is None else cwd,
                             env=_cli_env(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+
+
+def run_crafted(cases: list, work, allowed: list[str], timeout: float = 300) -> list[dict]:
+    """Run CLI cases in one child that watches them (``tests/crafted.py``); return one result per case.
+
+    Args:
+        cases: argv lists for ``comm-codec``.
+        work: the directory the child runs in (the spec and results are written there).
+        allowed: path prefixes the cases may open; any other open is reported.
+        timeout: seconds for the whole child.
+
+    Returns:
+        Per case: ``rc``, ``stderr``, ``rss_mb``, ``seconds`` and what it opened outside ``allowed``.
+    """
+    import json
+
+    spec = os.path.join(work, "cases.json")
+    with open(spec, "w", encoding="utf-8") as fh:
+        json.dump({"cases": cases, "allowed": allowed}, fh)
+    results = os.path.join(work, "r.json")
+    r = subprocess.run([sys.executable, os.path.join(REPO, "tests", "crafted.py"), spec, results],
+                       capture_output=True, text=True, timeout=timeout, cwd=work)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(results, encoding="utf-8") as fh:
+        return json.load(fh)

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from comm_codec import checkpoint as ck
 from comm_codec.checkpoint import lossy
 from comm_codec.checkpoint.files import temp_name
-from helpers import start_cli
+from helpers import start_cli, run_crafted
 
 import crafted
 
@@ -269,13 +269,8 @@ def _allowed_roots(work) -> list:
 
 def test_crafted_inputs_exit_cleanly_in_bounded_memory(corpus, tmp_path):
     cases = list(_cases(corpus, tmp_path))
-    spec = tmp_path / "cases.json"
-    spec.write_text(json.dumps({"cases": [argv for _, argv, _ in cases], "allowed": _allowed_roots(tmp_path)}))
     before = set(os.listdir(tmp_path))
-    r = subprocess.run([sys.executable, os.path.join(REPO, "tests", "crafted.py"), str(spec), str(tmp_path / "r.json")],
-                       capture_output=True, text=True, timeout=400, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    results = json.loads((tmp_path / "r.json").read_text())
+    results = run_crafted([argv for _, argv, _ in cases], tmp_path, _allowed_roots(tmp_path), timeout=400)
     bad = []
     for (label, argv, statuses), res in zip(cases, results):
         lines = [x for x in res["stderr"].splitlines() if x.strip() and not x.startswith("INFO ")]
@@ -290,7 +285,7 @@ def test_crafted_inputs_exit_cleanly_in_bounded_memory(corpus, tmp_path):
             problems.append(f"opened {res['foreign']}")
         if problems:
             bad.append(f"{label}: {'; '.join(problems)}")
-    left = sorted(set(os.listdir(tmp_path)) - before - {"r.json"})
+    left = sorted(set(os.listdir(tmp_path)) - before - {"r.json", "cases.json"})
     # Outputs that succeeded are allowed (exit 0); temp files and failed outputs are not.
     ok_outputs = {os.path.basename(argv[2]) for (_, argv, _), res in zip(cases, results)
                   if res["rc"] == 0 and argv[0] in ("compress", "decompress")}

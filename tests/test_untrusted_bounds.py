@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from comm_codec import checkpoint as ck
 from comm_codec.core import atomic
-from helpers import REPO, run_cli
+from helpers import REPO, run_cli, run_crafted
 
 import crafted
 
@@ -174,18 +174,6 @@ def _zero_segments_file(base, out, count: int, chunk_elems: int, seg_bytes: int 
     c.index["source"]["size"] += grow
     c.write(out)
     return len(frame)
-
-
-def _measure(tmp_path, cases):
-    """Run CLI cases in one child (tests/crafted.py); return their results (rc, stderr, rss_mb, seconds)."""
-    import json
-
-    spec = tmp_path / "cases.json"
-    spec.write_text(json.dumps({"cases": cases, "allowed": ["/"]}))
-    r = subprocess.run([sys.executable, os.path.join(REPO, "tests", "crafted.py"), str(spec), str(tmp_path / "r.json")],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads((tmp_path / "r.json").read_text())
 
 
 _PEAK = """
@@ -344,7 +332,7 @@ def test_members_and_headers_that_inflate_are_not_inflated(tmp_path):
         fh.truncate(3 << 30)
     cases = [["compress", str(tmp_path / n), str(tmp_path / (n + ".cckp"))]
              for n in ("pkl.pt", "order.pt", "lists.safetensors")] + [["inspect", str(tmp_path / "sparse.frame")]]
-    results = _measure(tmp_path, cases)
+    results = run_crafted(cases, tmp_path, ["/"])
     for res in results:
         lines = [x for x in res["stderr"].splitlines() if x.strip() and not x.startswith("INFO ")]
         assert res["rss_mb"] < 700 and res["seconds"] < 30, res

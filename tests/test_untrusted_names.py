@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -28,6 +26,7 @@ from comm_codec.core.errors import CheckpointError, CodebookError
 from comm_codec.tools import cli
 
 import crafted
+from helpers import run_crafted
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _GEN = torch.Generator().manual_seed(11)
@@ -168,20 +167,11 @@ def test_values_nested_near_the_parsers_limit_are_refused_in_one_line(corpus, tm
             c.write(files[-1], index_bytes=text.encode())
         for f in files:
             cases += [["ls", f], ["inspect", f], ["verify", f], ["decompress", f, f + ".out"]]
-    results = _run_cases(cases, tmp_path)
+    results = run_crafted(cases, tmp_path, ["/"])
     bad = [f"{r['argv'][:2]}: rc {r['rc']}, {r['stderr'][-300:]!r}" for r in results
            if r["rc"] != 2 or "Traceback" in r["stderr"] or len(r["stderr"].strip().splitlines()) != 1]
     assert not bad, "\n".join(bad[:5])
     assert not [n for n in os.listdir(tmp_path) if n.endswith((".out", ".tmp"))]
-
-
-def _run_cases(cases, work):
-    spec = work / "cases.json"
-    spec.write_text(json.dumps({"cases": cases, "allowed": ["/"]}))
-    r = subprocess.run([sys.executable, os.path.join(REPO, "tests", "crafted.py"), str(spec), str(work / "r.json")],
-                       capture_output=True, text=True, timeout=300, cwd=work)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads((work / "r.json").read_text())
 
 
 # -- lossy records whose dtype disagrees with their frame ------------------------------------------
@@ -289,7 +279,7 @@ def test_a_tiny_lossy_file_claiming_gigabytes_fails_fast_and_small(corpus, tmp_p
     assert lossy.read_index(path)["reconstruction"]["size"] > 3 << 30
     cases = [["verify", str(path)], ["decompress", str(path), str(tmp_path / "bomb.out")],
              ["verify", str(path), "--threads", "2"]]
-    for res in _run_cases(cases, tmp_path):
+    for res in run_crafted(cases, tmp_path, ["/"]):
         assert res["rc"] == 2 and len(res["stderr"].strip().splitlines()) == 1, res["stderr"][-600:]
         assert "decompression bomb" in res["stderr"]
         assert res["rss_mb"] < 1024 and res["seconds"] < 30, res
