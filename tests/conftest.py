@@ -80,6 +80,7 @@ TIERS = {
     "test_streams.py": "unit",
     "test_untrusted_bounds.py": ("unit", {"test_every_command_works_*": "cli", "test_a_bad_numba_*": "cli"}),
     "test_untrusted_names.py": "cli",
+    "test_untrusted_lossy.py": ("cli", {"test_rounding_meets_*": "unit"}),
     "test_untrusted.py": ("unit", {"test_crafted_inputs_exit_cleanly_in_bounded_memory": "cli",
                                    "test_termination_signals_remove_the_temp_file": "cli",
                                    "test_a_later_run_removes_stale_temp_files_of_dead_runs": "cli"}),
@@ -124,6 +125,7 @@ SLOW: dict[str, tuple[str, ...]] = {
     "test_integrations.py": ("*",),
     "test_lossy.py": ("test_cli_round_trip_and_errors",),
     "test_untrusted_names.py": "cli",
+    "test_untrusted_lossy.py": ("test_a_gigabyte_claim_is_streamed_in_bounded_memory",),
     "test_untrusted.py": ("test_crafted_inputs_exit_cleanly_in_bounded_memory",
                           "test_termination_signals_remove_the_temp_file[1]"),
 }

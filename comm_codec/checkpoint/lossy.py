@@ -36,6 +36,7 @@ and :mod:`.lossy_transforms` (quantization, pruning rules, mantissa rounding).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -56,10 +57,10 @@ from .errors import ChainError, CheckpointError, fail
 from .exact import human_bytes
 from .files import FileMap, atomic_output, check_paths
 from .formats import CODABLE, FileTensor, find_tensors, zip_crc_fields
-from .lossy_blobs import FileBooks, cut_skeleton, rebuild, skeleton_offsets
+from .lossy_blobs import FileBooks, SkeletonReader, cut_skeleton, lay_out, skeleton_offsets
 from .lossy_chain import chain_files, chain_weights, clear_cache, file_sha256, find_base, remember
 from .lossy_index import INDEX_FORMAT, MODES, STREAMS, VERSION, is_lossy, load_index, read_index
-from .lossy_tensors import WEIGHTS_ONLY_FACTOR, Encoder, decode_tensors
+from .lossy_tensors import WEIGHTS_ONLY_FACTOR, Decoder, Encoder
 from .lossy_transforms import pair_moments
 
 __all__ = [
@@ -222,7 +223,14 @@ def compress_file(src, dst, mode: str = "excp", base=None, bits: int = DEFAULT_B
         skeleton_offsets(records)
         skeleton = cut_skeleton(m.u8, m.size, records)
         source_sha = hashlib.sha256(m.u8(0, m.size)).hexdigest() if m.size else hashlib.sha256().hexdigest()
-        recon = rebuild(m.size, skeleton, records, enc.values)
+        # Each rewritten tensor's zip CRC is recorded: a reader writes it into the local
+        # header, which comes before the tensor's bytes, before it decodes them.
+        for i, v in enc.values.items():
+            if records[i]["crc_at"]:
+                records[i]["crc32"] = zlib.crc32(v)
+        recon_sha = hashlib.sha256()
+        lay_out(m.size, io.BytesIO(skeleton), records, lambda i: [enc.values[i]],
+                {i: r.get("crc32") for i, r in enumerate(records)}, recon_sha.update, src)
         stream_frames = {}
         for name, parts in enc.streams.items():
             data = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
@@ -233,7 +241,7 @@ def compress_file(src, dst, mode: str = "excp", base=None, bits: int = DEFAULT_B
             "format": INDEX_FORMAT, "version": VERSION, "created_by": created_by(),
             "mode": mode, "params": params,
             "source": {"name": os.path.basename(src), "size": m.size, "sha256": source_sha, "format": fmt},
-            "reconstruction": {"size": len(recon), "sha256": hashlib.sha256(recon).hexdigest()},
+            "reconstruction": {"size": m.size, "sha256": recon_sha.hexdigest()},
             "base": base_rec, "notes": notes,
             "books": {}, "streams": {}, "skeleton": None, "tensors": records, "errors": _worst(records),
         }
@@ -341,8 +349,22 @@ def _worst(records: list[dict]) -> dict:
 
 
 # -- decompress -----------------------------------------------------------------------------
-def _restore(src: str, base, threads: int | None) -> tuple[bytearray, dict, int]:
-    """Rebuild the reconstructed checkpoint's bytes in memory; check their sha256."""
+def _restore(src: str, base, threads: int | None, output=None) -> tuple[dict, int]:
+    """Reconstruct a lossy file's checkpoint as a stream of pieces; check its sha256 at the end.
+
+    Every claim of the index is checked first (:class:`.lossy_tensors.Decoder`), so a file
+    that claims more than it holds fails before ``output`` is called. Then the pieces
+    pass, in order, through the digest and to ``output(piece)`` (None: only the digest).
+    Memory holds a piece of a tensor at a time (and, for an excp delta, its base's
+    weights), whatever the tensors' sizes.
+
+    Returns:
+        (the checked index, the lossy file's size).
+
+    Raises:
+        CheckpointError: a claim does not hold, or the sha256 differs (``output`` has
+            then seen bytes of a reconstruction that must be discarded).
+    """
     m = FileMap(src)
     try:
         index = load_index(m)
@@ -352,14 +374,36 @@ def _restore(src: str, base, threads: int | None) -> tuple[bytearray, dict, int]
             weights = chain_weights(bpath, bsha, threads)
         elif base is not None:
             log.warning("%s is not a delta (no base); ignoring base %s", src, base)
-        _, values, skeleton = decode_tensors(src, m, index, weights, True, threads)
-        out = rebuild(index["reconstruction"]["size"], skeleton, index["tensors"], values)
-        if hashlib.sha256(out).hexdigest() != index["reconstruction"]["sha256"]:
+        dec = Decoder(src, m, index, weights, threads)
+        records = index["tensors"]
+        crcs = {}
+        for i, r in enumerate(records):
+            if r["coding"] != "skeleton" and r["crc_at"]:
+                # A file that does not record a tensor's CRC-32 has it computed by a first pass.
+                crcs[i] = r["crc32"] if "crc32" in r else _crc32(dec.pieces(i))
+        h = hashlib.sha256()
+
+        def sink(piece) -> None:
+            h.update(piece)
+            if output is not None:
+                output(piece)
+
+        skeleton = SkeletonReader(src, m, index)
+        lay_out(index["reconstruction"]["size"], skeleton, records, dec.pieces, crcs, sink, src)
+        skeleton.finish()
+        if h.hexdigest() != index["reconstruction"]["sha256"]:
             fail(src, "the reconstruction's sha256 does not match the one recorded: the file or its chain "
                       "is corrupted")
-        return out, index, m.size
+        return index, m.size
     finally:
         m.close()
+
+
+def _crc32(pieces) -> int:
+    crc = 0
+    for piece in pieces:
+        crc = zlib.crc32(piece, crc)
+    return crc
 
 
 def decompress_file(src, dst, base=None, threads: int | None = None) -> LossySummary:
@@ -367,7 +411,10 @@ def decompress_file(src, dst, base=None, threads: int | None = None) -> LossySum
 
     Args:
         src: a file written by :func:`compress_file`.
-        dst: where to write the reconstruction (atomically, after its sha256 matched).
+        dst: where to write the reconstruction: streamed into a temp file beside it,
+            which becomes dst once the reconstruction's sha256 matched (and is removed
+            otherwise); nothing is written for a file whose index claims more than it
+            holds.
         base: the base lossy file, if not beside src under the name it records; earlier
             links of the chain are looked for beside each file.
         threads: numba threads for decoding.
@@ -383,10 +430,19 @@ def decompress_file(src, dst, base=None, threads: int | None = None) -> LossySum
     src, dst = os.fspath(src), os.fspath(dst)
     check_paths(src, dst, None if base is None else os.fspath(base))
     _check_not_in_chain(src, dst, base)
-    out, index, size = _restore(src, base, threads)
-    with atomic_output(dst, mode=os.stat(src).st_mode) as fh:
-        fh.write(out)
-        fh.commit()
+    out = None
+
+    def output(piece) -> None:
+        nonlocal out
+        if out is None:  # opened at the first byte: every claim has been checked by then
+            out = stack.enter_context(atomic_output(dst, mode=os.stat(src).st_mode))
+        out.write(piece)
+
+    with contextlib.ExitStack() as stack:
+        index, size = _restore(src, base, threads, output)
+        if out is None:
+            out = stack.enter_context(atomic_output(dst, mode=os.stat(src).st_mode))
+        out.commit()
     return _summary("decompress", index, size, started)
 
 
@@ -420,7 +476,7 @@ def verify_file(src, base=None, threads: int | None = None) -> LossySummary:
         ChainError, CheckpointError: as :func:`decompress_file`.
     """
     started = time.perf_counter()
-    _, index, size = _restore(os.fspath(src), base, threads)
+    index, size = _restore(os.fspath(src), base, threads)
     return _summary("verify", index, size, started)
 
 
@@ -448,7 +504,8 @@ def load(path, base=None, map_location="cpu"):
     Raises:
         ChainError, CheckpointError: as :func:`decompress_file`.
     """
-    out, index, _ = _restore(os.fspath(path), base, None)
+    out = bytearray()
+    index, _ = _restore(os.fspath(path), base, None, out.extend)
     if index["source"]["format"] == "safetensors":
         from safetensors.torch import load as st_load
 
@@ -491,10 +548,14 @@ def describe(path) -> str:
                         or "none"),
     ]
     lines += [f"note      {printable(n, 4096)}" for n in index["notes"]]
+    precision = index["mode"] == "precision"
+    if precision:
+        lines.append("bounds    |error| <= bound * |x| for normal x; <= subn.abs (bound times the dtype's smallest "
+                     "normal) for subnormal x, whose relative error can reach 1")
     names = [printable(r["name"]) for r in index["tensors"]]
     width = max([len(n) for n in names] + [6])
     lines.append(f"{'tensor':<{width}}  {'role':<10} {'dtype':<9} {'coding':<9} {'kept':>7} {'max|err|':>9} "
-                 f"{'relRMS':>9} {'bound':>9}")
+                 f"{'relRMS':>9} {'bound':>9}" + (f" {'subn.abs':>9}" if precision else ""))
     for name, r in zip(names, index["tensors"]):
         s = r["stats"]
         kept = "-"
@@ -502,6 +563,20 @@ def describe(path) -> str:
             kept = f"{100 * r['kept'] / max(1, r['nbytes'] // spec_for(CODABLE[r['dtype']]).itemsize):6.2f}%"
         # the schema admits null for every stat (a bound may be none): "-", never a format error
         cells = [s.get("max_abs_error", 0), s.get("rel_rms_error", 0), s.get("bound", s.get("bound_rel"))]
+        if precision:
+            cells.append(s.get("bound_abs_subnormal"))
+        # bounds are printed rounded up: what is printed must still hold (they are tight)
+        text = [format(v, "9.2e") if k < 2 else _ceil_e(v) for k, v in enumerate(cells) if v is not None]
+        text = ["-" if v is None else text.pop(0) for v in cells]
         lines.append(f"{name:<{width}}  {r['role']:<10} {printable(r['dtype'], 64):<9} {r['coding']:<9} {kept:>7} "
-                     + " ".join(f"{'-' if v is None else format(v, '9.2e'):>9}" for v in cells))
+                     + " ".join(f"{t:>9}" for t in text))
     return "\n".join(lines)
+
+
+def _ceil_e(v: float) -> str:
+    """v in 3 significant digits (``1.25e-01``), rounded up so that a printed bound still holds."""
+    text = f"{v:.2e}"
+    if float(text) < v:
+        mant, exp = text.split("e")
+        text = f"{float(mant) + 0.01:.2f}e{exp}" if float(mant) < 9.99 else f"{1.0:.2f}e{int(exp) + 1:+03d}"
+    return text

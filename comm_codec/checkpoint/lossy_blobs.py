@@ -2,10 +2,12 @@
 
 A lossy file (``lossy_format.md``) holds two kinds of blob between its header and its
 index. *Frames* code the excp streams and the tensors kept exactly or cut in precision,
-with books fitted to this file's own data (:class:`FileBooks`, which encodes and
-decodes them). The *skeleton* is every source byte outside the rewritten tensors,
-zstd-coded (:func:`cut_skeleton`, :func:`read_skeleton`); :func:`rebuild` lays the
-skeleton and the reconstructed tensors back out as the source was.
+with books fitted to this file's own data (:class:`FileBooks`, which encodes them and
+decodes them whole or a run of chunks at a time). The *skeleton* is every source byte
+outside the rewritten tensors, zstd-coded (:func:`cut_skeleton`; read back in order by
+:class:`SkeletonReader`); :func:`lay_out` streams the skeleton and the reconstructed
+tensors, piece by piece, in the order the source held them, so that a reconstruction
+never has to exist in memory whole.
 """
 
 from __future__ import annotations
@@ -15,21 +17,27 @@ import zlib
 
 import numpy as np
 import torch
+import zstandard
 
 from ..books.profiler import stream_counts
 from ..core.codebooks import CodebookSet
 from ..core.codec import Codec
-from ..core.frame import FrameError, get_frame_parameters
+from ..core.frame import FrameError, get_frame_parameters, header_size, write_header
 from ..core.huffman import Codebook
 from ..core.streams import spec_for
-from .container import zstd_bounded
+from ..kernels.symbols import hash_words
 from .errors import CheckpointError, fail
 from .files import FileMap
 
-__all__ = ["CHUNK", "FileBooks", "cut_skeleton", "skeleton_offsets", "read_skeleton", "rebuild"]
+__all__ = ["CHUNK", "PIECE", "FileBooks", "SkeletonReader", "cut_skeleton", "skeleton_offsets", "lay_out"]
 
 # Elements per chunk of every frame of a lossy file.
 CHUNK = 1 << 16
+# Elements decoded at a time (a whole number of chunks, and of bytes of a bit mask): what
+# a reader holds of one tensor whatever its size, a few arrays of this many elements.
+PIECE = 16 * CHUNK
+# Skeleton bytes read at a time.
+_SKELETON_STEP = 1 << 20
 # What a book costs in the (compressed) index, in bytes: a stream gets its own book only
 # when coding with it saves more than this.
 _BOOK_COST_BYTES = 160
@@ -86,18 +94,68 @@ class FileBooks:
             CheckpointError: "<where>: ..." when the frame disagrees with the index or is
                 corrupted.
         """
-        books = [Codebook.raw_book() if i == "0" * 16 else self.books[i] for i in ids]
+        p = self.check(frame, dtype, numel, where)
+        return torch.cat([torch.from_numpy(u8) for u8 in self.pieces(frame, ids, p, 0, p.nchunks, where)]
+                         or [torch.zeros(0, dtype=torch.uint8)]).view(dtype)
+
+    @staticmethod
+    def check(frame: np.ndarray, dtype: torch.dtype, numel: int, where: str):
+        """Check that a frame's header agrees with the index (before anything is decoded or allocated).
+
+        Returns:
+            Its :class:`~comm_codec.core.frame.FrameParameters`.
+
+        Raises:
+            CheckpointError: "<where>: ..." when it does not, or the header is corrupted.
+        """
         try:
-            # The frame's own header must agree with the index before anything is allocated.
             p = get_frame_parameters(frame)
-            if p.numel != numel or p.chunk_elems != CHUNK or p.spec.dtype != dtype:
-                raise FrameError(f"frame holds {p.numel} {p.spec.name} elements in chunks of {p.chunk_elems}, "
-                                 f"the index says {numel} {spec_for(dtype).name} in chunks of {CHUNK}")
-            out = torch.empty(numel, dtype=dtype)
-            self.codec(books, dtype).decode(frame, out=out, max_output_bytes=numel * out.element_size())
-        except (FrameError, TypeError, ValueError) as exc:
+        except FrameError as exc:
             raise CheckpointError(f"{where}: {exc}") from None
-        return out
+        if p.numel != numel or p.chunk_elems != CHUNK or p.spec.dtype != dtype:
+            raise CheckpointError(f"{where}: frame holds {p.numel} {p.spec.name} elements in chunks of "
+                                  f"{p.chunk_elems}, the index says {numel} {spec_for(dtype).name} in chunks of {CHUNK}")
+        return p
+
+    def pieces(self, frame: np.ndarray, ids: list[str], p, first: int, stop: int, where: str, step: int = PIECE):
+        """Yield the bytes of chunks first..stop-1 of a checked frame, ``step`` elements at a time.
+
+        Each run of chunks is decoded as a frame of its own (chunks are independent), so
+        what is held is one run, whatever the frame's size and the number of threads.
+        Chunk checksums are checked here, against the original chunk numbers they are
+        seeded with.
+
+        Raises:
+            CheckpointError: "<where>: ..." for a corrupted chunk.
+        """
+        books = [Codebook.raw_book() if i == "0" * 16 else self.books[i] for i in ids]
+        codec = self.codec(books, p.spec.dtype)
+        book_ids = np.array([int(b, 16) for b in p.book_ids], dtype=np.uint64)
+        words = frame.view(np.uint64) if frame.ctypes.data % 8 == 0 and frame.size % 8 == 0 else None
+        if words is None:
+            frame = frame.copy() if frame.size % 8 == 0 else np.concatenate([frame, np.zeros(-frame.size % 8, np.uint8)])
+            words = frame.view(np.uint64)
+        ends = np.append(p.offsets[1:], p.frame_bytes)
+        per = max(1, step // CHUNK)
+        for c0 in range(first, stop, per):
+            c1 = min(stop, c0 + per)
+            if p.checksums:
+                for c in range(c0, c1):
+                    if hash_words(words, int(p.offsets[c]) // 8, (int(ends[c]) - int(p.offsets[c])) // 8, c) \
+                            != p.table["checksum"][c]:
+                        fail(where, f"chunk {c} of {p.nchunks} is bad: payload checksum mismatch (corrupted data)")
+            count = min(p.numel, c1 * CHUNK) - c0 * CHUNK
+            hsize = header_size(p.spec.nstreams, c1 - c0)
+            start, end = int(p.offsets[c0]), int(ends[c1 - 1])
+            sub = np.empty(hsize + end - start, np.uint8)
+            write_header(sub, p.spec, count, CHUNK, 0, book_ids, p.table[c0:c1].copy())
+            sub[hsize:] = frame[start:end]
+            out = torch.empty(count, dtype=p.spec.dtype)
+            try:
+                codec.decode(sub, out=out, max_output_bytes=count * p.spec.itemsize)
+            except (FrameError, TypeError, ValueError) as exc:
+                raise CheckpointError(f"{where}: {exc}") from None
+            yield out.view(torch.uint8).numpy()
 
 
 def _rewritten(records: list[dict]) -> list[tuple[int, int, int]]:
@@ -123,42 +181,100 @@ def skeleton_offsets(records: list[dict]) -> None:
             r["skeleton_offset"] = r["offset"] - sum(nb for off, nb, _ in cut if off < r["offset"])
 
 
-def read_skeleton(path: str, m: FileMap, index: dict) -> bytes:
-    """Return a lossy file's skeleton, checked (CRC-32, size) and decompressed within its size.
+class SkeletonReader:
+    """A lossy file's skeleton, decompressed in order as it is read (never whole).
+
+    Its CRC-32 is checked when it is opened, its size when :meth:`finish` is called.
 
     Raises:
-        CheckpointError: the skeleton is corrupted.
+        CheckpointError: the skeleton is corrupted, or shorter or longer than recorded.
     """
-    s = index["skeleton"]
-    blob = m.u8(s["offset"], s["length"])
-    if zlib.crc32(blob) != s["crc32"]:
-        fail(path, "the bytes around the tensors are corrupted (CRC-32 mismatch)")
-    out = zstd_bounded(blob, s["size"], path, "the bytes around the tensors")
-    if len(out) != s["size"]:
-        fail(path, "the bytes around the tensors have the wrong size")
-    return out
+
+    def __init__(self, path: str, m: FileMap, index: dict):
+        s = index["skeleton"]
+        self.path, self.size, self.pos = path, s["size"], 0
+        blob = m.u8(s["offset"], s["length"])
+        if zlib.crc32(blob) != s["crc32"]:
+            fail(path, "the bytes around the tensors are corrupted (CRC-32 mismatch)")
+        self._reader = zstandard.ZstdDecompressor().stream_reader(memoryview(blob), read_across_frames=True)
+
+    def read(self, n: int) -> bytes:
+        """Return the next n bytes."""
+        parts, left = [], n
+        try:
+            while left:
+                part = self._reader.read(min(left, _SKELETON_STEP))
+                if not part:
+                    fail(self.path, "the bytes around the tensors have the wrong size")
+                parts.append(part)
+                left -= len(part)
+        except zstandard.ZstdError as exc:
+            fail(self.path, f"the bytes around the tensors: {exc}")
+        self.pos += n
+        return b"".join(parts)
+
+    def skip(self, n: int) -> None:
+        """Pass over the next n bytes."""
+        while n:
+            step = min(n, _SKELETON_STEP)
+            self.read(step)
+            n -= step
+
+    def finish(self) -> None:
+        """Check that the skeleton held exactly its recorded size."""
+        try:
+            more = self._reader.read(1)
+        except zstandard.ZstdError as exc:
+            fail(self.path, f"the bytes around the tensors: {exc}")
+        if more or self.pos != self.size:
+            fail(self.path, "the bytes around the tensors have the wrong size")
 
 
-def rebuild(size: int, skeleton: bytes, records: list[dict], values: dict) -> bytearray:
-    """Lay the skeleton and the reconstructed tensors out as the source was; patch zip CRCs.
+def lay_out(size: int, skeleton, records: list[dict], pieces, crcs: dict, sink, where: str) -> None:
+    """Stream a reconstruction: the skeleton and the rewritten tensors in source order; patch zip CRCs.
 
     Args:
         size: the reconstruction's size.
-        skeleton: the source bytes outside rewritten tensors.
+        skeleton: the source bytes outside rewritten tensors, as an object whose
+            ``read(n)`` returns the next n of them (:class:`SkeletonReader`, a BytesIO).
         records: the index's tensor records.
-        values: record number -> the reconstructed bytes of each rewritten tensor.
+        pieces: record number -> an iterable of the tensor's reconstructed bytes, in order.
+        crcs: record number -> the CRC-32 of those bytes, for each record with ``crc_at``
+            (written into the skeleton where ``crc_at`` says; a local header comes before
+            its data, so the CRC must be known before the tensor is decoded).
+        sink: called with each piece of the reconstruction, in order.
+        where: the file's name, for messages.
+
+    Raises:
+        CheckpointError: a tensor's pieces are not its size, or do not have the CRC-32
+            written for it.
     """
-    out = bytearray(size)
-    cut = _rewritten(records)
-    pos = spos = 0
-    for off, nb, i in cut:
-        out[pos:off] = skeleton[spos:spos + off - pos]
-        spos += off - pos
-        out[off:off + nb] = memoryview(values[i]).cast("B")
+    patches = sorted((at, struct.pack("<I", crcs[i])) for _, _, i in _rewritten(records) for at in records[i]["crc_at"])
+
+    def skeleton_span(start: int, end: int) -> None:
+        for lo in range(start, end, _SKELETON_STEP):
+            hi = min(end, lo + _SKELETON_STEP)
+            data = skeleton.read(hi - lo)
+            hits = [(at, crc) for at, crc in patches if at < hi and at + 4 > lo]
+            if hits:
+                data = bytearray(data)
+                for at, crc in hits:
+                    for k in range(4):
+                        if lo <= at + k < hi:
+                            data[at + k - lo] = crc[k]
+            sink(data)
+
+    pos = 0
+    for off, nb, i in _rewritten(records):
+        skeleton_span(pos, off)
+        done, crc = 0, 0
+        for piece in pieces(i):
+            sink(piece)
+            crc = zlib.crc32(piece, crc)
+            done += memoryview(piece).nbytes
+        if done != nb:
+            fail(where, f"tensor {i} decodes to {done} bytes, its record says {nb}: corrupted")
+        if records[i]["crc_at"] and crc != crcs[i]:
+            fail(where, f"tensor {i} does not have the CRC-32 its zip headers record: corrupted")
         pos = off + nb
-    out[pos:] = skeleton[spos:]
-    for off, nb, i in cut:
-        crc = zlib.crc32(memoryview(out)[off:off + nb])
-        for at in records[i]["crc_at"]:
-            struct.pack_into("<I", out, at, crc)
-    return out
+    skeleton_span(pos, size)

@@ -19,7 +19,7 @@ from ..core.quoting import printable, shown
 from .errors import ChainError, CheckpointError, fail
 from .files import FileMap, open_regular
 from .lossy_index import load_index
-from .lossy_tensors import decode_tensors
+from .lossy_tensors import Decoder
 
 __all__ = ["chain_weights", "chain_files", "find_base", "remember", "clear_cache", "file_sha256"]
 
@@ -158,7 +158,7 @@ def chain_weights(path: str, sha: str, threads: int | None) -> dict:
         m = FileMap(link)
         try:
             index = load_index(m)
-            weights, _, _ = decode_tensors(link, m, index, weights, False, threads)
+            weights = Decoder(link, m, index, weights, threads).weights()
         finally:
             m.close()
         remember(link_sha, weights)

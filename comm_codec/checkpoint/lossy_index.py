@@ -9,6 +9,7 @@ tiling the reconstruction, codebooks that match their ids). A failure raises
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 
@@ -52,8 +53,8 @@ _INDEX = Record({
         "centroids": Nullable(ListOf(Num(), 255)), "domain": Nullable(OneOf("value", "sqrt")),
         "kept": Nullable(Int()), "fill": Num(lo=0.0),
         "frame": Nullable(Record({**_BLOB, "dtype": Str(64), "books": ListOf(Str(length=16), 8)})),
-        "skeleton_offset": Nullable(Int()), "crc_at": ListOf(Int(), 8),
-        "stats": MapOf(Str(32), Nullable(Num(finite=False)))})),
+        "skeleton_offset": Nullable(Int()), "crc_at": ListOf(Int(), 8), "crc32": Int(0, 0xFFFFFFFF),
+        "stats": MapOf(Str(32), Nullable(Num(finite=False)))}, optional=("crc32",))),
     "errors": MapOf(Str(64), Num(finite=False)),
 }, optional=("created_by",))
 
@@ -145,10 +146,18 @@ def _check_index(index: dict, end: int, path) -> None:
             weights[r["name"]] = r["nbytes"] // spec_for(CODABLE[r["dtype"]]).itemsize
     # Rewritten tensors tile the reconstruction without overlap; the skeleton is the rest.
     pos = cut = 0
-    for off, nb in sorted((r["offset"], r["nbytes"]) for r in index["tensors"] if r["coding"] != "skeleton"):
+    spans = sorted((r["offset"], r["nbytes"]) for r in index["tensors"] if r["coding"] != "skeleton")
+    for off, nb in spans:
         if off < pos:
             fail(path, "index: rewritten tensors overlap")
         pos, cut = off + nb, cut + nb
+    # A zip CRC field is patched into the bytes around the tensors, never into a tensor.
+    starts = [off for off, _ in spans]
+    for r in index["tensors"]:
+        for at in r["crc_at"] if r["coding"] != "skeleton" else ():
+            k = bisect.bisect_right(starts, at + 3) - 1
+            if k >= 0 and at < spans[k][0] + spans[k][1]:
+                fail(path, f"index: tensor {printable(r['name'])} has a CRC field inside a rewritten tensor")
     if index["skeleton"]["size"] != size - cut:
         fail(path, f"index: the skeleton holds {index['skeleton']['size']} bytes, the tensors leave {size - cut}")
 

@@ -3,8 +3,9 @@
 :class:`Encoder` turns a source checkpoint's tensors into index records, pieces of the
 five excp streams and frames: residuals of weights against the base's reconstruction
 and moments, pruned and quantized (mode excp); mantissas cut (mode precision); or the
-tensor exactly. :func:`decode_tensors` reads them back from a lossy file, in the same
-order, checking each tensor's mask and indices against its record. The streams and
+tensor exactly. :class:`Decoder` reads them back from a lossy file, a tensor and a piece
+of a tensor at a time, in any order, checking each tensor's mask and indices against its
+record. The streams and
 roles are specified in ``lossy_format.md``; the numeric transforms (k-means, fill value,
 mantissa rounding) are :mod:`.lossy_transforms`.
 """
@@ -22,12 +23,12 @@ from .errors import fail
 from .exact import MIN_CODED_BYTES
 from .files import FileMap
 from .formats import CODABLE, FileTensor
-from .lossy_blobs import FileBooks, read_skeleton
+from .lossy_blobs import CHUNK, PIECE, FileBooks, SkeletonReader
 from .lossy_index import STREAMS
 from .lossy_transforms import (LOSSY_DTYPES, MANTISSA, PACKED, dequantize, error_stats, fill_value, prunable,
                                quantize, round_mantissa)
 
-__all__ = ["Encoder", "decode_tensors", "check_expansion", "WEIGHTS_ONLY_FACTOR", "MAX_EXPANSION"]
+__all__ = ["Encoder", "Decoder", "check_expansion", "WEIGHTS_ONLY_FACTOR", "MAX_EXPANSION"]
 
 _MAX_FACTOR = 2.5  # ExCP caps f: beyond it pruning removes residuals that matter
 WEIGHTS_ONLY_FACTOR = 1.0  # no v to scale by: prune the smaller half of the residual
@@ -176,116 +177,205 @@ class Encoder:
             tensor = torch.from_numpy(cut).view(CODABLE[t.dtype])
         frame, ids = self.books.encode(tensor)
         orig, recon = _back(ints.view(np.uint8), t.dtype), _back(cut.view(np.uint8), t.dtype)
-        # The relative bound holds for normal values; subnormals have fewer bits to keep.
-        normal = np.isfinite(orig) & (np.abs(orig) >= float(torch.finfo(CODABLE[t.dtype]).tiny))
+        # The relative bound holds for normal values. A subnormal's bits are a count of the
+        # smallest subnormal step, so dropping them errs by at most half the kept step:
+        # 2**-(K+1) times the smallest normal, an absolute bound (its relative error can be 1).
+        tiny = float(torch.finfo(CODABLE[t.dtype]).tiny)
+        normal = np.isfinite(orig) & (np.abs(orig) >= tiny)
+        sub = (np.abs(orig) < tiny) & (orig != 0)
         rel = np.abs(recon[normal].astype(np.float64) - orig[normal]) / np.abs(orig[normal])
-        stats = {"keep_bits": keep_bits, "bound_rel": 2.0 ** -(min(keep_bits, MANTISSA[t.dtype]) + 1),
-                 "max_rel_error": float(rel.max()) if rel.size else 0.0,
+        bound_rel = 2.0 ** -(min(keep_bits, MANTISSA[t.dtype]) + 1)
+        sub_err = np.abs(recon[sub].astype(np.float64) - orig[sub])
+        stats = {"keep_bits": keep_bits, "bound_rel": bound_rel, "max_rel_error": float(rel.max()) if rel.size else 0.0,
+                 "bound_abs_subnormal": bound_rel * tiny,
+                 "max_abs_error_subnormal": float(sub_err.max()) if sub_err.size else 0.0,
                  **error_stats(np.where(np.isfinite(orig), recon, 0), np.where(np.isfinite(orig), orig, 0))}
         rec = _record(t, "tensor", "precision", frame={"dtype": packed or t.dtype, "books": ids}, stats=stats)
         self.frames.append((rec["frame"], frame))
         self.add(rec, cut.view(np.uint8))
 
 
-def decode_tensors(path: str, m: FileMap, index: dict, base: dict | None, full: bool, threads: int | None):
-    """Decode a lossy file's tensors from its streams, frames and skeleton.
+class _Stream:
+    """Random access to one excp stream: the runs of chunks a read needs, decoded on demand.
+
+    The last run decoded is kept (tensors read their sections in order, pieces in order).
+    """
+
+    def __init__(self, books: FileBooks, m: FileMap, rec: dict | None, name: str, where: str):
+        self.books, self.where = books, f"{where}: stream {name}"
+        self.size = 0 if rec is None else rec["size"]
+        if rec is not None:
+            self.frame = m.u8(rec["offset"], rec["length"])
+            self.ids = [rec["book"]]
+            self.p = books.check(self.frame, torch.uint8, rec["size"], self.where)
+        self._lo, self._data = 0, np.zeros(0, np.uint8)
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """Elements start..start+count (checked against the stream's size by the index)."""
+        if start < self._lo or start + count > self._lo + self._data.size:
+            c0, c1 = start // CHUNK, -(-(start + count) // CHUNK)
+            self._lo = c0 * CHUNK
+            self._data = np.concatenate(list(self.books.pieces(self.frame, self.ids, self.p, c0, c1, self.where,
+                                                               step=(c1 - c0) * CHUNK)) or [np.zeros(0, np.uint8)])
+        return self._data[start - self._lo:start - self._lo + count]
+
+
+def _bits(stream: _Stream, bit: int, count: int) -> np.ndarray:
+    """``count`` bits of a bit-packed stream (little bit order) from bit ``bit`` on, as bools."""
+    lo = bit // 8
+    raw = stream.read(lo, -(-(bit + count) // 8) - lo)
+    return np.unpackbits(raw, count=bit - 8 * lo + count, bitorder="little")[bit - 8 * lo:].astype(bool)
+
+
+class Decoder:
+    """Decode a lossy file's tensors from its streams, frames and skeleton, a piece at a time.
+
+    Every claim the index makes is checked when the decoder is made, before anything is
+    decoded or written: the expansion limit (:func:`check_expansion`), every frame's
+    header against its record, the excp streams' sizes against what their tensors take
+    (computed from the records: each tensor's section of each stream is known up front,
+    so tensors decode in any order), and each residual against its base weight. Then
+    :meth:`pieces` yields a tensor's reconstructed bytes :data:`PIECE` elements at a time
+    and :meth:`weights` returns the weights whole (what the next link of a chain needs).
 
     Args:
         path: the file's name, for messages.
         m: the mapped file.
         index: its checked index (:func:`.lossy_index.load_index`).
         base: the base's reconstructed weights by name (None for a keyframe).
-        full: decode every tensor; False: only the weights (what a chain link needs).
         threads: numba threads for decoding.
 
-    Returns:
-        (weights by name as tensors, record number -> reconstructed bytes of each rewritten
-        tensor, the skeleton or None when it was not needed).
-
     Raises:
-        CheckpointError: a stream, frame or tensor is corrupted or disagrees with the index.
+        CheckpointError: a claim of the index does not hold.
     """
-    check_expansion(path, m.size, index)
-    books = FileBooks(threads, index["_books"])
-    streams = {}
-    for name, s in index["streams"].items():
-        if s is None or not (full or name.startswith("weight_")):  # a chain link needs weights only
-            streams[name] = np.zeros(0, np.uint8)
-            continue
-        frame = m.u8(s["offset"], s["length"])
-        streams[name] = books.decode(frame, [s["book"]], torch.uint8, s["size"], f"{path}: stream {name}").numpy()
-    cursor = dict.fromkeys(STREAMS, 0)
 
-    def take(name, count):
-        at = cursor[name]
-        if at + count > streams[name].size:
-            fail(path, f"stream {name} is shorter than its tensors need")
-        cursor[name] = at + count
-        return streams[name][at:at + count]
+    def __init__(self, path: str, m: FileMap, index: dict, base: dict | None, threads: int | None):
+        check_expansion(path, m.size, index)
+        self.path, self.m, self.index, self.base = path, m, index, base or {}
+        self.records = index["tensors"]
+        self.books = FileBooks(threads, index["_books"])
+        self.streams = {name: _Stream(self.books, m, index["streams"][name], name, path) for name in STREAMS}
+        self.frames = {}
+        self.at: dict[int, dict] = {}  # record number -> where its sections of the streams start
+        self.weight_of: dict[str, int] = {}  # weight name -> its record number
+        self.first_moment: dict[str, int] = {}  # weight name -> its exp_avg's record number
+        used = dict.fromkeys(STREAMS, 0)
+        for i, r in enumerate(self.records):
+            n = 0 if r["coding"] == "skeleton" else self.numel(r)
+            where = f"{path}: tensor {printable(r['name'])}"
+            if r["coding"] in ("frame", "precision"):
+                f = r["frame"]
+                self.frames[i] = self.books.check(m.u8(f["offset"], f["length"]), CODABLE[f["dtype"]], n, where)
+            elif r["coding"] == "residual":
+                prev = self.base.get(r["name"])
+                if prev is None:
+                    fail(path, f"tensor {printable(r['name'])} is a residual, but its base holds no such weight")
+                if prev.numel() != n:
+                    fail(path, f"tensor {printable(r['name'])} is a residual of {n} elements against a base weight "
+                               f"of {prev.numel()}: the file or its base is corrupted")
+                self.at[i] = {"mask": 8 * used["weight_mask"], "index": used["weight_index"]}
+                used["weight_mask"] += -(-n // 8)
+                used["weight_index"] += r["kept"]
+            elif r["coding"] == "value":
+                w = self.records[self.weight_of[r["param"]]]
+                if r["role"] == "exp_avg":
+                    wkept = w["kept"] if w["coding"] == "residual" else n
+                    self.at[i] = {"mask": 8 * used["exp_avg_mask"], "index": used["exp_avg_index"]}
+                    used["exp_avg_mask"] += -(-wkept // 8)
+                    self.first_moment[r["param"]] = i
+                else:
+                    m1 = self.first_moment.get(r["param"])
+                    if m1 is None or self.records[m1]["kept"] != r["kept"]:
+                        fail(path, f"tensor {printable(r['name'])} comes before its first moment, or keeps "
+                                   "other elements than it: corrupted")
+                    self.at[i] = {"index": used["exp_avg_sq_index"]}
+                used[f"{r['role']}_index"] += r["kept"]
+            if r["role"] == "weight":
+                self.weight_of[r["name"]] = i
+        for name in STREAMS:
+            if used[name] != self.streams[name].size:
+                more = "more" if used[name] < self.streams[name].size else "less"
+                fail(path, f"stream {name} holds {more} than its tensors use: corrupted")
 
-    skeleton = None
-    if full or any(r["coding"] == "skeleton" and r["role"] == "weight" for r in index["tensors"]):
-        skeleton = read_skeleton(path, m, index)
-    values, weights, kept_of = {}, {}, {}
-    for i, r in enumerate(index["tensors"]):
-        if r["coding"] == "skeleton" and r["role"] != "weight":
-            continue  # restored with the other bytes
-        n = r["nbytes"] // spec_for(CODABLE[r["dtype"]]).itemsize
-        if not full and r["role"] != "weight":
-            continue
-        where = f"{path}: tensor {printable(r['name'])}"
+    @staticmethod
+    def numel(r: dict) -> int:
+        return r["nbytes"] // spec_for(CODABLE[r["dtype"]]).itemsize
+
+    def pieces(self, i: int):
+        """Yield record i's reconstructed bytes, in order, at most :data:`PIECE` elements at a time."""
+        r = self.records[i]
+        where = f"{self.path}: tensor {printable(r['name'])}"
         if r["coding"] in ("frame", "precision"):
-            f = r["frame"]
-            narrow = spec_for(CODABLE[f["dtype"]])
-            out = books.decode(m.u8(f["offset"], f["length"]), f["books"], CODABLE[f["dtype"]], n, where)
-            out = out.view(torch.uint8).numpy()
-            u8 = _widen(out, r["dtype"], f["dtype"]) if narrow.itemsize != spec_for(CODABLE[r["dtype"]]).itemsize \
-                else out.view(np.uint8)
-            kept_of[r["name"]] = np.ones(n, bool)
-        elif r["coding"] == "skeleton":
-            u8 = np.frombuffer(skeleton, np.uint8, r["nbytes"], r["skeleton_offset"]).copy()
-            kept_of[r["name"]] = np.ones(n, bool)
-        elif r["coding"] == "residual":
-            if base is None or r["name"] not in base:
-                fail(path, f"tensor {printable(r['name'])} is a residual, but its base holds no such weight")
-            kept = np.unpackbits(take("weight_mask", -(-n // 8)), count=n, bitorder="little").astype(bool)
-            sym = take("weight_index", r["kept"])
-            if int(kept.sum()) != r["kept"] or (sym.size and sym.max() > len(r["centroids"])) or not sym.all():
-                fail(path, f"tensor {printable(r['name'])}: its mask or indices are corrupted")
-            deq = np.zeros(n, np.float32)
-            deq[kept] = dequantize(sym, np.array(r["centroids"], np.float32), "value")
-            prev = base[r["name"]]
-            if prev.numel() != n:
-                fail(path, f"tensor {printable(r['name'])} is a residual of {n} elements against a base weight of "
-                           f"{prev.numel()}: the file or its base is corrupted")
-            u8 = _cast(prev.float().numpy().reshape(-1) + deq, r["dtype"])
-            kept_of[r["name"]] = kept
-        else:  # value: a moment, pruned where its weight's residual was
-            wkept = kept_of[r["param"]]
-            if r["role"] == "exp_avg":
-                bits = take("exp_avg_mask", -(-int(wkept.sum()) // 8))
-                mask = np.zeros(n, bool)
-                mask[wkept] = np.unpackbits(bits, count=int(wkept.sum()), bitorder="little").astype(bool)
-                kept_of["exp_avg:" + r["param"]] = mask
+            f, p = r["frame"], self.frames[i]
+            wide = spec_for(CODABLE[r["dtype"]]).itemsize != p.spec.itemsize
+            try:
+                for u8 in self.books.pieces(self.m.u8(f["offset"], f["length"]), f["books"], p, 0, p.nchunks, where):
+                    yield _widen(u8, r["dtype"], f["dtype"]) if wide else u8
+            finally:
+                self.m.release(f["offset"], f["offset"] + f["length"])
+            return
+        if r["coding"] == "skeleton":
+            raise ValueError("skeleton-coded tensors come with the skeleton")
+        n = self.numel(r)
+        counts = {"w_kept": 0, "m": 0}  # before the piece: elements the weight kept, symbols used
+        cents = np.array(r["centroids"], np.float32)
+        for a in range(0, n, PIECE):
+            b = min(n, a + PIECE)
+            kept = self._weight_mask(r["name"] if r["coding"] == "residual" else r["param"], a, b, counts)
+            if r["coding"] == "residual":
+                mask = kept
             else:
-                mask = kept_of.get("exp_avg:" + r["param"])
-                if mask is None:
-                    fail(path, f"tensor {printable(r['name'])} comes before its first moment")
-            sym = take(f"{r['role']}_index", r["kept"])
-            if int(mask.sum()) != r["kept"] or (sym.size and sym.max() > len(r["centroids"])) or not sym.all():
-                fail(path, f"tensor {printable(r['name'])}: its mask or indices are corrupted")
-            fill = dequantize(np.zeros(1, np.uint8), np.zeros(0, np.float32), r["domain"], r["fill"])[0]
-            vals = np.full(n, fill, np.float32)
-            vals[mask] = dequantize(sym, np.array(r["centroids"], np.float32), r["domain"])
-            u8 = _cast(vals, r["dtype"])
-        if r["role"] == "weight":
-            weights[r["name"]] = _as_weight(u8, r["dtype"], r["shape"])
-        if r["coding"] != "skeleton":
-            values[i] = u8
-    left = [name for name in STREAMS if cursor[name] != streams[name].size]
-    if left:
-        fail(path, f"stream {left[0]} holds more than its tensors use: corrupted")
-    return weights, values, skeleton
+                first = self.at[self.first_moment[r["param"]]]
+                mask = np.zeros(b - a, bool)
+                mask[kept] = _bits(self.streams["exp_avg_mask"], first["mask"] + counts["w_kept"], int(kept.sum()))
+                counts["w_kept"] += int(kept.sum())
+            nk = int(mask.sum())
+            stream = "weight_index" if r["coding"] == "residual" else f"{r['role']}_index"
+            if counts["m"] + nk > r["kept"]:
+                fail(self.path, f"tensor {printable(r['name'])}: its mask or indices are corrupted")
+            sym = self.streams[stream].read(self.at[i]["index"] + counts["m"], nk)
+            counts["m"] += nk
+            if (sym.size and sym.max() > cents.size) or not sym.all():
+                fail(self.path, f"tensor {printable(r['name'])}: its mask or indices are corrupted")
+            if r["coding"] == "residual":
+                # base + 0 where pruned, as the encoder computed it (-0.0 + 0.0 is +0.0)
+                deq = np.zeros(b - a, np.float32)
+                deq[mask] = dequantize(sym, cents, "value")
+                vals = self.base[r["name"]].reshape(-1)[a:b].float().numpy() + deq
+            else:
+                fill = dequantize(np.zeros(1, np.uint8), np.zeros(0, np.float32), r["domain"], r["fill"])[0]
+                vals = np.full(b - a, fill, np.float32)
+                vals[mask] = dequantize(sym, cents, r["domain"])
+            yield _cast(vals, r["dtype"])
+        if counts["m"] != r["kept"]:
+            fail(self.path, f"tensor {printable(r['name'])}: its mask or indices are corrupted")
+
+    def _weight_mask(self, name: str, a: int, b: int, counts: dict) -> np.ndarray:
+        """Which of elements a..b of weight ``name`` its residual kept (all for a keyframe's weight)."""
+        i = self.weight_of.get(name)
+        if i is None or self.records[i]["coding"] != "residual":
+            return np.ones(b - a, bool)
+        return _bits(self.streams["weight_mask"], self.at[i]["mask"] + a, b - a)
+
+    def weights(self) -> dict:
+        """Return the reconstructed weights by name, each whole (what the next link of a chain needs)."""
+        out = {}
+        for i, r in enumerate(self.records):
+            if r["role"] == "weight" and r["coding"] != "skeleton":
+                u8 = np.concatenate(list(self.pieces(i)) or [np.zeros(0, np.uint8)])
+                out[r["name"]] = _as_weight(u8, r["dtype"], r["shape"])
+        small = sorted((r["skeleton_offset"], i) for i, r in enumerate(self.records)
+                       if r["role"] == "weight" and r["coding"] == "skeleton")
+        if small:
+            skeleton = SkeletonReader(self.path, self.m, self.index)
+            for off, i in small:
+                if off < skeleton.pos:
+                    fail(self.path, "index: skeleton-coded weights overlap")
+                skeleton.skip(off - skeleton.pos)
+                r = self.records[i]
+                out[r["name"]] = _as_weight(np.frombuffer(skeleton.read(r["nbytes"]), np.uint8).copy(), r["dtype"],
+                                            r["shape"])
+        return out
 
 
 def check_expansion(path: str, file_size: int, index: dict) -> None:
