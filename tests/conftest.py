@@ -51,6 +51,7 @@ _DEEPSPEED_RUN = (
 TIERS = {
     "test_autoswitch.py": "unit",
     "test_bench.py": "unit",  # bench.run in-process
+    "test_huff0.py": "unit",
     "test_checkpoint.py": ("unit", {"test_cli_*": "cli"}),
     "test_cli.py": "cli",
     "test_codec.py": "unit",

@@ -375,3 +375,33 @@ def test_chunk_counts_of_chosen_streams_equal_those_of_all(dtype):
     assert chunk_counts(x, 1024, streams=[])[0].shape == (full.shape[0], 0, 256)
     with pytest.raises(ValueError, match=rf"streams \[{ns}\] do not exist"):
         chunk_counts(x, 1024, streams=[0, ns])
+
+
+def _second_byte_saves_a_little(n=200_000):
+    """fp32 whose second stream (the top mantissa byte) takes 200 of its 256 values: a
+    book saves ~3.5 % of that stream's bits, with 7- and 8-bit codes."""
+    g = torch.Generator().manual_seed(5)
+    bits = ((torch.randint(120, 124, (n,), generator=g) << 23) | (torch.randint(0, 200, (n,), generator=g) << 15)
+            | torch.randint(0, 1 << 15, (n,), generator=g))
+    sign = 1 - 2 * torch.randint(0, 2, (n,), generator=g).float()
+    return bits.to(torch.int32).view(torch.float32) * sign
+
+
+@pytest.mark.parametrize("max_books", [1, 8])
+def test_wire_kinds_leave_a_stream_that_saves_little_raw(max_books):
+    t = _second_byte_saves_a_little()
+    for kind, coded in (("gradient", False), ("reduced_gradient", False), ("activation", False),
+                        ("optimizer_state", True), ("weight", True)):
+        prof = WarmupProfiler(max_books=max_books)
+        prof.observe(t, kind=kind)
+        books = prof.build()
+        assert not books.group(kind, "fp32", 0).raw, kind
+        assert books.group(kind, "fp32", 1).raw is not coded, kind
+    prof = WarmupProfiler(max_books=max_books, wire_min_gain=0.02)  # the caller weighs it
+    prof.observe(t, kind="gradient")
+    assert not prof.build().group("gradient", "fp32", 1).raw
+
+
+def test_wire_min_gain_is_checked():
+    with pytest.raises(ValueError, match="wire_min_gain"):
+        WarmupProfiler(wire_min_gain=1.0)

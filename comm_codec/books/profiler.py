@@ -19,6 +19,22 @@ added books to the chunks that choose them (Lloyd iterations), and stops when an
 book saves less than ``min_gain`` of the stream's bits or at ``max_books``. Everything
 is integer arithmetic over counts, so every rank builds the same books.
 
+**What is worth coding depends on where the frame goes.** A stream's decode cost
+follows its code lengths: the exponent stream's codes are 2-3 bits, and one 12-bit
+table lookup of the decoder yields four to six of them, while a mantissa byte's book
+has 7-9-bit codes, one symbol per lookup: decoding it costs about what the exponent
+stream costs, and storing it raw costs a copy. On the wire a coded stream pays only if
+the time its bytes save on the link exceeds what coding and decoding it add: at
+1 Gbit/s a byte on the link costs 8 ns and a long-code symbol ~2 ns to encode and
+decode, so a stream must save about a quarter of its bits to pay there, and more on a
+faster link. So for the wire kinds (gradients, reduced gradients, activations) a
+stream other than the exponent stream is coded only where its books save at least
+``wire_min_gain`` (10 %) of its bits: MiniLM's dense fp32 gradients' second byte saves
+2.4 % of its bits (0.6 % of the ratio) and coded halves the decode speed. Weights and
+optimizer state (:data:`STORED_KINDS`) mostly go to checkpoints, where a byte stored
+outweighs decode speed: their streams are coded from a ``_RAW_MIN_GAIN`` (1.5 %) gain.
+The checkpoint planner fits its own groups (:func:`grow_group`) and weighs it there.
+
 Distributed runs: :meth:`WarmupProfiler.statistics` gives the counts as plain arrays,
 :func:`comm_codec.comm.agreement.sum_statistics` sums them over a process group, and
 :meth:`WarmupProfiler.build` builds from the sum, so every rank builds byte-identical
@@ -41,7 +57,7 @@ from ..core.memory import torch_threads_kept
 from ..kernels.histogram import chunk_histograms, huffman_costs
 from ..core.streams import as_bits, spec_for
 
-__all__ = ["WarmupProfiler", "ProfileStatistics", "chunk_counts", "stream_counts", "coding_cost", "book_cost",
+__all__ = ["WarmupProfiler", "ProfileStatistics", "STORED_KINDS", "WIRE_MIN_GAIN", "chunk_counts", "stream_counts", "coding_cost", "book_cost",
            "grow_group", "merge_rows"]
 
 log = logging.getLogger(__name__)
@@ -54,6 +70,11 @@ _LLOYD_ROUNDS = 12
 # bf16 second byte 0.1 %; torch.randn's own fp32 low byte 1.2 % (its generator's few
 # random low bits), which is not worth a pass.
 _RAW_MIN_GAIN = 0.015
+# Kinds whose frames are mostly stored (checkpoints): ratio first. Every other kind is a
+# wire kind, whose non-exponent streams must save WIRE_MIN_GAIN of their bits to be coded
+# (see the module docs: a long-code stream decodes at about the exponent stream's cost).
+STORED_KINDS = ("weight", "optimizer_state")
+WIRE_MIN_GAIN = 0.10
 
 
 def chunk_counts(tensor: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
@@ -142,6 +163,15 @@ class WarmupProfiler:
 
     Args:
         chunk_elems: the chunk size of the codec the books are for.
+        max_books: the largest group of books per stream (1: one average book).
+        min_gain: the share of a stream's bits another book of its group must save.
+        max_rows: chunk histograms kept per kind and dtype for the groups.
+        wire_min_gain: the share of its bits a stream other than the exponent stream
+            must save to be coded, for kinds outside :data:`STORED_KINDS` (decode cost:
+            see the module docs).
+
+    Raises:
+        ValueError: an argument out of range.
 
     Example::
 
@@ -153,13 +183,16 @@ class WarmupProfiler:
     """
 
     def __init__(self, chunk_elems: int = DEFAULT_CHUNK_ELEMS, max_books: int = 8, min_gain: float = 0.001,
-                 max_rows: int = 2048):
+                 max_rows: int = 2048, wire_min_gain: float = WIRE_MIN_GAIN):
         if not 1 <= int(max_books) <= CodebookGroup.MAX_BOOKS:
             raise ValueError(f"max_books must be in 1..{CodebookGroup.MAX_BOOKS}, got {max_books}")
         if not 0.0 <= float(min_gain) < 1.0:
             raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
         if int(max_rows) < 2:
             raise ValueError(f"max_rows must be at least 2, got {max_rows}")
+        if not 0.0 <= float(wire_min_gain) < 1.0:
+            raise ValueError(f"wire_min_gain must be in [0, 1), got {wire_min_gain}")
+        self.wire_min_gain = float(wire_min_gain)
         self.chunk_elems = int(chunk_elems)
         self.max_books = int(max_books)
         self.min_gain = float(min_gain)
@@ -315,7 +348,12 @@ class WarmupProfiler:
                 continue
             avg = dist_sum / n_obs
             for s in range(avg.shape[0]):
+                # What this stream must save to be coded at all (the module docs say why).
+                need = _RAW_MIN_GAIN if s == 0 or kind in STORED_KINDS else max(_RAW_MIN_GAIN, self.wire_min_gain)
                 book = Codebook.from_counts(avg[s])
+                if s > 0 and kind not in STORED_KINDS and not book.raw \
+                        and book.expected_bits(avg[s]) > (1.0 - self.wire_min_gain) * 8.0:
+                    book = Codebook.raw_book()
                 group = CodebookGroup(book)
                 entry = {
                     "entropy_bits": round(entropy_bits(avg[s]), 4),
@@ -329,8 +367,8 @@ class WarmupProfiler:
                     # (the average of many small tensors can look compressible while the
                     # chunks, each one tensor, are not) is dropped for a raw start.
                     chunk_rows = rows[(kind, dtype)][:, s]
-                    first = None if book.raw or not _beats_raw(chunk_rows, book) else book
-                    group, chunk_bits = grow_group(chunk_rows, first, self.max_books, self.min_gain, _RAW_MIN_GAIN)
+                    first = None if book.raw or not _beats_raw(chunk_rows, book, need) else book
+                    group, chunk_bits = grow_group(chunk_rows, first, self.max_books, self.min_gain, need)
                     entry.update(chunk_bits)
                 books[(kind, dtype, s)] = group
                 stats[(kind, dtype, s)] = entry
@@ -369,11 +407,11 @@ def _book_bits(books) -> np.ndarray:
     return np.stack([np.rint(b.symbol_bits()).astype(np.int64) for b in books])
 
 
-def _beats_raw(rows: np.ndarray, book: Codebook) -> bool:
-    """Whether book, with each chunk's raw fallback, saves _RAW_MIN_GAIN of raw storage on rows."""
+def _beats_raw(rows: np.ndarray, book: Codebook, need: float = _RAW_MIN_GAIN) -> bool:
+    """Whether book, with each chunk's raw fallback, saves the share need of raw storage on rows."""
     raw = 8 * rows.sum(axis=1)
     coded = _costs(rows, raw, [book]).min(axis=1)
-    return int(coded.sum()) <= (1.0 - _RAW_MIN_GAIN) * int(raw.sum())
+    return int(coded.sum()) <= (1.0 - need) * int(raw.sum())
 
 
 def _costs(rows: np.ndarray, base: np.ndarray, books: list) -> np.ndarray:

@@ -1,8 +1,16 @@
-"""The codecs under test: comm_codec (profiled, single-book and shipped books), zstd, bz2, zipnn.
+"""The codecs under test: comm_codec (profiled, single-book and shipped books), zstd, bz2, zipnn, huff0.
 
 Every comparator has the same small interface (:class:`Comparator`): a per-dataset
 ``setup``, an untimed ``prepare`` of the input, ``encode`` and ``decode`` with a thread
-count, and the ``size`` of a payload.
+count, the ``size`` of a payload and the ``expected`` result of a round trip.
+
+huff0 (:class:`Huff0`) codes only the exponent stream of each row (what the codec's
+books code; the other streams are stored raw by both), so its row's ratio is that
+stream's, and its GB/s is the tensor's bytes over the time huff0 takes for the exponent
+stream alone: a codec row faster than it codes the whole tensor faster than huff0 codes
+a third to a half of its bytes. It is timed when the library built by
+``launch_scripts/build_huff0.sh`` is present, and skipped with a note saying how to
+build it otherwise.
 """
 
 from __future__ import annotations
@@ -17,9 +25,10 @@ import torch
 
 from ..core.codebooks import CodebookSet
 from ..core.codec import Codec
+from . import huff0 as _huff0
 from .bench_data import MIB, Dataset
 
-__all__ = ["Comparator", "Unsupported", "CommCodec", "Zstd", "Bz2", "ZipNN", "as_u8", "comparators",
+__all__ = ["Comparator", "Unsupported", "CommCodec", "Zstd", "Bz2", "ZipNN", "Huff0", "as_u8", "comparators",
            "threads_available"]
 
 log = logging.getLogger(__name__)
@@ -69,6 +78,10 @@ class Comparator:
     @staticmethod
     def size(payload) -> int:
         return len(payload)
+
+    def expected(self, t: torch.Tensor) -> np.ndarray:
+        """The bytes a round trip of t must give back."""
+        return as_u8(t)
 
 
 class CommCodec(Comparator):
@@ -164,6 +177,37 @@ class ZipNN(Comparator):
         return self.dec[threads].decompress(payload)
 
 
+class Huff0(Comparator):
+    """huff0 on the exponent stream of each row, 64 KiB blocks, one thread."""
+
+    name = "huff0:exponents"
+
+    def __init__(self):
+        self.coder = _huff0.Huff0()  # FileNotFoundError (with how to build it) when it is not built
+        self.note = "exponent stream only (ratio of that stream; GB/s of the tensor's bytes)"
+
+    def setup(self, ds):
+        if not ds.dtype.is_floating_point:
+            raise Unsupported(f"no exponent stream in {ds.spec_name}")
+
+    def prepare(self, t):
+        return _huff0.exponent_stream(t)
+
+    def encode(self, x, threads):
+        return self.coder.compress(x) + (x.size,)
+
+    def decode(self, payload, threads):
+        return self.coder.decompress(*payload)
+
+    @staticmethod
+    def size(payload) -> int:
+        data, sizes, _ = payload
+        return data.size + 4 * len(sizes)
+
+    def expected(self, t):
+        return _huff0.exponent_stream(t)
+
+
 def threads_available() -> tuple:
     return (1, 2) if numba.config.NUMBA_NUM_THREADS >= 2 else (1,)
 
@@ -176,4 +220,8 @@ def comparators(chunk_elems: int, bz2_mb: float) -> list:
         found.append(ZipNN())
     except ImportError as exc:
         log.warning("zipnn not importable (%s); its rows are left out (pip install comm_codec[bench])", exc)
+    try:
+        found.append(Huff0())
+    except OSError as exc:  # FileNotFoundError included: not built here
+        log.warning("huff0 rows left out: %s", exc)
     return found

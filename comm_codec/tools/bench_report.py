@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from .bench_measure import BUSY_SHARE
+from .huff0 import BUILD_HINT
 
-__all__ = ["format_table", "evaluate_targets", "format_targets"]
+__all__ = ["HUFF0", "format_table", "evaluate_targets", "format_targets"]
 
 _RATIO_TARGETS = (("fixed vs chunk-huffman", "chunk-huffman", 1.0), ("fixed vs shannon", "shannon", 2.0))
 
@@ -20,16 +21,25 @@ def _fmt_rate(x) -> str:
     return f"{x:.2f}" if x >= 1 else f"{x:.3f}"
 
 
+HUFF0 = "huff0:exponents"
+
+
 def format_table(rows: list) -> str:
+    """The rows as a text table; xzn-* are a row's ratio and 1-thread speeds over zipnn's,
+    xh0-e/xh0-d its 1-thread speeds over huff0's on the exponent stream alone (both in
+    bytes of the whole tensor per second)."""
     head = (f"{'dataset':<24} {'dtype':<8} {'MB':>6}  {'codec':<19} {'ratio':>6} {'exact':>5} "
-            f"{'enc1T':>6} {'enc2T':>6} {'dec1T':>6} {'dec2T':>6} {'xzn-r':>6} {'xzn-e':>6} {'xzn-d':>6}  notes")
+            f"{'enc1T':>6} {'enc2T':>6} {'dec1T':>6} {'dec2T':>6} {'xzn-r':>6} {'xzn-e':>6} {'xzn-d':>6} "
+            f"{'xh0-e':>6} {'xh0-d':>6}  notes")
     lines = [head, "-" * len(head)]
-    bounds, zipnn = {}, {}
+    bounds, zipnn, huff = {}, {}, {}
     for r in rows:
         if r["codec"].startswith("bound:"):
             bounds[(r["dataset"], r["dtype"], r["codec"])] = r["ratio"]
         if r["codec"] == "zipnn":
             zipnn[(r["dataset"], r["dtype"])] = r
+        if r["codec"] == HUFF0:
+            huff[(r["dataset"], r["dtype"])] = r
     last = None
     for r in rows:
         key = (r["dataset"], r["dtype"])
@@ -53,20 +63,28 @@ def format_table(rows: list) -> str:
         mb = f"{r['eval_bytes'] / 1e6:.1f}" if first and r.get("eval_bytes") else ""
         zn = zipnn.get(key)
         times = ["", "", ""]
-        if zn is not None and r is not zn and not r["codec"].startswith("bound:"):
+        if zn is not None and r is not zn and not r["codec"].startswith("bound:") and r["codec"] != HUFF0:
             pairs = ((r["ratio"], zn["ratio"]), (r["enc_gbps"].get("1"), zn["enc_gbps"].get("1")),
                      (r["dec_gbps"].get("1"), zn["dec_gbps"].get("1")))
             times = [f"{a / b:.2f}" if a and b else "" for a, b in pairs]
             if pairs[0][0] and pairs[0][1]:
                 times[0] = f"{pairs[0][0] / pairs[0][1]:.3f}"
+        h0 = huff.get(key)
+        vs_huff = ["", ""]
+        if h0 is not None and r["codec"].startswith("comm_codec"):
+            vs_huff = [f"{a / b:.2f}" if a and b else "" for a, b in
+                       ((r["enc_gbps"].get("1"), h0["enc_gbps"].get("1")),
+                        (r["dec_gbps"].get("1"), h0["dec_gbps"].get("1")))]
         lines.append((
             f"{r['dataset'] if first else '':<24} {r['dtype'] if first else '':<8} {mb:>6}  "
             f"{r['codec']:<19} {ratio:>6} {exact:>5} "
             f"{rate(r['enc_gbps'].get('1')):>6} {rate(r['enc_gbps'].get('2')):>6} "
             f"{rate(r['dec_gbps'].get('1')):>6} {rate(r['dec_gbps'].get('2')):>6} "
-            f"{times[0]:>6} {times[1]:>6} {times[2]:>6}  "
+            f"{times[0]:>6} {times[1]:>6} {times[2]:>6} {vs_huff[0]:>6} {vs_huff[1]:>6}  "
             + "; ".join(notes)
         ).rstrip())
+    if rows and not huff:
+        lines.append(f"(no huff0 column: the huff0 library is not built; {BUILD_HINT})")
     return "\n".join(lines)
 
 
@@ -118,6 +136,12 @@ def evaluate_targets(rows: list) -> list:
             for label, one, two in (("encode", enc1, enc2), ("decode", dec1, dec2)):
                 value = two / one if one and two else None
                 add(f"{where}: {label} 2T / 1T", value, ">= 1.8x", value is not None and value >= 1.8, "x", (cc,))
+        h0 = by.get((dataset, dtype, HUFF0))
+        for label, key in (("encode", "enc_gbps"), ("decode", "dec_gbps")):
+            mine, theirs = cc[key].get("1"), (h0[key].get("1") if h0 else None)
+            if mine and theirs:  # the whole tensor against huff0 on its exponent stream alone
+                value = mine / theirs
+                add(f"{where}: {label} 1T vs huff0 on the exponents", value, ">= 1.0x", value >= 1.0, "x", (cc, h0))
         if weights and zn and cc["ratio"] and zn["ratio"]:
             value = cc["ratio"] / zn["ratio"]
             add(f"{where}: ratio, shipped books / zipnn", value, ">= 1.000x", value >= 1.0, "x")

@@ -1,0 +1,66 @@
+"""The huff0 reference: the exponent stream it is given, its driver, and its bench column."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import naive
+from comm_codec.tools import huff0
+from comm_codec.tools.bench_report import HUFF0, evaluate_targets, format_table
+from helpers import random_bits
+
+_SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -3.5, 65504.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn,
+                                   torch.float8_e5m2])
+def test_exponent_stream_is_the_codecs_stream_0(dtype):
+    t = torch.cat([random_bits(3000, dtype, torch.Generator().manual_seed(1)), torch.tensor(_SPECIALS).to(dtype)])
+    assert huff0.exponent_stream(t).tolist() == naive.split(t)[0]
+
+
+def test_exponent_stream_rejects_integers():
+    with pytest.raises(TypeError, match="floating-point tensor"):
+        huff0.exponent_stream(torch.zeros(4, dtype=torch.int8))
+
+
+def test_missing_library_says_how_to_build_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="build_huff0.sh"):
+        huff0.Huff0(str(tmp_path / "libhuff0.so"))
+
+
+def test_round_trip_through_the_built_library():
+    if not os.path.isfile(huff0.default_path()):
+        pytest.skip(f"huff0 is not built here ({huff0.BUILD_HINT})")
+    coder = huff0.Huff0()
+    g = np.random.default_rng(0)
+    parts = [np.full(huff0.BLOCK, 7, np.uint8),  # one symbol: huff0 stores one byte
+             g.integers(0, 256, huff0.BLOCK, dtype=np.uint8),  # incompressible: stored raw
+             (120 + g.geometric(0.5, 3 * huff0.BLOCK + 123)).astype(np.uint8)]
+    data = np.concatenate(parts)
+    payload, sizes = coder.compress(data)
+    assert sizes[0] == 1 and sizes[1] == huff0.BLOCK and payload.size < data.size
+    assert np.array_equal(coder.decompress(payload, sizes, data.size), data)
+    with pytest.raises(ValueError, match="do not describe"):
+        coder.decompress(payload[:-1], sizes, data.size)
+
+
+def _row(codec, enc, dec, ratio=1.5):
+    return {"dataset": "synth/normal", "dtype": "bf16", "kind": "gradient", "codec": codec, "ratio": ratio,
+            "exact": True, "enc_gbps": {"1": enc}, "dec_gbps": {"1": dec}, "eval_bytes": 1e6, "notes": [],
+            "error": None, "cpu_share_1t": 1.0, "cpu_share_2t": None}
+
+
+def test_report_puts_the_codec_beside_huff0():
+    rows = [_row("comm_codec:fixed", 1.2, 3.0), _row("zipnn", 0.6, 1.5), _row(HUFF0, 0.8, 2.0, ratio=3.0)]
+    text = format_table(rows)
+    ours = next(line for line in text.splitlines() if "comm_codec:fixed" in line)
+    assert "xh0-e" in text and ours.split()[-2:] == ["1.50", "1.50"]
+    checks = {c["check"]: c for c in evaluate_targets(rows)}
+    assert checks["synth/normal bf16: encode 1T vs huff0 on the exponents"]["value"] == pytest.approx(1.5)
+    assert checks["synth/normal bf16: decode 1T vs huff0 on the exponents"]["status"] == "PASS"
+    assert "not built" in format_table(rows[:2])
