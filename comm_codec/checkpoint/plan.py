@@ -116,12 +116,14 @@ class Sample:
             the sampled chunks.
         starts, lengths: int64 arrays: chunk k is ``bits[starts[k]:starts[k] + lengths[k]]``.
         scale: the tensor's elements per sampled element.
+        at: int64 array: the element of the tensor that chunk k starts at.
     """
 
     bits: np.ndarray
     starts: np.ndarray
     lengths: np.ndarray
     scale: float
+    at: np.ndarray
 
     def xor(self, other: "Sample", spec) -> "Sample":
         """The same chunks XORed with another tensor's (its base), as one contiguous copy."""
@@ -129,7 +131,7 @@ class Sample:
         parts = [np.bitwise_xor(self.bits[a:a + n].view(ints), other.bits[b:b + n].view(ints))
                  for a, b, n in zip(self.starts, other.starts, self.lengths)]
         starts = np.concatenate(([0], np.cumsum(self.lengths)[:-1])).astype(np.int64)
-        return Sample(np.concatenate(parts).view(spec.bits_dtype), starts, self.lengths, self.scale)
+        return Sample(np.concatenate(parts).view(spec.bits_dtype), starts, self.lengths, self.scale, self.at)
 
 
 class BookChooser:
@@ -167,7 +169,7 @@ class BookChooser:
         take = min(nchunks, max(1, elems // self.chunk_elems))
         picks = np.array([(i * nchunks) // take for i in range(take)], dtype=np.int64)
         numel = nbytes // spec.itemsize
-        starts = picks * self.chunk_elems
+        starts = at = picks * self.chunk_elems
         lengths = np.minimum(starts + self.chunk_elems, numel) - starts
         if take == nchunks:  # every chunk: the whole tensor, one read
             u8 = read(0, numel * spec.itemsize)
@@ -178,7 +180,7 @@ class BookChooser:
             bits = np.concatenate([read(int(a) * spec.itemsize, int(n) * spec.itemsize)
                                    for a, n in zip(starts, lengths)]).view(spec.bits_dtype)
             starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
-        return Sample(bits, starts, lengths, numel / max(1, int(lengths.sum())))
+        return Sample(bits, starts, lengths, numel / max(1, int(lengths.sum())), at)
 
     def counts(self, sample: "Sample", spec) -> dict:
         """Return, per chunk size in CHUNK_SIZES, the sampled chunks' symbol counts.
