@@ -53,6 +53,8 @@ TIERS = {
     "test_bench.py": "unit",  # bench.run in-process
     "test_huff0.py": "unit",
     "test_checkpoint.py": ("unit", {"test_cli_*": "cli"}),
+    "test_checkpoint_imports.py": "cli",  # fresh interpreters run the API calls
+    "test_checkpoint_truncated.py": "cli",
     "test_cli.py": "cli",
     "test_codec.py": "unit",
     "test_collectives.py": ("dist", {"test_engine_precompiles_the_coded_dtype_before_a_coded_call": "unit",
@@ -97,6 +99,8 @@ SLOW: dict[str, tuple[str, ...]] = {
     "test_bench.py": ("test_bench_model_file_rows_and_zipnn_columns",),
     "test_checkpoint.py": ("test_safetensors_round_trip_all_dtypes", "test_delta_chain_of_three",
                            "test_same_output_for_any_number_of_threads", "test_cli_round_trip_and_errors"),
+    "test_checkpoint_imports.py": ("*", "!test_checkpoint_calls_do_not_import_torch[safetensors]"),
+    "test_checkpoint_truncated.py": ("*[decompress]",),
     "test_cli.py": ("*", "!test_version_and_help", "!test_unknown_option_is_a_usage_error", "!test_inspect_frame"),
     "test_codec.py": ("test_frames_from_numpy_bytes_and_buffers_decode",
                       "test_precompile_loads_kernels_and_reports_per_dtype"),

@@ -582,7 +582,7 @@ def test_planning_counts_are_the_encoders_counts(dtype):
                 t[n // 3: n // 2] = t[n // 3: n // 2].half().float()  # low mantissa bytes zero: counted
         sample = chooser.sample(t.view(torch.uint8).numpy(), spec)
         assert (sample.scale == 1.0) == (n <= 4 << 16)  # up to four chunks, or 16 of eight or more
-        laid = torch.cat([t[a:a + k] for a, k in zip(sample.starts.tolist(), sample.lengths.tolist())])
+        laid = torch.cat([t[a:a + k] for a, k in zip(sample.at.tolist(), sample.lengths.tolist())])
         counts = chooser.counts(sample, spec)
         for chunk_elems in CHUNK_SIZES:
             rows, zeros, coded = counts[chunk_elems]

@@ -38,7 +38,7 @@ mode is :mod:`comm_codec.checkpoint.lossy`, a container of its own (:data:`LOSSY
 Untrusted input: nothing read from a source, base or compressed file is ever unpickled
 (torch pickles are scanned opcode by opcode, :mod:`.pickle_scan`); codebooks and
 metadata are JSON; every length and offset is checked before use; a failure raises
-:class:`CheckpointError` and leaves no output file behind. Files are mapped, written and
+:class:`CheckpointError` and leaves no output file behind. Files are read, written and
 hashed by :mod:`.files`.
 """
 
@@ -58,7 +58,6 @@ import time
 import zlib
 
 import numpy as np
-import torch
 import zstandard
 
 from ..core.atomic import create_temp
@@ -72,9 +71,9 @@ from .errors import CheckpointError
 from .exact_index import INDEX_FORMAT, VERSION, is_checkpoint, load_index, read_index
 from .files import (WRITE_DIGEST, AtomicFile, DigestStream, FileMap, atomic_output, check_paths, file_digest,
                     new_hasher, recorded_digest, track_temp, untrack_temp)
-from .formats import CODABLE, FileTensor, find_tensors
+from .formats import FileTensor, find_tensors
 from .pipeline import Budget, Buffers, ordered_map
-from .plan import CHUNK_SIZES, TRANSFORMS, BookChooser, as_tensor, make_codec, plan_tensor
+from .plan import CHUNK_SIZES, TRANSFORMS, BookChooser, make_codec, plan_tensor
 
 __all__ = [
     "Summary",
@@ -227,8 +226,12 @@ def _zstd_c() -> zstandard.ZstdCompressor:
 
 
 def _encode_job(job: _Job, src: FileMap, base: FileMap | None, tensors: list[FileTensor]):
-    """Code one segment; return (method, payload, crc32 or None)."""
+    """Read and code one segment; return (method, payload, crc32 or None, the source bytes read)."""
     raw = src.u8(job.src_offset, job.length)
+    return (*_code_segment(job, raw, base, tensors), raw)
+
+
+def _code_segment(job: _Job, raw: np.ndarray, base: FileMap | None, tensors: list[FileTensor]):
     if job.tensor >= 0:
         t = tensors[job.tensor]
         spec = t.spec
@@ -237,11 +240,11 @@ def _encode_job(job: _Job, src: FileMap, base: FileMap | None, tensors: list[Fil
             base_start = t.base_offset + job.src_offset - t.offset
             base_bytes = base.u8(base_start, job.length)
         coded = TRANSFORMS[t.transform].forward(raw, base_bytes, spec)
-        frame = t.codec.encode(as_tensor(coded, spec), kind="weight")
-        if base_bytes is not None:
-            base.release(base_start, base_start + job.length)
-        if frame.numel() < job.length:
-            return "frame", frame.numpy(), None
+        if coded.ctypes.data % spec.itemsize:
+            coded = coded.copy()  # the kernels read whole elements
+        frame = t.codec.encode_array(coded, spec, kind="weight")
+        if frame.size < job.length:
+            return "frame", frame, None
     elif job.length >= 64:
         z = _zstd_c().compress(raw)
         if len(z) < job.length:
@@ -352,7 +355,7 @@ class _HashSink:
 class _CompressedBase:
     """A standalone compressed checkpoint read as its original's bytes, decoded as asked for.
 
-    What a delta needs of its base (``size``, ``u8``, ``release``) without restoring the
+    What a delta needs of its base (``size``, ``u8``) without restoring the
     base anywhere: the segments holding the bytes asked for are decoded in memory, the last
     few kept (deltas ask in order). Thread-safe; decoding is serialized.
     """
@@ -385,7 +388,6 @@ class _CompressedBase:
             data, _ = _decode_segment(self._index["segments"][k], self._m, None, self._index["tensors"], self.path,
                                       Buffers(0, PIECE_BYTES))
             self._kept[k] = np.array(np.frombuffer(data, dtype=np.uint8))  # a copy: the buffer is not pooled
-            self._m.release_upto(self._index["segments"][k][2] + self._index["segments"][k][3])
             while len(self._kept) > self._KEEP:
                 self._kept.popitem(last=False)
         return self._kept[k]
@@ -403,9 +405,6 @@ class _CompressedBase:
                 out[pos - offset:pos - offset + n] = data[pos - seg_off:pos - seg_off + n]
                 pos += n
         return out
-
-    def release(self, start: int, end: int) -> None:
-        """Nothing to hand back (decoded segments are dropped as newer ones are kept)."""
 
     def close(self) -> None:
         self._kept.clear()
@@ -497,9 +496,8 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
                 work = ordered_map(lambda j: _encode_job(j, m, bm, tensors),
                                     _jobs(m.size, tensors, plan, m), threads, budget, lambda j: j.length)
                 with contextlib.closing(work):
-                    for job, (method, payload, crc) in work:
-                        end = job.src_offset + job.length
-                        h.update(m.u8(job.src_offset, job.length), lambda end=end: m.release_upto(end))
+                    for job, (method, payload, crc, raw) in work:
+                        h.update(raw)
                         offset = out.pos
                         out.write(payload)
                         segments.append([job.src_offset, job.length, offset, out.pos - offset, method, crc, job.tensor])
@@ -589,7 +587,7 @@ def _attach_codecs(tensors: list, books: dict) -> None:
     codecs = {}
     for t in tensors:
         if t["coding"] == "frame":
-            spec = spec_for(CODABLE[t["dtype"]])
+            spec = spec_for(t["dtype"])
             key = (spec.name, tuple(t["books"]))
             if key not in codecs:
                 # Frames carry their chunk size; the codec's own is not used to decode.
@@ -645,7 +643,6 @@ def _decode_all(m: FileMap, index: dict, bm, sink, threads: int, progress: bool 
             else:
                 finished(seg, buf)
             del data, buf
-            m.release_upto(seg[2] + seg[3])
             meter.update(seg[1])
             done += seg[1]
             if positional:
@@ -664,9 +661,10 @@ def _read_ahead(segments, m: FileMap):
 def _decode_segment(seg, m: FileMap, bm: FileMap | None, tensors, path, buffers: Buffers):
     """Restore one segment's source bytes; return them and the pooled buffer they lie in (or None)."""
     src_off, src_len, off, length, method, crc, ti = seg
-    payload = m.u8(off, length)
+    data = m.u8(off, length + -length % 8)  # the payload and its zero padding, in one read
+    payload = data[:length]
     where = f"segment at source bytes {src_off}..{src_off + src_len}"
-    if m.u8(off + length, -length % 8).any():
+    if data[length:].any():
         raise CheckpointError(f"{path}: padding after the {where} is corrupted (not zero)")
     if method != "frame":
         if zlib.crc32(payload) != crc:
@@ -678,21 +676,19 @@ def _decode_segment(seg, m: FileMap, bm: FileMap | None, tensors, path, buffers:
             raise CheckpointError(f"{path}: {where} decompressed to {len(out)} bytes, expected {src_len}")
         return out, None
     t = tensors[ti]
-    spec = spec_for(CODABLE[t["dtype"]])
+    spec = spec_for(t["dtype"])
     buf = buffers.take(src_len)
-    out = buf[:src_len].view(spec.dtype)
+    coded = buf[:src_len]
     try:
-        t["_codec"].decode(payload, out=out, max_output_bytes=src_len)
+        t["_codec"].decode_into(payload, coded, max_output_bytes=src_len)
     except (FrameError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: tensor {printable(t['name'])!r}, {where}: {exc}") from None
-    coded = buf[:src_len].numpy()
     if t["transform"] == "none":
         return coded, buf
     if bm is None:  # verify without the base: the frames were checked, the bytes cannot be
         return None, buf
     base_start = t["base_offset"] + src_off - t["offset"]
     restored = TRANSFORMS[t["transform"]].inverse(coded, bm.u8(base_start, src_len), spec)
-    bm.release(base_start, base_start + src_len)
     return restored, buf
 
 
@@ -799,6 +795,8 @@ def save(state_dict, path, base=None, threads: int | None = None) -> Summary:
     Returns:
         The compression :class:`Summary`.
     """
+    import torch
+
     path = os.fspath(path)
     fd, tmp = create_temp(path + ".pt")
     try:
@@ -830,5 +828,7 @@ def load(path, base=None, threads: int | None = None, map_location="cpu"):
     if fmt != "torch_zip":
         raise CheckpointError(f"{path} holds a {fmt} file, not a torch or safetensors checkpoint; "
                               "use decompress_file")
+    import torch
+
     buf.seek(0)
     return torch.load(buf, map_location=map_location, weights_only=True)

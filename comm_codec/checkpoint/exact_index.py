@@ -39,7 +39,7 @@ from . import schema
 from .container import HEADER, MAGIC, NOT_OURS, identify, index_file, read_container_index
 from .errors import fail
 from .files import FileMap, open_regular
-from .formats import CODABLE
+from .formats import CODABLE_NAMES
 from .plan import CHUNK_SIZES, TRANSFORMS
 from .schema import Anything, Int, ListOf, MapOf, Nullable, OneOf, Record, Row, Str
 
@@ -107,7 +107,7 @@ def _check_claims(m: FileMap, index: dict) -> None:
         if method != "frame":
             continue
         t = tensors[ti]
-        itemsize = spec_for(CODABLE[t["dtype"]]).itemsize
+        itemsize = spec_for(t["dtype"]).itemsize
         if length < _FRAME_HEAD.size:
             fail(path, f"index: segment {k} is {length} bytes, too short for a frame: corrupted")
         _, _, _, ns, _, numel, chunk, nchunks = _FRAME_HEAD.unpack(bytes(m.u8(off, _FRAME_HEAD.size)))
@@ -172,9 +172,9 @@ def _check_index(index: dict, index_offset: int, path) -> None:
         if t["offset"] + t["nbytes"] > src["size"]:
             fail(path, f"index: tensor {i} lies outside the source")
         if t["coding"] == "frame":
-            if t["dtype"] not in CODABLE or t["transform"] not in TRANSFORMS:
+            if t["dtype"] not in CODABLE_NAMES or t["transform"] not in TRANSFORMS:
                 fail(path, f"index: tensor {i} has dtype {t['dtype']!r} / transform {t['transform']!r}")
-            spec = spec_for(CODABLE[t["dtype"]])
+            spec = spec_for(t["dtype"])
             if t["books"] is None or t["chunk_elems"] is None or len(t["books"]) != spec.nstreams or any(
                     b != "0" * 16 and b not in books for b in t["books"]):
                 fail(path, f"index: tensor {i} ({printable(t['name'])}) names codebooks the file does not hold")
@@ -191,8 +191,8 @@ def _check_index(index: dict, index_offset: int, path) -> None:
         if method == "frame":
             t = index["tensors"][ti] if ti >= 0 else None
             if t is None or t["coding"] != "frame" or not (t["offset"] <= src_off and src_off + src_len <= t["offset"] + t["nbytes"]) \
-                    or (src_off - t["offset"]) % spec_for(CODABLE[t["dtype"]]).itemsize \
-                    or src_len % spec_for(CODABLE[t["dtype"]]).itemsize:
+                    or (src_off - t["offset"]) % spec_for(t["dtype"]).itemsize \
+                    or src_len % spec_for(t["dtype"]).itemsize:
                 fail(path, f"index: segment {k} is a frame outside any coded tensor")
         elif crc is None or (method == "stored" and length != src_len):
             fail(path, f"index: segment {k} is malformed")

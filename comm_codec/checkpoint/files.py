@@ -1,8 +1,8 @@
-"""Files for the checkpoint compressors: read-only maps, atomic outputs, streaming digests.
+"""Files for the checkpoint compressors: read-only views, atomic outputs, streaming digests.
 
-Used by the exact (:mod:`.exact`) and lossy (:mod:`.lossy`) formats: a source is
-mapped read-only (and its pages handed back as work moves on, so memory stays bounded),
-an output appears only once complete (temp file, fsync, rename), and the digest of what
+Used by the exact (:mod:`.exact`) and lossy (:mod:`.lossy`) formats: a source is read
+piece by piece (so memory stays bounded by the pieces in flight, and a file that shrinks
+while it is read is an error, not a crash), an output appears only once complete (temp file, fsync, rename), and the digest of what
 passes through is computed on a thread of its own when there are threads to spare.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import mmap
 import os
 import queue
 import re
@@ -29,10 +28,8 @@ __all__ = ["FileMap", "AtomicFile", "DigestStream", "atomic_output", "check_path
 
 # Buffers waiting for the background sha256 thread.
 _SHA_QUEUE = 8
-# Bytes hashed per step when a whole file is hashed (its pages are released after each).
+# Bytes hashed per step when a whole file is hashed.
 _HASH_BLOCK = 4 << 20
-# Pages of a mapped file are handed back in steps of at least this (see FileMap.release_upto).
-_RELEASE_STEP = 16 << 20
 
 
 # Outputs are reserved on disk this far ahead of what was written (a full disk fails early,
@@ -90,80 +87,68 @@ def open_regular(path: str):
 
 
 class FileMap:
-    """A read-only view of a whole file: a private mmap (never written), or nothing if empty.
+    """A read-only view of a whole file: byte ranges read (``pread``) into arrays of their own.
 
-    Pages a caller is done with are handed back (``release``), so resident memory stays
-    bounded by the pieces in flight, not the file size.
+    The file is not mapped: a mapped file that shrinks under a reader kills it with SIGBUS
+    on its next access past the new end, and a checkpoint being written by another process
+    does shrink (it is truncated and rewritten). Here a read that comes up short raises
+    :class:`CheckpointError` (its message says the file changed), and the output being
+    written is removed as after any other error. Reads of a few MiB per segment cost a
+    copy from the page cache, less than faulting the same pages into a mapping and
+    dropping them again (each drop flushes the TLB of every core the process runs on).
+    Memory is what callers hold: the arrays they read and have not let go.
     """
 
     def __init__(self, path: str):
         self.path = path
-        with open_regular(path) as fh:
-            st = os.fstat(fh.fileno())
-            self.size, self.stamp = st.st_size, (st.st_size, st.st_mtime_ns, st.st_ino)
-            # ACCESS_COPY: a private mapping, so views are writable numpy arrays (no
-            # read-only kernel specializations) while the file itself can never change.
-            self.mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if self.size else None
-        self._released = 0
+        self._fh = open_regular(path)
+        st = os.fstat(self._fh.fileno())
+        self.size, self.stamp = st.st_size, (st.st_size, st.st_mtime_ns, st.st_ino)
         self._advised = 0  # bytes 0.._advised were prefetched
 
     def u8(self, offset: int, length: int) -> np.ndarray:
-        """Return bytes offset..offset+length as a uint8 array (no copy)."""
+        """Return bytes offset..offset+length as a new (writable) uint8 array.
+
+        Raises:
+            ValueError: the range is not inside the size the file had when opened.
+            CheckpointError: the file is shorter now (it changed while being read).
+        """
         if length == 0:
             return np.zeros(0, dtype=np.uint8)
-        return np.frombuffer(self.mm, dtype=np.uint8, count=length, offset=offset)
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise ValueError(f"bytes {offset}..{offset + length} are outside {self.path} ({self.size} bytes)")
+        out = np.empty(length, dtype=np.uint8)
+        view, done, fd = memoryview(out), 0, self._fh.fileno()
+        while done < length:
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got == 0:
+                raise CheckpointError(f"{self.path} changed while it was being read: it is now shorter than the "
+                                      f"{self.size} bytes it had (read again once it is complete)")
+            done += got
+        return out
 
     def prefetch(self, start: int, length: int) -> None:
         """Ask the kernel to read bytes start..start+length ahead, in the background.
 
-        Advice only (``MADV_WILLNEED``): a file on disk and not cached is then read while
-        earlier pieces are coded instead of page fault by page fault; nothing is mapped
-        or counted in this process's memory.
+        Advice only (``POSIX_FADV_WILLNEED``): a file on disk and not cached is then read
+        while earlier pieces are coded.
         """
         # Callers move forward: only what was not advised yet is (a small file is advised
         # once, not once per segment).
         start, end = max(start, self._advised), min(self.size, start + length)
-        if self.mm is None or end <= start:
+        if end <= start or not hasattr(os, "posix_fadvise"):
             return
-        page = mmap.PAGESIZE
-        lo = start - start % page
         with contextlib.suppress(OSError, ValueError):
-            self.mm.madvise(mmap.MADV_WILLNEED, lo, end - lo)
+            os.posix_fadvise(self._fh.fileno(), start, end - start, os.POSIX_FADV_WILLNEED)
         self._advised = end
 
-    def release(self, start: int, end: int) -> None:
-        """Drop the resident pages that lie wholly inside start..end."""
-        if self.mm is None:
-            return
-        page = mmap.PAGESIZE
-        lo, hi = -(-start // page) * page, (end // page) * page
-        if hi > lo:
-            self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-
-    def release_upto(self, end: int) -> None:
-        """Release every page before ``end`` (callers move forward through the file), in
-        steps of at least _RELEASE_STEP (or at the file's end).
-
-        Dropping pages flushes them from the TLB of every core running one of this
-        process's threads (an interrupt and a wait each, costly in a VM whose other vCPU
-        is busy); one call per segment can make decompressing with two threads slower
-        than with one. Batched, mapped pages stay bounded by the step.
-        """
-        if end > self._released and (end - self._released >= _RELEASE_STEP or end >= self.size):
-            self.release(self._released - self._released % mmap.PAGESIZE, end)
-            self._released = end
-
     def unchanged(self) -> bool:
-        """Whether the file still has the size, mtime and inode it had when mapped."""
+        """Whether the file still has the size, mtime and inode it had when opened."""
         st = os.stat(self.path)
         return (st.st_size, st.st_mtime_ns, st.st_ino) == self.stamp
 
     def close(self) -> None:
-        if self.mm is not None:
-            try:
-                self.mm.close()
-            except BufferError:  # a view is still alive (an exception unwinding); GC closes it
-                pass
+        self._fh.close()
 
 
 # The whole-file digest new files record: BLAKE3, several times faster than sha256 on one
@@ -193,12 +178,10 @@ def recorded_digest(record: dict) -> tuple[str, str]:
 
 
 def file_digest(m: FileMap, name: str = WRITE_DIGEST) -> str:
-    """Return the hex digest of a whole mapped file, releasing its pages as it goes."""
+    """Return the hex digest of a whole file, read a block at a time."""
     h = new_hasher(name)
     for start in range(0, m.size, _HASH_BLOCK):
-        end = min(m.size, start + _HASH_BLOCK)
-        h.update(m.u8(start, end - start))
-        m.release(start, end)
+        h.update(m.u8(start, min(m.size, start + _HASH_BLOCK) - start))
     return h.hexdigest()
 
 

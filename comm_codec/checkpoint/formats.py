@@ -20,20 +20,28 @@ import zipfile
 
 from typing import TYPE_CHECKING
 
-from ..core.codec import Codec
-from ..core.streams import SUPPORTED_DTYPES, spec_for
+from ..core.streams import SUPPORTED_NAMES, spec_for
 from .container import parse_json
 from .pickle_scan import scan_torch_pickle
 
 if TYPE_CHECKING:
+    from ..core.codec import Codec
     from .files import FileMap
 
-__all__ = ["CODABLE", "FileTensor", "find_tensors", "itemsize", "is_int", "zip_crc_fields", "storage_keys"]
+__all__ = ["CODABLE", "CODABLE_NAMES", "FileTensor", "find_tensors", "itemsize", "is_int", "zip_crc_fields", "storage_keys"]
 
 log = logging.getLogger("comm_codec.checkpoint")
 
-# dtype name ("bfloat16") -> torch dtype, for every dtype the codec codes.
-CODABLE = {str(d).replace("torch.", ""): d for d in SUPPORTED_DTYPES}
+# The dtype names ("bfloat16") the codec codes; spec_for takes them as they are.
+CODABLE_NAMES = frozenset(SUPPORTED_NAMES)
+
+
+def __getattr__(name: str):
+    # CODABLE (dtype name -> torch dtype) imports torch when first read, for the callers
+    # that make tensors; the exact format needs only CODABLE_NAMES and spec_for.
+    if name == "CODABLE":
+        return {n: spec_for(n).dtype for n in SUPPORTED_NAMES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 _MAX_PICKLE_BYTES = 64 << 20  # torch.save writes ~100 bytes per tensor
 _MAX_BYTEORDER_BYTES = 16
 _MAX_NAME = 4096
@@ -41,7 +49,7 @@ _MAX_NAME = 4096
 
 def itemsize(dtype: str) -> int | None:
     """Return the bytes per element of a codable dtype name ("bfloat16"), None for any other."""
-    return spec_for(CODABLE[dtype]).itemsize if dtype in CODABLE else None
+    return spec_for(dtype).itemsize if dtype in CODABLE_NAMES else None
 
 
 def is_int(x, lo=0, hi=1 << 62) -> bool:
@@ -71,7 +79,7 @@ class FileTensor:
 
     @property
     def spec(self):
-        return spec_for(CODABLE[self.dtype])
+        return spec_for(self.dtype)
 
     def record(self) -> dict:
         return {"name": self.name, "dtype": self.dtype, "shape": self.shape, "offset": self.offset,
@@ -145,7 +153,7 @@ def _safetensors_tensors(m: FileMap) -> list[FileTensor]:
         if len(shape) > 64 or any(d > 1 << 62 for d in shape) or math.prod(shape) > 1 << 62:
             shape = None
         t = FileTensor(str(name), dtype, shape, start + begin, end - begin, _guess_kind(str(name)))
-        if dtype in CODABLE and shape is not None:
+        if dtype in CODABLE_NAMES and shape is not None:
             t.codable = math.prod(shape) * t.spec.itemsize == t.nbytes
         out.append(t)
     return out
@@ -186,7 +194,7 @@ def _torch_zip_tensors(m: FileMap) -> list[FileTensor]:
         dtype, name, nbytes, shape = storages.get(key, (None, None, None, None))
         t = FileTensor(name or f"storage/{key}", dtype or "unknown", shape, offset, info.compress_size,
                     _guess_kind(name or ""))
-        t.codable = (little and dtype in CODABLE and info.compress_size == info.file_size == nbytes)
+        t.codable = (little and dtype in CODABLE_NAMES and info.compress_size == info.file_size == nbytes)
         out.append(t)
     return out
 

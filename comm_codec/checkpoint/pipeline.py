@@ -12,7 +12,7 @@ import collections
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
+import numpy as np
 
 __all__ = ["Budget", "ordered_map", "Buffers"]
 
@@ -86,7 +86,7 @@ def ordered_map(fn, jobs, threads: int, budget: Budget, cost):
 class Buffers:
     """Reused buffers for decoded segments (thread-safe).
 
-    A fresh ``torch.empty`` per segment is a fresh mapping: its pages fault in on first
+    A fresh ``np.empty`` per segment is a fresh mapping: its pages fault in on first
     write and are unmapped again once hashed, and unmapping in a process with several
     threads costs a TLB shootdown on every core (a VM exit each under virtualization), so
     with threads the kernel time of page faults and unmaps can exceed the decoding.
@@ -100,15 +100,15 @@ class Buffers:
         self._keep, self._least = keep, least
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        """Return a uint8 tensor of at least nbytes (at least ``least``): the smallest free one that fits."""
+    def take(self, nbytes: int) -> np.ndarray:
+        """Return a uint8 array of at least nbytes (at least ``least``): the smallest free one that fits."""
         with self._lock:
-            fits = [i for i, buf in enumerate(self._free) if buf.numel() >= nbytes]
+            fits = [i for i, buf in enumerate(self._free) if buf.size >= nbytes]
             if fits:
-                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-        return torch.empty(max(nbytes, self._least), dtype=torch.uint8)
+                return self._free.pop(min(fits, key=lambda i: self._free[i].size))
+        return np.empty(max(nbytes, self._least), dtype=np.uint8)
 
-    def give(self, buf: torch.Tensor) -> None:
+    def give(self, buf: np.ndarray) -> None:
         with self._lock:
-            if sum(b.numel() for b in self._free) + buf.numel() <= self._keep:
+            if sum(b.size for b in self._free) + buf.size <= self._keep:
                 self._free.append(buf)

@@ -12,19 +12,15 @@ import math
 import threading
 
 import numpy as np
-import torch
 
-from ..core.codebooks import CodebookSet
+from ..core.codebooks import CodebookGroup, CodebookSet
 from ..core.codec import Codec
 from ..core.huffman import RAW_THRESHOLD_BITS, Codebook, entropy_bits
-from ..core.codebooks import CodebookGroup
 from ..kernels import plan as _plan
-from ..books.profiler import grow_group
 from .files import FileMap
 from .formats import FileTensor
 
-__all__ = ["CHUNK_SIZES", "GROUP_MIN_ROWS", "TRANSFORMS", "BookChooser", "Sample", "as_tensor", "make_codec",
-           "plan_tensor"]
+__all__ = ["CHUNK_SIZES", "GROUP_MIN_ROWS", "TRANSFORMS", "BookChooser", "Sample", "make_codec", "plan_tensor"]
 
 # What storing one per-tensor book costs in the (zstd-compressed) index, in bits.
 _BOOK_COST_BITS = 160 * 8
@@ -69,13 +65,6 @@ _RAW_BOOK = Codebook.raw_book()
 
 
 # -- transforms and book choice ---------------------------------------------------------------
-def as_tensor(u8: np.ndarray, spec) -> torch.Tensor:
-    """View (or copy, when misaligned) bytes as a 1-D tensor of spec's dtype."""
-    if u8.ctypes.data % spec.itemsize:
-        u8 = u8.copy()
-    return torch.from_numpy(u8.view(_INT_NP[spec.itemsize])).view(spec.dtype)
-
-
 def _xor(a: np.ndarray, b: np.ndarray, spec) -> np.ndarray:
     ints = _INT_NP[spec.itemsize]
     a = a if a.ctypes.data % spec.itemsize == 0 else a.copy()
@@ -127,12 +116,14 @@ class Sample:
             the sampled chunks.
         starts, lengths: int64 arrays: chunk k is ``bits[starts[k]:starts[k] + lengths[k]]``.
         scale: the tensor's elements per sampled element.
+        at: int64 array: the element of the tensor that chunk k starts at.
     """
 
     bits: np.ndarray
     starts: np.ndarray
     lengths: np.ndarray
     scale: float
+    at: np.ndarray
 
     def xor(self, other: "Sample", spec) -> "Sample":
         """The same chunks XORed with another tensor's (its base), as one contiguous copy."""
@@ -140,7 +131,7 @@ class Sample:
         parts = [np.bitwise_xor(self.bits[a:a + n].view(ints), other.bits[b:b + n].view(ints))
                  for a, b, n in zip(self.starts, other.starts, self.lengths)]
         starts = np.concatenate(([0], np.cumsum(self.lengths)[:-1])).astype(np.int64)
-        return Sample(np.concatenate(parts).view(spec.bits_dtype), starts, self.lengths, self.scale)
+        return Sample(np.concatenate(parts).view(spec.bits_dtype), starts, self.lengths, self.scale, self.at)
 
 
 class BookChooser:
@@ -156,27 +147,40 @@ class BookChooser:
         self._shipped: dict = {}  # (kind, dtype, stream) -> (group, its symbol bits, cut-down groups)
         self._lock = threading.Lock()
 
-    def sample(self, u8: np.ndarray, spec) -> "Sample":
+    def sample(self, data, spec, offset: int = 0, nbytes: int | None = None) -> "Sample":
         """Return whole chunks spread evenly over a tensor's bytes (all of them for a small one).
 
         Whole chunks, aligned as the encoder cuts them, so each sampled chunk gets the
-        reference exponent the encoder will give it; and only their pages are read.
+        reference exponent the encoder will give it; and only they are read.
+
+        Args:
+            data: the tensor's bytes (a uint8 array), or a :class:`FileMap` holding them.
+            spec: its stream layout.
+            offset, nbytes: where the tensor lies in a FileMap (ignored for an array).
         """
+        if isinstance(data, np.ndarray):
+            offset, nbytes = 0, data.size
+            read = lambda a, n: data[a:a + n]  # noqa: E731
+        else:
+            read = lambda a, n: data.u8(offset + a, n)  # noqa: E731
         chunk = self.chunk_elems * spec.itemsize
-        nchunks = -(-u8.size // chunk)
+        nchunks = -(-nbytes // chunk)
         elems = _GROUP_SAMPLE_ELEMS if nchunks >= _GROUP_MIN_CHUNKS else _SAMPLE_ELEMS
         take = min(nchunks, max(1, elems // self.chunk_elems))
         picks = np.array([(i * nchunks) // take for i in range(take)], dtype=np.int64)
-        numel = u8.size // spec.itemsize
-        starts = picks * self.chunk_elems
+        numel = nbytes // spec.itemsize
+        starts = at = picks * self.chunk_elems
         lengths = np.minimum(starts + self.chunk_elems, numel) - starts
-        if u8.ctypes.data % spec.itemsize == 0:
-            bits = u8[: numel * spec.itemsize].view(spec.bits_dtype)
-        else:  # misaligned in the file: copy the sampled chunks only
-            bits = np.concatenate([u8[a * spec.itemsize:(a + n) * spec.itemsize] for a, n in zip(starts, lengths)])
-            bits = bits.view(spec.bits_dtype)
+        if take == nchunks:  # every chunk: the whole tensor, one read
+            u8 = read(0, numel * spec.itemsize)
+            if u8.ctypes.data % spec.itemsize:
+                u8 = u8.copy()
+            bits = u8.view(spec.bits_dtype)
+        else:  # the sampled chunks only, one after the other
+            bits = np.concatenate([read(int(a) * spec.itemsize, int(n) * spec.itemsize)
+                                   for a, n in zip(starts, lengths)]).view(spec.bits_dtype)
             starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
-        return Sample(bits, starts, lengths, numel / max(1, int(lengths.sum())))
+        return Sample(bits, starts, lengths, numel / max(1, int(lengths.sum())), at)
 
     def counts(self, sample: "Sample", spec) -> dict:
         """Return, per chunk size in CHUNK_SIZES, the sampled chunks' symbol counts.
@@ -256,6 +260,8 @@ class BookChooser:
     def group(self, rows: np.ndarray, book: Codebook, scale: float) -> tuple[CodebookGroup, float] | None:
         """A group grown from ``book`` over sampled chunks, and the bits it saves (net of the
         new books' place in the index), or None when it does not pay."""
+        from ..books.profiler import grow_group  # only for tensors big enough to group
+
         group, stats = grow_group(rows, book, _GROUP_MAX_BOOKS, _GROUP_MIN_GAIN)
         if len(group.books) < 2:
             return None
@@ -434,10 +440,10 @@ def plan_tensor(t: FileTensor, src: FileMap, base: FileMap | None, base_tensor: 
     """Choose transform, chunk size and books of one tensor from a sample of its chunks."""
     spec = t.spec
     numel = t.nbytes // spec.itemsize
-    sample = chooser.sample(src.u8(t.offset, t.nbytes), spec)
+    sample = chooser.sample(src, spec, t.offset, t.nbytes)
     candidates = [("none", sample)]
     if base_tensor is not None:
-        base_sample = chooser.sample(base.u8(base_tensor.offset, t.nbytes), spec)
+        base_sample = chooser.sample(base, spec, base_tensor.offset, t.nbytes)
         candidates.append(("xor", sample.xor(base_sample, spec)))
 
     def cost(transform, counts, chunk_elems):

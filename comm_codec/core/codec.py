@@ -6,6 +6,11 @@ cheap planning pass that sizes every chunk, so the frame is allocated once at it
 size: encode allocates the frame plus O(chunks) scratch, decode the output plus
 O(chunks) scratch (and one chunk of scratch per thread for chunks with a zero mask).
 
+:meth:`Codec.encode_array` and :meth:`Codec.decode_into` are the same coder on numpy
+arrays of element bit patterns: the checkpoint commands code a file's bytes through them
+without importing torch (this module imports torch only inside the methods that take or
+make tensors).
+
 CUDA tensors are coded on their GPU by the numba.cuda kernels of
 :mod:`comm_codec.kernels.cuda`, driven by :mod:`comm_codec.core.gpu` (imported on first use),
 on torch's current stream, into
@@ -28,9 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 
 import numpy as np
-import torch
 
 # kernels.jit imports numba first and turns a bad numba setting (NUMBA_NUM_THREADS) into one clear error
 from ..kernels import jit  # noqa: F401  (isort: skip)
@@ -41,8 +46,8 @@ from . import frame as _frame
 from . import precompile as _precompile
 from .codebooks import CodebookSet, as_codebook_set
 from .frame import FrameError
-from .memory import empty_output, torch_threads_kept
-from .streams import ACCUMULABLE_DTYPES, as_bits, spec_for
+from .memory import empty_bytes, empty_output, torch_threads_kept
+from .streams import StreamSpec, as_bits, is_accumulable, spec_for
 from .tables import KernelTables, TablesCache, encode_tables
 
 import numba  # noqa: E402 - after the kernels: see above
@@ -73,9 +78,9 @@ def _raise_on_status(status: np.ndarray, nchunks: int) -> None:
         )
 
 
-def _check_accumulable(params, acc: torch.Tensor, device: torch.device) -> None:
+def _check_accumulable(params, acc, device) -> None:
     """Raise unless a frame of these parameters can be added into acc (see Codec.decode_accumulate)."""
-    if params.spec.dtype not in ACCUMULABLE_DTYPES:
+    if not is_accumulable(params.spec):
         raise TypeError(f"decode_accumulate adds bfloat16, float16 or float32 frames; this one holds {params.spec.dtype}")
     if acc.numel() != params.numel:
         raise ValueError(f"acc has {acc.numel()} elements, the frame holds {params.numel}")
@@ -84,6 +89,24 @@ def _check_accumulable(params, acc: torch.Tensor, device: torch.device) -> None:
     if acc.device != device or not acc.is_contiguous():
         where = "CPU" if device.type == "cpu" else str(device)
         raise ValueError(f"acc must be a contiguous {where} tensor (on the frame's device), got one on {acc.device}")
+
+
+def _is_cuda_tensor(x) -> bool:
+    torch = sys.modules.get("torch")  # a tensor exists only once torch is loaded
+    return torch is not None and isinstance(x, torch.Tensor) and x.device.type == "cuda"
+
+
+def _as_bits_array(a, spec) -> np.ndarray:
+    """A numpy array's bytes as a 1-D array of ``spec.bits_dtype`` (a view), for the kernels."""
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"expected a numpy array, got {type(a).__name__}")
+    if not a.flags.c_contiguous:
+        raise ValueError("the array must be contiguous")
+    if a.dtype == spec.bits_dtype and a.ndim == 1:
+        return a
+    if a.nbytes % spec.itemsize:
+        raise ValueError(f"{a.nbytes} bytes are not a whole number of {spec.name} elements")
+    return a.reshape(-1).view(np.uint8).view(spec.bits_dtype)
 
 
 class Codec:
@@ -135,7 +158,7 @@ class Codec:
         self.decode_cache = TablesCache(DECODE_CACHE_SIZE)
 
     # -- encode -------------------------------------------------------------------------
-    def encode(self, tensor: torch.Tensor, kind: str = "gradient") -> torch.Tensor:
+    def encode(self, tensor, kind: str = "gradient") -> "torch.Tensor":
         """Encode a tensor into a frame.
 
         Args:
@@ -157,9 +180,37 @@ class Codec:
             ValueError: a tensor neither on the CPU nor on a CUDA device, or an unknown
                 kind.
         """
+        import torch
+
         if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
             return self.encode_cuda(tensor, kind)
         bits, spec = as_bits(tensor)
+        return torch.from_numpy(self.encode_array(bits, spec, kind))
+
+    def encode_array(self, bits: np.ndarray, spec, kind: str = "gradient") -> np.ndarray:
+        """Encode elements given as a numpy array of their bit patterns into a frame.
+
+        The same frame :meth:`encode` makes of a tensor holding these bits: the
+        checkpoint commands code a file's bytes this way, without torch.
+
+        Args:
+            bits: a 1-D contiguous array of ``spec.bits_dtype`` (see
+                :func:`comm_codec.core.streams.as_bits`), or any contiguous array whose
+                bytes are the elements (viewed as ``spec.bits_dtype``).
+            spec: the elements' :class:`~comm_codec.core.streams.StreamSpec`, or a dtype
+                :func:`~comm_codec.core.streams.spec_for` takes (``"bfloat16"``, ``"bf16"``).
+            kind: which books to use, as for :meth:`encode`.
+
+        Returns:
+            The frame, a 1-D numpy uint8 array.
+
+        Raises:
+            TypeError: bits is not a numpy array, or an unsupported dtype.
+            ValueError: bits not contiguous, its size not a whole number of elements, or
+                an unknown kind.
+        """
+        spec = spec if isinstance(spec, StreamSpec) else spec_for(spec)
+        bits = _as_bits_array(bits, spec)
         tables = self._encode_tables(kind, spec)
         numel = bits.size
         ns = spec.nstreams
@@ -177,8 +228,7 @@ class Codec:
             hsize = _frame.header_size(ns, nchunks)
             offsets = (hsize + np.concatenate(([0], np.cumsum(lengths)[:-1]))).astype(np.int64)
             total = int(hsize + lengths.sum())
-            out = empty_output(total, torch.uint8)
-            out8 = out.numpy()
+            out8 = empty_bytes(total)
             checksums = np.zeros(nchunks, dtype=np.uint32)
             if nchunks:
                 encode_chunks(
@@ -190,10 +240,10 @@ class Codec:
         table["sizes"] = sizes
         flags = _frame.FLAG_CHECKSUM if self.checksum else 0
         _frame.write_header(out8, spec, numel, self.chunk_elems, flags, tables.ids, table)
-        return out
+        return out8
 
     # -- decode -------------------------------------------------------------------------
-    def decode(self, frame, out: torch.Tensor | None = None, max_output_bytes: int | None = None) -> torch.Tensor:
+    def decode(self, frame, out=None, max_output_bytes: int | None = None) -> "torch.Tensor":
         """Decode a frame back into the elements of the tensor it was made from, bit for bit.
 
         A frame records the dtype and the number of elements, not the shape: the result
@@ -231,22 +281,55 @@ class Codec:
             ValueError: out of the wrong size, non-contiguous, not on the frame's
                 device, or requiring grad.
         """
+        import torch
+
         if isinstance(frame, torch.Tensor) and frame.device.type == "cuda":
             return self.decode_cuda(frame, out, max_output_bytes)
         buf = _frame.as_frame_bytes(frame)
         params = _frame.get_frame_parameters(buf)
-        spec = params.spec
         tables, result = self._decode_target(params, out, max_output_bytes, torch.device("cpu"))
         if params.nchunks == 0:
             return result
-        bits, _ = as_bits(result)
-        status = np.zeros(params.nchunks, dtype=np.int32)
-        with self._threads(), _precompile.first_use("decode", spec):
-            decode_chunks(*self._kernel_args(buf, params, tables), bits, status)
-        _raise_on_status(status, params.nchunks)
+        self._decode_bits(buf, params, tables, as_bits(result)[0])
         return result
 
-    def decode_accumulate(self, frame, acc: torch.Tensor, *, add: bool = True) -> torch.Tensor:
+    def decode_into(self, frame, out: np.ndarray, max_output_bytes: int | None = None) -> np.ndarray:
+        """Decode a frame into a numpy array, bit for bit: :meth:`decode` without torch.
+
+        Args:
+            frame: a frame (numpy uint8 array or bytes-like; a CPU tensor works too).
+            out: a contiguous numpy array holding exactly the frame's bytes of elements
+                (any dtype: its bytes are written), e.g. a uint8 buffer of
+                ``numel * itemsize`` bytes.
+            max_output_bytes: as for :meth:`decode`; ``out`` bounds the size anyway.
+
+        Returns:
+            ``out``.
+
+        Raises:
+            FrameError: as :meth:`decode`.
+            TypeError: out is not a numpy array.
+            ValueError: out is not contiguous, or not the frame's size.
+        """
+        buf = _frame.as_frame_bytes(frame)
+        params = _frame.get_frame_parameters(buf)
+        tables = self._decode_tables(params, max_output_bytes)
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
+        if out.nbytes != params.numel * params.spec.itemsize:
+            raise ValueError(f"out has {out.nbytes} bytes, the frame holds {params.numel * params.spec.itemsize} "
+                             f"({params.numel} x {params.spec.name})")
+        if params.nchunks:
+            self._decode_bits(buf, params, tables, _as_bits_array(out, params.spec))
+        return out
+
+    def _decode_bits(self, buf: np.ndarray, params, tables: KernelTables, bits: np.ndarray) -> None:
+        status = np.zeros(params.nchunks, dtype=np.int32)
+        with self._threads(), _precompile.first_use("decode", params.spec):
+            decode_chunks(*self._kernel_args(buf, params, tables), bits, status)
+        _raise_on_status(status, params.nchunks)
+
+    def decode_accumulate(self, frame, acc, *, add: bool = True) -> "torch.Tensor":
         """Decode a frame and add its values into a float32 tensor, in one pass.
 
         ``acc[i] += float32(decoded[i])`` element by element (``add=False``: ``acc[i] =
@@ -282,6 +365,8 @@ class Codec:
             ValueError: acc has another number of elements than the frame, is not
                 contiguous, not on the frame's device, or requires grad.
         """
+        import torch
+
         if not isinstance(acc, torch.Tensor) or acc.dtype != torch.float32:
             what = acc.dtype if isinstance(acc, torch.Tensor) else type(acc).__name__
             raise TypeError(f"acc must be a float32 tensor, got {what}")
@@ -367,7 +452,7 @@ class Codec:
             FrameError: as :func:`comm_codec.core.frame.get_frame_parameters`.
             TypeError: not a frame's type.
         """
-        if isinstance(frame, torch.Tensor) and frame.device.type == "cuda":
+        if _is_cuda_tensor(frame):
             from . import gpu as _gpu
 
             return _gpu.frame_parameters(frame)
@@ -381,8 +466,8 @@ class Codec:
             tables = self._enc_cache[key] = encode_tables(self.codebooks, kind, spec)
         return tables
 
-    def _decode_target(self, params, out, max_output_bytes, device: torch.device):
-        """Check a frame's size limit and books; return its tables and the output tensor."""
+    def _decode_tables(self, params, max_output_bytes) -> KernelTables:
+        """Check a frame's size limit and books; return its decode tables."""
         spec = params.spec
         if max_output_bytes is not None and params.numel * spec.itemsize > max_output_bytes:
             raise FrameError(
@@ -391,6 +476,14 @@ class Codec:
         tables = self.decode_cache.get(self.codebooks, params.book_ids)
         if params.nchunks:
             tables.check_books(params.table["books"])
+        return tables
+
+    def _decode_target(self, params, out, max_output_bytes, device):
+        """Check a frame's size limit and books; return its tables and the output tensor."""
+        import torch
+
+        spec = params.spec
+        tables = self._decode_tables(params, max_output_bytes)
         if out is not None:
             return tables, self._check_out(out, params, device)
         try:
@@ -405,7 +498,9 @@ class Codec:
             ) from None
 
     @staticmethod
-    def _check_out(out, params, device: torch.device) -> torch.Tensor:
+    def _check_out(out, params, device) -> "torch.Tensor":
+        import torch
+
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
         if out.dtype != params.spec.dtype:
@@ -425,7 +520,7 @@ class Codec:
         return out
 
     # -- GPU ------------------------------------------------------------------------------
-    def encode_cuda(self, tensor: torch.Tensor, kind: str = "gradient") -> torch.Tensor:
+    def encode_cuda(self, tensor, kind: str = "gradient") -> "torch.Tensor":
         """Encode with the numba.cuda kernels: a CUDA tensor, or a CPU one under the simulator.
 
         The frame's bytes equal :meth:`encode`'s on the CPU. :meth:`encode` calls this
@@ -445,6 +540,8 @@ class Codec:
             ValueError: an unknown kind, or a CPU tensor without the simulator.
             RuntimeError: a CUDA tensor while ``NUMBA_ENABLE_CUDASIM=1`` is set.
         """
+        import torch
+
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
         spec = spec_for(tensor.dtype)
@@ -454,14 +551,15 @@ class Codec:
         return _gpu.encode_frame(tensor, spec, tables, self._device_tables(tables, tensor.device),
                                   self.chunk_elems, self.checksum)
 
-    def decode_cuda(self, frame: torch.Tensor, out: torch.Tensor | None = None,
-                    max_output_bytes: int | None = None) -> torch.Tensor:
+    def decode_cuda(self, frame, out=None, max_output_bytes: int | None = None) -> "torch.Tensor":
         """Decode with the numba.cuda kernels: a frame on a CUDA device, or a CPU one under the simulator.
 
         :meth:`decode` calls this for CUDA frames; see :meth:`encode_cuda` for the
         simulator. Args, Returns and Raises: as for :meth:`decode`; the output is on the
         frame's device.
         """
+        import torch
+
         if not isinstance(frame, torch.Tensor):
             raise TypeError(f"a frame is a 1-D torch.uint8 tensor, got {type(frame).__name__}")
         if frame.dtype != torch.uint8 or frame.dim() != 1:
@@ -480,7 +578,7 @@ class Codec:
         return result
 
     @staticmethod
-    def _device_tables(tables: KernelTables, device: torch.device):
+    def _device_tables(tables: KernelTables, device):
         from . import gpu as _gpu
 
         dev = tables.on_device.get(device)

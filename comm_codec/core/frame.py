@@ -27,6 +27,7 @@ confined to one word, the folded value misses such a change with probability 2**
 from __future__ import annotations
 
 import dataclasses
+import sys
 import zlib
 
 import numpy as np
@@ -296,14 +297,10 @@ def as_frame_bytes(frame) -> np.ndarray:
     Raises:
         TypeError: any other type, dtype or shape, or a non-contiguous memoryview.
     """
-    import torch
-
-    if isinstance(frame, torch.Tensor):
-        if frame.dtype != torch.uint8 or frame.dim() != 1:
-            raise TypeError(f"a frame is a 1-D torch.uint8 tensor, got {frame.dtype} with shape {tuple(frame.shape)}")
-        if frame.device.type != "cpu":
-            frame = frame.cpu()
-        return frame.contiguous().numpy()
+    if isinstance(frame, np.ndarray):
+        if frame.dtype != np.uint8 or frame.ndim != 1:
+            raise TypeError(f"a frame is a 1-D uint8 array, got {frame.dtype} with shape {frame.shape}")
+        return np.ascontiguousarray(frame)
     if isinstance(frame, memoryview) and not frame.contiguous:
         raise TypeError(
             f"a frame given as a memoryview must be contiguous; this one (strides {frame.strides}) is not: "
@@ -311,8 +308,11 @@ def as_frame_bytes(frame) -> np.ndarray:
         )
     if isinstance(frame, (bytes, bytearray, memoryview)):
         return np.frombuffer(frame, dtype=np.uint8)
-    if isinstance(frame, np.ndarray):
-        if frame.dtype != np.uint8 or frame.ndim != 1:
-            raise TypeError(f"a frame is a 1-D uint8 array, got {frame.dtype} with shape {frame.shape}")
-        return np.ascontiguousarray(frame)
+    torch = sys.modules.get("torch")  # a tensor exists only once torch is loaded
+    if torch is not None and isinstance(frame, torch.Tensor):
+        if frame.dtype != torch.uint8 or frame.dim() != 1:
+            raise TypeError(f"a frame is a 1-D torch.uint8 tensor, got {frame.dtype} with shape {tuple(frame.shape)}")
+        if frame.device.type != "cpu":
+            frame = frame.cpu()
+        return frame.contiguous().numpy()
     raise TypeError(f"a frame is a 1-D torch.uint8 tensor, got {type(frame).__name__}")

@@ -1,20 +1,21 @@
 """Memory around the kernels: recycled output blocks, huge pages, and torch's thread count kept.
 
 The kernels (:mod:`comm_codec.kernels`) take numpy arrays; the codec hands them the
-memory of torch tensors. :func:`empty_output` allocates those outputs, and
-:func:`torch_threads_kept` wraps every parallel kernel call.
+memory of torch tensors. :func:`empty_output` allocates those outputs (:func:`empty_bytes`
+the same for numpy callers), and :func:`torch_threads_kept` wraps every parallel kernel
+call. torch is imported only by the functions that make tensors.
 """
 
 import contextlib
 import logging
 import os
+import sys
 import threading
 import weakref
 
 import numpy as np
-import torch
 
-__all__ = ["torch_threads_kept", "OutputPool", "output_pool", "empty_output", "POOL_MIN_BYTES"]
+__all__ = ["torch_threads_kept", "OutputPool", "output_pool", "empty_output", "empty_bytes", "POOL_MIN_BYTES"]
 
 
 @contextlib.contextmanager
@@ -24,8 +25,12 @@ def torch_threads_kept():
     numba's OpenMP layer sets the calling thread's OpenMP thread count when a parallel
     kernel runs, and torch reads the same setting: a rank pinned with
     torch.set_num_threads(1) would silently go back to all cores (several ranks on a
-    few cores then oversubscribe them).
+    few cores then oversubscribe them). In a process without torch there is nothing to keep.
     """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
     before = torch.get_num_threads()
     try:
         yield
@@ -49,7 +54,6 @@ def _libc_madvise():
     try:
         import ctypes
         import ctypes.util
-        import sys
 
         if not sys.platform.startswith("linux"):
             return None
@@ -148,7 +152,29 @@ if hasattr(os, "register_at_fork"):  # a fork while another thread held the lock
     os.register_at_fork(after_in_child=output_pool.reset_after_fork)
 
 
-def empty_output(numel: int, dtype: torch.dtype) -> torch.Tensor:
+def empty_bytes(nbytes: int) -> np.ndarray:
+    """An uninitialized uint8 array for a kernel to fill: recycled memory when it is large.
+
+    The numpy counterpart of :func:`empty_output` (same pool, same rule): arrays of
+    :data:`POOL_MIN_BYTES` or more are views of pooled blocks, which go back to the pool
+    once the last array on them is gone.
+
+    Args:
+        nbytes: size in bytes.
+
+    Returns:
+        A 1-D contiguous uint8 array of ``nbytes`` bytes.
+    """
+    nbytes = int(nbytes)
+    if nbytes < POOL_MIN_BYTES or output_pool.limit == 0:
+        return np.empty(nbytes, dtype=np.uint8)
+    block = output_pool.take(nbytes)
+    view = block[:nbytes]
+    weakref.finalize(view, output_pool.give, block).atexit = False
+    return view
+
+
+def empty_output(numel: int, dtype) -> "torch.Tensor":
     """An uninitialized 1-D CPU tensor for a kernel to fill: recycled memory when it is large.
 
     Outputs of 1 MiB or more are views of blocks from :data:`output_pool`: memory that an
@@ -167,6 +193,8 @@ def empty_output(numel: int, dtype: torch.dtype) -> torch.Tensor:
     Returns:
         A 1-D contiguous CPU tensor of ``numel`` elements.
     """
+    import torch
+
     itemsize = torch.empty(0, dtype=dtype).element_size()
     nbytes = int(numel) * itemsize
     if nbytes < POOL_MIN_BYTES or output_pool.limit == 0:

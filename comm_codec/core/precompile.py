@@ -29,12 +29,11 @@ import threading
 import time
 
 import numpy as np
-import torch
 
 from ..kernels import jit as _jit
 from ..kernels.histogram import chunk_histograms, huffman_costs
 from .huffman import Codebook
-from .streams import ACCUMULABLE_DTYPES, SUPPORTED_DTYPES, as_bits, spec_for
+from .streams import SUPPORTED_NAMES, as_bits, is_accumulable, spec_for
 
 __all__ = ["precompile", "is_precompiled", "first_use", "cache_location"]
 
@@ -50,8 +49,10 @@ if not _jit.CACHING:
                 "directory to cache them")
 
 
-def _sample(dtype: torch.dtype) -> torch.Tensor:
+def _sample(dtype) -> "torch.Tensor":
     """A small tensor that takes every planning path: dense, masked and all-zero chunks."""
+    import torch
+
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4096, generator=g) * 1e-2
     if dtype in (torch.int8, torch.uint8):
@@ -99,7 +100,7 @@ def first_use(operation: str, spec):
                   width, seconds)
 
 
-def _profile_kernels(x: torch.Tensor) -> None:
+def _profile_kernels(x) -> None:
     """Run the kernels that book fitting runs, with the argument types it passes them.
 
     :class:`comm_codec.WarmupProfiler` histograms chunks (chunk_histograms over int64
@@ -138,7 +139,9 @@ def precompile(codec, dtypes=None, profiler: bool = False) -> dict:
     Raises:
         TypeError: an unsupported dtype.
     """
-    specs = [spec_for(d) for d in (SUPPORTED_DTYPES if dtypes is None else dtypes)]
+    import torch
+
+    specs = [spec_for(d) for d in (SUPPORTED_NAMES if dtypes is None else dtypes)]
     spent = {}
     for spec in specs:
         with _lock:  # two threads' first calls: one compiles, the other waits for it
@@ -154,7 +157,7 @@ def precompile(codec, dtypes=None, profiler: bool = False) -> dict:
                     continue
                 if not torch.equal(out.view(torch.uint8), x.reshape(-1).view(torch.uint8)):
                     raise RuntimeError(f"precompile round trip of {spec.name} is not bit-exact")  # pragma: no cover
-                if spec.dtype in ACCUMULABLE_DTYPES:  # the all-reduce's decode-and-add
+                if is_accumulable(spec):  # the all-reduce's decode-and-add
                     codec.decode_accumulate(frame, torch.zeros(x.numel(), dtype=torch.float32))
                 if profiler:
                     with first_use("profiling", spec):

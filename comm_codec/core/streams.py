@@ -25,23 +25,30 @@ Stream 0 of a float type is its *exponent stream*: the exponent sits in its top 
 
 Non-contiguous tensors are accepted everywhere and copied to contiguous memory first;
 contiguous CPU tensors are used without a copy.
+
+This module does not import torch: a :class:`StreamSpec` names its torch dtype and
+gives the dtype object (``spec.dtype``) only when asked, so the checkpoint commands,
+which code numpy arrays of a file's bytes, run without torch. ``SUPPORTED_DTYPES`` and
+``ACCUMULABLE_DTYPES`` (tuples of torch dtypes) import torch when first read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
-import torch
 
 from ..kernels.layout import bits_dtype
 
 __all__ = [
     "ACCUMULABLE_DTYPES",
     "StreamSpec",
+    "is_accumulable",
     "SUPPORTED_DTYPES",
     "spec_for",
     "spec_for_code",
+    "SUPPORTED_NAMES",
     "as_bits",
     "split",
     "join",
@@ -53,7 +60,8 @@ class StreamSpec:
     """How one dtype is laid out in byte streams.
 
     Attributes:
-        dtype: the torch dtype.
+        torch_name: the torch dtype's name ("bfloat16"); ``dtype`` is the dtype itself
+            (imports torch on first use).
         code: the dtype's number in the frame header (stable; never reuse one).
         name: the short name used in codebook files ("bf16", ...).
         itemsize: bytes per element; also the number of streams.
@@ -62,12 +70,19 @@ class StreamSpec:
             has no exponent (integers), in which case stream 0 is coded as is.
     """
 
-    dtype: torch.dtype
+    torch_name: str
     code: int
     name: str
     itemsize: int
     rotate: bool
     exp_shift: int
+
+    @functools.cached_property
+    def dtype(self):
+        """The torch dtype (torch is imported here, not before)."""
+        import torch
+
+        return getattr(torch, self.torch_name)
 
     @property
     def nstreams(self) -> int:
@@ -84,33 +99,49 @@ class StreamSpec:
 
 
 _SPECS = (
-    StreamSpec(torch.bfloat16, 1, "bf16", 2, True, 0),
-    StreamSpec(torch.float16, 2, "fp16", 2, True, 3),
-    StreamSpec(torch.float32, 3, "fp32", 4, True, 0),
-    StreamSpec(torch.float8_e4m3fn, 4, "fp8_e4m3", 1, True, 4),
-    StreamSpec(torch.float8_e5m2, 5, "fp8_e5m2", 1, True, 3),
-    StreamSpec(torch.int8, 6, "int8", 1, False, -1),
-    StreamSpec(torch.uint8, 7, "uint8", 1, False, -1),
+    StreamSpec("bfloat16", 1, "bf16", 2, True, 0),
+    StreamSpec("float16", 2, "fp16", 2, True, 3),
+    StreamSpec("float32", 3, "fp32", 4, True, 0),
+    StreamSpec("float8_e4m3fn", 4, "fp8_e4m3", 1, True, 4),
+    StreamSpec("float8_e5m2", 5, "fp8_e5m2", 1, True, 3),
+    StreamSpec("int8", 6, "int8", 1, False, -1),
+    StreamSpec("uint8", 7, "uint8", 1, False, -1),
 )
-_BY_DTYPE = {s.dtype: s for s in _SPECS}
+_BY_TORCH_NAME = {s.torch_name: s for s in _SPECS}
 _BY_CODE = {s.code: s for s in _SPECS}
 _BY_NAME = {s.name: s for s in _SPECS}
 
-SUPPORTED_DTYPES = tuple(s.dtype for s in _SPECS)
+# The torch names of the supported dtypes ("bfloat16", ...), without importing torch.
+SUPPORTED_NAMES = tuple(s.torch_name for s in _SPECS)
 # The float types whose frames add into a float32 sum (Codec.decode_accumulate): what the
 # coded all-reduce, reduce-scatter and reduce sum.
-ACCUMULABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ACCUMULABLE_NAMES = ("bfloat16", "float16", "float32")
+
+
+def __getattr__(name: str):
+    # The torch dtype tuples import torch when first read (PEP 562), not with the module.
+    if name == "SUPPORTED_DTYPES":
+        return tuple(s.dtype for s in _SPECS)
+    if name == "ACCUMULABLE_DTYPES":
+        return tuple(_BY_TORCH_NAME[n].dtype for n in _ACCUMULABLE_NAMES)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def is_accumulable(spec: StreamSpec) -> bool:
+    """Whether frames of this layout add into a float32 sum (bfloat16, float16, float32)."""
+    return spec.torch_name in _ACCUMULABLE_NAMES
 
 
 def _supported_names() -> str:
-    return ", ".join(str(s.dtype).replace("torch.", "") for s in _SPECS)
+    return ", ".join(SUPPORTED_NAMES)
 
 
 def spec_for(dtype) -> StreamSpec:
     """Return the stream layout of ``dtype``.
 
     Args:
-        dtype: a torch dtype, or a codebook dtype name such as ``"bf16"``.
+        dtype: a torch dtype, a codebook dtype name such as ``"bf16"``, or a torch
+            dtype's name such as ``"bfloat16"``.
 
     Returns:
         The :class:`StreamSpec` for that dtype.
@@ -118,7 +149,12 @@ def spec_for(dtype) -> StreamSpec:
     Raises:
         TypeError: the dtype is not supported; the message lists the supported ones.
     """
-    spec = _BY_NAME.get(dtype) if isinstance(dtype, str) else _BY_DTYPE.get(dtype)
+    if isinstance(dtype, str):
+        spec = _BY_NAME.get(dtype) or _BY_TORCH_NAME.get(dtype)
+    elif type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype":  # torch is loaded already
+        spec = _BY_TORCH_NAME.get(str(dtype).removeprefix("torch."))
+    else:
+        spec = None
     if spec is None:
         raise TypeError(
             f"comm_codec cannot code dtype {dtype}; supported dtypes are {_supported_names()}"
@@ -131,7 +167,7 @@ def spec_for_code(code: int) -> StreamSpec | None:
     return _BY_CODE.get(code)
 
 
-def as_bits(tensor: torch.Tensor) -> tuple[np.ndarray, StreamSpec]:
+def as_bits(tensor) -> tuple[np.ndarray, StreamSpec]:
     """View a CPU tensor's elements as a flat numpy array of unsigned bit patterns.
 
     Contiguous tensors are viewed without a copy; others are copied once.
@@ -147,6 +183,8 @@ def as_bits(tensor: torch.Tensor) -> tuple[np.ndarray, StreamSpec]:
         TypeError: not a tensor, or an unsupported dtype.
         ValueError: the tensor is not on the CPU.
     """
+    import torch
+
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     spec = spec_for(tensor.dtype)
@@ -167,7 +205,7 @@ def _rotr(bits: np.ndarray, width: int) -> np.ndarray:
     return (bits >> 1) | (bits << (width - 1))
 
 
-def split(tensor: torch.Tensor) -> list[np.ndarray]:
+def split(tensor) -> list[np.ndarray]:
     """Split a tensor into its byte streams (a reference implementation, not the hot path).
 
     The kernels in :mod:`comm_codec.kernels` do the same per chunk without
@@ -192,7 +230,7 @@ def split(tensor: torch.Tensor) -> list[np.ndarray]:
     ]
 
 
-def join(streams: list[np.ndarray], dtype: torch.dtype) -> torch.Tensor:
+def join(streams: list[np.ndarray], dtype) -> "torch.Tensor":
     """Join byte streams made by :func:`split` back into a 1-D tensor.
 
     Args:
@@ -213,6 +251,8 @@ def join(streams: list[np.ndarray], dtype: torch.dtype) -> torch.Tensor:
     if any(len(s) != n for s in streams):
         raise ValueError("all streams must have the same length")
     udt = np.dtype(f"u{spec.itemsize}")
+    import torch
+
     rot = np.zeros(n, dtype=udt)
     for s, stream in enumerate(streams):
         rot |= stream.astype(udt) << (8 * (spec.itemsize - 1 - s))
