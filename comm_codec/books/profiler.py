@@ -46,9 +46,9 @@ from __future__ import annotations
 
 import datetime
 import logging
+import typing
 
 import numpy as np
-import torch
 
 from ..core.codebooks import CodebookGroup, CodebookSet, as_codebook_set, check_kind
 from ..core.codec import DEFAULT_CHUNK_ELEMS
@@ -56,6 +56,9 @@ from ..core.huffman import Codebook, entropy_bits, optimal_lengths
 from ..core.memory import torch_threads_kept
 from ..kernels.histogram import chunk_histograms, huffman_costs
 from ..core.streams import as_bits, spec_for
+
+if typing.TYPE_CHECKING:
+    import torch
 
 __all__ = ["WarmupProfiler", "ProfileStatistics", "STORED_KINDS", "WIRE_MIN_GAIN", "chunk_counts", "stream_counts", "coding_cost", "book_cost",
            "grow_group", "merge_rows"]
@@ -97,7 +100,9 @@ def chunk_counts(tensor: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
         TypeError: unsupported dtype.
         ValueError: a stream number outside 0..nstreams-1 of the tensor's dtype.
     """
-    if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
+    # torch is imported only by callers that hold tensors (the checkpoint path passes arrays)
+    device = getattr(tensor, "device", None)
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
         tensor = tensor.detach().cpu()
     bits, spec = as_bits(tensor)
     if streams is None:
@@ -275,6 +280,8 @@ class WarmupProfiler:
 
     def observe_optimizer(self, optimizer: torch.optim.Optimizer, kind: str = "optimizer_state") -> None:
         """Observe every floating-point tensor in an optimizer's state (Adam moments...)."""
+        import torch
+
         for state in optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 1:
@@ -290,6 +297,8 @@ class WarmupProfiler:
         Returns:
             The hook handles; call ``.remove()`` on each to stop observing.
         """
+        import torch
+
         def hook(module, inputs, output):
             if isinstance(output, (tuple, list)):
                 output = output[0]
