@@ -60,6 +60,7 @@ TIERS = {
     "test_collectives.py": ("dist", {"test_engine_precompiles_the_coded_dtype_before_a_coded_call": "unit",
                                      "test_a_first_coded_call_that_waits_for_kernels_says_so": "unit"}),
     "test_cuda.py": "unit",  # the simulator run is pytest in a child process, not the CLI
+    "test_dcp.py": ("unit", {"test_fsdp2_*": "dist"}),
     "test_ddp.py": ("dist", {"test_hook_annotations_are_the_types_ddp_checks": "unit",
                              "test_huffman_state_rejects_bad_arguments": "unit",
                              "test_huffman_state_codebooks_from_path": "unit"}),
@@ -111,6 +112,7 @@ SLOW: dict[str, tuple[str, ...]] = {
                             "!test_reduce_scatter_bit_exact_rank_order[average-bf16-world2]",
                             "test_a_peer_announcing_an_impossible_size_fails_every_honest_rank_in_time"),
     "test_cuda.py": ("test_cuda_kernels_in_simulator",),
+    "test_dcp.py": ("test_fsdp2_checkpoint_of_two_ranks_loads_on_four",),
     "test_ddp.py": ("*world3*", "test_ddp_gradients_bit_exact_rank_order_average[*]",
                     "!test_ddp_gradients_bit_exact_rank_order_average[warmup2-bf16-world2]",
                     "test_ddp_robust_configurations_stay_bit_exact[*]",

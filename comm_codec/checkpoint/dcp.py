@@ -1,0 +1,688 @@
+"""torch.distributed.checkpoint (DCP) storage that keeps tensor data as codec frames.
+
+``dcp.save(sd, storage_writer=Writer(path))`` and ``dcp.load(sd, storage_reader=Reader(path))``
+write and read an ordinary DCP directory (``.metadata`` plus one ``__<rank>_0.distcp``
+file per rank) in which every tensor of a dtype the codec supports is one frame, coded
+with books chosen for it, and everything else (other dtypes, non-tensor values) is
+stored as :class:`FileSystemWriter` stores it.
+
+**Why a writer and not an extension.** DCP's extension seam
+(``StreamTransformExtension``, as its ``ZStandard``) transforms the byte stream of each
+write item: for a tensor that is ``torch.save``'s zip of it, with no dtype in sight, so
+it could only code bytes as zstd does. A ``StorageWriter`` gets the ``WriteItem`` (its
+fully qualified name and tensor properties) and the tensor itself, so it can split
+each element into its byte streams and code weights and optimizer state with their own
+books, exactly as ``comm-codec compress`` does. :class:`Writer` subclasses
+:class:`FileSystemWriter` for everything but the data files (planning, staging for
+``dcp.async_save``, the ``.metadata`` file) and :class:`Reader` subclasses
+:class:`FileSystemReader` likewise; both are plain DCP storage, so resharding and
+``async_save`` work as with DCP's own.
+
+**Books.** Each tensor's books are chosen as the file compressor chooses them
+(:mod:`comm_codec.checkpoint.plan`): from a sample of its chunks, the shipped weight or
+optimizer-state books, books of its own, or raw, by expected size. A data file ends
+with a book table (JSON) and a fixed trailer: the books of its own that its frames
+use, the groups they form, and the digest of the shipped set; shipped books are named
+by id only. Frames name their books by id, so a frame decodes only with the very books
+it was made with.
+
+**Records.** Each frame's entry in ``.metadata`` is DCP's own per-item record with the
+transform descriptor :data:`FRAME_DESCRIPTOR`: a plain ``FileSystemReader`` refuses such
+a directory with "Unknown extension" instead of misreading frames as ``torch.save`` data.
+
+**Untrusted directories.** DCP's ``FileSystemReader`` unpickles ``.metadata`` with
+``pickle.load`` and the default planner loads non-tensor values with
+``torch.load(weights_only=False)``: a crafted directory runs code. :class:`Reader`
+unpickles ``.metadata`` with an allow-list of DCP's metadata classes, checks every
+record (file names inside the directory, chunks inside their tensors), checks each
+non-tensor value with ``torch.load(weights_only=True)`` before handing it on (unless
+``trusted=True``), and checks every size a file claims against what the metadata says
+the item holds before reading or decoding it. Any problem raises :class:`CheckpointError`
+naming the file; ``dcp.load`` wraps it in DCP's ``CheckpointException`` (its
+``failures``), which :func:`load` unwraps.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import os
+import pickle
+import re
+import stat
+import struct
+import zlib
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint import load as dcp_load
+# _StorageInfo is the per-item record FileSystemReader reads; storing ours in the same
+# class keeps the directory an ordinary DCP one (and .metadata loadable by DCP itself).
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from ..core.codebooks import CodebookGroup, CodebookSet, as_codebook_set
+from ..core.codec import Codec
+from ..core.errors import CheckpointError, CodebookError, FrameError
+from ..core.frame import header_size
+from ..core.huffman import Codebook
+from ..core.quoting import printable
+from ..core.streams import SUPPORTED_DTYPES, spec_for
+from .formats import FileTensor
+from .plan import CHUNK_SIZES, BookChooser, make_codec, plan_tensor
+
+__all__ = ["FRAME_DESCRIPTOR", "MAX_METADATA_BYTES", "Reader", "Writer", "kind_of", "load"]
+
+log = logging.getLogger(__name__)
+
+# The transform descriptor of a frame's record (DCP's "name/version" form).
+FRAME_DESCRIPTOR = "comm_codec.frame/1"
+# Largest .metadata read: DCP writes ~300 bytes per tensor chunk.
+MAX_METADATA_BYTES = 1 << 30
+_METADATA_NAME = ".metadata"  # FileSystemWriter's name for it
+_DATA_SUFFIX = ".distcp"  # and for its data files
+_BOOKS_FORMAT = "comm_codec.dcp.books"
+_BOOKS_VERSION = 1
+_MAX_BOOKS_BYTES = 64 << 20  # a book takes ~400 bytes of JSON
+# At the very end of a data file: magic, book table offset and length, its CRC-32, zero.
+_TRAILER = struct.Struct("<8sQQII")
+_TRAILER_MAGIC = b"CCDCPBK1"
+_RAW_ID = "0" * 16
+# Tensors this small are coded with the shipped books at once: a book of their own
+# would cost more in the table than it saves, and planning costs ~0.3 ms a tensor.
+_PLAN_MIN_ELEMS = 1 << 14
+# torch.save's zip around a tensor that is stored as DCP stores it: a few kB at most.
+_TORCH_SAVE_SLACK = 1 << 20
+_OPTIMIZER_NAME = re.compile(r"exp_avg|momentum|(^|\.)(optim|optimizer|state)\.", re.IGNORECASE)
+
+
+def kind_of(fqn: str) -> str:
+    """Return the tensor kind whose books suit a state-dict entry, from its name.
+
+    Optimizer state as ``get_state_dict`` and ``Optimizer.state_dict`` name it
+    (``optim.state.<param>.exp_avg``, ``state.0.exp_avg_sq``, ``...momentum_buffer``) is
+    ``"optimizer_state"``; everything else ``"weight"``. The kind only picks the shipped
+    books a tensor is weighed against: a wrong guess costs bytes, never correctness.
+
+    Args:
+        fqn: the flattened state-dict key DCP gives a write item.
+
+    Returns:
+        ``"optimizer_state"`` or ``"weight"``.
+    """
+    return "optimizer_state" if _OPTIMIZER_NAME.search(fqn) else "weight"
+
+
+class _TensorBytes:
+    """A tensor's bytes where :func:`plan_tensor` expects a file map (it reads ``u8`` only)."""
+
+    def __init__(self, u8: np.ndarray):
+        self._u8 = u8
+
+    def u8(self, offset: int, length: int) -> np.ndarray:
+        return self._u8[offset:offset + length]
+
+
+def _as_u8(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
+    return t.reshape(-1).view(ints).numpy().view(np.uint8)
+
+
+class Writer(FileSystemWriter):
+    """A DCP ``StorageWriter`` that stores tensors as codec frames.
+
+    Use as ``dcp.save(state_dict, storage_writer=Writer(path))`` or
+    ``dcp.async_save(...)``: with ``async_save`` the state dict is staged (copied to CPU)
+    on the calling thread and coded on DCP's writer thread. Each rank writes one data
+    file; tensors of a codec dtype become frames, other tensors and non-tensor values
+    are stored as :class:`FileSystemWriter` stores them. Coding runs on one thread.
+
+    Args:
+        path: the checkpoint directory (created if missing).
+        codebooks: the shipped books tensors are weighed against (a
+            :class:`CodebookSet`, a path to one, or None for the default set). A reader
+            needs the same set for frames that use them.
+        kind: ``fqn -> kind`` choosing those books per tensor; default :func:`kind_of`.
+        sync_files: fsync each data file and the metadata (as FileSystemWriter).
+        overwrite: allow writing over an existing checkpoint (as FileSystemWriter).
+        cache_staged_state_dict: keep the CPU copy that ``async_save`` stages into,
+            for the next save (as FileSystemWriter).
+
+    Raises:
+        TypeError, FileNotFoundError, CodebookError: bad ``codebooks`` (see
+            :func:`comm_codec.core.codebooks.as_codebook_set`).
+    """
+
+    def __init__(self, path, *, codebooks=None, kind=None, sync_files: bool = True, overwrite: bool = True,
+                 cache_staged_state_dict: bool = False):
+        super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1,
+                         overwrite=overwrite, cache_staged_state_dict=cache_staged_state_dict)
+        self.codebooks = as_codebook_set(codebooks)
+        self.kind = kind_of if kind is None else kind
+        self._shipped_codec = None  # for tensors too small to plan; made on first use
+
+    def write_data(self, plan, planner) -> Future:
+        """Write this rank's items into ``<prefix>0.distcp``; return their records (a done Future)."""
+        name = f"{plan.storage_data.prefix}0{_DATA_SUFFIX}"
+        results = self._write_file(os.path.join(os.fspath(self.path), name), name, plan.items, planner)
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_file(self, path: str, name: str, items, planner) -> list:
+        chooser = BookChooser(self.codebooks)
+        results, raw, coded = [], 0, 0
+        with open(path, "wb") as fh:
+            pos = 0
+            for item in items:
+                data = planner.resolve_data(item)
+                descriptors = None
+                if item.type == WriteItemType.BYTE_IO:
+                    payload = data.getbuffer()
+                else:
+                    tensor = data.detach()
+                    if tensor.device.type != "cpu":  # frames of CUDA tensors would stay on the GPU
+                        tensor = tensor.cpu()
+                    if tensor.dtype in SUPPORTED_DTYPES:
+                        frame = self._encode(tensor, item.index.fqn, chooser)
+                        payload = memoryview(frame.numpy())
+                        descriptors = [FRAME_DESCRIPTOR]
+                        raw += tensor.numel() * tensor.element_size()
+                        coded += len(payload)
+                    else:
+                        payload = _torch_save(tensor)
+                fh.write(payload)
+                length = len(payload)
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=_StorageInfo(name, pos, length,
+                                                                     transform_descriptors=descriptors)))
+                pos += length
+            table = self._book_table(chooser)
+            fh.write(table)
+            fh.write(_TRAILER.pack(_TRAILER_MAGIC, pos, len(table), zlib.crc32(table), 0))
+            fh.flush()
+            if self.sync_files:
+                os.fsync(fh.fileno())
+        log.info("%s: %d items, tensors of codec dtypes %d -> %d bytes", path, len(results), raw, coded)
+        return results
+
+    def _encode(self, tensor: torch.Tensor, fqn: str, chooser: BookChooser) -> torch.Tensor:
+        """One tensor's frame, with the books its sample says are smallest."""
+        kind = self.kind(fqn)
+        if tensor.numel() < _PLAN_MIN_ELEMS:
+            if self._shipped_codec is None:
+                self._shipped_codec = Codec(self.codebooks, threads=1)
+            return self._shipped_codec.encode(tensor, kind=kind)
+        tensor = tensor.contiguous()
+        spec = spec_for(tensor.dtype)
+        planned = FileTensor(name=fqn, dtype=str(tensor.dtype).replace("torch.", ""), shape=list(tensor.shape),
+                             offset=0, nbytes=tensor.numel() * spec.itemsize, kind=kind, codable=True)
+        plan_tensor(planned, _TensorBytes(_as_u8(tensor)), None, None, chooser)
+        return planned.codec.encode(tensor, kind="weight")  # make_codec keys its books as "weight"
+
+    def _book_table(self, chooser: BookChooser) -> bytes:
+        """The file's book table: books of its own (shipped ones by id only) and groups."""
+        own = {book_id: entry["book"] for book_id, entry in chooser.books.items()
+               if self.codebooks.by_id(book_id) is None}
+        table = {"format": _BOOKS_FORMAT, "version": _BOOKS_VERSION, "shipped": self.codebooks.digest,
+                 "books": own, "groups": dict(chooser.groups)}
+        return json.dumps(table, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _torch_save(tensor: torch.Tensor) -> memoryview:
+    """A tensor as FileSystemWriter stores it: ``torch.save`` of it, storage cut to its elements."""
+    if tensor.untyped_storage().size() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()  # torch.save writes the whole storage of a view
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    return buf.getbuffer()
+
+
+# -- reading ------------------------------------------------------------------------------------
+_METADATA_GLOBALS = {
+    **{("torch.distributed.checkpoint.metadata", c.__name__): c
+       for c in (Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata, TensorProperties,
+                 MetadataIndex, StorageMeta)},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch", "Size"): torch.Size,
+    ("collections", "OrderedDict"): __import__("collections").OrderedDict,
+}
+# Named, not imported: what DCP's metadata pickles refer to besides its dataclasses.
+_METADATA_NAMES = {
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),  # an Enum of three values
+    ("torch.serialization", "_get_layout"),  # a lookup of torch's layouts by name
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),  # StorageMeta.checkpoint_id
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickle DCP metadata: its own classes, torch dtypes and sizes, paths; nothing else."""
+
+    def find_class(self, module, name):
+        found = _METADATA_GLOBALS.get((module, name))
+        if found is not None:
+            return found
+        if (module, name) in _METADATA_NAMES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refers to {printable(module, 60)}.{printable(name, 60)}, which DCP "
+                                     "metadata never holds")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("holds a persistent id, which DCP metadata never holds")
+
+
+def _open_regular(path: str):
+    """Open a regular file for reading (checked before and after open: a FIFO would block)."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path} is not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    fh = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        fh.close()
+        raise CheckpointError(f"{path} is not a regular file")
+    return fh
+
+
+def _plain_name(name) -> bool:
+    """Whether a recorded file name is one file inside the checkpoint directory."""
+    return (isinstance(name, str) and 0 < len(name) <= 255 and name not in (".", "..") and "/" not in name
+            and "\\" not in name and "\0" not in name and name != _METADATA_NAME)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_size(x, ndim: int | None = None) -> bool:
+    return isinstance(x, torch.Size) and (ndim is None or len(x) == ndim) and all(_is_int(d) and d >= 0 for d in x)
+
+
+def _check_metadata(md, path: str) -> None:
+    """Check every field of unpickled metadata that reading relies on; CheckpointError if not."""
+    def bad(what):
+        raise CheckpointError(f"{path}: not a DCP checkpoint's metadata ({what})")
+
+    if not isinstance(md, Metadata):
+        bad(f"holds a {type(md).__name__}")
+    if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
+        bad("no state_dict_metadata or storage_data mapping")
+    for fqn, entry in md.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            bad("a key that is not a string")
+        if isinstance(entry, BytesStorageMetadata):
+            continue
+        if not isinstance(entry, TensorStorageMetadata) or not isinstance(entry.properties, TensorProperties) \
+                or not isinstance(entry.properties.dtype, torch.dtype) or not _check_size(entry.size) \
+                or not isinstance(entry.chunks, list):
+            bad(f"entry {printable(fqn, 80)} is malformed")
+        for chunk in entry.chunks:
+            if not isinstance(chunk, ChunkStorageMetadata) or not _check_size(chunk.offsets, len(entry.size)) \
+                    or not _check_size(chunk.sizes, len(entry.size)) \
+                    or any(o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, entry.size)):
+                bad(f"entry {printable(fqn, 80)} has a chunk outside its tensor {tuple(entry.size)}")
+    for index, info in md.storage_data.items():
+        if not isinstance(index, MetadataIndex) or index.fqn not in md.state_dict_metadata:
+            bad("a storage record for no entry")
+        if not isinstance(info, _StorageInfo) or not _plain_name(info.relative_path) \
+                or not (_is_int(info.offset) and _is_int(info.length) and info.offset >= 0 and info.length >= 0):
+            bad(f"the storage record of {printable(index.fqn, 80)} is malformed (a file name must name a file "
+                "in the checkpoint directory)")
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors is not None and not (isinstance(descriptors, (list, tuple))
+                                            and all(isinstance(d, str) for d in descriptors)):
+            bad(f"the storage record of {printable(index.fqn, 80)} has malformed transforms")
+
+
+def _max_frame_bytes(numel: int, spec) -> int:
+    """The most bytes a frame of numel elements can take: raw data, the chunk table of the
+    smallest chunks the codec makes (8 elements) and 8 bytes of padding per chunk and stream."""
+    nchunks = -(-numel // 8)
+    return numel * spec.itemsize + header_size(spec.nstreams, nchunks) + 8 * (spec.nstreams + 1) * nchunks
+
+
+class _DataFile:
+    """One open data file of a checkpoint: bounded reads, and its book table once asked for."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fh = _open_regular(path)
+        self.size = os.fstat(self.fh.fileno()).st_size
+        self._books = None
+
+    def read(self, offset: int, length: int, what: str) -> np.ndarray:
+        if offset + length > self.size:
+            raise CheckpointError(f"{self.path}: truncated: {what} lies at bytes {offset}..{offset + length}, "
+                                  f"the file has {self.size}")
+        buf = np.empty(length, dtype=np.uint8)
+        self.fh.seek(offset)
+        view, got = memoryview(buf), 0
+        while got < length:
+            n = self.fh.readinto(view[got:])
+            if not n:
+                raise CheckpointError(f"{self.path}: truncated while reading {what}")
+            got += n
+        return buf
+
+    def books(self, shipped: CodebookSet) -> dict:
+        """id -> Codebook or CodebookGroup, of every book and group the file's table names."""
+        if self._books is None:
+            self._books = self._read_books(shipped)
+        return self._books
+
+    def _read_books(self, shipped: CodebookSet) -> dict:
+        path = self.path
+        if self.size < _TRAILER.size:
+            raise CheckpointError(f"{path}: truncated or not a comm_codec DCP data file (no book table)")
+        magic, offset, length, crc, zero = _TRAILER.unpack(bytes(self.read(self.size - _TRAILER.size,
+                                                                          _TRAILER.size, "the trailer")))
+        if magic != _TRAILER_MAGIC or zero != 0:
+            raise CheckpointError(f"{path}: truncated or not a comm_codec DCP data file (no book table at its end)")
+        if length > _MAX_BOOKS_BYTES or offset + length + _TRAILER.size != self.size:
+            raise CheckpointError(f"{path}: the book table's place ({offset}, {length} bytes) is not before the "
+                                  "trailer: truncated or corrupted")
+        raw = bytes(self.read(offset, length, "the book table"))
+        if zlib.crc32(raw) != crc:
+            raise CheckpointError(f"{path}: the book table is corrupted (CRC-32 mismatch)")
+        try:
+            table = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise CheckpointError(f"{path}: the book table is not JSON") from None
+        if not isinstance(table, dict) or table.get("format") != _BOOKS_FORMAT \
+                or table.get("version") != _BOOKS_VERSION or not isinstance(table.get("books"), dict) \
+                or not isinstance(table.get("groups"), dict):
+            raise CheckpointError(f"{path}: the book table is not a {_BOOKS_FORMAT} version {_BOOKS_VERSION} table")
+        books: dict = {}
+        for book_id, entry in table["books"].items():
+            try:
+                book = Codebook.from_dict(entry)
+            except (CodebookError, KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise CheckpointError(f"{path}: codebook {printable(book_id, 20)}: {exc}") from None
+            if book.id != book_id:
+                raise CheckpointError(f"{path}: codebook listed as {printable(book_id, 20)} is {book.id}")
+            books[book_id] = book
+
+        def member(book_id):
+            found = books.get(book_id) if isinstance(book_id, str) else None
+            if found is None and isinstance(book_id, str):
+                found = shipped.by_id(book_id)
+            if found is None:
+                raise CheckpointError(_missing(path, book_id, table.get("shipped"), shipped))
+            return found
+
+        for group_id, members in table["groups"].items():
+            if not isinstance(members, list) or not 1 <= len(members) <= CodebookGroup.MAX_BOOKS:
+                raise CheckpointError(f"{path}: codebook group {printable(group_id, 20)} is malformed")
+            try:
+                group = CodebookGroup([member(b) for b in members])
+            except (ValueError, TypeError) as exc:
+                if isinstance(exc, CheckpointError):
+                    raise
+                raise CheckpointError(f"{path}: codebook group {printable(group_id, 20)}: {exc}") from None
+            if group.id != group_id:
+                raise CheckpointError(f"{path}: codebook group listed as {printable(group_id, 20)} is {group.id}")
+            books[group_id] = group
+        books["_shipped"] = table.get("shipped")
+        return books
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+def _missing(path: str, book_id, written_with, shipped: CodebookSet) -> str:
+    why = ("" if written_with == shipped.digest else
+           f"; it was written with shipped books {printable(written_with, 40)}, this reader has {shipped.digest}")
+    return f"{path}: a frame needs codebook {printable(book_id, 20)}, which neither the file nor the shipped books hold{why}"
+
+
+class Reader(FileSystemReader):
+    """A DCP ``StorageReader`` for directories written by :class:`Writer` (or plain DCP).
+
+    Use as ``dcp.load(state_dict, storage_reader=Reader(path))``, on any number of ranks
+    (or in one process without a process group): DCP's planner reshards. Frames are
+    decoded bit for bit into the destination tensors; items stored as DCP stores them
+    (plain DCP directories too) are read as ``FileSystemReader`` reads them, with
+    ``weights_only=True``. Directories written with DCP's stream extensions (ZStandard)
+    are refused: read them with ``FileSystemReader``.
+
+    Nothing from the directory is trusted: see the module docstring. Problems raise
+    :class:`CheckpointError` naming the file; :func:`load` surfaces it unwrapped.
+
+    Args:
+        path: the checkpoint directory.
+        codebooks: the shipped books the writer used (None: the default set).
+        trusted: hand non-tensor values to DCP's planner without first checking that
+            ``torch.load(weights_only=True)`` accepts them (DCP's planner itself loads them
+            with ``weights_only=False``). Only for directories you wrote yourself.
+
+    Raises:
+        TypeError, FileNotFoundError, CodebookError: bad ``codebooks``.
+    """
+
+    def __init__(self, path, *, codebooks=None, trusted: bool = False):
+        super().__init__(path)
+        self.codebooks = as_codebook_set(codebooks)
+        self.trusted = bool(trusted)
+        self._chunks: dict = {}  # (fqn, chunk offsets) -> (dtype, chunk sizes)
+        self._codecs: dict = {}  # (dtype name, book ids) -> Codec
+
+    # No **kwargs: DCP then reads the global .metadata only, never a rank's own.
+    def read_metadata(self) -> Metadata:
+        """Read ``.metadata`` with an allow-list unpickler and check it.
+
+        Returns:
+            The checkpoint's :class:`Metadata`.
+
+        Raises:
+            CheckpointError: no such file, not a regular file, larger than
+                :data:`MAX_METADATA_BYTES`, a pickle that refers to anything but DCP's
+                metadata classes, or records that point outside the directory or
+                outside their tensors.
+        """
+        path = os.path.join(os.fspath(self.path), _METADATA_NAME)
+        try:
+            with _open_regular(path) as fh:
+                raw = fh.read(MAX_METADATA_BYTES + 1)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: no such file: {os.fspath(self.path)} is not a DCP checkpoint") from None
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+        if len(raw) > MAX_METADATA_BYTES:
+            raise CheckpointError(f"{path}: larger than {MAX_METADATA_BYTES} bytes: not DCP metadata")
+        try:
+            md = _MetadataUnpickler(io.BytesIO(raw)).load()
+        except Exception as exc:  # a crafted pickle raises whatever its opcodes provoke
+            raise CheckpointError(f"{path}: not DCP metadata, or truncated or tampered "
+                                  f"({type(exc).__name__}: {printable(str(exc), 160)})") from None
+        _check_metadata(md, path)
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        """Take the records of every item (as FileSystemReader) and each chunk's dtype and size."""
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._chunks = {}
+        for fqn, entry in metadata.state_dict_metadata.items():
+            if isinstance(entry, TensorStorageMetadata):
+                for chunk in entry.chunks:
+                    self._chunks[(fqn, tuple(chunk.offsets))] = (entry.properties.dtype, tuple(chunk.sizes))
+
+    def read_data(self, plan, planner) -> Future:
+        """Read and decode every item of this rank's plan into the planner's tensors.
+
+        Raises:
+            CheckpointError: a file missing, truncated or tampered; a frame that does not
+                hold what the metadata says; books the reader does not have.
+        """
+        per_file: dict = {}
+        for req in plan.items:
+            info = self.storage_data.get(req.storage_index)
+            if info is None:
+                raise CheckpointError(f"{os.path.join(os.fspath(self.path), _METADATA_NAME)}: no storage record "
+                                      f"for {printable(req.storage_index.fqn, 80)}")
+            per_file.setdefault(info.relative_path, []).append((req, info))
+        for name, reqs in per_file.items():
+            path = os.path.join(os.fspath(self.path), name)
+            try:
+                data = _DataFile(path)
+            except FileNotFoundError:
+                raise CheckpointError(f"{path}: no such file (the checkpoint's metadata names it)") from None
+            except OSError as exc:
+                raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+            try:
+                for req, info in sorted(reqs, key=lambda r: r[1].offset):
+                    try:
+                        self._read_item(data, req, info, planner)
+                    except CheckpointError:
+                        raise
+                    except (FrameError, CodebookError, OSError, RuntimeError, ValueError, TypeError, EOFError,
+                            pickle.UnpicklingError) as exc:
+                        raise CheckpointError(f"{path}: {printable(req.storage_index.fqn, 80)}: "
+                                              f"{printable(str(exc), 200)}") from None
+            finally:
+                data.close()
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_item(self, data: _DataFile, req, info, planner) -> None:
+        descriptors = tuple(getattr(info, "transform_descriptors", None) or ())
+        fqn = printable(req.storage_index.fqn, 80)
+        if descriptors not in ((), (FRAME_DESCRIPTOR,)):
+            raise CheckpointError(f"{data.path}: {fqn} was written with DCP extension(s) "
+                                  f"{printable(', '.join(descriptors), 80)}; read it with FileSystemReader")
+        if req.type == LoadItemType.BYTE_IO:
+            if descriptors:
+                raise CheckpointError(f"{data.path}: {fqn}: a non-tensor value recorded as a frame")
+            raw = bytes(data.read(info.offset, info.length, fqn))
+            if not self.trusted:
+                try:
+                    torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+                except Exception as exc:  # torch.load raises many types on foreign bytes
+                    raise CheckpointError(
+                        f"{data.path}: {fqn}: a non-tensor value that weights-only loading refuses "
+                        f"({type(exc).__name__}); DCP's planner would unpickle it with weights_only=False. "
+                        "If you trust this checkpoint, read it with Reader(path, trusted=True)") from None
+            planner.load_bytes(req, io.BytesIO(raw))
+            return
+        known = self._chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+        if known is None:
+            raise CheckpointError(f"{data.path}: {fqn}: the metadata has no chunk at "
+                                  f"{tuple(req.storage_index.offset or ())}")
+        dtype, sizes = known
+        if len(req.storage_offsets) != len(sizes) or any(
+                o < 0 or n < 0 or o + n > s for o, n, s in zip(req.storage_offsets, req.lengths, sizes)):
+            raise CheckpointError(f"{data.path}: {fqn}: a read outside its stored chunk {sizes}")
+        target = planner.resolve_tensor(req).detach()
+        if tuple(target.shape) != tuple(req.lengths):
+            raise CheckpointError(f"{data.path}: {fqn}: the destination has shape {tuple(target.shape)}, the "
+                                  f"read {tuple(req.lengths)}")
+        numel = math.prod(sizes)
+        if descriptors:
+            stored = self._decode(data, info, dtype, sizes, numel, target, fqn)
+        else:
+            stored = self._torch_load(data, info, dtype, sizes, numel, fqn)
+        if stored is not target:
+            for dim, (offset, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                stored = stored.narrow(dim, offset, length)
+            target.copy_(stored)
+        planner.commit_tensor(req, target)
+
+    def _decode(self, data: _DataFile, info, dtype, sizes, numel, target, fqn):
+        """Decode a frame record: into target when it is the whole chunk, else into a new tensor."""
+        if dtype not in SUPPORTED_DTYPES:
+            raise CheckpointError(f"{data.path}: {fqn}: a frame recorded for a {dtype} tensor, which the codec "
+                                  "does not code")
+        spec = spec_for(dtype)
+        most = _max_frame_bytes(numel, spec)
+        if info.length > most:
+            raise CheckpointError(f"{data.path}: {fqn}: its record claims a {info.length}-byte frame; a frame of "
+                                  f"{numel} x {spec.name} takes at most {most}")
+        buf = data.read(info.offset, info.length, fqn)
+        params = Codec.frame_parameters(buf)
+        if params.dtype != dtype or params.numel != numel:
+            raise CheckpointError(f"{data.path}: {fqn}: the frame holds {params.numel} x {params.spec.name}, the "
+                                  f"metadata says {numel} x {spec.name}")
+        codec = self._codec(data, params)
+        whole = tuple(target.shape) == tuple(sizes) and target.dtype == dtype and target.is_contiguous() \
+            and target.device.type == "cpu"
+        out = target if whole else torch.empty(sizes, dtype=dtype)
+        codec.decode(buf, out=out)
+        return out
+
+    def _codec(self, data: _DataFile, params) -> Codec:
+        key = (params.spec.name, params.book_ids)
+        codec = self._codecs.get(key)
+        if codec is None:
+            books = None
+            groups = []
+            for book_id in params.book_ids:
+                if book_id == _RAW_ID:
+                    groups.append(Codebook.raw_book())
+                    continue
+                books = data.books(self.codebooks) if books is None else books
+                found = books.get(book_id)
+                for lookup in (self.codebooks.group_by_id, self.codebooks.by_id):
+                    found = lookup(book_id) if found is None else found
+                if found is None:
+                    raise CheckpointError(_missing(data.path, book_id, books.get("_shipped"), self.codebooks))
+                groups.append(found)
+            # Frames carry their chunk size; the codec's own is not used to decode.
+            codec = self._codecs[key] = make_codec(groups, params.spec, CHUNK_SIZES[0])
+        return codec
+
+    def _torch_load(self, data: _DataFile, info, dtype, sizes, numel, fqn):
+        """Load a tensor stored as DCP stores it, checked against its metadata."""
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        if info.length > numel * itemsize + _TORCH_SAVE_SLACK:
+            raise CheckpointError(f"{data.path}: {fqn}: its record claims {info.length} bytes for a "
+                                  f"{numel * itemsize}-byte tensor")
+        raw = data.read(info.offset, info.length, fqn)
+        tensor = torch.load(io.BytesIO(raw.tobytes()), map_location="cpu", weights_only=True)
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != tuple(sizes):
+            what = f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise CheckpointError(f"{data.path}: {fqn}: holds {what}, the metadata says {dtype} {tuple(sizes)}")
+        return tensor
+
+
+def load(state_dict: dict, path, *, process_group=None, planner=None, codebooks=None, trusted: bool = False) -> None:
+    """``dcp.load`` from a :class:`Reader` of path, raising its CheckpointError itself.
+
+    ``dcp.load`` wraps what a storage reader raises in DCP's ``CheckpointException``
+    (per rank, with tracebacks); this raises the first rank's :class:`CheckpointError`
+    instead, and checks the metadata before DCP plans anything.
+
+    Args:
+        state_dict: as for ``dcp.load``: tensors allocated where they are to be loaded.
+        path: the checkpoint directory.
+        process_group, planner: as for ``dcp.load``.
+        codebooks, trusted: as for :class:`Reader`.
+
+    Raises:
+        CheckpointError: the directory is missing, foreign, truncated or tampered.
+        CheckpointException: any other failure, as ``dcp.load`` raises it.
+    """
+    reader = Reader(path, codebooks=codebooks, trusted=trusted)
+    reader.read_metadata()
+    try:
+        dcp_load(state_dict, storage_reader=reader, process_group=process_group, planner=planner)
+    except CheckpointException as exc:
+        for rank in sorted(exc.failures):
+            error = exc.failures[rank][0]
+            if isinstance(error, CheckpointError):
+                raise error.with_traceback(None) from None
+        raise
