@@ -688,3 +688,21 @@ def test_plan_bytes_chooses_what_plan_tensor_chooses_for_the_same_bytes(tmp_path
             plan_bytes(in_memory, data[:-2], BookChooser(CodebookSet.default()))
     finally:
         m.close()
+
+
+def test_filemap_keeps_a_read_for_the_next_reader_of_the_same_range(tmp_path, monkeypatch):
+    from comm_codec.checkpoint import files
+
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(range(256)) * 64)
+    m = FileMap(str(p))
+    try:
+        a = m.u8(256, 512, keep=True)
+        assert m.u8(256, 512) is a  # handed on, not read again
+        assert m.u8(256, 512) is not a and bytes(m.u8(256, 512)) == bytes(a)  # once only
+        assert m.u8(0, 512, keep=True) is not m.u8(0, 256)  # another range: read
+        monkeypatch.setattr(files, "KEEP_BYTES", 1024)
+        first, second = m.u8(0, 1024, keep=True), m.u8(1024, 1024, keep=True)
+        assert m.u8(0, 1024) is not first and m.u8(1024, 1024) is second  # the oldest went first
+    finally:
+        m.close()

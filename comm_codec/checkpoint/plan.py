@@ -152,7 +152,9 @@ class BookChooser:
         """Return whole chunks spread evenly over a tensor's bytes (all of them for a small one).
 
         Whole chunks, aligned as the encoder cuts them, so each sampled chunk gets the
-        reference exponent the encoder will give it; and only they are read.
+        reference exponent the encoder will give it; and only they are read. A tensor
+        sampled whole is read with ``keep`` (:meth:`FileMap.u8`): its coder gets the same
+        array instead of reading it again. Planning leaves the sample's bytes unchanged.
 
         Args:
             data: the tensor's bytes (a uint8 array), or a :class:`FileMap` holding them.
@@ -173,7 +175,10 @@ class BookChooser:
         starts = at = picks * self.chunk_elems
         lengths = np.minimum(starts + self.chunk_elems, numel) - starts
         if take == nchunks:  # every chunk: the whole tensor, one read
-            u8 = read(0, numel * spec.itemsize)
+            # kept for the coder, which reads the same bytes next (a small tensor is one
+            # segment): planning reads nothing the coding does not
+            u8 = data.u8(offset, numel * spec.itemsize, keep=True) if isinstance(data, FileMap) else \
+                read(0, numel * spec.itemsize)
             if u8.ctypes.data % spec.itemsize:
                 u8 = u8.copy()
             bits = u8.view(spec.bits_dtype)
