@@ -360,7 +360,8 @@ def register(subparsers) -> None:
                    help="worker threads (default: all cores, at most NUMBA_NUM_THREADS); for a directory, "
                         "files coded at once")
     p = subparsers.add_parser(
-        "compress", usage="comm-codec compress [options] SRC [DST]\n       comm-codec compress [options] -m FILE...",
+        "compress",
+        usage="comm-codec compress [options] SRC [DST]\n       comm-codec compress [options] -m FILE...",
         help="compress a checkpoint (safetensors, torch .pt/.bin, any file, or a directory) losslessly",
         description="Compress a checkpoint file; decompress restores it byte for byte. DST defaults to SRC.cckp "
                     "(-m: every argument is an input, each to FILE.cckp; stops at the first that fails). The "
@@ -406,7 +407,8 @@ def register(subparsers) -> None:
     p.set_defaults(func=_cmd_compress)
 
     p = subparsers.add_parser(
-        "decompress", usage="comm-codec decompress [options] SRC [DST]\n       comm-codec decompress [options] -m FILE.cckp...",
+        "decompress",
+        usage="comm-codec decompress [options] SRC [DST]\n       comm-codec decompress [options] -m FILE.cckp...",
         help="restore a compressed checkpoint (file or directory), byte for byte",
         description="Restore the original checkpoint; its digest (BLAKE3; sha256 for files written before) is "
                     "checked before the output file appears (when DST is stdout the bytes stream out as they "
