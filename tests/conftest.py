@@ -56,6 +56,7 @@ TIERS = {
     "test_checkpoint_imports.py": "cli",  # fresh interpreters run the API calls
     "test_checkpoint_truncated.py": "cli",
     "test_cli.py": "cli",
+    "test_cli_conventions.py": "unit",  # the command line in-process (cli.main), real pipes and a pty
     "test_codec.py": "unit",
     "test_collectives.py": ("dist", {"test_engine_precompiles_the_coded_dtype_before_a_coded_call": "unit",
                                      "test_a_first_coded_call_that_waits_for_kernels_says_so": "unit"}),
@@ -66,6 +67,7 @@ TIERS = {
                              "test_huffman_state_codebooks_from_path": "unit"}),
     "test_decode_lanes.py": "unit",
     "test_deepspeed.py": ("unit", dict.fromkeys(_DEEPSPEED_RUN, "dist")),
+    "test_directories.py": "unit",  # the command line in-process (cli.main)
     "test_frame.py": "unit",
     "test_fsdp.py": ("dist", {"test_state_validates_options": "unit",
                               "test_demo_command_rejects_bad_options": "unit",

@@ -120,6 +120,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     for register in (profile_cli.register, demo_cli.register, checkpoint_cli.register, precompile_cli.register):
         register(sub)
+    parser.subcommands = sub.choices  # name -> parser, for usage errors in the subcommand's words
     return parser
 
 
@@ -136,7 +137,8 @@ def main(argv=None) -> int:
     # The benchmark has its own options (comm_codec.tools.bench); hand it whatever follows.
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "bench":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        # The subcommand's own usage, which names the options it does take.
+        parser.subcommands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "bench":
         args.rest = [*extra, *args.rest]
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
