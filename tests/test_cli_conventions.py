@@ -198,3 +198,27 @@ def test_streams_through_real_pipes_and_a_terminal_is_refused(files, monkeypatch
         tty.close()
         os.close(master)
     assert "refusing to write a decompressed checkpoint to a terminal" in capfd.readouterr().err
+
+
+def test_ls_lists_every_entry_and_which_share_a_storage(tmp_path, capsys):
+    # An LSTM's weights and views of them: five state-dict entries on two storages.
+    g = torch.Generator().manual_seed(9)
+    flat = torch.randn(4 * 64 * 32, generator=g)
+    sd = {"lstm.weight_ih_l0": flat.view(4 * 64, 32), "lstm.gates.i": flat[: 64 * 32].view(64, 32),
+          "lstm.gates.f": flat[64 * 32: 2 * 64 * 32].view(64, 32), "lstm.flat": flat,
+          "bias": torch.randn(256, generator=g)}
+    torch.save(sd, tmp_path / "lstm.pt")
+    assert cli.main(["compress", "-q", str(tmp_path / "lstm.pt"), str(tmp_path / "lstm.cckp")]) == 0
+    capsys.readouterr()
+    assert cli.main(["ls", str(tmp_path / "lstm.cckp")]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("lstm.", "bias"))}
+    assert set(rows) == set(sd), out
+    assert "64x32" in rows["lstm.gates.f"] and "8192" in rows["lstm.flat"]
+    for name in ("lstm.gates.i", "lstm.gates.f", "lstm.flat"):
+        assert "shares the storage of lstm.weight_ih_l0" in rows[name], out
+    assert "shares" not in rows["bias"] and "shares" not in rows["lstm.weight_ih_l0"]
+    assert "5 entries on 2 storages" in out
+    # The restored file is still the original, byte for byte.
+    assert cli.main(["decompress", "-q", str(tmp_path / "lstm.cckp"), str(tmp_path / "back.pt")]) == 0
+    assert _bytes(tmp_path / "back.pt") == _bytes(tmp_path / "lstm.pt")

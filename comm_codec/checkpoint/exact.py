@@ -781,11 +781,16 @@ def describe(path) -> str:
         f"{len(index['tensors'])} tensors, {sum(t['coding'] == 'frame' for t in index['tensors'])} coded, "
         f"{sum(t['transform'] != 'none' for t in index['tensors'])} as deltas",
     ]
+    nentries = sum(len(t.get("entries") or [None]) for t in index["tensors"])
+    if nentries != len(index["tensors"]):
+        lines.append(f"entries   {nentries} entries on {len(index['tensors'])} storages "
+                     "(views and tied weights share one; each is listed)")
     origin = {bid: e["origin"] for bid, e in index["books"].items()}
     own = sum(o == "tensor" for o in origin.values())
     lines.append(f"books     {own} per-tensor, {len(origin) - own} shipped")
     names = [printable(t["name"]) for t in index["tensors"]]
-    width = max([len(n) for n in names] + [6])
+    shared = [printable(e[0]) for t in index["tensors"] for e in (t.get("entries") or [])[1:]]
+    width = max([len(n) for n in names + shared] + [6])
     lines.append(f"{'tensor':<{width}}  {'dtype':<13} {'shape':<16} {'kind':<15} {'coding':<10} {'chunk':>6} "
                  f"{'ratio':>6}  books")
     for i, (name, t) in enumerate(zip(names, index["tensors"])):
@@ -799,6 +804,10 @@ def describe(path) -> str:
         chunk = f"{t['chunk_elems'] >> 10}Ki" if t.get("chunk_elems") else "-"
         lines.append(f"{name:<{width}}  {printable(t['dtype'], 64):<13} {shape:<16} {printable(t['kind'], 64):<15} "
                      f"{how:<10} {chunk:>6} {ratio:>6}  {bk}")
+        for entry, eshape in (t.get("entries") or [])[1:]:
+            eshape = "-" if eshape is None else "x".join(map(str, eshape)) or "scalar"
+            lines.append(f"{printable(entry):<{width}}  {printable(t['dtype'], 64):<13} {eshape:<16} "
+                         f"shares the storage of {name}")
     opaque_in = sum(s[1] for s in index["segments"] if s[6] < 0)
     opaque_out = sum(s[3] for s in index["segments"] if s[6] < 0)
     other = f"{opaque_in / max(1, opaque_out):.3f}" if opaque_in else "-"
