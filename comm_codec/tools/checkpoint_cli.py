@@ -65,10 +65,13 @@ def _threads(text: str) -> int:
 
 
 def _is_lossy(path) -> bool:
-    from ..checkpoint import lossy
+    # By the magic alone: the lossy module imports torch, which exact files never need.
+    from ..checkpoint.container import identify
+    from ..checkpoint.files import open_regular
 
     try:
-        return lossy.is_lossy(path)
+        with open_regular(os.fspath(path)) as fh:
+            return identify(fh.read(8)) == "lossy"
     except (IsADirectoryError, FileNotFoundError, PermissionError):
         return False  # the command itself reports it, with its own wording
 
@@ -215,7 +218,7 @@ def _cmd_compress(args) -> int:
 
 
 def _compress_one(args, src: str, dst: str, books) -> None:
-    from ..checkpoint import exact as checkpoint, lossy
+    from ..checkpoint import exact as checkpoint
 
     if src != "-" and os.path.isdir(src):
         from ..checkpoint import directory
@@ -235,6 +238,8 @@ def _compress_one(args, src: str, dst: str, books) -> None:
             summary = checkpoint.compress_file(path, out, base=args.base, threads=_used_threads(args),
                                                codebooks=books, progress=_progress(args))
         else:
+            from ..checkpoint import lossy
+
             summary = lossy.compress_file(
                 path, out, mode=args.lossy, base=args.base,
                 bits=lossy.DEFAULT_BITS if args.bits is None else args.bits,
@@ -252,7 +257,7 @@ def _cmd_decompress(args) -> int:
 
 
 def _decompress_one(args, src: str, dst: str) -> None:
-    from ..checkpoint import exact as checkpoint, lossy
+    from ..checkpoint import exact as checkpoint
 
     if src != "-" and os.path.isdir(src):
         from ..checkpoint import directory
@@ -269,6 +274,8 @@ def _decompress_one(args, src: str, dst: str) -> None:
     threads = _used_threads(args)
     with _local_input(src, dst) as path:
         if _is_lossy(path):
+            from ..checkpoint import lossy
+
             with _local_output(dst) as out:
                 summary = lossy.decompress_file(path, out, base=args.base, threads=threads)
         elif dst == "-":
@@ -283,7 +290,7 @@ def _decompress_one(args, src: str, dst: str) -> None:
 
 
 def _cmd_verify(args) -> int:
-    from ..checkpoint import exact as checkpoint, lossy
+    from ..checkpoint import exact as checkpoint
 
     for file in args.files:
         if file != "-" and os.path.isdir(file):
@@ -294,6 +301,8 @@ def _cmd_verify(args) -> int:
             continue
         with _local_input(file, "-") as path:
             if _is_lossy(path):
+                from ..checkpoint import lossy
+
                 _say(args, lossy.verify_file(path, base=args.base, threads=_used_threads(args)).line())
                 continue
             summary = checkpoint.verify_file(path, base=args.base, threads=_used_threads(args),
@@ -306,7 +315,7 @@ def _cmd_verify(args) -> int:
 
 
 def _cmd_ls(args) -> int:
-    from ..checkpoint import exact as checkpoint, lossy
+    from ..checkpoint import exact as checkpoint
 
     for k, file in enumerate(args.files):
         if k:
@@ -315,8 +324,12 @@ def _cmd_ls(args) -> int:
             from ..checkpoint import directory
 
             print(directory.describe_dir(file))
+        elif _is_lossy(file):
+            from ..checkpoint import lossy
+
+            print(lossy.describe(file))
         else:
-            print(lossy.describe(file) if _is_lossy(file) else checkpoint.describe(file))
+            print(checkpoint.describe(file))
     return 0
 
 

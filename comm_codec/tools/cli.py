@@ -31,7 +31,7 @@ _ERROR_LIMIT = 1000
 
 def _cmd_inspect(args) -> int:
     """Print what a frame file's header says, or list a compressed (exact or lossy) checkpoint."""
-    from ..checkpoint import container, exact, lossy
+    from ..checkpoint import container, exact
     from ..checkpoint.files import open_regular
     from ..core.errors import CheckpointError
     from ..core.frame import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, HEADER_BYTES, get_frame_parameters, header_size
@@ -42,6 +42,8 @@ def _cmd_inspect(args) -> int:
             print(exact.describe(args.file))
             return 0
         if kind == "lossy":
+            from ..checkpoint import lossy  # imports torch, which the other kinds never need
+
             print(lossy.describe(args.file))
             return 0
         if kind is None:
