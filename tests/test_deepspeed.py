@@ -1,7 +1,7 @@
 """Tests of the DeepSpeed plugin (comm_codec.deepspeed) with real DeepSpeed on gloo ranks.
 
 What is pinned: the "comm_codec" config section is validated with messages that name the
-key and what is allowed; unsupported setups (ZeRO-3, pipeline engine, 1-bit optimizers,
+key and what is allowed; unsupported setups (ZeRO++, NVMe offload, pipeline engine, 1-bit optimizers,
 other DeepSpeed versions) and unreadable codebook files fail at initialize; and on two
 gloo ranks, ZeRO stages 0, 1 and 2 in fp32 and bf16 train to the same losses with the
 plugin as without it, while sending fewer bytes.

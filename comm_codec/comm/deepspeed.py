@@ -1,4 +1,4 @@
-"""DeepSpeed plugin: ZeRO 0/1/2 gradient reduction with Huffman-coded frames.
+"""DeepSpeed plugin: ZeRO 0-3 gradient reduction (and ZeRO-3 parameter all-gathers) with Huffman-coded frames.
 
 Add a ``"comm_codec"`` section to the DeepSpeed config and call
 :func:`initialize` where you called ``deepspeed.initialize`` (same arguments, same
@@ -40,9 +40,11 @@ swapped (so DeepSpeed's pre-/post-scaling, ``gradient_predivide_factor``,
 Sums are rank-order float32 sums rounded once to the buffer dtype, so with two ranks the
 results equal DeepSpeed's bit for bit; with more they differ in the last bit (summation
 order), as two NCCL algorithms do. Norm, overflow and parameter all-gather traffic stays
-uncompressed. Unsupported setups (ZeRO-3, pipeline or hybrid engines, MoE, sequence or
-tensor parallelism, optimizer offload, sparse embeddings, non-CPU devices, DeepSpeed
-other than 0.19.x) are refused at :func:`initialize` / :func:`install` with a message
+uncompressed at stages 0-2; ZeRO-3's parameter all-gathers and gradient reduce-scatters
+are :mod:`comm_codec.comm.zero3`'s seams. Offload to the CPU changes nothing on the wire
+and is covered. Unsupported setups (ZeRO++ quantization and hpZ, NVMe offload, pipeline
+or hybrid engines, MoE, sequence or tensor parallelism, sparse embeddings, non-CPU
+devices, DeepSpeed other than 0.19.x) are refused at :func:`initialize` / :func:`install` with a message
 naming the feature, instead of running uncompressed while claiming to compress.
 
 **Warmup.** ``"warmup_steps": N`` reduces plainly for N optimizer steps while a
