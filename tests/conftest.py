@@ -53,7 +53,7 @@ TIERS = {
     "test_bench.py": "unit",  # bench.run in-process
     "test_huff0.py": "unit",
     "test_checkpoint.py": ("unit", {"test_cli_*": "cli"}),
-    "test_checkpoint_imports.py": "cli",  # fresh interpreters run the API calls
+    "test_checkpoint_imports.py": "cli",  # fresh interpreters run the API calls and the commands
     "test_checkpoint_truncated.py": "cli",
     "test_cli.py": "cli",
     "test_cli_conventions.py": "unit",  # the command line in-process (cli.main), real pipes and a pty
