@@ -58,14 +58,23 @@ ROWS = ("zero3", "always", "auto", "zero++")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--links", default="1,10,0", help="Gbit/s, comma-separated; 0 = unshaped (default: 1,10,0)")
-    p.add_argument("--warm", type=int, default=6, help="untimed steps per row (default 6)")
+    p.add_argument("--warm", type=int, default=None,
+                   help="untimed steps per row (default: enough for warmup and auto's first probe)")
+    p.add_argument("--probe-steps", type=int, default=4,
+                   help="auto's steps timed per mode in a probe (default 4, the engine's default)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of timed steps (default 3)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per row and round (default 2)")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank and step (default 4)")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--inside", help=argparse.SUPPRESS)  # the link this process runs (inside its namespace)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.probe_steps < 1:
+        p.error(f"--probe-steps takes a positive integer, got {args.probe_steps}")
+    if args.warm is None:
+        # auto decides after the warmup and one probe (probe_steps of each mode plus one uncounted step)
+        args.warm = _WARMUP_STEPS + 2 * args.probe_steps + 2
+    return args
 
 
 # -- the namespace ---------------------------------------------------------------------------
@@ -137,13 +146,17 @@ def _batches(tokenizer, batch, seq, rank, world, count):
     return [rows[order[((k * world + rank) * batch + torch.arange(batch)) % rows.shape[0]]] for k in range(count)]
 
 
-def _config(row: str, batch: int) -> dict:
+_WARMUP_STEPS = 2
+
+
+def _config(row: str, batch: int, probe_steps: int) -> dict:
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
     config = {"train_micro_batch_size_per_gpu": batch, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}},
               "bf16": {"enabled": True}, "zero_optimization": zero}
     if row in ("always", "auto"):
-        config["comm_codec"] = {"enabled": True, "mode": row, "warmup_steps": 2, "probe_steps": 1,
+        config["comm_codec"] = {"enabled": True, "mode": row, "warmup_steps": _WARMUP_STEPS,
+                                "probe_steps": probe_steps,
                                 "recheck_every": 10 ** 6, "log_every": 0}
     if row == "zero++":
         zero.update(zero_quantized_weights=True, zero_quantized_gradients=True)
@@ -168,7 +181,7 @@ def _rank(rank, world, port, args, out_path):
         fresh, _ = _minilm() if row != ROWS[0] else (model, None)
         try:
             engines[row] = ccds.initialize(model=fresh, model_parameters=fresh.parameters(),
-                                           config=_config(row, args.batch))[0]
+                                           config=_config(row, args.batch, args.probe_steps))[0]
         except Exception as exc:  # ZeRO++ on CPU: DeepSpeed's own error, printed in the table
             errors[row] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     rows = [r for r in ROWS if r in engines]
