@@ -53,9 +53,10 @@ TIERS = {
     "test_bench.py": "unit",  # bench.run in-process
     "test_huff0.py": "unit",
     "test_checkpoint.py": ("unit", {"test_cli_*": "cli"}),
-    "test_checkpoint_imports.py": "cli",  # fresh interpreters run the API calls
+    "test_checkpoint_imports.py": "cli",  # fresh interpreters run the API calls and the commands
     "test_checkpoint_truncated.py": "cli",
     "test_cli.py": "cli",
+    "test_cli_conventions.py": "unit",  # the command line in-process (cli.main), real pipes and a pty
     "test_codec.py": "unit",
     "test_collectives.py": ("dist", {"test_engine_precompiles_the_coded_dtype_before_a_coded_call": "unit",
                                      "test_a_first_coded_call_that_waits_for_kernels_says_so": "unit"}),
@@ -66,6 +67,7 @@ TIERS = {
                              "test_huffman_state_codebooks_from_path": "unit"}),
     "test_decode_lanes.py": "unit",
     "test_deepspeed.py": ("unit", dict.fromkeys(_DEEPSPEED_RUN, "dist")),
+    "test_directories.py": "unit",  # the command line in-process (cli.main)
     "test_frame.py": "unit",
     "test_fsdp.py": ("dist", {"test_state_validates_options": "unit",
                               "test_demo_command_rejects_bad_options": "unit",
@@ -82,6 +84,7 @@ TIERS = {
                                "test_cli_round_trip_and_errors": "cli"}),
     "test_profiler.py": "unit",
     "test_streams.py": "unit",
+    "test_zero3.py": "dist",
     "test_untrusted_bounds.py": ("unit", {"test_every_command_works_*": "cli", "test_a_bad_numba_*": "cli"}),
     "test_untrusted_names.py": "cli",
     "test_untrusted_lossy.py": ("cli", {"test_rounding_meets_*": "unit"}),
@@ -133,6 +136,9 @@ SLOW: dict[str, tuple[str, ...]] = {
     "test_lossy.py": ("test_cli_round_trip_and_errors",),
     "test_untrusted_names.py": "cli",
     "test_untrusted_lossy.py": ("test_a_gigabyte_claim_is_streamed_in_bounded_memory",),
+    "test_zero3.py": ("test_zero3_world4_bit_identical_to_rank_order_reference",
+                      "test_a_stalled_rank_fails_the_other_within_the_users_timeout",
+                      "test_zero3_warmup_builds_books_for_weights_and_gradients", "test_offload_at_stage_*"),
     "test_untrusted.py": ("test_crafted_inputs_exit_cleanly_in_bounded_memory",
                           "test_termination_signals_remove_the_temp_file[1]"),
 }

@@ -1,4 +1,4 @@
-"""The exact checkpoint path runs without torch: each API call in a fresh interpreter.
+"""The exact checkpoint path runs without torch: each API call and command in a fresh interpreter.
 
 compress, decompress, verify, ls (``describe``) and ``read_index`` of a safetensors file
 and of a ``torch.save`` zip must leave ``torch`` out of ``sys.modules``. The files are real: a safetensors file written with safetensors' numpy API and a torch zip
@@ -62,3 +62,18 @@ def test_checkpoint_calls_do_not_import_torch(tmp_path, fmt):
     seen = json.loads(r.stdout.strip().splitlines()[-1])
     assert not any(seen.values()), f"these calls on a {fmt} file imported torch: {seen}"
     assert (tmp_path / "x.out").read_bytes() == src.read_bytes()
+
+
+def test_checkpoint_commands_do_not_import_torch(tmp_path):
+    # The command line as a user runs it; -X importtime lists every module each command loads.
+    src = _files(tmp_path)["safetensors"]
+    cckp, out = tmp_path / "c.cckp", tmp_path / "c.out"
+    for args in (["compress", "-q", src, cckp], ["decompress", "-q", cckp, out], ["verify", cckp], ["ls", cckp],
+                 ["inspect", cckp]):
+        r = subprocess.run([sys.executable, "-X", "importtime", "-m", "comm_codec", *map(str, args)], cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (args[0], r.stderr[-2000:])
+        imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines()
+                    if line.startswith("import time:")}
+        assert "torch" not in imported, f"comm-codec {args[0]} imported torch"
+    assert out.read_bytes() == src.read_bytes()

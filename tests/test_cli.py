@@ -195,3 +195,25 @@ def test_existing_output_needs_force_and_a_compressed_input_is_refused(tmp_path)
 def test_checkpoint_commands_have_help_text(command, words):
     r = run_cli(command, "--help")
     assert r.returncode == 0 and words in " ".join(r.stdout.split()), r.stdout
+
+
+def test_a_sharded_directory_round_trips_through_the_command(tmp_path):
+    """The real command on an HF-style sharded directory: one line per file, one summary, and the
+    restored tree byte for byte (the library side is tests/test_directories.py)."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    for i in (1, 2):
+        save_file({f"l{i}.weight": torch.randn(128, 128).bfloat16()}, src / f"model-0000{i}-of-00002.safetensors")
+    (src / "model.safetensors.index.json").write_text('{"weight_map": {"l1.weight": "model-00001-of-00002"}}')
+    out, back = tmp_path / "hf.cckp", tmp_path / "back"
+    r = subprocess.run(f"{sys.executable} -m comm_codec compress {src} --threads 2 && "
+                       f"{sys.executable} -m comm_codec decompress {out} {back} -q", shell=True, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 4 and lines[-1].startswith("compressed a directory of 3 files: 2 compressed, 1 copied")
+    assert sorted(os.listdir(out)) == ["model-00001-of-00002.safetensors.cckp", "model-00002-of-00002.safetensors.cckp",
+                                       "model.safetensors.index.json"]
+    assert {p.name: p.read_bytes() for p in back.iterdir()} == {p.name: p.read_bytes() for p in src.iterdir()}

@@ -1,7 +1,7 @@
 """Tests of the DeepSpeed plugin (comm_codec.deepspeed) with real DeepSpeed on gloo ranks.
 
 What is pinned: the "comm_codec" config section is validated with messages that name the
-key and what is allowed; unsupported setups (ZeRO-3, pipeline engine, 1-bit optimizers,
+key and what is allowed; unsupported setups (ZeRO++, NVMe offload, pipeline engine, 1-bit optimizers,
 other DeepSpeed versions) and unreadable codebook files fail at initialize; and on two
 gloo ranks, ZeRO stages 0, 1 and 2 in fp32 and bf16 train to the same losses with the
 plugin as without it, while sending fewer bytes.
@@ -16,11 +16,15 @@ DeepSpeed costs seconds apiece.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,17 +40,40 @@ except ImportError:  # DeepSpeed not installed: only the import test below runs
 needs_deepspeed = pytest.mark.skipif(ccds is None, reason="needs the deepspeed extra")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _shared_memory_op_built():
-    """Build DeepSpeed's CPU shared-memory comm op once, here, before ranks start.
+# DeepSpeed's builds of its ops, private to these tests: a build killed half way in the
+# shared ~/.cache/torch_extensions leaves a lock on which every later run waits forever.
+EXTENSIONS_DIR = Path(tempfile.gettempdir()) / f"comm_codec-tests-torch-extensions-{os.getuid()}"
+# A build lock older than this is a dead build's (the op builds in about a minute).
+_STALE_LOCK_SECONDS = 900
 
-    Its first build (ninja + g++) takes minutes; inside a rank it would race the other
-    rank and eat the per-call timeout. Later loads come from torch's extension cache.
+
+@contextlib.contextmanager
+def torch_extensions_env():
+    """Build DeepSpeed's CPU shared-memory comm op in the tests' own extension dir; yield the ranks' env.
+
+    Its first build (ninja + g++) takes a minute or more; inside a rank it would race the
+    other rank and eat the per-call timeout. Later loads come from the cache. A lock left
+    by a killed build is removed once it is older than any build takes.
     """
-    if ccds is not None:
-        from deepspeed.accelerator import get_accelerator
+    env = {"TORCH_EXTENSIONS_DIR": str(EXTENSIONS_DIR), "DS_ACCELERATOR": "cpu",
+           # Two numba threads: numba's OpenMP layer would reset torch's thread count to 2.
+           "NUMBA_NUM_THREADS": "2"}
+    saved = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(EXTENSIONS_DIR)
+    try:
+        for lock in EXTENSIONS_DIR.glob("*/*/lock"):
+            if time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
+                lock.unlink(missing_ok=True)
+        if ccds is not None:
+            from deepspeed.accelerator import get_accelerator
 
-        get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+            get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+        yield env
+    finally:
+        if saved is None:
+            os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+        else:
+            os.environ["TORCH_EXTENSIONS_DIR"] = saved
 
 STEPS = 3
 STATS_KEYS = ("bytes_in", "bytes_out", "ratio", "bytes_saved", "encode_seconds", "decode_seconds", "steps",
@@ -171,9 +198,8 @@ def ds_run(tmp_path_factory):
     bad = tmp_path_factory.mktemp("books") / "broken.json"
     bad.write_text('{"format": "something else"}')
     monitor_dir = tmp_path_factory.mktemp("monitor")
-    # Two numba threads: numba's OpenMP layer would reset torch's thread count to 2.
-    results = dist_utils.run_fresh(_w_deepspeed, 2, str(bad), str(monitor_dir), timeout=240,
-                                   env={"NUMBA_NUM_THREADS": "2"})
+    with torch_extensions_env() as env:
+        results = dist_utils.run_fresh(_w_deepspeed, 2, str(bad), str(monitor_dir), timeout=240, env=env)
     return results, monitor_dir
 
 
@@ -279,8 +305,8 @@ def test_coding_leaves_torch_thread_count_alone(ds_results):
     ({"warmup_steps": 3, "codebooks": "default"}, "warmup_steps builds the books online, but codebooks is 'default'"),
     ({"mode": "sometimes"}, "comm_codec.mode: unknown mode 'sometimes'; allowed: \"auto\", \"always\", \"never\""),
     ({"hysteresis": 1.5}, "comm_codec.hysteresis: Input should be less than 1"),
-    ({"kinds": ["weight"]}, "comm_codec.kinds: kind 'weight' is not coded by the DeepSpeed plugin"),
-    ({"kinds": ["bogus"]}, "comm_codec.kinds: unknown tensor kind 'bogus'; allowed: ['gradient']"),
+    ({"kinds": ["activation"]}, "comm_codec.kinds: kind 'activation' is not coded by the DeepSpeed plugin"),
+    ({"kinds": ["bogus"]}, "comm_codec.kinds: unknown tensor kind 'bogus'; allowed: ['gradient', 'weight']"),
     ({"kinds": []}, "comm_codec.kinds: List should have at least 1 item"),
     ({"log_every": -5}, "comm_codec.log_every: Input should be greater than or equal to 0"),
     ({"refresh_threshold": 0.05}, "refresh_threshold needs drift_every > 0"),
@@ -304,7 +330,7 @@ def test_config_section_from_file_and_defaults(tmp_path):
     path.write_text(json.dumps({"train_batch_size": 2, "comm_codec": {"cast": "bf16"}}))
     section = ccds.parse_config(str(path))
     assert section.enabled and section.cast == "bf16" and section.codebooks == "default"
-    assert section.kinds == ["gradient"] and section.warmup_steps == 0 and section.mode == "auto"
+    assert section.kinds is None and section.warmup_steps == 0 and section.mode == "auto"  # None: what the stage moves
     # warmup_steps alone means books built online, as HuffmanState(warmup_steps=3) does.
     natural = ccds.parse_config({"comm_codec": {"enabled": True, "warmup_steps": 3}})
     assert natural.codebooks == "online" and natural.warmup_steps == 3
@@ -323,10 +349,29 @@ def _initialize_error(config, model=None):
 
 
 @needs_deepspeed
-def test_zero3_rejected_at_initialize():
-    msg = _initialize_error({"train_batch_size": 2, "zero_optimization": {"stage": 3}, "comm_codec": {}})
-    assert msg.startswith("comm_codec.deepspeed does not support ZeRO stage 3 (zero_optimization.stage)")
+@pytest.mark.parametrize("zero, phrase", [
+    ({"stage": 4}, "does not support ZeRO stage 4 (zero_optimization.stage; allowed: 0, 1, 2, 3)"),
+    ({"stage": 3, "zero_quantized_gradients": True},
+     "ZeRO++ quantized gradients (a lossy all-to-all reduction) (zero_optimization.zero_quantized_gradients: True; "
+     "allowed with comm_codec: false)"),
+    ({"stage": 3, "zero_hpz_partition_size": 2}, "(zero_optimization.zero_hpz_partition_size: 2; allowed with "
+                                                 "comm_codec: 1)"),
+    ({"stage": 3, "reduce_scatter": False}, "(zero_optimization.reduce_scatter: false; allowed at stage 3: true)"),
+    ({"stage": 2, "offload_optimizer": {"device": "nvme"}},
+     "offload to 'nvme' (zero_optimization.offload_optimizer.device; allowed: \"cpu\", \"none\")"),
+])
+def test_zero_settings_not_covered_rejected_at_initialize(zero, phrase):
+    msg = _initialize_error({"train_batch_size": 2, "zero_optimization": zero, "comm_codec": {}})
+    assert msg.startswith("comm_codec.deepspeed does not support") and phrase in msg, msg
     assert "\"comm_codec\": {\"enabled\": false}" in msg
+
+
+@needs_deepspeed
+def test_weight_kind_below_stage_3_rejected_at_initialize():
+    msg = _initialize_error({"train_batch_size": 2, "zero_optimization": {"stage": 2},
+                             "comm_codec": {"kinds": ["weight"]}})
+    assert "comm_codec.kinds: 'weight' (parameter all-gathers) is coded at ZeRO stage 3 only; allowed at stage 2: " \
+           "['gradient']" in msg, msg
 
 
 @needs_deepspeed

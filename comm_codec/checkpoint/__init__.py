@@ -26,10 +26,15 @@ The package, one concept per module (each imports only those listed before it):
 - :mod:`.lossy_transforms`, :mod:`.lossy_index`, :mod:`.lossy_blobs`, :mod:`.lossy_tensors`,
   :mod:`.lossy_chain`, :mod:`.lossy`: the ExCP-style and precision-cut format
   (``lossy_format.md``).
-- :mod:`.cli`: ``comm-codec compress / decompress / verify / ls``.
+- :mod:`.directory`: a tree of checkpoint files (sharded safetensors, DCP, any tree)
+  compressed into a mirror and back (``compress_dir`` / ``decompress_dir`` / ``verify_dir``).
+
+The commands ``comm-codec compress / decompress / verify / ls`` are
+:mod:`comm_codec.tools.checkpoint_cli`.
 """
 
 from .container import LOSSY_MAGIC, MAGIC
+from .directory import compress_dir, decompress_dir, verify_dir
 from .errors import CheckpointError
 from .exact import PIECE_BYTES, Summary, compress_file, decompress_file, describe, load, save, verify_file
 from .exact_index import VERSION, is_checkpoint, read_index
@@ -40,6 +45,9 @@ __all__ = [
     "compress_file",
     "decompress_file",
     "verify_file",
+    "compress_dir",
+    "decompress_dir",
+    "verify_dir",
     "read_index",
     "describe",
     "is_checkpoint",

@@ -53,6 +53,7 @@ import io
 import logging
 import os
 import sys
+import tempfile
 import threading
 import time
 import zlib
@@ -164,14 +165,21 @@ class Summary:
         what = {"compress": f"compressed {a} -> {b}", "decompress": f"decompressed {b} -> {a}",
                 "verify": f"verified {b} ({a} original, "
                           f"{self.digest.split(':')[0] + ' ok' if self.digest else 'digest NOT checked'})"}
-        return (f"{what[self.op]} (ratio {self.ratio:.3f}) in {self.seconds:.2f} s, "
+        # An empty original has no ratio: the container's header and index are all there is.
+        ratio = "empty original, no ratio" if self.original_bytes == 0 else f"ratio {self.ratio:.3f}"
+        return (f"{what[self.op]} ({ratio}) in {self.seconds:.2f} s, "
                 f"{self.gbps:.3f} GB/s (original bytes over this call's wall time, start-up excluded)")
 
 
 def human_bytes(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    """Return a size in the one convention the command line prints: decimal units, one decimal.
+
+    ``human_bytes(14_000_000) == "14.0 MB"``, ``human_bytes(30_700_000) == "30.7 MB"``,
+    ``human_bytes(512) == "512 B"`` (kB = 1e3, MB = 1e6, GB = 1e9 bytes, as GB/s is).
+    """
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
-            return f"{n / scale:.3g} {unit}"
+            return f"{n / scale:.1f} {unit}"
     return f"{n} B"
 
 
@@ -439,7 +447,7 @@ def _mode(path: str) -> int:
 
 
 def compress_file(src, dst, base=None, threads: int | None = None, codebooks: CodebookSet | None = None,
-                  progress: bool | None = None) -> Summary:
+                  progress: bool | None = None, force: bool = True) -> Summary:
     """Compress a checkpoint file losslessly.
 
     Args:
@@ -452,16 +460,22 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
         threads: worker threads (default: the CPU count, at most NUMBA_NUM_THREADS).
         codebooks: the books to weigh against per-tensor books (default: shipped books).
         progress: progress line on stderr; None: only when stderr is a terminal.
+        force: replace an existing dst (the default, as ``open(dst, "wb")``); False
+            refuses any existing dst, a dangling symlink included, as the command line
+            does without ``--force``.
 
     Returns:
         A :class:`Summary`.
 
     Raises:
         FileNotFoundError, PermissionError, IsADirectoryError: src or base unreadable.
+        FileExistsError: dst exists and force is False.
         CheckpointError: dst is src or base, dst cannot be written (full disk...).
         ValueError: threads out of range.
     """
     src, dst = os.fspath(src), os.fspath(dst)
+    if not force and os.path.lexists(dst):
+        raise FileExistsError(17, f"{dst} exists; pass force=True to replace it", dst)
     threads = _threads(threads)
     if codebooks is not None and not isinstance(codebooks, CodebookSet):
         raise TypeError(f"codebooks must be a CodebookSet or None, got {type(codebooks).__name__}")
@@ -557,7 +571,7 @@ def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str
         if need is not None and base is None and sink is not None:
             raise CheckpointError(
                 f"{path} was compressed against base {printable(need['name'])} ({_shown(need)}); "
-                "pass that original file as base (--base)")
+                "pass that original file, or the compressed file made from it, as base (--base)")
         with _base_file(base if need is not None else None, scratch, threads) as (bm, base_sha):
             if bm is not None:
                 name, want = recorded_digest(need)
@@ -692,16 +706,21 @@ def _decode_segment(seg, m: FileMap, bm: FileMap | None, tensors, path, buffers:
     return restored, buf
 
 
-def decompress_file(src, dst, base=None, threads: int | None = None, progress: bool | None = None) -> Summary:
+def decompress_file(src, dst, base=None, threads: int | None = None, progress: bool | None = None,
+                    force: bool = True) -> Summary:
     """Restore the original checkpoint, byte for byte, from a compressed file.
 
     Args:
         src: a file written by :func:`compress_file`.
-        dst: where to write the original; it appears only once its digest matched.
+        dst: where to write the original; it appears only once its digest matched. Or a
+            binary file object open for writing (``sys.stdout.buffer``): the bytes are
+            streamed into it in order as they are decoded, so they are there before the
+            digest is checked (a mismatch still raises, after the last byte).
         base: the base the file was compressed against (the original file, or a
             standalone compressed one); required for delta files, refused if different.
         threads: worker threads (default: the CPU count, at most NUMBA_NUM_THREADS).
         progress: progress line on stderr; None: only when stderr is a terminal.
+        force: replace an existing dst (the default); False refuses any existing dst.
 
     Returns:
         A :class:`Summary`.
@@ -709,9 +728,16 @@ def decompress_file(src, dst, base=None, threads: int | None = None, progress: b
     Raises:
         CheckpointError: src is not a checkpoint, is truncated or corrupted; the base
             is missing or wrong; dst cannot be written. No dst is left behind.
+        FileExistsError: dst exists and force is False.
         FileNotFoundError, PermissionError: src or base unreadable.
     """
+    if hasattr(dst, "write"):
+        # A compressed base goes to the temp directory: a stream has no directory of its own.
+        return _restore(os.fspath(src), dst, base, _threads(threads), progress, "decompress",
+                        tempfile.gettempdir())
     src, dst = os.fspath(src), os.fspath(dst)
+    if not force and os.path.lexists(dst):
+        raise FileExistsError(17, f"{dst} exists; pass force=True to replace it", dst)
     threads = _threads(threads)
     check_paths(src, dst, None if base is None else os.fspath(base))
     with atomic_output(dst, mode=_mode(src)) as out:
@@ -745,20 +771,26 @@ def describe(path) -> str:
         coded[ti] += length
     # Every string below but the path comes from the file: printable() escapes what could
     # drive the terminal or start a line of its own.
+    ratio = f"{src['size'] / max(1, size):.3f}" if src["size"] else "- (empty original)"
     lines = [
         f"file      {path}: comm_codec checkpoint v{index['version']}, {human_bytes(size)}",
         f"source    {printable(src['name'])}: {src['format']}, {human_bytes(src['size'])}, {_shown(src, 64)}",
         "base      " + ("none" if base is None else
                         f"{printable(base['name'])}: {human_bytes(base['size'])}, {_shown(base, 64)}"),
-        f"ratio     {src['size'] / max(1, size):.3f} ({human_bytes(src['size'])} -> {human_bytes(size)}); "
+        f"ratio     {ratio} ({human_bytes(src['size'])} -> {human_bytes(size)}); "
         f"{len(index['tensors'])} tensors, {sum(t['coding'] == 'frame' for t in index['tensors'])} coded, "
         f"{sum(t['transform'] != 'none' for t in index['tensors'])} as deltas",
     ]
+    nentries = sum(len(t.get("entries") or [None]) for t in index["tensors"])
+    if nentries != len(index["tensors"]):
+        lines.append(f"entries   {nentries} entries on {len(index['tensors'])} storages "
+                     "(views and tied weights share one; each is listed)")
     origin = {bid: e["origin"] for bid, e in index["books"].items()}
     own = sum(o == "tensor" for o in origin.values())
     lines.append(f"books     {own} per-tensor, {len(origin) - own} shipped")
     names = [printable(t["name"]) for t in index["tensors"]]
-    width = max([len(n) for n in names] + [6])
+    shared = [printable(e[0]) for t in index["tensors"] for e in (t.get("entries") or [])[1:]]
+    width = max([len(n) for n in names + shared] + [6])
     lines.append(f"{'tensor':<{width}}  {'dtype':<13} {'shape':<16} {'kind':<15} {'coding':<10} {'chunk':>6} "
                  f"{'ratio':>6}  books")
     for i, (name, t) in enumerate(zip(names, index["tensors"])):
@@ -766,19 +798,35 @@ def describe(path) -> str:
         if t["coding"] == "frame":
             ratio = f"{t['nbytes'] / max(1, coded[i]):.3f}"
             how = "xor-frame" if t["transform"] == "xor" else "frame"
-            groups = index.get("groups", {})
-            bk = ",".join("raw" if b == "0" * 16 else f"own x{len(groups[b])}" if b in groups else
-                          ("own" if origin.get(b) == "tensor" else "shipped") for b in t["books"])
+            bk = ",".join(_book_label(b, index.get("groups", {}), origin) for b in t["books"])
         else:
             ratio, how, bk = "-", "opaque", "zstd"
         chunk = f"{t['chunk_elems'] >> 10}Ki" if t.get("chunk_elems") else "-"
         lines.append(f"{name:<{width}}  {printable(t['dtype'], 64):<13} {shape:<16} {printable(t['kind'], 64):<15} "
                      f"{how:<10} {chunk:>6} {ratio:>6}  {bk}")
+        for entry, eshape in (t.get("entries") or [])[1:]:
+            eshape = "-" if eshape is None else "x".join(map(str, eshape)) or "scalar"
+            lines.append(f"{printable(entry):<{width}}  {printable(t['dtype'], 64):<13} {eshape:<16} "
+                         f"shares the storage of {name}")
     opaque_in = sum(s[1] for s in index["segments"] if s[6] < 0)
     opaque_out = sum(s[3] for s in index["segments"] if s[6] < 0)
+    other = f"{opaque_in / max(1, opaque_out):.3f}" if opaque_in else "-"
     lines.append(f"{'(other bytes)':<{width}}  {'-':<13} {'-':<16} {'-':<15} {'opaque':<10} {'-':>6} "
-                 f"{opaque_in / max(1, opaque_out):>6.3f}  zstd/stored, {human_bytes(opaque_in)}")
+                 f"{other:>6}  zstd/stored, {human_bytes(opaque_in)}")
     return "\n".join(lines)
+
+
+def _book_label(book: str, groups: dict, origin: dict) -> str:
+    """How ``ls`` names a stream's book: raw, own, own xN (a group), or the shipped book or
+    group by its name (``shipped weight/bf16/0 x4``: 4 books of that shipped group)."""
+    if book == "0" * 16:
+        return "raw"
+    members = groups.get(book, [book])
+    where = str(origin.get(members[0], ""))
+    count = f" x{len(members)}" if book in groups else ""
+    if where.startswith("shipped:"):
+        return f"shipped {printable(where[len('shipped:'):], 64)}{count}"
+    return f"own{count}"
 
 
 # -- torch.save / torch.load stand-ins ------------------------------------------------------

@@ -9,7 +9,9 @@ The container around it (header, trailer, the zstd-compressed JSON) is
               alike (a file never depends on the installed default books)
     groups    {id: [book id, ...]}: groups of books chosen chunk by chunk (optional)
     tensors   [{name, dtype, shape, offset, nbytes, kind, coding: "frame" | "opaque",
-                transform: "none" | "xor", base_offset, books: [id per stream], chunk_elems}]
+                transform: "none" | "xor", base_offset, books: [id per stream], chunk_elems,
+                entries (optional): [[name, shape], ...] of the state-dict entries sharing
+                the tensor's storage, where several do}]
     segments  [[src_offset, src_length, offset, length, method, crc32, tensor], ...]
 
 Segments cover the source exactly, in order, and follow each other in the file, each
@@ -40,6 +42,7 @@ from .container import HEADER, MAGIC, NOT_OURS, identify, index_file, read_conta
 from .errors import fail
 from .files import FileMap, open_regular
 from .formats import CODABLE_NAMES
+from .pickle_scan import MAX_ENTRIES
 from .plan import CHUNK_SIZES, TRANSFORMS
 from .schema import Anything, Int, ListOf, MapOf, Nullable, OneOf, Record, Row, Str
 
@@ -132,7 +135,8 @@ _INDEX = Record({
         "name": Str(1 << 16), "dtype": Str(64), "shape": Nullable(ListOf(Int(), 64)), "offset": Int(),
         "nbytes": Int(), "kind": Str(64), "coding": OneOf("frame", "opaque"), "transform": OneOf(*TRANSFORMS),
         "base_offset": Nullable(Int()), "books": Nullable(ListOf(_BOOK_ID, 8)),
-        "chunk_elems": Nullable(OneOf(*CHUNK_SIZES))})),
+        "chunk_elems": Nullable(OneOf(*CHUNK_SIZES)),
+        "entries": ListOf(Row(Str(1 << 16), Nullable(ListOf(Int(), 64))), MAX_ENTRIES)}, optional=("entries",))),
     "segments": ListOf(Row(Int(), Int(1, MAX_SEGMENT_BYTES), Int(), Int(), OneOf(*METHODS),
                            Nullable(Int(0, 0xFFFFFFFF)), Int(-1, 1 << 31))),
 }, optional=("created_by", "groups"))

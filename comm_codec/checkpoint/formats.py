@@ -76,6 +76,8 @@ class FileTensor:
     books: list | None = None
     chunk_elems: int | None = None
     codec: Codec | None = None
+    # [name, shape] of each state-dict entry on this storage, where several share it
+    entries: list | None = None
 
     @property
     def spec(self):
@@ -85,7 +87,7 @@ class FileTensor:
         return {"name": self.name, "dtype": self.dtype, "shape": self.shape, "offset": self.offset,
                 "nbytes": self.nbytes, "kind": self.kind, "coding": self.coding,
                 "transform": self.transform, "base_offset": self.base_offset, "books": self.books,
-                "chunk_elems": self.chunk_elems}
+                "chunk_elems": self.chunk_elems, **({"entries": self.entries} if self.entries else {})}
 
 
 _OPTIMIZER_NAME = re.compile(r"exp_avg|momentum|optim|(^|[./])state([./]|$)", re.IGNORECASE)
@@ -191,9 +193,10 @@ def _torch_zip_tensors(m: FileMap) -> list[FileTensor]:
             continue
         nlen, xlen = struct.unpack_from("<HH", local, 26)
         offset = h + 30 + nlen + xlen
-        dtype, name, nbytes, shape = storages.get(key, (None, None, None, None))
+        dtype, name, nbytes, shape, entries = storages.get(key, (None, None, None, None, None))
         t = FileTensor(name or f"storage/{key}", dtype or "unknown", shape, offset, info.compress_size,
                     _guess_kind(name or ""))
+        t.entries = entries
         t.codable = (little and dtype in CODABLE_NAMES and info.compress_size == info.file_size == nbytes)
         out.append(t)
     return out

@@ -308,11 +308,8 @@ class Decoder:
         if r["coding"] in ("frame", "precision"):
             f, p = r["frame"], self.frames[i]
             wide = spec_for(CODABLE[r["dtype"]]).itemsize != p.spec.itemsize
-            try:
-                for u8 in self.books.pieces(self.m.u8(f["offset"], f["length"]), f["books"], p, 0, p.nchunks, where):
-                    yield _widen(u8, r["dtype"], f["dtype"]) if wide else u8
-            finally:
-                self.m.release(f["offset"], f["offset"] + f["length"])
+            for u8 in self.books.pieces(self.m.u8(f["offset"], f["length"]), f["books"], p, 0, p.nchunks, where):
+                yield _widen(u8, r["dtype"], f["dtype"]) if wide else u8
             return
         if r["coding"] == "skeleton":
             raise ValueError("skeleton-coded tensors come with the skeleton")

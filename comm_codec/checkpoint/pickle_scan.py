@@ -21,6 +21,8 @@ MAX_OPS = 2_000_000
 _MAX_NAME_DEPTH = 64
 # Objects walked when naming storages.
 _MAX_WALK = 1_000_000
+# State-dict entries listed per storage (views and tied weights share one).
+MAX_ENTRIES = 1024
 
 
 def _is_int(x) -> bool:
@@ -55,10 +57,11 @@ class _Pair:
 
 
 class _Storage:
-    __slots__ = ("key", "dtypes", "numel", "typed", "name", "shape")
+    __slots__ = ("key", "dtypes", "numel", "typed", "name", "shape", "entries")
 
     def __init__(self, key, numel):
         self.key, self.numel, self.dtypes, self.typed, self.name, self.shape = key, numel, set(), None, None, None
+        self.entries = []
 
 
 class _TensorRef:
@@ -81,7 +84,7 @@ _CONSTS = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False, "EMPTY_TUPLE": ()}
 
 
 def scan_torch_pickle(data: bytes, itemsize) -> dict:
-    """Map each storage key of a torch pickle to (dtype or None, name, bytes, shape or None).
+    """Map each storage key of a torch pickle to (dtype or None, name, bytes, shape or None, entries).
 
     Args:
         data: the ``data.pkl`` bytes.
@@ -93,7 +96,9 @@ def scan_torch_pickle(data: bytes, itemsize) -> dict:
     (no import, no call). A storage's dtype comes from its storage class
     (``torch.BFloat16Storage``...) or the dtype argument of ``_rebuild_tensor_v3``; a
     storage claimed with two dtypes gets None (coded as opaque bytes). A tensor's name
-    is its path of dict keys from the root ("state.0.exp_avg").
+    is its path of dict keys from the root ("state.0.exp_avg"). ``entries`` lists
+    ``[name, shape or None]`` of every tensor on a storage that several share (views, an
+    LSTM's flattened weights, tied embeddings; at most :data:`MAX_ENTRIES`), else None.
 
     Raises:
         ValueError: more than :data:`MAX_OPS` opcodes.
@@ -205,7 +210,8 @@ def scan_torch_pickle(data: bytes, itemsize) -> dict:
             nbytes = s.numel * size if s.typed else s.numel
             if s.shape is not None and math.prod(s.shape) * size == nbytes:
                 shape = list(s.shape)  # its first tensor spans the storage
-        out[key] = (dtype, s.name, nbytes, shape)
+        # Every entry on the storage, in the order found, where more than one shares it.
+        out[key] = (dtype, s.name, nbytes, shape, s.entries if len(s.entries) > 1 else None)
     return out
 
 
@@ -247,9 +253,12 @@ def _name_storages(root) -> None:
     while todo:
         obj, path, depth = todo.pop()
         if isinstance(obj, _TensorRef):
-            if obj.storage.name is None:
-                obj.storage.name = _join(path, depth) or f"storage/{obj.storage.key}"
-                obj.storage.shape = obj.size
+            s = obj.storage
+            name = _join(path, depth) or f"storage/{s.key}"
+            if s.name is None:
+                s.name, s.shape = name, obj.size
+            if len(s.entries) < MAX_ENTRIES:
+                s.entries.append([name, None if obj.size is None else list(obj.size)])
             continue
         if not isinstance(obj, (tuple, _Obj)) or id(obj) in seen:
             continue

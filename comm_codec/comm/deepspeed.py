@@ -1,4 +1,4 @@
-"""DeepSpeed plugin: ZeRO 0/1/2 gradient reduction with Huffman-coded frames.
+"""DeepSpeed plugin: ZeRO 0-3 gradient reduction (and ZeRO-3 parameter all-gathers) with Huffman-coded frames.
 
 Add a ``"comm_codec"`` section to the DeepSpeed config and call
 :func:`initialize` where you called ``deepspeed.initialize`` (same arguments, same
@@ -40,9 +40,11 @@ swapped (so DeepSpeed's pre-/post-scaling, ``gradient_predivide_factor``,
 Sums are rank-order float32 sums rounded once to the buffer dtype, so with two ranks the
 results equal DeepSpeed's bit for bit; with more they differ in the last bit (summation
 order), as two NCCL algorithms do. Norm, overflow and parameter all-gather traffic stays
-uncompressed. Unsupported setups (ZeRO-3, pipeline or hybrid engines, MoE, sequence or
-tensor parallelism, optimizer offload, sparse embeddings, non-CPU devices, DeepSpeed
-other than 0.19.x) are refused at :func:`initialize` / :func:`install` with a message
+uncompressed at stages 0-2; ZeRO-3's parameter all-gathers and gradient reduce-scatters
+are :mod:`comm_codec.comm.zero3`'s seams. Offload to the CPU changes nothing on the wire
+and is covered. Unsupported setups (ZeRO++ quantization and hpZ, NVMe offload, pipeline
+or hybrid engines, MoE, sequence or tensor parallelism, sparse embeddings, non-CPU
+devices, DeepSpeed other than 0.19.x) are refused at :func:`initialize` / :func:`install` with a message
 naming the feature, instead of running uncompressed while claiming to compress.
 
 **Warmup.** ``"warmup_steps": N`` reduces plainly for N optimizer steps while a
@@ -86,7 +88,9 @@ from ..core.codebooks import KINDS, CodebookSet
 from ..core.errors import CodebookError
 from . import collectives
 from .autoswitch import MODES
-from .engine import CASTS, CodingEngine
+from .engine import CASTS, CODED_DTYPES, CodingEngine
+from .zero3 import SEAMS as ZERO3_SEAMS
+from .zero3 import Zero3Seams, seam_parameters
 
 __all__ = ["CommCodecConfig", "SUPPORTED_DEEPSPEED", "initialize", "install", "parse_config", "stats"]
 
@@ -95,7 +99,11 @@ log = logging.getLogger(__name__)
 SUPPORTED_DEEPSPEED = "0.19"  # the major.minor whose reduction methods the plugin copies
 SECTION = "comm_codec"
 
-_SUPPORTED_KINDS = ("gradient",)
+# The traffic each ZeRO stage codes, by codebook kind: gradient reduction at every stage,
+# the parameter all-gathers at stage 3.
+_STAGE_KINDS = {0: ("gradient",), 1: ("gradient",), 2: ("gradient",), 3: ("gradient", "weight")}
+_SUPPORTED_KINDS = ("gradient", "weight")
+_STAGES = (0, 1, 2, 3)
 # The DeepSpeed methods replaced, with the parameters their 0.19 bodies (copied below) take.
 _SEAMS = {
     ("runtime.engine", "DeepSpeedEngine", "allreduce_bucket"): ["self", "bucket", "dp_group", "dp_world_size"],
@@ -120,8 +128,9 @@ class CommCodecConfig(pydantic.BaseModel):
         mode: ``"auto"``, ``"always"`` or ``"never"``, as for HuffmanState.
         recheck_every, probe_steps, hysteresis: auto mode's measurement, as for
             HuffmanState.
-        kinds: the traffic to code, by codebook kind; the plugin codes gradient reduction
-            (``["gradient"]``).
+        kinds: the traffic to code, by codebook kind: ``"gradient"`` (gradient reduction,
+            every stage), ``"weight"`` (the parameter all-gathers of ZeRO stage 3); unset:
+            everything the stage moves.
         cast: null (lossless) or ``"bf16"``: fp32 buckets are rounded to bf16 before
             coding (**lossy**, like PyTorch's bf16_compress_hook).
         log_every: log a traffic line (and write DeepSpeed monitor events) every this
@@ -143,7 +152,7 @@ class CommCodecConfig(pydantic.BaseModel):
     recheck_every: int = pydantic.Field(200, ge=1)
     probe_steps: int = pydantic.Field(4, ge=1)
     hysteresis: float = pydantic.Field(0.05, ge=0, lt=1)
-    kinds: list[str] = pydantic.Field(default_factory=lambda: ["gradient"], min_length=1)
+    kinds: Optional[list[str]] = pydantic.Field(None, min_length=1)
     cast: Optional[str] = None
     log_every: int = pydantic.Field(50, ge=0)
     min_bytes: int = pydantic.Field(4096, ge=0)
@@ -165,13 +174,13 @@ class CommCodecConfig(pydantic.BaseModel):
 
     @pydantic.field_validator("kinds")
     @classmethod
-    def _kinds(cls, value: list) -> list:
-        for kind in value:
+    def _kinds(cls, value):
+        for kind in value or ():
             if kind not in KINDS:
                 raise ValueError(f"unknown tensor kind {kind!r}; allowed: {list(_SUPPORTED_KINDS)}")
             if kind not in _SUPPORTED_KINDS:
                 raise ValueError(f"kind {kind!r} is not coded by the DeepSpeed plugin (it codes gradient "
-                                 f"reduction); allowed: {list(_SUPPORTED_KINDS)}")
+                                 f"reduction and ZeRO-3 parameter all-gathers); allowed: {list(_SUPPORTED_KINDS)}")
         return value
 
     @pydantic.field_validator("mode")
@@ -269,12 +278,14 @@ def _check_version() -> None:
         )
     import importlib
 
-    for (module, cls, method), params in _SEAMS.items():
-        owner = getattr(importlib.import_module(f"deepspeed.{module}"), cls, None)
+    for (module, cls, method), params in {**_SEAMS, **ZERO3_SEAMS}.items():
+        owner = importlib.import_module(f"deepspeed.{module}")
+        owner = getattr(owner, cls, None) if cls is not None else owner
         fn = getattr(owner, method, None)
-        if fn is None or list(inspect.signature(fn).parameters) != params:
+        if seam_parameters(fn) != params:
+            where = f"{cls}.{method}" if cls is not None else f"deepspeed.{module}.{method}"
             raise RuntimeError(
-                f"DeepSpeed {version} changed {cls}.{method} (expected parameters {params}); "
+                f"DeepSpeed {version} changed {where} (expected parameters {params}); "
                 "comm_codec.deepspeed cannot install safely into it"
             )
 
@@ -284,13 +295,68 @@ def _unsupported(feature: str, fix: str) -> ValueError:
                       f"or set \"{SECTION}\": {{\"enabled\": false}}")
 
 
-def _check_config(config: dict, model=None) -> None:
-    """Refuse, before an engine is built, what the config or model already shows."""
+# ZeRO settings that take the traffic off the seams (ZeRO++'s lossy paths, fetching by
+# all-reduce, all-reduced ZeRO-3 gradients): key -> (the value DeepSpeed defaults to,
+# what that setting does instead).
+_ZERO_REFUSED = {
+    "zero_quantized_weights": (False, "ZeRO++ quantized weights (lossy int8 all-gathers in place of the coded ones)"),
+    "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized frozen weights (lossy int8 all-gathers)"),
+    "zero_quantized_gradients": (False, "ZeRO++ quantized gradients (a lossy all-to-all reduction)"),
+    "zero_hpz_partition_size": (1, "ZeRO++ hierarchical partitions (secondary weight copies gathered per node)"),
+    "stage3_use_all_reduce_for_fetch_params": (False, "parameter fetch by all-reduce"),
+}
+
+
+def _zero_section(config: dict) -> dict:
     zero = config.get("zero_optimization") or {}
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
-    if stage not in (0, 1, 2):
-        raise _unsupported(f"ZeRO stage {stage} (zero_optimization.stage)",
-                           "use ZeRO stage 0, 1 or 2")
+    return zero if isinstance(zero, dict) else {}
+
+
+def check_zero(zero: dict, section: CommCodecConfig) -> int:
+    """Refuse the ZeRO settings and "comm_codec" values the plugin does not cover; return the stage.
+
+    Every message names the key and the values allowed, and every rank raises it alike
+    (the config is the same everywhere), before the first step.
+
+    Raises:
+        ValueError: an unsupported stage, ZeRO++ option, offload device, kind or cast.
+    """
+    stage = zero.get("stage", 0)
+    if stage not in _STAGES:
+        raise _unsupported(f"ZeRO stage {stage!r} (zero_optimization.stage; allowed: 0, 1, 2, 3)",
+                           "use ZeRO stage 0, 1, 2 or 3")
+    for key, (default, what) in _ZERO_REFUSED.items():
+        if zero.get(key, default) != default:
+            raise _unsupported(f"{what} (zero_optimization.{key}: {zero[key]!r}; allowed with comm_codec: "
+                               f"{json.dumps(default)})", f"set zero_optimization.{key} to {json.dumps(default)}")
+    if stage == 3 and zero.get("reduce_scatter", True) is not True:
+        raise _unsupported("all-reduced ZeRO-3 gradients (zero_optimization.reduce_scatter: false; allowed at "
+                           "stage 3: true)", "set zero_optimization.reduce_scatter to true")
+    for key in ("offload_optimizer", "offload_param"):
+        offload = zero.get(key) or {}
+        device = offload.get("device", "none") if isinstance(offload, dict) else offload
+        if device not in ("none", "cpu", None):
+            raise _unsupported(f"offload to {device!r} (zero_optimization.{key}.device; allowed: \"cpu\", "
+                               "\"none\")", "offload to \"cpu\"")
+        if key == "offload_param" and device == "cpu" and stage != 3:
+            raise _unsupported(f"offload_param at ZeRO stage {stage} (zero_optimization.offload_param; "
+                               "DeepSpeed offloads parameters at stage 3 only)", "remove offload_param")
+    allowed = list(_STAGE_KINDS[stage])
+    for kind in section.kinds or ():
+        if kind not in allowed:
+            raise ValueError(f"invalid \"{SECTION}\" section in the DeepSpeed config: {SECTION}.kinds: "
+                             f"{kind!r} (parameter all-gathers) is coded at ZeRO stage 3 only; allowed at "
+                             f"stage {stage}: {allowed}")
+    if stage == 3 and section.cast is not None:
+        raise ValueError(f"invalid \"{SECTION}\" section in the DeepSpeed config: {SECTION}.cast: "
+                         f"{section.cast!r} at ZeRO stage 3, where weights and gradients must arrive exactly; "
+                         "allowed at stage 3: null")
+    return stage
+
+
+def _check_config(config: dict, section: CommCodecConfig, model=None) -> None:
+    """Refuse, before an engine is built, what the config or model already shows."""
+    check_zero(_zero_section(config), section)
     opt_type = str((config.get("optimizer") or {}).get("type", "")).lower().replace("_", "")
     if "onebit" in opt_type or "zeroone" in opt_type:
         raise _unsupported(f"1-bit optimizers (optimizer.type {config['optimizer']['type']!r}: they "
@@ -300,7 +366,7 @@ def _check_config(config: dict, model=None) -> None:
 
         if isinstance(model, PipelineModule):
             raise _unsupported("the pipeline engine (model is a PipelineModule)",
-                               "train a plain torch.nn.Module with ZeRO 0-2")
+                               "train a plain torch.nn.Module with ZeRO 0-3")
 
 
 def _check_engine(engine) -> None:
@@ -309,29 +375,29 @@ def _check_engine(engine) -> None:
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
     from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     if isinstance(engine, PipelineEngine):
-        raise _unsupported("the pipeline engine", "train a plain torch.nn.Module with ZeRO 0-2")
+        raise _unsupported("the pipeline engine", "train a plain torch.nn.Module with ZeRO 0-3")
     if isinstance(engine, DeepSpeedHybridEngine):
         raise _unsupported("the hybrid engine (hybrid_engine.enabled)", "disable hybrid_engine")
     stage = engine.zero_optimization_stage()
-    if stage not in (0, 1, 2):
-        raise _unsupported(f"ZeRO stage {stage} (zero_optimization.stage)", "use ZeRO stage 0, 1 or 2")
     if get_accelerator().device_name() != "cpu":
         raise _unsupported(f"the {get_accelerator().device_name()} accelerator yet (the codec codes CPU "
                            "buffers)", "train on CPU with gloo")
     name = type(engine.optimizer).__name__.lower() + " " + str(engine.optimizer_name()).lower()
     if "onebit" in name or "zeroone" in name:
         raise _unsupported("1-bit optimizers", "use a standard optimizer")
-    if stage > 0 and not isinstance(engine.optimizer, (DeepSpeedZeroOptimizer, BF16_Optimizer)):
+    expected = (DeepSpeedZeroOptimizer_Stage3,) if stage == 3 else (DeepSpeedZeroOptimizer, BF16_Optimizer)
+    if stage > 0 and not isinstance(engine.optimizer, expected):
         raise _unsupported(f"the ZeRO optimizer {type(engine.optimizer).__name__}",
-                           "use DeepSpeed's ZeRO 1/2 optimizer")
+                           f"use DeepSpeed's ZeRO {'3' if stage == 3 else '1/2'} optimizer")
+    if stage == 3 and (not engine.optimizer.reduce_scatter or engine.optimizer.all2all_process_group is not None):
+        raise _unsupported("this ZeRO-3 gradient reduction (zero_optimization.reduce_scatter must be true, "
+                           "zero_quantized_gradients false)", "use the default reduce-scatter")
     if type(engine.optimizer).__name__.startswith("ZenFlow") or engine._config.zero_config.zenflow is not None:
         raise _unsupported("ZenFlow (zero_optimization.zenflow)", "disable zenflow")
-    if engine.zero_offload_optimizer() is not None or engine.zero_offload_param() is not None:
-        raise _unsupported("ZeRO offload (zero_optimization.offload_optimizer / offload_param)",
-                           "disable offload")
     if engine.has_moe_layers:
         raise _unsupported("mixture-of-experts layers (expert-parallel groups)", "train without MoE")
     if engine.is_deepcompile_enabled():
@@ -354,9 +420,9 @@ def _check_engine(engine) -> None:
 class _Plugin:
     """What the plugin keeps per engine: its config, the coding engine, the step flag."""
 
-    __slots__ = ("config", "coder", "engine", "_step_open")
+    __slots__ = ("config", "coder", "engine", "stage", "kinds", "zero3", "_step_open")
 
-    def __init__(self, engine, config: CommCodecConfig):
+    def __init__(self, engine, config: CommCodecConfig, stage: int):
         books = None
         if config.codebooks not in ("default", "online"):
             try:
@@ -364,16 +430,27 @@ class _Plugin:
             except (OSError, CodebookError) as exc:
                 raise ValueError(f"{SECTION}.codebooks: cannot load codebook file {config.codebooks!r}: "
                                  f"{exc}") from None
+        self.stage = stage
+        self.kinds = tuple(config.kinds or _STAGE_KINDS[stage])
+        if books is not None or config.codebooks == "default":
+            _check_books(books if books is not None else CodebookSet.default(), config.codebooks,
+                         _coded_dtypes(engine, stage, self.kinds))
+        zero3 = stage == 3
         try:
             self.coder = CodingEngine(
                 engine.data_parallel_group, books, config.warmup_steps, config.mode, config.cast,
                 config.min_bytes, config.threads, config.log_every, drift_every=config.drift_every,
                 refresh_threshold=config.refresh_threshold, refresh_steps=config.refresh_steps,
                 recheck_every=config.recheck_every, probe_steps=config.probe_steps, hysteresis=config.hysteresis,
-                name="comm_codec.deepspeed")
+                name="comm_codec.deepspeed", allow_cast=not zero3,
+                plain_name="plain reduce-scatter/all-gather" if zero3 else "plain all-reduce",
+                collectives=("reduce_scatter", "all_gather") if zero3 else ("all_reduce",))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"invalid \"{SECTION}\" section in the DeepSpeed config: {exc}") from None
-        self.coder.group()  # creating a group is collective: here, where every rank installs
+        # Creating a group is collective: here, where every rank installs.
+        self.zero3 = Zero3Seams(self.coder, engine, self.kinds) if zero3 else None
+        if not zero3:
+            self.coder.group()
         self.config = config
         self.engine = engine
         self._step_open = False
@@ -427,7 +504,10 @@ class _Plugin:
 
     def end_of_step(self) -> None:
         coder = self.coder
-        coder.end_step()
+        if self.zero3 is not None:
+            self.zero3.close_step()
+        else:
+            coder.end_step()
         self._step_open = False
         engine = self.engine
         monitor = getattr(engine, "monitor", None)
@@ -506,6 +586,29 @@ def _zero_gradient_reduction_w_predivide(plugin, opt, tensor, communication_data
     return tensor_to_allreduce
 
 
+def _coded_dtypes(engine, stage: int, kinds) -> dict:
+    """The dtypes each coded kind travels in: the communication dtype for gradients, the parameters' for weights."""
+    dtypes = {"gradient": {engine.communication_data_type}}
+    if stage == 3 and "weight" in kinds:
+        dtypes["weight"] = {p.dtype for p in engine.module.parameters()}
+    return {k: sorted((d for d in v if d in CODED_DTYPES), key=str) for k, v in dtypes.items() if k in kinds}
+
+
+def _check_books(books: CodebookSet, source: str, wanted: dict) -> None:
+    """Refuse fixed books that hold no book for a (kind, dtype) this engine codes: it would travel plainly."""
+    held = sorted({f"{k}/{d}" for (k, d, _), _ in books.groups()})
+    for kind, dtypes in wanted.items():
+        for dtype in dtypes:
+            try:
+                books.group(kind, dtype, 0)
+            except ValueError:
+                name = str(dtype).replace("torch.", "")
+                raise ValueError(f"invalid \"{SECTION}\" section in the DeepSpeed config: {SECTION}.codebooks: "
+                                 f"the books {source!r} hold no {kind!r} book for {name} (this engine sends "
+                                 f"{kind}s as {name}; the books hold {', '.join(held)}); allowed: books profiled "
+                                 f"on {name} {kind}s, \"default\" or \"online\" (with warmup_steps)") from None
+
+
 def _wrap_step(plugin, step):
     @functools.wraps(step)
     def wrapped(*args, **kwargs):
@@ -545,21 +648,23 @@ def install(engine, config=None) -> None:
         raise ValueError(f"the DeepSpeed config has no enabled \"{SECTION}\" section; add "
                          f"\"{SECTION}\": {{\"enabled\": true}} or pass config=")
     _check_engine(engine)
-    plugin = _Plugin(engine, section)
+    raw = engine.config if isinstance(engine.config, dict) else engine._config._param_dict
+    stage = check_zero(_zero_section(raw) | {"stage": engine.zero_optimization_stage()}, section)
+    plugin = _Plugin(engine, section, stage)
     plugin.coder.start_precompile({p.dtype for p in engine.module.parameters()} | {engine.communication_data_type})
     engine.allreduce_bucket = functools.partial(_engine_allreduce_bucket, plugin, engine)
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer):
+    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer) and stage < 3:
         opt = engine.optimizer
         opt.allreduce_bucket = functools.partial(_zero_allreduce_bucket, plugin, opt)
         opt.gradient_reduction_w_predivide = functools.partial(_zero_gradient_reduction_w_predivide, plugin, opt)
     engine.step = _wrap_step(plugin, engine.step)
     engine._comm_codec = plugin
     if engine.global_rank == 0:
-        log.info("comm_codec installed: ZeRO stage %d, %s, books %s, warmup %d, cast %s, mode %s",
-                 engine.zero_optimization_stage(), type(engine.optimizer).__name__, section.codebooks,
-                 section.warmup_steps, section.cast, section.mode)
+        log.info("comm_codec installed: ZeRO stage %d, %s, books %s, warmup %d, cast %s, mode %s, coding %s",
+                 stage, type(engine.optimizer).__name__, section.codebooks, section.warmup_steps, section.cast,
+                 section.mode, "/".join(plugin.kinds))
 
 
 def initialize(*args, **kwargs):
@@ -586,7 +691,7 @@ def initialize(*args, **kwargs):
     if isinstance(config, dict):
         section = parse_config(config)
         if section is not None and section.enabled:
-            _check_config(config, params.get("model"))
+            _check_config(config, section, params.get("model"))
     result = deepspeed.initialize(*args, **kwargs)
     engine = result[0]
     if section is None:  # a config DeepSpeed read itself (base64...): look at what it parsed

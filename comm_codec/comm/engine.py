@@ -47,7 +47,7 @@ from .collectives import Workspace, on_cuda_worker, plain_wire_bytes
 from .refresh import BookRefresh
 from .stats import CommStats, state_stats
 
-__all__ = ["CASTS", "CODED_DTYPES", "OPTIONS", "CodingEngine", "default_threads"]
+__all__ = ["CASTS", "CODED_DTYPES", "OPTIONS", "CodingEngine", "FutureWork", "default_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -465,6 +465,43 @@ class CodingEngine:
             return self._executor.submit(on_cuda_worker, like.device, ready, fn)
         return self._executor.submit(fn)
 
+    def call(self, fn, tensor: torch.Tensor, async_op: bool):
+        """Run a collective on the worker; return a :class:`FutureWork` when async, else wait for it.
+
+        Args:
+            fn: the collective, a callable without arguments.
+            tensor: the tensor it works on (see :meth:`submit`).
+            async_op: return at once with a ``Work`` the framework waits on.
+
+        Returns:
+            A :class:`FutureWork` when ``async_op``, else None (done).
+
+        Raises:
+            What ``fn`` raised, when not ``async_op`` (else from ``wait()``).
+        """
+        future = self.submit(fn, like=tensor)
+        if async_op:
+            return FutureWork(future)
+        future.result()
+        return None
+
+    def step_on_worker(self, end: bool, begin: bool) -> None:
+        """End the current step and/or begin the next one on the worker, after every collective queued before.
+
+        For adapters whose collectives run on the worker: the engine's agreements then use
+        the group in the same order as those collectives on every rank. Waits until done.
+
+        Raises:
+            What :meth:`begin_step` raises.
+        """
+        def run():
+            if end:
+                self.end_step()
+            if begin:
+                self.begin_step()
+
+        self.submit(run).result()
+
     def shutdown(self) -> None:
         """Let the worker thread finish what was submitted and stop it (a later submit starts a new one)."""
         if self._executor is not None:
@@ -528,3 +565,36 @@ class CodingEngine:
                                "nothing to build books from")
         return agreement.build_books(self.profiler, group, {"source": f"online {self.name} warmup",
                                                             "steps": self.warmup_steps}, device)
+
+
+class FutureWork(dist.Work):
+    """A ``torch.distributed.Work`` over a worker's future: ``wait()`` returns when the collective is done.
+
+    Frameworks that expect a ``Work`` from an asynchronous collective (FSDP2's all-gather,
+    DeepSpeed's parameter fetch) wait on it before they read the output; the decode runs
+    on the engine's worker meanwhile.
+
+    Args:
+        future: the future :meth:`CodingEngine.submit` returned.
+    """
+
+    def __init__(self, future: concurrent.futures.Future):
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout=None) -> bool:
+        """Wait until the collective is done; raise what it raised."""
+        self._future.result()
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the collective is done."""
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        """Whether the collective is done without an error."""
+        return self._future.done() and self._future.exception() is None
+
+    def exception(self):
+        """The collective's exception, or None (also while it runs)."""
+        return self._future.exception() if self._future.done() else None

@@ -55,7 +55,6 @@ synchronizes before the call counts as done).
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import logging
 
@@ -183,14 +182,6 @@ class FSDPState(CodingEngine):
                                "compress() did not see; call compress() after every fully_shard()")
         return twin
 
-    def call(self, fn, tensor: torch.Tensor, async_op: bool):
-        """Run a collective on the worker; return a Work when async, else wait for it."""
-        future = self.submit(fn, like=tensor)
-        if async_op:
-            return _FutureWork(future)
-        future.result()
-        return None
-
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group, op, name: str) -> None:
         """On the worker: FSDP's reduce-scatter of ``inp`` (W rows) into ``out``, coded where it pays."""
         world, n = group.size(), out.numel()
@@ -244,12 +235,7 @@ class FSDPState(CodingEngine):
 
     def _step_done(self) -> None:
         self._queued = False
-        self.submit(self._next_step).result()
-
-    def _next_step(self) -> None:
-        """On the worker, after the step's last collective: count it and begin the next one."""
-        self.end_step()
-        self.begin_step()
+        self.step_on_worker(end=True, begin=True)  # after the step's last collective
 
 
 class _Coded:
@@ -328,27 +314,6 @@ class HuffmanAllGather(_Coded, AllGather):
         state, name = self.state, self.name
         return state.call(lambda: state.all_gather(output_tensor, input_tensor, group, name), input_tensor,
                           async_op or state.overlap)
-
-
-class _FutureWork(dist.Work):
-    """A ``Work`` over the worker's future: ``wait()`` returns when the collective is done."""
-
-    def __init__(self, future: concurrent.futures.Future):
-        super().__init__()
-        self._future = future
-
-    def wait(self, timeout=None) -> bool:
-        self._future.result()  # raises what the collective raised
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def is_success(self) -> bool:
-        return self._future.done() and self._future.exception() is None
-
-    def exception(self):
-        return self._future.exception() if self._future.done() else None
 
 
 def compress(model: nn.Module, *, process_group=None, **state_kwargs) -> FSDPState:

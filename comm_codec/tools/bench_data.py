@@ -180,8 +180,45 @@ def pretrained_datasets(args) -> list:
                 ))
         log.info("pretrained %s ready", name)
     for path in args.model:
-        label = os.path.splitext(os.path.basename(path))[0]
-        datasets += _weight_datasets(f"file:{label}", pretrained.load_weights(path), args)
+        datasets += _file_datasets(path, args)
+    return datasets
+
+
+def _file_datasets(path: str, args) -> list:
+    """A checkpoint file's tensors: each kind in the file's own dtype(s), then its weights
+    cast to fp32 and bf16 (the rows the packaged models have).
+
+    Tensors are found as ``comm-codec compress`` finds them (nested state dicts, optimizer
+    state), with compress's kinds; a legacy (non-zip) torch file is read by
+    :func:`comm_codec.tools.pretrained.load_weights`.
+
+    Raises:
+        ValueError: neither format, or no floating-point tensor in it.
+    """
+    from . import pretrained
+    from .profiling import checkpoint_tensors
+
+    label = f"file:{os.path.splitext(os.path.basename(path))[0]}"
+    try:
+        found = [(kind, t) for _, kind, t in checkpoint_tensors(path)]
+    except ValueError:
+        found = [("weight", t) for t in pretrained.load_weights(path).values()]
+    found = [(kind, t) for kind, t in found if t.is_floating_point() and t.numel() and t.dtype in ACCUMULABLE_DTYPES]
+    if not found:
+        raise ValueError(f"--model {path}: no floating-point tensors found (of "
+                         f"{', '.join(sorted(spec_for(d).name for d in ACCUMULABLE_DTYPES))})")
+    datasets = []
+    for kind, dtype in sorted({(k, t.dtype) for k, t in found}, key=str):
+        buckets = list(_flat(t for k, t in found if k == kind and t.dtype == dtype).chunk(4))
+        datasets.append(Dataset(
+            name=f"{label}/{kind}", kind=kind, buckets=buckets, books=CodebookSet.default(),
+            book_note="book: shipped defaults; the file's own dtype",
+            make_bulk=_tiled(buckets, int(args.bulk_mb * MIB)),
+        ))
+    weights = {str(i): t for i, (kind, t) in enumerate(found) if kind == "weight"}
+    if weights:
+        own = {t.dtype for t in weights.values()}
+        datasets += [d for d in _weight_datasets(label, weights, args) if d.dtype not in own]
     return datasets
 
 

@@ -5,15 +5,25 @@ unreadable files, corrupt input, a wrong base, a full disk) into one line on std
 exit status 2. The work is done by :mod:`comm_codec.checkpoint.exact` (exact, the default)
 and, with ``compress --lossy {excp,precision}``, by :mod:`comm_codec.checkpoint.lossy`;
 ``decompress``, ``verify`` and ``ls`` recognize a lossy file by its magic and hand it to
-the latter. The parsers import nothing of the checkpoint package: each command imports
-it when it runs, so that ``comm-codec --help`` does not load torch and numba.
+the latter. A directory is handed to :mod:`comm_codec.checkpoint.directory`. The parsers
+import nothing of the checkpoint package: each command imports it when it runs, so that
+``comm-codec --help`` does not load torch and numba.
+
+Names follow zstd's conventions: ``compress x`` writes ``x.cckp`` and ``decompress
+x.cckp`` writes ``x`` (any other name needs DST), ``-m`` takes several inputs (as lz4's
+``-m``: two names without it are SRC DST), ``-`` is stdin or stdout, ``-q`` and
+``--progress`` turn the progress line off or on, and a terminal is never written to.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import shutil
+import sys
+import tempfile
 
 __all__ = ["register"]
 
@@ -40,7 +50,7 @@ def _used_threads(args) -> int | None:
 
 
 def _refuse_existing(dst: str, force: bool) -> None:
-    if not force and os.path.lexists(dst):
+    if not force and dst != "-" and os.path.lexists(dst):
         raise ValueError(f"{dst} exists; pass --force to replace it")
 
 
@@ -55,17 +65,126 @@ def _threads(text: str) -> int:
 
 
 def _is_lossy(path) -> bool:
-    from ..checkpoint import lossy
+    # By the magic alone: the lossy module imports torch, which exact files never need.
+    from ..checkpoint.container import identify
+    from ..checkpoint.files import open_regular
 
     try:
-        return lossy.is_lossy(path)
+        with open_regular(os.fspath(path)) as fh:
+            return identify(fh.read(8)) == "lossy"
     except (IsADirectoryError, FileNotFoundError, PermissionError):
         return False  # the command itself reports it, with its own wording
 
 
-def _cmd_compress(args) -> int:
-    from ..checkpoint import exact as checkpoint, lossy
+def _progress(args) -> bool | None:
+    """--progress: on; -q: off; neither: only when stderr is a terminal."""
+    return True if args.progress else False if args.quiet else None
 
+
+def _say(args, line: str, to_stderr: bool = False) -> None:
+    """Print a summary line (on stderr when stdout carries the data), unless -q."""
+    if not args.quiet:
+        print(line, file=sys.stderr if to_stderr else sys.stdout, flush=True)
+
+
+# -- names: SRC [DST], -m FILE..., and - for stdin/stdout -----------------------------------
+def _default_name(src: str, op: str) -> str:
+    """The output a command writes for ``src`` without DST: x -> x.cckp, and back."""
+    from ..checkpoint.directory import SUFFIX
+
+    if src == "-":
+        return "-"
+    if op == "compress":
+        return src.rstrip("/") + SUFFIX
+    stem = src.rstrip("/")
+    if not stem.endswith(SUFFIX) or not os.path.basename(stem)[:-len(SUFFIX)]:
+        raise ValueError(f"cannot tell where to decompress {src}: its name does not end in {SUFFIX}; "
+                         "give DST (or - for stdout)")
+    return stem[:-len(SUFFIX)]
+
+
+def _pairs(args, op: str) -> list[tuple[str, str]]:
+    """(input, output) for each input of a compress or decompress call."""
+    paths = args.paths
+    if args.multiple:
+        if "-" in paths:
+            raise ValueError("- (stdin) cannot be one of several inputs (-m); give it alone: SRC - or - DST")
+        if args.base is not None and len(paths) > 1:
+            raise ValueError("--base applies to one input; give the files one call each")
+        return [(p, _default_name(p, op)) for p in paths]
+    if len(paths) > 2:
+        raise ValueError(f"{op} takes SRC [DST]; for several inputs pass -m (each FILE to "
+                         f"{'FILE.cckp' if op == 'compress' else 'FILE without .cckp'})")
+    return [(paths[0], paths[1] if len(paths) == 2 else _default_name(paths[0], op))]
+
+
+def _refuse_terminal(dst: str, what: str) -> None:
+    if dst == "-" and sys.stdout.isatty():
+        raise ValueError(f"refusing to write {what} to a terminal; redirect stdout (> FILE or | ...) or give DST")
+
+
+@contextlib.contextmanager
+def _local_input(src: str, dst: str):
+    """Yield a path for ``src``: itself, or for ``-`` stdin spooled to a temp file.
+
+    The containers are read by offset (index at the end), so a stream is copied to a temp
+    file first, in 1 MiB blocks: memory stays bounded, disk holds one copy. It goes in the
+    output's directory, or in $TMPDIR when the output is stdout, and is removed afterwards
+    (on SIGTERM or SIGHUP too; one a SIGKILL leaves is removed by the next run there).
+    """
+    if src != "-":
+        yield src
+        return
+    from ..checkpoint.files import track_temp, untrack_temp
+    from ..core.atomic import create_temp
+
+    folder = tempfile.gettempdir() if dst == "-" else os.path.dirname(os.path.abspath(dst))
+    fd, tmp = create_temp(os.path.join(folder, "stdin"))
+    track_temp(tmp)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            shutil.copyfileobj(sys.stdin.buffer, fh, _BLOCK)
+        yield tmp
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        untrack_temp(tmp)
+
+
+@contextlib.contextmanager
+def _local_output(dst: str):
+    """Yield a path to write for ``dst``: itself, or for ``-`` a temp file in $TMPDIR that is
+    copied to stdout (in 1 MiB blocks) once complete, then removed."""
+    if dst != "-":
+        yield dst
+        return
+    from ..checkpoint.files import track_temp, untrack_temp
+    from ..core.atomic import create_temp
+
+    fd, tmp = create_temp(os.path.join(tempfile.gettempdir(), "stdout"))
+    os.close(fd)
+    track_temp(tmp)
+    try:
+        yield tmp
+        with open(tmp, "rb") as fh:
+            shutil.copyfileobj(fh, sys.stdout.buffer, _BLOCK)
+        sys.stdout.buffer.flush()
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        untrack_temp(tmp)
+
+
+_BLOCK = 1 << 20
+
+
+def _print_file(args):
+    """A per-file progress line printer for the directory commands (None with -q)."""
+    return None if args.quiet else (lambda result: print(result.line(), flush=True))
+
+
+# -- the commands ---------------------------------------------------------------------------
+def _cmd_compress(args) -> int:
     if args.lossy is None:
         used = [f"--{n.replace('_', '-')}" for n in ("bits", "alpha", "beta", "keep_bits")
                 if getattr(args, n) is not None]
@@ -74,61 +193,143 @@ def _cmd_compress(args) -> int:
                              "(or --lossy precision for --keep-bits)")
         if args.base is not None and _is_lossy(args.base):
             raise ValueError(f"base {args.base} is a lossy file; an exact delta needs the previous checkpoint's "
-                             "original (or use --lossy excp to continue the lossy chain)")
-        _refuse_existing(args.dst, args.force)
-        summary = checkpoint.compress_file(args.src, args.dst, base=args.base, threads=_used_threads(args))
-        print(summary.line())
-        return 0
-    if args.lossy == "excp" and args.keep_bits is not None:
-        raise ValueError("--keep-bits applies to --lossy precision; excp takes --bits, --alpha and --beta")
-    if args.lossy == "precision":
-        extra = [f"--{n}" for n in ("bits", "alpha", "beta") if getattr(args, n) is not None]
-        if extra:
-            raise ValueError(f"{', '.join(extra)} apply to --lossy excp; precision takes --keep-bits")
-        if args.keep_bits is None:
-            raise ValueError("--lossy precision needs --keep-bits K, the mantissa bits to keep (e.g. 7)")
-    _refuse_existing(args.dst, args.force)
-    summary = lossy.compress_file(
-        args.src, args.dst, mode=args.lossy, base=args.base,
-        bits=lossy.DEFAULT_BITS if args.bits is None else args.bits,
-        alpha=lossy.DEFAULT_ALPHA if args.alpha is None else args.alpha,
-        beta=lossy.DEFAULT_BETA if args.beta is None else args.beta,
-        keep_bits=args.keep_bits, threads=_used_threads(args))
-    print(summary.line())  # notes (keyframe, fallbacks) were logged by comm_codec.checkpoint.lossy
+                             "original or its exact compressed file (or use --lossy excp to continue the lossy "
+                             "chain)")
+    else:
+        if args.codebooks is not None:
+            raise ValueError("--codebooks applies to exact compression; the lossy modes use the shipped books")
+        if args.lossy == "excp" and args.keep_bits is not None:
+            raise ValueError("--keep-bits applies to --lossy precision; excp takes --bits, --alpha and --beta")
+        if args.lossy == "precision":
+            extra = [f"--{n}" for n in ("bits", "alpha", "beta") if getattr(args, n) is not None]
+            if extra:
+                raise ValueError(f"{', '.join(extra)} apply to --lossy excp; precision takes --keep-bits")
+            if args.keep_bits is None:
+                raise ValueError("--lossy precision needs --keep-bits K, the mantissa bits to keep (e.g. 7)")
+    pairs = _pairs(args, "compress")
+    books = None
+    if args.codebooks is not None:
+        from ..core.codebooks import CodebookSet
+
+        books = CodebookSet.load(args.codebooks)
+    for src, dst in pairs:
+        _compress_one(args, src, dst, books)
     return 0
+
+
+def _compress_one(args, src: str, dst: str, books) -> None:
+    from ..checkpoint import exact as checkpoint
+
+    if src != "-" and os.path.isdir(src):
+        from ..checkpoint import directory
+
+        if args.lossy is not None or args.base is not None or dst == "-":
+            raise ValueError(f"{src} is a directory: it compresses into a directory, exactly, without --base "
+                             "(--lossy, --base and - apply to single files)")
+        _refuse_existing(dst, args.force)
+        summary = directory.compress_dir(src, dst, threads=_used_threads(args), force=args.force,
+                                         progress=_progress(args), on_file=_print_file(args), codebooks=books)
+        _say(args, summary.line())
+        return
+    _refuse_existing(dst, args.force)
+    _refuse_terminal(dst, "compressed data")
+    with _local_input(src, dst) as path, _local_output(dst) as out:
+        if args.lossy is None:
+            summary = checkpoint.compress_file(path, out, base=args.base, threads=_used_threads(args),
+                                               codebooks=books, progress=_progress(args))
+        else:
+            from ..checkpoint import lossy
+
+            summary = lossy.compress_file(
+                path, out, mode=args.lossy, base=args.base,
+                bits=lossy.DEFAULT_BITS if args.bits is None else args.bits,
+                alpha=lossy.DEFAULT_ALPHA if args.alpha is None else args.alpha,
+                beta=lossy.DEFAULT_BETA if args.beta is None else args.beta,
+                keep_bits=args.keep_bits, threads=_used_threads(args))
+    # lossy notes (keyframe, fallbacks) were logged by comm_codec.checkpoint.lossy
+    _say(args, summary.line(), to_stderr=dst == "-")
 
 
 def _cmd_decompress(args) -> int:
-    from ..checkpoint import exact as checkpoint, lossy
-
-    _refuse_existing(args.dst, args.force)
-    threads = _used_threads(args)
-    if _is_lossy(args.src):
-        summary = lossy.decompress_file(args.src, args.dst, base=args.base, threads=threads)
-    else:
-        summary = checkpoint.decompress_file(args.src, args.dst, base=args.base, threads=threads)
-    print(summary.line())
+    for src, dst in _pairs(args, "decompress"):
+        _decompress_one(args, src, dst)
     return 0
 
 
-def _cmd_verify(args) -> int:
-    from ..checkpoint import exact as checkpoint, lossy
+def _decompress_one(args, src: str, dst: str) -> None:
+    from ..checkpoint import exact as checkpoint
 
-    if _is_lossy(args.file):
-        print(lossy.verify_file(args.file, base=args.base, threads=_used_threads(args)).line())
-        return 0
-    summary = checkpoint.verify_file(args.file, base=args.base, threads=_used_threads(args))
-    print(summary.line())
-    if summary.digest is None:
-        print("note: a delta checkpoint's restored bytes can only be checked against its original's digest with "
-              "--base; every frame and segment checksum was checked")
+    if src != "-" and os.path.isdir(src):
+        from ..checkpoint import directory
+
+        if args.base is not None or dst == "-":
+            raise ValueError(f"{src} is a directory: it decompresses into a directory, without --base")
+        _refuse_existing(dst, args.force)
+        summary = directory.decompress_dir(src, dst, threads=_used_threads(args), force=args.force,
+                                           progress=_progress(args), on_file=_print_file(args))
+        _say(args, summary.line())
+        return
+    _refuse_existing(dst, args.force)
+    _refuse_terminal(dst, "a decompressed checkpoint")
+    threads = _used_threads(args)
+    with _local_input(src, dst) as path:
+        if _is_lossy(path):
+            from ..checkpoint import lossy
+
+            with _local_output(dst) as out:
+                summary = lossy.decompress_file(path, out, base=args.base, threads=threads)
+        elif dst == "-":
+            # Streamed: the bytes reach stdout as they are decoded, in order.
+            summary = checkpoint.decompress_file(path, sys.stdout.buffer, base=args.base, threads=threads,
+                                                 progress=_progress(args))
+            sys.stdout.buffer.flush()
+        else:
+            summary = checkpoint.decompress_file(path, dst, base=args.base, threads=threads,
+                                                 progress=_progress(args))
+    _say(args, summary.line(), to_stderr=dst == "-")
+
+
+def _cmd_verify(args) -> int:
+    from ..checkpoint import exact as checkpoint
+
+    for file in args.files:
+        if file != "-" and os.path.isdir(file):
+            from ..checkpoint import directory
+
+            _say(args, directory.verify_dir(file, threads=_used_threads(args), progress=_progress(args),
+                                            on_file=_print_file(args)).line())
+            continue
+        with _local_input(file, "-") as path:
+            if _is_lossy(path):
+                from ..checkpoint import lossy
+
+                _say(args, lossy.verify_file(path, base=args.base, threads=_used_threads(args)).line())
+                continue
+            summary = checkpoint.verify_file(path, base=args.base, threads=_used_threads(args),
+                                             progress=_progress(args))
+        _say(args, summary.line())
+        if summary.digest is None:
+            _say(args, "note: a delta checkpoint's restored bytes can only be checked against its original's "
+                       "digest with --base; every frame and segment checksum was checked")
     return 0
 
 
 def _cmd_ls(args) -> int:
-    from ..checkpoint import exact as checkpoint, lossy
+    from ..checkpoint import exact as checkpoint
 
-    print(lossy.describe(args.file) if _is_lossy(args.file) else checkpoint.describe(args.file))
+    for k, file in enumerate(args.files):
+        if k:
+            print()
+        if os.path.isdir(file):
+            from ..checkpoint import directory
+
+            print(directory.describe_dir(file))
+        elif _is_lossy(file):
+            from ..checkpoint import lossy
+
+            print(lossy.describe(file))
+        else:
+            print(checkpoint.describe(file))
     return 0
 
 
@@ -155,24 +356,54 @@ def _nonneg(text: str) -> float:
     return value
 
 
+_STREAMS = ("SRC or DST may be - for stdin or stdout. A stream is spooled to a temp file first (the "
+            "container is read by offset), in the output's directory or, when the output is stdout, in "
+            "$TMPDIR: memory stays bounded, that disk holds one copy. Writing to a terminal is refused.")
+
+
+def _quiet_and_progress(p) -> None:
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress and no summary lines (errors still print)")
+    p.add_argument("--progress", action="store_true",
+                   help="show the progress line on stderr even when it is not a terminal (default: only on one)")
+
+
 def register(subparsers) -> None:
     """Add the checkpoint subcommands to the ``comm-codec`` parser."""
     threads = dict(type=_threads, default=None, metavar="N",
-                   help="worker threads (default: all cores, at most NUMBA_NUM_THREADS)")
+                   help="worker threads (default: all cores, at most NUMBA_NUM_THREADS); for a directory, "
+                        "files coded at once")
     p = subparsers.add_parser(
-        "compress", help="compress a checkpoint (safetensors, torch .pt/.bin, or any file) losslessly",
-        description="Compress a checkpoint file; decompress restores it byte for byte. The output is "
-                    "written atomically (a hidden temp file, renamed when complete; removed on error, Ctrl-C, "
-                    "SIGTERM or SIGHUP; one left by SIGKILL is removed by the next run into that directory), "
-                    "keeps the source's permission bits, and the source is only read. The summary's GB/s is "
-                    "the original size over this call's wall time (not the process start-up).")
-    p.add_argument("src", help="checkpoint to compress")
-    p.add_argument("dst", help="compressed file to write")
+        "compress",
+        usage="comm-codec compress [options] SRC [DST]\n       comm-codec compress [options] -m FILE...",
+        help="compress a checkpoint (safetensors, torch .pt/.bin, any file, or a directory) losslessly",
+        description="Compress a checkpoint file; decompress restores it byte for byte. DST defaults to SRC.cckp "
+                    "(-m: every argument is an input, each to FILE.cckp; stops at the first that fails). The "
+                    "output is written atomically (a hidden temp file, renamed when complete; removed on error, "
+                    "Ctrl-C, SIGTERM or SIGHUP; one left by SIGKILL is removed by the next run into that "
+                    "directory), keeps the source's permission bits, and the source is only read. The "
+                    "summary's GB/s is the original size over this call's wall time (not the process "
+                    "start-up). A directory SRC (sharded safetensors with their index JSON, a "
+                    "torch.distributed.checkpoint directory, any tree) is mirrored into the directory DST: "
+                    "each safetensors, torch or .distcp file F becomes F.cckp, every other file is copied, "
+                    "symlinks and special files are skipped (never followed), files are coded in parallel up "
+                    "to --threads, one line per file. " + _STREAMS,
+        epilog="Sizes print in decimal units (kB, MB, GB: 1e3, 1e6, 1e9 bytes), as GB/s.")
+    p.add_argument("paths", nargs="+", metavar="SRC",
+                   help="checkpoint file or directory, then the compressed file or directory to write "
+                        "(default SRC.cckp)")
+    p.add_argument("-m", "--multiple", action="store_true",
+                   help="every argument is an input, each written to FILE.cckp")
     p.add_argument("--base", metavar="PREV",
-                   help="previous checkpoint's original file: code tensors as deltas against it "
-                        "(decompression will need it); with --lossy excp, the previous *lossy* file")
+                   help="previous checkpoint: its original file or the .cckp compressed from it; code tensors "
+                        "as deltas against it (decompression will need it); with --lossy excp, the previous "
+                        "*lossy* file")
+    p.add_argument("--codebooks", metavar="BOOKS.json",
+                   help="books to weigh against per-tensor books (from `comm-codec profile`; default: the "
+                        "shipped books)")
     p.add_argument("--threads", **threads)
-    p.add_argument("--force", action="store_true", help="replace DST if it exists (default: refuse)")
+    p.add_argument("--force", action="store_true",
+                   help="replace DST if it exists; for a directory, write into it (default: refuse)")
+    _quiet_and_progress(p)
     lossy = p.add_argument_group(
         "lossy (opt-in; decompression then restores an approximation, never the original bytes)")
     lossy.add_argument("--lossy", choices=("excp", "precision"), default=None,
@@ -188,31 +419,48 @@ def register(subparsers) -> None:
                        help="precision: mantissa bits to keep (bf16 has 7, fp16 10, fp32 23)")
     p.set_defaults(func=_cmd_compress)
 
-    p = subparsers.add_parser("decompress", help="restore a compressed checkpoint, byte for byte",
-                              description="Restore the original checkpoint; its digest (BLAKE3; sha256 for "
-                                          "files written before) is checked before the output file appears.")
-    p.add_argument("src", help="compressed checkpoint")
-    p.add_argument("dst", help="where to write the original")
-    p.add_argument("--base", metavar="PREV", help="the base it was compressed against (original file; for a "
-                                                  "lossy file, its base lossy file if not beside it)")
+    p = subparsers.add_parser(
+        "decompress",
+        usage="comm-codec decompress [options] SRC [DST]\n       comm-codec decompress [options] -m FILE.cckp...",
+        help="restore a compressed checkpoint (file or directory), byte for byte",
+        description="Restore the original checkpoint; its digest (BLAKE3; sha256 for files written before) is "
+                    "checked before the output file appears (when DST is stdout the bytes stream out as they "
+                    "are decoded, and a mismatch fails at the end). DST defaults to SRC without its .cckp "
+                    "suffix (a name without it is refused: give DST). A directory written by `compress DIR` "
+                    "is restored into the directory DST. " + _STREAMS)
+    p.add_argument("paths", nargs="+", metavar="SRC",
+                   help="compressed file or directory, then where to write the original (default: SRC "
+                        "without .cckp)")
+    p.add_argument("-m", "--multiple", action="store_true",
+                   help="every argument is an input FILE.cckp, each written to FILE")
+    p.add_argument("--base", metavar="PREV", help="the base it was compressed against (its original file or the "
+                                                  ".cckp compressed from it; for a lossy file, its base lossy "
+                                                  "file if not beside it)")
     p.add_argument("--threads", **threads)
-    p.add_argument("--force", action="store_true", help="replace DST if it exists (default: refuse)")
+    p.add_argument("--force", action="store_true",
+                   help="replace DST if it exists; for a directory, write into it (default: refuse)")
+    _quiet_and_progress(p)
     p.set_defaults(func=_cmd_decompress)
 
     p = subparsers.add_parser(
-        "verify", help="check a compressed checkpoint without writing anything",
+        "verify", help="check a compressed checkpoint (or directory) without writing anything",
         description="Decode FILE and check every checksum (index, segments, frames) and, when the original "
                     "can be rebuilt (no base needed, or --base given), the digest of the restored bytes. "
-                    "Nothing is written. Exit status 0 if it is intact, 2 if not.")
-    p.add_argument("file", help="compressed checkpoint")
-    p.add_argument("--base", metavar="PREV", help="the base it was compressed against, to check the restored bytes' digest")
+                    "Nothing is written. A directory: every .cckp file in it, one line each. "
+                    "Exit status 0 if it is intact, 2 if not.")
+    p.add_argument("files", nargs="+", metavar="FILE", help="compressed checkpoints or directories (- for stdin)")
+    p.add_argument("--base", metavar="PREV", help="the base it was compressed against (its original file or the "
+                                                  ".cckp compressed from it), to check the restored bytes' digest")
     p.add_argument("--threads", **threads)
+    _quiet_and_progress(p)
     p.set_defaults(func=_cmd_verify)
 
     p = subparsers.add_parser(
         "ls", help="list a compressed checkpoint's tensors, dtypes, ratios and books",
         description="Print FILE's index as a table: source, base, ratio, and per tensor its dtype, shape, "
-                    "kind, coding, chunk size, ratio and books (for a lossy file: mode, parameters and the "
-                    "error achieved per tensor). Reads only the index; see verify to check the data.")
-    p.add_argument("file", help="compressed checkpoint")
+                    "kind, coding, chunk size, ratio and books (a shipped book or group by its name, "
+                    "kind/dtype/stream; for a lossy file: mode, parameters and the error achieved per tensor). "
+                    "A directory: one row per file, how it is stored and its ratio. Reads only the index; see "
+                    "verify to check the data.")
+    p.add_argument("files", nargs="+", metavar="FILE", help="compressed checkpoints or directories")
     p.set_defaults(func=_cmd_ls)

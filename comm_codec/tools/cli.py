@@ -31,7 +31,7 @@ _ERROR_LIMIT = 1000
 
 def _cmd_inspect(args) -> int:
     """Print what a frame file's header says, or list a compressed (exact or lossy) checkpoint."""
-    from ..checkpoint import container, exact, lossy
+    from ..checkpoint import container, exact
     from ..checkpoint.files import open_regular
     from ..core.errors import CheckpointError
     from ..core.frame import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, HEADER_BYTES, get_frame_parameters, header_size
@@ -42,6 +42,8 @@ def _cmd_inspect(args) -> int:
             print(exact.describe(args.file))
             return 0
         if kind == "lossy":
+            from ..checkpoint import lossy  # imports torch, which the other kinds never need
+
             print(lossy.describe(args.file))
             return 0
         if kind is None:
@@ -120,6 +122,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     for register in (profile_cli.register, demo_cli.register, checkpoint_cli.register, precompile_cli.register):
         register(sub)
+    parser.subcommands = sub.choices  # name -> parser, for usage errors in the subcommand's words
     return parser
 
 
@@ -136,7 +139,8 @@ def main(argv=None) -> int:
     # The benchmark has its own options (comm_codec.tools.bench); hand it whatever follows.
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "bench":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        # The subcommand's own usage, which names the options it does take.
+        parser.subcommands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "bench":
         args.rest = [*extra, *args.rest]
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,

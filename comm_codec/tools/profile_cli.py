@@ -11,8 +11,8 @@ Two sources:
   they were not built from, against per-step optimal Huffman codes. Under ``torchrun``
   the process group is set up first (gloo) and histograms are summed over ranks, so every
   rank writes the same books; rank 0 prints the report.
-* ``--checkpoint FILE`` — the tensors of a safetensors or torch file, as kind ``weight``
-  or ``optimizer_state``.
+* ``--checkpoint FILE`` — the tensors of a safetensors or torch file, found and given the
+  kind ``weight`` or ``optimizer_state`` as ``comm-codec compress`` finds and records them.
 
 The work is done by :mod:`comm_codec.tools.profiling`; this module imports neither torch
 nor numba until the command runs. Example entry: ``launch_scripts/profile_entry_example.py``.
@@ -101,8 +101,10 @@ Two sources, exactly one of them:
                             The first --steps steps build the books, the --holdout steps
                             after them score the books on data they were not built from.
                             Fewer prof.step() calls than --steps is an error.
-  --checkpoint FILE         the tensors of a safetensors or torch (zip) file, as kind
-                            weight (optimizer_state for names with exp_avg/state).
+  --checkpoint FILE         the tensors of a safetensors or torch (zip) file, as compress
+                            finds them, with the kind compress records (optimizer_state
+                            for optimizer state: exp_avg, momentum, optim*, a .state. key;
+                            weight for the rest, model_state_dict/state_dict included).
 
 Several processes (the histograms are summed over ranks, so every rank builds the same
 books; rank 0 writes --out and prints the report):

@@ -3,9 +3,9 @@
 * :class:`SteppedProfiler` is what ``comm-codec profile --entry`` hands the user's training
   code: the first ``build_steps`` steps build the books, the held-out steps after them
   keep histograms that :func:`report` scores the books on.
-* :func:`profile_checkpoint` observes the tensors of a safetensors or torch file (torch
-  files are read with ``weights_only=True``: no arbitrary unpickling), as kind ``weight``
-  or ``optimizer_state`` (names containing ``exp_avg``/``state``).
+* :func:`profile_checkpoint` observes the tensors of a safetensors or torch file, found
+  and classified (``weight`` or ``optimizer_state``) as ``comm-codec compress`` finds and
+  classifies them (:func:`checkpoint_tensors`; nothing is unpickled).
 * :func:`plot_books` draws each book over the distribution it was built from.
 
 The command itself is :mod:`comm_codec.tools.profile_cli`.
@@ -19,11 +19,10 @@ import numpy as np
 import torch
 
 from ..core.codebooks import CodebookSet
-from ..core.quoting import printable
 from ..books.profiler import WarmupProfiler, book_cost, stream_counts
 from ..core.streams import SUPPORTED_DTYPES, spec_for
 
-__all__ = ["SteppedProfiler", "report", "profile_checkpoint", "plot_books"]
+__all__ = ["SteppedProfiler", "report", "checkpoint_tensors", "profile_checkpoint", "plot_books"]
 
 log = logging.getLogger(__name__)
 
@@ -137,36 +136,37 @@ def plot_books(books: CodebookSet, path: str, prof: WarmupProfiler | None = None
     log.info("wrote %s", path)
 
 
-def _checkpoint_tensors(path: str):
-    """Yield (name, tensor) from a safetensors or torch file, never running its pickle code."""
-    from ..checkpoint.files import open_regular
+def checkpoint_tensors(path: str):
+    """Yield (name, kind, tensor) for each codable tensor of a safetensors or torch file.
 
-    # A FIFO or device is refused before it is opened (reading one would block or never end).
-    with open_regular(path) as fh:
-        head = fh.read(8)
-    if head[:4] == b"PK\x03\x04":
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch raises many types for foreign files
-            raise ValueError(f"{path}: not a loadable torch checkpoint ({printable(str(exc))})") from None
-        stack = [("", state)]
-        while stack:
-            prefix, obj = stack.pop()
-            if isinstance(obj, torch.Tensor):
-                yield prefix, obj
-            elif isinstance(obj, dict):
-                stack.extend((f"{prefix}.{k}" if prefix else str(k), v) for k, v in obj.items())
-            elif isinstance(obj, (list, tuple)):
-                stack.extend((f"{prefix}.{i}", v) for i, v in enumerate(obj))
-        return
+    The tensors are found as ``comm-codec compress`` finds them
+    (:func:`comm_codec.checkpoint.formats.find_tensors`: nested state dicts, optimizer
+    state, any depth; nothing is unpickled), each with the kind compress records for it
+    (``weight`` or ``optimizer_state``) and in the file's own dtype. Storages shared by
+    several state-dict entries come once, named after the first; a storage whose shape is
+    not recorded comes flat.
+
+    Raises:
+        FileNotFoundError, PermissionError: unreadable. ValueError: neither format.
+    """
+    import numpy as np
+
+    from ..checkpoint.files import FileMap
+    from ..checkpoint.formats import CODABLE, find_tensors
+
+    m = FileMap(path)  # a FIFO or device is refused before it is opened
     try:
-        from safetensors.torch import load_file
-
-        tensors = load_file(path)
-    except Exception as exc:
-        raise ValueError(f"{path}: neither a torch zip checkpoint nor a safetensors file "
-                         f"({printable(str(exc))})") from None
-    yield from tensors.items()
+        fmt, found = find_tensors(m)
+        if fmt == "generic":
+            raise ValueError(f"{path}: neither a torch zip checkpoint nor a safetensors file")
+        for t in found:
+            if not t.codable:
+                continue
+            data = torch.from_numpy(np.array(m.u8(t.offset, t.nbytes)))  # a copy: the map closes
+            tensor = data.view(CODABLE[t.dtype])
+            yield t.name, t.kind, tensor.reshape(t.shape) if t.shape is not None else tensor
+    finally:
+        m.close()
 
 
 def profile_checkpoint(path: str, prof: WarmupProfiler | None = None) -> WarmupProfiler:
@@ -184,10 +184,9 @@ def profile_checkpoint(path: str, prof: WarmupProfiler | None = None) -> WarmupP
     """
     prof = prof or WarmupProfiler()
     n = 0
-    for name, tensor in _checkpoint_tensors(path):
+    for name, kind, tensor in checkpoint_tensors(path):
         if tensor.dtype not in SUPPORTED_DTYPES or tensor.numel() == 0:
             continue
-        kind = "optimizer_state" if ("exp_avg" in name or "state" in name) else "weight"
         prof.observe(tensor, kind)
         n += 1
     log.info("observed %d tensors of %s", n, path)

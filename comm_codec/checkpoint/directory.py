@@ -1,0 +1,483 @@
+"""Checkpoint directories: every checkpoint file of a tree compressed, every other file copied.
+
+Training and model hubs write directories, not files: a sharded HF model
+(``model-00001-of-00004.safetensors`` ... and ``model.safetensors.index.json``), a
+``torch.distributed.checkpoint`` directory (``__0_0.distcp`` ... and ``.metadata``), or any
+tree of ``.pt`` files beside configs. :func:`compress_dir` mirrors the tree: each
+checkpoint file ``F`` becomes ``F.cckp`` (:func:`~comm_codec.checkpoint.exact.compress_file`),
+every other regular file is copied as it is, and :func:`decompress_dir` turns the mirror
+back into the original tree, byte for byte. :func:`verify_dir` checks every compressed
+file of a mirror; :func:`describe_dir` lists it.
+
+What counts as a checkpoint file (:func:`is_checkpoint_file`): a safetensors file or a
+``torch.save`` zip (by their first bytes), or a DCP data file (``*.distcp``, which has no
+header of its own). Everything else (JSON, tokenizers, DCP's ``.metadata`` pickle) is
+copied, since zstd-sized savings on a few kB are not worth a container.
+
+Files are coded in parallel, up to ``threads`` at once (a worker gets the threads left
+over when there are fewer files than threads). Each output file is written atomically
+(:mod:`.files`); a run that fails removes the files and directories it made, and leaves
+those that were there before. Symlinks are never followed (a link could lead out of the
+tree) and, like FIFOs, sockets and devices, they are skipped with a warning naming each.
+The output is never inside the input tree (nor the input inside the output), and a tree
+that already holds ``.cckp`` files is refused: their names would be ambiguous on the way
+back.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import os
+import stat
+import threading
+import time
+from typing import Callable
+
+from ..core.quoting import printable
+from .errors import CheckpointError
+
+__all__ = ["SUFFIX", "DirSummary", "FileResult", "is_checkpoint_file", "compress_dir", "decompress_dir",
+           "verify_dir", "describe_dir"]
+
+log = logging.getLogger("comm_codec.checkpoint")
+
+# What a compressed file's name gets; decompress strips it.
+SUFFIX = ".cckp"
+_COPY_STEP = 1 << 20
+
+
+@dataclasses.dataclass
+class FileResult:
+    """What happened to one file of a tree.
+
+    Attributes:
+        path: its path relative to the tree's root (the input's name).
+        action: "compressed", "decompressed", "verified", "copied" or "skipped".
+        original_bytes: the original file's size (None for a skipped entry).
+        stored_bytes: the compressed (or copied) file's size.
+        note: a skipped entry's reason, what a copied entry is, or what a verify checked.
+    """
+
+    path: str
+    action: str
+    original_bytes: int | None = None
+    stored_bytes: int | None = None
+    note: str = ""
+
+    def line(self) -> str:
+        """Return the progress line the command line prints for this file."""
+        from .exact import human_bytes
+
+        shown = printable(self.path)
+        if self.action == "skipped":
+            return f"skipped {shown}: {self.note}"
+        if self.action == "copied":
+            return f"{self.note or 'copied'} {shown} ({human_bytes(self.original_bytes)})"
+        a, b = human_bytes(self.original_bytes), human_bytes(self.stored_bytes)
+        sizes = f"{b} -> {a}" if self.action == "decompressed" else f"{a} -> {b}"
+        ratio = f"ratio {self.original_bytes / max(1, self.stored_bytes):.3f}" if self.original_bytes else "empty"
+        return f"{self.action} {shown}: {sizes} ({ratio}{self.note})"
+
+
+@dataclasses.dataclass
+class DirSummary:
+    """What one compress_dir, decompress_dir or verify_dir call did.
+
+    Attributes:
+        op: "compress", "decompress" or "verify".
+        files: the per-file results, in tree order.
+        seconds: wall time of the call.
+        threads: files coded at once.
+    """
+
+    op: str
+    files: list
+    seconds: float
+    threads: int
+
+    def _count(self, action: str) -> int:
+        return sum(f.action == action for f in self.files)
+
+    @property
+    def original_bytes(self) -> int:
+        return sum(f.original_bytes or 0 for f in self.files if f.action != "skipped")
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(f.stored_bytes or 0 for f in self.files if f.action != "skipped")
+
+    @property
+    def ratio(self) -> float:
+        return self.original_bytes / max(1, self.stored_bytes)
+
+    def line(self) -> str:
+        """Return the one-line summary the command line prints after the per-file lines."""
+        from .exact import human_bytes
+
+        coded = {"compress": "compressed", "decompress": "decompressed", "verify": "verified"}[self.op]
+        a, b = human_bytes(self.original_bytes), human_bytes(self.stored_bytes)
+        sizes = f"{b} -> {a}" if self.op == "decompress" else f"{a} -> {b}"
+        if self.op == "verify":
+            sizes = f"{b} ({a} original)"
+        skipped = self._count("skipped")
+        return (f"{coded} a directory of {len(self.files) - skipped} files: {self._count(coded)} {coded}, "
+                f"{self._count('copied')} {'copied' if self.op != 'verify' else 'not compressed'}, "
+                f"{skipped} skipped; {sizes} (ratio {self.ratio:.3f}) in {self.seconds:.2f} s, "
+                f"{self.threads} at once")
+
+
+def is_checkpoint_file(path: str) -> bool:
+    """Return whether a regular file is one :func:`compress_dir` compresses (else it is copied).
+
+    safetensors (an 8-byte header length, then ``{``) and ``torch.save`` zips (``PK``)
+    are known by their first bytes; DCP data files (``*.distcp``) by their name.
+    """
+    if path.endswith(".distcp"):
+        return True
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(9)
+    except OSError:
+        return False
+    return head[:4] == b"PK\x03\x04" or (len(head) == 9 and head[8:9] == b"{")
+
+
+# -- walking a tree -------------------------------------------------------------------------
+def _kind_of(st: os.stat_result) -> str | None:
+    """None for a regular file or directory, else what the entry is (it is skipped)."""
+    mode = st.st_mode
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    for test, name in ((stat.S_ISLNK, "a symlink (never followed)"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _walk(root: str):
+    """Yield (relative path, "dir" | "file" | reason skipped) for every entry under root, in
+    sorted order, parents before children, never following a symlink."""
+    todo = [""]
+    while todo:
+        rel = todo.pop()
+        here = os.path.join(root, rel) if rel else root
+        try:
+            names = sorted(os.listdir(here))
+        except OSError as exc:
+            raise CheckpointError(f"cannot list {here}: {exc.strerror or exc}") from None
+        subdirs = []
+        for name in names:
+            child = os.path.join(rel, name) if rel else name
+            st = os.lstat(os.path.join(root, child))
+            kind = _kind_of(st)
+            if kind is not None:
+                yield child, kind
+            elif stat.S_ISDIR(st.st_mode):
+                yield child, "dir"
+                subdirs.append(child)
+            else:
+                yield child, "file"
+        todo.extend(reversed(subdirs))
+
+
+def _check_trees(src: str, dst: str, force: bool) -> None:
+    """Refuse an output inside the input (or around it), and an existing output without force."""
+    if not os.path.isdir(src):
+        raise NotADirectoryError(20, "Not a directory", src)
+    real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
+    if real_dst == real_src or real_dst.startswith(real_src + os.sep):
+        raise CheckpointError(f"output {dst} is inside the input directory {src}; choose an output outside it")
+    if real_src.startswith(real_dst + os.sep):
+        raise CheckpointError(f"output {dst} holds the input directory {src}; choose an output beside it")
+    if os.path.lexists(dst) and not (force and os.path.isdir(dst) and not os.path.islink(dst)):
+        if force:
+            raise CheckpointError(f"{dst} exists and is not a directory; give a directory as output")
+        raise FileExistsError(17, f"{dst} exists; pass --force to write into it (same names are replaced)", dst)
+
+
+class _Made:
+    """What a run created, to remove on failure (never what was there before)."""
+
+    def __init__(self):
+        self.files, self.dirs, self._lock = [], [], threading.Lock()
+
+    def mkdir(self, path: str) -> None:
+        if not os.path.isdir(path):
+            os.mkdir(path)
+            self.dirs.append(path)
+
+    def file(self, path: str, existed: bool) -> None:
+        if not existed:
+            with self._lock:
+                self.files.append(path)
+
+    def undo(self) -> None:
+        for path in self.files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        for path in reversed(self.dirs):
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+
+
+def _copy(src: str, dst: str, force: bool) -> None:
+    """Copy one regular file atomically (temp file, fsync, rename), keeping its permission bits."""
+    from .files import atomic_output, open_regular
+
+    if not force and os.path.lexists(dst):
+        raise FileExistsError(17, f"{dst} exists; pass --force to replace it", dst)
+    with open_regular(src) as fh, atomic_output(dst, mode=os.fstat(fh.fileno()).st_mode & 0o777) as out:
+        while block := fh.read(_COPY_STEP):
+            out.write(block)
+        out.commit()
+
+
+def _pool_size(threads: int | None, nfiles: int) -> tuple[int, int]:
+    """(files at once, threads per file) for ``threads`` worker threads in all."""
+    if threads is None:
+        import numba  # after the kernels: kernels.jit names a bad NUMBA_* setting in its error
+
+        threads = max(1, min(os.cpu_count() or 1, numba.config.NUMBA_NUM_THREADS))
+    if not isinstance(threads, int) or not 1 <= threads <= 1024:
+        raise ValueError(f"threads must be an integer from 1 to 1024, got {threads!r}")
+    at_once = max(1, min(threads, nfiles))
+    return at_once, max(1, threads // at_once)
+
+
+def _meter(progress: bool | None, at_once: int) -> bool | None:
+    """Each file's own progress meter, only when files are coded one at a time (several
+    meters on one line would overwrite each other)."""
+    return progress if at_once == 1 else False
+
+
+def _map_files(jobs: list, at_once: int, on_file) -> list:
+    """Run the per-file jobs (callables returning a FileResult), ``at_once`` at a time, in
+    order of the list; report each as it finishes. The first failure cancels those not started."""
+    results: list = [None] * len(jobs)
+    lock = threading.Lock()
+
+    def run(i):
+        result = jobs[i]()
+        results[i] = result
+        if on_file is not None:
+            with lock:
+                on_file(result)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=at_once) as pool:
+        futures = [pool.submit(run, i) for i in range(len(jobs))]
+        try:
+            for f in concurrent.futures.as_completed(futures):
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+    return results
+
+
+def _tree_jobs(src: str, dst: str | None, made: _Made | None, make_job) -> tuple[list, list]:
+    """Walk src; make the mirror's directories under dst; return (jobs, skipped results)."""
+    jobs, skipped = [], []
+    for rel, kind in _walk(src):
+        if kind == "dir":
+            if made is not None:
+                made.mkdir(os.path.join(dst, rel))
+        elif kind == "file":
+            jobs.append(make_job(rel))
+        else:
+            log.warning("skipping %s: %s", printable(os.path.join(src, rel)), kind)
+            skipped.append(FileResult(rel, "skipped", note=kind))
+    return jobs, skipped
+
+
+def _finish(op: str, started: float, at_once: int, results: list, skipped: list) -> DirSummary:
+    files = sorted([*results, *skipped], key=lambda f: f.path)
+    return DirSummary(op, files, time.perf_counter() - started, at_once)
+
+
+# -- the three operations -------------------------------------------------------------------
+def compress_dir(src, dst, threads: int | None = None, force: bool = False, progress: bool | None = None,
+                 on_file: Callable[[FileResult], None] | None = None, codebooks=None) -> DirSummary:
+    """Compress every checkpoint file of a tree into a mirror of it; copy every other file.
+
+    Args:
+        src: the directory (a sharded HF model, a DCP checkpoint, any tree).
+        dst: the mirror to write: ``F`` becomes ``F.cckp`` for each checkpoint file
+            (:func:`is_checkpoint_file`), other files keep their names and bytes.
+        threads: worker threads in all; files are coded in parallel up to this many.
+        force: write into an existing directory dst (files of the same names are
+            replaced; nothing else there is touched). Default: refuse an existing dst.
+        progress: each file's progress line on stderr (None: only on a terminal).
+        on_file: called with each file's :class:`FileResult` as it finishes (one at a time).
+        codebooks: a :class:`~comm_codec.CodebookSet` to weigh against per-tensor books.
+
+    Returns:
+        A :class:`DirSummary`.
+
+    Raises:
+        NotADirectoryError: src is not a directory.
+        FileExistsError: dst exists and force is False.
+        CheckpointError: dst inside src (or src inside dst), a ``.cckp`` file in src, or
+            a file failed (the files and directories this call made are removed).
+    """
+    from .exact import compress_file
+
+    src, dst = os.fspath(src), os.fspath(dst)
+    started = time.perf_counter()
+    _check_trees(src, dst, force)
+    files = [rel for rel, kind in _walk(src) if kind == "file"]
+    ours = [rel for rel in files if rel.endswith(SUFFIX)]
+    if ours:
+        raise CheckpointError(f"{os.path.join(src, ours[0])}: the directory already holds {len(ours)} {SUFFIX} "
+                              f"file(s); decompress or move them first (their names would be ambiguous when the "
+                              "mirror is decompressed)")
+    at_once, per_file = _pool_size(threads, len(files))
+    made = _Made()
+
+    def make_job(rel: str):
+        def job() -> FileResult:
+            path = os.path.join(src, rel)
+            if not is_checkpoint_file(path):
+                out = os.path.join(dst, rel)
+                existed = os.path.lexists(out)
+                _copy(path, out, force)
+                made.file(out, existed)
+                size = os.path.getsize(out)
+                return FileResult(rel, "copied", size, size, "copied (not a checkpoint file)")
+            out = os.path.join(dst, rel + SUFFIX)
+            existed = os.path.lexists(out)
+            s = compress_file(path, out, threads=per_file, codebooks=codebooks, progress=_meter(progress, at_once),
+                              force=force)
+            made.file(out, existed)
+            return FileResult(rel, "compressed", s.original_bytes, s.compressed_bytes)
+        return job
+
+    try:
+        if not os.path.isdir(dst):
+            made.mkdir(dst)
+        jobs, skipped = _tree_jobs(src, dst, made, make_job)
+        results = _map_files(jobs, at_once, on_file)
+    except BaseException:
+        made.undo()
+        raise
+    return _finish("compress", started, at_once, results, skipped)
+
+
+def decompress_dir(src, dst, threads: int | None = None, force: bool = False, progress: bool | None = None,
+                   on_file: Callable[[FileResult], None] | None = None) -> DirSummary:
+    """Restore a tree written by :func:`compress_dir`, byte for byte.
+
+    Every ``F.cckp`` is decompressed into ``F`` (its digest checked before it appears);
+    every other file is copied. Arguments, results and errors as :func:`compress_dir`;
+    a ``.cckp`` file that is not a comm_codec checkpoint fails with its name.
+    """
+    from .exact import decompress_file
+
+    src, dst = os.fspath(src), os.fspath(dst)
+    started = time.perf_counter()
+    _check_trees(src, dst, force)
+    nfiles = sum(kind == "file" for _, kind in _walk(src))
+    at_once, per_file = _pool_size(threads, nfiles)
+    made = _Made()
+
+    def make_job(rel: str):
+        def job() -> FileResult:
+            path = os.path.join(src, rel)
+            if not rel.endswith(SUFFIX):
+                out = os.path.join(dst, rel)
+                existed = os.path.lexists(out)
+                _copy(path, out, force)
+                made.file(out, existed)
+                size = os.path.getsize(out)
+                return FileResult(rel, "copied", size, size)
+            out = os.path.join(dst, rel[:-len(SUFFIX)])
+            existed = os.path.lexists(out)
+            s = decompress_file(path, out, threads=per_file, progress=_meter(progress, at_once), force=force)
+            made.file(out, existed)
+            return FileResult(rel, "decompressed", s.original_bytes, s.compressed_bytes)
+        return job
+
+    try:
+        if not os.path.isdir(dst):
+            made.mkdir(dst)
+        jobs, skipped = _tree_jobs(src, dst, made, make_job)
+        results = _map_files(jobs, at_once, on_file)
+    except BaseException:
+        made.undo()
+        raise
+    return _finish("decompress", started, at_once, results, skipped)
+
+
+def verify_dir(src, threads: int | None = None, progress: bool | None = None,
+               on_file: Callable[[FileResult], None] | None = None) -> DirSummary:
+    """Check every ``.cckp`` file of a tree written by :func:`compress_dir`; write nothing.
+
+    Returns:
+        A :class:`DirSummary` (other files are listed as copied: there is nothing to check).
+
+    Raises:
+        CheckpointError: a compressed file is corrupted (named in the message).
+    """
+    from .exact import verify_file
+
+    src = os.fspath(src)
+    if not os.path.isdir(src):
+        raise NotADirectoryError(20, "Not a directory", src)
+    started = time.perf_counter()
+    nfiles = sum(kind == "file" for _, kind in _walk(src))
+    at_once, per_file = _pool_size(threads, nfiles)
+
+    def make_job(rel: str):
+        def job() -> FileResult:
+            path = os.path.join(src, rel)
+            if not rel.endswith(SUFFIX):
+                size = os.path.getsize(path)
+                return FileResult(rel, "copied", size, size, "not compressed, nothing to check:")
+            s = verify_file(path, threads=per_file, progress=_meter(progress, at_once))
+            checked = f", {s.digest.split(':')[0]} ok" if s.digest else ", digest NOT checked (a delta)"
+            return FileResult(rel, "verified", s.original_bytes, s.compressed_bytes, checked)
+        return job
+
+    jobs, skipped = _tree_jobs(src, None, None, make_job)
+    return _finish("verify", started, at_once, _map_files(jobs, at_once, on_file), skipped)
+
+
+def describe_dir(src) -> str:
+    """Return a table of a tree written by :func:`compress_dir`: per file, how it is stored,
+    its original and stored sizes and ratio (from each index; nothing is decoded)."""
+    from .exact import human_bytes
+    from .exact_index import read_index
+
+    src = os.fspath(src)
+    if not os.path.isdir(src):
+        raise NotADirectoryError(20, "Not a directory", src)
+    rows, total_in, total_out = [], 0, 0
+    for rel, kind in _walk(src):
+        if kind == "dir":
+            continue
+        if kind != "file":
+            rows.append((printable(rel), "skipped", "-", "-", "-", kind))
+            continue
+        size = os.path.getsize(os.path.join(src, rel))
+        if rel.endswith(SUFFIX):
+            index = read_index(os.path.join(src, rel))
+            orig = index["source"]["size"]
+            n = len(index["tensors"])
+            rows.append((printable(rel[:-len(SUFFIX)]), "compressed", human_bytes(orig), human_bytes(size),
+                         f"{orig / max(1, size):.3f}", f"{index['source']['format']}, {n} tensors"))
+        else:
+            orig = size
+            rows.append((printable(rel), "copied", human_bytes(size), human_bytes(size), "1.000", ""))
+        total_in, total_out = total_in + orig, total_out + size
+    width = max([len(r[0]) for r in rows] + [4])
+    lines = [f"directory {printable(src)}: {sum(r[1] == 'compressed' for r in rows)} compressed, "
+             f"{sum(r[1] == 'copied' for r in rows)} copied, {sum(r[1] == 'skipped' for r in rows)} skipped; "
+             f"{human_bytes(total_in)} -> {human_bytes(total_out)} (ratio {total_in / max(1, total_out):.3f})",
+             f"{'file':<{width}}  {'stored as':<10} {'original':>10} {'stored':>10} {'ratio':>6}  what"]
+    lines += [f"{r[0]:<{width}}  {r[1]:<10} {r[2]:>10} {r[3]:>10} {r[4]:>6}  {r[5]}" for r in rows]
+    return "\n".join(lines)
