@@ -17,7 +17,7 @@ How things are measured (also printed):
 * GB/s is 1e9 bytes/s of the *uncompressed* checkpoint, best of ``--repeat`` timed calls.
 * Every row says what its time includes (the notes column):
 
-  - ``comm_codec``: file to file (``compress_file``/``decompress_file``: mmap, BLAKE3 of
+  - ``comm_codec``: file to file (``compress_file``/``decompress_file``: pread, BLAKE3 of
     the whole file, CRCs, temp file, fsync, rename) on tmpfs (``/dev/shm``), so disk
     speed does not count. The targets are judged on this row against ``zipnn f2f``; the
     two are timed alternately (ours 1T, ours 2T, zipnn 1T, zipnn 2T, then again), best of
@@ -261,7 +261,7 @@ def _run_file_to_file(src: Path, base: Path | None, work: Path, dtype: str, repe
     size = src.stat().st_size
     cc = {"codec": "comm_codec", "ratio": size / packed.stat().st_size, "enc": {}, "dec": {}, "cpu": {},
           "median": {}, "exact": _sha(restored) == _sha(src), "index": ck.read_index(packed),
-          "notes": ["file to file: mmap, BLAKE3, CRCs, temp file+fsync+rename (tmpfs)"]
+          "notes": ["file to file: pread, BLAKE3, CRCs, temp file+fsync+rename (tmpfs)"]
           + ([f"delta against {base.name}"] if base is not None else [])}
     rows = [cc]
     if zn is not None:

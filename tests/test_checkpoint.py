@@ -661,3 +661,48 @@ def test_index_schema_names_the_bad_field(value, message):
         S.check(value, spec, "f.cckp")
     assert str(info.value) == message
     S.check({"a": [[1, "x"]], "m": {"ab": {"x": 9}}}, spec, "f.cckp")  # a fitting value passes
+
+
+def test_plan_bytes_chooses_what_plan_tensor_chooses_for_the_same_bytes(tmp_path):
+    # A tensor in memory (the DCP writer's case) and the same tensor in a file get the
+    # same chunk size and books; bytes of another size are refused.
+    from comm_codec.checkpoint.formats import find_tensors
+    from comm_codec.checkpoint.plan import BookChooser, plan_bytes, plan_tensor
+
+    w = torch.cat([_weights(1 << 17, dtype=torch.bfloat16), _weights(1 << 17, dtype=torch.bfloat16, scale=3.0)])
+    src = tmp_path / "w.safetensors"
+    save_file({"w": w}, str(src))
+    m = FileMap(str(src))
+    try:
+        (in_file,) = find_tensors(m)[1]
+        in_memory = find_tensors(m)[1][0]
+        plan_tensor(in_file, m, None, None, BookChooser(CodebookSet.default()))
+        data = w.view(torch.int16).numpy().view(np.uint8)
+        plan_bytes(in_memory, data, BookChooser(CodebookSet.default()))
+        assert (in_memory.chunk_elems, in_memory.books, in_memory.transform) == \
+            (in_file.chunk_elems, in_file.books, in_file.transform)
+        frame = in_memory.codec.encode_array(data, in_memory.spec, kind="weight")
+        assert bytes(frame) == bytes(in_file.codec.encode_array(m.u8(in_file.offset, in_file.nbytes),
+                                                                in_file.spec, kind="weight"))
+        with pytest.raises(ValueError, match="needs the tensor's 524288 bytes"):
+            plan_bytes(in_memory, data[:-2], BookChooser(CodebookSet.default()))
+    finally:
+        m.close()
+
+
+def test_filemap_keeps_a_read_for_the_next_reader_of_the_same_range(tmp_path, monkeypatch):
+    from comm_codec.checkpoint import files
+
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(range(256)) * 64)
+    m = FileMap(str(p))
+    try:
+        a = m.u8(256, 512, keep=True)
+        assert m.u8(256, 512) is a  # handed on, not read again
+        assert m.u8(256, 512) is not a and bytes(m.u8(256, 512)) == bytes(a)  # once only
+        assert m.u8(0, 512, keep=True) is not m.u8(0, 256)  # another range: read
+        monkeypatch.setattr(files, "KEEP_BYTES", 1024)
+        first, second = m.u8(0, 1024, keep=True), m.u8(1024, 1024, keep=True)
+        assert m.u8(0, 1024) is not first and m.u8(1024, 1024) is second  # the oldest went first
+    finally:
+        m.close()

@@ -695,3 +695,44 @@ def test_decode_accumulate_refuses_what_it_cannot_add_into():
     with pytest.raises(cc.FrameError, match="chunk 0 of 1 is bad"):
         codec.decode_accumulate(bad, acc)
     assert codec.decode_accumulate(codec.encode(torch.zeros(0, dtype=torch.bfloat16)), torch.zeros(0)).numel() == 0
+
+
+# -- the frame parser's layout kernel ---------------------------------------------------------------
+def _naive_layout(params) -> tuple[list, int]:
+    """Payload offsets and frame length from the chunk table, chunk by chunk (frame_format.md)."""
+    pos, offsets = params.header_bytes, []
+    for c, entry in enumerate(params.table):
+        count = min(params.chunk_elems, params.numel - c * params.chunk_elems)
+        offsets.append(pos)
+        if entry["cflags"] & _frame.CHUNK_MASK:
+            pos += _frame.pad8((count + 7) // 8)
+        pos += sum(_frame.pad8(int(n)) for n in entry["sizes"])
+    return offsets, pos
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int8])
+def test_frame_layout_kernel_matches_a_naive_reference(dtype):
+    # Dense, masked (half zeros), all-zero and random-bits (raw streams) chunks, a short last one.
+    parts = [make_tensor(dtype, 3000, "normal", 1), torch.zeros(2048, dtype=dtype),
+             make_tensor(dtype, 2500, "bits", 2), make_tensor(dtype, 1700, "normal", 3)]
+    parts[3][::2] = 0
+    f = make_codec(1024, True, 1).encode(torch.cat(parts), kind="weight")
+    p = cc.get_frame_parameters(f)
+    flags = p.table["cflags"]
+    assert (flags & _frame.CHUNK_MASK).any() and (flags & _frame.CHUNK_ZERO).any()
+    offsets, total = _naive_layout(p)
+    assert p.offsets.tolist() == offsets and total == p.frame_bytes == f.numel()
+
+
+def test_frame_layout_reports_the_first_failed_check_in_order():
+    # Chunk 2 has unknown flags, chunk 1 a stream size no chunk can hold: the flags are
+    # reported (checks in the order the format lists them, not chunk order).
+    f = make_codec(64, True, 1).encode(make_tensor(torch.bfloat16, 256, "normal", 0), kind="weight")
+    buf = bytearray(f.numpy().tobytes())
+    entry = lambda c: 40 + 16 * c  # noqa: E731  (bf16: 24-byte header, 2 book ids, 16-byte entries)
+    buf[entry(1) + 8:entry(1) + 12] = (10_000).to_bytes(4, "little")
+    with pytest.raises(cc.FrameError, match="chunk 1 stream 0 size 10000 is impossible for 64 elements"):
+        cc.get_frame_parameters(fix_header_crc(bytes(buf)))
+    buf[entry(2)] = 0x40
+    with pytest.raises(cc.FrameError, match="chunk 2 has unknown flags 0x40"):
+        cc.get_frame_parameters(fix_header_crc(bytes(buf)))

@@ -77,7 +77,7 @@ from ..core.huffman import Codebook
 from ..core.quoting import printable
 from ..core.streams import SUPPORTED_DTYPES, spec_for
 from .formats import FileTensor
-from .plan import CHUNK_SIZES, BookChooser, make_codec, plan_tensor
+from .plan import CHUNK_SIZES, BookChooser, make_codec, plan_bytes
 
 __all__ = ["FRAME_DESCRIPTOR", "MAX_METADATA_BYTES", "Reader", "Writer", "kind_of", "load"]
 
@@ -119,16 +119,6 @@ def kind_of(fqn: str) -> str:
         ``"optimizer_state"`` or ``"weight"``.
     """
     return "optimizer_state" if _OPTIMIZER_NAME.search(fqn) else "weight"
-
-
-class _TensorBytes:
-    """A tensor's bytes where :func:`plan_tensor` expects a file map (it reads ``u8`` only)."""
-
-    def __init__(self, u8: np.ndarray):
-        self._u8 = u8
-
-    def u8(self, offset: int, length: int) -> np.ndarray:
-        return self._u8[offset:offset + length]
 
 
 def _as_u8(t: torch.Tensor) -> np.ndarray:
@@ -226,7 +216,7 @@ class Writer(FileSystemWriter):
         spec = spec_for(tensor.dtype)
         planned = FileTensor(name=fqn, dtype=str(tensor.dtype).replace("torch.", ""), shape=list(tensor.shape),
                              offset=0, nbytes=tensor.numel() * spec.itemsize, kind=kind, codable=True)
-        plan_tensor(planned, _TensorBytes(_as_u8(tensor)), None, None, chooser)
+        plan_bytes(planned, _as_u8(tensor), chooser)
         return planned.codec.encode(tensor, kind="weight")  # make_codec keys its books as "weight"
 
     def _book_table(self, chooser: BookChooser) -> bytes:

@@ -22,12 +22,14 @@ from ..core.atomic import TEMP_MARK, create_temp, host_name, temp_prefix, umask
 from .errors import CheckpointError
 
 __all__ = ["FileMap", "AtomicFile", "DigestStream", "atomic_output", "check_paths", "file_digest", "new_hasher",
-           "recorded_digest", "WRITE_DIGEST", "DIGESTS", "open_regular",
+           "recorded_digest", "KEEP_BYTES", "WRITE_DIGEST", "DIGESTS", "open_regular",
            "is_regular", "temp_name", "sweep_stale_temps", "TEMP_MARK", "track_temp", "untrack_temp",
            "remove_live_temps"]
 
 # Buffers waiting for the background sha256 thread.
 _SHA_QUEUE = 8
+# Bytes a FileMap keeps read for the next reader of the same range (FileMap.u8's keep).
+KEEP_BYTES = 16 << 20
 # Bytes hashed per step when a whole file is hashed.
 _HASH_BLOCK = 4 << 20
 
@@ -105,9 +107,20 @@ class FileMap:
         st = os.fstat(self._fh.fileno())
         self.size, self.stamp = st.st_size, (st.st_size, st.st_mtime_ns, st.st_ino)
         self._advised = 0  # bytes 0.._advised were prefetched
+        self._kept: dict = {}  # (offset, length) -> bytes read once, for the next reader of that range
+        self._kept_lock = threading.Lock()
 
-    def u8(self, offset: int, length: int) -> np.ndarray:
+    def u8(self, offset: int, length: int, keep: bool = False) -> np.ndarray:
         """Return bytes offset..offset+length as a new (writable) uint8 array.
+
+        Args:
+            offset, length: the range.
+            keep: also keep the array for the next call that asks for exactly this range,
+                which then gets it instead of reading the file again (the checkpoint
+                planner reads a small tensor whole, and its coder reads the same bytes
+                next). The array is handed on, not copied: the caller must be done with
+                it, and not change it, before that call. At most :data:`KEEP_BYTES` are
+                kept (the oldest go first).
 
         Raises:
             ValueError: the range is not inside the size the file had when opened.
@@ -117,6 +130,20 @@ class FileMap:
             return np.zeros(0, dtype=np.uint8)
         if offset < 0 or length < 0 or offset + length > self.size:
             raise ValueError(f"bytes {offset}..{offset + length} are outside {self.path} ({self.size} bytes)")
+        if self._kept:
+            with self._kept_lock:
+                out = self._kept.pop((offset, length), None)
+            if out is not None:
+                return out
+        out = self._read(offset, length)
+        if keep and length <= KEEP_BYTES:
+            with self._kept_lock:
+                self._kept[(offset, length)] = out
+                while sum(a.size for a in self._kept.values()) > KEEP_BYTES:
+                    del self._kept[next(iter(self._kept))]
+        return out
+
+    def _read(self, offset: int, length: int) -> np.ndarray:
         out = np.empty(length, dtype=np.uint8)
         view, done, fd = memoryview(out), 0, self._fh.fileno()
         while done < length:
@@ -148,6 +175,7 @@ class FileMap:
         return (st.st_size, st.st_mtime_ns, st.st_ino) == self.stamp
 
     def close(self) -> None:
+        self._kept.clear()
         self._fh.close()
 
 

@@ -12,6 +12,7 @@ import collections
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import numba
 import numpy as np
 
 __all__ = ["Budget", "ordered_map", "Buffers"]
@@ -59,7 +60,7 @@ def ordered_map(fn, jobs, threads: int, budget: Budget, cost):
     pending = collections.deque()
     it = iter(jobs)
     held = []  # a job the budget did not grant yet
-    ex = ThreadPoolExecutor(threads, thread_name_prefix="comm_codec-ckpt")
+    ex = ThreadPoolExecutor(threads, thread_name_prefix="comm_codec-ckpt", initializer=_one_kernel_thread)
 
     def admit():
         while len(pending) < 2 * threads + 2:
@@ -81,6 +82,12 @@ def ordered_map(fn, jobs, threads: int, budget: Budget, cost):
             admit()
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
+
+
+def _one_kernel_thread() -> None:
+    """Each worker codes its segment on one thread (the codecs of the checkpoint path are
+    made with ``threads=1``): set once here, not before and after every segment."""
+    numba.set_num_threads(1)
 
 
 class Buffers:

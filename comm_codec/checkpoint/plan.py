@@ -1,6 +1,7 @@
 """How the checkpoint compressor codes each tensor: transforms and book choice.
 
-Used by :mod:`.exact`. A tensor's transform (none, or XOR with the
+Used by :mod:`.exact` (tensors of a file, :func:`plan_tensor`) and :mod:`.dcp` (tensors in
+memory, :func:`plan_bytes`). A tensor's transform (none, or XOR with the
 base's tensor), chunk size and per-stream books (its own, the shipped one, or raw) are
 chosen from histograms of a sample of its chunks, by expected coded bits.
 """
@@ -20,7 +21,7 @@ from ..kernels import plan as _plan
 from .files import FileMap
 from .formats import FileTensor
 
-__all__ = ["CHUNK_SIZES", "GROUP_MIN_ROWS", "TRANSFORMS", "BookChooser", "Sample", "make_codec", "plan_tensor"]
+__all__ = ["CHUNK_SIZES", "GROUP_MIN_ROWS", "TRANSFORMS", "BookChooser", "Sample", "make_codec", "plan_bytes", "plan_tensor"]
 
 # What storing one per-tensor book costs in the (zstd-compressed) index, in bits.
 _BOOK_COST_BITS = 160 * 8
@@ -151,7 +152,9 @@ class BookChooser:
         """Return whole chunks spread evenly over a tensor's bytes (all of them for a small one).
 
         Whole chunks, aligned as the encoder cuts them, so each sampled chunk gets the
-        reference exponent the encoder will give it; and only they are read.
+        reference exponent the encoder will give it; and only they are read. A tensor
+        sampled whole is read with ``keep`` (:meth:`FileMap.u8`): its coder gets the same
+        array instead of reading it again. Planning leaves the sample's bytes unchanged.
 
         Args:
             data: the tensor's bytes (a uint8 array), or a :class:`FileMap` holding them.
@@ -172,7 +175,10 @@ class BookChooser:
         starts = at = picks * self.chunk_elems
         lengths = np.minimum(starts + self.chunk_elems, numel) - starts
         if take == nchunks:  # every chunk: the whole tensor, one read
-            u8 = read(0, numel * spec.itemsize)
+            # kept for the coder, which reads the same bytes next (a small tensor is one
+            # segment): planning reads nothing the coding does not
+            u8 = data.u8(offset, numel * spec.itemsize, keep=True) if isinstance(data, FileMap) else \
+                read(0, numel * spec.itemsize)
             if u8.ctypes.data % spec.itemsize:
                 u8 = u8.copy()
             bits = u8.view(spec.bits_dtype)
@@ -437,13 +443,46 @@ def make_codec(books, spec, chunk_elems) -> Codec:
 
 def plan_tensor(t: FileTensor, src: FileMap, base: FileMap | None, base_tensor: FileTensor | None,
                  chooser: BookChooser) -> None:
-    """Choose transform, chunk size and books of one tensor from a sample of its chunks."""
+    """Choose transform, chunk size and books of one tensor of a file from a sample of its chunks.
+
+    Args:
+        t: the tensor (where it lies in ``src``, its dtype and kind); gets ``transform``,
+            ``chunk_elems``, ``codec``, ``books`` and ``coding``.
+        src: the file holding it.
+        base, base_tensor: the base file and its tensor of the same name, or None.
+        chooser: the file's :class:`BookChooser` (books already chosen are reused).
+    """
+    sample = chooser.sample(src, t.spec, t.offset, t.nbytes)
+    base_sample = None if base_tensor is None else chooser.sample(base, t.spec, base_tensor.offset, t.nbytes)
+    _plan_from(t, sample, base_sample, base_tensor, chooser)
+
+
+def plan_bytes(t: FileTensor, data: np.ndarray, chooser: BookChooser) -> None:
+    """Choose chunk size and books of a tensor held in memory, from a sample of its chunks.
+
+    :func:`plan_tensor` for bytes that are in memory already (a state dict's tensor): no
+    file, no base.
+
+    Args:
+        t: the tensor's record (``nbytes``, dtype and kind; ``offset`` is not used); gets
+            ``transform`` ("none"), ``chunk_elems``, ``codec``, ``books`` and ``coding``.
+        data: a uint8 array of the tensor's ``t.nbytes`` bytes.
+        chooser: as for :func:`plan_tensor`.
+
+    Raises:
+        ValueError: data does not hold t.nbytes bytes.
+    """
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.size != t.nbytes:
+        raise ValueError(f"plan_bytes needs the tensor's {t.nbytes} bytes as a uint8 array")
+    _plan_from(t, chooser.sample(data, t.spec), None, None, chooser)
+
+
+def _plan_from(t: FileTensor, sample: Sample, base_sample: Sample | None, base_tensor: FileTensor | None,
+               chooser: BookChooser) -> None:
     spec = t.spec
     numel = t.nbytes // spec.itemsize
-    sample = chooser.sample(src, spec, t.offset, t.nbytes)
     candidates = [("none", sample)]
-    if base_tensor is not None:
-        base_sample = chooser.sample(base, spec, base_tensor.offset, t.nbytes)
+    if base_sample is not None:
         candidates.append(("xor", sample.xor(base_sample, spec)))
 
     def cost(transform, counts, chunk_elems):

@@ -589,13 +589,17 @@ class Codec:
     @contextlib.contextmanager
     def _threads(self):
         previous = numba.get_num_threads()  # per calling thread; restored for the caller
-        if self.threads is not None:
+        # Set only when it differs: a checkpoint codes hundreds of small frames a second
+        # on worker threads already at the codec's count.
+        change = self.threads is not None and self.threads != previous
+        if change:
             numba.set_num_threads(self.threads)
         try:
             with torch_threads_kept():
                 yield
         finally:
-            numba.set_num_threads(previous)
+            if change:
+                numba.set_num_threads(previous)
 
     def __repr__(self) -> str:
         return f"Codec(codebooks={self.codebooks!r}, threads={self.threads}, chunk_elems={self.chunk_elems})"

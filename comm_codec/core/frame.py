@@ -27,12 +27,14 @@ confined to one word, the folded value misses such a change with probability 2**
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import zlib
 
 import numpy as np
 
-from ..kernels.layout import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO
+from ..kernels import frame_params as _fp
+from ..kernels.layout import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, MAX_STREAMS
 from . import streams as _streams
 from .errors import FrameError
 
@@ -86,6 +88,7 @@ def pad8(n):
     return (n + 7) & ~7
 
 
+@functools.lru_cache(maxsize=None)
 def table_dtype(nstreams: int) -> np.dtype:
     """Return the numpy structured dtype of one chunk-table entry."""
     return np.dtype(
@@ -209,7 +212,7 @@ def get_frame_parameters(frame) -> FrameParameters:
     ids = buf[HEADER_BYTES : HEADER_BYTES + 8 * ns].view("<u8")
     tdt = table_dtype(ns)
     table = buf[HEADER_BYTES + 8 * ns : crc_pos].view(tdt)
-    offsets, total = _payload_layout(table, spec, numel, chunk_elems, ids, hsize, version)
+    offsets, total = _payload_layout(buf, table, spec, numel, chunk_elems, ids, hsize, version)
     if total != n:
         what = "truncated" if total > n else "longer than its chunk table says"
         _fail(f"frame {what}: {n} bytes, the chunk table describes {total}")
@@ -242,49 +245,49 @@ def payload_bytes(cflags: np.ndarray, sizes: np.ndarray, counts: np.ndarray) -> 
     return mask + pad8(sizes.astype(np.int64)).sum(axis=1)
 
 
-def _payload_layout(table, spec, numel, chunk_elems, ids, hsize, version):
+def _payload_layout(buf, table, spec, numel, chunk_elems, ids, hsize, version):
+    """Check the chunk table (one kernel pass) and return the payload offsets and the frame length."""
     ns = spec.nstreams
     nchunks = len(table)
     if nchunks == 0:
         return np.zeros(0, dtype=np.int64), hsize
-    cflags = table["cflags"].astype(np.int64)
-    books = table["books"].astype(np.int64)
-    if version == 1 and np.any(books != 0):
-        _fail(f"chunk {int(np.nonzero(books)[0][0])} names a book, which version 1 frames cannot")
-    # A chunk names a book only for the streams it codes (not raw, not all-zero, s < ns).
-    coded_nibbles = np.zeros(nchunks, dtype=np.int64)
+    offsets = np.empty(nchunks, dtype=np.int64)
+    first = np.empty((_fp.CHECKS, MAX_STREAMS), dtype=np.int64)
+    total = int(_fp.payload_layout(buf, HEADER_BYTES + 8 * ns, table.itemsize, nchunks, ns, numel, chunk_elems,
+                                   (ids != 0).astype(np.uint8), version, hsize, offsets, first))
+    if total < 0:  # our own arguments: a bug, not a bad frame
+        raise RuntimeError("the frame layout kernel refused its arguments")
+    if (first < nchunks).any():
+        _layout_failure(table, ns, numel, chunk_elems, first)
+    return offsets, total
+
+
+def _layout_failure(table, ns, numel, chunk_elems, first) -> None:
+    """Raise FrameError for the first check of the table that failed (see kernels.frame_params)."""
+    nchunks = len(table)
+
+    def count(c):
+        return chunk_elems if c < nchunks - 1 else numel - (nchunks - 1) * chunk_elems
+
+    def at(check, s=0):
+        return int(first[check, s]) if first[check, s] < nchunks else None
+
+    if (c := at(_fp.CHECK_V1_BOOK)) is not None:
+        _fail(f"chunk {c} names a book, which version 1 frames cannot")
+    if (c := at(_fp.CHECK_BOOK_UNCODED)) is not None:
+        _fail(f"chunk {c} names a book for a stream it does not code (books field 0x{int(table['books'][c]):04x})")
+    if (c := at(_fp.CHECK_FLAGS)) is not None:
+        _fail(f"chunk {c} has unknown flags 0x{int(table['cflags'][c]):02x}")
+    if (c := at(_fp.CHECK_ZERO_PAYLOAD)) is not None:
+        _fail(f"chunk {c} is flagged all-zero but has a mask or payload")
     for s in range(ns):
-        coded = (cflags & (CHUNK_RAW0 << s | CHUNK_ZERO)) == 0
-        coded_nibbles |= np.where(coded, 0xF << (4 * s), 0)
-    if np.any(books & ~coded_nibbles):
-        bad = int(np.nonzero(books & ~coded_nibbles)[0][0])
-        _fail(f"chunk {bad} names a book for a stream it does not code (books field 0x{int(books[bad]):04x})")
-    sizes = table["sizes"].astype(np.int64).reshape(nchunks, ns)
-    counts = chunk_counts(numel, chunk_elems, nchunks)
-    raw_bits = sum(CHUNK_RAW0 << s for s in range(ns))
-    if np.any(cflags & ~(CHUNK_MASK | CHUNK_ZERO | raw_bits)):
-        bad = int(np.nonzero(cflags & ~(CHUNK_MASK | CHUNK_ZERO | raw_bits))[0][0])
-        _fail(f"chunk {bad} has unknown flags 0x{int(cflags[bad]):02x}")
-    zero = (cflags & CHUNK_ZERO) != 0
-    if np.any(zero & (((cflags & CHUNK_MASK) != 0) | (sizes.sum(axis=1) != 0))):
-        bad = int(np.nonzero(zero & (((cflags & CHUNK_MASK) != 0) | (sizes.sum(axis=1) != 0)))[0][0])
-        _fail(f"chunk {bad} is flagged all-zero but has a mask or payload")
-    for s in range(ns):
-        raw = (cflags & (CHUNK_RAW0 << s)) != 0
-        if int(ids[s]) == 0 and np.any(~raw & ~zero):
-            bad = int(np.nonzero(~raw & ~zero)[0][0])
-            _fail(f"stream {s} has no codebook, but chunk {bad} says it is coded")
-        # A raw stream holds one byte per element present; a coded one at most 20 bits.
-        too_big = np.where(raw, sizes[:, s] > counts, sizes[:, s] > (counts * 20 + 7) // 8)
-        if np.any(too_big & ~zero):
-            bad = int(np.nonzero(too_big)[0][0])
-            _fail(f"chunk {bad} stream {s} size {int(sizes[bad, s])} is impossible for {int(counts[bad])} elements")
-        if np.any(raw & ~((cflags & CHUNK_MASK) != 0) & ~zero & (sizes[:, s] != counts)):
-            bad = int(np.nonzero(raw & ~((cflags & CHUNK_MASK) != 0) & ~zero & (sizes[:, s] != counts))[0][0])
-            _fail(f"chunk {bad} stream {s} is raw but holds {int(sizes[bad, s])} bytes for {int(counts[bad])} elements")
-    lengths = payload_bytes(cflags, sizes, counts)
-    offsets = hsize + np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    return offsets.astype(np.int64), int(hsize + lengths.sum())
+        if (c := at(_fp.CHECK_NO_BOOK, s)) is not None:
+            _fail(f"stream {s} has no codebook, but chunk {c} says it is coded")
+        if (c := at(_fp.CHECK_SIZE, s)) is not None:
+            _fail(f"chunk {c} stream {s} size {int(table['sizes'][c][s])} is impossible for {count(c)} elements")
+        if (c := at(_fp.CHECK_RAW_SIZE, s)) is not None:
+            _fail(f"chunk {c} stream {s} is raw but holds {int(table['sizes'][c][s])} bytes for {count(c)} elements")
+    raise AssertionError("unreachable: a failed check without a message")
 
 
 def as_frame_bytes(frame) -> np.ndarray:

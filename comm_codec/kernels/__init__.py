@@ -11,6 +11,7 @@ Leaves of the package: they import numpy, numba and each other, nothing else.
   back (and decode-and-add into float32);
 * :mod:`.histogram` — symbol histograms and Huffman cost arithmetic for book fitting;
 * :mod:`.plan` — the checkpoint planner's sampled byte histograms;
+* :mod:`.frame_params` — the frame parser's chunk-table checks and payload layout;
 * :mod:`.cuda` — the same frames on a GPU (imported only by the GPU host driver).
 
 Kernels never raise on bad data; they bound-check and report a status per chunk

@@ -3,8 +3,8 @@
 The CPU kernels (:mod:`.encode`, :mod:`.lanes`, :mod:`.decode`, :mod:`.histogram`,
 :mod:`.plan`), the GPU kernels (:mod:`.cuda`) and the Python layer above
 (:mod:`comm_codec.core.streams`, :mod:`comm_codec.core.frame`) all take these from here,
-so a frame written by one is read by the others by construction. numpy only: the
-frame parser imports it without numba.
+so a frame written by one is read by the others by construction. numpy only, so
+constants (statuses, flags) are read without compiling anything.
 
 **Element bits.** A tensor's elements reach the kernels as an integer array whose *type*
 carries the layout: uint8/uint16/uint32 for IEEE types, whose bits are rotated left by
