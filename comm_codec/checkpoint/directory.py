@@ -343,12 +343,7 @@ def compress_dir(src, dst, threads: int | None = None, force: bool = False, prog
         def job() -> FileResult:
             path = os.path.join(src, rel)
             if not is_checkpoint_file(path):
-                out = os.path.join(dst, rel)
-                existed = os.path.lexists(out)
-                _copy(path, out, force)
-                made.file(out, existed)
-                size = os.path.getsize(out)
-                return FileResult(rel, "copied", size, size, "copied (not a checkpoint file)")
+                return _copied(rel, path, os.path.join(dst, rel), force, made, "copied (not a checkpoint file)")
             out = os.path.join(dst, rel + SUFFIX)
             existed = os.path.lexists(out)
             s = compress_file(path, out, threads=per_file, codebooks=codebooks, progress=_meter(progress, at_once),
@@ -357,6 +352,20 @@ def compress_dir(src, dst, threads: int | None = None, force: bool = False, prog
             return FileResult(rel, "compressed", s.original_bytes, s.compressed_bytes)
         return job
 
+    return _run_tree("compress", src, dst, made, make_job, at_once, on_file, started)
+
+
+def _copied(rel: str, path: str, out: str, force: bool, made, note: str = "") -> FileResult:
+    """Copy a file that is not coded, recording it among the outputs a failed run removes."""
+    existed = os.path.lexists(out)
+    _copy(path, out, force)
+    made.file(out, existed)
+    size = os.path.getsize(out)
+    return FileResult(rel, "copied", size, size, note)
+
+
+def _run_tree(op: str, src: str, dst: str, made, make_job, at_once: int, on_file, started: float) -> DirSummary:
+    """Make the output tree, run every file's job, and undo what was made if any fails."""
     try:
         if not os.path.isdir(dst):
             made.mkdir(dst)
@@ -365,7 +374,7 @@ def compress_dir(src, dst, threads: int | None = None, force: bool = False, prog
     except BaseException:
         made.undo()
         raise
-    return _finish("compress", started, at_once, results, skipped)
+    return _finish(op, started, at_once, results, skipped)
 
 
 def decompress_dir(src, dst, threads: int | None = None, force: bool = False, progress: bool | None = None,
@@ -389,12 +398,7 @@ def decompress_dir(src, dst, threads: int | None = None, force: bool = False, pr
         def job() -> FileResult:
             path = os.path.join(src, rel)
             if not rel.endswith(SUFFIX):
-                out = os.path.join(dst, rel)
-                existed = os.path.lexists(out)
-                _copy(path, out, force)
-                made.file(out, existed)
-                size = os.path.getsize(out)
-                return FileResult(rel, "copied", size, size)
+                return _copied(rel, path, os.path.join(dst, rel), force, made)
             out = os.path.join(dst, rel[:-len(SUFFIX)])
             existed = os.path.lexists(out)
             s = decompress_file(path, out, threads=per_file, progress=_meter(progress, at_once), force=force)
@@ -402,15 +406,7 @@ def decompress_dir(src, dst, threads: int | None = None, force: bool = False, pr
             return FileResult(rel, "decompressed", s.original_bytes, s.compressed_bytes)
         return job
 
-    try:
-        if not os.path.isdir(dst):
-            made.mkdir(dst)
-        jobs, skipped = _tree_jobs(src, dst, made, make_job)
-        results = _map_files(jobs, at_once, on_file)
-    except BaseException:
-        made.undo()
-        raise
-    return _finish("decompress", started, at_once, results, skipped)
+    return _run_tree("decompress", src, dst, made, make_job, at_once, on_file, started)
 
 
 def verify_dir(src, threads: int | None = None, progress: bool | None = None,
