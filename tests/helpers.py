@@ -202,3 +202,21 @@ def run_crafted(cases: list, work, allowed: list[str], timeout: float = 300) -> 
     assert r.returncode == 0, r.stderr[-3000:]
     with open(results, encoding="utf-8") as fh:
         return json.load(fh)
+
+
+def error_text(fn) -> str:
+    """Run fn; return "Type: message" of the ValueError or RuntimeError it raised, or "no error"."""
+    try:
+        fn()
+    except (ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def join_deepspeed(rank: int, world: int) -> None:
+    """Hand DeepSpeed the gloo group a dist_utils rank has already joined (it wants the variables set)."""
+    import deepspeed
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="1")
+    deepspeed.init_distributed(dist_backend="gloo")

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 import dist_utils
+from helpers import error_text, join_deepspeed
 
 try:
     import comm_codec.deepspeed as ccds
@@ -143,22 +144,11 @@ def _train(rank, stage, dtype, section, zero_extra, steps, top=None):
     return losses, stats, digests
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except (ValueError, RuntimeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def _w_deepspeed(rank, world, bad_books_path, monitor_dir):
     """Every DeepSpeed case on this rank; returns a dict of results by case name."""
-    import deepspeed
     import comm_codec.deepspeed as ccds
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # already joined; DeepSpeed wants them set
-    deepspeed.init_distributed(dist_backend="gloo")
+    join_deepspeed(rank, world)
     out = {}
     for name, stage, dtype, section, zero_extra in CASES:
         base, no_stats, _ = _train(rank, stage, dtype, {"enabled": False}, zero_extra, STEPS)
@@ -179,17 +169,17 @@ def _w_deepspeed(rank, world, bad_books_path, monitor_dir):
     # Failures at initialize that need a process group.
     model = _model()
     config = _ds_config(0, "fp32", {"codebooks": bad_books_path}, {})
-    out["bad_books"] = _error(lambda: ccds.initialize(model=model, model_parameters=model.parameters(),
+    out["bad_books"] = error_text(lambda: ccds.initialize(model=model, model_parameters=model.parameters(),
                                                       config=config))
     from deepspeed.pipe import PipelineModule
 
     pipe = PipelineModule(layers=[nn.Linear(8, 8), nn.Linear(8, 8)], num_stages=1)
-    out["pipeline"] = _error(lambda: ccds.initialize(model=pipe, model_parameters=pipe.parameters(),
+    out["pipeline"] = error_text(lambda: ccds.initialize(model=pipe, model_parameters=pipe.parameters(),
                                                      config=_ds_config(0, "fp32", {}, {})))
     model = _model()
     engine, *_ = ccds.initialize(model=model, model_parameters=model.parameters(),
                                  config=_ds_config(0, "fp32", {}, {}))
-    out["twice"] = _error(lambda: ccds.install(engine))
+    out["twice"] = error_text(lambda: ccds.install(engine))
     return out
 
 

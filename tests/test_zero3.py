@@ -16,7 +16,6 @@ apiece); 4 ranks and the stall are in the slow tier.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 
 import pytest
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 import dist_utils
+from helpers import error_text, join_deepspeed
 from test_deepspeed import ccds, needs_deepspeed, torch_extensions_env
 
 STEPS = 3
@@ -132,20 +132,9 @@ def _recording_all_gathers(calls):
     return collectives, real, recording
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except (ValueError, RuntimeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def _w_zero3(rank, world, books_fp32_path, cases):
-    import deepspeed
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")  # already joined; DeepSpeed wants them set
-    deepspeed.init_distributed(dist_backend="gloo")
+    join_deepspeed(rank, world)
     out = {"reference": _train(rank, 3, {"enabled": False}, reference=True)}
     calls = []
     module, real, recording = _recording_all_gathers(calls)
@@ -162,7 +151,7 @@ def _w_zero3(rank, world, books_fp32_path, cases):
             "quantized": _config(3, CODED, {"zero_quantized_weights": True}),
             "cast": _config(3, dict(CODED, cast="bf16")),
         }
-        out["errors"] = {name: _error(lambda c=c: ccds.initialize(model=model, model_parameters=model.parameters(),
+        out["errors"] = {name: error_text(lambda c=c: ccds.initialize(model=model, model_parameters=model.parameters(),
                                                                   config=c))
                          for name, c in bad.items()}
     if "more" in cases:
@@ -178,11 +167,8 @@ def _w_zero3(rank, world, books_fp32_path, cases):
 
 
 def _w_stall(rank, world, timeout):
-    import deepspeed
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
-    deepspeed.init_distributed(dist_backend="gloo")
+    join_deepspeed(rank, world)
     model = _model()
     engine, *_ = ccds.initialize(model=model, model_parameters=model.parameters(), config=_config(3, CODED))
     x, y = torch.randn(4, 32).bfloat16(), torch.randn(4, 8).bfloat16()
