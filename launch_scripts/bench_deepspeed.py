@@ -33,7 +33,6 @@ import argparse
 import datetime
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,8 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from comm_codec.core.errors import LinkShapingError  # noqa: E402
+from comm_codec.tools import netns  # noqa: E402
 from comm_codec.tools.pretrained import minilm_masked_lm  # noqa: E402
 
 ROWS = ("zero3", "always", "auto", "zero++")
@@ -85,23 +86,12 @@ def _run_link(gbit: float, argv, out_path: str) -> int:
     if gbit == 0:
         return subprocess.run(me).returncode
     ns = os.environ.get("CCDS_NS", "ccds-bench")
-    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
-        print("bench_deepspeed.py: shaped links need root and iproute2 (or pass --links 0)", file=sys.stderr)
-        return 2
-    if ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout.split():
-        print(f"bench_deepspeed.py: namespace {ns} already exists (another run?); 'ip netns del {ns}' or set "
-              "CCDS_NS", file=sys.stderr)
-        return 2
-    subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
-        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate",
-                        f"{gbit:g}gbit", "burst", "256kb", "latency", "50ms"], check=True)
-        # (TORCH_CPP_LOG_LEVEL: the namespace has no DNS, and c10d warns about every peer's name)
-        return subprocess.run(["ip", "netns", "exec", ns, "env", "TORCH_CPP_LOG_LEVEL=ERROR", "GLOO_SOCKET_IFNAME=lo",
-                               *me]).returncode
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
+        with netns.namespace(ns, f"{gbit:g}gbit"):
+            return subprocess.run(netns.exec_argv(ns, me)).returncode
+    except LinkShapingError as exc:
+        print(f"bench_deepspeed.py: {exc} (or pass --links 0)", file=sys.stderr)
+        return 2
 
 
 # -- model and data --------------------------------------------------------------------------

@@ -41,7 +41,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,8 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from comm_codec.core.errors import LinkShapingError  # noqa: E402
+from comm_codec.tools import netns  # noqa: E402
 from comm_codec.tools.pretrained import minilm_masked_lm  # noqa: E402
 from comm_codec.tools.procs import free_port  # noqa: E402
 
@@ -92,31 +93,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _run_in_netns(args, argv) -> int:
     """Create the shaped namespace, rerun this script inside it, delete the namespace."""
     ns = os.environ.get("CCFSDP_NS", "ccfsdp")
-    if os.geteuid() != 0:
-        print("bench_fsdp.py: a network namespace needs root (or pass --no-netns)", file=sys.stderr)
-        return 2
-    if not shutil.which("ip") or not shutil.which("tc"):
-        print("bench_fsdp.py: ip/tc not found: apt-get install iproute2 (or pass --no-netns)", file=sys.stderr)
-        return 2
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    if ns in listed.split():
-        print(f"bench_fsdp.py: namespace {ns} already exists (another run?); 'ip netns del {ns}' or set "
-              "CCFSDP_NS", file=sys.stderr)
-        return 2
-    subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
-        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate",
-                        args.rate, "burst", "256kb", "latency", "50ms"], check=True)
-        shaped = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", "lo"],
-                                capture_output=True, text=True).stdout.strip()
-        print(f"namespace {ns}: {shaped}", flush=True)
-        # (TORCH_CPP_LOG_LEVEL: the namespace has no DNS, and c10d warns about every peer's name)
-        return subprocess.run(["ip", "netns", "exec", ns, "env", "TORCH_CPP_LOG_LEVEL=ERROR", "GLOO_SOCKET_IFNAME=lo",
-                               sys.executable, os.path.abspath(__file__), *argv, "--inside"]).returncode
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
-        print(f"(namespace {ns} deleted)", flush=True)
+        with netns.namespace(ns):
+            print(f"namespace {ns}: {netns.shape(ns, args.rate)}", flush=True)
+            return subprocess.run(netns.exec_argv(ns, [sys.executable, os.path.abspath(__file__), *argv,
+                                                       "--inside"])).returncode
+    except LinkShapingError as exc:
+        print(f"bench_fsdp.py: {exc} (or pass --no-netns)", file=sys.stderr)
+        return 2
 
 
 # -- model and data --------------------------------------------------------------------------

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import copy
 import datetime
 import importlib
@@ -63,7 +62,6 @@ import json
 import logging
 import math
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -79,6 +77,8 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from comm_codec.core.errors import LinkShapingError  # noqa: E402
+from comm_codec.tools import netns  # noqa: E402
 from comm_codec.tools.procs import free_port  # noqa: E402
 
 log = logging.getLogger("bench_link_sweep")
@@ -630,27 +630,6 @@ def plot(results: list[dict], path: str) -> None:
 
 
 # -- the network namespace ----------------------------------------------------------------------
-@contextlib.contextmanager
-def _namespace(name: str):
-    """A network namespace with only loopback, deleted on exit (signals included)."""
-    if os.geteuid() != 0:
-        raise SystemExit("bench_link_sweep.py: shaped links need root (network namespaces); "
-                         "run with --links 0 for plain loopback")
-    if subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split().count(name):
-        raise SystemExit(f"bench_link_sweep.py: namespace {name} already exists (another run?); "
-                         f"delete it with 'ip netns del {name}' or pass --netns")
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    previous = {s: signal.signal(s, lambda *_: sys.exit(130)) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
-        yield
-    finally:
-        subprocess.run(["ip", "netns", "del", name])
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        print(f"(namespace {name} deleted)", file=sys.stderr)
-
-
 def _in_namespace() -> bool:
     return os.environ.get("CC_SWEEP_IN_NETNS") == "1"
 
@@ -705,11 +684,13 @@ def main(argv=None) -> int:
         parser.error("link speeds must be >= 0 and world sizes >= 2")
 
     if any(args.link_list) and not _in_namespace():
-        with _namespace(args.netns):
-            env = dict(os.environ, CC_SWEEP_IN_NETNS="1", GLOO_SOCKET_IFNAME="lo", TORCH_CPP_LOG_LEVEL="ERROR")
-            cmd = ["ip", "netns", "exec", args.netns, sys.executable, os.path.abspath(__file__)] + \
-                  (argv if argv is not None else sys.argv[1:])
-            return subprocess.run(cmd, env=env).returncode
+        try:
+            with netns.namespace(args.netns):
+                cmd = netns.exec_argv(args.netns, [sys.executable, os.path.abspath(__file__)]
+                                      + (argv if argv is not None else sys.argv[1:]))
+                return subprocess.run(cmd, env=dict(os.environ, CC_SWEEP_IN_NETNS="1")).returncode
+        except LinkShapingError as exc:
+            raise SystemExit(f"bench_link_sweep.py: {exc} (or run with --links 0 for plain loopback)") from None
 
     print(f"bench_link_sweep: {len(os.sched_getaffinity(0))} cores allowed, load average {_loadavg()}; "
           f"links {args.links}, ranks {args.ranks}, model {args.model}, {args.dtype}, "

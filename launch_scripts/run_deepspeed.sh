@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Launch launch_scripts/train_deepspeed.py (TinyLM, DeepSpeed ZeRO 0/1/2 on CPU with gloo,
+# Launch launch_scripts/train_deepspeed.py (TinyLM, DeepSpeed ZeRO 0-3 on CPU with gloo,
 # the comm_codec plugin configured by the "comm_codec" section of ds_config.json).
 #
 # Single node, NPROC processes (default 2), with torchrun (default) or the deepspeed
 # launcher; extra arguments go to train_deepspeed.py:
 #   bash launch_scripts/run_deepspeed.sh --steps 30
 #   LAUNCHER=deepspeed bash launch_scripts/run_deepspeed.sh --steps 30 --stage 1 --dtype fp32
+#   bash launch_scripts/run_deepspeed.sh --steps 30 --stage 3 --offload   # ZeRO-3, optimizer on the CPU
 #   bash launch_scripts/run_deepspeed.sh --matrix --steps 30 --json /tmp/ds_matrix.json
 #   bash launch_scripts/run_deepspeed.sh --no-plugin            # the same run, plain DeepSpeed
 #

@@ -80,6 +80,7 @@ TIERS = {
     "test_huffman.py": "unit",
     "test_integrations.py": "dist",
     "test_layers.py": "unit",
+    "test_netns.py": "unit",  # real network namespaces where the process may make them
     "test_lossy.py": ("unit", {"test_metadata_round_trip_and_inspect": "cli",
                                "test_cli_round_trip_and_errors": "cli"}),
     "test_profiler.py": "unit",

@@ -29,6 +29,7 @@ from torch.distributed.fsdp import fully_shard
 
 import comm_codec.dcp as ccd
 import dist_utils
+from comm_codec.core.codec import Codec
 from comm_codec.core.errors import CheckpointError
 from comm_codec.core.streams import SUPPORTED_DTYPES
 from helpers import bits_equal, random_bits
@@ -127,6 +128,60 @@ def test_plain_dcp_reader_refuses_frames_and_reader_reads_plain_dcp(tmp_path):
     out = _zeros_like(sd)
     ccd.load(out, tmp_path / "plain")
     _assert_same(out, sd)
+
+
+def _frame_of(path, fqn):
+    """The frame params of an item's record (its frame, or the pack frame it lies in)."""
+    md = _records(path)
+    info = next(r for i, r in md.storage_data.items() if i.fqn == fqn)
+    with open(os.path.join(path, info.relative_path), "rb") as fh:
+        fh.seek(info.offset)
+        buf = fh.read(info.length)
+    return info, Codec.frame_parameters(buf)
+
+
+def test_small_tensors_share_one_frame_per_dtype_and_kind(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    model = {f"layer.{i}.{n}": (torch.randn(size, generator=g) * 0.02).to(dtype)
+             for i in range(12) for n, size, dtype in (("bias", 384, torch.bfloat16), ("scale", 96, torch.float32),
+                                                      ("gain", 7, torch.float16))}
+    model["scalar"] = torch.tensor(1.5, dtype=torch.bfloat16)
+    model["empty"] = torch.zeros(0, 4, dtype=torch.bfloat16)
+    state = {f"{i}.exp_avg": (torch.randn(384, generator=g) * 1e-4).to(torch.bfloat16) for i in range(12)}
+    sd = {"model": model, "optim": {"state": state}}
+    dcp.save(sd, storage_writer=ccd.Writer(tmp_path))
+    out = _zeros_like(sd)
+    ccd.load(out, tmp_path)
+    _assert_same(out, sd)
+    md = _records(tmp_path)
+    packs = {}
+    for index, info in md.storage_data.items():
+        assert info.transform_descriptors[0] == ccd.PACK_DESCRIPTOR, index.fqn
+        packs.setdefault(info.offset, []).append(index.fqn)
+    # one frame each: bf16 weights, fp32 weights, fp16 weights, bf16 optimizer state
+    assert len(packs) == 4, packs
+    info, params = _frame_of(tmp_path, "model.layer.3.bias")
+    assert params.numel == 12 * 384 + 1 + 0 and str(params.dtype) == "torch.bfloat16"
+    raw = sum(v.numel() * v.element_size() for v in list(model.values()) + list(state.values()))
+    assert os.path.getsize(tmp_path / "__0_0.distcp") < raw
+
+
+def test_a_layer_plan_is_reused_by_its_siblings_unless_it_misfits(tmp_path):
+    g = torch.Generator().manual_seed(4)
+    sd = {f"enc.layer.{i}.w": (torch.randn(300, 200, generator=g) * 0.02).to(torch.bfloat16) for i in range(4)}
+    # same name pattern and shape, a distribution of its own: few distinct exponents
+    sd["enc.layer.4.w"] = (torch.randint(0, 3, (300, 200), generator=g).float() * 0.5 + 0.25).to(torch.bfloat16)
+    dcp.save(sd, storage_writer=ccd.Writer(tmp_path / "all"))
+    out = _zeros_like(sd)
+    ccd.load(out, tmp_path / "all")
+    _assert_same(out, sd)
+    ids = {k: _frame_of(tmp_path / "all", k)[1].book_ids for k in sd}
+    assert ids["enc.layer.1.w"] == ids["enc.layer.0.w"] == ids["enc.layer.3.w"]
+    assert ids["enc.layer.4.w"] != ids["enc.layer.0.w"]
+    # the misfit coded as well as when it is planned alone
+    dcp.save({"enc.layer.4.w": sd["enc.layer.4.w"]}, storage_writer=ccd.Writer(tmp_path / "alone"))
+    alone = _frame_of(tmp_path / "alone", "enc.layer.4.w")[0].length
+    assert _frame_of(tmp_path / "all", "enc.layer.4.w")[0].length <= alone
 
 
 class _Unsafe:
@@ -258,10 +313,39 @@ def _bad_path_outside(d):
     return ".metadata"
 
 
+
+def _edit_pack(d, descriptor):
+    def edit(md):
+        md.storage_data[_frame_record(d, "b")[1]].transform_descriptors = [ccd.PACK_DESCRIPTOR, descriptor]
+    _rewrite_metadata(d, edit)
+    return "__0_0.distcp"
+
+
+def _bad_pack_range_outside(d):
+    return _edit_pack(d, "elements=90+100")
+
+
+def _bad_pack_count(d):
+    return _edit_pack(d, "elements=0+99")
+
+
+def _bad_pack_descriptor(d):
+    return _edit_pack(d, "elements=-1+100")
+
+
+def _bad_pack_pointing_at_a_big_frame(d):
+    def edit(md):  # "b"'s pack record pointing at "w"'s frame (65536 bf16 elements)
+        w = md.storage_data[_frame_record(d, "w")[1]]
+        info = md.storage_data[_frame_record(d, "b")[1]]
+        info.offset, info.length = w.offset, w.length
+    _rewrite_metadata(d, edit)
+    return "__0_0.distcp"
+
 BAD = {f.__name__[5:]: f for f in (
     _bad_no_metadata, _bad_foreign_metadata, _bad_pickle_runs_code, _bad_truncated_metadata, _bad_truncated_data,
     _bad_missing_data, _bad_frame_byte, _bad_frame_header, _bad_book_table, _bad_huge_length_claim,
-    _bad_chunk_claim, _bad_frame_of_other_size, _bad_path_outside)}
+    _bad_chunk_claim, _bad_frame_of_other_size, _bad_path_outside, _bad_pack_range_outside, _bad_pack_count,
+    _bad_pack_descriptor, _bad_pack_pointing_at_a_big_frame)}
 
 
 @pytest.mark.parametrize("case", sorted(BAD))

@@ -8,7 +8,8 @@ line before it imports anything heavy, can raise and catch them.
 
 from __future__ import annotations
 
-__all__ = ["CommCodecError", "FrameError", "CodebookError", "CheckpointError", "ChainError", "CollectiveError"]
+__all__ = ["CommCodecError", "FrameError", "CodebookError", "CheckpointError", "ChainError", "CollectiveError",
+           "LinkShapingError"]
 
 
 class CommCodecError(Exception):
@@ -39,6 +40,11 @@ class CollectiveError(CommCodecError, RuntimeError):
     """A compressed collective failed on some rank; raised on every rank of the group."""
 
 
-for _cls in (CommCodecError, FrameError, CodebookError, CheckpointError, ChainError, CollectiveError):
+class LinkShapingError(CommCodecError, RuntimeError):
+    """A benchmark's shaped link cannot be made: not root, no iproute2, a namespace taken, tc failing."""
+
+
+for _cls in (CommCodecError, FrameError, CodebookError, CheckpointError, ChainError, CollectiveError,
+             LinkShapingError):
     _cls.__module__ = "comm_codec"  # shown (and caught) as comm_codec.FrameError etc.
 del _cls
