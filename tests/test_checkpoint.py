@@ -357,6 +357,26 @@ def test_full_disk_on_decompress_fails_up_front(tmp_path, monkeypatch):
     assert _leftovers(tmp_path) == []
 
 
+def test_output_is_allocated_every_half_step_not_every_segment(tmp_path, monkeypatch):
+    """Allocation holds the output's inode lock (pwrite of a worker would spin on it): it
+    runs when less than half a step is left ahead of the bytes written, never past the size."""
+    from comm_codec.checkpoint import files
+
+    monkeypatch.setattr(files, "_RESERVE_STEP", 1000)
+    calls = []
+    real = os.posix_fallocate
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (calls.append((off, n)), real(fd, off, n))[1])
+    out = files.AtomicFile(str(tmp_path / "o"))
+    try:
+        out.reserve(2600)
+        for done in range(0, 2601, 100):  # one segment of 100 bytes after another
+            out.advance(done)
+        # at done 0, 600, 1200 and 1800 (a segment past each half step), up to the size
+        assert calls == [(0, 1000), (1000, 600), (1600, 600), (2200, 400)]
+    finally:
+        out.abort()
+
+
 def test_source_changing_during_compression_is_refused(tmp_path, monkeypatch):
     torch.save(_state_dict(), tmp_path / "c.pt")
     monkeypatch.setattr(FileMap, "unchanged", lambda self: False)

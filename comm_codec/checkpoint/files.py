@@ -299,13 +299,21 @@ class AtomicFile:
         self.advance(0)
 
     def advance(self, done: int) -> None:
-        """Note that bytes 0..done are written; allocate the next step when due."""
-        want = min(self._target, done + _RESERVE_STEP)
-        if want <= self._reserved:
+        """Note that bytes 0..done are written; allocate the next step when due.
+
+        Allocation is due once less than half a step is left ahead of ``done``, so it
+        runs every half step, not after every segment: it holds the file's inode lock
+        for as long as it takes (on tmpfs it zeroes the pages), and a worker's
+        :meth:`pwrite` waiting for that lock spins on a core meanwhile. It takes the
+        write lock, so that worker sleeps instead.
+        """
+        if self._reserved >= self._target or self._reserved - done >= _RESERVE_STEP // 2:
             return
+        want = min(self._target, done + _RESERVE_STEP)
         try:
-            self.fh.flush()
-            os.posix_fallocate(self.fh.fileno(), self._reserved, want - self._reserved)
+            with self._pwrite_lock:
+                self.fh.flush()
+                os.posix_fallocate(self.fh.fileno(), self._reserved, want - self._reserved)
         except OSError as exc:
             raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
         self._reserved = want
