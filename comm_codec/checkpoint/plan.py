@@ -316,7 +316,7 @@ class BookChooser:
                 best = min(o[0] for o in options)
                 floor = float(np.minimum(_entropies(r, symbols) * symbols, raw).sum()) * scale
                 if floor < best:
-                    options += self._own_options(r, raw, scale, spec.name, s, grouped, best)
+                    options += self._own_options(r, raw, scale, spec.name, s, grouped, best, floor)
             bits, book, origin = min(options, key=lambda o: o[0])
             books.append(book)
             origins.append(origin)
@@ -324,7 +324,7 @@ class BookChooser:
         return books, origins, total
 
     def _own_options(self, r: np.ndarray, raw: np.ndarray, scale: float, dtype: str, s: int, grouped: bool,
-                     best: float) -> list:
+                     best: float, floor: float) -> list:
         """Options of books fitted to the tensor: its own book, a group grown from it, or
         (a stream raw on the whole) a book for the chunks that compress.
 
@@ -336,13 +336,22 @@ class BookChooser:
         sampled whole, a group (cheap to grow) is tried when the own book is within
         _GROUP_REACH of ``best``: on all-MiniLM-L6-v2 and its Adam state the groups that
         won saved 0.4-2.1 % over their first book, and none won from farther than 2.2 %.
+
+        ``floor`` is what any book of the tensor's own costs at least (each chunk's
+        entropy, or raw). Without enough chunks for a group, a new book is built only
+        when ``floor`` plus its place in the index beats ``best``: one that cannot win
+        is not built (building is most of planning a small tensor; on TinyLM's Adam
+        state half the books built were never stored).
         """
         c = r.sum(axis=0) * scale
         h = entropy_bits(c)
         if h >= RAW_THRESHOLD_BITS:
             found = self.partial(r, scale) if grouped else None
             return [] if found is None else [(float(raw.sum()) * scale - found[1], found[0], "tensor")]
-        book, new = self._own(c, float(c.sum()), h, dtype, s)
+        found = self._own(c, float(c.sum()), h, dtype, s, build=grouped or floor + _BOOK_COST_BITS < best)
+        if found is None:
+            return []
+        book, new = found
         bits = float(np.minimum(r @ book.symbol_bits(), raw).sum()) * scale + (_BOOK_COST_BITS if new else 0.0)
         options = [(bits, book, "tensor")]
         reach = best * (1.0 + _GROUP_REACH) if scale == 1.0 else best
@@ -390,8 +399,10 @@ class BookChooser:
         members = option.books if isinstance(option, CodebookGroup) else (option,)
         return _BOOK_COST_BITS * sum(b.id not in self.books for b in members)
 
-    def _own(self, c: np.ndarray, n: float, h: float, dtype: str, stream: int) -> tuple[Codebook, bool]:
-        """A book fitted to these counts, and whether it is new to the file.
+    def _own(self, c: np.ndarray, n: float, h: float, dtype: str, stream: int,
+             build: bool = True) -> tuple[Codebook, bool] | None:
+        """A book fitted to these counts, and whether it is new to the file (None: no
+        earlier book fits and ``build`` is False).
 
         A book built for an earlier tensor is reused when it spends at most
         _REUSE_SLACK_BITS per symbol more, above the entropy, than it did on the tensor
@@ -411,6 +422,8 @@ class BookChooser:
             j = int(np.argmin(excess))
             if excess[j] <= _REUSE_SLACK_BITS:
                 return books[j], False
+        if not build:
+            return None
         book = Codebook.from_counts(c, raw_threshold=None)
         if len(books) < _MAX_REUSED_BOOKS:
             costs[len(books)] = book.symbol_bits()
