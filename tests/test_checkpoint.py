@@ -621,12 +621,15 @@ def test_planning_kernels_refuse_bad_arguments_with_a_status():
     from comm_codec.kernels import plan as kp
 
     bits = np.zeros(1000, dtype=np.uint16)
-    hist, zeros = np.zeros((1, 1, 256), dtype=np.int64), np.zeros((1, 1), dtype=np.int64)
+    hist, zeros = np.zeros((1, 2, 256), dtype=np.int64), np.zeros(1, dtype=np.int64)
+    coded = np.zeros(2, dtype=np.bool_)
     one = np.ones(1, dtype=np.int64)
-    for start, length, stream, step in ((990, 20, 0, 1), (-1, 5, 0, 1), (0, 10, 2, 1), (0, 10, 0, 0)):
-        status = kp.byte_histograms(bits, np.array([start]), np.array([length]), np.array([stream]),
-                                    np.array([step]), hist, zeros)
-        assert status == kp.STATUS_BAD_ARGS and not hist.any()
+    for start, length, step, streams in ((990, 20, 1, 2), (-1, 5, 1, 2), (0, 10, 1, 3), (0, 10, 0, 2)):
+        status = kp.count_pieces(bits, np.array([start]), np.array([length]), step, 1 << 15, 7.8,
+                                 np.zeros((1, streams, 256), dtype=np.int64), zeros, np.zeros(streams, np.bool_))
+        assert status == kp.STATUS_BAD_ARGS and not zeros.any()
+    assert kp.count_pieces(bits, np.array([0]), np.array([10]), 1, 1 << 15, 7.8, hist, zeros, coded) == kp.STATUS_OK
+    hist = np.zeros((1, 1, 256), dtype=np.int64)
     refs = np.zeros(1, dtype=np.int64)
     assert kp.chunk_refs(bits, np.array([0]), np.array([1001]), 1, 0, refs) == kp.STATUS_BAD_ARGS
     assert kp.chunk_refs(bits, np.array([0]), np.array([10]), 0, 0, refs) == kp.STATUS_BAD_ARGS

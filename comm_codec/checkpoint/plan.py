@@ -9,7 +9,6 @@ chosen from histograms of a sample of its chunks, by expected coded bits.
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 
 import numpy as np
@@ -207,31 +206,13 @@ class BookChooser:
         ns, npieces = spec.nstreams, sample.starts.size
         # Only chunks of enough elements say anything on a sparse look; a short last one
         # is left to them (it is stored raw too if they say so).
-        big = sample.lengths >= _RAW_LOOK_MIN_ELEMS
-        look = [1] + [_RAW_LOOK_STEP if big.any() else 1] * (ns - 1)
+        step = _RAW_LOOK_STEP if bool((sample.lengths >= _RAW_LOOK_MIN_ELEMS).any()) else 1
         hist = np.empty((npieces, ns, 256), dtype=np.int64)
-        zeros = np.empty((npieces, ns), dtype=np.int64)
-        _check(_plan.byte_histograms(sample.bits, sample.starts, sample.lengths, np.arange(ns, dtype=np.int64),
-                                     np.array(look, dtype=np.int64), hist, zeros))
-        coded = [True] * ns
-        sparse = [s for s in range(1, ns) if look[s] > 1]
-        if sparse:
-            # Zeros the encoder will mask are not coded: out of the sparse counts too.
-            seen = hist[:, sparse].copy()
-            masked = zeros[:, 0] * 8 > sample.lengths
-            seen[masked, :, 0] -= zeros[masked][:, sparse]
-            seen = seen[big]
-            for j, s in enumerate(sparse):
-                n = np.maximum(seen[:, j].sum(axis=1), 1)
-                coded[s] = bool((_entropies(seen[:, j]) + 255.0 / (2 * math.log(2) * n) < _RAW_LOOK_BITS).any())
-        again = [s for s in sparse if coded[s]]
-        if again:
-            full = np.empty((npieces, len(again), 256), dtype=np.int64)
-            _check(_plan.byte_histograms(sample.bits, sample.starts, sample.lengths, np.array(again, dtype=np.int64),
-                                         np.ones(len(again), dtype=np.int64), full, np.empty((npieces, len(again)),
-                                                                                             dtype=np.int64)))
-            hist[:, again] = full
-        zeros = zeros[:, 0]
+        zeros = np.empty(npieces, dtype=np.int64)
+        flags = np.empty(ns, dtype=np.bool_)
+        _check(_plan.count_pieces(sample.bits, sample.starts, sample.lengths, step, _RAW_LOOK_MIN_ELEMS,
+                                  _RAW_LOOK_BITS, hist, zeros, flags))
+        coded = flags.tolist()
         out = {}
         for chunk_elems in CHUNK_SIZES:
             per = chunk_elems // self.chunk_elems
@@ -242,7 +223,7 @@ class BookChooser:
             refs = np.empty(nchunks, dtype=np.int64)
             _check(_plan.chunk_refs(sample.bits, sample.starts, sample.lengths, per, spec.exp_shift, refs))
             rows = np.empty((nchunks, ns, 256), dtype=np.int64)
-            _check(_plan.chunk_rows(hist, zeros, sample.lengths, refs, per, spec.exp_shift, np.array(coded), rows))
+            _check(_plan.chunk_rows(hist, zeros, sample.lengths, refs, per, spec.exp_shift, flags, rows))
             out[chunk_elems] = (rows, float(zeros.sum()), coded)
         return out
 
