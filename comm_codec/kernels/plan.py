@@ -107,6 +107,25 @@ def _count(piece, stream, step, out):
     return z
 
 
+@jit
+def _look(piece, step, out):
+    """out[s, b] += every step-th element of piece whose byte of stream s is b, for every
+    stream s but 0 (one load per element for all of them; out[1:] zeroed first); return
+    the all-zero elements among them."""
+    width, ra, _ = element_layout(piece)
+    top = np.int64(8 * width)
+    mask = np.int64((1 << (8 * width)) - 1)
+    for s in range(1, width):
+        out[s, :] = 0
+    z = np.int64(0)
+    for i in range(0, piece.size, step):
+        v = piece[i]
+        for s in range(1, width):
+            out[s, symbol(v, np.int64(8 * (width - 1 - s)), 0, top, ra, mask)] += 1
+        z += np.int64(v == 0)
+    return z
+
+
 @entry
 def count_pieces(bits, starts, lengths, step, min_elems, limit, hist, zeros, coded):
     """Count every stream of pieces of a tensor, looking at the random-looking ones only sparsely.
@@ -139,22 +158,28 @@ def count_pieces(bits, starts, lengths, step, min_elems, limit, hist, zeros, cod
     if (step < 1 or hist.shape[0] != npieces or hist.shape[1] != width or hist.shape[2] != 256
             or zeros.size != npieces or coded.size != width or not _check_pieces(bits, starts, lengths)):
         return STATUS_BAD_ARGS
+    # Piece by piece, every stream of a piece while it is in cache: a sparse look at a
+    # stream of 4-byte elements touches every cache line, as a full pass does.
+    seen = np.zeros(npieces, dtype=np.int64)  # all-zero elements among those looked at
     for k in range(npieces):
         piece = bits[starts[k]:starts[k] + lengths[k]]
         zeros[k] = _count(piece, 0, 1, hist[k, 0])
+        if step == 1:
+            for s in range(1, width):
+                _count(piece, s, 1, hist[k, s])
+        elif width > 1:
+            seen[k] = _look(piece, step, hist[k])
     coded[0] = True
     ln2 = np.log(2.0)
     for s in range(1, width):
         coded[s] = step == 1
         for k in range(npieces):
-            piece = bits[starts[k]:starts[k] + lengths[k]]
-            z = _count(piece, s, step, hist[k, s])
             if coded[s] or lengths[k] < min_elems:
                 continue
             n = np.int64(0)
             for b in range(256):
                 n += hist[k, s, b]
-            drop = z if zeros[k] * 8 > lengths[k] else 0  # masked zeros are not coded
+            drop = seen[k] if zeros[k] * 8 > lengths[k] else 0  # masked zeros are not coded
             n = max(n - drop, np.int64(1))
             acc = 0.0
             for b in range(256):
