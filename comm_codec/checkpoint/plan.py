@@ -281,23 +281,28 @@ class BookChooser:
         """
         grouped = len(rows) >= GROUP_MIN_ROWS  # enough sampled chunks to fit a group to
         books, origins, total = [], [], 0.0
+        per_chunk = rows.sum(axis=2)  # symbols of each chunk and stream
         for s in range(spec.nstreams):
-            r = rows[:, s, :]
-            symbols = r.sum(axis=1)  # per chunk
+            symbols = per_chunk[:, s]
             raw = 8.0 * symbols
-            raw_bits = float(raw.sum())
+            raw_bits = float(raw.sum())  # integers: exact in any order
+            if not raw_bits or (coded is not None and not coded[s]):  # raw is the only option
+                books.append(_RAW_BOOK)
+                origins.append("raw")
+                total += raw_bits * scale
+                continue
+            r = rows[:, s, :]
             options = [(raw_bits * scale, _RAW_BOOK, "raw")]
-            if raw_bits and (coded is None or coded[s]):
-                shipped = self._shipped_option(r, raw, kind, spec.name, s, scale == 1.0)
-                if shipped is not None:
-                    options.append((shipped[0] * scale + self._index_bits(shipped[1]), shipped[1],
-                                    f"shipped:{kind}/{spec.name}/{s}"))
-                # A book of its own costs at least each chunk's entropy (or raw), plus its
-                # place in the index when new: skip it when even that cannot beat the best.
-                best = min(o[0] for o in options)
-                floor = float(np.minimum(_entropies(r, symbols) * symbols, raw).sum()) * scale
-                if floor < best:
-                    options += self._own_options(r, raw, scale, spec.name, s, grouped, best, floor)
+            shipped = self._shipped_option(r, raw, kind, spec.name, s, scale == 1.0)
+            if shipped is not None:
+                options.append((shipped[0] * scale + self._index_bits(shipped[1]), shipped[1],
+                                f"shipped:{kind}/{spec.name}/{s}"))
+            # A book of its own costs at least each chunk's entropy (or raw), plus its
+            # place in the index when new: skip it when even that cannot beat the best.
+            best = min(o[0] for o in options)
+            floor = float(np.minimum(_entropies(r, symbols) * symbols, raw).sum()) * scale
+            if floor < best:
+                options += self._own_options(r, raw, scale, spec.name, s, grouped, best, floor)
             bits, book, origin = min(options, key=lambda o: o[0])
             books.append(book)
             origins.append(origin)
@@ -373,7 +378,9 @@ class BookChooser:
             used = tuple(range(len(group)))
         if used not in cut:
             cut[used] = group[used[0]] if len(used) == 1 else CodebookGroup([group[k] for k in used])
-        return float(np.minimum(costs[:, list(used)].min(axis=1), raw).sum()), cut[used]
+        # The cut-down group's cheapest book of a chunk is its cheapest of all wherever
+        # that beats raw (the book is in the cut), and raw is cheaper anyway elsewhere.
+        return float(np.minimum(best, raw).sum()), cut[used]
 
     def _index_bits(self, option) -> float:
         """What the books of an option the file does not hold yet cost in its index."""
