@@ -109,9 +109,9 @@ def _count(piece, stream, step, out):
 
 @jit
 def _look(piece, step, out):
-    """out[s, b] += every step-th element of piece whose byte of stream s is b, for every
-    stream s but 0 (one load per element for all of them; out[1:] zeroed first); return
-    the all-zero elements among them."""
+    """out[s, b] = elements of piece, every step-th, whose byte of stream s is b, for every
+    stream s but 0 (one load per element for all of them); return the all-zero elements
+    among them."""
     width, ra, _ = element_layout(piece)
     top = np.int64(8 * width)
     mask = np.int64((1 << (8 * width)) - 1)
