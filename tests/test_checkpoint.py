@@ -348,13 +348,32 @@ def test_full_disk_on_decompress_fails_up_front(tmp_path, monkeypatch):
     torch.save(_state_dict(), tmp_path / "c.pt")
     ck.compress_file(tmp_path / "c.pt", tmp_path / "c.cckp")
 
-    def no_space(fd, offset, length):
-        raise OSError(28, "No space left on device")
+    real = os.fstatvfs
 
-    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    def full(fd):  # the output's file system has 4 kB left
+        st = real(fd)
+        return os.statvfs_result((st.f_bsize, 4096, st.f_blocks, 1, 1) + tuple(st)[5:])
+
+    monkeypatch.setattr(os, "fstatvfs", full)
     with pytest.raises(ck.CheckpointError, match="cannot write .*c.out: No space left on device"):
         ck.decompress_file(tmp_path / "c.cckp", tmp_path / "c.out", threads=2)
     assert _leftovers(tmp_path) == []
+
+
+def test_restored_output_is_checked_for_room_not_allocated(tmp_path, monkeypatch):
+    """Allocating the output ahead (posix_fallocate) zeroes its pages on tmpfs, which the
+    writes then overwrite, and holds its inode lock against the writers: restoring only
+    checks that the file system has room."""
+    torch.save(_state_dict(), tmp_path / "c.pt")
+    ck.compress_file(tmp_path / "c.pt", tmp_path / "c.cckp")
+
+    def refuse(fd, offset, length):
+        raise AssertionError("the output was allocated ahead")
+
+    monkeypatch.setattr(os, "posix_fallocate", refuse)
+    for threads in (1, 2):
+        ck.decompress_file(tmp_path / "c.cckp", tmp_path / "c.out", threads=threads)
+        assert (tmp_path / "c.out").read_bytes() == (tmp_path / "c.pt").read_bytes()
 
 
 def test_source_changing_during_compression_is_refused(tmp_path, monkeypatch):
@@ -601,12 +620,15 @@ def test_planning_kernels_refuse_bad_arguments_with_a_status():
     from comm_codec.kernels import plan as kp
 
     bits = np.zeros(1000, dtype=np.uint16)
-    hist, zeros = np.zeros((1, 1, 256), dtype=np.int64), np.zeros((1, 1), dtype=np.int64)
+    hist, zeros = np.zeros((1, 2, 256), dtype=np.int64), np.zeros(1, dtype=np.int64)
+    coded = np.zeros(2, dtype=np.bool_)
     one = np.ones(1, dtype=np.int64)
-    for start, length, stream, step in ((990, 20, 0, 1), (-1, 5, 0, 1), (0, 10, 2, 1), (0, 10, 0, 0)):
-        status = kp.byte_histograms(bits, np.array([start]), np.array([length]), np.array([stream]),
-                                    np.array([step]), hist, zeros)
-        assert status == kp.STATUS_BAD_ARGS and not hist.any()
+    for start, length, step, streams in ((990, 20, 1, 2), (-1, 5, 1, 2), (0, 10, 1, 3), (0, 10, 0, 2)):
+        status = kp.count_pieces(bits, np.array([start]), np.array([length]), step, 1 << 15, 7.8,
+                                 np.zeros((1, streams, 256), dtype=np.int64), zeros, np.zeros(streams, np.bool_))
+        assert status == kp.STATUS_BAD_ARGS and not zeros.any()
+    assert kp.count_pieces(bits, np.array([0]), np.array([10]), 1, 1 << 15, 7.8, hist, zeros, coded) == kp.STATUS_OK
+    hist = np.zeros((1, 1, 256), dtype=np.int64)
     refs = np.zeros(1, dtype=np.int64)
     assert kp.chunk_refs(bits, np.array([0]), np.array([1001]), 1, 0, refs) == kp.STATUS_BAD_ARGS
     assert kp.chunk_refs(bits, np.array([0]), np.array([10]), 0, 0, refs) == kp.STATUS_BAD_ARGS

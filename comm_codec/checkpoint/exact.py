@@ -644,7 +644,6 @@ def _decode_all(m: FileMap, index: dict, bm, sink, threads: int, progress: bool 
             buffers.give(buf)
         budget.give(_segment_cost(seg))
 
-    done = 0
     h = DigestStream(threads > 1, recorded_digest(index["source"])[0])
     meter = _Progress(label, index["source"]["size"], progress)
     work = ordered_map(decode, _read_ahead(index["segments"], m), threads, budget, _segment_cost)
@@ -658,9 +657,6 @@ def _decode_all(m: FileMap, index: dict, bm, sink, threads: int, progress: bool 
                 finished(seg, buf)
             del data, buf
             meter.update(seg[1])
-            done += seg[1]
-            if positional:
-                sink.advance(done)
     meter.close()
     return h
 

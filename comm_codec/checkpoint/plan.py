@@ -9,7 +9,6 @@ chosen from histograms of a sample of its chunks, by expected coded bits.
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 
 import numpy as np
@@ -207,31 +206,13 @@ class BookChooser:
         ns, npieces = spec.nstreams, sample.starts.size
         # Only chunks of enough elements say anything on a sparse look; a short last one
         # is left to them (it is stored raw too if they say so).
-        big = sample.lengths >= _RAW_LOOK_MIN_ELEMS
-        look = [1] + [_RAW_LOOK_STEP if big.any() else 1] * (ns - 1)
+        step = _RAW_LOOK_STEP if bool((sample.lengths >= _RAW_LOOK_MIN_ELEMS).any()) else 1
         hist = np.empty((npieces, ns, 256), dtype=np.int64)
-        zeros = np.empty((npieces, ns), dtype=np.int64)
-        _check(_plan.byte_histograms(sample.bits, sample.starts, sample.lengths, np.arange(ns, dtype=np.int64),
-                                     np.array(look, dtype=np.int64), hist, zeros))
-        coded = [True] * ns
-        sparse = [s for s in range(1, ns) if look[s] > 1]
-        if sparse:
-            # Zeros the encoder will mask are not coded: out of the sparse counts too.
-            seen = hist[:, sparse].copy()
-            masked = zeros[:, 0] * 8 > sample.lengths
-            seen[masked, :, 0] -= zeros[masked][:, sparse]
-            seen = seen[big]
-            for j, s in enumerate(sparse):
-                n = np.maximum(seen[:, j].sum(axis=1), 1)
-                coded[s] = bool((_entropies(seen[:, j]) + 255.0 / (2 * math.log(2) * n) < _RAW_LOOK_BITS).any())
-        again = [s for s in sparse if coded[s]]
-        if again:
-            full = np.empty((npieces, len(again), 256), dtype=np.int64)
-            _check(_plan.byte_histograms(sample.bits, sample.starts, sample.lengths, np.array(again, dtype=np.int64),
-                                         np.ones(len(again), dtype=np.int64), full, np.empty((npieces, len(again)),
-                                                                                             dtype=np.int64)))
-            hist[:, again] = full
-        zeros = zeros[:, 0]
+        zeros = np.empty(npieces, dtype=np.int64)
+        flags = np.empty(ns, dtype=np.bool_)
+        _check(_plan.count_pieces(sample.bits, sample.starts, sample.lengths, step, _RAW_LOOK_MIN_ELEMS,
+                                  _RAW_LOOK_BITS, hist, zeros, flags))
+        coded = flags.tolist()
         out = {}
         for chunk_elems in CHUNK_SIZES:
             per = chunk_elems // self.chunk_elems
@@ -242,7 +223,7 @@ class BookChooser:
             refs = np.empty(nchunks, dtype=np.int64)
             _check(_plan.chunk_refs(sample.bits, sample.starts, sample.lengths, per, spec.exp_shift, refs))
             rows = np.empty((nchunks, ns, 256), dtype=np.int64)
-            _check(_plan.chunk_rows(hist, zeros, sample.lengths, refs, per, spec.exp_shift, np.array(coded), rows))
+            _check(_plan.chunk_rows(hist, zeros, sample.lengths, refs, per, spec.exp_shift, flags, rows))
             out[chunk_elems] = (rows, float(zeros.sum()), coded)
         return out
 
@@ -300,23 +281,28 @@ class BookChooser:
         """
         grouped = len(rows) >= GROUP_MIN_ROWS  # enough sampled chunks to fit a group to
         books, origins, total = [], [], 0.0
+        per_chunk = rows.sum(axis=2)  # symbols of each chunk and stream
         for s in range(spec.nstreams):
-            r = rows[:, s, :]
-            symbols = r.sum(axis=1)  # per chunk
+            symbols = per_chunk[:, s]
             raw = 8.0 * symbols
-            raw_bits = float(raw.sum())
+            raw_bits = float(raw.sum())  # integers: exact in any order
+            if not raw_bits or (coded is not None and not coded[s]):  # raw is the only option
+                books.append(_RAW_BOOK)
+                origins.append("raw")
+                total += raw_bits * scale
+                continue
+            r = rows[:, s, :]
             options = [(raw_bits * scale, _RAW_BOOK, "raw")]
-            if raw_bits and (coded is None or coded[s]):
-                shipped = self._shipped_option(r, raw, kind, spec.name, s, scale == 1.0)
-                if shipped is not None:
-                    options.append((shipped[0] * scale + self._index_bits(shipped[1]), shipped[1],
-                                    f"shipped:{kind}/{spec.name}/{s}"))
-                # A book of its own costs at least each chunk's entropy (or raw), plus its
-                # place in the index when new: skip it when even that cannot beat the best.
-                best = min(o[0] for o in options)
-                floor = float(np.minimum(_entropies(r, symbols) * symbols, raw).sum()) * scale
-                if floor < best:
-                    options += self._own_options(r, raw, scale, spec.name, s, grouped, best)
+            shipped = self._shipped_option(r, raw, kind, spec.name, s, scale == 1.0)
+            if shipped is not None:
+                options.append((shipped[0] * scale + self._index_bits(shipped[1]), shipped[1],
+                                f"shipped:{kind}/{spec.name}/{s}"))
+            # A book of its own costs at least each chunk's entropy (or raw), plus its
+            # place in the index when new: skip it when even that cannot beat the best.
+            best = min(o[0] for o in options)
+            floor = float(np.minimum(_entropies(r, symbols) * symbols, raw).sum()) * scale
+            if floor < best:
+                options += self._own_options(r, raw, scale, spec.name, s, grouped, best, floor)
             bits, book, origin = min(options, key=lambda o: o[0])
             books.append(book)
             origins.append(origin)
@@ -324,7 +310,7 @@ class BookChooser:
         return books, origins, total
 
     def _own_options(self, r: np.ndarray, raw: np.ndarray, scale: float, dtype: str, s: int, grouped: bool,
-                     best: float) -> list:
+                     best: float, floor: float) -> list:
         """Options of books fitted to the tensor: its own book, a group grown from it, or
         (a stream raw on the whole) a book for the chunks that compress.
 
@@ -336,13 +322,22 @@ class BookChooser:
         sampled whole, a group (cheap to grow) is tried when the own book is within
         _GROUP_REACH of ``best``: on all-MiniLM-L6-v2 and its Adam state the groups that
         won saved 0.4-2.1 % over their first book, and none won from farther than 2.2 %.
+
+        ``floor`` is what any book of the tensor's own costs at least (each chunk's
+        entropy, or raw). Without enough chunks for a group, a new book is built only
+        when ``floor`` plus its place in the index beats ``best``: one that cannot win
+        is not built (building is most of planning a small tensor; on TinyLM's Adam
+        state half the books built were never stored).
         """
         c = r.sum(axis=0) * scale
         h = entropy_bits(c)
         if h >= RAW_THRESHOLD_BITS:
             found = self.partial(r, scale) if grouped else None
             return [] if found is None else [(float(raw.sum()) * scale - found[1], found[0], "tensor")]
-        book, new = self._own(c, float(c.sum()), h, dtype, s)
+        found = self._own(c, float(c.sum()), h, dtype, s, build=grouped or floor + _BOOK_COST_BITS < best)
+        if found is None:
+            return []
+        book, new = found
         bits = float(np.minimum(r @ book.symbol_bits(), raw).sum()) * scale + (_BOOK_COST_BITS if new else 0.0)
         options = [(bits, book, "tensor")]
         reach = best * (1.0 + _GROUP_REACH) if scale == 1.0 else best
@@ -383,15 +378,19 @@ class BookChooser:
             used = tuple(range(len(group)))
         if used not in cut:
             cut[used] = group[used[0]] if len(used) == 1 else CodebookGroup([group[k] for k in used])
-        return float(np.minimum(costs[:, list(used)].min(axis=1), raw).sum()), cut[used]
+        # The cut-down group's cheapest book of a chunk is its cheapest of all wherever
+        # that beats raw (the book is in the cut), and raw is cheaper anyway elsewhere.
+        return float(np.minimum(best, raw).sum()), cut[used]
 
     def _index_bits(self, option) -> float:
         """What the books of an option the file does not hold yet cost in its index."""
         members = option.books if isinstance(option, CodebookGroup) else (option,)
         return _BOOK_COST_BITS * sum(b.id not in self.books for b in members)
 
-    def _own(self, c: np.ndarray, n: float, h: float, dtype: str, stream: int) -> tuple[Codebook, bool]:
-        """A book fitted to these counts, and whether it is new to the file.
+    def _own(self, c: np.ndarray, n: float, h: float, dtype: str, stream: int,
+             build: bool = True) -> tuple[Codebook, bool] | None:
+        """A book fitted to these counts, and whether it is new to the file (None: no
+        earlier book fits and ``build`` is False).
 
         A book built for an earlier tensor is reused when it spends at most
         _REUSE_SLACK_BITS per symbol more, above the entropy, than it did on the tensor
@@ -411,6 +410,8 @@ class BookChooser:
             j = int(np.argmin(excess))
             if excess[j] <= _REUSE_SLACK_BITS:
                 return books[j], False
+        if not build:
+            return None
         book = Codebook.from_counts(c, raw_threshold=None)
         if len(books) < _MAX_REUSED_BOOKS:
             costs[len(books)] = book.symbol_bits()

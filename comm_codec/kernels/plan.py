@@ -10,7 +10,9 @@ pass suffices: the histograms of the *bytes* (before any reference) of every sam
 each size (:func:`chunk_refs`); the counts of a chunk made of several pieces are the
 sums of its pieces' histograms, stream 0's rotated by the chunk's reference
 (:func:`chunk_rows`). Streams that can only end up raw get a sparse look (every 16th
-element) instead of a full histogram.
+element) instead of a full histogram, and the look decides it in the same call
+(:func:`count_pieces`): planning a small tensor is a few calls, not a few dozen numpy
+operations.
 
 Element bits are typed as :mod:`comm_codec.kernels.layout` describes.
 """
@@ -21,9 +23,9 @@ import numpy as np
 
 from .jit import entry, jit
 from .layout import STATUS_BAD_ARGS, STATUS_OK
-from .symbols import element_layout, symbol
+from .symbols import count_zeros, element_layout, symbol, symbol0
 
-__all__ = ["byte_histograms", "chunk_refs", "chunk_rows", "STATUS_OK", "STATUS_BAD_ARGS"]
+__all__ = ["count_pieces", "chunk_refs", "chunk_rows", "STATUS_OK", "STATUS_BAD_ARGS"]
 
 
 @jit
@@ -36,65 +38,161 @@ def _check_pieces(bits, starts, lengths):
     return True
 
 
+@jit
+def _count_stream0(piece, out):
+    """out[b] = elements of piece whose stream-0 byte is b; return the all-zero elements.
+
+    Stream 0's layout folded into constants (:func:`symbol0`), four tables counting four
+    quarters of the piece side by side (consecutive increments of one counter would each
+    wait for the last: exponent bytes repeat), zeros in a vectorized pass of their own.
+    A function of its own, so that the compiler does not merge it with the general loop
+    (merged, the shifts were run-time values again).
+    """
+    q = piece.size // 4
+    v0 = piece[:q]
+    v1 = piece[q:2 * q]
+    v2 = piece[2 * q:3 * q]
+    v3 = piece[3 * q:]
+    h0 = np.zeros(256, dtype=np.int32)
+    h1 = np.zeros(256, dtype=np.int32)
+    h2 = np.zeros(256, dtype=np.int32)
+    h3 = np.zeros(256, dtype=np.int32)
+    for i in range(q):
+        h0[symbol0(v0[i])] += 1
+        h1[symbol0(v1[i])] += 1
+        h2[symbol0(v2[i])] += 1
+        h3[symbol0(v3[i])] += 1
+    for i in range(q, v3.size):
+        h3[symbol0(v3[i])] += 1
+    for b in range(256):
+        out[b] = np.int64(h0[b]) + h1[b] + h2[b] + h3[b]
+    return count_zeros(piece)
+
+
+@jit
+def _count(piece, stream, step, out):
+    """out[b] = elements of piece (every step-th) whose byte of ``stream`` is b; return
+    the all-zero elements among them."""
+    width, ra, _ = element_layout(piece)
+    if stream == 0 and step == 1 and piece.size < (1 << 33):  # int32 tables: quarters < 2**31
+        return _count_stream0(piece, out)
+    top = np.int64(8 * width)
+    mask = np.int64((1 << (8 * width)) - 1)
+    sh = np.int64(8 * (width - 1 - stream))
+    # Four partial histograms: consecutive increments of one counter would each wait for
+    # the last (exponent bytes repeat).
+    h0 = np.zeros(256, dtype=np.int64)
+    h1 = np.zeros(256, dtype=np.int64)
+    h2 = np.zeros(256, dtype=np.int64)
+    h3 = np.zeros(256, dtype=np.int64)
+    z = np.int64(0)
+    if step == 1:  # contiguous: the loads vectorize; zeros in a loop of their own
+        quads = piece.size // 4
+        for q in range(quads):
+            i = 4 * q
+            h0[symbol(piece[i], sh, 0, top, ra, mask)] += 1
+            h1[symbol(piece[i + 1], sh, 0, top, ra, mask)] += 1
+            h2[symbol(piece[i + 2], sh, 0, top, ra, mask)] += 1
+            h3[symbol(piece[i + 3], sh, 0, top, ra, mask)] += 1
+        for i in range(4 * quads, piece.size):
+            h0[symbol(piece[i], sh, 0, top, ra, mask)] += 1
+        z = count_zeros(piece)
+    else:
+        for i in range(0, piece.size, step):
+            v = piece[i]
+            h0[symbol(v, sh, 0, top, ra, mask)] += 1
+            z += np.int64(v == 0)
+    for b in range(256):
+        out[b] = h0[b] + h1[b] + h2[b] + h3[b]
+    return z
+
+
+@jit
+def _look(piece, step, out):
+    """out[s, b] = elements of piece, every step-th, whose byte of stream s is b, for every
+    stream s but 0 (one load per element for all of them); return the all-zero elements
+    among them."""
+    width, ra, _ = element_layout(piece)
+    top = np.int64(8 * width)
+    mask = np.int64((1 << (8 * width)) - 1)
+    for s in range(1, width):
+        out[s, :] = 0
+    z = np.int64(0)
+    for i in range(0, piece.size, step):
+        v = piece[i]
+        for s in range(1, width):
+            out[s, symbol(v, np.int64(8 * (width - 1 - s)), 0, top, ra, mask)] += 1
+        z += np.int64(v == 0)
+    return z
+
+
 @entry
-def byte_histograms(bits, starts, lengths, streams, steps, hist, zeros):
-    """Count the bytes of some streams over pieces of a tensor's element bits.
+def count_pieces(bits, starts, lengths, step, min_elems, limit, hist, zeros, coded):
+    """Count every stream of pieces of a tensor, looking at the random-looking ones only sparsely.
+
+    Stream 0 is counted whole. With ``step`` > 1, every other stream is first counted on
+    every step-th element; it is *coded* when some piece of at least ``min_elems``
+    elements shows under ``limit`` bits per symbol there (Shannon entropy plus the
+    Miller-Madow bias 255 / (2 n ln 2) of n samples; where over 1/8 of the piece's
+    elements are all zero, the encoder masks them, and those seen are left out of byte
+    0 first), and then counted whole; a stream not coded keeps its sparse counts. With
+    ``step`` 1 every stream is counted whole and coded.
 
     Args:
         bits: element bits (layout in the module docstring).
         starts, lengths: int64[npieces], piece k is bits[starts[k]:starts[k]+lengths[k]].
-        streams: int64[m], which streams (0 = the most significant byte).
-        steps: int64[m], stream j counts every steps[j]-th element of a piece (1: all).
-        hist: int64[npieces, m, 256] output: hist[k, j, b] = elements of piece k (of those
-            visited for stream j) whose byte of stream streams[j] is b.
-        zeros: int64[npieces, m] output: zeros[k, j] = all-zero elements among those
-            visited for stream j.
+        step: >= 1.
+        min_elems: pieces shorter than this say nothing on a sparse look.
+        limit: bits per symbol.
+        hist: int64[npieces, nstreams, 256] output: hist[k, s, b] = elements of piece k
+            (all of them, or every step-th where stream s is not coded) whose byte of
+            stream s is b.
+        zeros: int64[npieces] output: all-zero elements of each piece.
+        coded: bool[nstreams] output.
 
     Returns:
-        STATUS_OK, or STATUS_BAD_ARGS (nothing written) for out-of-range arguments.
+        STATUS_OK, or STATUS_BAD_ARGS (nothing written).
     """
-    width, ra, _ = element_layout(bits)
-    m = streams.size
-    if (steps.size != m or hist.shape[0] != starts.size or hist.shape[1] != m or hist.shape[2] != 256
-            or zeros.shape[0] != starts.size or zeros.shape[1] != m or not _check_pieces(bits, starts, lengths)):
+    width, _, _ = element_layout(bits)
+    npieces = starts.size
+    if (step < 1 or hist.shape[0] != npieces or hist.shape[1] != width or hist.shape[2] != 256
+            or zeros.size != npieces or coded.size != width or not _check_pieces(bits, starts, lengths)):
         return STATUS_BAD_ARGS
-    for j in range(m):
-        if streams[j] < 0 or streams[j] >= width or steps[j] < 1:
-            return STATUS_BAD_ARGS
-    top = np.int64(8 * width)
-    mask = np.int64((1 << (8 * width)) - 1)
-    for k in range(starts.size):
+    # Piece by piece, every stream of a piece while it is in cache: a sparse look at a
+    # stream of 4-byte elements touches every cache line, as a full pass does.
+    seen = np.zeros(npieces, dtype=np.int64)  # all-zero elements among those looked at
+    for k in range(npieces):
         piece = bits[starts[k]:starts[k] + lengths[k]]
-        for j in range(m):
-            sh = np.int64(8 * (width - 1 - streams[j]))
-            step = steps[j]
-            # Four partial histograms: consecutive increments of one counter would each
-            # wait for the last (exponent bytes repeat).
-            h0 = np.zeros(256, dtype=np.int64)
-            h1 = np.zeros(256, dtype=np.int64)
-            h2 = np.zeros(256, dtype=np.int64)
-            h3 = np.zeros(256, dtype=np.int64)
-            z = np.int64(0)
-            if step == 1:  # contiguous: the loads vectorize; zeros in a loop of their own
-                quads = piece.size // 4
-                for q in range(quads):
-                    i = 4 * q
-                    h0[symbol(piece[i], sh, 0, top, ra, mask)] += 1
-                    h1[symbol(piece[i + 1], sh, 0, top, ra, mask)] += 1
-                    h2[symbol(piece[i + 2], sh, 0, top, ra, mask)] += 1
-                    h3[symbol(piece[i + 3], sh, 0, top, ra, mask)] += 1
-                for i in range(4 * quads, piece.size):
-                    h0[symbol(piece[i], sh, 0, top, ra, mask)] += 1
-                for i in range(piece.size):
-                    z += np.int64(piece[i] == 0)
-            else:
-                for i in range(0, piece.size, step):
-                    v = piece[i]
-                    h0[symbol(v, sh, 0, top, ra, mask)] += 1
-                    z += np.int64(v == 0)
+        zeros[k] = _count(piece, 0, 1, hist[k, 0])
+        if step == 1:
+            for s in range(1, width):
+                _count(piece, s, 1, hist[k, s])
+        elif width > 1:
+            seen[k] = _look(piece, step, hist[k])
+    coded[0] = True
+    ln2 = np.log(2.0)
+    for s in range(1, width):
+        coded[s] = step == 1
+        for k in range(npieces):
+            if coded[s] or lengths[k] < min_elems:
+                continue
+            n = np.int64(0)
             for b in range(256):
-                hist[k, j, b] = h0[b] + h1[b] + h2[b] + h3[b]
-            zeros[k, j] = z
+                n += hist[k, s, b]
+            drop = seen[k] if zeros[k] * 8 > lengths[k] else 0  # masked zeros are not coded
+            n = max(n - drop, np.int64(1))
+            acc = 0.0
+            for b in range(256):
+                c = hist[k, s, b] - (drop if b == 0 else 0)
+                if c > 1:
+                    acc += c * np.log2(np.float64(c))
+            h = max(np.log2(np.float64(n)) - acc / n, 0.0)
+            if h + 255.0 / (2.0 * ln2 * n) < limit:
+                coded[s] = True
+        if coded[s] and step > 1:
+            for k in range(npieces):
+                piece = bits[starts[k]:starts[k] + lengths[k]]
+                _count(piece, s, 1, hist[k, s])
     return STATUS_OK
 
 
@@ -109,7 +207,7 @@ def chunk_refs(bits, starts, lengths, per, exp_shift, refs):
     for a chunk of those elements. With ``exp_shift < 0`` (integers) every reference is 0.
 
     Args:
-        bits, starts, lengths: as for :func:`byte_histograms`.
+        bits, starts, lengths: as for :func:`count_pieces`.
         per: pieces per chunk (>= 1).
         exp_shift: the exponent's position in stream 0's byte, or -1.
         refs: int64[ceil(npieces / per)] output.
@@ -165,7 +263,7 @@ def chunk_rows(hist, zeros, lengths, refs, per, exp_shift, counted, rows):
     counted (``counted[s]`` False) gets the chunk's symbol count at symbol 0.
 
     Args:
-        hist: int64[npieces, nstreams, 256] byte histograms (:func:`byte_histograms`).
+        hist: int64[npieces, nstreams, 256] byte histograms (:func:`count_pieces`).
         zeros, lengths: int64[npieces], all-zero elements and elements per piece.
         refs: int64[nchunks] chunk references (:func:`chunk_refs`), each in 0..255.
         per: pieces per chunk (>= 1).
