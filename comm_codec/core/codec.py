@@ -232,7 +232,7 @@ class Codec:
             checksums = np.zeros(nchunks, dtype=np.uint32)
             if nchunks:
                 encode_chunks(
-                    bits, *args, tables.enc_code, tables.enc_len, cflags, refs, books, sizes,
+                    bits, *args, tables.enc_code, tables.enc_len, *tables.pairs, cflags, refs, books, sizes,
                     offsets, out8, out8.view(np.uint64), checksums, self.checksum,
                 )
         table = np.zeros(nchunks, dtype=_frame.table_dtype(ns))
