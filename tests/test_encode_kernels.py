@@ -1,10 +1,12 @@
-"""The encoder's stream-0 packer: symbols cut out of elements, pair tables, lanes that end exactly.
+"""The encoder's kernels: stream 0's pair packer, and the one-call frame of a one-chunk tensor.
 
 The packer reads stream 0's symbols two at a time from a buffer that
 :func:`comm_codec.kernels.symbols.symbols0` fills, as indices into
 :func:`comm_codec.kernels.encode.pair_tables`; steps with an escape go symbol by symbol
 and a lane's last symbols go through scratch. The frames are checked by the naive
 decoder, which insists on exact lane lengths and zero padding.
+:func:`comm_codec.kernels.encode.encode_frame1` must write the very bytes of the
+planned path (plan, allocate, pack, header).
 """
 
 from __future__ import annotations
@@ -127,3 +129,42 @@ def test_stream0_of_each_spec_matches_the_naive_split():
         out = np.empty(bits.size, dtype=np.uint8)
         _symbols0(bits, 0, out)
         assert out.tolist() == naive.split(x)[0]
+
+
+def _sample(n: int, dtype, seed: int, zeros: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-12, 3, (n,), generator=g).float())
+    if zeros:
+        x[torch.rand(n, generator=g) < zeros] = 0
+    if dtype == torch.int8:
+        return (x * 50).clamp(-128, 127).to(torch.int8)
+    return x.to(dtype)
+
+
+@settings(max_examples=60)
+@given(
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int8]),
+    n=st.integers(1, 3000),
+    seed=st.integers(0, 2**31),
+    zeros=st.sampled_from([0.0, 0.05, 0.5, 1.0]),
+    kind=st.sampled_from(["weight", "gradient", "optimizer_state", "activation"]),
+    checksum=st.booleans(),
+)
+def test_one_chunk_frame_equals_the_planned_path(dtype, n, seed, zeros, kind, checksum):
+    codec = cc.Codec(chunk_elems=4096, checksum=checksum)
+    x = _sample(n, dtype, seed, zeros)
+    bits, spec = as_bits(x)
+    one = codec._encode_one_chunk(bits, spec, kind)
+    planned = codec._encode_planned(bits, spec, kind)
+    assert one.dtype == np.uint8 and one.flags.c_contiguous and one.ctypes.data % 8 == 0
+    assert np.array_equal(one, planned)
+    assert np.array_equal(codec.encode_array(bits, spec, kind), planned)  # the path encode_array takes
+    bits_equal(codec.decode(one), x)
+
+
+def test_one_chunk_path_is_taken_up_to_the_chunk_size():
+    codec = cc.Codec(chunk_elems=1000)
+    for n in (1, 999, 1000, 1001):
+        x = _sample(n, torch.bfloat16, n, 0.0)
+        params = codec.frame_parameters(codec.encode(x))
+        assert params.nchunks == (1 if n <= 1000 else 2) and params.numel == n
