@@ -8,8 +8,10 @@ table cast to fp16), one thread, rounds alternated, the best of ``--repeat`` kep
   :meth:`Codec.encode_array` prepares;
 * ``encode``: :meth:`Codec.encode` (host code included);
 * ``zipnn``: zipnn's compress of the same bytes (a fresh copy each time: it rewrites its
-  input), and ``huff0``: huff0 on the exponent stream (when it is built; see
-  ``launch_scripts/build_huff0.sh``), in Msym/s beside the codec's encode in Melem/s.
+  input);
+* ``s0``: the planner and packer given stream 0's tables only (they then plan and write
+  the exponent stream alone), and ``huff0``: huff0 on that stream (when it is built; see
+  ``launch_scripts/build_huff0.sh``), both in Msym/s.
 
 Then the fixed cost per call: :meth:`Codec.encode_array` on tensors of 384, 1536 and
 16384 elements (slices of the same weights), in microseconds per call, as a checkpoint
@@ -50,18 +52,24 @@ def datasets():
             (f"minilm emb {tuple(emb.shape)} fp16", emb.reshape(-1).to(torch.float16))]
 
 
-def kernels(codec: Codec, tensor: torch.Tensor, kind: str):
-    """Two closures on prepared arrays: the planner alone, and the packer alone."""
+def kernels(codec: Codec, tensor: torch.Tensor, kind: str, streams: int | None = None):
+    """Two closures on prepared arrays: the planner alone, and the packer alone.
+
+    With ``streams=1`` the kernels get stream 0's tables only, so they plan and write
+    the exponent stream alone (same references, books and symbols as in the frame): the
+    codec's side of the comparison with huff0 on that stream.
+    """
     bits, spec = as_bits(tensor)
     t = codec._encode_tables(kind, spec)
-    ce, ns = codec.chunk_elems, spec.nstreams
+    ce, ns = codec.chunk_elems, streams or spec.nstreams
     nchunks = -(-bits.size // ce)
     cflags = np.zeros(nchunks, np.uint8)
     refs = np.zeros(nchunks, np.uint8)
     books = np.zeros(nchunks, np.uint16)
     sizes = np.zeros((nchunks, ns), np.uint32)
     checksums = np.zeros(nchunks, np.uint32)
-    plan_chunks(bits, ce, spec.exp_shift, t.enc_len, t.nbooks, t.raw, cflags, refs, books, sizes)
+    enc_code, enc_len, nbooks, raw = t.enc_code[:ns], t.enc_len[:ns], t.nbooks[:ns], t.raw[:ns]
+    plan_chunks(bits, ce, spec.exp_shift, enc_len, nbooks, raw, cflags, refs, books, sizes)
     lengths = _frame.payload_bytes(cflags.astype(np.int64), sizes, _frame.chunk_counts(bits.size, ce, nchunks))
     offsets = np.cumsum(lengths) - lengths
     out = np.zeros(int(lengths.sum()) + 8, np.uint8)
@@ -69,10 +77,10 @@ def kernels(codec: Codec, tensor: torch.Tensor, kind: str):
     extra = tuple(pairs) if pairs is not None else ()
 
     def plan():
-        plan_chunks(bits, ce, spec.exp_shift, t.enc_len, t.nbooks, t.raw, cflags, refs, books, sizes)
+        plan_chunks(bits, ce, spec.exp_shift, enc_len, nbooks, raw, cflags, refs, books, sizes)
 
     def pack():
-        encode_chunks(bits, ce, spec.exp_shift, t.enc_code, t.enc_len, *extra, cflags, refs, books, sizes, offsets,
+        encode_chunks(bits, ce, spec.exp_shift, enc_code, enc_len, *extra, cflags, refs, books, sizes, offsets,
                       out, out.view(np.uint64), checksums, True)
 
     return plan, pack
@@ -96,7 +104,9 @@ def measure(codec, zn_module, huff, huff0, name, tensor, args) -> dict:
     raw = tensor.contiguous().view(torch.uint8).numpy().tobytes()
     zpayload = zn.compress(bytearray(raw))
     plan, pack = kernels(codec, tensor, args.kind)
-    fns = {"plan": plan, "pack": pack, "encode": lambda: codec.encode(tensor, args.kind)}
+    plan0, pack0 = kernels(codec, tensor, args.kind, streams=1)
+    fns = {"plan": plan, "pack": pack, "encode": lambda: codec.encode(tensor, args.kind),
+           "s0": lambda: (plan0(), pack0())}
     copies = []
     fns["zn prep"] = lambda: copies.append(bytearray(raw))  # zipnn rewrites its input: fresh copies
     fns["zipnn"] = lambda: zn.compress(copies.pop())
@@ -109,9 +119,11 @@ def measure(codec, zn_module, huff, huff0, name, tensor, args) -> dict:
     h0 = f"{msym / t['huff0']:7.0f}" if huff else "    n/a"
     print(f"{name:<30} {nbytes / 1e6:6.1f} {ms['plan']:7.2f} {ms['pack']:7.2f} {ms['encode']:7.2f} "
           f"{nbytes / t['encode'] / 1e9:6.2f} {msym / t['encode']:7.0f} {ms['zipnn']:7.2f} "
-          f"{ms['zipnn'] / ms['encode']:5.2f} {h0} {nbytes / frame.numel():6.3f} {nbytes / len(zpayload):6.3f}")
+          f"{ms['zipnn'] / ms['encode']:5.2f} {msym / t['s0']:7.0f} {h0} {nbytes / frame.numel():6.3f} "
+          f"{nbytes / len(zpayload):6.3f}")
     return {"data": name, "bytes": nbytes, "ms": ms, "ratio": nbytes / frame.numel(),
-            "zipnn_ratio": nbytes / len(zpayload), "huff0_msym_s": msym / t["huff0"] if huff else None}
+            "zipnn_ratio": nbytes / len(zpayload), "stream0_msym_s": msym / t["s0"],
+            "huff0_msym_s": msym / t["huff0"] if huff else None}
 
 
 def small_calls(codec, tensor, args) -> dict:
@@ -155,9 +167,9 @@ def main(argv=None) -> int:
     codec = Codec(threads=1)
     cpu0, wall0 = time.process_time(), time.perf_counter()
     print(f"ms ({args.clock} clock), 1 thread, best of {args.repeat} alternated rounds; x zn = zipnn time / encode "
-          "time; huff0 = huff0 on the exponent stream, Msym/s")
+          "time; s0 = the codec's planner and packer on the exponent stream alone, huff0 = huff0 on it, Msym/s")
     print(f"{'data':<30} {'MB':>6} {'plan':>7} {'pack':>7} {'encode':>7} {'GB/s':>6} {'Melem/s':>7} {'zipnn':>7} "
-          f"{'x zn':>5} {'huff0':>7} {'ratio':>6} {'zn rt':>6}")
+          f"{'x zn':>5} {'s0 Msym':>7} {'huff0':>7} {'ratio':>6} {'zn rt':>6}")
     rows = []
     small = {}
     for name, tensor in datasets():
