@@ -40,7 +40,7 @@ import numpy as np
 # kernels.jit imports numba first and turns a bad numba setting (NUMBA_NUM_THREADS) into one clear error
 from ..kernels import jit  # noqa: F401  (isort: skip)
 from ..kernels.decode import decode_accumulate_chunks, decode_chunks
-from ..kernels.encode import encode_chunks, encode_frame1, plan_chunks
+from ..kernels.encode import encode_chunks, encode_frame, plan_chunks
 from ..kernels.layout import STATUS_MESSAGES
 from . import frame as _frame
 from . import precompile as _precompile
@@ -155,7 +155,7 @@ class Codec:
         self.chunk_elems = int(chunk_elems)
         self.checksum = bool(checksum)
         self._enc_cache: dict = {}  # (kind, dtype): at most len(KINDS) x len(SUPPORTED_DTYPES)
-        self._heads: dict = {}  # (kind, dtype) -> header of a one-chunk frame (see _encode_one_chunk)
+        self._heads: dict = {}  # (kind, dtype) -> header bytes for _encode_serial
         self.decode_cache = TablesCache(DECODE_CACHE_SIZE)
 
     # -- encode -------------------------------------------------------------------------
@@ -213,8 +213,10 @@ class Codec:
         spec = spec if isinstance(spec, StreamSpec) else spec_for(spec)
         bits = _as_bits_array(bits, spec)
         numel = bits.size
-        if 0 < numel <= self.chunk_elems and numel * spec.itemsize < POOL_MIN_BYTES:
-            return self._encode_one_chunk(bits, spec, kind)
+        # One kernel call for a frame without threads: one chunk, or a codec of one thread
+        # (checkpoints), short of the sizes whose frames come from the recycled pool.
+        if 0 < numel and numel * spec.itemsize < POOL_MIN_BYTES and (numel <= self.chunk_elems or self.threads == 1):
+            return self._encode_serial(bits, spec, kind)
         return self._encode_planned(bits, spec, kind)
 
     def _encode_planned(self, bits: np.ndarray, spec, kind: str) -> np.ndarray:
@@ -250,18 +252,18 @@ class Codec:
         _frame.write_header(out8, spec, numel, self.chunk_elems, flags, tables.ids, table)
         return out8
 
-    def _encode_one_chunk(self, bits: np.ndarray, spec, kind: str) -> np.ndarray:
-        """encode_array of a tensor of one chunk: one kernel call writes the whole frame.
+    def _encode_serial(self, bits: np.ndarray, spec, kind: str) -> np.ndarray:
+        """encode_array by one kernel call that writes the whole frame (no threads).
 
         A checkpoint writer codes hundreds of small tensors per save (a DCP save of
         MiniLM: 189 of its ~300 tensors hold under 16 Ki elements); around the three
-        kernel calls of a larger encode, the host work (scratch arrays, offsets, the
-        structured chunk table, the header) cost more than coding them.
+        kernel calls of :meth:`_encode_planned`, the host work (scratch arrays, offsets,
+        the structured chunk table, the header) cost ~40 us a call, more than coding them.
         """
         key = (kind, spec.name)
         head = self._heads.get(key)
         tables = self._encode_tables(kind, spec)
-        if head is None:  # write_header's bytes for one chunk: the kernel fills in numel and the version
+        if head is None:  # write_header's bytes: the kernel fills in numel, nchunks and the version
             ns = spec.nstreams
             buf = np.zeros(_frame.header_size(ns, 1), dtype=np.uint8)
             flags = _frame.FLAG_CHECKSUM if self.checksum else 0
@@ -269,12 +271,12 @@ class Codec:
             head = buf[:_frame.HEADER_BYTES + 8 * ns].copy()
             tables.pairs  # noqa: B018 - built outside the first-use timing below
             with _precompile.first_use("encode", spec):
-                out = encode_frame1(bits, spec.exp_shift, tables.enc_code, tables.enc_len, tables.nbooks, tables.raw,
-                                    *tables.pairs, head, _frame.VERSION, self.checksum)
+                out = encode_frame(bits, self.chunk_elems, spec.exp_shift, tables.enc_code, tables.enc_len,
+                                   tables.nbooks, tables.raw, *tables.pairs, head, _frame.VERSION, self.checksum)
             self._heads[key] = head
             return out
-        return encode_frame1(bits, spec.exp_shift, tables.enc_code, tables.enc_len, tables.nbooks, tables.raw,
-                             *tables.pairs, head, _frame.VERSION, self.checksum)
+        return encode_frame(bits, self.chunk_elems, spec.exp_shift, tables.enc_code, tables.enc_len, tables.nbooks,
+                            tables.raw, *tables.pairs, head, _frame.VERSION, self.checksum)
 
     # -- decode -------------------------------------------------------------------------
     def decode(self, frame, out=None, max_output_bytes: int | None = None) -> "torch.Tensor":

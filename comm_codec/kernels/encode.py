@@ -39,7 +39,7 @@ from .layout import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, LANE_HEADER, LANES
 from .symbols import (chunk_ref, count_zeros, element_layout, hash_words, rotated, stream_params, symbol, symbol0,
                       symbols0)
 
-__all__ = ["plan_chunks", "encode_chunks", "encode_frame1", "pair_tables", "PAIR_ENTRIES", "PAIR_SLOW"]
+__all__ = ["plan_chunks", "encode_chunks", "encode_frame", "pair_tables", "PAIR_ENTRIES", "PAIR_SLOW"]
 
 _U64_0 = np.uint64(0)
 
@@ -599,9 +599,10 @@ def _crc_table() -> np.ndarray:
 
 _CRC_TABLE = _crc_table()  # CRC-32 (zlib's), a byte at a time: a header is a few dozen bytes
 
-# Where the header (comm_codec/core/frame.py) keeps what encode_frame1 fills in.
+# Where the header (comm_codec/core/frame.py) keeps what encode_frame fills in.
 _VERSION_AT = 4
 _NUMEL_AT = 8
+_NCHUNKS_AT = 20
 
 
 @jit
@@ -613,61 +614,75 @@ def _crc32(data):
 
 
 @entry
-def encode_frame1(bits, exp_shift, enc_code, enc_len, nbooks, raw_stream, pair_code, pair_len, head, version_books,
-                  do_checksum):
-    """Plan and write the whole frame of a tensor of one chunk, in one call; return it.
+def encode_frame(bits, chunk_elems, exp_shift, enc_code, enc_len, nbooks, raw_stream, pair_code, pair_len, head,
+                 version_books, do_checksum):
+    """Plan and write a whole frame in one call, without threads; return it.
 
     The same bytes as :func:`plan_chunks`, :func:`encode_chunks` and the frame header
-    (:func:`comm_codec.core.frame.write_header`) make together, without threads or the
-    host code between them: a checkpoint writer codes hundreds of small tensors per save,
-    and for each the host work around three calls cost more than coding it.
+    (:func:`comm_codec.core.frame.write_header`) make together, without the host code
+    between them: a checkpoint writer codes hundreds of small tensors per save, and for
+    each the host work around three calls (scratch arrays, offsets, the structured chunk
+    table, the header) cost more than coding it.
 
     Args:
-        bits: element bits, 1 to chunk_elems of them.
-        exp_shift, enc_len, nbooks, raw_stream: as for :func:`plan_chunks`.
+        bits: element bits, at least one.
+        chunk_elems, exp_shift, enc_len, nbooks, raw_stream: as for :func:`plan_chunks`.
         enc_code, pair_code, pair_len: as for :func:`encode_chunks`.
         head: uint8[24 + 8 * nstreams], the header and book ids that ``write_header``
-            writes for one chunk with version 1; its version and element count are
+            writes with version 1; the version, element count and chunk count are
             filled in here.
-        version_books: the version byte of a frame whose chunk names a book.
-        do_checksum: whether to compute the chunk's checksum (0 is stored otherwise).
+        version_books: the version byte of a frame in which some chunk names a book.
+        do_checksum: whether to compute the chunks' checksums (0 is stored otherwise).
 
     Returns:
         The frame, uint8[].
     """
     n = bits.size
     ns = enc_len.shape[0]
-    cflags = np.zeros(1, dtype=np.uint8)
-    refs = np.zeros(1, dtype=np.uint8)
-    books = np.zeros(1, dtype=np.uint16)
-    sizes = np.zeros((1, ns), dtype=np.uint32)
-    _plan_chunk(bits, 0, n, 0, exp_shift, enc_len, nbooks, raw_stream, cflags, refs, books, sizes)
+    nchunks = (n + chunk_elems - 1) // chunk_elems
+    cflags = np.zeros(nchunks, dtype=np.uint8)
+    refs = np.zeros(nchunks, dtype=np.uint8)
+    books = np.zeros(nchunks, dtype=np.uint16)
+    sizes = np.zeros((nchunks, ns), dtype=np.uint32)
+    offsets = np.empty(nchunks, dtype=np.int64)
     entry_bytes = (8 + 4 * ns + 7) & ~7
-    hsize = head.size + entry_bytes + 8
-    payload = ((n + 7) // 8 + 7) & ~7 if cflags[0] & CHUNK_MASK else 0
-    for s in range(ns):
-        payload += (np.int64(sizes[0, s]) + 7) & ~7
-    out8 = np.empty(hsize + payload, dtype=np.uint8)
+    pos = head.size + nchunks * entry_bytes + 8  # the first payload
+    named = False
+    for c in range(nchunks):
+        lo = c * chunk_elems
+        hi = min(n, lo + chunk_elems)
+        _plan_chunk(bits, lo, hi, c, exp_shift, enc_len, nbooks, raw_stream, cflags, refs, books, sizes)
+        offsets[c] = pos
+        if cflags[c] & CHUNK_MASK:
+            pos += ((hi - lo + 7) // 8 + 7) & ~7
+        for s in range(ns):
+            pos += (np.int64(sizes[c, s]) + 7) & ~7
+        named |= books[c] != 0
+    out8 = np.empty(pos, dtype=np.uint8)
     out64 = out8.view(np.uint64)
-    end = _encode_chunk(bits, 0, cflags[0], np.int64(refs[0]), np.int64(books[0]), sizes, hsize, exp_shift, enc_code,
-                        enc_len, pair_code, pair_len, out8, out64)
-    checksum = hash_words(out64, hsize // 8, end // 8 - hsize // 8, 0) if do_checksum else np.uint32(0)
     out8[:head.size] = head
-    if books[0] != 0:
+    if named:
         out8[_VERSION_AT] = version_books
     for k in range(8):
         out8[_NUMEL_AT + k] = (n >> (8 * k)) & 255
-    pos = head.size  # the chunk table's one entry
-    out8[pos] = cflags[0]
-    out8[pos + 1] = refs[0]
-    out8[pos + 2] = books[0] & 255
-    out8[pos + 3] = books[0] >> 8
-    _put_u32(out8, pos + 4, checksum)
-    for s in range(ns):
-        _put_u32(out8, pos + 8 + 4 * s, sizes[0, s])
-    for k in range(pos + 8 + 4 * ns, pos + entry_bytes):
-        out8[k] = 0
-    pos += entry_bytes
-    _put_u32(out8, pos, _crc32(out8[:pos]))
-    _put_u32(out8, pos + 4, 0)
+    _put_u32(out8, _NCHUNKS_AT, nchunks)
+    at = head.size  # the chunk table
+    for c in range(nchunks):
+        lo = c * chunk_elems
+        end = _encode_chunk(bits[lo:min(n, lo + chunk_elems)], c, cflags[c], np.int64(refs[c]), np.int64(books[c]),
+                            sizes, offsets[c], exp_shift, enc_code, enc_len, pair_code, pair_len, out8, out64)
+        start = offsets[c] // 8
+        checksum = hash_words(out64, start, end // 8 - start, c) if do_checksum else np.uint32(0)
+        out8[at] = cflags[c]
+        out8[at + 1] = refs[c]
+        out8[at + 2] = books[c] & 255
+        out8[at + 3] = books[c] >> 8
+        _put_u32(out8, at + 4, checksum)
+        for s in range(ns):
+            _put_u32(out8, at + 8 + 4 * s, sizes[c, s])
+        for k in range(at + 8 + 4 * ns, at + entry_bytes):
+            out8[k] = 0
+        at += entry_bytes
+    _put_u32(out8, at, _crc32(out8[:at]))
+    _put_u32(out8, at + 4, 0)
     return out8
