@@ -5,6 +5,9 @@ the numba kernels (the coder). Encoding is one pass over the data per stream aft
 cheap planning pass that sizes every chunk, so the frame is allocated once at its exact
 size: encode allocates the frame plus O(chunks) scratch, decode the output plus
 O(chunks) scratch (and one chunk of scratch per thread for chunks with a zero mask).
+A frame under 1 MiB that threads would not speed up (one chunk, or ``threads=1``) is
+planned and written by one kernel call, header included: checkpoints code hundreds of
+small tensors, and the host work around separate calls cost more than their coding.
 
 :meth:`Codec.encode_array` and :meth:`Codec.decode_into` are the same coder on numpy
 arrays of element bit patterns: the checkpoint commands code a file's bytes through them

@@ -4,7 +4,10 @@ Encoding is two passes so that the frame is allocated once, at its exact size:
 :func:`plan_chunks` sizes every chunk's streams, the Python layer lays out the header
 and offsets, and :func:`encode_chunks` writes the payloads (and their checksums) in
 parallel over chunks. A chunk is a few hundred KiB at most, so its working set stays in
-L2 while its streams are coded one by one.
+L2 while its streams are coded one by one. Where no threads would help (one chunk, or
+a codec of one thread) :func:`encode_frame` does all of it, header and chunk table
+included, in one call: for small tensors the host code between three calls cost more
+than the coding.
 
 Two habits of these loops: they run over 0-based views (``for i in range(view.size)``;
 loops over ``range(lo, hi)`` compile to slower code), and stream 0's reference is
