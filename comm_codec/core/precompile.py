@@ -151,9 +151,10 @@ def precompile(codec, dtypes=None, profiler: bool = False) -> dict:
                 try:
                     frame = codec.encode(x, "gradient")
                     out = codec.decode(frame)
-                    # A tensor of one chunk is coded by one kernel, larger ones by the
-                    # planner and the packer: load both (chunks of 1024 make four here).
-                    chunked = type(codec)(codec.codebooks, threads=codec.threads, chunk_elems=1024)
+                    # A tensor of one chunk (or any small one, with one thread) is coded by
+                    # one kernel, larger ones by the planner and the packer: load both
+                    # (chunks of 1024 make four here; without threads=1 they take the latter).
+                    chunked = type(codec)(codec.codebooks, chunk_elems=1024)
                     out_chunked = codec.decode(chunked.encode(x, "gradient"))
                 except ValueError as exc:  # a codebook set without books for this dtype
                     log.debug("precompile: %s skipped (%s)", spec.name, exc)
