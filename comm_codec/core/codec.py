@@ -5,6 +5,9 @@ the numba kernels (the coder). Encoding is one pass over the data per stream aft
 cheap planning pass that sizes every chunk, so the frame is allocated once at its exact
 size: encode allocates the frame plus O(chunks) scratch, decode the output plus
 O(chunks) scratch (and one chunk of scratch per thread for chunks with a zero mask).
+A frame under 1 MiB that threads would not speed up (one chunk, or ``threads=1``) is
+planned and written by one kernel call, header included: checkpoints code hundreds of
+small tensors, and the host work around separate calls cost more than their coding.
 
 :meth:`Codec.encode_array` and :meth:`Codec.decode_into` are the same coder on numpy
 arrays of element bit patterns: the checkpoint commands code a file's bytes through them
@@ -40,13 +43,13 @@ import numpy as np
 # kernels.jit imports numba first and turns a bad numba setting (NUMBA_NUM_THREADS) into one clear error
 from ..kernels import jit  # noqa: F401  (isort: skip)
 from ..kernels.decode import decode_accumulate_chunks, decode_chunks
-from ..kernels.encode import encode_chunks, plan_chunks
+from ..kernels.encode import encode_chunks, encode_frame, plan_chunks
 from ..kernels.layout import STATUS_MESSAGES
 from . import frame as _frame
 from . import precompile as _precompile
 from .codebooks import CodebookSet, as_codebook_set
 from .frame import FrameError
-from .memory import empty_bytes, empty_output, torch_threads_kept
+from .memory import POOL_MIN_BYTES, empty_bytes, empty_output, torch_threads_kept
 from .streams import StreamSpec, as_bits, is_accumulable, spec_for
 from .tables import KernelTables, TablesCache, encode_tables
 
@@ -155,6 +158,7 @@ class Codec:
         self.chunk_elems = int(chunk_elems)
         self.checksum = bool(checksum)
         self._enc_cache: dict = {}  # (kind, dtype): at most len(KINDS) x len(SUPPORTED_DTYPES)
+        self._heads: dict = {}  # (kind, dtype) -> header bytes for _encode_serial
         self.decode_cache = TablesCache(DECODE_CACHE_SIZE)
 
     # -- encode -------------------------------------------------------------------------
@@ -211,6 +215,15 @@ class Codec:
         """
         spec = spec if isinstance(spec, StreamSpec) else spec_for(spec)
         bits = _as_bits_array(bits, spec)
+        numel = bits.size
+        # One kernel call for a frame without threads: one chunk, or a codec of one thread
+        # (checkpoints), short of the sizes whose frames come from the recycled pool.
+        if 0 < numel and numel * spec.itemsize < POOL_MIN_BYTES and (numel <= self.chunk_elems or self.threads == 1):
+            return self._encode_serial(bits, spec, kind)
+        return self._encode_planned(bits, spec, kind)
+
+    def _encode_planned(self, bits: np.ndarray, spec, kind: str) -> np.ndarray:
+        """encode_array in three steps: plan every chunk, allocate the frame at its size, write it."""
         tables = self._encode_tables(kind, spec)
         numel = bits.size
         ns = spec.nstreams
@@ -232,7 +245,7 @@ class Codec:
             checksums = np.zeros(nchunks, dtype=np.uint32)
             if nchunks:
                 encode_chunks(
-                    bits, *args, tables.enc_code, tables.enc_len, cflags, refs, books, sizes,
+                    bits, *args, tables.enc_code, tables.enc_len, *tables.pairs, cflags, refs, books, sizes,
                     offsets, out8, out8.view(np.uint64), checksums, self.checksum,
                 )
         table = np.zeros(nchunks, dtype=_frame.table_dtype(ns))
@@ -241,6 +254,32 @@ class Codec:
         flags = _frame.FLAG_CHECKSUM if self.checksum else 0
         _frame.write_header(out8, spec, numel, self.chunk_elems, flags, tables.ids, table)
         return out8
+
+    def _encode_serial(self, bits: np.ndarray, spec, kind: str) -> np.ndarray:
+        """encode_array by one kernel call that writes the whole frame (no threads).
+
+        A checkpoint writer codes hundreds of small tensors per save (a DCP save of
+        MiniLM: 189 of its ~300 tensors hold under 16 Ki elements); around the three
+        kernel calls of :meth:`_encode_planned`, the host work (scratch arrays, offsets,
+        the structured chunk table, the header) cost ~40 us a call, more than coding them.
+        """
+        key = (kind, spec.name)
+        head = self._heads.get(key)
+        tables = self._encode_tables(kind, spec)
+        if head is None:  # write_header's bytes: the kernel fills in numel, nchunks and the version
+            ns = spec.nstreams
+            buf = np.zeros(_frame.header_size(ns, 1), dtype=np.uint8)
+            flags = _frame.FLAG_CHECKSUM if self.checksum else 0
+            _frame.write_header(buf, spec, 0, self.chunk_elems, flags, tables.ids, np.zeros(1, _frame.table_dtype(ns)))
+            head = buf[:_frame.HEADER_BYTES + 8 * ns].copy()
+            tables.pairs  # noqa: B018 - built outside the first-use timing below
+            with _precompile.first_use("encode", spec):
+                out = encode_frame(bits, self.chunk_elems, spec.exp_shift, tables.enc_code, tables.enc_len,
+                                   tables.nbooks, tables.raw, *tables.pairs, head, _frame.VERSION, self.checksum)
+            self._heads[key] = head
+            return out
+        return encode_frame(bits, self.chunk_elems, spec.exp_shift, tables.enc_code, tables.enc_len, tables.nbooks,
+                            tables.raw, *tables.pairs, head, _frame.VERSION, self.checksum)
 
     # -- decode -------------------------------------------------------------------------
     def decode(self, frame, out=None, max_output_bytes: int | None = None) -> "torch.Tensor":

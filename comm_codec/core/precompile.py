@@ -151,11 +151,17 @@ def precompile(codec, dtypes=None, profiler: bool = False) -> dict:
                 try:
                     frame = codec.encode(x, "gradient")
                     out = codec.decode(frame)
+                    # A tensor of one chunk (or any small one, with one thread) is coded by
+                    # one kernel, larger ones by the planner and the packer: load both
+                    # (chunks of 1024 make four here; without threads=1 they take the latter).
+                    chunked = type(codec)(codec.codebooks, chunk_elems=1024)
+                    out_chunked = codec.decode(chunked.encode(x, "gradient"))
                 except ValueError as exc:  # a codebook set without books for this dtype
                     log.debug("precompile: %s skipped (%s)", spec.name, exc)
                     spent[spec.name] = 0.0
                     continue
-                if not torch.equal(out.view(torch.uint8), x.reshape(-1).view(torch.uint8)):
+                want = x.reshape(-1).view(torch.uint8)
+                if not (torch.equal(out.view(torch.uint8), want) and torch.equal(out_chunked.view(torch.uint8), want)):
                     raise RuntimeError(f"precompile round trip of {spec.name} is not bit-exact")  # pragma: no cover
                 if is_accumulable(spec):  # the all-reduce's decode-and-add
                     codec.decode_accumulate(frame, torch.zeros(x.numel(), dtype=torch.float32))

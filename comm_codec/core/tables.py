@@ -14,6 +14,7 @@ import threading
 
 import numpy as np
 
+from ..kernels.encode import PAIR_ENTRIES, pair_tables
 from ..kernels.lanes import MULTI_BITS, multi_tables
 from ..kernels.layout import DEC_ENTRIES
 from .codebooks import CodebookGroup, CodebookSet
@@ -34,11 +35,12 @@ class KernelTables:
         enc_code, enc_len: uint32/uint8[ns, nbooks_max, 256] encoder tables.
         dec: uint16[ns, nbooks_max, 4096] decode tables.
         raw: bool[ns], streams whose book is raw.
+        pairs: stream 0's pair tables for the CPU encoder, built on first use.
         on_device: torch.device -> :class:`comm_codec.core.gpu.DeviceTables`, filled by
             whoever copies the tables to a device.
     """
 
-    __slots__ = ("ids", "nbooks", "enc_code", "enc_len", "dec", "raw", "on_device", "_multi")
+    __slots__ = ("ids", "nbooks", "enc_code", "enc_len", "dec", "raw", "on_device", "_multi", "_pairs")
 
     def __init__(self, groups: list[CodebookGroup]):
         ns = len(groups)
@@ -51,6 +53,7 @@ class KernelTables:
         self.raw = np.array([g.raw for g in groups], dtype=np.bool_)
         self.on_device: dict = {}
         self._multi = None
+        self._pairs = None
         for s, group in enumerate(groups):
             for k, book in enumerate(group):
                 self.enc_code[s, k], self.enc_len[s, k], self.dec[s, k] = book.tables()
@@ -63,6 +66,24 @@ class KernelTables:
             multi_tables(self.dec, multi)
             self._multi = multi
         return self._multi
+
+    @property
+    def pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """Stream 0's pair tables (code uint32, length uint8; [nbooks, 65536] each), built on first use.
+
+        The CPU encoder packs stream 0 two symbols per lookup in them
+        (:func:`comm_codec.kernels.encode.pair_tables`): 320 KiB per book, so only the
+        encoder builds them, once per codec and (kind, dtype). Threads that race here
+        build the same tables; the last one is kept.
+        """
+        pairs = self._pairs
+        if pairs is None:
+            nb = int(self.nbooks[0])
+            code = np.empty((nb, PAIR_ENTRIES), dtype=np.uint32)
+            length = np.empty((nb, PAIR_ENTRIES), dtype=np.uint8)
+            pair_tables(self.enc_code[0, :nb], self.enc_len[0, :nb], code, length)
+            pairs = self._pairs = (code, length)
+        return pairs
 
     def check_books(self, books: np.ndarray) -> None:
         """Raise FrameError if a chunk names a book beyond its stream's group.

@@ -15,7 +15,7 @@ from numba.extending import overload
 from .jit import OVERLOAD_OPTIONS, inline, jit
 from .layout import HASH_MUL, HASH_SEED
 
-__all__ = ["element_layout", "stream_params", "symbol", "symbol0", "rotated", "chunk_ref", "count_zeros",
+__all__ = ["element_layout", "stream_params", "symbol", "symbol0", "symbols0", "rotated", "chunk_ref", "count_zeros",
            "hash_words"]
 
 
@@ -73,6 +73,58 @@ def _ol_symbol0(v):
     # plain shift of the element (bf16: v >> 7)
     shift = 8 * width - 9
     return lambda v: (np.int64(v) >> shift) & 255
+
+
+def symbols0(view, sub, out):
+    """Write stream 0's symbols of view, relative to sub (``(byte - sub) mod 256``), to
+    out[:view.size] (uint8); compile-time per element type, like :func:`symbol0`.
+
+    The encoder's packer reads symbols from such a buffer, two at a time as one uint16
+    index into its pair tables. For 2- and 4-byte elements the bytes are cut out of
+    8-byte words (4 or 2 elements each) with shifts and masks in a loop the compiler
+    vectorizes; element by element, with the arithmetic widened to int64, the same loop
+    cost twice as much. The reference is subtracted inside each element: with the
+    sign bit set first, the subtraction cannot borrow across elements, and bits below
+    the byte are left alone.
+    """
+    raise NotImplementedError  # only called from kernels, through the overload below
+
+
+@overload(symbols0, jit_options=OVERLOAD_OPTIONS)
+def _ol_symbols0(view, sub, out):
+    width = view.dtype.bitwidth // 8
+    if view.dtype.signed or width == 1:
+        def impl_bytes(view, sub, out):
+            for i in range(view.size):
+                out[i] = (symbol0(view[i]) - sub) & 255
+
+        return impl_bytes
+    shift = np.uint64(8 * width - 9)  # stream 0 is (v >> shift) & 255 (see symbol0)
+    per = 8 // width
+    signs = np.uint64(0x8000800080008000 if width == 2 else 0x8000000080000000)
+    ones = np.uint64(0x0001000100010001 if width == 2 else 0x0000000100000001)
+    field = np.uint64(0x00FF00FF00FF00FF if width == 2 else 0x000000FF000000FF)
+
+    def impl(view, sub, out):
+        n = view.size
+        q = n // per
+        words = view[:per * q].view(np.uint64)
+        minus = (np.uint64(sub) << shift) * ones
+        if per == 4:
+            dst4 = out[:4 * q].view(np.uint32)
+            for k in range(q):
+                y = (((words[k] | signs) - minus) >> shift) & field  # the 4 symbols in the words' low bytes
+                y = (y | (y >> np.uint64(8))) & np.uint64(0x0000FFFF0000FFFF)
+                dst4[k] = np.uint32((y | (y >> np.uint64(16))) & np.uint64(0xFFFFFFFF))
+        else:
+            dst2 = out[:2 * q].view(np.uint16)
+            for k in range(q):
+                y = (((words[k] | signs) - minus) >> shift) & field
+                dst2[k] = np.uint16((y | (y >> np.uint64(24))) & np.uint64(0xFFFF))
+        for i in range(per * q, n):
+            out[i] = (symbol0(view[i]) - sub) & 255
+
+    return impl
 
 
 @inline

@@ -1,0 +1,180 @@
+"""The encoder's kernels: stream 0's pair packer, and the frame written in one call.
+
+The packer reads stream 0's symbols two at a time from a buffer that
+:func:`comm_codec.kernels.symbols.symbols0` fills, as indices into
+:func:`comm_codec.kernels.encode.pair_tables`; steps with an escape go symbol by symbol
+and a lane's last symbols go through scratch. The frames are checked by the naive
+decoder, which insists on exact lane lengths and zero padding.
+:func:`comm_codec.kernels.encode.encode_frame` must write the very bytes of the
+planned path (plan, allocate, pack, header).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+import numba
+from numba import njit
+
+import comm_codec as cc
+from comm_codec.books.profiler import WarmupProfiler
+from comm_codec.core.streams import as_bits, spec_for
+from comm_codec.kernels.encode import PAIR_ENTRIES, PAIR_SLOW, pair_tables
+from comm_codec.kernels.symbols import symbols0
+from helpers import bits_equal
+
+import naive
+
+
+@njit(cache=False)
+def _symbols0(view, sub, out):
+    symbols0(view, sub, out)
+
+
+def _stream0_bytes(bits: np.ndarray) -> np.ndarray:
+    """Stream 0's byte of each element, as layout.py describes it."""
+    v = bits.astype(np.int64) & ((1 << (8 * bits.itemsize)) - 1)
+    if bits.dtype == np.int8:
+        return v & 255
+    if bits.itemsize == 1:
+        return ((v << 1) | (v >> 7)) & 255
+    return (v >> (8 * bits.itemsize - 9)) & 255
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32, np.uint8, np.int8])
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_symbols0_is_the_byte_minus_the_reference_at_any_length_and_alignment(dtype, offset):
+    rng = np.random.default_rng(offset)
+    info = np.iinfo(dtype)
+    raw = rng.integers(info.min, info.max, 200, endpoint=True).astype(dtype)
+    raw[:8] = [info.min, info.max, 0, 1, info.max - 1, info.min + 1, 0, info.max]
+    for n in (0, 1, 3, 4, 5, 7, 8, 9, 31, 64, 150):
+        view = raw[offset:offset + n]
+        for sub in (0, 1, 7, 128, 200, 255):
+            out = np.full(n + 8, 0xAB, dtype=np.uint8)
+            _symbols0(view, sub, out)
+            assert np.array_equal(out[:n], (_stream0_bytes(view) - sub) & 255), (n, sub)
+            assert np.all(out[n:] == 0xAB), "wrote past the symbols"
+
+
+def test_pair_tables_join_two_codes_or_mark_the_pair_slow():
+    group = cc.CodebookSet.default().group("weight", "bf16", 0)
+    codes = np.stack([b.tables()[0] for b in group])
+    lens = np.stack([b.tables()[1] for b in group])
+    pc = np.empty((len(group), PAIR_ENTRIES), dtype=np.uint32)
+    pl = np.empty((len(group), PAIR_ENTRIES), dtype=np.uint8)
+    pair_tables(codes, lens, pc, pl)
+    a = np.tile(np.arange(256), 256)
+    b = np.repeat(np.arange(256), 256)
+    for k in range(len(group)):
+        la, lb = lens[k][a].astype(np.int64), lens[k][b].astype(np.int64)
+        fits = la + lb <= 32
+        joined = codes[k][a].astype(np.int64) | (codes[k][b].astype(np.int64) << la)
+        assert np.array_equal(pl[k], np.where(fits, la + lb, PAIR_SLOW))
+        assert np.array_equal(pc[k], np.where(fits, joined, 0))
+    assert (pl == PAIR_SLOW).any(), "these books escape rare symbols: some pairs must be slow"
+
+
+def _wide_exponents(n: int, dtype, spread: int, seed: int) -> torch.Tensor:
+    """Values whose exponents spread by up to ``spread`` octaves (wide spreads escape)."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randint(-spread, 1, (n,), generator=g).float()
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    return (sign * torch.exp2(e) * (1 + torch.rand(n, generator=g))).to(dtype)
+
+
+@settings(max_examples=30)
+@given(
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    lane=st.sampled_from([0, 1, 5, 60, 63, 64, 65, 69, 70, 71, 200]),
+    extra=st.integers(0, 3),
+    spread=st.sampled_from([0, 3, 40, 100]),
+    seed=st.integers(0, 2**31),
+    masked=st.booleans(),
+)
+def test_lanes_around_the_tail_and_with_escapes_decode_naively(dtype, lane, extra, spread, seed, masked):
+    # Lanes of about 64 symbols end at the packer's tail limit; wide exponents with
+    # books fitted on narrow ones send many symbols through the escape (slow steps).
+    n = 4 * lane + extra
+    x = _wide_exponents(n, dtype, spread, seed)
+    if masked and n:
+        x[torch.rand(n, generator=torch.Generator().manual_seed(seed)) < 0.3] = 0
+    prof = WarmupProfiler(chunk_elems=1 << 14, max_books=2)
+    prof.observe(_wide_exponents(5000, dtype, 2, seed + 1), "weight")
+    books = prof.build()
+    codec = cc.Codec(books)
+    frame = codec.encode(x, "weight")
+    bits_equal(naive.decode_frame(frame.numpy().tobytes(), naive.frame_books(books)), x)
+    bits_equal(codec.decode(frame), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_frames_equal_across_threads_with_many_chunks(dtype):
+    x = _wide_exponents(50_000, dtype, 12, 3)
+    threads = (1, min(2, numba.config.NUMBA_NUM_THREADS))
+    frames = [cc.Codec(threads=t, chunk_elems=1000).encode(x, "weight") for t in threads]
+    assert torch.equal(frames[0], frames[1])
+    bits_equal(cc.Codec().decode(frames[0]), x)
+
+
+def test_stream0_of_each_spec_matches_the_naive_split():
+    # symbols0 of a float type's element bits is the naive split's stream 0 (sub 0).
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = _wide_exponents(301, dtype, 30, 1)
+        bits, spec = as_bits(x)
+        assert spec is spec_for(dtype) or spec.name == spec_for(dtype).name
+        out = np.empty(bits.size, dtype=np.uint8)
+        _symbols0(bits, 0, out)
+        assert out.tolist() == naive.split(x)[0]
+
+
+def _sample(n: int, dtype, seed: int, zeros: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-12, 3, (n,), generator=g).float())
+    if zeros:
+        x[torch.rand(n, generator=g) < zeros] = 0
+    if dtype == torch.int8:
+        return (x * 50).clamp(-128, 127).to(torch.int8)
+    return x.to(dtype)
+
+
+@settings(max_examples=40)
+@given(
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int8]),
+    n=st.integers(1, 5000),
+    seed=st.integers(0, 2**31),
+    zeros=st.sampled_from([0.0, 0.05, 0.5, 1.0]),
+    kind=st.sampled_from(["weight", "gradient", "optimizer_state", "activation"]),
+    checksum=st.booleans(),
+    chunk_elems=st.sampled_from([8, 333, 1024, 4096]),
+)
+def test_serial_frame_equals_the_planned_path(dtype, n, seed, zeros, kind, checksum, chunk_elems):
+    codec = cc.Codec(threads=1, chunk_elems=chunk_elems, checksum=checksum)
+    x = _sample(n, dtype, seed, zeros)
+    if zeros == 0.5 and n > 100:
+        x[n // 3: n // 3 + chunk_elems] = 0  # an all-zero chunk among the others
+    bits, spec = as_bits(x)
+    serial = codec._encode_serial(bits, spec, kind)
+    planned = codec._encode_planned(bits, spec, kind)
+    assert serial.dtype == np.uint8 and serial.flags.c_contiguous and serial.ctypes.data % 8 == 0
+    assert np.array_equal(serial, planned)
+    assert np.array_equal(codec.encode_array(bits, spec, kind), planned)  # the path encode_array takes
+    bits_equal(codec.decode(serial), x)
+
+
+def test_serial_path_is_taken_for_one_chunk_or_one_thread(monkeypatch):
+    for threads, n, serial in ((None, 1000, True), (None, 1001, False), (1, 5000, True), (1, 300_000, False)):
+        codec = cc.Codec(threads=threads, chunk_elems=1000)
+        taken = []
+        real = codec._encode_serial
+        monkeypatch.setattr(codec, "_encode_serial", lambda *a: taken.append(1) or real(*a))
+        x = _sample(n, torch.bfloat16, n, 0.0)  # 300 000 bf16 elements: 600 KB, still below the pool's 1 MiB
+        x = x.repeat(2) if n == 300_000 else x  # 1.2 MB: the planned path, with pooled output
+        bits, spec = as_bits(x)
+        frame = codec.encode_array(bits, spec, "weight")
+        assert bool(taken) == serial, (threads, n)
+        assert np.array_equal(frame, codec._encode_planned(bits, spec, "weight"))
+        assert codec.frame_parameters(frame).nchunks == -(-x.numel() // 1000)
