@@ -515,11 +515,14 @@ def _targets(results: list, kinds: dict, rss: dict | None, xor: dict) -> list:
             add(f"{ds}: ratio vs zipnn (same bytes)", f"{v:.4f}x ({cc['ratio']:.4f} vs {zm['ratio']:.4f})",
                 ">= 1.005x", v >= 1.005)
         if zn:
+            # Every file at least zipnn's speed; files over 40 MB (where fixed costs no
+            # longer decide) 1.3x.
+            need = 1.3 if res["bytes"] > 40e6 else 1.0
             for key, label in (("enc", "compress"), ("dec", "decompress")):
                 v = cc[key][1] / zn[key][1]
                 add(f"{ds}: {label} 1T vs zipnn 1T, both file to file", f"{v:.2f}x ({cc[key][1]:.3f} vs "
                     f"{zn[key][1]:.3f} GB/s; 1T cores got {cc['cpu'][(key, 1)][1]:.2f} / "
-                    f"{zn['cpu'][(key, 1)][1]:.2f})", ">= 1.2x", v >= 1.2)
+                    f"{zn['cpu'][(key, 1)][1]:.2f})", f">= {need}x", v >= need)
     if rss:
         for op in ("compress", "decompress"):
             bt = rss[op]["by_threads"]
