@@ -14,7 +14,7 @@ import comm_codec as cc
 from helpers import bits_equal
 
 
-def _codec_and_frame(n: int):
+def _codec_and_frame(n: int, escapes: float = 0.01):
     # An incomplete code (Kraft sum 7/8): 1/8 of all bit patterns are no code.
     lengths = np.zeros(256, dtype=np.int64)
     lengths[[1, 2, 3]] = [1, 3, 3]
@@ -23,7 +23,7 @@ def _codec_and_frame(n: int):
     gen = torch.Generator().manual_seed(n)
     x = torch.ones(n, dtype=torch.uint8)
     x[torch.rand(n, generator=gen) < 0.3] = 2
-    x[torch.rand(n, generator=gen) < 0.01] = 200  # escapes
+    x[torch.rand(n, generator=gen) < escapes] = 200  # escapes
     f = codec.encode(x)
     p = cc.get_frame_parameters(f)
     assert p.table["cflags"].tolist() == [0]  # one coded chunk, no mask
@@ -134,11 +134,13 @@ def test_escapes_anywhere_round_trip(n, layout, masked):
     bits_equal(codec.decode(f), x)
 
 
-def test_a_bad_code_after_escapes_is_reported():
-    # A lane that leaves the rounds on escapes and then meets no code still ends in
-    # the "no code" status, whichever lane it is.
+@pytest.mark.parametrize("escapes", [0.0, 0.01], ids=["no escapes", "escape-heavy"])
+def test_a_bad_code_deep_in_a_lane_is_reported(escapes):
+    # Deep in a long chunk, after lanes that met no escape (the branch-free rounds)
+    # and after escapes common enough that the lanes go on with a branch per step,
+    # a lane that meets no code still ends in the "no code" status, whichever it is.
     n = 1 << 14
-    codec, f, p = _codec_and_frame(n)
+    codec, f, p = _codec_and_frame(n, escapes)
     starts = _lane_starts(f.numpy(), p)
     for k in range(4):
         bad = f.numpy().copy()

@@ -192,6 +192,58 @@ def _fast_step(b, d, multi):
     return b >> (e & _LEN_MASK), d + np.int64(e >> _COUNT_SHIFT), e
 
 
+@inline
+def _escape_heavy_step(b, q, d, multi, dec):
+    """One step of :func:`_escape_heavy_rounds`: (window, bit address, output address).
+
+    A multi-symbol entry goes as in :func:`_fast_step`; anything else (an escape, or no
+    code) decodes one symbol at q and reloads the window there, so a lane never waits
+    for the round's end. On no code the lane stalls (q and d stay).
+    """
+    e = load64(multi + 8 * np.int64(b & _MULTI_MASK))
+    if e != _U64_0:
+        store64_at(d, np.int64(e >> _SYM_SHIFT))
+        ln = np.int64(e & _LEN_MASK)
+        return b >> np.uint64(ln), q + ln, d + np.int64(e >> _COUNT_SHIFT)
+    ln = _escape_step(q, d, dec)
+    q += ln
+    return load64(q >> 3) >> np.uint64(q & 7), q, d + np.int64(ln != 0)
+
+
+@jit
+def _escape_heavy_rounds(q0, q1, q2, q3, a0, a1, a2, a3, l0, l1, l2, l3, lim, mt, dt):
+    """The lanes' rounds where escapes are common: each step branches to the
+    one-symbol decoder on an escape instead of stalling its lane until the round ends.
+
+    l0..l3 are the lanes' output ends (addresses), lim the last bit address an 8-byte
+    read may start at. Returns the lanes' bit and output addresses where it stopped:
+    when a lane nears its end, or on no code (that lane stops moving). Not inlined: its
+    branches would cost :func:`decode_lanes`' loop its registers.
+    """
+    while True:
+        rounds = min(min((l0 - a0 - 2) // 24, (l1 - a1 - 2) // 24), min((l2 - a2 - 2) // 24, (l3 - a3 - 2) // 24))
+        rounds = min(rounds, (lim - max(max(q0, q1), max(q2, q3))) // 80)  # 4 escapes a round: 4 x 20 bits
+        if rounds <= 0:
+            break
+        start0 = q0
+        start1 = q1
+        start2 = q2
+        start3 = q3
+        for _ in range(rounds):
+            b0 = load64(q0 >> 3) >> np.uint64(q0 & 7)
+            b1 = load64(q1 >> 3) >> np.uint64(q1 & 7)
+            b2 = load64(q2 >> 3) >> np.uint64(q2 & 7)
+            b3 = load64(q3 >> 3) >> np.uint64(q3 & 7)
+            for _ in range(4):
+                b0, q0, a0 = _escape_heavy_step(b0, q0, a0, mt, dt)
+                b1, q1, a1 = _escape_heavy_step(b1, q1, a1, mt, dt)
+                b2, q2, a2 = _escape_heavy_step(b2, q2, a2, mt, dt)
+                b3, q3, a3 = _escape_heavy_step(b3, q3, a3, mt, dt)
+        if q0 == start0 or q1 == start1 or q2 == start2 or q3 == start3:
+            break  # a lane stalled on no code all along: the caller's checked tail reports it
+    return q0, q1, q2, q3, a0, a1, a2, a3
+
+
 @jit
 def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_in_end, pf_out, pf_out_end):
     """Decode one coded segment (4 lanes) of count symbols into dst (uint8); return status.
@@ -234,7 +286,9 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
     # frame. Valid lanes never read past their own end there; a corrupt one may read
     # its neighbour's bits and then fails the overrun check below. A lane whose last
     # step of a round moved nothing sits on an escape or on no code: the rounds stop,
-    # that symbol is decoded alone, and they go on.
+    # that symbol is decoded alone, and they go on; where that ends more than one round
+    # in four (a stream whose data the book fits badly), the rest goes through
+    # _escape_heavy_rounds, which branches per step instead.
     d0 = address(dst)
     mt = address(multi)
     dt = address(dec)
@@ -248,14 +302,23 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
     a1 = d0 + e0
     a2 = d0 + e1
     a3 = d0 + e2
+    ran = np.int64(0)  # rounds run and round-ending stalls, to tell escape-heavy lanes
+    stalls = np.int64(0)
     while True:
         rounds = min(min((d0 + e0 - a0 - 2) // 24, (d0 + e1 - a1 - 2) // 24),
                      min((d0 + e2 - a2 - 2) // 24, (d0 + e3 - a3 - 2) // 24))
         rounds = min(rounds, (lim - max(max(q0, q1), max(q2, q3))) // 48)
         if rounds <= 0:
             break
+        if stalls >= 16 and 4 * stalls > ran:
+            # Escapes end more than one round in four: a stalled lane idles for the
+            # rest of its round, so the lanes go on with a branch per step instead.
+            q0, q1, q2, q3, a0, a1, a2, a3 = _escape_heavy_rounds(q0, q1, q2, q3, a0, a1, a2, a3, d0 + e0, d0 + e1,
+                                                                  d0 + e2, d0 + e3, lim, mt, dt)
+            break
         t0 = t1 = t2 = t3 = _U64_0
         for _ in range(rounds):
+            ran += 1
             b0 = _window(q0)
             b1 = _window(q1)
             b2 = _window(q2)
@@ -298,6 +361,7 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
         ln3 = _escape_step(q3, a3, dt) if t3 == _U64_0 else -1
         if ln0 == 0 or ln1 == 0 or ln2 == 0 or ln3 == 0:
             break  # no code: the checked tail below reports it
+        stalls += 1
         if ln0 > 0:
             q0 += ln0
             a0 += 1
