@@ -14,7 +14,7 @@ import comm_codec as cc
 from helpers import bits_equal
 
 
-def _codec_and_frame(n: int):
+def _codec_and_frame(n: int, escapes: float = 0.01):
     # An incomplete code (Kraft sum 7/8): 1/8 of all bit patterns are no code.
     lengths = np.zeros(256, dtype=np.int64)
     lengths[[1, 2, 3]] = [1, 3, 3]
@@ -23,7 +23,7 @@ def _codec_and_frame(n: int):
     gen = torch.Generator().manual_seed(n)
     x = torch.ones(n, dtype=torch.uint8)
     x[torch.rand(n, generator=gen) < 0.3] = 2
-    x[torch.rand(n, generator=gen) < 0.01] = 200  # escapes
+    x[torch.rand(n, generator=gen) < escapes] = 200  # escapes
     f = codec.encode(x)
     p = cc.get_frame_parameters(f)
     assert p.table["cflags"].tolist() == [0]  # one coded chunk, no mask
@@ -87,3 +87,64 @@ def test_masked_chunks_round_trip_bit_exact(dtype):
     p = cc.get_frame_parameters(f)
     assert (p.table["cflags"][:3] & 0x01).all()  # the full chunks are masked
     bits_equal(codec.decode(f), x)
+
+
+def _escape_codec(n: int) -> "cc.Codec":
+    # Codes of 1..12 bits for symbols 1..11 and 0 and an 11-bit escape: short codes fill
+    # a 12-bit window with up to six symbols, long ones leave it with one. Zero's code
+    # is long, so a chunk with many zeros is masked.
+    lengths = np.zeros(256, dtype=np.int64)
+    lengths[[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 0]] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 12]
+    book = cc.Codebook(lengths, escape_length=11)
+    return cc.Codec(cc.CodebookSet({("gradient", "uint8", 0): book}), chunk_elems=n, checksum=False)
+
+
+@pytest.mark.parametrize("n", [400, 1021, 1 << 14])
+@pytest.mark.parametrize("layout", ["scattered", "runs", "lane edges", "dense"])
+@pytest.mark.parametrize("masked", [False, True], ids=["dense chunk", "masked chunk"])
+def test_escapes_anywhere_round_trip(n, layout, masked):
+    # The fast loop leaves a round when a lane meets an escape, decodes that symbol
+    # alone and goes on: escapes in every lane, in runs, on the first and last symbols
+    # of each lane and one symbol in ten must all come back, in chunks too short for
+    # more than a round or two too (shorter ones are stored raw: lane headers). A
+    # 1-byte chunk is decoded straight into the output, a masked one through the rows
+    # and the assembly.
+    codec = _escape_codec(n)
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randint(1, 12, (n,), generator=gen, dtype=torch.uint8)
+    x[torch.rand(n, generator=gen) < 0.5] = 1  # mostly 1-bit codes: six symbols a lookup
+    escaped = torch.randint(12, 256, (n,), generator=gen, dtype=torch.uint8)
+    if layout == "scattered":
+        where = torch.rand(n, generator=gen) < 0.02
+    elif layout == "runs":
+        where = torch.arange(n) % 40 < 5
+    elif layout == "lane edges":
+        where = torch.zeros(n, dtype=torch.bool)
+        for k in range(4):
+            lo, hi = k * n // 4, (k + 1) * n // 4
+            where[lo:min(hi, lo + 2)] = True
+            where[max(lo, hi - 2):hi] = True
+    else:
+        where = torch.rand(n, generator=gen) < 0.1
+    x[where] = escaped[where]
+    if masked:
+        x[torch.rand(n, generator=gen) < 0.4] = 0
+    f = codec.encode(x)
+    assert cc.get_frame_parameters(f).table["cflags"].tolist() == [1 if masked else 0]  # coded, not raw
+    bits_equal(codec.decode(f), x)
+
+
+@pytest.mark.parametrize("escapes", [0.0, 0.01], ids=["no escapes", "escape-heavy"])
+def test_a_bad_code_deep_in_a_lane_is_reported(escapes):
+    # Deep in a long chunk, after lanes that met no escape (the branch-free rounds)
+    # and after escapes common enough that the lanes go on with a branch per step,
+    # a lane that meets no code still ends in the "no code" status, whichever it is.
+    n = 1 << 14
+    codec, f, p = _codec_and_frame(n, escapes)
+    starts = _lane_starts(f.numpy(), p)
+    for k in range(4):
+        bad = f.numpy().copy()
+        at = starts[k] + (starts[1] - starts[0]) // 3
+        bad[at:at + 16] = 0xFF
+        with pytest.raises(cc.FrameError, match="chunk 0 of 1 is bad: bit pattern that is no code"):
+            codec.decode(bad)

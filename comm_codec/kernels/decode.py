@@ -7,6 +7,8 @@ stream bytes, adds the chunk's reference to stream 0 and rotates the sign back
 (:func:`_assemble`, vectorizable), or spreads the present elements out by the zero mask
 (:func:`_assemble_masked`). Writing each stream's symbols into the elements stream by
 stream instead would touch the output once per stream.
+A chunk of a 1-byte integer type has one stream whose bytes are the elements: its lanes
+are decoded straight into the output.
 
 :func:`decode_accumulate_chunks` decodes each chunk into cache-resident scratch and adds
 it, widened to float32, into an accumulator: bit for bit what torch's CPU ``add_`` gives,
@@ -20,6 +22,9 @@ from numba import prange
 
 from .intrinsics import address, as_f32, f32_bits
 from .jit import inline, jit, parallel_entry
+# numba's on-disk cache keys the kernels below on this file alone, and they hold their
+# own compiled copy of decode_lanes: a change to the lanes' table layout must come with
+# a change to this file, or a cached decode_chunks reads new tables the old way.
 from .lanes import decode_lanes
 from .layout import (CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, STATUS_BOOK, STATUS_CHECKSUM, STATUS_MASK_COUNT,
                      STATUS_OK, STATUS_SIZE)
@@ -92,10 +97,20 @@ def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_
 
     Coded streams are decoded into byte rows of a scratch array; raw streams are read
     where they lie in the frame; then one pass (:func:`_assemble`) builds the elements.
+    A coded chunk of a 1-byte integer type (one stream, its bytes the elements: no
+    reference, no rotation) is decoded straight into out instead.
     """
     if flags & CHUNK_ZERO:
         out[:] = 0
         return STATUS_OK
+    width, ra, _ = element_layout(out)
+    if width == 1 and not ra and not flags & (CHUNK_MASK | CHUNK_RAW0) and sizes_c.size == 1:
+        k = chosen & 15
+        if k >= dec_tables.shape[1]:  # the Python layer checks it against the group; trust nothing
+            return STATUS_BOOK
+        pf = address(out)  # nothing to prefetch: the output is what the lanes write
+        return decode_lanes(frame8, frame64, pos, np.int64(sizes_c[0]), count, dec_tables[0, k], multi[0, k],
+                            out.view(np.uint8), pf, pf, pf, pf)
     mpos = pos
     present = count
     if flags & CHUNK_MASK:

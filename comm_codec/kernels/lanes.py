@@ -7,10 +7,13 @@ alone is bound by the lookup -> shift dependency chain. Each lookup goes to a
 multi-symbol table (:func:`multi_tables`, built once per book from its decode table and
 cached by the codec) that holds up to six whole codes per 12-bit window: exponent codes
 are 2-3 bits, so most windows hold several. Wider windows (13, 14 bits) make tables
-that no longer fit in L1. Escapes and invalid windows take the one-symbol path, which
-keeps the checks. A lookup's symbols go out as one 8-byte store into a byte row per
-stream (the next step overwrites the unused slots); the elements are assembled from the
-rows afterwards (:mod:`comm_codec.kernels.decode`).
+that no longer fit in L1. The fast loop has no branch per lookup: a window that starts
+with an escape or with no code has the entry 0, which moves nothing, so its lane stalls
+until the round ends; there the loop sees it and decodes that symbol alone (escapes are
+rarer than 2**-13 a symbol each). A lookup's symbols go out as one 8-byte store into a
+byte row per stream (the next step overwrites the unused slots); the elements are
+assembled from the rows afterwards (:mod:`comm_codec.kernels.decode`), or, for 1-byte
+integer types, the row is the output.
 
 The lane loop is bound by its lookups and the assembly by memory, so the lane loop asks
 for the cache lines that the assembly will touch next, a few per round: the two phases
@@ -20,6 +23,7 @@ overlap.
 from __future__ import annotations
 
 import numpy as np
+from numba.cpython.unsafe.numbers import leading_zeros
 
 from .intrinsics import address, load16, load64, prefetch_at, store8_at, store64, store64_at
 from .jit import entry, inline, jit
@@ -32,6 +36,10 @@ MULTI_BITS = 12  # window of a multi-symbol lookup
 _MULTI_SIZE = 1 << MULTI_BITS
 _MULTI_MASK = np.uint64(_MULTI_SIZE - 1)
 _MULTI_MAX = 6  # symbols per multi-symbol table entry; its store writes 8 bytes
+_SYM_SHIFT = np.uint64(8)  # entry: total length in byte 0, symbols in bytes 1-6, count in byte 7
+_COUNT_SHIFT = np.uint64(56)
+_LEN_MASK = np.uint64(63)
+_MARK = np.uint64(1) << np.uint64(63)  # the fast loop's end-of-window marker
 _DEC_INDEX = DEC_ENTRIES - 1
 _DEC_MASK = np.uint64(_DEC_INDEX)
 _U64_0 = np.uint64(0)
@@ -72,12 +80,13 @@ def _multi_table(dec, multi):
     """Fill multi (uint64[4096]) with up to six whole codes per 12-bit window of dec.
 
     Entry: total length in bits 0-7 (a shift count as it stands: the decoder's window
-    shift needs no extraction on its dependency chain), symbols in bits 8-15, 16-23, ...,
-    48-55 (unused ones 0), symbol count in bits 56-58; 0 where the window starts with an
-    escape or no code, so the decoder falls back to :func:`_step`. A code is taken only
-    when all its bits lie inside the 12 known ones (a prefix code is decided by its own
-    bits alone). Six, not four: exponent codes are 2-3 bits, and a 12-bit window held
-    five or six of them often enough to pay for the wider store.
+    shift needs no extraction on its dependency chain), symbols in bits 8-15, 16-23,
+    ..., 48-55 (unused ones 0), symbol count in bits 56-63; 0 where the window starts
+    with an escape or no code, so the decoder falls back to :func:`_step` (and an
+    entry 0 moves nothing: length and count 0). A code is taken only when all its bits
+    lie inside the 12 known ones (a prefix code is decided by its own bits alone). Six,
+    not four: exponent codes are 2-3 bits, and a 12-bit window held five or six of
+    them often enough to pay for the wider store.
     """
     for x in range(_MULTI_SIZE):
         bits = np.int64(x)
@@ -106,10 +115,10 @@ def _multi_step(buf, multi, dec, dst, i):
     are rewritten by the next step. Symbols are the codes' own bytes; stream 0's
     reference is added when the element is assembled.
     """
-    e = np.int64(multi[np.int64(buf & _MULTI_MASK)])
-    if e != 0:
-        store64(dst, i, e >> 8)
-        return (e >> 56) & 7, e & 63
+    e = multi[np.int64(buf & _MULTI_MASK)]
+    if e != _U64_0:
+        store64(dst, i, np.int64(e >> _SYM_SHIFT))
+        return np.int64(e >> _COUNT_SHIFT), np.int64(e & _LEN_MASK)
     sym, ln = _step(buf, dec)
     if ln == 0:
         return 0, 0
@@ -140,16 +149,18 @@ def _lane_rest(words, base, nwords, pos, multi, dec, dst, i, end):
 
 
 @inline
-def _window(f, p):
-    """At least 57 bits of the frame at address f from bit p on (the caller bounds p)."""
-    return load64(f + (p >> 3)) >> np.uint64(p & 7)
+def _window(q):
+    """The 64 bits from bit address q (8 x byte address + bit) on, the top q & 7 of them
+    zero, with an end marker set in bit 63 (the caller bounds q)."""
+    return (load64(q >> 3) >> np.uint64(q & 7)) | _MARK
 
 
 @jit
-def _slow_step(f, p, d, dec):
-    """One symbol at bit p with the plain table at address dec, stored at address d:
-    (bits used, 0 = no such code). Off the fast path (escapes), so not inlined."""
-    w = _window(f, p)
+def _escape_step(q, d, dec):
+    """Decode one symbol at bit address q with the plain table at address dec, storing
+    it at address d; return the bits used (0: no such code). Off the fast path (an
+    escape, or a bit pattern that is no code), so not inlined."""
+    w = load64(q >> 3) >> np.uint64(q & 7)
     x = np.int64(load16(dec + 2 * np.int64(w & _DEC_MASK)))
     ln = (x >> 8) & 15
     sym = x & 255
@@ -161,27 +172,76 @@ def _slow_step(f, p, d, dec):
 
 
 @inline
-def _fast_step(f, b, p, d, multi, dec):
-    """One step of the fast loop: (window, bit position, output address).
+def _fast_step(b, d, multi):
+    """One step of the fast loop: (window, output address, entry).
 
-    b is the window at bit p of the frame at address f (>= 12 valid bits guaranteed by
-    the caller); d is where the next symbol goes; multi and dec are the tables'
-    addresses. A multi-symbol entry stores its symbols (one 8-byte store) and shifts the
-    window; anything else (an escape, or no code: rare) decodes one symbol from a fresh
-    read at p and reloads the window there, so the fast path needs no more valid bits
-    than 12. On a bit pattern that is no code the lane stalls (p and d stay) instead of
-    raising a flag: a flag carried through the loop cost a register, and with 4 lanes
-    x 3 values + 3 addresses the loop spilled its windows to the stack. The caller
-    notices a lane that stopped moving, and the checked tail reports the bad code.
+    b is the lane's window (>= 12 valid bits guaranteed by the caller), d where its
+    next symbol goes, multi the multi-symbol table's address. The entry's symbols go
+    out as one 8-byte store (slots past them are rewritten by the next step) and its
+    length shifts the window; the bits used are not counted here: the window's end
+    marker tells them once a round (:func:`decode_lanes`). No branch: an entry 0 (an
+    escape, or no code: rare) moves nothing, so the lane stalls on that window until
+    the round ends, where the caller sees the last entry 0 and decodes that one symbol
+    off the fast path. A branch to a one-symbol decoder inside the loop, even one
+    never taken, and a bit count per step made LLVM spill the lanes' windows to the
+    stack, which put a store and a load on every step's dependency chain (and + load
+    + shift is all it holds now).
+    """
+    e = load64(multi + 8 * np.int64(b & _MULTI_MASK))
+    store64_at(d, np.int64(e >> _SYM_SHIFT))
+    return b >> (e & _LEN_MASK), d + np.int64(e >> _COUNT_SHIFT), e
+
+
+@inline
+def _escape_heavy_step(b, q, d, multi, dec):
+    """One step of :func:`_escape_heavy_rounds`: (window, bit address, output address).
+
+    A multi-symbol entry goes as in :func:`_fast_step`; anything else (an escape, or no
+    code) decodes one symbol at q and reloads the window there, so a lane never waits
+    for the round's end. On no code the lane stalls (q and d stay).
     """
     e = load64(multi + 8 * np.int64(b & _MULTI_MASK))
     if e != _U64_0:
-        store64_at(d, np.int64(e >> np.uint64(8)))
-        ln = np.int64(e) & 63  # the mask folds into the shift instruction
-        return b >> np.uint64(ln), p + ln, d + (np.int64(e >> np.uint64(56)) & 7)
-    ln = _slow_step(f, p, d, dec)
-    p += ln
-    return _window(f, p), p, d + np.int64(ln != 0)
+        store64_at(d, np.int64(e >> _SYM_SHIFT))
+        ln = np.int64(e & _LEN_MASK)
+        return b >> np.uint64(ln), q + ln, d + np.int64(e >> _COUNT_SHIFT)
+    ln = _escape_step(q, d, dec)
+    q += ln
+    return load64(q >> 3) >> np.uint64(q & 7), q, d + np.int64(ln != 0)
+
+
+@jit
+def _escape_heavy_rounds(q0, q1, q2, q3, a0, a1, a2, a3, l0, l1, l2, l3, lim, mt, dt):
+    """The lanes' rounds where escapes are common: each step branches to the
+    one-symbol decoder on an escape instead of stalling its lane until the round ends.
+
+    l0..l3 are the lanes' output ends (addresses), lim the last bit address an 8-byte
+    read may start at. Returns the lanes' bit and output addresses where it stopped:
+    when a lane nears its end, or on no code (that lane stops moving). Not inlined: its
+    branches would cost :func:`decode_lanes`' loop its registers.
+    """
+    while True:
+        rounds = min(min((l0 - a0 - 2) // 24, (l1 - a1 - 2) // 24), min((l2 - a2 - 2) // 24, (l3 - a3 - 2) // 24))
+        rounds = min(rounds, (lim - max(max(q0, q1), max(q2, q3))) // 80)  # 4 escapes a round: 4 x 20 bits
+        if rounds <= 0:
+            break
+        start0 = q0
+        start1 = q1
+        start2 = q2
+        start3 = q3
+        for _ in range(rounds):
+            b0 = load64(q0 >> 3) >> np.uint64(q0 & 7)
+            b1 = load64(q1 >> 3) >> np.uint64(q1 & 7)
+            b2 = load64(q2 >> 3) >> np.uint64(q2 & 7)
+            b3 = load64(q3 >> 3) >> np.uint64(q3 & 7)
+            for _ in range(4):
+                b0, q0, a0 = _escape_heavy_step(b0, q0, a0, mt, dt)
+                b1, q1, a1 = _escape_heavy_step(b1, q1, a1, mt, dt)
+                b2, q2, a2 = _escape_heavy_step(b2, q2, a2, mt, dt)
+                b3, q3, a3 = _escape_heavy_step(b3, q3, a3, mt, dt)
+        if q0 == start0 or q1 == start1 or q2 == start2 or q3 == start3:
+            break  # a lane stalled on no code all along: the caller's checked tail reports it
+    return q0, q1, q2, q3, a0, a1, a2, a3
 
 
 @jit
@@ -214,47 +274,55 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
     e1 = 2 * count // LANES
     e2 = 3 * count // LANES
     e3 = count
-    i0 = np.int64(0)
-    i1 = e0
-    i2 = e1
-    i3 = e2
-    # Fast loop on absolute bit positions of the frame. A round reads each lane's next
-    # 57+ bits with one unaligned load and takes 4 steps from each (up to 6 symbols and
-    # 12 bits a step; an escape reloads). Instead of checking every round, run as many
-    # rounds as no lane can go wrong in: 24 symbols a round, and the 8-byte store of the
-    # last step (from up to 18 symbols in), must fit before the lane's end, and 4 x 20
-    # bits (4 escapes) a round must leave an 8-byte read inside the frame. Valid lanes
-    # never read past their own end there; a corrupt one may read its neighbour's bits
-    # and then fails the overrun check below.
     if multi.size != _MULTI_SIZE or dec.size != DEC_ENTRIES or dst.size < count:  # the codec's tables; trust nothing
         return STATUS_BOOK
-    f = address(frame8)
+    # Fast loop on bit addresses (8 x byte address + bit) into the frame. A round
+    # reads each lane's next 57+ bits with one unaligned load, sets an end marker in
+    # bit 63 and takes 4 steps (up to 6 symbols and 12 bits each); the bits used are
+    # then the marker's distance from the top (leading zeros). Instead of checking
+    # every round, run as many rounds as no lane can go wrong in: 24 symbols a round,
+    # and the 8-byte store of the last step (from up to 18 symbols in), must fit
+    # before the lane's end, and 48 bits a round must leave an 8-byte read inside the
+    # frame. Valid lanes never read past their own end there; a corrupt one may read
+    # its neighbour's bits and then fails the overrun check below. A lane whose last
+    # step of a round moved nothing sits on an escape or on no code: the rounds stop,
+    # that symbol is decoded alone, and they go on; where that ends more than one round
+    # in four (a stream whose data the book fits badly), the rest goes through
+    # _escape_heavy_rounds, which branches per step instead.
+    d0 = address(dst)
     mt = address(multi)
     dt = address(dec)
-    d0 = address(dst)
-    q0 = 64 * w0
-    q1 = 64 * w1
-    q2 = 64 * w2
-    q3 = 64 * w3
-    lim = 8 * (frame8.size - 8)
+    base = 8 * address(frame8)
+    q0 = base + 64 * w0
+    q1 = base + 64 * w1
+    q2 = base + 64 * w2
+    q3 = base + 64 * w3
+    lim = base + 8 * (frame8.size - 8)
+    a0 = d0
+    a1 = d0 + e0
+    a2 = d0 + e1
+    a3 = d0 + e2
+    ran = np.int64(0)  # rounds run and round-ending stalls, to tell escape-heavy lanes
+    stalls = np.int64(0)
     while True:
-        rounds = min(min((e0 - i0 - 2) // 24, (e1 - i1 - 2) // 24), min((e2 - i2 - 2) // 24, (e3 - i3 - 2) // 24))
-        rounds = min(rounds, (lim - max(max(q0, q1), max(q2, q3))) // 80)
+        rounds = min(min((d0 + e0 - a0 - 2) // 24, (d0 + e1 - a1 - 2) // 24),
+                     min((d0 + e2 - a2 - 2) // 24, (d0 + e3 - a3 - 2) // 24))
+        rounds = min(rounds, (lim - max(max(q0, q1), max(q2, q3))) // 48)
         if rounds <= 0:
             break
-        start0 = q0
-        start1 = q1
-        start2 = q2
-        start3 = q3
-        a0 = d0 + i0
-        a1 = d0 + i1
-        a2 = d0 + i2
-        a3 = d0 + i3
+        if stalls >= 16 and 4 * stalls > ran:
+            # Escapes end more than one round in four: a stalled lane idles for the
+            # rest of its round, so the lanes go on with a branch per step instead.
+            q0, q1, q2, q3, a0, a1, a2, a3 = _escape_heavy_rounds(q0, q1, q2, q3, a0, a1, a2, a3, d0 + e0, d0 + e1,
+                                                                  d0 + e2, d0 + e3, lim, mt, dt)
+            break
+        t0 = t1 = t2 = t3 = _U64_0
         for _ in range(rounds):
-            b0 = _window(f, q0)
-            b1 = _window(f, q1)
-            b2 = _window(f, q2)
-            b3 = _window(f, q3)
+            ran += 1
+            b0 = _window(q0)
+            b1 = _window(q1)
+            b2 = _window(q2)
+            b3 = _window(q3)
             prefetch_at(pf_in, 0)
             prefetch_at(pf_in + 64, 0)
             prefetch_at(pf_out, 1)
@@ -263,32 +331,57 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
             prefetch_at(pf_out + 192, 1)
             pf_in = min(pf_in + 128, pf_in_end)
             pf_out = min(pf_out + 256, pf_out_end)
-            b0, q0, a0 = _fast_step(f, b0, q0, a0, mt, dt)
-            b1, q1, a1 = _fast_step(f, b1, q1, a1, mt, dt)
-            b2, q2, a2 = _fast_step(f, b2, q2, a2, mt, dt)
-            b3, q3, a3 = _fast_step(f, b3, q3, a3, mt, dt)
-            b0, q0, a0 = _fast_step(f, b0, q0, a0, mt, dt)
-            b1, q1, a1 = _fast_step(f, b1, q1, a1, mt, dt)
-            b2, q2, a2 = _fast_step(f, b2, q2, a2, mt, dt)
-            b3, q3, a3 = _fast_step(f, b3, q3, a3, mt, dt)
-            b0, q0, a0 = _fast_step(f, b0, q0, a0, mt, dt)
-            b1, q1, a1 = _fast_step(f, b1, q1, a1, mt, dt)
-            b2, q2, a2 = _fast_step(f, b2, q2, a2, mt, dt)
-            b3, q3, a3 = _fast_step(f, b3, q3, a3, mt, dt)
-            b0, q0, a0 = _fast_step(f, b0, q0, a0, mt, dt)
-            b1, q1, a1 = _fast_step(f, b1, q1, a1, mt, dt)
-            b2, q2, a2 = _fast_step(f, b2, q2, a2, mt, dt)
-            b3, q3, a3 = _fast_step(f, b3, q3, a3, mt, dt)
-        i0 = a0 - d0
-        i1 = a1 - d0
-        i2 = a2 - d0
-        i3 = a3 - d0
-        if q0 == start0 or q1 == start1 or q2 == start2 or q3 == start3:
-            break  # a lane stalled on a bad code all along: the tail below reports it
-    p0 = q0 - 64 * w0
-    p1 = q1 - 64 * w1
-    p2 = q2 - 64 * w2
-    p3 = q3 - 64 * w3
+            b0, a0, t0 = _fast_step(b0, a0, mt)
+            b1, a1, t1 = _fast_step(b1, a1, mt)
+            b2, a2, t2 = _fast_step(b2, a2, mt)
+            b3, a3, t3 = _fast_step(b3, a3, mt)
+            b0, a0, t0 = _fast_step(b0, a0, mt)
+            b1, a1, t1 = _fast_step(b1, a1, mt)
+            b2, a2, t2 = _fast_step(b2, a2, mt)
+            b3, a3, t3 = _fast_step(b3, a3, mt)
+            b0, a0, t0 = _fast_step(b0, a0, mt)
+            b1, a1, t1 = _fast_step(b1, a1, mt)
+            b2, a2, t2 = _fast_step(b2, a2, mt)
+            b3, a3, t3 = _fast_step(b3, a3, mt)
+            b0, a0, t0 = _fast_step(b0, a0, mt)
+            b1, a1, t1 = _fast_step(b1, a1, mt)
+            b2, a2, t2 = _fast_step(b2, a2, mt)
+            b3, a3, t3 = _fast_step(b3, a3, mt)
+            q0 += np.int64(leading_zeros(b0))
+            q1 += np.int64(leading_zeros(b1))
+            q2 += np.int64(leading_zeros(b2))
+            q3 += np.int64(leading_zeros(b3))
+            if t0 == _U64_0 or t1 == _U64_0 or t2 == _U64_0 or t3 == _U64_0:
+                break
+        # A lane on an escape (or no code): decode that symbol alone. The rounds left
+        # q <= lim and the lane's output 2 slots short of its end at least.
+        ln0 = _escape_step(q0, a0, dt) if t0 == _U64_0 else -1
+        ln1 = _escape_step(q1, a1, dt) if t1 == _U64_0 else -1
+        ln2 = _escape_step(q2, a2, dt) if t2 == _U64_0 else -1
+        ln3 = _escape_step(q3, a3, dt) if t3 == _U64_0 else -1
+        if ln0 == 0 or ln1 == 0 or ln2 == 0 or ln3 == 0:
+            break  # no code: the checked tail below reports it
+        stalls += 1
+        if ln0 > 0:
+            q0 += ln0
+            a0 += 1
+        if ln1 > 0:
+            q1 += ln1
+            a1 += 1
+        if ln2 > 0:
+            q2 += ln2
+            a2 += 1
+        if ln3 > 0:
+            q3 += ln3
+            a3 += 1
+    p0 = q0 - base - 64 * w0
+    p1 = q1 - base - 64 * w1
+    p2 = q2 - base - 64 * w2
+    p3 = q3 - base - 64 * w3
+    i0 = a0 - d0
+    i1 = a1 - d0
+    i2 = a2 - d0
+    i3 = a3 - d0
     if p0 > 8 * lb0 or p1 > 8 * lb1 or p2 > 8 * lb2 or p3 > 8 * lb3:
         return STATUS_OVERRUN
     st, p0 = _lane_rest(frame64, w0, n0, p0, multi, dec, dst, i0, e0)
