@@ -38,6 +38,7 @@ except ImportError:  # running from a checkout without an install
 from comm_codec.books.profiler import WarmupProfiler
 from comm_codec.core.codec import DEFAULT_CHUNK_ELEMS, Codec
 from comm_codec.tools.huff0 import Huff0, exponent_stream
+from comm_codec.tools.bench_measure import best_of
 
 ZIPNN_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32}
@@ -65,17 +66,6 @@ def exp_codec(stream: np.ndarray):
     t = torch.from_numpy(stream.view(np.int8))
     prof.observe(t, kind="weight")
     return Codec(prof.build(), threads=1), t
-
-
-def best_of(fns: dict, repeat: int, clock) -> dict:
-    """Best time of each function, the functions alternated round by round."""
-    times = {k: [] for k in fns}
-    for _ in range(repeat):
-        for k, fn in fns.items():
-            start = clock()
-            fn()
-            times[k].append(clock() - start)
-    return {k: min(v) for k, v in times.items()}
 
 
 def measure(name, tensor, zipnn, huff, args, clock) -> dict:

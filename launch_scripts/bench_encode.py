@@ -37,6 +37,7 @@ from comm_codec.core import frame as _frame
 from comm_codec.core.codec import Codec
 from comm_codec.core.streams import as_bits
 from comm_codec.kernels.encode import encode_chunks, plan_chunks
+from comm_codec.tools.bench_measure import best_of
 
 ZIPNN_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 SMALL = (384, 1536, 16384)
@@ -84,16 +85,6 @@ def kernels(codec: Codec, tensor: torch.Tensor, kind: str, streams: int | None =
                       out, out.view(np.uint64), checksums, True)
 
     return plan, pack
-
-
-def best_of(fns: dict, repeat: int, clock) -> dict:
-    times = {k: [] for k in fns}
-    for _ in range(repeat):
-        for k, fn in fns.items():
-            start = clock()
-            fn()
-            times[k].append(clock() - start)
-    return {k: min(v) for k, v in times.items()}
 
 
 def measure(codec, zn_module, huff, huff0, name, tensor, args) -> dict:

@@ -679,26 +679,34 @@ class Reader(FileSystemReader):
             target.copy_(stored)
         planner.commit_tensor(req, target)
 
-    def _decode(self, data: _DataFile, info, dtype, sizes, numel, target, fqn):
-        """Decode a frame record: into target when it is the whole chunk, else into a new tensor."""
+    def _read_frame(self, data: _DataFile, info, dtype, numel: int, exact: bool, what: str, fqn):
+        """Read and check a frame record of numel elements of dtype (at most numel unless exact).
+
+        Returns:
+            (the frame's bytes, its parameters).
+        """
         if dtype not in SUPPORTED_DTYPES:
-            raise CheckpointError(f"{data.path}: {fqn}: a frame recorded for a {dtype} tensor, which the codec "
+            raise CheckpointError(f"{data.path}: {fqn}: a {what} recorded for a {dtype} tensor, which the codec "
                                   "does not code")
         spec = spec_for(dtype)
         most = _max_frame_bytes(numel, spec)
         if info.length > most:
-            raise CheckpointError(f"{data.path}: {fqn}: its record claims a {info.length}-byte frame; a frame of "
-                                  f"{numel} x {spec.name} takes at most {most}")
+            raise CheckpointError(f"{data.path}: {fqn}: its record claims a {info.length}-byte {what}; one of "
+                                  f"{'' if exact else 'at most '}{numel} x {spec.name} takes at most {most}")
         buf = data.read(info.offset, info.length, fqn)
         params = Codec.frame_parameters(buf)
-        if params.dtype != dtype or params.numel != numel:
-            raise CheckpointError(f"{data.path}: {fqn}: the frame holds {params.numel} x {params.spec.name}, the "
-                                  f"metadata says {numel} x {spec.name}")
-        codec = self._codec(data, params)
+        if params.dtype != dtype or (params.numel != numel if exact else params.numel > numel):
+            raise CheckpointError(f"{data.path}: {fqn}: the {what} holds {params.numel} x {params.spec.name}, "
+                                  f"{'the metadata says' if exact else 'one holds at most'} {numel} x {spec.name}")
+        return buf, params
+
+    def _decode(self, data: _DataFile, info, dtype, sizes, numel, target, fqn):
+        """Decode a frame record: into target when it is the whole chunk, else into a new tensor."""
+        buf, params = self._read_frame(data, info, dtype, numel, True, "frame", fqn)
         whole = tuple(target.shape) == tuple(sizes) and target.dtype == dtype and target.is_contiguous() \
             and target.device.type == "cpu"
         out = target if whole else torch.empty(sizes, dtype=dtype)
-        codec.decode(buf, out=out)
+        self._codec(data, params).decode(buf, out=out)
         return out
 
     def _unpack(self, data: _DataFile, info, dtype, sizes, numel, where: str, fqn):
@@ -710,21 +718,9 @@ class Reader(FileSystemReader):
         if count != numel:
             raise CheckpointError(f"{data.path}: {fqn}: its pack range holds {count} elements, the metadata "
                                   f"says {numel}")
-        if dtype not in SUPPORTED_DTYPES:
-            raise CheckpointError(f"{data.path}: {fqn}: a pack recorded for a {dtype} tensor, which the codec "
-                                  "does not code")
         key = (data.path, info.offset, info.length)
         if self._last_pack is None or self._last_pack[0] != key:
-            spec = spec_for(dtype)
-            most = _max_frame_bytes(_PACK_MAX_ELEMS, spec)
-            if info.length > most:
-                raise CheckpointError(f"{data.path}: {fqn}: its record claims a {info.length}-byte pack frame; "
-                                      f"one takes at most {most}")
-            buf = data.read(info.offset, info.length, fqn)
-            params = Codec.frame_parameters(buf)
-            if params.dtype != dtype or params.numel > _PACK_MAX_ELEMS:
-                raise CheckpointError(f"{data.path}: {fqn}: the pack frame holds {params.numel} x "
-                                      f"{params.spec.name}; a pack holds at most {_PACK_MAX_ELEMS} x {spec.name}")
+            buf, params = self._read_frame(data, info, dtype, _PACK_MAX_ELEMS, False, "pack frame", fqn)
             self._last_pack = (key, self._codec(data, params).decode(buf, out=torch.empty(params.numel, dtype=dtype)))
         pack = self._last_pack[1]
         if start + count > pack.numel():

@@ -18,7 +18,7 @@ import torch
 from .bench_codecs import Comparator, Unsupported, as_u8, threads_available
 from .bench_data import Dataset, tensor_bytes
 
-__all__ = ["BUSY_SHARE", "measure"]
+__all__ = ["BUSY_SHARE", "best_of", "measure"]
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,27 @@ log = logging.getLogger(__name__)
 # its core with another process: its GB/s understates the codec. (A two-thread call below
 # twice this ran on fewer than two cores: contention, or a codec that did not use both.)
 BUSY_SHARE = 0.85
+
+
+def best_of(fns: dict, repeat: int, clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Time functions alternated round by round (A, B, A, B ...); keep each one's best.
+
+    Args:
+        fns: name -> function of no arguments.
+        repeat: rounds.
+        clock: ``time.perf_counter`` (wall) or ``time.process_time`` (this process's CPU:
+            steadier on a loaded machine, for one-thread work).
+
+    Returns:
+        name -> the least seconds of its calls.
+    """
+    times = {k: [] for k in fns}
+    for _ in range(repeat):
+        for k, fn in fns.items():
+            start = clock()
+            fn()
+            times[k].append(clock() - start)
+    return {k: min(v) for k, v in times.items()}
 
 
 def _timed(comp: Comparator, fn: Callable, t: torch.Tensor, prepare: bool):
