@@ -568,6 +568,12 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.quick:
         args.repeat, args.big_gb = 2, 0.0
+    import numba
+
+    if numba.config.NUMBA_NUM_THREADS < 2:  # the 2-thread rows would fail half way through
+        print(f"bench_checkpoint.py: it times 1 and 2 threads, and NUMBA_NUM_THREADS is "
+              f"{numba.config.NUMBA_NUM_THREADS}; unset it (or set it to 2 or more)", file=sys.stderr)
+        return 2
     meta_path = args.data / "meta.json"
     if not meta_path.exists():
         log.info("making checkpoints in %s", args.data)
