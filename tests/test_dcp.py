@@ -166,6 +166,21 @@ def test_small_tensors_share_one_frame_per_dtype_and_kind(tmp_path):
     assert os.path.getsize(tmp_path / "__0_0.distcp") < raw
 
 
+def test_a_full_pack_is_written_and_the_next_one_started(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    # 80 x 16000 bf16 elements: more than one pack frame (1 Mi elements) holds
+    sd = {f"norm.{i}": (torch.randn(16000, generator=g) * 0.02).to(torch.bfloat16) for i in range(80)}
+    dcp.save(sd, storage_writer=ccd.Writer(tmp_path))
+    out = _zeros_like(sd)
+    ccd.load(out, tmp_path)
+    _assert_same(out, sd)
+    packs = {}
+    for fqn in sd:
+        info, params = _frame_of(tmp_path, fqn)
+        assert info.transform_descriptors[0] == ccd.PACK_DESCRIPTOR
+        packs[info.offset] = params.numel
+    assert len(packs) == 2 and all(n <= 1 << 20 for n in packs.values()) and sum(packs.values()) == 80 * 16000
+
 def test_a_layer_plan_is_reused_by_its_siblings_unless_it_misfits(tmp_path):
     g = torch.Generator().manual_seed(4)
     sd = {f"enc.layer.{i}.w": (torch.randn(300, 200, generator=g) * 0.02).to(torch.bfloat16) for i in range(4)}

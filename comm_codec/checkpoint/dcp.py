@@ -230,15 +230,16 @@ class Writer(FileSystemWriter):
     def _pack(self, out: "_FileOut", item, tensor: torch.Tensor) -> None:
         """Add a small tensor to the pack of its dtype and kind (written when full or at the end)."""
         key = (tensor.dtype, self.kind(item.index.fqn))
-        members = out.packs.get(key)
-        if members is not None and sum(t.numel() for _, t in members) + tensor.numel() > _PACK_MAX_ELEMS:
+        if key in out.packs and out.pack_elems[key] + tensor.numel() > _PACK_MAX_ELEMS:
             self._flush_pack(out, key)
         out.packs.setdefault(key, []).append((item, tensor.reshape(-1)))
+        out.pack_elems[key] = out.pack_elems.get(key, 0) + tensor.numel()
 
     def _flush_pack(self, out: "_FileOut", key) -> None:
         """Write one frame of a pack's tensors, one after the other; record each as its range of it."""
         dtype, kind = key
         members = out.packs.pop(key)
+        del out.pack_elems[key]
         if self._shipped_codec is None:
             self._shipped_codec = Codec(self.codebooks, threads=1, chunk_elems=_PACK_CHUNK_ELEMS)
         flat = torch.cat([t for _, t in members]) if len(members) > 1 else members[0][1].contiguous()
@@ -290,6 +291,7 @@ class _FileOut:
         self.pos = 0
         self.results: list = []
         self.packs: dict = {}  # (dtype, kind) -> [(item, flat tensor)]
+        self.pack_elems: dict = {}  # (dtype, kind) -> elements in its pack so far
         self.plans: dict = {}  # (name pattern, dtype, shape) -> (codec, its frame's bytes)
         self.raw = self.coded = self.planned = self.reused = 0
 
