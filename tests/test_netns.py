@@ -33,8 +33,8 @@ def test_a_shaped_namespace_holds_only_loopback_and_is_deleted_after():
         links = subprocess.run(netns.exec_argv(ns, ["ip", "-o", "link", "show"]), capture_output=True, text=True,
                                check=True).stdout
         assert [line.split(":")[1].strip() for line in links.splitlines()] == ["lo"]
-        env = subprocess.run(netns.exec_argv(ns, [sys.executable, "-c", "import os; print(os.environ['GLOO_SOCKET_IFNAME'])"]),
-                             capture_output=True, text=True, check=True).stdout
+        probe = [sys.executable, "-c", "import os; print(os.environ['GLOO_SOCKET_IFNAME'])"]
+        env = subprocess.run(netns.exec_argv(ns, probe), capture_output=True, text=True, check=True).stdout
         assert env.strip() == "lo"
         with pytest.raises(LinkShapingError, match="exists already"):
             with netns.namespace(NAME):

@@ -110,8 +110,9 @@ _TRAILER = struct.Struct("<8sQQII")
 _TRAILER_MAGIC = b"CCDCPBK1"
 _RAW_ID = "0" * 16
 # Tensors this small are coded with the shipped books, packed: a book of their own would
-# cost more in the table than it saves, and a frame (planning, header, a kernel call)
-# costs ~0.1 ms a tensor, ~20 % of all-MiniLM-L6-v2's save (189 of its 303 tensors).
+# cost more in the table than it saves, and one frame for all of them saves a header, a
+# record and a call per tensor (189 of all-MiniLM-L6-v2's 303 tensors; coded one frame
+# each, they took ~20 % of its save, and its load decoded 189 frames for them, now 4).
 _PLAN_MIN_ELEMS = 1 << 14
 # A pack frame holds at most this many elements (what a reader decodes at once).
 _PACK_MAX_ELEMS = 1 << 20
@@ -214,7 +215,8 @@ class Writer(FileSystemWriter):
                     self._pack(out, item, tensor)
                 else:
                     frame = self._encode(tensor, item.index.fqn, out)
-                    out.write(item, memoryview(frame.numpy()), [FRAME_DESCRIPTOR], tensor.numel() * tensor.element_size())
+                    out.write(item, memoryview(frame.numpy()), [FRAME_DESCRIPTOR],
+                              tensor.numel() * tensor.element_size())
             for key in list(out.packs):
                 self._flush_pack(out, key)
             table = self._book_table(out.chooser)
