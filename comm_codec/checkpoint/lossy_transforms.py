@@ -147,7 +147,9 @@ def dequantize(symbols: np.ndarray, centroids: np.ndarray, domain: str, fill: fl
     """Map symbols to values: 0 -> fill (0 unless pruned values are filled), s -> centroids[s-1]."""
     table = np.concatenate(([np.float32(fill)], centroids.astype(np.float32)))
     if domain == "sqrt":
-        table = table * table
+        # A centroid over ~1.8e19 (a crafted file's) squares to inf, as float32 says.
+        with np.errstate(over="ignore"):
+            table = table * table
     return table[symbols]
 
 
