@@ -373,15 +373,7 @@ def _pack_tail(sym, j0, n, codes, lens, out8, p, acc, nb, pos, tail):
     remaining bytes are copied out, so nothing past the lane is written (the next
     chunk's payload may be another thread's).
     """
-    t = 0
-    for j in range(j0, n):
-        x = sym[j]
-        acc |= np.uint64(codes[x]) << np.uint64(nb)
-        nb += np.int64(lens[x])
-        store64(tail, t, acc)
-        t += nb >> 3
-        acc >>= np.uint64(nb & 56)
-        nb &= 7
+    t, acc, nb = _pack_singles(sym, j0, n, codes, lens, tail, 0, acc, nb)
     bits = 8 * (p - pos + t) + nb
     if nb > 0:
         store64(tail, t, acc)
