@@ -36,7 +36,10 @@ How things are measured (also printed):
 * The big file (``--big-gb``) runs in fresh processes at 1 and 2 threads alternately,
   each loading the kernels on a small file first (not timed): peak RSS (against the RSS
   after the imports, and after the kernels loaded), and 2T vs 1T speed with the cores
-  each run really got. ``--big-only`` runs just that.
+  each run really got. ``--big-only`` runs just that. Beside it, what the machine gives
+  two threads then: a pure compute loop's 2T / 1T (and the steal the kernel reports), and
+  4 MiB pwrites into one file by 1 and 2 threads and into two files (a restore's workers
+  write one file: where writers of one file take turns, that part cannot scale).
 * "codec frames" is :class:`comm_codec.Codec` alone on the same bytes in memory (shipped
   books, one tensor): the kernels' speed, without the container's planning, sha256, CRCs
   and I/O.
@@ -500,6 +503,46 @@ def _core_scaling(seconds: float = 1.0) -> dict:
     return {"x2": rates[2] / max(1, rates[1]), "steal": steal}
 
 
+def _write_scaling(folder: Path, total: int = 512 << 20) -> dict:
+    """GB/s of writing ``total`` bytes in 4 MiB pwrites: one file by 1 and by 2 threads, two files by 2.
+
+    What a restore does (workers write their segments into one output): where the file
+    system holds the file's lock for a whole write (tmpfs, ext4), writers of one file take
+    turns, and two threads write no faster than one, while two files scale.
+    """
+    import threading
+
+    import numpy as np
+
+    seg = 4 << 20
+    data = np.random.default_rng(0).integers(0, 256, seg, dtype=np.uint8)
+
+    def once(threads: int, files: int) -> float:
+        paths = [folder / f"bench_checkpoint.{os.getpid()}.write{k}" for k in range(files)]
+        fds = [os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) for p in paths]
+        try:
+            def work(k):
+                for i in range(k, total // seg, threads):
+                    os.pwrite(fds[k % files], data, (i // files) * seg)
+            start = time.perf_counter()
+            workers = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            return total / (time.perf_counter() - start) / 1e9
+        finally:
+            for fd, path in zip(fds, paths):
+                os.close(fd)
+                path.unlink()
+
+    out = {}
+    for _ in range(3):  # best of 3, alternated
+        for key, threads, files in (("1T one file", 1, 1), ("2T one file", 2, 1), ("2T two files", 2, 2)):
+            out[key] = max(out.get(key, 0.0), once(threads, files))
+    return out
+
+
 # -- report -------------------------------------------------------------------------------
 def _fmt(x, digits=3):
     return "-" if x is None else f"{x:.{digits}f}"
@@ -692,6 +735,7 @@ def main(argv=None) -> int:
             rss = _peak_rss(local, 2 if args.repeat > 1 else 1)
             rss["where"] = str(where)
             rss["cores"] = {"before": before, "after": _core_scaling()}
+            rss["writes"] = _write_scaling(where)
         finally:
             if local != big:
                 local.unlink(missing_ok=True)
@@ -725,6 +769,8 @@ def main(argv=None) -> int:
         print(f"round trip exact: {'yes' if rss['exact'] else 'NO'}")
         print("pure compute, 2 threads / 1 thread (CRC-32 in L2; 2.00 = two whole cores), before / after: "
               + " / ".join(f"{c['x2']:.2f} (steal {100 * c['steal']:.1f} %)" for c in rss["cores"].values()))
+        print(f"writes into {rss['where']} (4 MiB pwrites, GB/s): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in rss["writes"].items()))
     xor = {res["name"].replace("delta ", ""): _row(results, res["name"], "xor+zstd")["ratio"]
            for res in results if res["name"].startswith("delta") and _row(results, res["name"], "xor+zstd")}
     lines = _targets(results, kinds, rss, xor)
