@@ -36,7 +36,10 @@ How things are measured (also printed):
 * The big file (``--big-gb``) runs in fresh processes at 1 and 2 threads alternately,
   each loading the kernels on a small file first (not timed): peak RSS (against the RSS
   after the imports, and after the kernels loaded), and 2T vs 1T speed with the cores
-  each run really got. ``--big-only`` runs just that.
+  each run really got. ``--big-only`` runs just that. Beside it, what the machine gives
+  two threads then: a pure compute loop's 2T / 1T (and the steal the kernel reports), and
+  4 MiB pwrites into one file by 1 and 2 threads and into two files (a restore's workers
+  write one file: where writers of one file take turns, that part cannot scale).
 * "codec frames" is :class:`comm_codec.Codec` alone on the same bytes in memory (shipped
   books, one tensor): the kernels' speed, without the container's planning, sha256, CRCs
   and I/O.
@@ -403,6 +406,10 @@ with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(dst))) as t
     ck.compress_file(tmp + "/w.st", tmp + "/w.cckp", threads=threads, progress=False)
     ck.decompress_file(tmp + "/w.cckp", tmp + "/w.out", threads=threads, progress=False)
 warm = rss_kb()
+# The previous run's output goes first: freeing it is no part of this run's work (and a run
+# of several threads frees a replaced file after it returns, one thread inside the call).
+if os.path.exists(dst):
+    os.unlink(dst)
 import resource
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -448,6 +455,91 @@ def _peak_rss(big: Path, repeat: int) -> dict:
     out["exact"] = _sha(restored) == _sha(big)
     for p in (packed, restored):
         p.unlink()
+    return out
+
+
+def _steal_ticks() -> tuple[int, int]:
+    """(steal, total) CPU ticks of the whole machine so far, from /proc/stat (0, 0 elsewhere)."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = [int(x) for x in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def _core_scaling(seconds: float = 1.0) -> dict:
+    """How much two threads of pure compute get done against one, on this machine now.
+
+    The loop is CRC-32 over a buffer that stays in L2 (zlib releases the GIL for it): no
+    memory traffic, no I/O, no locks, so 2 / 1 below 2.0 means the second core is not
+    wholly ours (another tenant, a sibling hyperthread, a hypervisor taking it: steal).
+    """
+    import threading
+    import zlib
+
+    buf = bytes(256 << 10)
+
+    def spin(deadline, out, k):
+        n = 0
+        while time.perf_counter() < deadline:
+            zlib.crc32(buf)
+            n += 1
+        out[k] = n
+
+    rates = {}
+    s0 = _steal_ticks()
+    for threads in (1, 2, 1, 2):
+        out = [0] * threads
+        deadline = time.perf_counter() + seconds / 4
+        workers = [threading.Thread(target=spin, args=(deadline, out, k)) for k in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        rates[threads] = max(rates.get(threads, 0), sum(out))
+    s1 = _steal_ticks()
+    steal = (s1[0] - s0[0]) / max(1, s1[1] - s0[1])
+    return {"x2": rates[2] / max(1, rates[1]), "steal": steal}
+
+
+def _write_scaling(folder: Path, total: int = 512 << 20) -> dict:
+    """GB/s of writing ``total`` bytes in 4 MiB pwrites: one file by 1 and by 2 threads, two files by 2.
+
+    What a restore does (workers write their segments into one output): where the file
+    system holds the file's lock for a whole write (tmpfs, ext4), writers of one file take
+    turns, and two threads write no faster than one, while two files scale.
+    """
+    import threading
+
+    import numpy as np
+
+    seg = 4 << 20
+    data = np.random.default_rng(0).integers(0, 256, seg, dtype=np.uint8)
+
+    def once(threads: int, files: int) -> float:
+        paths = [folder / f"bench_checkpoint.{os.getpid()}.write{k}" for k in range(files)]
+        fds = [os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) for p in paths]
+        try:
+            def work(k):
+                for i in range(k, total // seg, threads):
+                    os.pwrite(fds[k % files], data, (i // files) * seg)
+            start = time.perf_counter()
+            workers = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            return total / (time.perf_counter() - start) / 1e9
+        finally:
+            for fd, path in zip(fds, paths):
+                os.close(fd)
+                path.unlink()
+
+    out = {}
+    for _ in range(3):  # best of 3, alternated
+        for key, threads, files in (("1T one file", 1, 1), ("2T one file", 2, 1), ("2T two files", 2, 2)):
+            out[key] = max(out.get(key, 0.0), once(threads, files))
     return out
 
 
@@ -639,8 +731,11 @@ def main(argv=None) -> int:
         try:
             if local != big:
                 shutil.copyfile(big, local)
+            before = _core_scaling()
             rss = _peak_rss(local, 2 if args.repeat > 1 else 1)
             rss["where"] = str(where)
+            rss["cores"] = {"before": before, "after": _core_scaling()}
+            rss["writes"] = _write_scaling(where)
         finally:
             if local != big:
                 local.unlink(missing_ok=True)
@@ -672,6 +767,10 @@ def main(argv=None) -> int:
                   f"(idle after imports {r['idle_kb'] / 1024:.0f} MiB, {r['warm_kb'] / 1024:.0f} MiB once the kernels "
                   f"are loaded); {speeds}; ratio {r['ratio']:.3f}")
         print(f"round trip exact: {'yes' if rss['exact'] else 'NO'}")
+        print("pure compute, 2 threads / 1 thread (CRC-32 in L2; 2.00 = two whole cores), before / after: "
+              + " / ".join(f"{c['x2']:.2f} (steal {100 * c['steal']:.1f} %)" for c in rss["cores"].values()))
+        print(f"writes into {rss['where']} (4 MiB pwrites, GB/s): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in rss["writes"].items()))
     xor = {res["name"].replace("delta ", ""): _row(results, res["name"], "xor+zstd")["ratio"]
            for res in results if res["name"].startswith("delta") and _row(results, res["name"], "xor+zstd")}
     lines = _targets(results, kinds, rss, xor)

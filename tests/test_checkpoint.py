@@ -728,3 +728,33 @@ def test_filemap_keeps_a_read_for_the_next_reader_of_the_same_range(tmp_path, mo
         assert m.u8(0, 1024) is not first and m.u8(1024, 1024) is second  # the oldest went first
     finally:
         m.close()
+
+
+def test_a_replaced_output_is_released_after_the_call_and_links_are_left_alone(tmp_path):
+    """With threads, the file an output replaces is freed on a thread of its own: the new
+    file is in place when the call returns; a replaced file with another name (a hard
+    link) or a symlink at dst is never held or followed."""
+    from comm_codec.checkpoint.files import atomic_output
+
+    src = tmp_path / "w.safetensors"
+    save_file({"w": torch.randn(1 << 16).to(torch.bfloat16)}, src)
+    packed, out = tmp_path / "w.cckp", tmp_path / "w.out"
+    for _ in range(2):  # the second round replaces both outputs
+        ck.compress_file(src, packed, threads=2)
+        ck.decompress_file(packed, out, threads=2)
+        assert out.read_bytes() == src.read_bytes()
+    other = tmp_path / "other"
+    os.link(out, other)  # the replaced file keeps a name: it is not ours to hold
+    with atomic_output(str(out), release_in_background=True) as f:
+        f.write(b"new")
+        f.commit()
+    assert out.read_bytes() == b"new" and other.read_bytes() == src.read_bytes()
+    target = tmp_path / "target"
+    target.write_bytes(b"kept")
+    link = tmp_path / "link"
+    os.symlink(target, link)
+    with atomic_output(str(link), release_in_background=True) as f:
+        f.write(b"x")
+        f.commit()
+    assert not os.path.islink(link) and link.read_bytes() == b"x" and target.read_bytes() == b"kept"
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]

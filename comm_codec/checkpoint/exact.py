@@ -504,7 +504,7 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
             segments = []
             h = DigestStream(background=threads > 1)
             meter = _Progress("compressing", m.size, progress)
-            with atomic_output(dst, mode=_mode(src)) as out, contextlib.closing(h):
+            with atomic_output(dst, mode=_mode(src), release_in_background=threads > 1) as out, contextlib.closing(h):
                 out.write(HEADER.pack(MAGIC, VERSION, 0, 0))
                 budget = Budget(_IN_FLIGHT_BYTES)
                 work = ordered_map(lambda j: _encode_job(j, m, bm, tensors),
@@ -736,7 +736,7 @@ def decompress_file(src, dst, base=None, threads: int | None = None, progress: b
         raise FileExistsError(17, f"{dst} exists; pass force=True to replace it", dst)
     threads = _threads(threads)
     check_paths(src, dst, None if base is None else os.fspath(base))
-    with atomic_output(dst, mode=_mode(src)) as out:
+    with atomic_output(dst, mode=_mode(src), release_in_background=threads > 1) as out:
         summary = _restore(src, out, base, threads, progress, "decompress", os.path.dirname(os.path.abspath(dst)))
         out.commit()
     return summary
