@@ -12,6 +12,10 @@ table cast to fp16; ``--grads`` adds MiniLM's dense bf16 gradients), rounds alte
 * ``exp``: the exponent stream alone, coded as int8 with a book fitted to it and decoded
   into a given array, beside ``huff0`` on the same stream (64 KiB blocks,
   ``launch_scripts/build_huff0.sh`` builds the library): Msym/s.
+* ``--ceiling`` adds what moving the same bytes costs, in the same rounds: ``copy``
+  (numpy copy of the tensor's bytes: read and write) and ``stream`` (a numba loop that
+  reads the frame's words once and writes the output's once, no compute: the least a
+  decoder must move); the decode's share of ``stream`` says how near memory it runs.
 
 ``--clock cpu`` times process CPU time (the work alone, for a loaded machine); the load
 average and the cores got are printed with the table.
@@ -68,6 +72,23 @@ def exp_codec(stream: np.ndarray):
     return Codec(prof.build(), threads=1), t
 
 
+def _stream_kernel():
+    """A numba loop that writes every word of dst from the words of src (wrapping): the
+    least memory traffic of a decode, the frame in and the tensor out."""
+    import numba
+
+    @numba.njit(nogil=True)
+    def stream(src, dst):
+        j = 0
+        for i in range(dst.size):
+            dst[i] = src[j]
+            j += 1
+            if j == src.size:
+                j = 0
+
+    return stream
+
+
 def measure(name, tensor, zipnn, huff, args, clock) -> dict:
     """Time one dataset (everything alternated); check every round trip; return its row."""
     nbytes = tensor.numel() * tensor.element_size()
@@ -100,6 +121,15 @@ def measure(name, tensor, zipnn, huff, args, clock) -> dict:
         hpayload, hsizes = huff.compress(stream)
         assert np.array_equal(huff.decompress(hpayload, hsizes, stream.size), stream), name
         fns["huff0"] = lambda: huff.decompress(hpayload, hsizes, stream.size)
+    if args.ceiling:
+        src = tensor.contiguous().view(torch.uint8).numpy()
+        copied = np.empty_like(src)
+        words = frame.numpy()[:frame.numel() // 8 * 8].view(np.uint64)
+        out_words = given.view(torch.uint8).numpy()[:nbytes // 8 * 8].view(np.uint64)
+        move = _stream_kernel()
+        move(words, out_words)
+        fns["copy"] = lambda: np.copyto(copied, src)
+        fns["stream"] = lambda: move(words, out_words)
     t = best_of(fns, args.repeat, clock)
     row = {"name": name, "bytes": nbytes, "numel": tensor.numel(), "ratio": nbytes / frame.numel(),
            "times_s": t, "gbps": {k: nbytes / v / 1e9 for k, v in t.items() if k not in ("exp", "huff0")}}
@@ -114,6 +144,8 @@ def main(argv=None) -> int:
                         help="wall: perf_counter; cpu: process CPU time (the work alone on a loaded machine)")
     parser.add_argument("--only", default="", help="comma-separated substrings: datasets whose name holds one")
     parser.add_argument("--grads", action="store_true", help="also MiniLM's dense bf16 gradients (one step)")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="also time a copy of the tensor's bytes and a frame-in, tensor-out streaming loop")
     parser.add_argument("--json", default=None, help="also write the rows as JSON")
     args = parser.parse_args(argv)
     import numba
@@ -149,6 +181,9 @@ def main(argv=None) -> int:
         print(f"{name:<34} {r['bytes'] / 1e6:>6.1f} {r['ratio']:>6.3f}  {g['decode']:>8.2f} / {g['out=']:>5.2f} / "
               f"{g['no-ck']:>5.2f} / {zn:>5.2f}  {g['decode'] / zn:>7.2f}  {e['exp']:>10.0f} / {h0:>7.0f}  "
               f"{e['exp'] / h0:>7.2f}")
+        if args.ceiling:
+            print(f"{'':<34} ceiling GB/s: copy {g['copy']:.2f}, stream {g['stream']:.2f}; decode / stream "
+                  f"{g['decode'] / g['stream']:.2f}, no-ck / stream {g['no-ck'] / g['stream']:.2f}")
     share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     print(f"clock {args.clock}, best of {args.repeat} alternating rounds, 1 thread; cores {cores}; load average "
           f"{load0} at start, {os.getloadavg()} at end; CPU time / wall {share:.2f}")

@@ -148,3 +148,59 @@ def test_a_bad_code_deep_in_a_lane_is_reported(escapes):
         bad[at:at + 16] = 0xFF
         with pytest.raises(cc.FrameError, match="chunk 0 of 1 is bad: bit pattern that is no code"):
             codec.decode(bad)
+
+
+def _two_book_codec(chunk: int, threads: int = 1) -> "cc.Codec":
+    # Book 0 codes symbol 1 short, book 1 symbol 2: a chunk of mostly 1s takes book 0,
+    # one of mostly 2s book 1.
+    books = []
+    for short in (1, 2):
+        lengths = np.full(256, 12, dtype=np.int64)
+        lengths[short] = 1
+        lengths[3 - short] = 3
+        books.append(cc.Codebook.from_counts((2.0 ** (12 - lengths)).astype(np.int64)))
+    group = cc.CodebookGroup(books)
+    return cc.Codec(cc.CodebookSet({("gradient", "uint8", 0): group}), threads=threads, chunk_elems=chunk)
+
+
+def _interleaved_books(chunk: int, nchunks: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.ones(chunk * nchunks, dtype=torch.uint8)
+    pattern = [1, 0, 0, 1, 1, 1, 0, 1, 0]  # chunks of book 1 among book 0's, out of order
+    for c in range(nchunks):
+        if pattern[c % len(pattern)]:
+            x[c * chunk:(c + 1) * chunk] = 2
+    x[torch.rand(x.numel(), generator=gen) < 0.2] = 3
+    return x
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_chunks_of_interleaved_books_round_trip(threads):
+    # The decoder takes chunks grouped by book rather than in frame order: every chunk
+    # must still land at its own place, through decode and decode_accumulate alike.
+    chunk, nchunks = 4096, 11
+    x = _interleaved_books(chunk, nchunks)
+    codec = _two_book_codec(chunk, threads)
+    f = codec.encode(x)
+    books = cc.get_frame_parameters(f).table["books"].tolist()
+    assert sorted(set(books)) == [0, 1] and books != sorted(books)
+    bits_equal(codec.decode(f), x)
+    y = torch.randn(x.numel(), generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    fy = cc.Codec(threads=threads, chunk_elems=chunk).encode(y, kind="gradient")
+    assert len(set(cc.get_frame_parameters(fy).table["books"].tolist())) > 1
+    acc = torch.zeros(y.numel())
+    cc.Codec(threads=threads, chunk_elems=chunk).decode_accumulate(fy, acc, add=False)
+    bits_equal(acc, y.float())
+
+
+def test_a_bad_chunk_among_interleaved_books_is_named():
+    # Chunks decode out of frame order; the error still names the first bad chunk by
+    # its place in the frame.
+    chunk, nchunks = 4096, 11
+    codec = _two_book_codec(chunk)
+    f = codec.encode(_interleaved_books(chunk, nchunks)).numpy().copy()
+    p = cc.get_frame_parameters(f)
+    for c in (7, 2):
+        f[int(p.offsets[c]) + 40] ^= 0x5A
+    with pytest.raises(cc.FrameError, match="chunk 2 of 11 is bad: payload checksum mismatch .* \\(2 chunks bad\\)"):
+        codec.decode(f)

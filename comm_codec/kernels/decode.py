@@ -195,10 +195,34 @@ def _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, m
     return st
 
 
+@jit
+def _chunk_order(books, n):
+    """Chunks 0..n-1 ordered by stream 0's book, in chunk order within a book (a counting sort).
+
+    A chunk's lane loop reads its book's 32 KiB multi-symbol table at random: chunks
+    taken in frame order switch books often (a group holds up to 16), and each switch
+    brings a table from L2 line by line on the loop's dependency chain.
+    """
+    counts = np.zeros(17, dtype=np.int64)
+    for c in range(n):
+        counts[(np.int64(books[c]) & 15) + 1] += 1
+    for k in range(16):
+        counts[k + 1] += counts[k]
+    order = np.empty(n, dtype=np.int64)
+    for c in range(n):
+        k = np.int64(books[c]) & 15
+        order[counts[k]] = c
+        counts[k] += 1
+    return order
+
+
 @parallel_entry
 def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books, sizes,
                   offsets, checksums, do_checksum, out, status):
     """Decode every chunk into out; status[c] gets a code per chunk (0 = ok).
+
+    Chunks are taken by stream 0's book (:func:`_chunk_order`), so that a book's tables
+    stay in cache from one chunk to the next.
 
     Args:
         frame8, frame64: the frame as uint8 and uint64 (same memory, 8-byte aligned).
@@ -215,7 +239,9 @@ def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, mu
             :func:`comm_codec.kernels.encode.plan_chunks`.
         status: int32[nchunks] output.
     """
-    for c in prange(cflags.size):
+    order = _chunk_order(books, cflags.size)
+    for i in prange(cflags.size):
+        c = order[i]
         lo = c * chunk_elems
         hi = min(numel, lo + chunk_elems)
         status[c] = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs,
@@ -311,7 +337,9 @@ def decode_accumulate_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec
         add: True: acc += value; False: acc = value.
         status: int32[nchunks] output.
     """
-    for c in prange(cflags.size):
+    order = _chunk_order(books, cflags.size)
+    for i in prange(cflags.size):
+        c = order[i]
         lo = c * chunk_elems
         hi = min(numel, lo + chunk_elems)
         scratch = np.empty(hi - lo, dtype=proto.dtype)
