@@ -178,3 +178,15 @@ def test_serial_path_is_taken_for_one_chunk_or_one_thread(monkeypatch):
         assert bool(taken) == serial, (threads, n)
         assert np.array_equal(frame, codec._encode_planned(bits, spec, "weight"))
         assert codec.frame_parameters(frame).nchunks == -(-x.numel() // 1000)
+
+
+@pytest.mark.parametrize("zeros", [0.0, 0.03, 0.5, 1.0])
+@pytest.mark.parametrize("chunk_elems", [333, 4096])
+def test_int8_lanes_packed_from_the_elements_decode_naively(zeros, chunk_elems):
+    # 1-byte integer lanes are packed straight from the elements (no symbol copy), at
+    # odd offsets for odd chunk sizes, and their zeros are read off byte 0's count.
+    x = _sample(20_011, torch.int8, 7, zeros)
+    for codec in (cc.Codec(threads=1, chunk_elems=chunk_elems), cc.Codec(chunk_elems=chunk_elems)):
+        frame = codec.encode(x, "weight")
+        bits_equal(naive.decode_frame(frame.numpy().tobytes(), naive.frame_books(codec.codebooks)), x)
+        bits_equal(codec.decode(frame), x)

@@ -10,9 +10,8 @@ included, in one call: for small tensors the host code between three calls cost 
 than the coding.
 
 Two habits of these loops: they run over 0-based views (``for i in range(view.size)``;
-loops over ``range(lo, hi)`` compile to slower code), and stream 0's reference is
-folded into a rotated copy of its tables once per chunk in the planner
-(:func:`comm_codec.kernels.symbols.rotated`) instead of being subtracted per element.
+loops over ``range(lo, hi)`` compile to slower code), and the planner applies stream
+0's reference to the 256 bytes of a chunk's histogram, not to its elements.
 
 Stream 0, the one coded in every float type, is packed two symbols per table lookup:
 each lane's symbols are first cut out of the elements into a byte buffer, reference
@@ -21,12 +20,15 @@ the packer reads them as uint16 pair indices into per-book tables of joined code
 (:func:`pair_tables`, 65536 entries per book, built once per codec and book group).
 It writes bytes with unaligned 8-byte stores and no branch per flush. On MiniLM's bf16
 weights (1 thread) :func:`encode_chunks` took 16.2 ms instead of 20.9 with one lookup
-per symbol and a branch per 64-bit word (issue #26).
+per symbol and a branch per 64-bit word (issue #26). A lane of 1-byte integers is its
+own symbol buffer (no reference: the packer reads the elements).
 
-A stream may have a group of books (``nbooks[s] > 1``): the planner then takes the
-chunk's lane histograms once and prices every book on them (over the bytes that occur),
-instead of summing code lengths element by element as it does for one book; a histogram
-without byte 0 also tells that the chunk holds no all-zero element, so the separate
+Every coded stream is sized from the chunk's lane histograms (one pass, four counting
+tables in lockstep), on which each book of the stream's group is priced over the bytes
+that occur; with one book too, where summing code lengths element by element cost
+twice the histogram (a 1-byte exponent stream of MiniLM: 14.5 -> 7.3 ms planning).
+The histogram also counts the chunk's all-zero elements when its byte 0 is absent
+(none), or when the element is one byte (byte 0 is the zero element), so the separate
 count of zeros is left out (it cost 1.5 ms of 13 planning MiniLM's bf16 weights).
 """
 
@@ -36,11 +38,12 @@ import numpy as np
 from numba import prange
 
 from .histogram import lane_histograms
-from .intrinsics import prefetch, store64
-from .jit import entry, inline, jit, parallel_entry
+from numba.extending import overload
+
+from .intrinsics import address, load16, prefetch, store64
+from .jit import OVERLOAD_OPTIONS, entry, inline, jit, parallel_entry
 from .layout import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, LANE_HEADER, LANES
-from .symbols import (chunk_ref, count_zeros, element_layout, hash_words, rotated, stream_params, symbol, symbol0,
-                      symbols0)
+from .symbols import chunk_ref, count_zeros, element_layout, hash_words, stream_params, symbol, symbols0
 
 __all__ = ["plan_chunks", "encode_chunks", "encode_frame", "pair_tables", "PAIR_ENTRIES", "PAIR_SLOW"]
 
@@ -57,56 +60,6 @@ _STEP_BITS = 56
 # Symbols that the pair packer leaves to its careful tail (see _pack_pairs).
 _TAIL_SYMBOLS = 64
 _TAIL_BYTES = 256  # (64 + 5 symbols) x 20 bits, plus an 8-byte store
-
-
-@inline
-def _view_bits(view, sh, sub, top, ra, mask, lens):
-    """Coded bits of view."""
-    total = 0
-    for i in range(view.size):
-        total += lens[symbol(view[i], sh, sub, top, ra, mask)]
-    return total
-
-
-@jit
-def _view_bits0(view, lens):
-    """:func:`_view_bits` of stream 0, the reference folded into lens (a function of its
-    own, with the layout as constants: merged with the general one, the shifts were
-    run-time values again)."""
-    total = 0
-    n = view.size
-    for j in range(0, n, 16):
-        prefetch(view, 4 * n + j)  # the next chunk's lane, as the histogram of stream 0 does
-        for i in range(j, min(n, j + 16)):
-            total += lens[symbol0(view[i])]
-    return total
-
-
-@inline
-def _segment_size(lane_bits):
-    """Bytes of a coded segment whose lanes hold lane_bits[k] bits: header, padded lanes."""
-    total = LANE_HEADER
-    for k in range(LANES):
-        total += (((lane_bits[k] + 7) // 8) + 7) & ~7
-    return total
-
-
-@jit
-def _segment_bytes(src, lo, hi, s, exp_shift, ref, lens):
-    """Bytes of the coded segment of stream s over src[lo:hi] with one book, lane header included."""
-    lane = np.zeros(LANES, dtype=np.int64)
-    present = hi - lo
-    if s == 0:
-        _, sub, _, _, _ = stream_params(src, 0, exp_shift, ref)
-        rlens = rotated(lens, sub)
-        for k in range(LANES):
-            lane[k] = _view_bits0(src[lo + k * present // LANES: lo + (k + 1) * present // LANES], rlens)
-    else:
-        sh, sub, top, ra, mask = stream_params(src, s, exp_shift, ref)
-        for k in range(LANES):
-            view = src[lo + k * present // LANES: lo + (k + 1) * present // LANES]
-            lane[k] = _view_bits(view, sh, sub, top, ra, mask, lens)
-    return _segment_size(lane)
 
 
 @jit
@@ -171,9 +124,8 @@ def _segment_plan(hist, sub, lens, nbooks, priced):
 
 @jit
 def _size_stream(src, lo, hi, s, exp_shift, ref, lens, nbooks, hist, priced):
-    """(coded segment bytes, book of its group) of stream s over src[lo:hi]."""
-    if nbooks == 1:  # one book: summing code lengths is cheaper than a histogram
-        return _segment_bytes(src, lo, hi, s, exp_shift, ref, lens[0]), 0
+    """(coded segment bytes, book of its group) of stream s over src[lo:hi], from its lane
+    histograms (left in hist for the caller)."""
     lane_histograms(src, lo, hi, s, hist)
     _, sub, _, _, _ = stream_params(src, s, exp_shift, ref)
     return _segment_plan(hist, sub, lens, nbooks, priced)
@@ -205,8 +157,12 @@ def _plan_chunk(bits, lo, hi, c, exp_shift, enc_len, nbooks, raw_stream, cflags,
     if early:
         seg0, k0 = _size_stream(bits, lo, hi, first, exp_shift, ref, enc_len[first], nbooks[first], hist,
                                 priced)
-    if early and nbooks[first] > 1 and hist[0, 0] + hist[1, 0] + hist[2, 0] + hist[3, 0] == 0:
-        zeros = 0  # an all-zero element's bytes are all 0, and no byte of stream `first` was
+    width, _, _ = element_layout(bits)
+    byte0 = hist[0, 0] + hist[1, 0] + hist[2, 0] + hist[3, 0] if early else np.int64(-1)
+    if byte0 == 0 or (byte0 > 0 and width == 1):
+        # An all-zero element's bytes are all 0, so byte 0 of stream `first` counts
+        # every zero element (and only those, where the element is that one byte).
+        zeros = byte0
     else:
         zeros = count_zeros(bits[lo:hi])
     if zeros == count:
@@ -354,7 +310,7 @@ def pair_tables(enc_code, enc_len, pair_code, pair_len):
 def _pack_singles(sym, j0, j1, codes, lens, out8, p, acc, nb):
     """Append sym[j0:j1] one symbol at a time (a step with a long pair in it)."""
     for j in range(j0, j1):
-        x = sym[j]
+        x = np.int64(sym[j]) & 255  # sym may be a 1-byte integer lane itself
         acc |= np.uint64(codes[x]) << np.uint64(nb)
         nb += np.int64(lens[x])
         store64(out8, p, acc)
@@ -395,15 +351,15 @@ def _pack_pairs(sym, n, codes, lens, pair_code, pair_len, out8, pos, tail):
     :func:`_pack_tail`, so every 8-byte store of this loop ends inside the lane. Writes
     exactly the lane's ``ceil(bits / 8)`` bytes.
     """
-    sym16 = sym[:(sym.size // 2) * 2].view(np.uint16)
+    at = address(sym)  # pairs read with 2-byte loads of any alignment (sym may be a lane of int8 elements)
     acc = _U64_0
     nb = 0
     p = pos
     steps = max(0, n - _TAIL_SYMBOLS) // 6
     for k in range(steps):
-        i0 = sym16[3 * k]
-        i1 = sym16[3 * k + 1]
-        i2 = sym16[3 * k + 2]
+        i0 = np.int64(load16(at + 6 * k))
+        i1 = np.int64(load16(at + 6 * k + 2))
+        i2 = np.int64(load16(at + 6 * k + 4))
         l0 = np.int64(pair_len[i0])
         l01 = l0 + np.int64(pair_len[i1])
         ln = l01 + np.int64(pair_len[i2])
@@ -505,6 +461,31 @@ def _write_raw(src, s, exp_shift, ref, out8, pos, size):
         dst[k] = 0
 
 
+def _lane_symbols(view, sub, sym):
+    """Stream 0's symbols of view relative to sub: sym[:view.size] filled by
+    :func:`~comm_codec.kernels.symbols.symbols0`, or, for 1-byte integers without a
+    reference, the elements' own bytes (no copy); compile-time per element type."""
+    raise NotImplementedError  # only called from kernels, through the overload below
+
+
+@overload(_lane_symbols, jit_options=OVERLOAD_OPTIONS)
+def _ol_lane_symbols(view, sub, sym):
+    if view.dtype.signed and view.dtype.bitwidth == 8:
+        def impl_bytes(view, sub, sym):
+            if sub == 0:
+                return view.view(np.uint8)
+            symbols0(view, sub, sym)
+            return sym[:view.size]
+
+        return impl_bytes
+
+    def impl(view, sub, sym):
+        symbols0(view, sub, sym)
+        return sym[:view.size]
+
+    return impl
+
+
 @jit
 def _write_segment(src, s, exp_shift, ref, codes, lens, pair_code, pair_len, out8, out64, pos):
     """Write stream s of src as a coded segment (lane lengths, then lanes) at pos."""
@@ -519,8 +500,8 @@ def _write_segment(src, s, exp_shift, ref, codes, lens, pair_code, pair_len, out
         tail = np.empty(_TAIL_BYTES, dtype=np.uint8)
         for k in range(LANES):
             view = src[k * count // LANES: (k + 1) * count // LANES]
-            symbols0(view, sub, sym)
-            nbytes = (_pack_pairs(sym, view.size, codes, lens, pair_code, pair_len, out8, wpos, tail) + 7) // 8
+            lane = _lane_symbols(view, sub, sym)
+            nbytes = (_pack_pairs(lane, view.size, codes, lens, pair_code, pair_len, out8, wpos, tail) + 7) // 8
             for j in range(wpos + nbytes, wpos + ((nbytes + 7) & ~7)):
                 out8[j] = 0
             _put_u32(out8, pos + 4 * k, nbytes)
