@@ -736,3 +736,58 @@ def test_frame_layout_reports_the_first_failed_check_in_order():
     buf[entry(2)] = 0x40
     with pytest.raises(cc.FrameError, match="chunk 2 has unknown flags 0x40"):
         cc.get_frame_parameters(fix_header_crc(bytes(buf)))
+
+
+# -- the decode path's fixed per-frame cost: serial kernel, book checks, shared tables ---------
+def test_one_thread_codec_decodes_many_chunks_serially_and_reports_bad_chunks():
+    x = torch.randn(4096, dtype=torch.bfloat16)
+    serial, threaded = cc.Codec(threads=1, chunk_elems=1024), cc.Codec(threads=min(2, MAX_THREADS), chunk_elems=1024)
+    f = serial.encode(x).numpy()
+    bits_equal(serial.decode(f), x)
+    bits_equal(threaded.decode(f), x)
+    p = cc.get_frame_parameters(f)
+    assert p.nchunks == 4
+    bad = f.copy()
+    bad[int(p.offsets[2])] ^= 0x40  # chunk 2's payload: its checksum no longer matches
+    for codec in (serial, threaded):
+        with pytest.raises(cc.FrameError, match="chunk 2 of 4 is bad"):
+            codec.decode(bad)
+        with pytest.raises(cc.FrameError, match="chunk 2 of 4 is bad"):
+            codec.decode_into(bad, np.empty(2 * 4096, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("nchunks", [1, 3, 8, 9, 40])
+def test_book_beyond_its_group_is_refused_for_any_number_of_chunks(nchunks):
+    from comm_codec.core.tables import KernelTables
+
+    books = cc.CodebookSet.default()
+    groups = [books.group("gradient", "bf16", 0), books.group("gradient", "bf16", 1)]
+    tables = KernelTables(groups)
+    n0, n1 = (len(g) for g in groups)
+    field = np.zeros(nchunks, dtype=np.uint16)
+    field[:] = (n0 - 1) | ((n1 - 1) << 4)
+    tables.check_books(field)  # the last book of each group is fine
+    for s, n in ((0, n0), (1, n1)):
+        bad = field.copy()
+        bad[-1] = (int(bad[-1]) & (0xFFFF ^ (15 << (4 * s)))) | (n << (4 * s))
+        if n < 16:
+            with pytest.raises(cc.FrameError, match=f"chunk {nchunks - 1} says stream {s} was coded with book {n} "
+                                                    f"of its group, which holds {n}"):
+                tables.check_books(bad)
+
+
+def test_equal_books_share_decode_tables_across_codecs(tmp_path):
+    x = torch.randn(3000, dtype=torch.bfloat16)
+    books = cc.CodebookSet.default()
+    books.save(tmp_path / "books")
+    a, b = cc.Codec(cc.CodebookSet.load(tmp_path / "books")), cc.Codec(cc.CodebookSet.load(tmp_path / "books"))
+    f = a.encode(x).numpy()
+    bits_equal(a.decode(f), x)
+    bits_equal(b.decode(f), x)
+    ids = cc.get_frame_parameters(f).book_ids
+    assert a.decode_cache.get(a.codebooks, ids) is b.decode_cache.get(b.codebooks, ids)
+    other = cc.Codec(_books_from(torch.randn(5000, dtype=torch.bfloat16) * 1e-4))
+    g = other.encode(x).numpy()
+    bits_equal(other.decode(g), x)
+    gids = cc.get_frame_parameters(g).book_ids
+    assert other.decode_cache.get(other.codebooks, gids) is not a.decode_cache.get(a.codebooks, ids)

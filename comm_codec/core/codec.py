@@ -42,7 +42,7 @@ import numpy as np
 
 # kernels.jit imports numba first and turns a bad numba setting (NUMBA_NUM_THREADS) into one clear error
 from ..kernels import jit  # noqa: F401  (isort: skip)
-from ..kernels.decode import decode_accumulate_chunks, decode_chunks
+from ..kernels.decode import decode_accumulate_chunks, decode_chunks, decode_chunks_serial
 from ..kernels.encode import encode_chunks, encode_frame, plan_chunks
 from ..kernels.layout import STATUS_MESSAGES
 from . import frame as _frame
@@ -364,9 +364,17 @@ class Codec:
 
     def _decode_bits(self, buf: np.ndarray, params, tables: KernelTables, bits: np.ndarray) -> None:
         status = np.zeros(params.nchunks, dtype=np.int32)
-        with self._threads(), _precompile.first_use("decode", params.spec):
-            decode_chunks(*self._kernel_args(buf, params, tables), bits, status)
-        _raise_on_status(status, params.nchunks)
+        args = self._kernel_args(buf, params, tables)
+        if params.nchunks == 1 or self.threads == 1:
+            # Nothing for threads to share: the serial kernel, without the parallel
+            # launch and the thread-count switches that cost more than a small frame's host work.
+            with _precompile.first_use("decode", params.spec):
+                decode_chunks_serial(*args, bits, status)
+        else:
+            with self._threads(), _precompile.first_use("decode", params.spec):
+                decode_chunks(*args, bits, status)
+        if status.any():
+            _raise_on_status(status, params.nchunks)
 
     def decode_accumulate(self, frame, acc, *, add: bool = True) -> "torch.Tensor":
         """Decode a frame and add its values into a float32 tensor, in one pass.

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import struct
 import sys
 import zlib
 
@@ -79,6 +80,10 @@ _HEAD = np.dtype(
     ]
 )
 assert _HEAD.itemsize == HEADER_BYTES
+# The same header, read without a structured array (a frame's fixed host cost is paid per tensor).
+_HEAD_STRUCT = struct.Struct("<4sBBBBQII")
+assert _HEAD_STRUCT.size == HEADER_BYTES
+_CRC_STRUCT = struct.Struct("<II")
 
 
 
@@ -180,23 +185,19 @@ def get_frame_parameters(frame) -> FrameParameters:
     n = buf.size
     if n < HEADER_BYTES:
         _fail(f"frame too short: {n} bytes, a header alone is {HEADER_BYTES}")
-    head = buf[:HEADER_BYTES].view(_HEAD)[0]
-    if bytes(head["magic"]) != MAGIC:
+    magic, version, code, ns, flags, numel, chunk_elems, nchunks = _HEAD_STRUCT.unpack_from(buf)
+    if magic != MAGIC:
         _fail(f"not a comm_codec frame: magic {bytes(buf[:4])!r}, expected {MAGIC!r}")
-    version = int(head["version"])
     if version not in READ_VERSIONS:
         _fail(f"unsupported frame version {version}; this build reads versions "
               + ", ".join(map(str, READ_VERSIONS)))
-    spec = _streams.spec_for_code(int(head["dtype"]))
+    spec = _streams.spec_for_code(code)
     if spec is None:
-        _fail(f"unknown dtype code {int(head['dtype'])} in frame header")
-    ns = int(head["nstreams"])
+        _fail(f"unknown dtype code {code} in frame header")
     if ns != spec.nstreams:
         _fail(f"frame says {ns} streams, but {spec.name} has {spec.nstreams}")
-    flags = int(head["flags"])
     if flags & ~_KNOWN_FLAGS:
         _fail(f"unknown frame flags 0x{flags:02x}")
-    numel, chunk_elems, nchunks = int(head["numel"]), int(head["chunk_elems"]), int(head["nchunks"])
     if numel and not 0 < chunk_elems <= MAX_CHUNK_ELEMS:
         _fail(f"frame chunk_elems {chunk_elems} is outside 1..{MAX_CHUNK_ELEMS}")
     expected_chunks = -(-numel // chunk_elems) if numel else 0
@@ -206,10 +207,10 @@ def get_frame_parameters(frame) -> FrameParameters:
     if n < hsize:
         _fail(f"frame truncated: {n} bytes, its header and chunk table alone need {hsize}")
     crc_pos = hsize - 8
-    crc, pad = (int(x) for x in buf[crc_pos : crc_pos + 8].view("<u4"))
+    crc, pad = _CRC_STRUCT.unpack_from(buf, crc_pos)
     if crc != zlib.crc32(buf[:crc_pos]) or pad != 0:
         _fail("frame header is corrupted (CRC-32 mismatch)")
-    ids = buf[HEADER_BYTES : HEADER_BYTES + 8 * ns].view("<u8")
+    ids = struct.unpack_from(f"<{ns}Q", buf, HEADER_BYTES)
     tdt = table_dtype(ns)
     table = buf[HEADER_BYTES + 8 * ns : crc_pos].view(tdt)
     offsets, total = _payload_layout(buf, table, spec, numel, chunk_elems, ids, hsize, version)
@@ -222,7 +223,7 @@ def get_frame_parameters(frame) -> FrameParameters:
         numel=numel,
         chunk_elems=chunk_elems,
         nchunks=nchunks,
-        book_ids=tuple("%016x" % int(x) for x in ids),
+        book_ids=_book_ids(ids),
         checksums=bool(flags & FLAG_CHECKSUM),
         header_bytes=hsize,
         frame_bytes=total,
@@ -245,6 +246,17 @@ def payload_bytes(cflags: np.ndarray, sizes: np.ndarray, counts: np.ndarray) -> 
     return mask + pad8(sizes.astype(np.int64)).sum(axis=1)
 
 
+@functools.lru_cache(maxsize=256)
+def _book_ids(ids: tuple) -> tuple:
+    """The header's book ids (ints) as 16-hex-digit strings; a job's frames name a few tuples."""
+    return tuple("%016x" % x for x in ids)
+
+
+def _stream_books(ids: tuple) -> np.ndarray:
+    """uint8[nstreams], 1 where the frame names a book for the stream (the layout kernel's argument)."""
+    return np.array([x != 0 for x in ids], dtype=np.uint8)
+
+
 def _payload_layout(buf, table, spec, numel, chunk_elems, ids, hsize, version):
     """Check the chunk table (one kernel pass) and return the payload offsets and the frame length."""
     ns = spec.nstreams
@@ -254,7 +266,7 @@ def _payload_layout(buf, table, spec, numel, chunk_elems, ids, hsize, version):
     offsets = np.empty(nchunks, dtype=np.int64)
     first = np.empty((_fp.CHECKS, MAX_STREAMS), dtype=np.int64)
     total = int(_fp.payload_layout(buf, HEADER_BYTES + 8 * ns, table.itemsize, nchunks, ns, numel, chunk_elems,
-                                   (ids != 0).astype(np.uint8), version, hsize, offsets, first))
+                                   _stream_books(ids), version, hsize, offsets, first))
     if total < 0:  # our own arguments: a bug, not a bad frame
         raise RuntimeError("the frame layout kernel refused its arguments")
     if (first < nchunks).any():

@@ -24,6 +24,8 @@ from .huffman import Codebook
 __all__ = ["KernelTables", "TablesCache", "encode_tables", "decode_tables", "RAW_ID"]
 
 RAW_ID = "0" * 16  # the id a frame names for a stream stored raw
+# Up to this many chunks, check_books checks a frame's books field by field in Python.
+_FEW_CHUNKS = 8
 
 
 class KernelTables:
@@ -40,13 +42,14 @@ class KernelTables:
             whoever copies the tables to a device.
     """
 
-    __slots__ = ("ids", "nbooks", "enc_code", "enc_len", "dec", "raw", "on_device", "_multi", "_pairs")
+    __slots__ = ("ids", "nbooks", "enc_code", "enc_len", "dec", "raw", "on_device", "_multi", "_pairs", "_limits")
 
     def __init__(self, groups: list[CodebookGroup]):
         ns = len(groups)
         kmax = max(len(g) for g in groups)
         self.ids = np.array([g.id_int for g in groups], dtype=np.uint64)
         self.nbooks = np.array([len(g) for g in groups], dtype=np.int64)
+        self._limits = tuple(len(g) for g in groups)
         self.enc_code = np.zeros((ns, kmax, 256), dtype=np.uint32)
         self.enc_len = np.zeros((ns, kmax, 256), dtype=np.uint8)
         self.dec = np.zeros((ns, kmax, DEC_ENTRIES), dtype=np.uint16)
@@ -91,6 +94,10 @@ class KernelTables:
         Args:
             books: the chunk table's ``books`` column (book of stream s in bits 4s..4s+3).
         """
+        if books.size <= _FEW_CHUNKS:  # a frame's few chunks: Python ints cost less than numpy calls
+            limits = self._limits
+            if all((b >> (4 * s)) & 15 < n for b in books.tolist() for s, n in enumerate(limits)):
+                return
         for s, n in enumerate(self.nbooks):
             k = (books.astype(np.int64) >> (4 * s)) & 15
             if np.any(k >= n):
@@ -137,7 +144,40 @@ def decode_tables(codebooks: CodebookSet, ids: tuple) -> KernelTables:
                 "codebook set does not hold; decode with the books it was encoded with"
             )
         groups.append(group)
-    return KernelTables(groups)
+    return _SHARED.get(groups)
+
+
+class _SharedTables:
+    """Decode tables by the books' content, for every codec of the process (LRU, bounded).
+
+    The checkpoint reader makes a codec per tensor book tuple on every file it opens,
+    from books parsed out of that file: equal books, new objects. Keyed by what the
+    tables are built from (each book's code lengths and escape length, exact bytes, not
+    a digest), equal books share one build whatever codec or file they come from.
+    """
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, groups: list) -> KernelTables:
+        key = tuple(tuple((b.raw, b.escape_length, b.lengths.tobytes()) for b in g) for g in groups)
+        with self._lock:
+            tables = self._entries.get(key)
+            if tables is not None:
+                self._entries.move_to_end(key)
+                return tables
+        tables = KernelTables(groups)
+        with self._lock:
+            self._entries[key] = tables
+            while len(self._entries) > self.maxsize:
+                self._entries.popitem(last=False)
+        return tables
+
+
+# 16 tuples of at most 2.5 MiB of tables each (see TablesCache), shared by every codec.
+_SHARED = _SharedTables(16)
 
 
 class TablesCache:

@@ -21,7 +21,7 @@ import numpy as np
 from numba import prange
 
 from .intrinsics import address, as_f32, f32_bits
-from .jit import inline, jit, parallel_entry
+from .jit import entry, inline, jit, parallel_entry
 # numba's on-disk cache keys the kernels below on this file alone, and they hold their
 # own compiled copy of decode_lanes: a change to the lanes' table layout must come with
 # a change to this file, or a cached decode_chunks reads new tables the old way.
@@ -30,7 +30,7 @@ from .layout import (CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, STATUS_BOOK, STATUS_CHE
                      STATUS_OK, STATUS_SIZE)
 from .symbols import element_layout, hash_words
 
-__all__ = ["decode_chunks", "decode_accumulate_chunks"]
+__all__ = ["decode_chunks", "decode_chunks_serial", "decode_accumulate_chunks"]
 
 
 @inline
@@ -241,6 +241,24 @@ def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, mu
     """
     order = _chunk_order(books, cflags.size)
     for i in prange(cflags.size):
+        c = order[i]
+        lo = c * chunk_elems
+        hi = min(numel, lo + chunk_elems)
+        status[c] = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs,
+                                books, sizes, offsets, checksums, do_checksum, out[lo:hi])
+
+
+@entry
+def decode_chunks_serial(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books,
+                         sizes, offsets, checksums, do_checksum, out, status):
+    """:func:`decode_chunks` on the calling thread alone (same arguments, same results).
+
+    For frames that threads would not speed up (one chunk, or a codec of one thread): a
+    parallel kernel's launch and numba's thread-count switch around it cost more than
+    decoding a 64 Ki-element chunk's host work.
+    """
+    order = _chunk_order(books, cflags.size)
+    for i in range(cflags.size):
         c = order[i]
         lo = c * chunk_elems
         hi = min(numel, lo + chunk_elems)
