@@ -216,6 +216,13 @@ def _chunk_order(books, n):
     return order
 
 
+@inline
+def _chunk_out(out, c, chunk_elems, numel):
+    """The slice of out that chunk c decodes into."""
+    lo = c * chunk_elems
+    return out[lo:min(numel, lo + chunk_elems)]
+
+
 @parallel_entry
 def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books, sizes,
                   offsets, checksums, do_checksum, out, status):
@@ -242,10 +249,8 @@ def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, mu
     order = _chunk_order(books, cflags.size)
     for i in prange(cflags.size):
         c = order[i]
-        lo = c * chunk_elems
-        hi = min(numel, lo + chunk_elems)
         status[c] = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs,
-                                books, sizes, offsets, checksums, do_checksum, out[lo:hi])
+                                books, sizes, offsets, checksums, do_checksum, _chunk_out(out, c, chunk_elems, numel))
 
 
 @entry
@@ -260,10 +265,8 @@ def decode_chunks_serial(frame8, frame64, numel, chunk_elems, exp_shift, dec_tab
     order = _chunk_order(books, cflags.size)
     for i in range(cflags.size):
         c = order[i]
-        lo = c * chunk_elems
-        hi = min(numel, lo + chunk_elems)
         status[c] = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs,
-                                books, sizes, offsets, checksums, do_checksum, out[lo:hi])
+                                books, sizes, offsets, checksums, do_checksum, _chunk_out(out, c, chunk_elems, numel))
 
 
 # -- decode and accumulate into float32 ------------------------------------------------------
