@@ -791,3 +791,27 @@ def test_equal_books_share_decode_tables_across_codecs(tmp_path):
     bits_equal(other.decode(g), x)
     gids = cc.get_frame_parameters(g).book_ids
     assert other.decode_cache.get(other.codebooks, gids) is not a.decode_cache.get(a.codebooks, ids)
+
+
+def test_first_use_of_the_serial_and_the_threaded_decode_are_each_reported(tmp_path):
+    # A one-chunk frame decodes on the serial kernel and a many-chunk frame on the
+    # threaded one: each kernel's first load (or compile) in a process is a wait that
+    # must be logged, not only whichever came first.
+    import subprocess
+    import sys
+
+    script = (
+        "import logging, torch, comm_codec as cc\n"
+        "logging.basicConfig(level=logging.DEBUG, format='%(name)s|%(message)s')\n"
+        "for n in (100, 40000):\n"
+        "    codec = cc.Codec(chunk_elems=1024, threads=2)\n"
+        "    x = torch.randn(n).to(torch.bfloat16)\n"
+        "    assert torch.equal(codec.decode(codec.encode(x)).view(torch.int16), x.view(torch.int16))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    said = [line.split("|", 1)[1] for line in run.stderr.splitlines()
+            if line.startswith("comm_codec.core.precompile|") and " of bf16 " in line]
+    decodes = [line for line in said if "decode of bf16" in line]
+    assert len(decodes) == 2, said

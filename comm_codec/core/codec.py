@@ -368,7 +368,7 @@ class Codec:
         if params.nchunks == 1 or self.threads == 1:
             # Nothing for threads to share: the serial kernel, without the parallel
             # launch and the thread-count switches that cost more than a small frame's host work.
-            with _precompile.first_use("decode", params.spec):
+            with _precompile.first_use("one-thread decode", params.spec):
                 decode_chunks_serial(*args, bits, status)
         else:
             with self._threads(), _precompile.first_use("decode", params.spec):
