@@ -67,25 +67,10 @@ _KNOWN_FLAGS = FLAG_CHECKSUM
 # The chunk flags (CHUNK_MASK, CHUNK_ZERO, CHUNK_RAW0 << s) are the kernels' own
 # (comm_codec.kernels.layout), re-exported here with the rest of the format.
 
-_HEAD = np.dtype(
-    [
-        ("magic", "S4"),
-        ("version", "u1"),
-        ("dtype", "u1"),
-        ("nstreams", "u1"),
-        ("flags", "u1"),
-        ("numel", "<u8"),
-        ("chunk_elems", "<u4"),
-        ("nchunks", "<u4"),
-    ]
-)
-assert _HEAD.itemsize == HEADER_BYTES
-# The same header, read without a structured array (a frame's fixed host cost is paid per tensor).
+# magic, version, dtype code, nstreams, flags, numel, chunk_elems, nchunks (little-endian)
 _HEAD_STRUCT = struct.Struct("<4sBBBBQII")
 assert _HEAD_STRUCT.size == HEADER_BYTES
-_CRC_STRUCT = struct.Struct("<II")
-
-
+_CRC_STRUCT = struct.Struct("<II")  # the header's CRC-32, then 4 zero bytes
 
 
 def pad8(n):
@@ -149,18 +134,16 @@ class FrameParameters:
 def write_header(buf: np.ndarray, spec, numel, chunk_elems, flags, book_ids, table) -> None:
     """Write header, book ids, chunk table and CRC into the start of ``buf`` (uint8)."""
     ns = spec.nstreams
-    head = np.zeros(1, dtype=_HEAD)
     version = VERSION if len(table) and np.any(table["books"] != 0) else 1
-    head[0] = (MAGIC, version, spec.code, ns, flags, numel, chunk_elems, len(table))
+    _HEAD_STRUCT.pack_into(buf, 0, MAGIC, version, spec.code, ns, flags, numel, chunk_elems, len(table))
     pos = HEADER_BYTES
-    buf[:pos] = head.view(np.uint8)
     buf[pos : pos + 8 * ns] = np.asarray(book_ids, dtype="<u8").view(np.uint8)
     pos += 8 * ns
     tbytes = table.view(np.uint8).reshape(-1)
     buf[pos : pos + tbytes.size] = tbytes
     pos += tbytes.size
     crc = zlib.crc32(buf[:pos])
-    buf[pos : pos + 8] = np.array([crc, 0], dtype="<u4").view(np.uint8)
+    _CRC_STRUCT.pack_into(buf, pos, crc, 0)
 
 
 def _fail(msg: str):
