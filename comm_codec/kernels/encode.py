@@ -36,10 +36,9 @@ from __future__ import annotations
 
 import numpy as np
 from numba import prange
-
-from .histogram import lane_histograms
 from numba.extending import overload
 
+from .histogram import lane_histograms
 from .intrinsics import address, load16, prefetch, store64
 from .jit import OVERLOAD_OPTIONS, entry, inline, jit, parallel_entry
 from .layout import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, LANE_HEADER, LANES
