@@ -1,13 +1,17 @@
 """Encode kernels: plan every chunk (reference, zero mask, books, raw fallbacks, sizes), then write it.
 
-Encoding is two passes so that the frame is allocated once, at its exact size:
-:func:`plan_chunks` sizes every chunk's streams, the Python layer lays out the header
-and offsets, and :func:`encode_chunks` writes the payloads (and their checksums) in
-parallel over chunks. A chunk is a few hundred KiB at most, so its working set stays in
-L2 while its streams are coded one by one. Where no threads would help (one chunk, or
-a codec of one thread) :func:`encode_frame` does all of it, header and chunk table
-included, in one call: for small tensors the host code between three calls cost more
-than the coding.
+Encoding over threads is two passes so that the frame is allocated once, at its exact
+size: :func:`plan_chunks` sizes every chunk's streams, the Python layer lays out the
+header and offsets, and :func:`encode_chunks` writes the payloads (and their checksums)
+in parallel over chunks. A chunk is a few hundred KiB at most, so its working set stays
+in L2 while its streams are coded one by one. Where no threads would help (one chunk,
+or a codec of one thread) :func:`encode_frame` does all of it, header and chunk table
+included, in one call (for small tensors the host code between three calls cost more
+than the coding), and without the sizing pass where it can: chunk after chunk, each
+single-book stream is written where it goes, into a frame with room for every chunk
+at its largest, and replaced by its raw bytes where it reaches their size (the same
+decision the planned size makes; issue #26: the sizing was a third of the one-call
+encode of TinyLM's bf16 weights).
 
 Two habits of these loops: they run over 0-based views (``for i in range(view.size)``;
 loops over ``range(lo, hi)`` compile to slower code), and the planner applies stream
@@ -705,7 +709,8 @@ def encode_frame(bits, chunk_elems, exp_shift, enc_code, enc_len, nbooks, raw_st
     (:func:`comm_codec.core.frame.write_header`) make together, without the host code
     between them: a checkpoint writer codes hundreds of small tensors per save, and for
     each the host work around three calls (scratch arrays, offsets, the structured chunk
-    table, the header) cost more than coding it.
+    table, the header) cost more than coding it. Chunks are written as
+    :func:`_write_chunk` says, single-book streams without being sized first.
 
     Args:
         bits: element bits, at least one.
@@ -718,7 +723,9 @@ def encode_frame(bits, chunk_elems, exp_shift, enc_code, enc_len, nbooks, raw_st
         do_checksum: whether to compute the chunks' checksums (0 is stored otherwise).
 
     Returns:
-        The frame, uint8[].
+        The frame, uint8[]: the front of an array with room for the largest frame of
+        these elements, or an array of its own where that is under half the room (a
+        frame never holds more than twice its size).
     """
     n = bits.size
     ns = enc_len.shape[0]
