@@ -190,3 +190,58 @@ def test_int8_lanes_packed_from_the_elements_decode_naively(zeros, chunk_elems):
         frame = codec.encode(x, "weight")
         bits_equal(naive.decode_frame(frame.numpy().tobytes(), naive.frame_books(codec.codebooks)), x)
         bits_equal(codec.decode(frame), x)
+
+
+def _narrow_books(dtype, max_books: int):
+    """Books fitted on two octaves of exponents: wide data escapes, and its streams stop paying."""
+    prof = WarmupProfiler(chunk_elems=1 << 12, max_books=max_books)
+    for seed in range(4):
+        prof.observe(_wide_exponents(8000, dtype, 1 + seed, seed), "weight")
+    return prof.build()
+
+
+@settings(max_examples=30)
+@given(
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    n=st.integers(1, 9000),
+    spread=st.sampled_from([0, 6, 40, 120]),
+    seed=st.integers(0, 2**31),
+    max_books=st.sampled_from([1, 4]),
+    chunk_elems=st.sampled_from([8, 256, 1000, 4096]),
+)
+def test_serial_frame_equals_the_planned_path_where_streams_stop_paying(dtype, n, spread, seed, max_books,
+                                                                         chunk_elems):
+    # encode_frame writes coded streams without sizing them and falls back to raw once a
+    # stream reaches its raw size, part way through any lane; groups of books are planned
+    # first. Either way the bytes are the planned path's.
+    codec = cc.Codec(_narrow_books(dtype, max_books), threads=1, chunk_elems=chunk_elems)
+    x = _wide_exponents(n, dtype, spread, seed)
+    bits, spec = as_bits(x)
+    serial = codec._encode_serial(bits, spec, "weight")
+    assert np.array_equal(serial, codec._encode_planned(bits, spec, "weight"))
+    bits_equal(codec.decode(serial), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("share", [0.02, 0.2, 0.45])
+def test_serial_frame_equals_the_planned_path_with_zeros_the_reference_sample_misses(dtype, share):
+    # The reference reads every 16th element of a 4096-element chunk: zeros on odd
+    # elements only are unseen there, so the chunk is written unmasked first and, where
+    # the count says the mask pays, planned and written again.
+    bits, spec = as_bits(_sample(50_000, dtype, 11, 0.0))
+    ints = bits.view(np.dtype(f"i{bits.itemsize}"))
+    ints[ints == 0] = 1
+    odd = np.random.default_rng(5).random(ints.size) < 2 * share
+    odd[::2] = False
+    ints[odd] = 0
+    x = torch.from_numpy(ints).view(dtype)
+    prof = WarmupProfiler(chunk_elems=4096, max_books=1)  # single books: groups are planned first
+    prof.observe(x, "weight")
+    codec = cc.Codec(prof.build(), threads=1, chunk_elems=4096)
+    serial = codec._encode_serial(bits, spec, "weight")
+    assert np.array_equal(serial, codec._encode_planned(bits, spec, "weight"))
+    flags = codec.frame_parameters(serial).table["cflags"]
+    if share == 0.45:
+        assert (flags & 1).all(), "these chunks pay for the mask"
+    bits_equal(codec.decode(serial), x)
+    bits_equal(naive.decode_frame(serial.tobytes(), naive.frame_books(codec.codebooks)), x)

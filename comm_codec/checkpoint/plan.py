@@ -62,6 +62,7 @@ _INT_NP = {1: np.uint8, 2: np.int16, 4: np.int32}
 # One raw book for every option that stores a stream raw: building one per stream and
 # tensor would cost 2 % of a small file's compress.
 _RAW_BOOK = Codebook.raw_book()
+_NO_BOOKS = np.zeros((0, 256), dtype=np.int64)  # price_stream's group for a stream priced raw only
 
 
 # -- transforms and book choice ---------------------------------------------------------------
@@ -281,36 +282,37 @@ class BookChooser:
         """
         grouped = len(rows) >= GROUP_MIN_ROWS  # enough sampled chunks to fit a group to
         books, origins, total = [], [], 0.0
-        per_chunk = rows.sum(axis=2)  # symbols of each chunk and stream
+        colsum = np.empty(256, dtype=np.int64)
+        sums = np.empty(4)
         for s in range(spec.nstreams):
-            symbols = per_chunk[:, s]
-            raw = 8.0 * symbols
-            raw_bits = float(raw.sum())  # integers: exact in any order
-            if not raw_bits or (coded is not None and not coded[s]):  # raw is the only option
+            counted = coded is None or coded[s]
+            entry = self._shipped_entry(kind, spec.name, s) if counted else None
+            _check(_plan.price_stream(rows, s, _NO_BOOKS if entry is None else entry[1], counted, colsum, sums))
+            raw_bits = 8.0 * float(sums[0])  # integers: exact in any order
+            if not raw_bits or not counted:  # raw is the only option
                 books.append(_RAW_BOOK)
                 origins.append("raw")
                 total += raw_bits * scale
                 continue
-            r = rows[:, s, :]
             options = [(raw_bits * scale, _RAW_BOOK, "raw")]
-            shipped = self._shipped_option(r, raw, kind, spec.name, s, scale == 1.0)
+            shipped = None if entry is None else self._shipped_option(entry, float(sums[1]), int(sums[3]), scale == 1.0)
             if shipped is not None:
                 options.append((shipped[0] * scale + self._index_bits(shipped[1]), shipped[1],
                                 f"shipped:{kind}/{spec.name}/{s}"))
             # A book of its own costs at least each chunk's entropy (or raw), plus its
             # place in the index when new: skip it when even that cannot beat the best.
             best = min(o[0] for o in options)
-            floor = float(np.minimum(_entropies(r, symbols) * symbols, raw).sum()) * scale
+            floor = float(sums[2]) * scale
             if floor < best:
-                options += self._own_options(r, raw, scale, spec.name, s, grouped, best, floor)
+                options += self._own_options(rows, s, colsum, raw_bits, scale, spec.name, grouped, best, floor)
             bits, book, origin = min(options, key=lambda o: o[0])
             books.append(book)
             origins.append(origin)
             total += bits
         return books, origins, total
 
-    def _own_options(self, r: np.ndarray, raw: np.ndarray, scale: float, dtype: str, s: int, grouped: bool,
-                     best: float, floor: float) -> list:
+    def _own_options(self, rows: np.ndarray, s: int, colsum: np.ndarray, raw_bits: float, scale: float, dtype: str,
+                     grouped: bool, best: float, floor: float) -> list:
         """Options of books fitted to the tensor: its own book, a group grown from it, or
         (a stream raw on the whole) a book for the chunks that compress.
 
@@ -328,26 +330,43 @@ class BookChooser:
         when ``floor`` plus its place in the index beats ``best``: one that cannot win
         is not built (building is most of planning a small tensor; on TinyLM's Adam
         state half the books built were never stored).
+
+        ``colsum`` holds stream s's counts summed over the chunks, ``raw_bits`` its raw
+        cost over them.
         """
-        c = r.sum(axis=0) * scale
+        c = colsum * scale
         h = entropy_bits(c)
         if h >= RAW_THRESHOLD_BITS:
-            found = self.partial(r, scale) if grouped else None
-            return [] if found is None else [(float(raw.sum()) * scale - found[1], found[0], "tensor")]
+            found = self.partial(rows[:, s, :], scale) if grouped else None
+            return [] if found is None else [(raw_bits * scale - found[1], found[0], "tensor")]
         found = self._own(c, float(c.sum()), h, dtype, s, build=grouped or floor + _BOOK_COST_BITS < best)
         if found is None:
             return []
         book, new = found
-        bits = float(np.minimum(r @ book.symbol_bits(), raw).sum()) * scale + (_BOOK_COST_BITS if new else 0.0)
+        priced = np.empty(4)
+        _check(_plan.price_stream(rows, s, book.symbol_bits()[None], False, np.empty(256, dtype=np.int64), priced))
+        bits = float(priced[1]) * scale + (_BOOK_COST_BITS if new else 0.0)
         options = [(bits, book, "tensor")]
         reach = best * (1.0 + _GROUP_REACH) if scale == 1.0 else best
-        found = self.group(r, book, scale) if grouped and bits < reach else None
+        found = self.group(rows[:, s, :], book, scale) if grouped and bits < reach else None
         if found is not None:
             options.append((bits - found[1], found[0], "tensor"))
         return options
 
-    def _shipped_option(self, r: np.ndarray, raw: np.ndarray, kind: str, dtype: str, stream: int,
-                        whole: bool):
+    def _shipped_entry(self, kind: str, dtype: str, stream: int):
+        """(group, int64[nbooks, 256] symbol bits, cut-down groups) of the shipped books for a
+        stream, or None (no shipped book, or a raw one)."""
+        key = (kind, dtype, stream)
+        if key not in self._shipped:
+            try:
+                group = self.shipped.group(kind, dtype, stream)
+            except ValueError:
+                group = None
+            self._shipped[key] = None if group is None or group.raw else (
+                group, np.ascontiguousarray(group.symbol_bits(), dtype=np.int64), {})
+        return self._shipped[key]
+
+    def _shipped_option(self, entry, priced: float, used_mask: int, whole: bool):
         """(bits over the sampled chunks, book or group) of the shipped books for a stream, or None.
 
         The option is the shipped group cut down to the books that the sampled chunks
@@ -357,21 +376,13 @@ class BookChooser:
         not sampled (measured on all-MiniLM-L6-v2's bf16 word embeddings, 16 of 179
         chunks sampled: the whole group of 16 books came out 2.5 kB smaller than the
         four the sample chose, its books' place in the index included).
+
+        ``priced`` and ``used_mask`` are :func:`comm_codec.kernels.plan.price_stream`'s
+        sum over the sampled chunks (each its cheapest book of the group, or raw) and the
+        books the chunks chose where they beat raw.
         """
-        key = (kind, dtype, stream)
-        if key not in self._shipped:
-            try:
-                group = self.shipped.group(kind, dtype, stream)
-            except ValueError:
-                group = None
-            self._shipped[key] = None if group is None or group.raw else (group, group.symbol_bits(), {})
-        if self._shipped[key] is None:
-            return None
-        group, symbol_bits, cut = self._shipped[key]
-        costs = r @ symbol_bits.T  # chunk x book
-        pick = np.argmin(costs, axis=1)  # ties to the lower index, as the encoder's
-        best = costs[np.arange(len(costs)), pick]
-        used = tuple(sorted(set(pick[best < raw].tolist())))  # np.unique costs 10x on a few chunks
+        group, _, cut = entry
+        used = tuple(j for j in range(len(group)) if used_mask >> j & 1)
         if not used:
             return None
         if not whole:
@@ -380,7 +391,7 @@ class BookChooser:
             cut[used] = group[used[0]] if len(used) == 1 else CodebookGroup([group[k] for k in used])
         # The cut-down group's cheapest book of a chunk is its cheapest of all wherever
         # that beats raw (the book is in the cut), and raw is cheaper anyway elsewhere.
-        return float(np.minimum(best, raw).sum()), cut[used]
+        return priced, cut[used]
 
     def _index_bits(self, option) -> float:
         """What the books of an option the file does not hold yet cost in its index."""

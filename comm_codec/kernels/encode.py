@@ -1,13 +1,17 @@
 """Encode kernels: plan every chunk (reference, zero mask, books, raw fallbacks, sizes), then write it.
 
-Encoding is two passes so that the frame is allocated once, at its exact size:
-:func:`plan_chunks` sizes every chunk's streams, the Python layer lays out the header
-and offsets, and :func:`encode_chunks` writes the payloads (and their checksums) in
-parallel over chunks. A chunk is a few hundred KiB at most, so its working set stays in
-L2 while its streams are coded one by one. Where no threads would help (one chunk, or
-a codec of one thread) :func:`encode_frame` does all of it, header and chunk table
-included, in one call: for small tensors the host code between three calls cost more
-than the coding.
+Encoding over threads is two passes so that the frame is allocated once, at its exact
+size: :func:`plan_chunks` sizes every chunk's streams, the Python layer lays out the
+header and offsets, and :func:`encode_chunks` writes the payloads (and their checksums)
+in parallel over chunks. A chunk is a few hundred KiB at most, so its working set stays
+in L2 while its streams are coded one by one. Where no threads would help (one chunk,
+or a codec of one thread) :func:`encode_frame` does all of it, header and chunk table
+included, in one call (for small tensors the host code between three calls cost more
+than the coding), and without the sizing pass where it can: chunk after chunk, each
+single-book stream is written where it goes, into a frame with room for every chunk
+at its largest, and replaced by its raw bytes where it reaches their size (the same
+decision the planned size makes; issue #26: the sizing was a third of the one-call
+encode of TinyLM's bf16 weights).
 
 Two habits of these loops: they run over 0-based views (``for i in range(view.size)``;
 loops over ``range(lo, hi)`` compile to slower code), and the planner applies stream
@@ -59,6 +63,10 @@ _STEP_BITS = 56
 # Symbols that the pair packer leaves to its careful tail (see _pack_pairs).
 _TAIL_SYMBOLS = 64
 _TAIL_BYTES = 256  # (64 + 5 symbols) x 20 bits, plus an 8-byte store
+# How far past its limit a coded segment written without a size (encode_frame) may
+# store: a pair step's stores end 23 bytes past the position it checked, a lane's tail
+# and padding 188 (the tail starts below the limit).
+_OVERSHOOT = _TAIL_BYTES + 32
 
 
 @jit
@@ -242,8 +250,9 @@ def _emit(acc, nb, w, code, ln, out64):
 
 
 @inline
-def _pack(view, sh, sub, top, ra, mask, codes, lens, out64, w):
-    """Bit-pack one stream of view LSB-first into out64 from word w; return bits.
+def _pack(view, sh, sub, top, ra, mask, codes, lens, out64, w, wlimit):
+    """Bit-pack one stream of view LSB-first into out64 from word w; return bits, or -1
+    (nothing more written) where a word at or past ``wlimit`` would be stored.
 
     Three symbols are joined before they are appended (at most 3 x 20 bits, so one
     accumulator step still suffices): the accumulator's dependency chain, which bounds
@@ -266,16 +275,22 @@ def _pack(view, sh, sub, top, ra, mask, codes, lens, out64, w):
         acc |= code << np.uint64(nb)
         nb += ln
         if nb >= 64:
+            if w >= wlimit:
+                return -1
             out64[w] = acc
             w += 1
             nb -= 64
             acc = code >> np.uint64(ln - nb)
     for i in range(3 * (n // 3), n):
+        if w >= wlimit:
+            return -1
         s0 = symbol(view[i], sh, sub, top, ra, mask)
         ln = np.int64(lens[s0])
         total += ln
         acc, nb, w = _emit(acc, nb, w, np.uint64(codes[s0]), ln, out64)
     if nb > 0:
+        if w >= wlimit:
+            return -1
         out64[w] = acc
     return total
 
@@ -339,8 +354,10 @@ def _pack_tail(sym, j0, n, codes, lens, out8, p, acc, nb, pos, tail):
 
 
 @jit
-def _pack_pairs(sym, n, codes, lens, pair_code, pair_len, out8, pos, tail):
-    """Bit-pack the symbols sym[:n] LSB-first into out8 from byte pos; return the bits.
+def _pack_pairs(sym, n, codes, lens, pair_code, pair_len, out8, pos, tail, limit):
+    """Bit-pack the symbols sym[:n] LSB-first into out8 from byte pos; return the bits,
+    or -1 once the lane has reached byte ``limit`` (stores end at most
+    :data:`_OVERSHOOT` bytes past it).
 
     Six symbols per step, as three pair lookups (sym's even positions start pairs), are
     joined and appended to the accumulator; then its whole bytes are stored (one
@@ -356,6 +373,8 @@ def _pack_pairs(sym, n, codes, lens, pair_code, pair_len, out8, pos, tail):
     p = pos
     steps = max(0, n - _TAIL_SYMBOLS) // 6
     for k in range(steps):
+        if p >= limit:
+            return -1
         i0 = np.int64(load16(at + 6 * k))
         i1 = np.int64(load16(at + 6 * k + 2))
         i2 = np.int64(load16(at + 6 * k + 4))
@@ -373,6 +392,8 @@ def _pack_pairs(sym, n, codes, lens, pair_code, pair_len, out8, pos, tail):
         p += nb >> 3
         acc >>= np.uint64(nb & 56)
         nb &= 7
+    if p >= limit:
+        return -1
     return _pack_tail(sym, 6 * steps, n, codes, lens, out8, p, acc, nb, pos, tail)
 
 
@@ -486,11 +507,26 @@ def _ol_lane_symbols(view, sub, sym):
 
 
 @jit
-def _write_segment(src, s, exp_shift, ref, codes, lens, pair_code, pair_len, out8, out64, pos):
-    """Write stream s of src as a coded segment (lane lengths, then lanes) at pos."""
+def _count_value(sym, v):
+    """How many of sym's bytes are v (a vectorized pass over a lane's symbols)."""
+    c = np.int64(0)
+    for i in range(sym.size):
+        c += np.int64(sym[i] == v)
+    return c
+
+
+@jit
+def _write_segment(src, s, exp_shift, ref, codes, lens, pair_code, pair_len, out8, out64, pos, limit, zeros0):
+    """Write stream s of src as a coded segment (lane lengths, then lanes) at pos.
+
+    Returns (the segment's bytes, or -1 where it would reach byte ``limit``, and then
+    ends there; elements whose stream-0 byte is 0, counted only with ``zeros0``, over
+    the lanes written). Stores end at most :data:`_OVERSHOOT` bytes past ``limit``.
+    """
     count = src.size
     wpos = pos + LANE_HEADER
     sh, sub, top, ra, mask = stream_params(src, s, exp_shift, ref)
+    byte0 = np.int64(0)
     if s == 0:
         width, _, _ = element_layout(src)
         for j in range(0, count, 64 // width):
@@ -498,19 +534,31 @@ def _write_segment(src, s, exp_shift, ref, codes, lens, pair_code, pair_len, out
         sym = np.empty(count // LANES + 8, dtype=np.uint8)
         tail = np.empty(_TAIL_BYTES, dtype=np.uint8)
         for k in range(LANES):
+            if wpos >= limit:
+                return -1, byte0
             view = src[k * count // LANES: (k + 1) * count // LANES]
             lane = _lane_symbols(view, sub, sym)
-            nbytes = (_pack_pairs(lane, view.size, codes, lens, pair_code, pair_len, out8, wpos, tail) + 7) // 8
+            if zeros0:
+                byte0 += _count_value(lane[:view.size], (-sub) & 255)  # the symbol of byte 0
+            bits = _pack_pairs(lane, view.size, codes, lens, pair_code, pair_len, out8, wpos, tail, limit)
+            if bits < 0:
+                return -1, byte0
+            nbytes = (bits + 7) // 8
             for j in range(wpos + nbytes, wpos + ((nbytes + 7) & ~7)):
                 out8[j] = 0
             _put_u32(out8, pos + 4 * k, nbytes)
             wpos += (nbytes + 7) & ~7
     else:
+        wlimit = (limit + 7) // 8
         for k in range(LANES):
             view = src[k * count // LANES: (k + 1) * count // LANES]
-            nbytes = (_pack(view, sh, sub, top, ra, mask, codes, lens, out64, wpos // 8) + 7) // 8
+            bits = _pack(view, sh, sub, top, ra, mask, codes, lens, out64, wpos // 8, wlimit)
+            if bits < 0:
+                return -1, byte0
+            nbytes = (bits + 7) // 8
             _put_u32(out8, pos + 4 * k, nbytes)
             wpos += (nbytes + 7) & ~7
+    return wpos - pos, byte0
 
 
 @jit
@@ -531,7 +579,7 @@ def _encode_chunk(src, c, flags, ref, chosen, sizes, pos, exp_shift, enc_code, e
             k = (chosen >> (4 * s)) & 15
             kp = k if s == 0 else 0  # pair tables are stream 0's
             _write_segment(src, s, exp_shift, ref, enc_code[s, k], enc_len[s, k], pair_code[kp], pair_len[kp], out8,
-                           out64, pos)
+                           out64, pos, pos + size, False)
         pos += (size + 7) & ~7
     return pos
 
@@ -588,6 +636,70 @@ def _crc32(data):
     return crc ^ np.uint32(0xFFFFFFFF)
 
 
+@jit
+def _write_chunk(bits, lo, hi, c, exp_shift, enc_code, enc_len, nbooks, raw_stream, pair_code, pair_len, cflags, refs,
+                 books, sizes, out8, out64, pos):
+    """Write chunk c, elements bits[lo:hi], at pos, with its entry of the plan; return the end.
+
+    The same decisions and bytes as :func:`_plan_chunk` then :func:`_encode_chunk`,
+    without sizing the coded streams first: each is written where it goes, up to the
+    size its raw bytes would take, and is replaced by them where it reaches that (the
+    encoder's raw fallback, decided on the written size, which is the planned one).
+    Stream 0's lanes count the elements whose byte is 0, as the planner's histogram did,
+    so zeros need a pass of their own only where some element has it. A chunk planned
+    first: stream 0 raw, a stream with a group of books (the choice needs the
+    histogram), or zeros in the reference's sample (the mask may pay), or that the
+    count shows is better masked (it is written again).
+    """
+    ns = enc_len.shape[0]
+    count = hi - lo
+    direct = not raw_stream[0]
+    for s in range(ns):
+        direct = direct and (raw_stream[s] or nbooks[s] == 1)
+    if direct:
+        sz, sn = _sample_zeros(bits, lo, hi)
+        direct = sz * 16 <= sn
+    src = bits[lo:hi]
+    ref = np.int64(0)
+    seg0 = np.int64(-1)
+    if direct:
+        ref = np.int64(chunk_ref(bits, lo, hi, exp_shift))
+        seg0, byte0 = _write_segment(src, 0, exp_shift, ref, enc_code[0, 0], enc_len[0, 0], pair_code[0],
+                                     pair_len[0], out8, out64, pos, pos + count, True)
+        width, _, _ = element_layout(src)
+        if seg0 >= 0 and (byte0 == 0 or width == 1):
+            zeros = byte0  # an all-zero element's bytes are all 0 (and it is that byte alone)
+        else:
+            zeros = count_zeros(src)
+        zero_cost = 0
+        for s in range(ns):
+            sh, sub, top, ra, mask = stream_params(src, s, exp_shift, ref)
+            zero_cost += 8 if raw_stream[s] else enc_len[s, 0, symbol(0, sh, sub, top, ra, mask)]
+        direct = zeros < count and zeros * zero_cost <= count + 64
+    if not direct:
+        _plan_chunk(bits, lo, hi, c, exp_shift, enc_len, nbooks, raw_stream, cflags, refs, books, sizes)
+        return _encode_chunk(bits[lo:hi], c, cflags[c], np.int64(refs[c]), np.int64(books[c]), sizes, pos, exp_shift,
+                             enc_code, enc_len, pair_code, pair_len, out8, out64)
+    refs[c] = ref
+    books[c] = 0
+    flags = 0
+    for s in range(ns):
+        seg = seg0
+        if raw_stream[s]:
+            seg = -1
+        elif s > 0:
+            seg, _ = _write_segment(src, s, exp_shift, ref, enc_code[s, 0], enc_len[s, 0], pair_code[0], pair_len[0],
+                                    out8, out64, pos, pos + count, False)
+        if seg < 0 or seg >= count:
+            flags |= CHUNK_RAW0 << s
+            seg = count
+            _write_raw(src, s, exp_shift, ref, out8, pos, seg)
+        sizes[c, s] = seg
+        pos += (seg + 7) & ~7
+    cflags[c] = flags
+    return pos
+
+
 @entry
 def encode_frame(bits, chunk_elems, exp_shift, enc_code, enc_len, nbooks, raw_stream, pair_code, pair_len, head,
                  version_books, do_checksum):
@@ -597,7 +709,8 @@ def encode_frame(bits, chunk_elems, exp_shift, enc_code, enc_len, nbooks, raw_st
     (:func:`comm_codec.core.frame.write_header`) make together, without the host code
     between them: a checkpoint writer codes hundreds of small tensors per save, and for
     each the host work around three calls (scratch arrays, offsets, the structured chunk
-    table, the header) cost more than coding it.
+    table, the header) cost more than coding it. Chunks are written as
+    :func:`_write_chunk` says, single-book streams without being sized first.
 
     Args:
         bits: element bits, at least one.
@@ -610,7 +723,9 @@ def encode_frame(bits, chunk_elems, exp_shift, enc_code, enc_len, nbooks, raw_st
         do_checksum: whether to compute the chunks' checksums (0 is stored otherwise).
 
     Returns:
-        The frame, uint8[].
+        The frame, uint8[]: the front of an array with room for the largest frame of
+        these elements, or an array of its own where that is under half the room (a
+        frame never holds more than twice its size).
     """
     n = bits.size
     ns = enc_len.shape[0]
@@ -619,35 +734,29 @@ def encode_frame(bits, chunk_elems, exp_shift, enc_code, enc_len, nbooks, raw_st
     refs = np.zeros(nchunks, dtype=np.uint8)
     books = np.zeros(nchunks, dtype=np.uint16)
     sizes = np.zeros((nchunks, ns), dtype=np.uint32)
-    offsets = np.empty(nchunks, dtype=np.int64)
     entry_bytes = (8 + 4 * ns + 7) & ~7
     pos = head.size + nchunks * entry_bytes + 8  # the first payload
-    named = False
-    for c in range(nchunks):
-        lo = c * chunk_elems
-        hi = min(n, lo + chunk_elems)
-        _plan_chunk(bits, lo, hi, c, exp_shift, enc_len, nbooks, raw_stream, cflags, refs, books, sizes)
-        offsets[c] = pos
-        if cflags[c] & CHUNK_MASK:
-            pos += ((hi - lo + 7) // 8 + 7) & ~7
-        for s in range(ns):
-            pos += (np.int64(sizes[c, s]) + 7) & ~7
-        named |= books[c] != 0
-    out8 = np.empty(pos, dtype=np.uint8)
+    # Room for every chunk at its largest (mask and raw streams) and a coded segment's
+    # overshoot: nothing is sized before it is written.
+    last = n - (nchunks - 1) * chunk_elems
+    room = pos + _OVERSHOOT
+    for k, m in ((nchunks - 1, chunk_elems), (1, last)):
+        room += k * ((((m + 7) // 8 + 7) & ~7) + ns * ((m + 7) & ~7))
+    out8 = np.empty(room, dtype=np.uint8)
     out64 = out8.view(np.uint64)
     out8[:head.size] = head
-    if named:
-        out8[_VERSION_AT] = version_books
     for k in range(8):
         out8[_NUMEL_AT + k] = (n >> (8 * k)) & 255
     _put_u32(out8, _NCHUNKS_AT, nchunks)
+    named = False
     at = head.size  # the chunk table
     for c in range(nchunks):
         lo = c * chunk_elems
-        end = _encode_chunk(bits[lo:min(n, lo + chunk_elems)], c, cflags[c], np.int64(refs[c]), np.int64(books[c]),
-                            sizes, offsets[c], exp_shift, enc_code, enc_len, pair_code, pair_len, out8, out64)
-        start = offsets[c] // 8
-        checksum = hash_words(out64, start, end // 8 - start, c) if do_checksum else np.uint32(0)
+        start = pos
+        pos = _write_chunk(bits, lo, min(n, lo + chunk_elems), c, exp_shift, enc_code, enc_len, nbooks, raw_stream,
+                           pair_code, pair_len, cflags, refs, books, sizes, out8, out64, pos)
+        checksum = hash_words(out64, start // 8, (pos - start) // 8, c) if do_checksum else np.uint32(0)
+        named |= books[c] != 0
         out8[at] = cflags[c]
         out8[at + 1] = refs[c]
         out8[at + 2] = books[c] & 255
@@ -658,6 +767,10 @@ def encode_frame(bits, chunk_elems, exp_shift, enc_code, enc_len, nbooks, raw_st
         for k in range(at + 8 + 4 * ns, at + entry_bytes):
             out8[k] = 0
         at += entry_bytes
+    if named:
+        out8[_VERSION_AT] = version_books
     _put_u32(out8, at, _crc32(out8[:at]))
     _put_u32(out8, at + 4, 0)
-    return out8
+    # The frame is the front of the room; a frame under half of it (zeros) gets an array
+    # of its own, so that it never holds more than twice its size.
+    return out8[:pos] if 2 * pos >= room else out8[:pos].copy()

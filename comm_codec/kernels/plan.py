@@ -25,7 +25,7 @@ from .jit import entry, jit
 from .layout import STATUS_BAD_ARGS, STATUS_OK
 from .symbols import count_zeros, element_layout, symbol, symbol0
 
-__all__ = ["count_pieces", "chunk_refs", "chunk_rows", "STATUS_OK", "STATUS_BAD_ARGS"]
+__all__ = ["count_pieces", "chunk_refs", "chunk_rows", "price_stream", "STATUS_OK", "STATUS_BAD_ARGS"]
 
 
 @jit
@@ -306,4 +306,78 @@ def chunk_rows(hist, zeros, lengths, refs, per, exp_shift, counted, rows):
             sub = (refs[c] << exp_shift) if (s == 0 and exp_shift >= 0) else 0
             for x in range(256):
                 out[x] = acc[(x + sub) & 255]
+    return STATUS_OK
+
+
+@entry
+def price_stream(rows, s, book_bits, floor, colsum, out):
+    """Price one stream of sampled chunks under a group of books, as the encoder codes them.
+
+    Each chunk costs its cheapest book (ties to the lower index) or, where that is not
+    cheaper, its raw bits (8 a symbol): the sums a book choice weighs, in one call
+    instead of a dozen numpy operations on a few rows (the planner prices every stream
+    of every tensor this way). Counts and bits are integers, so the sums are exact in
+    any order.
+
+    Args:
+        rows: int64[nchunks, nstreams, 256] symbol counts (:func:`chunk_rows`).
+        s: the stream.
+        book_bits: int64[nbooks, 256], each book's bits per symbol (nbooks may be 0).
+        floor: whether to price each chunk's entropy too (out[2]).
+        colsum: int64[256] output: the stream's counts summed over the chunks.
+        out: float64[4] output: [0] the stream's symbols; [1] the sum over chunks of
+            min(cheapest book's bits, raw bits) (raw bits without books); [2] with
+            ``floor``, the sum of min(entropy bits, raw bits), the entropy in bits per
+            symbol being ``log2(n) - sum(c log2 c) / n`` over the chunk's n symbols;
+            [3] a bitmask of the books some chunk picks where they beat raw.
+
+    Returns:
+        STATUS_OK, or STATUS_BAD_ARGS (nothing written).
+    """
+    nchunks = rows.shape[0]
+    nbooks = book_bits.shape[0]
+    if (s < 0 or s >= rows.shape[1] or rows.shape[2] != 256 or book_bits.shape[1] != 256 or nbooks > 62
+            or colsum.size != 256 or out.size != 4):
+        return STATUS_BAD_ARGS
+    colsum[:] = 0
+    symbols = 0.0
+    priced = 0.0
+    least = 0.0
+    used = np.int64(0)
+    for k in range(nchunks):
+        r = rows[k, s]
+        n = np.int64(0)
+        for b in range(256):
+            n += r[b]
+            colsum[b] += r[b]
+        raw = 8.0 * np.float64(n)
+        symbols += np.float64(n)
+        cheapest = raw
+        if nbooks:
+            best = np.int64(-1)
+            pick = 0
+            for j in range(nbooks):
+                bits = np.int64(0)
+                row = book_bits[j]
+                for b in range(256):
+                    bits += r[b] * row[b]
+                if best < 0 or bits < best:
+                    best = bits
+                    pick = j
+            if np.float64(best) < raw:
+                used |= np.int64(1) << pick
+                cheapest = np.float64(best)
+        priced += cheapest
+        if floor:
+            m = max(n, np.int64(1))
+            acc = 0.0
+            for b in range(256):
+                if r[b] > 1:
+                    acc += np.float64(r[b]) * np.log2(np.float64(r[b]))
+            h = max(np.log2(np.float64(m)) - acc / np.float64(m), 0.0)
+            least += min(h * np.float64(n), raw)
+    out[0] = symbols
+    out[1] = priced
+    out[2] = least
+    out[3] = np.float64(used)
     return STATUS_OK
