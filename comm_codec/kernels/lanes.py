@@ -245,6 +245,41 @@ def _escape_heavy_rounds(q0, q1, q2, q3, a0, a1, a2, a3, l0, l1, l2, l3, lim, mt
 
 
 @jit
+def _lane_alone(q, a, end, lim, mt, dt):
+    """Go on with one lane after the lockstep rounds: (bit address, output address).
+
+    The lockstep rounds stop when the first lane nears its end; the others can still
+    have hundreds of symbols left (lanes of one chunk use different numbers of bits),
+    and :func:`_lane_rest`'s checked steps cost several times a fast step. This runs
+    the fast loop's rounds on one lane, under the same bounds (end: the lane's output
+    end, lim: the last bit address an 8-byte read may start at), an escape decoded where
+    it stops a round. It stops near the lane's end, or on no code (where
+    :func:`_lane_rest` then reports it).
+    """
+    while True:
+        rounds = min((end - a - 2) // 24, (lim - q) // 48)
+        if rounds <= 0:
+            break
+        t = _U64_0
+        for _ in range(rounds):
+            b = _window(q)
+            b, a, t = _fast_step(b, a, mt)
+            b, a, t = _fast_step(b, a, mt)
+            b, a, t = _fast_step(b, a, mt)
+            b, a, t = _fast_step(b, a, mt)
+            q += np.int64(leading_zeros(b))
+            if t == _U64_0:
+                break
+        if t == _U64_0:
+            ln = _escape_step(q, a, dt)
+            if ln == 0:
+                break
+            q += ln
+            a += 1
+    return q, a
+
+
+@jit
 def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_in_end, pf_out, pf_out_end):
     """Decode one coded segment (4 lanes) of count symbols into dst (uint8); return status.
 
@@ -374,6 +409,12 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
         if ln3 > 0:
             q3 += ln3
             a3 += 1
+    # The lanes that the rounds left far from their ends go on alone; all stay bounded
+    # by lim, so a corrupt lane still fails the overrun check below.
+    q0, a0 = _lane_alone(q0, a0, d0 + e0, lim, mt, dt)
+    q1, a1 = _lane_alone(q1, a1, d0 + e1, lim, mt, dt)
+    q2, a2 = _lane_alone(q2, a2, d0 + e2, lim, mt, dt)
+    q3, a3 = _lane_alone(q3, a3, d0 + e3, lim, mt, dt)
     p0 = q0 - base - 64 * w0
     p1 = q1 - base - 64 * w1
     p2 = q2 - base - 64 * w2
