@@ -27,10 +27,10 @@ from numba.cpython.unsafe.numbers import leading_zeros
 
 from .intrinsics import address, load16, load64, prefetch_at, store8_at, store64, store64_at
 from .jit import entry, inline, jit
-from .layout import (DEC_ENTRIES, LANE_HEADER, LANES, STATUS_BAD_CODE, STATUS_BOOK, STATUS_OK, STATUS_OVERRUN,
-                     STATUS_SIZE)
+from .layout import (DEC_ENTRIES, HASH_MUL, LANE_HEADER, LANES, STATUS_BAD_CODE, STATUS_BOOK, STATUS_OK,
+                     STATUS_OVERRUN, STATUS_SIZE)
 
-__all__ = ["MULTI_BITS", "multi_tables", "decode_lanes"]
+__all__ = ["MULTI_BITS", "HASH_STATE", "multi_tables", "decode_lanes"]
 
 MULTI_BITS = 12  # window of a multi-symbol lookup
 _MULTI_SIZE = 1 << MULTI_BITS
@@ -43,6 +43,10 @@ _MARK = np.uint64(1) << np.uint64(63)  # the fast loop's end-of-window marker
 _DEC_INDEX = DEC_ENTRIES - 1
 _DEC_MASK = np.uint64(_DEC_INDEX)
 _U64_0 = np.uint64(0)
+_ONE = np.uint64(1)
+# A chunk checksum's state as the lane loops carry it (decode_lanes' hs): the four
+# chains, then the next word and the end of the whole quads to hash (word indices).
+HASH_STATE = 6
 
 
 @jit
@@ -193,6 +197,40 @@ def _fast_step(b, d, multi):
 
 
 @inline
+def _round(q0, q1, q2, q3, a0, a1, a2, a3, mt):
+    """One round of the fast loop: each lane's window, 4 steps a lane, the bits used.
+
+    Returns the lanes' bit and output addresses and the last step's entries (0: that
+    lane sits on an escape or on no code).
+    """
+    b0 = _window(q0)
+    b1 = _window(q1)
+    b2 = _window(q2)
+    b3 = _window(q3)
+    b0, a0, t0 = _fast_step(b0, a0, mt)
+    b1, a1, t1 = _fast_step(b1, a1, mt)
+    b2, a2, t2 = _fast_step(b2, a2, mt)
+    b3, a3, t3 = _fast_step(b3, a3, mt)
+    b0, a0, t0 = _fast_step(b0, a0, mt)
+    b1, a1, t1 = _fast_step(b1, a1, mt)
+    b2, a2, t2 = _fast_step(b2, a2, mt)
+    b3, a3, t3 = _fast_step(b3, a3, mt)
+    b0, a0, t0 = _fast_step(b0, a0, mt)
+    b1, a1, t1 = _fast_step(b1, a1, mt)
+    b2, a2, t2 = _fast_step(b2, a2, mt)
+    b3, a3, t3 = _fast_step(b3, a3, mt)
+    b0, a0, t0 = _fast_step(b0, a0, mt)
+    b1, a1, t1 = _fast_step(b1, a1, mt)
+    b2, a2, t2 = _fast_step(b2, a2, mt)
+    b3, a3, t3 = _fast_step(b3, a3, mt)
+    q0 += np.int64(leading_zeros(b0))
+    q1 += np.int64(leading_zeros(b1))
+    q2 += np.int64(leading_zeros(b2))
+    q3 += np.int64(leading_zeros(b3))
+    return q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3
+
+
+@inline
 def _escape_heavy_step(b, q, d, multi, dec):
     """One step of :func:`_escape_heavy_rounds`: (window, bit address, output address).
 
@@ -280,7 +318,7 @@ def _lane_alone(q, a, end, lim, mt, dt):
 
 
 @jit
-def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_in_end, pf_out, pf_out_end):
+def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_in_end, pf_out, pf_out_end, hs):
     """Decode one coded segment (4 lanes) of count symbols into dst (uint8); return status.
 
     While it decodes (bound by its lookups, not by memory) it asks for the addresses
@@ -288,8 +326,19 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
     a round (a round makes ~64 symbols): the bytes that the assembly of the chunk reads
     next (its raw streams) and the output it writes (read for ownership first). Hints
     only: any addresses are safe.
+
+    It also goes on with the chunk's checksum (:data:`HASH_STATE` values in hs, uint64):
+    one quad of words (a word into each of the four chains of
+    :func:`comm_codec.kernels.symbols.hash_words`) a round while quads are left. The
+    multiplications run beside the lookups' dependency chains, where they cost a
+    fraction of a pass of their own over the payload, which is bound by the
+    multiplications' latency. The caller finishes the hash (the quads left, the tail).
     """
     if size < LANE_HEADER:
+        return STATUS_SIZE
+    hw = np.int64(hs[4])
+    hw_end = np.int64(hs[5])
+    if hw < 0 or hw > hw_end or hw_end > frame64.size:  # the caller's state; trust nothing
         return STATUS_SIZE
     lb0 = _get_u32(frame8, pos)
     lb1 = _get_u32(frame8, pos + 4)
@@ -337,6 +386,12 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
     a1 = d0 + e0
     a2 = d0 + e1
     a3 = d0 + e2
+    hp = address(frame64) + 8 * hw  # the checksum's next quad and the end of the quads (addresses)
+    hp_end = hp + 32 * ((hw_end - hw) // 4)
+    h0 = np.uint64(hs[0])
+    h1 = np.uint64(hs[1])
+    h2 = np.uint64(hs[2])
+    h3 = np.uint64(hs[3])
     ran = np.int64(0)  # rounds run and round-ending stalls, to tell escape-heavy lanes
     stalls = np.int64(0)
     while True:
@@ -351,13 +406,15 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
             q0, q1, q2, q3, a0, a1, a2, a3 = _escape_heavy_rounds(q0, q1, q2, q3, a0, a1, a2, a3, d0 + e0, d0 + e1,
                                                                   d0 + e2, d0 + e3, lim, mt, dt)
             break
-        t0 = t1 = t2 = t3 = _U64_0
-        for _ in range(rounds):
+        t0 = t1 = t2 = t3 = _ONE  # no lane stalled (yet)
+        hashed = min(rounds, (hp_end - hp) // 32)
+        for _ in range(hashed):  # rounds that also hash a quad of the checksum
             ran += 1
-            b0 = _window(q0)
-            b1 = _window(q1)
-            b2 = _window(q2)
-            b3 = _window(q3)
+            h0 = (h0 ^ np.uint64(load64(hp))) * HASH_MUL
+            h1 = (h1 ^ np.uint64(load64(hp + 8))) * HASH_MUL
+            h2 = (h2 ^ np.uint64(load64(hp + 16))) * HASH_MUL
+            h3 = (h3 ^ np.uint64(load64(hp + 24))) * HASH_MUL
+            hp += 32
             prefetch_at(pf_in, 0)
             prefetch_at(pf_in + 64, 0)
             prefetch_at(pf_out, 1)
@@ -366,28 +423,23 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
             prefetch_at(pf_out + 192, 1)
             pf_in = min(pf_in + 128, pf_in_end)
             pf_out = min(pf_out + 256, pf_out_end)
-            b0, a0, t0 = _fast_step(b0, a0, mt)
-            b1, a1, t1 = _fast_step(b1, a1, mt)
-            b2, a2, t2 = _fast_step(b2, a2, mt)
-            b3, a3, t3 = _fast_step(b3, a3, mt)
-            b0, a0, t0 = _fast_step(b0, a0, mt)
-            b1, a1, t1 = _fast_step(b1, a1, mt)
-            b2, a2, t2 = _fast_step(b2, a2, mt)
-            b3, a3, t3 = _fast_step(b3, a3, mt)
-            b0, a0, t0 = _fast_step(b0, a0, mt)
-            b1, a1, t1 = _fast_step(b1, a1, mt)
-            b2, a2, t2 = _fast_step(b2, a2, mt)
-            b3, a3, t3 = _fast_step(b3, a3, mt)
-            b0, a0, t0 = _fast_step(b0, a0, mt)
-            b1, a1, t1 = _fast_step(b1, a1, mt)
-            b2, a2, t2 = _fast_step(b2, a2, mt)
-            b3, a3, t3 = _fast_step(b3, a3, mt)
-            q0 += np.int64(leading_zeros(b0))
-            q1 += np.int64(leading_zeros(b1))
-            q2 += np.int64(leading_zeros(b2))
-            q3 += np.int64(leading_zeros(b3))
+            q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3 = _round(q0, q1, q2, q3, a0, a1, a2, a3, mt)
             if t0 == _U64_0 or t1 == _U64_0 or t2 == _U64_0 or t3 == _U64_0:
                 break
+        if t0 != _U64_0 and t1 != _U64_0 and t2 != _U64_0 and t3 != _U64_0:
+            for _ in range(rounds - hashed):
+                ran += 1
+                prefetch_at(pf_in, 0)
+                prefetch_at(pf_in + 64, 0)
+                prefetch_at(pf_out, 1)
+                prefetch_at(pf_out + 64, 1)
+                prefetch_at(pf_out + 128, 1)
+                prefetch_at(pf_out + 192, 1)
+                pf_in = min(pf_in + 128, pf_in_end)
+                pf_out = min(pf_out + 256, pf_out_end)
+                q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3 = _round(q0, q1, q2, q3, a0, a1, a2, a3, mt)
+                if t0 == _U64_0 or t1 == _U64_0 or t2 == _U64_0 or t3 == _U64_0:
+                    break
         # A lane on an escape (or no code): decode that symbol alone. The rounds left
         # q <= lim and the lane's output 2 slots short of its end at least.
         ln0 = _escape_step(q0, a0, dt) if t0 == _U64_0 else -1
@@ -409,6 +461,11 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
         if ln3 > 0:
             q3 += ln3
             a3 += 1
+    hs[0] = h0
+    hs[1] = h1
+    hs[2] = h2
+    hs[3] = h3
+    hs[4] = np.uint64((hp - address(frame64)) // 8)
     # The lanes that the rounds left far from their ends go on alone; all stay bounded
     # by lim, so a corrupt lane still fails the overrun check below.
     q0, a0 = _lane_alone(q0, a0, d0 + e0, lim, mt, dt)
