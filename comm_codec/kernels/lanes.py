@@ -132,7 +132,10 @@ def _multi_step(buf, multi, dec, dst, i):
 
 @jit
 def _lane_rest(words, base, nwords, pos, multi, dec, dst, i, end):
-    """Decode dst[i:end] of one lane, three steps per refill while 20 slots remain."""
+    """Decode dst[i:end] of one lane, three steps per refill while 20 slots remain, then
+    a lookup per refill (a multi-symbol one where all its symbols are wanted: the bits
+    used must end at the lane's last symbol, or a lane that ends near its last bit
+    would look overrun)."""
     while i + 20 <= end:  # 3 steps of up to 6 symbols, each writing 8 bytes
         b = _peek(words, base, nwords, pos)
         for r in range(3):
@@ -142,8 +145,17 @@ def _lane_rest(words, base, nwords, pos, multi, dec, dst, i, end):
             b >>= np.uint64(ln)
             pos += ln
             i += n
-    while i < end:  # one symbol per refill
-        sym, ln = _step(_peek(words, base, nwords, pos), dec)
+    while i < end:  # one lookup per refill, its symbols stored one by one
+        b = _peek(words, base, nwords, pos)
+        e = multi[np.int64(b & _MULTI_MASK)]
+        n = np.int64(e >> _COUNT_SHIFT)
+        if e != _U64_0 and i + n <= end:  # all its symbols are the lane's (bits past them are not)
+            for j in range(n):
+                dst[i + j] = np.int64(e >> np.uint64(8 + 8 * j)) & 255
+            pos += np.int64(e & _LEN_MASK)
+            i += n
+            continue
+        sym, ln = _step(b, dec)
         if ln == 0:
             return STATUS_BAD_CODE, pos
         pos += ln
@@ -392,24 +404,24 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
     h1 = np.uint64(hs[1])
     h2 = np.uint64(hs[2])
     h3 = np.uint64(hs[3])
-    ran = np.int64(0)  # rounds run and round-ending stalls, to tell escape-heavy lanes
-    stalls = np.int64(0)
+    stalls = np.int64(0)  # round-ending stalls, to tell escape-heavy lanes
     while True:
         rounds = min(min((d0 + e0 - a0 - 2) // 24, (d0 + e1 - a1 - 2) // 24),
                      min((d0 + e2 - a2 - 2) // 24, (d0 + e3 - a3 - 2) // 24))
         rounds = min(rounds, (lim - max(max(q0, q1), max(q2, q3))) // 48)
         if rounds <= 0:
             break
-        if stalls >= 16 and 4 * stalls > ran:
-            # Escapes end more than one round in four: a stalled lane idles for the
-            # rest of its round, so the lanes go on with a branch per step instead.
+        if stalls >= 16 and 32 * stalls > a0 - d0:
+            # Escapes end more than one round in four or so (a round makes up to 8
+            # symbols a lane on such data; counted from lane 0's output, not per round:
+            # a counter in the rounds cost 3 %): a stalled lane idles for the rest of its
+            # round, so the lanes go on with a branch per step instead.
             q0, q1, q2, q3, a0, a1, a2, a3 = _escape_heavy_rounds(q0, q1, q2, q3, a0, a1, a2, a3, d0 + e0, d0 + e1,
                                                                   d0 + e2, d0 + e3, lim, mt, dt)
             break
         t0 = t1 = t2 = t3 = _ONE  # no lane stalled (yet)
         hashed = min(rounds, (hp_end - hp) // 32)
         for _ in range(hashed):  # rounds that also hash a quad of the checksum
-            ran += 1
             h0 = (h0 ^ np.uint64(load64(hp))) * HASH_MUL
             h1 = (h1 ^ np.uint64(load64(hp + 8))) * HASH_MUL
             h2 = (h2 ^ np.uint64(load64(hp + 16))) * HASH_MUL
@@ -428,7 +440,6 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
                 break
         if t0 != _U64_0 and t1 != _U64_0 and t2 != _U64_0 and t3 != _U64_0:
             for _ in range(rounds - hashed):
-                ran += 1
                 prefetch_at(pf_in, 0)
                 prefetch_at(pf_in + 64, 0)
                 prefetch_at(pf_out, 1)
