@@ -243,6 +243,40 @@ def _round(q0, q1, q2, q3, a0, a1, a2, a3, mt):
 
 
 @inline
+def _rounds(n, q0, q1, q2, q3, a0, a1, a2, a3, mt, hp, h0, h1, h2, h3, pf_in, pf_in_end, pf_out, pf_out_end,
+            hashing, prefetching):
+    """Up to n rounds (:func:`_round`), ending after one where a lane stalled.
+
+    hashing: each round also takes the checksum quad at hp into the chains h0..h3;
+    prefetching: each round asks for 2 lines at pf_in and 4 at pf_out (see
+    :func:`decode_lanes`). Both are constants where it is called, so each call
+    compiles to a loop of its own. Returns the lanes' addresses, the last step's
+    entries (1 where n is 0: no stall), hp, the chains and the prefetch addresses.
+    """
+    t0 = t1 = t2 = t3 = _ONE
+    for _ in range(n):
+        if hashing:
+            h0 = (h0 ^ np.uint64(load64(hp))) * HASH_MUL
+            h1 = (h1 ^ np.uint64(load64(hp + 8))) * HASH_MUL
+            h2 = (h2 ^ np.uint64(load64(hp + 16))) * HASH_MUL
+            h3 = (h3 ^ np.uint64(load64(hp + 24))) * HASH_MUL
+            hp += 32
+        if prefetching:
+            prefetch_at(pf_in, 0)
+            prefetch_at(pf_in + 64, 0)
+            prefetch_at(pf_out, 1)
+            prefetch_at(pf_out + 64, 1)
+            prefetch_at(pf_out + 128, 1)
+            prefetch_at(pf_out + 192, 1)
+            pf_in = min(pf_in + 128, pf_in_end)
+            pf_out = min(pf_out + 256, pf_out_end)
+        q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3 = _round(q0, q1, q2, q3, a0, a1, a2, a3, mt)
+        if t0 == _U64_0 or t1 == _U64_0 or t2 == _U64_0 or t3 == _U64_0:
+            break
+    return q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3, hp, h0, h1, h2, h3, pf_in, pf_out
+
+
+@inline
 def _escape_heavy_step(b, q, d, multi, dec):
     """One step of :func:`_escape_heavy_rounds`: (window, bit address, output address).
 
@@ -405,6 +439,7 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
     h2 = np.uint64(hs[2])
     h3 = np.uint64(hs[3])
     stalls = np.int64(0)  # round-ending stalls, to tell escape-heavy lanes
+    prefetching = pf_in < pf_in_end or pf_out < pf_out_end
     while True:
         rounds = min(min((d0 + e0 - a0 - 2) // 24, (d0 + e1 - a1 - 2) // 24),
                      min((d0 + e2 - a2 - 2) // 24, (d0 + e3 - a3 - 2) // 24))
@@ -419,38 +454,27 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
             q0, q1, q2, q3, a0, a1, a2, a3 = _escape_heavy_rounds(q0, q1, q2, q3, a0, a1, a2, a3, d0 + e0, d0 + e1,
                                                                   d0 + e2, d0 + e3, lim, mt, dt)
             break
-        t0 = t1 = t2 = t3 = _ONE  # no lane stalled (yet)
+        # Rounds that also hash a quad of the checksum while quads are left, then
+        # plain ones; each kind with prefetches only where there is something to
+        # prefetch (a 1-byte chunk's lanes write its output: nothing), as the hints
+        # cost the loop registers.
         hashed = min(rounds, (hp_end - hp) // 32)
-        for _ in range(hashed):  # rounds that also hash a quad of the checksum
-            h0 = (h0 ^ np.uint64(load64(hp))) * HASH_MUL
-            h1 = (h1 ^ np.uint64(load64(hp + 8))) * HASH_MUL
-            h2 = (h2 ^ np.uint64(load64(hp + 16))) * HASH_MUL
-            h3 = (h3 ^ np.uint64(load64(hp + 24))) * HASH_MUL
-            hp += 32
-            prefetch_at(pf_in, 0)
-            prefetch_at(pf_in + 64, 0)
-            prefetch_at(pf_out, 1)
-            prefetch_at(pf_out + 64, 1)
-            prefetch_at(pf_out + 128, 1)
-            prefetch_at(pf_out + 192, 1)
-            pf_in = min(pf_in + 128, pf_in_end)
-            pf_out = min(pf_out + 256, pf_out_end)
-            q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3 = _round(q0, q1, q2, q3, a0, a1, a2, a3, mt)
-            if t0 == _U64_0 or t1 == _U64_0 or t2 == _U64_0 or t3 == _U64_0:
-                break
-        if t0 != _U64_0 and t1 != _U64_0 and t2 != _U64_0 and t3 != _U64_0:
-            for _ in range(rounds - hashed):
-                prefetch_at(pf_in, 0)
-                prefetch_at(pf_in + 64, 0)
-                prefetch_at(pf_out, 1)
-                prefetch_at(pf_out + 64, 1)
-                prefetch_at(pf_out + 128, 1)
-                prefetch_at(pf_out + 192, 1)
-                pf_in = min(pf_in + 128, pf_in_end)
-                pf_out = min(pf_out + 256, pf_out_end)
-                q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3 = _round(q0, q1, q2, q3, a0, a1, a2, a3, mt)
-                if t0 == _U64_0 or t1 == _U64_0 or t2 == _U64_0 or t3 == _U64_0:
-                    break
+        if prefetching:
+            (q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3, hp, h0, h1, h2, h3, pf_in, pf_out) = _rounds(
+                hashed, q0, q1, q2, q3, a0, a1, a2, a3, mt, hp, h0, h1, h2, h3, pf_in, pf_in_end, pf_out,
+                pf_out_end, True, True)
+            if t0 != _U64_0 and t1 != _U64_0 and t2 != _U64_0 and t3 != _U64_0:
+                (q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3, hp, h0, h1, h2, h3, pf_in, pf_out) = _rounds(
+                    rounds - hashed, q0, q1, q2, q3, a0, a1, a2, a3, mt, hp, h0, h1, h2, h3, pf_in, pf_in_end,
+                    pf_out, pf_out_end, False, True)
+        else:
+            (q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3, hp, h0, h1, h2, h3, pf_in, pf_out) = _rounds(
+                hashed, q0, q1, q2, q3, a0, a1, a2, a3, mt, hp, h0, h1, h2, h3, pf_in, pf_in_end, pf_out,
+                pf_out_end, True, False)
+            if t0 != _U64_0 and t1 != _U64_0 and t2 != _U64_0 and t3 != _U64_0:
+                (q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3, hp, h0, h1, h2, h3, pf_in, pf_out) = _rounds(
+                    rounds - hashed, q0, q1, q2, q3, a0, a1, a2, a3, mt, hp, h0, h1, h2, h3, pf_in, pf_in_end,
+                    pf_out, pf_out_end, False, False)
         # A lane on an escape (or no code): decode that symbol alone. The rounds left
         # q <= lim and the lane's output 2 slots short of its end at least.
         ln0 = _escape_step(q0, a0, dt) if t0 == _U64_0 else -1
