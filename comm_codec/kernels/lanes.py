@@ -17,7 +17,10 @@ integer types, the row is the output.
 
 The lane loop is bound by its lookups and the assembly by memory, so the lane loop asks
 for the cache lines that the assembly will touch next, a few per round: the two phases
-overlap.
+overlap. For the same reason the rounds take the chunk's checksum along, a quad of words
+a round (:func:`decode_lanes`). The lockstep rounds end when the first lane nears its
+end; the other lanes go on in rounds of their own (:func:`_lane_alone`), and only each
+lane's last few symbols take checked steps (:func:`_lane_rest`).
 """
 
 from __future__ import annotations
