@@ -150,6 +150,57 @@ def test_a_bad_code_deep_in_a_lane_is_reported(escapes):
             codec.decode(bad)
 
 
+
+def _uneven_lanes(n: int, gen) -> torch.Tensor:
+    # Lane 0's quarter all 1-bit codes (six symbols a lookup), the others long codes and
+    # escapes: the lockstep rounds stop when lane 0 nears its end, with most of the
+    # other lanes' symbols still to decode, each lane alone.
+    x = torch.randint(5, 12, (n,), generator=gen, dtype=torch.uint8)
+    x[:n // 4] = 1
+    where = torch.rand(n, generator=gen) < 0.05
+    x[where] = torch.randint(12, 256, (n,), generator=gen, dtype=torch.uint8)[where]
+    x[n // 4:n // 4 + 3] = 200  # escapes where the other lanes start
+    x[n - 3:] = 201  # and where the last one ends
+    return x
+
+
+@pytest.mark.parametrize("n", [1021, 1 << 14])
+@pytest.mark.parametrize("masked", [False, True], ids=["dense chunk", "masked chunk"])
+def test_lanes_of_uneven_length_round_trip(n, masked):
+    codec = _escape_codec(n)
+    gen = torch.Generator().manual_seed(n + 1)
+    x = _uneven_lanes(n, gen)
+    if masked:
+        x[torch.rand(n, generator=gen) < 0.4] = 0
+    f = codec.encode(x)
+    assert cc.get_frame_parameters(f).table["cflags"].tolist() == [1 if masked else 0]
+    bits_equal(codec.decode(f), x)
+
+
+@pytest.mark.parametrize("lane", [1, 2, 3])
+def test_a_bad_code_where_a_lane_goes_on_alone_is_reported(lane):
+    # Past where lane 0 ended the lockstep rounds, a lane that meets no code still ends
+    # in the "no code" status.
+    n = 1 << 14
+    lengths = np.zeros(256, dtype=np.int64)
+    lengths[[1, 2, 3, 4, 5]] = [1, 3, 4, 5, 5]  # Kraft sum 7/8 + 1/16 < 1: some patterns are no code
+    book = cc.Codebook(lengths, escape_length=4)
+    codec = cc.Codec(cc.CodebookSet({("gradient", "uint8", 0): book}), chunk_elems=n, checksum=False)
+    gen = torch.Generator().manual_seed(lane)
+    x = torch.randint(2, 6, (n,), generator=gen, dtype=torch.uint8)
+    x[:n // 4] = 1
+    f = codec.encode(x)
+    p = cc.get_frame_parameters(f)
+    bits_equal(codec.decode(f), x)
+    starts = _lane_starts(f.numpy(), p)
+    nbytes = int(f.numpy()[p.header_bytes + 4 * lane:p.header_bytes + 4 * lane + 4].view("<u4")[0])
+    bad = f.numpy().copy()
+    at = starts[lane] + 9 * nbytes // 10
+    bad[at:at + 16] = 0xFF
+    with pytest.raises(cc.FrameError, match="chunk 0 of 1 is bad: bit pattern that is no code"):
+        codec.decode(bad)
+
+
 def _two_book_codec(chunk: int, threads: int = 1) -> "cc.Codec":
     # Book 0 codes symbol 1 short, book 1 symbol 2: a chunk of mostly 1s takes book 0,
     # one of mostly 2s book 1.

@@ -17,7 +17,10 @@ integer types, the row is the output.
 
 The lane loop is bound by its lookups and the assembly by memory, so the lane loop asks
 for the cache lines that the assembly will touch next, a few per round: the two phases
-overlap.
+overlap. For the same reason the rounds take the chunk's checksum along, a quad of words
+a round (:func:`decode_lanes`). The lockstep rounds end when the first lane nears its
+end; the other lanes go on in rounds of their own (:func:`_lane_alone`), and only each
+lane's last few symbols take checked steps (:func:`_lane_rest`).
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ from numba.cpython.unsafe.numbers import leading_zeros
 
 from .intrinsics import address, load16, load64, prefetch_at, store8_at, store64, store64_at
 from .jit import entry, inline, jit
-from .layout import (DEC_ENTRIES, LANE_HEADER, LANES, STATUS_BAD_CODE, STATUS_BOOK, STATUS_OK, STATUS_OVERRUN,
-                     STATUS_SIZE)
+from .layout import (DEC_ENTRIES, HASH_MUL, LANE_HEADER, LANES, STATUS_BAD_CODE, STATUS_BOOK, STATUS_OK,
+                     STATUS_OVERRUN, STATUS_SIZE)
 
-__all__ = ["MULTI_BITS", "multi_tables", "decode_lanes"]
+__all__ = ["MULTI_BITS", "HASH_STATE", "multi_tables", "decode_lanes"]
 
 MULTI_BITS = 12  # window of a multi-symbol lookup
 _MULTI_SIZE = 1 << MULTI_BITS
@@ -43,6 +46,10 @@ _MARK = np.uint64(1) << np.uint64(63)  # the fast loop's end-of-window marker
 _DEC_INDEX = DEC_ENTRIES - 1
 _DEC_MASK = np.uint64(_DEC_INDEX)
 _U64_0 = np.uint64(0)
+_ONE = np.uint64(1)
+# A chunk checksum's state as the lane loops carry it (decode_lanes' hs): the four
+# chains, then the next word and the end of the whole quads to hash (word indices).
+HASH_STATE = 6
 
 
 @jit
@@ -128,7 +135,10 @@ def _multi_step(buf, multi, dec, dst, i):
 
 @jit
 def _lane_rest(words, base, nwords, pos, multi, dec, dst, i, end):
-    """Decode dst[i:end] of one lane, three steps per refill while 20 slots remain."""
+    """Decode dst[i:end] of one lane, three steps per refill while 20 slots remain, then
+    a lookup per refill (a multi-symbol one where all its symbols are wanted: the bits
+    used must end at the lane's last symbol, or a lane that ends near its last bit
+    would look overrun)."""
     while i + 20 <= end:  # 3 steps of up to 6 symbols, each writing 8 bytes
         b = _peek(words, base, nwords, pos)
         for r in range(3):
@@ -138,8 +148,17 @@ def _lane_rest(words, base, nwords, pos, multi, dec, dst, i, end):
             b >>= np.uint64(ln)
             pos += ln
             i += n
-    while i < end:  # one symbol per refill
-        sym, ln = _step(_peek(words, base, nwords, pos), dec)
+    while i < end:  # one lookup per refill, its symbols stored one by one
+        b = _peek(words, base, nwords, pos)
+        e = multi[np.int64(b & _MULTI_MASK)]
+        n = np.int64(e >> _COUNT_SHIFT)
+        if e != _U64_0 and i + n <= end:  # all its symbols are the lane's (bits past them are not)
+            for j in range(n):
+                dst[i + j] = np.int64(e >> np.uint64(8 + 8 * j)) & 255
+            pos += np.int64(e & _LEN_MASK)
+            i += n
+            continue
+        sym, ln = _step(b, dec)
         if ln == 0:
             return STATUS_BAD_CODE, pos
         pos += ln
@@ -190,6 +209,74 @@ def _fast_step(b, d, multi):
     e = load64(multi + 8 * np.int64(b & _MULTI_MASK))
     store64_at(d, np.int64(e >> _SYM_SHIFT))
     return b >> (e & _LEN_MASK), d + np.int64(e >> _COUNT_SHIFT), e
+
+
+@inline
+def _round(q0, q1, q2, q3, a0, a1, a2, a3, mt):
+    """One round of the fast loop: each lane's window, 4 steps a lane, the bits used.
+
+    Returns the lanes' bit and output addresses and the last step's entries (0: that
+    lane sits on an escape or on no code).
+    """
+    b0 = _window(q0)
+    b1 = _window(q1)
+    b2 = _window(q2)
+    b3 = _window(q3)
+    b0, a0, t0 = _fast_step(b0, a0, mt)
+    b1, a1, t1 = _fast_step(b1, a1, mt)
+    b2, a2, t2 = _fast_step(b2, a2, mt)
+    b3, a3, t3 = _fast_step(b3, a3, mt)
+    b0, a0, t0 = _fast_step(b0, a0, mt)
+    b1, a1, t1 = _fast_step(b1, a1, mt)
+    b2, a2, t2 = _fast_step(b2, a2, mt)
+    b3, a3, t3 = _fast_step(b3, a3, mt)
+    b0, a0, t0 = _fast_step(b0, a0, mt)
+    b1, a1, t1 = _fast_step(b1, a1, mt)
+    b2, a2, t2 = _fast_step(b2, a2, mt)
+    b3, a3, t3 = _fast_step(b3, a3, mt)
+    b0, a0, t0 = _fast_step(b0, a0, mt)
+    b1, a1, t1 = _fast_step(b1, a1, mt)
+    b2, a2, t2 = _fast_step(b2, a2, mt)
+    b3, a3, t3 = _fast_step(b3, a3, mt)
+    q0 += np.int64(leading_zeros(b0))
+    q1 += np.int64(leading_zeros(b1))
+    q2 += np.int64(leading_zeros(b2))
+    q3 += np.int64(leading_zeros(b3))
+    return q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3
+
+
+@inline
+def _rounds(n, q0, q1, q2, q3, a0, a1, a2, a3, mt, hp, h0, h1, h2, h3, pf_in, pf_in_end, pf_out, pf_out_end,
+            hashing, prefetching):
+    """Up to n rounds (:func:`_round`), ending after one where a lane stalled.
+
+    hashing: each round also takes the checksum quad at hp into the chains h0..h3;
+    prefetching: each round asks for 2 lines at pf_in and 4 at pf_out (see
+    :func:`decode_lanes`). Both are constants where it is called, so each call
+    compiles to a loop of its own. Returns the lanes' addresses, the last step's
+    entries (1 where n is 0: no stall), hp, the chains and the prefetch addresses.
+    """
+    t0 = t1 = t2 = t3 = _ONE
+    for _ in range(n):
+        if hashing:
+            h0 = (h0 ^ np.uint64(load64(hp))) * HASH_MUL
+            h1 = (h1 ^ np.uint64(load64(hp + 8))) * HASH_MUL
+            h2 = (h2 ^ np.uint64(load64(hp + 16))) * HASH_MUL
+            h3 = (h3 ^ np.uint64(load64(hp + 24))) * HASH_MUL
+            hp += 32
+        if prefetching:
+            prefetch_at(pf_in, 0)
+            prefetch_at(pf_in + 64, 0)
+            prefetch_at(pf_out, 1)
+            prefetch_at(pf_out + 64, 1)
+            prefetch_at(pf_out + 128, 1)
+            prefetch_at(pf_out + 192, 1)
+            pf_in = min(pf_in + 128, pf_in_end)
+            pf_out = min(pf_out + 256, pf_out_end)
+        q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3 = _round(q0, q1, q2, q3, a0, a1, a2, a3, mt)
+        if t0 == _U64_0 or t1 == _U64_0 or t2 == _U64_0 or t3 == _U64_0:
+            break
+    return q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3, hp, h0, h1, h2, h3, pf_in, pf_out
 
 
 @inline
@@ -245,7 +332,42 @@ def _escape_heavy_rounds(q0, q1, q2, q3, a0, a1, a2, a3, l0, l1, l2, l3, lim, mt
 
 
 @jit
-def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_in_end, pf_out, pf_out_end):
+def _lane_alone(q, a, end, lim, mt, dt):
+    """Go on with one lane after the lockstep rounds: (bit address, output address).
+
+    The lockstep rounds stop when the first lane nears its end; the others can still
+    have hundreds of symbols left (lanes of one chunk use different numbers of bits),
+    and :func:`_lane_rest`'s checked steps cost several times a fast step. This runs
+    the fast loop's rounds on one lane, under the same bounds (end: the lane's output
+    end, lim: the last bit address an 8-byte read may start at), an escape decoded where
+    it stops a round. It stops near the lane's end, or on no code (where
+    :func:`_lane_rest` then reports it).
+    """
+    while True:
+        rounds = min((end - a - 2) // 24, (lim - q) // 48)
+        if rounds <= 0:
+            break
+        t = _U64_0
+        for _ in range(rounds):
+            b = _window(q)
+            b, a, t = _fast_step(b, a, mt)
+            b, a, t = _fast_step(b, a, mt)
+            b, a, t = _fast_step(b, a, mt)
+            b, a, t = _fast_step(b, a, mt)
+            q += np.int64(leading_zeros(b))
+            if t == _U64_0:
+                break
+        if t == _U64_0:
+            ln = _escape_step(q, a, dt)
+            if ln == 0:
+                break
+            q += ln
+            a += 1
+    return q, a
+
+
+@jit
+def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_in_end, pf_out, pf_out_end, hs):
     """Decode one coded segment (4 lanes) of count symbols into dst (uint8); return status.
 
     While it decodes (bound by its lookups, not by memory) it asks for the addresses
@@ -253,8 +375,19 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
     a round (a round makes ~64 symbols): the bytes that the assembly of the chunk reads
     next (its raw streams) and the output it writes (read for ownership first). Hints
     only: any addresses are safe.
+
+    It also goes on with the chunk's checksum (:data:`HASH_STATE` values in hs, uint64):
+    one quad of words (a word into each of the four chains of
+    :func:`comm_codec.kernels.symbols.hash_words`) a round while quads are left. The
+    multiplications run beside the lookups' dependency chains, where they cost a
+    fraction of a pass of their own over the payload, which is bound by the
+    multiplications' latency. The caller finishes the hash (the quads left, the tail).
     """
     if size < LANE_HEADER:
+        return STATUS_SIZE
+    hw = np.int64(hs[4])
+    hw_end = np.int64(hs[5])
+    if hw < 0 or hw > hw_end or hw_end > frame64.size:  # the caller's state; trust nothing
         return STATUS_SIZE
     lb0 = _get_u32(frame8, pos)
     lb1 = _get_u32(frame8, pos + 4)
@@ -302,57 +435,49 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
     a1 = d0 + e0
     a2 = d0 + e1
     a3 = d0 + e2
-    ran = np.int64(0)  # rounds run and round-ending stalls, to tell escape-heavy lanes
-    stalls = np.int64(0)
+    hp = address(frame64) + 8 * hw  # the checksum's next quad and the end of the quads (addresses)
+    hp_end = hp + 32 * ((hw_end - hw) // 4)
+    h0 = np.uint64(hs[0])
+    h1 = np.uint64(hs[1])
+    h2 = np.uint64(hs[2])
+    h3 = np.uint64(hs[3])
+    stalls = np.int64(0)  # round-ending stalls, to tell escape-heavy lanes
+    prefetching = pf_in < pf_in_end or pf_out < pf_out_end
     while True:
         rounds = min(min((d0 + e0 - a0 - 2) // 24, (d0 + e1 - a1 - 2) // 24),
                      min((d0 + e2 - a2 - 2) // 24, (d0 + e3 - a3 - 2) // 24))
         rounds = min(rounds, (lim - max(max(q0, q1), max(q2, q3))) // 48)
         if rounds <= 0:
             break
-        if stalls >= 16 and 4 * stalls > ran:
-            # Escapes end more than one round in four: a stalled lane idles for the
-            # rest of its round, so the lanes go on with a branch per step instead.
+        if stalls >= 16 and 32 * stalls > a0 - d0:
+            # Escapes end more than one round in four or so (a round makes up to 8
+            # symbols a lane on such data; counted from lane 0's output, not per round:
+            # a counter in the rounds cost 3 %): a stalled lane idles for the rest of its
+            # round, so the lanes go on with a branch per step instead.
             q0, q1, q2, q3, a0, a1, a2, a3 = _escape_heavy_rounds(q0, q1, q2, q3, a0, a1, a2, a3, d0 + e0, d0 + e1,
                                                                   d0 + e2, d0 + e3, lim, mt, dt)
             break
-        t0 = t1 = t2 = t3 = _U64_0
-        for _ in range(rounds):
-            ran += 1
-            b0 = _window(q0)
-            b1 = _window(q1)
-            b2 = _window(q2)
-            b3 = _window(q3)
-            prefetch_at(pf_in, 0)
-            prefetch_at(pf_in + 64, 0)
-            prefetch_at(pf_out, 1)
-            prefetch_at(pf_out + 64, 1)
-            prefetch_at(pf_out + 128, 1)
-            prefetch_at(pf_out + 192, 1)
-            pf_in = min(pf_in + 128, pf_in_end)
-            pf_out = min(pf_out + 256, pf_out_end)
-            b0, a0, t0 = _fast_step(b0, a0, mt)
-            b1, a1, t1 = _fast_step(b1, a1, mt)
-            b2, a2, t2 = _fast_step(b2, a2, mt)
-            b3, a3, t3 = _fast_step(b3, a3, mt)
-            b0, a0, t0 = _fast_step(b0, a0, mt)
-            b1, a1, t1 = _fast_step(b1, a1, mt)
-            b2, a2, t2 = _fast_step(b2, a2, mt)
-            b3, a3, t3 = _fast_step(b3, a3, mt)
-            b0, a0, t0 = _fast_step(b0, a0, mt)
-            b1, a1, t1 = _fast_step(b1, a1, mt)
-            b2, a2, t2 = _fast_step(b2, a2, mt)
-            b3, a3, t3 = _fast_step(b3, a3, mt)
-            b0, a0, t0 = _fast_step(b0, a0, mt)
-            b1, a1, t1 = _fast_step(b1, a1, mt)
-            b2, a2, t2 = _fast_step(b2, a2, mt)
-            b3, a3, t3 = _fast_step(b3, a3, mt)
-            q0 += np.int64(leading_zeros(b0))
-            q1 += np.int64(leading_zeros(b1))
-            q2 += np.int64(leading_zeros(b2))
-            q3 += np.int64(leading_zeros(b3))
-            if t0 == _U64_0 or t1 == _U64_0 or t2 == _U64_0 or t3 == _U64_0:
-                break
+        # Rounds that also hash a quad of the checksum while quads are left, then
+        # plain ones; each kind with prefetches only where there is something to
+        # prefetch (a 1-byte chunk's lanes write its output: nothing), as the hints
+        # cost the loop registers.
+        hashed = min(rounds, (hp_end - hp) // 32)
+        if prefetching:
+            (q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3, hp, h0, h1, h2, h3, pf_in, pf_out) = _rounds(
+                hashed, q0, q1, q2, q3, a0, a1, a2, a3, mt, hp, h0, h1, h2, h3, pf_in, pf_in_end, pf_out,
+                pf_out_end, True, True)
+            if t0 != _U64_0 and t1 != _U64_0 and t2 != _U64_0 and t3 != _U64_0:
+                (q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3, hp, h0, h1, h2, h3, pf_in, pf_out) = _rounds(
+                    rounds - hashed, q0, q1, q2, q3, a0, a1, a2, a3, mt, hp, h0, h1, h2, h3, pf_in, pf_in_end,
+                    pf_out, pf_out_end, False, True)
+        else:
+            (q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3, hp, h0, h1, h2, h3, pf_in, pf_out) = _rounds(
+                hashed, q0, q1, q2, q3, a0, a1, a2, a3, mt, hp, h0, h1, h2, h3, pf_in, pf_in_end, pf_out,
+                pf_out_end, True, False)
+            if t0 != _U64_0 and t1 != _U64_0 and t2 != _U64_0 and t3 != _U64_0:
+                (q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3, hp, h0, h1, h2, h3, pf_in, pf_out) = _rounds(
+                    rounds - hashed, q0, q1, q2, q3, a0, a1, a2, a3, mt, hp, h0, h1, h2, h3, pf_in, pf_in_end,
+                    pf_out, pf_out_end, False, False)
         # A lane on an escape (or no code): decode that symbol alone. The rounds left
         # q <= lim and the lane's output 2 slots short of its end at least.
         ln0 = _escape_step(q0, a0, dt) if t0 == _U64_0 else -1
@@ -374,6 +499,17 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
         if ln3 > 0:
             q3 += ln3
             a3 += 1
+    hs[0] = h0
+    hs[1] = h1
+    hs[2] = h2
+    hs[3] = h3
+    hs[4] = np.uint64((hp - address(frame64)) // 8)
+    # The lanes that the rounds left far from their ends go on alone; all stay bounded
+    # by lim, so a corrupt lane still fails the overrun check below.
+    q0, a0 = _lane_alone(q0, a0, d0 + e0, lim, mt, dt)
+    q1, a1 = _lane_alone(q1, a1, d0 + e1, lim, mt, dt)
+    q2, a2 = _lane_alone(q2, a2, d0 + e2, lim, mt, dt)
+    q3, a3 = _lane_alone(q3, a3, d0 + e3, lim, mt, dt)
     p0 = q0 - base - 64 * w0
     p1 = q1 - base - 64 * w1
     p2 = q2 - base - 64 * w2
