@@ -627,7 +627,9 @@ def _decode_all(m: FileMap, index: dict, bm, sink, threads: int, progress: bool 
     tensors = index["tensors"]
     # Workers only decode; this thread writes each segment at its source offset (pwrite)
     # and hands it to the digest. Writes into one file take turns on its inode lock
-    # (tmpfs, ext4), and a worker waiting there would be a worker not decoding.
+    # (tmpfs, ext4), and a worker waiting there would be a worker not decoding. The
+    # writing is most of a thread's work, so this thread counts as one of ``threads``:
+    # a third thread decoding beside two left the writer with a smaller share of two cores.
     positional = isinstance(sink, AtomicFile)
     if positional:
         sink.reserve(index["source"]["size"])
@@ -644,7 +646,9 @@ def _decode_all(m: FileMap, index: dict, bm, sink, threads: int, progress: bool 
 
     h = DigestStream(threads > 1, recorded_digest(index["source"])[0])
     meter = _Progress(label, index["source"]["size"], progress)
-    work = ordered_map(decode, _read_ahead(index["segments"], m), threads, budget, _segment_cost)
+    workers = threads - 1 if positional and threads > 1 else threads
+    work = ordered_map(decode, _read_ahead(index["segments"], m), workers, budget, _segment_cost,
+                       inline=threads == 1)
     with contextlib.closing(work), contextlib.closing(h):
         for seg, (data, buf) in work:
             if data is not None:
