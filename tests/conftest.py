@@ -55,6 +55,7 @@ TIERS = {
     "test_checkpoint.py": ("unit", {"test_cli_*": "cli"}),
     "test_checkpoint_imports.py": "cli",  # fresh interpreters run the API calls and the commands
     "test_checkpoint_truncated.py": "cli",
+    "test_checkpoint_restore.py": "unit",
     "test_cli.py": "cli",
     "test_cli_conventions.py": "unit",  # the command line in-process (cli.main), real pipes and a pty
     "test_codec.py": ("unit", {"test_first_use_of_the_serial_*": "cli"}),  # that one: a fresh interpreter

@@ -625,8 +625,11 @@ def _segment_cost(seg) -> int:
 def _decode_all(m: FileMap, index: dict, bm, sink, threads: int, progress: bool | None, label: str) -> DigestStream:
     """Restore every segment in order into ``sink`` (None: nothing written); return the digest of the bytes."""
     tensors = index["tensors"]
-    # Restored bytes land at their source offsets, so workers write their own segments
-    # (pwrite) and this thread only hashes, in order.
+    # Workers only decode; this thread writes each segment at its source offset (pwrite)
+    # and hands it to the digest. Writes into one file take turns on its inode lock
+    # (tmpfs, ext4), and a worker waiting there would be a worker not decoding. The
+    # writing is most of a thread's work, so this thread counts as one of ``threads``:
+    # a third thread decoding beside two left the writer with a smaller share of two cores.
     positional = isinstance(sink, AtomicFile)
     if positional:
         sink.reserve(index["source"]["size"])
@@ -634,10 +637,7 @@ def _decode_all(m: FileMap, index: dict, bm, sink, threads: int, progress: bool 
     buffers = Buffers(_IN_FLIGHT_BYTES, PIECE_BYTES)
 
     def decode(seg):
-        data, buf = _decode_segment(seg, m, bm, tensors, m.path, buffers)
-        if positional and data is not None:
-            sink.pwrite(data, seg[0])
-        return data, buf
+        return _decode_segment(seg, m, bm, tensors, m.path, buffers)
 
     def finished(seg, buf) -> None:  # written and hashed: the buffer and its bytes go back
         if buf is not None:
@@ -646,12 +646,17 @@ def _decode_all(m: FileMap, index: dict, bm, sink, threads: int, progress: bool 
 
     h = DigestStream(threads > 1, recorded_digest(index["source"])[0])
     meter = _Progress(label, index["source"]["size"], progress)
-    work = ordered_map(decode, _read_ahead(index["segments"], m), threads, budget, _segment_cost)
+    workers = threads - 1 if positional and threads > 1 else threads
+    work = ordered_map(decode, _read_ahead(index["segments"], m), workers, budget, _segment_cost,
+                       inline=threads == 1)
     with contextlib.closing(work), contextlib.closing(h):
         for seg, (data, buf) in work:
             if data is not None:
-                if sink is not None and not positional:
-                    sink.write(data)  # before the digest: once hashed, the buffer is reused
+                # Written before the digest: once hashed, the buffer is reused.
+                if positional:
+                    sink.pwrite(data, seg[0])
+                elif sink is not None:
+                    sink.write(data)
                 h.update(data, functools.partial(finished, seg, buf))
             else:
                 finished(seg, buf)

@@ -262,6 +262,14 @@ class AtomicFile:
     The temp file is named by :func:`temp_name` (so a later run can find it if this one is
     killed) and gets ``mode`` (default: 0o666 less the umask) before it is renamed. With
     ``release_in_background``, a file it replaces is freed on a thread of its own.
+
+    Bytes go in with ``write`` or ``pwrite``, not through a shared mapping of the file:
+    a write fault that the file system cannot back (no room, an I/O error, the file cut
+    short by another process) kills the process with SIGBUS, and a mapping does not pay
+    on tmpfs either. Faulting fresh pages in (``MADV_POPULATE_WRITE`` after a
+    ``posix_fallocate``, which report an error instead of SIGBUS) cost more than pwrite's
+    allocation and copy (6.65 MB: 4.9 against 2.7 ms), a 1 GB restore took 1.05 s mapped
+    against 0.70 s, and two threads faulting one mapping ran no faster than one.
     """
 
     def __init__(self, path: str, mode: int | None = None, release_in_background: bool = False):

@@ -43,16 +43,20 @@ class Budget:
             self._cv.notify_all()
 
 
-def ordered_map(fn, jobs, threads: int, budget: Budget, cost):
+def ordered_map(fn, jobs, threads: int, budget: Budget, cost, inline: bool | None = None):
     """Yield (job, fn(job)) in job order, running up to ``threads`` jobs at once.
 
     A job is started only once ``budget.take(cost(job))`` grants it; the consumer gives
     ``cost(job)`` back when done with the result (for a digest computed on another thread,
     once hashed), so memory stays within the budget at any number of threads. At most
-    ``2 * threads + 2`` jobs are in flight; one thread runs everything inline. The numba
-    kernels and zstd release the GIL.
+    ``2 * threads + 2`` jobs are in flight. ``inline`` (default: one thread) runs every
+    job on the caller's thread; otherwise ``threads`` workers run them, so even one
+    worker runs beside a consumer that has work of its own. The numba kernels and zstd
+    release the GIL.
     """
-    if threads == 1:
+    if inline is None:
+        inline = threads == 1
+    if inline:
         for job in jobs:
             budget.take(cost(job), block=True)
             yield job, fn(job)
