@@ -305,9 +305,13 @@ def test_termination_signals_remove_the_temp_file(tmp_path, sig):
     proc = start_cli("compress", src, tmp_path / "o.cckp", "--threads", "1")
     deadline = time.time() + 120
     while time.time() < deadline and not any(n.endswith(".tmp") for n in os.listdir(tmp_path)):
-        time.sleep(0.02)
-    time.sleep(0.3)
+        time.sleep(0.005)
+    # Stopped while it writes, the run cannot finish between this check and the signal (a
+    # fixed sleep here let a fast compress commit first and meet the signal at exit).
+    proc.send_signal(signal.SIGSTOP)
+    assert any(n.endswith(".tmp") for n in os.listdir(tmp_path)), "the run ended before it could be signalled"
     proc.send_signal(sig)
+    proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + sig, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
