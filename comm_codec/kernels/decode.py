@@ -25,10 +25,10 @@ from .jit import entry, inline, jit, parallel_entry
 # numba's on-disk cache keys the kernels below on this file alone, and they hold their
 # own compiled copy of decode_lanes: a change to the lanes' table layout must come with
 # a change to this file, or a cached decode_chunks reads new tables the old way.
-from .lanes import HASH_STATE, decode_lanes
-from .layout import (CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, HASH_MUL, HASH_SEED, STATUS_BOOK, STATUS_CHECKSUM,
+from .lanes import decode_lanes
+from .layout import (CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, HASH_STATE, STATUS_BOOK, STATUS_CHECKSUM,
                      STATUS_MASK_COUNT, STATUS_OK, STATUS_SIZE)
-from .symbols import element_layout
+from .symbols import element_layout, hash_finish, hash_start
 
 __all__ = ["decode_chunks", "decode_chunks_serial", "decode_accumulate_chunks"]
 
@@ -174,49 +174,6 @@ def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_
 
 
 @jit
-def _hash_start(hs, start, nwords, seed):
-    """Set hs to the checksum of words[start:start+nwords] before any word: the four
-    chains of :func:`comm_codec.kernels.symbols.hash_words` at their seeds, the next
-    word start, the end of the whole quads."""
-    base = HASH_SEED ^ np.uint64(seed)
-    hs[0] = base
-    hs[1] = base ^ np.uint64(1)
-    hs[2] = base ^ np.uint64(2)
-    hs[3] = base ^ np.uint64(3)
-    hs[4] = np.uint64(start)
-    hs[5] = np.uint64(start + 4 * (nwords // 4))
-
-
-@jit
-def _hash_finish(words, hs, start, nwords):
-    """The checksum of words[start:start+nwords] from hs, whose chains have taken the
-    quads before word hs[4] (:func:`_hash_start`, then the lane loops): the quads
-    left, the last nwords % 4 words and the chains combined, as
-    :func:`comm_codec.kernels.symbols.hash_words` computes them."""
-    h0 = np.uint64(hs[0])
-    h1 = np.uint64(hs[1])
-    h2 = np.uint64(hs[2])
-    h3 = np.uint64(hs[3])
-    end4 = start + 4 * (nwords // 4)
-    k = np.int64(hs[4])
-    while k < end4:
-        h0 = (h0 ^ words[k]) * HASH_MUL
-        h1 = (h1 ^ words[k + 1]) * HASH_MUL
-        h2 = (h2 ^ words[k + 2]) * HASH_MUL
-        h3 = (h3 ^ words[k + 3]) * HASH_MUL
-        k += 4
-    r = nwords % 4
-    if r > 0:
-        h0 = (h0 ^ words[end4]) * HASH_MUL
-    if r > 1:
-        h1 = (h1 ^ words[end4 + 1]) * HASH_MUL
-    if r > 2:
-        h2 = (h2 ^ words[end4 + 2]) * HASH_MUL
-    h = (((h0 ^ h1) * HASH_MUL ^ h2) * HASH_MUL ^ h3) * HASH_MUL
-    return np.uint32((h >> np.uint64(32)) ^ (h & np.uint64(0xFFFFFFFF)))
-
-
-@jit
 def _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books, sizes,
                 offsets, checksums, do_checksum, out):
     """Decode chunk c into out (its count elements); return its status."""
@@ -232,10 +189,10 @@ def _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, m
     # The checksum is taken while the chunk decodes, in the lane loops' rounds (a pass
     # of its own is bound by the multiplications' latency); unchecked, nothing is hashed.
     hs = np.empty(HASH_STATE, dtype=np.uint64)
-    _hash_start(hs, pos // 8, length // 8 if do_checksum else 0, c)
+    hash_start(hs, pos // 8, length // 8 if do_checksum else 0, c)
     st = _decode_chunk(frame8, frame64, pos, count, flags, np.int64(refs[c]), np.int64(books[c]),
                        sizes[c], exp_shift, dec_tables, multi, out, hs)
-    if do_checksum and _hash_finish(frame64, hs, pos // 8, length // 8) != checksums[c]:
+    if do_checksum and hash_finish(frame64, hs, pos // 8, length // 8) != checksums[c]:
         st = STATUS_CHECKSUM
     return st
 

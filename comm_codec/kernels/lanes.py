@@ -33,7 +33,7 @@ from .jit import entry, inline, jit
 from .layout import (DEC_ENTRIES, HASH_MUL, LANE_HEADER, LANES, STATUS_BAD_CODE, STATUS_BOOK, STATUS_OK,
                      STATUS_OVERRUN, STATUS_SIZE)
 
-__all__ = ["MULTI_BITS", "HASH_STATE", "multi_tables", "decode_lanes"]
+__all__ = ["MULTI_BITS", "multi_tables", "decode_lanes"]
 
 MULTI_BITS = 12  # window of a multi-symbol lookup
 _MULTI_SIZE = 1 << MULTI_BITS
@@ -47,9 +47,6 @@ _DEC_INDEX = DEC_ENTRIES - 1
 _DEC_MASK = np.uint64(_DEC_INDEX)
 _U64_0 = np.uint64(0)
 _ONE = np.uint64(1)
-# A chunk checksum's state as the lane loops carry it (decode_lanes' hs): the four
-# chains, then the next word and the end of the whole quads to hash (word indices).
-HASH_STATE = 6
 
 
 @jit
@@ -376,9 +373,10 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
     next (its raw streams) and the output it writes (read for ownership first). Hints
     only: any addresses are safe.
 
-    It also goes on with the chunk's checksum (:data:`HASH_STATE` values in hs, uint64):
-    one quad of words (a word into each of the four chains of
-    :func:`comm_codec.kernels.symbols.hash_words`) a round while quads are left. The
+    It also goes on with the chunk's checksum (hs: uint64[HASH_STATE] from
+    :func:`comm_codec.kernels.symbols.hash_start`): one quad of words (a word into each
+    of the four chains of :func:`comm_codec.kernels.symbols.hash_words`) a round while
+    quads are left. The
     multiplications run beside the lookups' dependency chains, where they cost a
     fraction of a pass of their own over the payload, which is bound by the
     multiplications' latency. The caller finishes the hash (the quads left, the tail).

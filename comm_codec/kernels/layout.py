@@ -37,6 +37,7 @@ __all__ = [
     "DEC_ENTRIES",
     "HASH_MUL",
     "HASH_SEED",
+    "HASH_STATE",
     "STATUS_OK",
     "STATUS_CHECKSUM",
     "STATUS_BAD_CODE",
@@ -66,6 +67,9 @@ DEC_ENTRIES = 1 << DEC_BITS
 # The payload checksum's multiply-xor chains (see symbols.hash_words).
 HASH_MUL = np.uint64(0x9E3779B97F4A7C15)
 HASH_SEED = np.uint64(0xCBF29CE484222325)
+# A chunk checksum's state while it is taken piecewise (symbols.hash_start): the four
+# chains, then the next word and the end of the whole quads to hash (word indices).
+HASH_STATE = 6
 
 STATUS_OK = 0
 STATUS_CHECKSUM = 1

@@ -16,7 +16,7 @@ from .jit import OVERLOAD_OPTIONS, inline, jit
 from .layout import HASH_MUL, HASH_SEED
 
 __all__ = ["element_layout", "stream_params", "symbol", "symbol0", "symbols0", "rotated", "chunk_ref", "count_zeros",
-           "hash_words"]
+           "hash_start", "hash_finish", "hash_words"]
 
 
 def element_layout(bits):
@@ -173,6 +173,32 @@ def count_zeros(view):
     return z
 
 
+@inline
+def _quads(view, h0, h1, h2, h3):
+    """The chains after view's whole quads of words (word k into chain k mod 4)."""
+    q = view.size // 4
+    for k in range(q):
+        h0 = (h0 ^ view[4 * k]) * HASH_MUL
+        h1 = (h1 ^ view[4 * k + 1]) * HASH_MUL
+        h2 = (h2 ^ view[4 * k + 2]) * HASH_MUL
+        h3 = (h3 ^ view[4 * k + 3]) * HASH_MUL
+    return h0, h1, h2, h3
+
+
+@inline
+def _fold(tail, h0, h1, h2, h3):
+    """The checksum from the chains and the last words (fewer than 4): combined, folded to 32 bits."""
+    r = tail.size
+    if r > 0:
+        h0 = (h0 ^ tail[0]) * HASH_MUL
+    if r > 1:
+        h1 = (h1 ^ tail[1]) * HASH_MUL
+    if r > 2:
+        h2 = (h2 ^ tail[2]) * HASH_MUL
+    h = (((h0 ^ h1) * HASH_MUL ^ h2) * HASH_MUL ^ h3) * HASH_MUL
+    return np.uint32((h >> np.uint64(32)) ^ (h & np.uint64(0xFFFFFFFF)))
+
+
 @jit
 def hash_words(words, start, nwords, seed):
     """Checksum of words[start:start+nwords]: four multiply-xor chains, then combined.
@@ -181,23 +207,34 @@ def hash_words(words, start, nwords, seed):
     is bound by the multiply's latency. The 64-bit result is folded to 32 bits.
     """
     base = HASH_SEED ^ np.uint64(seed)
-    h0 = base
-    h1 = base ^ np.uint64(1)
-    h2 = base ^ np.uint64(2)
-    h3 = base ^ np.uint64(3)
     view = words[start:start + nwords]
-    q = view.size // 4
-    for k in range(q):
-        h0 = (h0 ^ view[4 * k]) * HASH_MUL
-        h1 = (h1 ^ view[4 * k + 1]) * HASH_MUL
-        h2 = (h2 ^ view[4 * k + 2]) * HASH_MUL
-        h3 = (h3 ^ view[4 * k + 3]) * HASH_MUL
-    r = view.size - 4 * q
-    if r > 0:
-        h0 = (h0 ^ view[4 * q]) * HASH_MUL
-    if r > 1:
-        h1 = (h1 ^ view[4 * q + 1]) * HASH_MUL
-    if r > 2:
-        h2 = (h2 ^ view[4 * q + 2]) * HASH_MUL
-    h = (((h0 ^ h1) * HASH_MUL ^ h2) * HASH_MUL ^ h3) * HASH_MUL
-    return np.uint32((h >> np.uint64(32)) ^ (h & np.uint64(0xFFFFFFFF)))
+    h0, h1, h2, h3 = _quads(view, base, base ^ np.uint64(1), base ^ np.uint64(2), base ^ np.uint64(3))
+    return _fold(view[4 * (view.size // 4):], h0, h1, h2, h3)
+
+
+@jit
+def hash_start(hs, start, nwords, seed):
+    """Set hs (uint64[layout.HASH_STATE]) to :func:`hash_words`' state before any word of
+    words[start:start+nwords]: the four chains at their seeds, the next word, the end of
+    the whole quads.
+
+    The decoder's lane loops take quads into the chains while they decode
+    (:func:`comm_codec.kernels.lanes.decode_lanes`); :func:`hash_finish` takes the rest.
+    """
+    base = HASH_SEED ^ np.uint64(seed)
+    hs[0] = base
+    hs[1] = base ^ np.uint64(1)
+    hs[2] = base ^ np.uint64(2)
+    hs[3] = base ^ np.uint64(3)
+    hs[4] = np.uint64(start)
+    hs[5] = np.uint64(start + 4 * (nwords // 4))
+
+
+@jit
+def hash_finish(words, hs, start, nwords):
+    """:func:`hash_words` of words[start:start+nwords] from hs, whose chains have taken the
+    quads before word hs[4] (:func:`hash_start`): the quads left, the last words, folded."""
+    end4 = start + 4 * (nwords // 4)
+    h0, h1, h2, h3 = _quads(words[np.int64(hs[4]):end4], np.uint64(hs[0]), np.uint64(hs[1]), np.uint64(hs[2]),
+                            np.uint64(hs[3]))
+    return _fold(words[end4:start + nwords], h0, h1, h2, h3)
