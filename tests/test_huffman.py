@@ -236,6 +236,44 @@ def test_tables_agree_with_naive_canonical_codes(name):
             assert entry & 0x8000
 
 
+def _naive_tables(lengths, escape_length):
+    """Every enc_code / enc_len / dec entry of a book, from the textbook canonical codes."""
+    codes = naive.canonical_codes(lengths, escape_length)
+    enc_code, enc_len = [0] * 256, [0] * 256
+    for sym in range(256):
+        if int(lengths[sym]) or escape_length:
+            bits = naive.encode_bits([sym], lengths, escape_length)
+            enc_len[sym] = len(bits)
+            enc_code[sym] = int.from_bytes(naive.bits_to_bytes(bits), "little")
+    dec = [0] * 4096
+    for sym, (code, ln) in codes.items():
+        rev = int(format(code, f"0{ln}b")[::-1], 2)
+        entry = (0x8000 if sym == naive.ESCAPE else sym) | (ln << 8)
+        for high in range(1 << (12 - ln)):
+            dec[rev | (high << ln)] = entry
+    return enc_code, enc_len, dec
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 1 << 20), min_size=256, max_size=256), st.booleans(), st.integers(0, 3))
+def test_every_table_entry_matches_the_textbook_codes(counts, escapes, drop):
+    # Escapes (rare symbols), codes short and long, and books whose code is incomplete
+    # (some codes dropped): every one of the 4096 decode slots and 256 encode entries.
+    # Without escapes every symbol is likely enough (p > 2**-13) to get a code of its own.
+    counts = np.array(counts) + (0 if escapes else 1 << 16)
+    assume(counts.sum() > 0)
+    book = cc.Codebook.from_counts(counts, raw_threshold=None)
+    if drop and book.escape_length:
+        lengths = book.lengths.copy()
+        lengths[np.nonzero(lengths)[0][:drop]] = 0  # an incomplete code: slots no code starts at stay 0
+        book = huffman.Codebook(lengths, book.escape_length)
+    enc_code, enc_len, dec = book.tables()
+    want_code, want_len, want_dec = _naive_tables(book.lengths, book.escape_length)
+    assert enc_len.tolist() == want_len
+    assert enc_code.tolist() == want_code
+    assert dec.tolist() == want_dec
+
+
 def test_naive_round_trip_through_a_book():
     book = cc.Codebook.from_counts(DISTRIBUTIONS["geometric"])
     symbols = list(range(256)) + [0, 0, 1, 255, 17]

@@ -40,6 +40,7 @@ import hashlib
 
 import numpy as np
 
+from ..kernels.codes import canonical_tables
 from ..kernels.histogram import package_merge
 from .errors import CodebookError
 from .quoting import shown
@@ -68,13 +69,6 @@ _ESCAPE = 256
 # Decode-table entry layout (uint16): symbol in bits 0-7, length in bits 8-11, escape flag.
 DEC_LEN_SHIFT = 8
 DEC_ESCAPE_FLAG = 0x8000
-
-
-
-
-# _REV12[x] is x's 12 low bits in reverse order: a code of length l, written MSB first,
-# is packed LSB first as _REV12[code] >> (12 - l).
-_REV12 = np.array([int(format(x, "012b")[::-1], 2) for x in range(1 << 12)], dtype=np.int64)
 
 
 def _quantize(counts) -> np.ndarray:
@@ -248,23 +242,6 @@ class Codebook:
             self._tables = self._build_tables()
         return self._tables
 
-    def _canonical_codes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Return (symbols, lengths, codes) in canonical order: by length, then symbol.
-
-        The escape is symbol 256. Codes are MSB-first integers: each is the Kraft sum of
-        the codes before it, scaled to its length (exact, as lengths never decrease).
-        """
-        symbols = np.nonzero(self.lengths)[0]
-        lengths = self.lengths[symbols].astype(np.int64)
-        if self.escape_length:
-            symbols = np.append(symbols, _ESCAPE)
-            lengths = np.append(lengths, self.escape_length)
-        order = np.lexsort((symbols, lengths))
-        symbols, lengths = symbols[order], lengths[order]
-        space = np.int64(1) << (MAX_CODE_LENGTH - lengths)
-        before = np.concatenate(([0], np.cumsum(space)[:-1]))
-        return symbols, lengths, before >> (MAX_CODE_LENGTH - lengths)
-
     def _build_tables(self):
         enc_code = np.zeros(256, dtype=np.uint32)
         enc_len = np.zeros(256, dtype=np.uint8)
@@ -273,23 +250,7 @@ class Codebook:
             enc_code[:] = np.arange(256, dtype=np.uint32)
             enc_len[:] = 8
             return enc_code, enc_len, dec
-        symbols, lengths, codes = self._canonical_codes()
-        rev = _REV12[codes] >> (MAX_CODE_LENGTH - lengths)
-        entries = np.where(symbols == _ESCAPE, DEC_ESCAPE_FLAG, symbols) | (lengths << DEC_LEN_SHIFT)
-        # A code of length l fills every table slot whose low l bits are its reversed code.
-        fills = np.int64(1) << (DECODE_BITS - lengths)
-        first = np.concatenate(([0], np.cumsum(fills)[:-1]))
-        k = np.arange(int(fills.sum())) - np.repeat(first, fills)
-        dec[np.repeat(rev, fills) + (k << np.repeat(lengths, fills))] = np.repeat(entries, fills)
-        direct = symbols != _ESCAPE
-        enc_code[symbols[direct]] = rev[direct]
-        enc_len[symbols[direct]] = lengths[direct]
-        escaped = self.lengths == 0
-        if self.escape_length:
-            esc_rev = int(rev[~direct][0])
-            raw_syms = np.nonzero(escaped)[0].astype(np.int64)
-            enc_code[escaped] = esc_rev | (raw_syms << self.escape_length)
-            enc_len[escaped] = self.escape_length + 8
+        canonical_tables(self.lengths, self.escape_length, DEC_ESCAPE_FLAG, enc_code, enc_len, dec)
         return enc_code, enc_len, dec
 
     # -- serialization --------------------------------------------------------------
