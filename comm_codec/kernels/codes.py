@@ -1,9 +1,8 @@
 """A book's canonical codes as the kernels' lookup tables, in one compiled pass.
 
 A checkpoint restore builds the tables of every book tuple its tensors name, from books
-parsed out of the file: on an Adam-state file of 38 fp32 tuples, building them with numpy
-calls (lexsort, cumsum, repeat, fancy-index stores; ~60 µs a book) took a fifth of the
-restore. This loop does the same work in a few microseconds.
+parsed out of the file (tens of tuples on an optimizer-state file), so building them is
+on its path: one compiled pass takes a few microseconds a book.
 
 The tables are :meth:`comm_codec.core.huffman.Codebook.tables`'s: ``enc_code`` holds each
 symbol's code bit-reversed for LSB-first packing (an escaped symbol's being the escape
