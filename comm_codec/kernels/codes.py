@@ -16,20 +16,21 @@ from __future__ import annotations
 import numpy as np
 
 from .jit import entry, inline
+from .layout import DEC_BITS
 
 __all__ = ["canonical_tables"]
 
 
 @entry
 def canonical_tables(lengths, escape_length, escape_flag, enc_code, enc_len, dec):
-    """Fill enc_code (uint32[256]), enc_len (uint8[256]) and dec (uint16[2**bits]) for a coded book.
+    """Fill enc_code (uint32[256]), enc_len (uint8[256]) and dec (uint16[DEC_ENTRIES]) for a coded book.
 
     Codes are assigned in canonical order, by (length, symbol) with the escape as symbol
     256; each is the Kraft sum of the codes before it, scaled to its length.
 
     Args:
         lengths: uint8[256], each symbol's code length, 0 for an escaped symbol; every
-            length is at most ``log2(dec.size)`` and the lengths satisfy Kraft's
+            length is at most ``DEC_BITS`` and the lengths satisfy Kraft's
             inequality (:class:`~comm_codec.core.huffman.Codebook` checks both).
         escape_length: the escape code's length, 0 for a book without one.
         escape_flag: what ``dec`` holds in place of the symbol for the escape.
@@ -38,17 +39,14 @@ def canonical_tables(lengths, escape_length, escape_flag, enc_code, enc_len, dec
     Returns:
         Nothing; the outputs are filled. A slot of ``dec`` no code starts at stays 0.
     """
-    bits = 0
-    while (1 << bits) < dec.size:
-        bits += 1
     rev = np.zeros(257, np.int64)  # each symbol's code (the escape's at 256), bit-reversed
-    before = 0  # Kraft sum of the codes assigned so far, in units of 2**-bits
-    for length in range(1, bits + 1):
+    before = 0  # Kraft sum of the codes assigned so far, in units of 2**-DEC_BITS
+    for length in range(1, DEC_BITS + 1):
         for sym in range(257):
             if _length(lengths, escape_length, sym) != length:
                 continue
-            code = before >> (bits - length)
-            before += 1 << (bits - length)
+            code = before >> (DEC_BITS - length)
+            before += 1 << (DEC_BITS - length)
             r = 0
             for i in range(length):
                 r = (r << 1) | ((code >> i) & 1)
@@ -57,9 +55,9 @@ def canonical_tables(lengths, escape_length, escape_flag, enc_code, enc_len, dec
         length = _length(lengths, escape_length, sym)
         if length == 0:
             continue
-        entry = (escape_flag if sym == 256 else sym) | (length << 8)
-        for k in range(1 << (bits - length)):  # every slot whose low bits are the code
-            dec[rev[sym] | (k << length)] = entry
+        slot = (escape_flag if sym == 256 else sym) | (length << 8)
+        for k in range(1 << (DEC_BITS - length)):  # every slot whose low bits are the code
+            dec[rev[sym] | (k << length)] = slot
         if sym < 256:
             enc_code[sym] = rev[sym]
             enc_len[sym] = length
