@@ -648,22 +648,31 @@ def _write_chunk(bits, lo, hi, c, exp_shift, enc_code, enc_len, nbooks, raw_stre
     Stream 0's lanes count the elements whose byte is 0, as the planner's histogram did,
     so zeros need a pass of their own only where some element has it. A chunk planned
     first: stream 0 raw, a stream with a group of books (the choice needs the
-    histogram), or zeros in the reference's sample (the mask may pay), or that the
-    count shows is better masked (it is written again).
+    histogram), or a sample whose zeros say the mask may pay, or that the count
+    shows is better masked (it is written again).
     """
     ns = enc_len.shape[0]
     count = hi - lo
     direct = not raw_stream[0]
     for s in range(ns):
         direct = direct and (raw_stream[s] or nbooks[s] == 1)
-    if direct:
-        sz, sn = _sample_zeros(bits, lo, hi)
-        direct = sz * 16 <= sn
     src = bits[lo:hi]
     ref = np.int64(0)
     seg0 = np.int64(-1)
+    zero_cost = 0
     if direct:
         ref = np.int64(chunk_ref(bits, lo, hi, exp_shift))
+        for s in range(ns):
+            sh, sub, top, ra, mask = stream_params(src, s, exp_shift, ref)
+            zero_cost += 8 if raw_stream[s] else enc_len[s, 0, symbol(0, sh, sub, top, ra, mask)]
+        # Written at once unless the sample's zeros say the mask will pay (it does where
+        # zeros x their cost in the streams exceeds one bit per element): the XOR of two
+        # checkpoints' weights is some 12 % zeros at ~4 bits each, and sizing it first
+        # took a second pass. The check below is the exact one; the sample only saves a
+        # write that would be thrown away (1/4 of margin for its noise).
+        sz, sn = _sample_zeros(bits, lo, hi)
+        direct = 4 * sz * zero_cost <= 3 * sn
+    if direct:
         seg0, byte0 = _write_segment(src, 0, exp_shift, ref, enc_code[0, 0], enc_len[0, 0], pair_code[0],
                                      pair_len[0], out8, out64, pos, pos + count, True)
         width, _, _ = element_layout(src)
@@ -671,10 +680,6 @@ def _write_chunk(bits, lo, hi, c, exp_shift, enc_code, enc_len, nbooks, raw_stre
             zeros = byte0  # an all-zero element's bytes are all 0 (and it is that byte alone)
         else:
             zeros = count_zeros(src)
-        zero_cost = 0
-        for s in range(ns):
-            sh, sub, top, ra, mask = stream_params(src, s, exp_shift, ref)
-            zero_cost += 8 if raw_stream[s] else enc_len[s, 0, symbol(0, sh, sub, top, ra, mask)]
         direct = zeros < count and zeros * zero_cost <= count + 64
     if not direct:
         _plan_chunk(bits, lo, hi, c, exp_shift, enc_len, nbooks, raw_stream, cflags, refs, books, sizes)
