@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 from numba.cpython.unsafe.numbers import leading_zeros
 
-from .intrinsics import address, load16, load64, prefetch_at, store8_at, store64, store64_at
+from .intrinsics import address, load16, load64, prefetch_at, store8_at, store64_at
 from .jit import entry, inline, jit
 from .layout import (DEC_ENTRIES, HASH_MUL, LANE_HEADER, LANES, STATUS_BAD_CODE, STATUS_BOOK, STATUS_OK,
                      STATUS_OVERRUN, STATUS_SIZE)
@@ -56,19 +56,21 @@ def _get_u32(buf8, pos):
 
 
 @inline
-def _peek(words, base, nwords, pos):
-    """64 bits of a lane from bit pos; bits past the lane's last word read as zero."""
+def _peek_at(wa, nwords, pos):
+    """64 bits of a lane, whose words lie at address wa, from bit pos; bits past its last
+    word read as zero."""
     w = pos >> 6
     off = np.uint64(pos & 63)
-    lo = words[base + w] if w < nwords else _U64_0
-    hi = words[base + w + 1] if w + 1 < nwords else _U64_0
-    return (lo >> off) | ((hi << np.uint64(1)) << (np.uint64(63) - off))
+    lo = load64(wa + 8 * w) if w < nwords else _U64_0
+    hi = load64(wa + 8 * (w + 1)) if w + 1 < nwords else _U64_0
+    return (lo >> off) | ((hi << _ONE) << (np.uint64(63) - off))
 
 
 @inline
-def _step(buf, dec):
-    """Decode one symbol from buf: (symbol, bits used); bits used 0 = no such code."""
-    e = np.int64(dec[np.int64(buf & _DEC_MASK)])
+def _step_at(buf, dt):
+    """Decode one symbol from buf with the plain table at address dt: (symbol, bits
+    used); bits used 0 = no such code."""
+    e = np.int64(load16(dt + 2 * np.int64(buf & _DEC_MASK)))
     ln = (e >> 8) & 15
     sym = e & 255
     if e >= 0x8000 or ln == 0:  # escape or invalid: off the fast path
@@ -111,55 +113,49 @@ def _multi_table(dec, multi):
         multi[x] = (entry | total | (n << 56)) if n else 0
 
 
-@inline
-def _multi_step(buf, multi, dec, dst, i):
-    """Decode up to six symbols from buf into dst[i:i+8]: (symbols done, bits used).
-
-    Always writes eight bytes (the caller leaves room): slots past the symbols decoded
-    are rewritten by the next step. Symbols are the codes' own bytes; stream 0's
-    reference is added when the element is assembled.
-    """
-    e = multi[np.int64(buf & _MULTI_MASK)]
-    if e != _U64_0:
-        store64(dst, i, np.int64(e >> _SYM_SHIFT))
-        return np.int64(e >> _COUNT_SHIFT), np.int64(e & _LEN_MASK)
-    sym, ln = _step(buf, dec)
-    if ln == 0:
-        return 0, 0
-    dst[i] = sym
-    return 1, ln
-
-
 @jit
-def _lane_rest(words, base, nwords, pos, multi, dec, dst, i, end):
-    """Decode dst[i:end] of one lane, three steps per refill while 20 slots remain, then
-    a lookup per refill (a multi-symbol one where all its symbols are wanted: the bits
-    used must end at the lane's last symbol, or a lane that ends near its last bit
-    would look overrun)."""
+def _lane_rest(wa, nwords, pos, mt, dt, d, i, end):
+    """Decode symbols i..end-1 of one lane into address d + i: three steps per refill while
+    20 slots remain, then a lookup per refill (a multi-symbol one where all its symbols
+    are wanted: the bits used must end at the lane's last symbol, or a lane that ends
+    near its last bit would look overrun); (status, bit position).
+
+    wa, nwords: the lane's words (address, count); mt, dt: the multi-symbol and plain
+    tables' addresses. Addresses, not arrays: an array argument costs a reference count
+    taken and dropped on each call, four calls a chunk.
+    """
     while i + 20 <= end:  # 3 steps of up to 6 symbols, each writing 8 bytes
-        b = _peek(words, base, nwords, pos)
+        b = _peek_at(wa, nwords, pos)
         for r in range(3):
-            n, ln = _multi_step(b, multi, dec, dst, i)
-            if ln == 0:
-                return STATUS_BAD_CODE, pos
+            e = load64(mt + 8 * np.int64(b & _MULTI_MASK))
+            n = np.int64(1)
+            if e != _U64_0:
+                store64_at(d + i, np.int64(e >> _SYM_SHIFT))
+                n = np.int64(e >> _COUNT_SHIFT)
+                ln = np.int64(e & _LEN_MASK)
+            else:
+                sym, ln = _step_at(b, dt)
+                if ln == 0:
+                    return STATUS_BAD_CODE, pos
+                store8_at(d + i, sym)
             b >>= np.uint64(ln)
             pos += ln
             i += n
     while i < end:  # one lookup per refill, its symbols stored one by one
-        b = _peek(words, base, nwords, pos)
-        e = multi[np.int64(b & _MULTI_MASK)]
+        b = _peek_at(wa, nwords, pos)
+        e = load64(mt + 8 * np.int64(b & _MULTI_MASK))
         n = np.int64(e >> _COUNT_SHIFT)
         if e != _U64_0 and i + n <= end:  # all its symbols are the lane's (bits past them are not)
             for j in range(n):
-                dst[i + j] = np.int64(e >> np.uint64(8 + 8 * j)) & 255
+                store8_at(d + i + j, np.int64(e >> np.uint64(8 + 8 * j)) & 255)
             pos += np.int64(e & _LEN_MASK)
             i += n
             continue
-        sym, ln = _step(b, dec)
+        sym, ln = _step_at(b, dt)
         if ln == 0:
             return STATUS_BAD_CODE, pos
         pos += ln
-        dst[i] = sym
+        store8_at(d + i, sym)
         i += 1
     return STATUS_OK, pos
 
@@ -360,6 +356,20 @@ def _lane_alone(q, a, end, lim, mt, dt):
                 break
             q += ln
             a += 1
+    # Then a step at a time while its 8-byte store stays inside the lane: what is left
+    # for the checked steps of _lane_rest is under 8 symbols, not up to 25.
+    while a + 8 <= end and q <= lim:
+        e = load64(mt + 8 * np.int64(_window(q) & _MULTI_MASK))
+        if e == _U64_0:
+            ln = _escape_step(q, a, dt)
+            if ln == 0:
+                break
+            q += ln
+            a += 1
+            continue
+        store64_at(a, np.int64(e >> _SYM_SHIFT))
+        q += np.int64(e & _LEN_MASK)
+        a += np.int64(e >> _COUNT_SHIFT)
     return q, a
 
 
@@ -518,13 +528,14 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
     i3 = a3 - d0
     if p0 > 8 * lb0 or p1 > 8 * lb1 or p2 > 8 * lb2 or p3 > 8 * lb3:
         return STATUS_OVERRUN
-    st, p0 = _lane_rest(frame64, w0, n0, p0, multi, dec, dst, i0, e0)
+    wa = address(frame64)
+    st, p0 = _lane_rest(wa + 8 * w0, n0, p0, mt, dt, d0, i0, e0)
     if st == STATUS_OK:
-        st, p1 = _lane_rest(frame64, w1, n1, p1, multi, dec, dst, i1, e1)
+        st, p1 = _lane_rest(wa + 8 * w1, n1, p1, mt, dt, d0, i1, e1)
     if st == STATUS_OK:
-        st, p2 = _lane_rest(frame64, w2, n2, p2, multi, dec, dst, i2, e2)
+        st, p2 = _lane_rest(wa + 8 * w2, n2, p2, mt, dt, d0, i2, e2)
     if st == STATUS_OK:
-        st, p3 = _lane_rest(frame64, w3, n3, p3, multi, dec, dst, i3, e3)
+        st, p3 = _lane_rest(wa + 8 * w3, n3, p3, mt, dt, d0, i3, e3)
     if st == STATUS_OK and (p0 > 8 * lb0 or p1 > 8 * lb1 or p2 > 8 * lb2 or p3 > 8 * lb3):
         return STATUS_OVERRUN
     return st
