@@ -234,15 +234,21 @@ def test_serial_frame_equals_the_planned_path_with_zeros_the_reference_sample_mi
     odd = np.random.default_rng(5).random(ints.size) < 2 * share
     odd[::2] = False
     ints[odd] = 0
-    x = torch.from_numpy(ints).view(dtype)
-    prof = WarmupProfiler(chunk_elems=4096, max_books=1)  # single books: groups are planned first
+    _check_serial_is_planned(torch.from_numpy(ints).view(dtype), masked=share == 0.45)
+
+
+def _check_serial_is_planned(x: torch.Tensor, masked: bool) -> None:
+    """encode_frame's bytes are the planned path's for x, coded in 4096-element chunks with
+    a single book per stream fitted to it (groups are planned first); with ``masked``
+    every chunk takes the zero mask. The frame decodes to x, also naively."""
+    prof = WarmupProfiler(chunk_elems=4096, max_books=1)
     prof.observe(x, "weight")
     codec = cc.Codec(prof.build(), threads=1, chunk_elems=4096)
+    bits, spec = as_bits(x)
     serial = codec._encode_serial(bits, spec, "weight")
     assert np.array_equal(serial, codec._encode_planned(bits, spec, "weight"))
-    flags = codec.frame_parameters(serial).table["cflags"]
-    if share == 0.45:
-        assert (flags & 1).all(), "these chunks pay for the mask"
+    if masked:
+        assert (codec.frame_parameters(serial).table["cflags"] & 1).all(), "these chunks pay for the mask"
     bits_equal(codec.decode(serial), x)
     bits_equal(naive.decode_frame(serial.tobytes(), naive.frame_books(codec.codebooks)), x)
 
@@ -259,14 +265,4 @@ def test_serial_frame_equals_the_planned_path_with_zeros_the_reference_sample_se
     b = (a.float() + torch.randn(60_000, generator=g) * 2e-4).to(dtype)
     ints = (as_bits(a)[0] ^ as_bits(b)[0]).view(np.dtype(f"i{a.element_size()}"))
     ints[np.random.default_rng(3).random(ints.size) < share] = 0
-    x = torch.from_numpy(ints.copy()).view(dtype)
-    prof = WarmupProfiler(chunk_elems=4096, max_books=1)
-    prof.observe(x, "weight")
-    codec = cc.Codec(prof.build(), threads=1, chunk_elems=4096)
-    bits, spec = as_bits(x)
-    serial = codec._encode_serial(bits, spec, "weight")
-    assert np.array_equal(serial, codec._encode_planned(bits, spec, "weight"))
-    flags = codec.frame_parameters(serial).table["cflags"]
-    if share == 0.6:
-        assert (flags & 1).all(), "these chunks pay for the mask"
-    bits_equal(codec.decode(serial), x)
+    _check_serial_is_planned(torch.from_numpy(ints.copy()).view(dtype), masked=share == 0.6)

@@ -25,7 +25,8 @@ from .jit import entry, inline, jit, parallel_entry
 # numba's on-disk cache keys the kernels below on this file alone, and they hold their
 # own compiled copy of decode_lanes: any change to lanes.py (its code, not only its
 # table layout) must come with a change to this file, or a cached decode_chunks goes on
-# running the old lanes (with new tables, reading them the old way).
+# running the old lanes (with new tables, reading them the old way). So a cached
+# decode kernel is only as new as this file.
 from .lanes import decode_lanes
 from .layout import (CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, HASH_STATE, STATUS_BOOK, STATUS_CHECKSUM,
                      STATUS_MASK_COUNT, STATUS_OK, STATUS_SIZE)

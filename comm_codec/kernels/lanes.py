@@ -332,44 +332,41 @@ def _lane_alone(q, a, end, lim, mt, dt):
     have hundreds of symbols left (lanes of one chunk use different numbers of bits),
     and :func:`_lane_rest`'s checked steps cost several times a fast step. This runs
     the fast loop's rounds on one lane, under the same bounds (end: the lane's output
-    end, lim: the last bit address an 8-byte read may start at), an escape decoded where
-    it stops a round. It stops near the lane's end, or on no code (where
-    :func:`_lane_rest` then reports it).
+    end, lim: the last bit address an 8-byte read may start at), then single steps
+    while a step's 8-byte store stays inside the lane, so that under 8 symbols are left
+    for the checked steps; an escape is decoded where it stops a round or a step. It
+    stops near the lane's end, or on no code (where :func:`_lane_rest` then reports it).
     """
     while True:
         rounds = min((end - a - 2) // 24, (lim - q) // 48)
-        if rounds <= 0:
+        if rounds > 0:
+            t = _U64_0
+            for _ in range(rounds):
+                b = _window(q)
+                b, a, t = _fast_step(b, a, mt)
+                b, a, t = _fast_step(b, a, mt)
+                b, a, t = _fast_step(b, a, mt)
+                b, a, t = _fast_step(b, a, mt)
+                q += np.int64(leading_zeros(b))
+                if t == _U64_0:
+                    break
+            if t != _U64_0:
+                continue
+        elif a + 8 <= end and q <= lim:
+            e = load64(mt + 8 * np.int64(_window(q) & _MULTI_MASK))
+            if e != _U64_0:
+                store64_at(a, np.int64(e >> _SYM_SHIFT))
+                q += np.int64(e & _LEN_MASK)
+                a += np.int64(e >> _COUNT_SHIFT)
+                continue
+        else:
             break
-        t = _U64_0
-        for _ in range(rounds):
-            b = _window(q)
-            b, a, t = _fast_step(b, a, mt)
-            b, a, t = _fast_step(b, a, mt)
-            b, a, t = _fast_step(b, a, mt)
-            b, a, t = _fast_step(b, a, mt)
-            q += np.int64(leading_zeros(b))
-            if t == _U64_0:
-                break
-        if t == _U64_0:
-            ln = _escape_step(q, a, dt)
-            if ln == 0:
-                break
-            q += ln
-            a += 1
-    # Then a step at a time while its 8-byte store stays inside the lane: what is left
-    # for the checked steps of _lane_rest is under 8 symbols, not up to 25.
-    while a + 8 <= end and q <= lim:
-        e = load64(mt + 8 * np.int64(_window(q) & _MULTI_MASK))
-        if e == _U64_0:
-            ln = _escape_step(q, a, dt)
-            if ln == 0:
-                break
-            q += ln
-            a += 1
-            continue
-        store64_at(a, np.int64(e >> _SYM_SHIFT))
-        q += np.int64(e & _LEN_MASK)
-        a += np.int64(e >> _COUNT_SHIFT)
+        # Stopped on an escape (or no code): that symbol alone.
+        ln = _escape_step(q, a, dt)
+        if ln == 0:
+            break
+        q += ln
+        a += 1
     return q, a
 
 
