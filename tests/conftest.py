@@ -91,6 +91,7 @@ TIERS = {
     "test_zero3.py": "dist",
     "test_untrusted_bounds.py": ("unit", {"test_every_command_works_*": "cli", "test_a_bad_numba_*": "cli"}),
     "test_untrusted_names.py": "cli",
+    "test_schema.py": "unit",
     "test_untrusted_lossy.py": ("cli", {"test_rounding_meets_*": "unit"}),
     "test_untrusted.py": ("unit", {"test_crafted_inputs_exit_cleanly_in_bounded_memory": "cli",
                                    "test_termination_signals_remove_the_temp_file": "cli",
