@@ -81,6 +81,24 @@ def _compact(src, kept):
     return j
 
 
+@inline
+def _zero_cost(bits, exp_shift, ref, enc_len, raw_stream):
+    """Bits an all-zero element costs in the streams, priced with each group's first book
+    (8 for a raw stream): what the zero mask saves on each zero it covers."""
+    cost = 0
+    for s in range(enc_len.shape[0]):
+        sh, sub, top, ra, mask = stream_params(bits, s, exp_shift, ref)
+        cost += 8 if raw_stream[s] else enc_len[s, 0, symbol(0, sh, sub, top, ra, mask)]
+    return cost
+
+
+@inline
+def _mask_pays(zeros, count, zero_cost):
+    """Whether a chunk takes the zero mask: it costs a bit per element, and pays where the
+    zeros cost more in the streams."""
+    return zeros * zero_cost > count + 64
+
+
 @jit
 def _sample_zeros(bits, lo, hi):
     """All-zero elements among the strided sample that :func:`chunk_ref` reads."""
@@ -177,13 +195,7 @@ def _plan_chunk(bits, lo, hi, c, exp_shift, enc_len, nbooks, raw_stream, cflags,
         for s in range(ns):
             sizes[c, s] = 0
         return
-    # The mask costs one bit per element: take it when the zeros cost more in the
-    # streams (priced with each group's first book).
-    zero_cost = 0
-    for s in range(ns):
-        sh, sub, top, ra, mask = stream_params(bits, s, exp_shift, ref)
-        zero_cost += 8 if raw_stream[s] else enc_len[s, 0, symbol(0, sh, sub, top, ra, mask)]
-    use_mask = zeros * zero_cost > count + 64
+    use_mask = _mask_pays(zeros, count, _zero_cost(bits, exp_shift, ref, enc_len, raw_stream))
     present = count - zeros if use_mask else count
     flags = CHUNK_MASK if use_mask else 0
     src = bits
@@ -662,14 +674,11 @@ def _write_chunk(bits, lo, hi, c, exp_shift, enc_code, enc_len, nbooks, raw_stre
     zero_cost = 0
     if direct:
         ref = np.int64(chunk_ref(bits, lo, hi, exp_shift))
-        for s in range(ns):
-            sh, sub, top, ra, mask = stream_params(src, s, exp_shift, ref)
-            zero_cost += 8 if raw_stream[s] else enc_len[s, 0, symbol(0, sh, sub, top, ra, mask)]
-        # Written at once unless the sample's zeros say the mask will pay (it does where
-        # zeros x their cost in the streams exceeds one bit per element): the XOR of two
+        zero_cost = _zero_cost(src, exp_shift, ref, enc_len, raw_stream)
+        # Written at once unless the sample's zeros say the mask will pay: the XOR of two
         # checkpoints' weights is some 12 % zeros at ~4 bits each, and sizing it first
-        # took a second pass. The check below is the exact one; the sample only saves a
-        # write that would be thrown away (1/4 of margin for its noise).
+        # took a second pass. The check below (_mask_pays) is the exact one; the sample
+        # only saves a write that would be thrown away (1/4 of margin for its noise).
         sz, sn = _sample_zeros(bits, lo, hi)
         direct = 4 * sz * zero_cost <= 3 * sn
     if direct:
@@ -680,7 +689,7 @@ def _write_chunk(bits, lo, hi, c, exp_shift, enc_code, enc_len, nbooks, raw_stre
             zeros = byte0  # an all-zero element's bytes are all 0 (and it is that byte alone)
         else:
             zeros = count_zeros(src)
-        direct = zeros < count and zeros * zero_cost <= count + 64
+        direct = zeros < count and not _mask_pays(zeros, count, zero_cost)
     if not direct:
         _plan_chunk(bits, lo, hi, c, exp_shift, enc_len, nbooks, raw_stream, cflags, refs, books, sizes)
         return _encode_chunk(bits[lo:hi], c, cflags[c], np.int64(refs[c]), np.int64(books[c]), sizes, pos, exp_shift,
