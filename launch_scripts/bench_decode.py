@@ -121,7 +121,7 @@ def measure(name, tensor, zipnn, huff, args, clock) -> dict:
     eout = torch.empty_like(et)
     assert np.array_equal(ecodec.decode(eframe, out=eout).numpy().view(np.uint8), stream), name
     fns["exp"] = lambda: ecodec.decode(eframe, out=eout)
-    scodec, _ = exp_codec(stream, DEFAULT_CHUNK_ELEMS)
+    scodec = Codec(ecodec.codebooks, threads=1, chunk_elems=DEFAULT_CHUNK_ELEMS)  # the same book, wire chunks
     sframe = scodec.encode(et, kind="weight")
     assert np.array_equal(scodec.decode(sframe, out=eout).numpy().view(np.uint8), stream), name
     fns["exp16K"] = lambda: scodec.decode(sframe, out=eout)
@@ -187,8 +187,8 @@ def main(argv=None) -> int:
         zn = g.get("zipnn", float("nan"))
         h0 = e.get("huff0", float("nan"))
         print(f"{name:<34} {r['bytes'] / 1e6:>6.1f} {r['ratio']:>6.3f}  {g['decode']:>8.2f} / {g['out=']:>5.2f} / "
-              f"{g['no-ck']:>5.2f} / {zn:>5.2f}  {g['decode'] / zn:>7.2f}  {e['exp']:>10.0f} / {e['exp16K']:>6.0f} / {h0:>7.0f}  "
-              f"{e['exp'] / h0:>7.2f}")
+              f"{g['no-ck']:>5.2f} / {zn:>5.2f}  {g['decode'] / zn:>7.2f}  {e['exp']:>10.0f} / "
+              f"{e['exp16K']:>6.0f} / {h0:>7.0f}  {e['exp'] / h0:>7.2f}")
         if args.ceiling:
             print(f"{'':<34} ceiling GB/s: copy {g['copy']:.2f}, stream {g['stream']:.2f}; decode / stream "
                   f"{g['decode'] / g['stream']:.2f}, no-ck / stream {g['no-ck'] / g['stream']:.2f}")
