@@ -298,6 +298,14 @@ def test_to_dict_from_dict_round_trip():
     assert cc.Codebook.from_dict(raw.to_dict()).raw
 
 
+def test_from_dict_reads_upper_case_hex():
+    book = cc.Codebook.from_counts(DISTRIBUTIONS["geometric"])
+    d = book.to_dict()
+    assert any(ch in "abcdef" for ch in "".join(d["lengths"]))  # the case matters here
+    d["lengths"] = [row.upper() for row in d["lengths"]]
+    assert cc.Codebook.from_dict(d) == book
+
+
 def test_to_dict_layout():
     book = cc.Codebook.from_counts(DISTRIBUTIONS["dominant"])
     d = book.to_dict()
@@ -336,6 +344,10 @@ def test_from_dict_rejects_edited_lengths():
         ({"format": 1, "raw": False, "lengths": "8" * 256}, "list of hex strings"),
         ({"format": 1, "raw": False, "lengths": ["8" * 16] * 15}, "256 hex digits, got 240"),
         ({"format": 1, "raw": False, "lengths": ["g" * 16] * 16}, "not hexadecimal"),
+        # digits of other scripts (int() would take them), a lone surrogate, a NUL
+        ({"format": 1, "raw": False, "lengths": ["\u0663" * 16] * 16}, "not hexadecimal"),
+        ({"format": 1, "raw": False, "lengths": ["\ud800" + "8" * 15] + ["8" * 16] * 15}, "not hexadecimal"),
+        ({"format": 1, "raw": False, "lengths": ["\x00" + "8" * 15] + ["8" * 16] * 15}, "not hexadecimal"),
         ({"format": 1, "raw": False, "lengths": ["8" * 16] * 16, "escape_length": "0"}, "must be an integer"),
     ],
 )

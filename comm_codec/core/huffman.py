@@ -65,6 +65,12 @@ _WEIGHT_SCALE = 1 << 30
 # Smallest weight the escape gets, so that unseen symbols stay codable at <= 12 bits.
 _ESCAPE_FLOOR = _WEIGHT_SCALE >> 20
 _FORMAT = 1
+# Hex digits of code lengths, as the books' JSON writes them, and back (255: not a hex
+# digit): a file's index holds dozens of books, read and written as arrays, not digit by digit.
+_HEX_OUT = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+_HEX_IN = np.full(256, 255, dtype=np.uint8)
+_HEX_IN[_HEX_OUT] = np.arange(16)
+_HEX_IN[np.frombuffer(b"ABCDEF", dtype=np.uint8)] = np.arange(10, 16)
 _ESCAPE = 256
 # Decode-table entry layout (uint16): symbol in bits 0-7, length in bits 8-11, escape flag.
 DEC_LEN_SHIFT = 8
@@ -258,7 +264,7 @@ class Codebook:
         """Return the book as a JSON-ready dict (see the module docstring)."""
         if self.raw:
             return {"format": _FORMAT, "raw": True, "id": self.id}
-        hexes = "".join("%x" % x for x in self.lengths)
+        hexes = _HEX_OUT[self.lengths].tobytes().decode("ascii")
         return {
             "format": _FORMAT,
             "raw": False,
@@ -301,10 +307,13 @@ class Codebook:
             text = "".join(rows)
             if len(text) != 256:
                 raise CodebookError(f"codebook 'lengths' must hold 256 hex digits, got {len(text)}")
-            try:
-                lengths = np.array([int(ch, 16) for ch in text], dtype=np.int64)
-            except ValueError as exc:
-                raise CodebookError(f"codebook 'lengths' is not hexadecimal: {exc}") from None
+            chars = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)  # code points
+            digits = _HEX_IN[np.minimum(chars, 255)]  # 255 (and beyond) is no digit
+            bad = np.flatnonzero(digits == 255)
+            if bad.size:
+                raise CodebookError(f"codebook 'lengths' is not hexadecimal: {text[int(bad[0])]!r} "
+                                    f"at digit {int(bad[0])}")
+            lengths = digits.astype(np.int64)
             esc = data.get("escape_length", 0)
             if not isinstance(esc, int) or isinstance(esc, bool):
                 raise CodebookError("codebook 'escape_length' must be an integer")
