@@ -20,8 +20,11 @@ How things are measured (also printed):
   - ``comm_codec``: file to file (``compress_file``/``decompress_file``: pread, BLAKE3 of
     the whole file, CRCs, temp file, fsync, rename) on tmpfs (``/dev/shm``), so disk
     speed does not count. The targets are judged on this row against ``zipnn f2f``; the
-    two are timed alternately (ours 1T, ours 2T, zipnn 1T, zipnn 2T, then again), best of
-    ``--repeat``, so a load change on a shared machine hits both alike.
+    two are timed alternately (ours 1T, ours 2T, zipnn 1T, zipnn 2T, then again), so a
+    load change on a shared machine hits both alike; best of ``--repeat`` calls, or of
+    as many as make a second per configuration (up to 60: a small file's call takes
+    tens of ms, and a best of 5 then says more about which call met a quiet moment of a
+    shared machine than about the codecs). The notes say how many.
   - the comparators (zstd, bz2, lzma, zipnn) run in memory on the file's bytes (their
     best case);
   - ``zipnn f2f``: zipnn under the same file I/O as comm_codec's file row: read the file,
@@ -62,6 +65,7 @@ import importlib.metadata
 import json
 import logging
 import lzma
+import math
 import os
 import platform
 import resource
@@ -236,12 +240,28 @@ def _alternate(fns: dict, repeat: int) -> dict:
     return out
 
 
+# Small files take tens of ms a call, and this machine's speed wanders over seconds (a
+# neighbour's load): a best of 3 or 5 then says more about which call hit a quiet moment
+# than about the codecs. Each configuration gets at least this many seconds of calls.
+_F2F_SECONDS = 1.0
+_F2F_MAX_REPEAT = 60
+
+
+def _enough(repeat: int, fn) -> int:
+    """Timed calls per configuration: ``repeat``, or more, so that they add up to _F2F_SECONDS."""
+    start = time.perf_counter()
+    fn()
+    once = time.perf_counter() - start
+    return max(repeat, min(_F2F_MAX_REPEAT, math.ceil(_F2F_SECONDS / max(once, 1e-3))))
+
+
 def _run_file_to_file(src: Path, base: Path | None, work: Path, dtype: str, repeat: int) -> list:
     """comm_codec and zipnn file to file, timed alternately at 1 and 2 threads: two rows."""
     packed, restored = work / "packed.cckp", work / "restored"
     zpacked, zrestored = work / "zipnn.packed", work / "zipnn.restored"
     ck.compress_file(src, packed, base=base, threads=1)  # warm the kernels and page cache
     ck.decompress_file(packed, restored, base=base, threads=1)
+    repeat = _enough(repeat, lambda: ck.compress_file(src, packed, base=base, threads=1, progress=False))
     fns = {}
     for th in (1, 2):
         fns[("cc", "enc", th)] = lambda th=th: ck.compress_file(src, packed, base=base, threads=th, progress=False)
@@ -264,7 +284,7 @@ def _run_file_to_file(src: Path, base: Path | None, work: Path, dtype: str, repe
     size = src.stat().st_size
     cc = {"codec": "comm_codec", "ratio": size / packed.stat().st_size, "enc": {}, "dec": {}, "cpu": {},
           "median": {}, "exact": _sha(restored) == _sha(src), "index": ck.read_index(packed),
-          "notes": ["file to file: pread, BLAKE3, CRCs, temp file+fsync+rename (tmpfs)"]
+          "notes": [f"file to file: pread, BLAKE3, CRCs, temp file+fsync+rename (tmpfs); best of {repeat}"]
           + ([f"delta against {base.name}"] if base is not None else [])}
     rows = [cc]
     if zn is not None:
