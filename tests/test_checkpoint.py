@@ -180,6 +180,28 @@ def test_same_output_for_any_number_of_threads(tmp_path, fmt):
     assert any(t["transform"] == "xor" for t in index["tensors"])
 
 
+def test_default_threads_follow_the_file_size(tmp_path, monkeypatch):
+    """By default a small file gets one thread (a second costs more than it brings there),
+    a larger one the CPU count; a number asked for is used as given."""
+    import numba
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 2)
+    small = tmp_path / "small.safetensors"
+    save_file(_many_tensors(0), small)
+    assert small.stat().st_size < exact.SMALL_FILE_BYTES
+    monkeypatch.setattr(exact, "SMALL_FILE_BYTES", small.stat().st_size)  # the same file, now "large"
+    large = ck.compress_file(small, tmp_path / "large.cckp")
+    monkeypatch.setattr(exact, "SMALL_FILE_BYTES", small.stat().st_size + 1)
+    packed = tmp_path / "small.cckp"
+    summaries = [ck.compress_file(small, packed), ck.compress_file(small, packed, threads=2),
+                 ck.decompress_file(packed, tmp_path / "small.out"),
+                 ck.decompress_file(packed, tmp_path / "small.out", threads=2), ck.verify_file(packed)]
+    assert large.threads == 2
+    assert [s.threads for s in summaries] == [1, 2, 1, 2, 1]
+    assert (tmp_path / "small.out").read_bytes() == small.read_bytes()
+
+
 def test_big_tensor_is_cut_into_pieces(tmp_path, monkeypatch):
     monkeypatch.setattr(exact, "PIECE_BYTES", 64 << 10)
     save_file({"w": _weights(300_000, dtype=torch.bfloat16)}, tmp_path / "b.safetensors")
