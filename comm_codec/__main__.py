@@ -2,6 +2,6 @@
 
 import sys
 
-from .tools.cli import main
+from .tools.cli import console_main
 
-sys.exit(main())
+sys.exit(console_main())

@@ -222,3 +222,29 @@ def test_ls_lists_every_entry_and_which_share_a_storage(tmp_path, capsys):
     # The restored file is still the original, byte for byte.
     assert cli.main(["decompress", "-q", str(tmp_path / "lstm.cckp"), str(tmp_path / "back.pt")]) == 0
     assert _bytes(tmp_path / "back.pt") == _bytes(tmp_path / "lstm.pt")
+
+
+def test_the_program_sets_numba_up_without_blas_and_leaves_scipy_importable(tmp_path):
+    """The command line keeps numba from importing scipy.linalg to look for BLAS (no kernel
+    does linear algebra); scipy.linalg still imports afterwards, the kernels still run, and
+    the program (console_main, with its frozen exit) returns main's status."""
+    code = (
+        "import sys\n"
+        "from comm_codec.tools import cli\n"
+        "cli._numba_without_blas()\n"
+        "import numba.np.arraymath as am\n"
+        "assert not am._HAVE_BLAS and 'scipy.linalg' not in sys.modules\n"
+        "import scipy.linalg\n"
+        "assert not any(isinstance(f, cli._Refuse) for f in sys.meta_path)\n"
+        f"sys.argv = ['comm-codec', 'compress', {str(tmp_path / 'a.bin')!r}, {str(tmp_path / 'a.cckp')!r}]\n"
+        "sys.exit(cli.console_main())\n"
+    )
+    (tmp_path / "a.bin").write_bytes(os.urandom(1000) * 20)
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "compressed 20.0 kB" in done.stdout
+    back = tmp_path / "a.out"
+    assert cli.main(["decompress", str(tmp_path / "a.cckp"), str(back), "-q"]) == 0
+    assert back.read_bytes() == (tmp_path / "a.bin").read_bytes()
