@@ -100,10 +100,8 @@ _ZSTD_LEVEL = 3
 # Tensors smaller than this are left to zstd with the bytes around them: a frame's header
 # and a codebook cost more than coding saves.
 MIN_CODED_BYTES = 4096
-# Files under this size get one thread unless more are asked for: a few pieces leave a
-# second thread little to do beside the handoffs and the digest thread it brings (on 2
-# cores, a 6.7 MB bf16 checkpoint compressed and restored 20 % slower on 2 threads than
-# on 1; a 13 MB one 9 % faster).
+# Files under this size get one thread unless more are asked for: on 2 cores a 6.7 MB
+# checkpoint compressed and restored 20 % slower on 2 threads than on 1, a 13 MB one 9 % faster.
 SMALL_FILE_BYTES = 8 << 20
 # Bytes of a source (or compressed file) read ahead of the segment being handed out.
 _READ_AHEAD = 2 * PIECE_BYTES
@@ -267,10 +265,9 @@ def _code_segment(job: _Job, raw: np.ndarray, base: FileMap | None, tensors: lis
 
 def _size(path) -> int | None:
     """A file's size for choosing threads, None when it cannot be read (its opener says why)."""
-    try:
+    with contextlib.suppress(OSError, TypeError, ValueError):
         return os.stat(path).st_size
-    except (OSError, TypeError, ValueError):
-        return None
+    return None
 
 
 def _threads(threads: int | None, nbytes: int | None = None) -> int:

@@ -168,8 +168,9 @@ def main(argv=None) -> int:
     try:
         # numba first, through the modules that set its flags: a bad NUMBA_* setting is then
         # named in the error, and a missing cache is said once, whichever command runs.
-        _numba_without_blas()
         from ..core import precompile  # noqa: F401
+
+        _numba_without_blas()
 
         return int(args.func(args) or 0)
     except BrokenPipeError:
