@@ -491,13 +491,12 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
     src, dst = os.fspath(src), os.fspath(dst)
     if not force and os.path.lexists(dst):
         raise FileExistsError(17, f"{dst} exists; pass force=True to replace it", dst)
-    _threads(threads)  # a bad value is refused before any file is opened
+    threads = _threads(threads, _size(src))
     if codebooks is not None and not isinstance(codebooks, CodebookSet):
         raise TypeError(f"codebooks must be a CodebookSet or None, got {type(codebooks).__name__}")
     started = time.perf_counter()
     check_paths(src, dst, None if base is None else os.fspath(base))
     m = FileMap(src)
-    threads = _threads(threads, m.size)
     try:
         kind = identify(bytes(m.u8(0, min(8, m.size))))
         # A whole container (its magic at both ends), not bytes that merely start alike.
