@@ -207,6 +207,28 @@ def pytest_collection_modifyitems(config, items):
             f"(unit, dist or cli) and, if the quick tier cannot afford its tests, to SLOW")
 
 
+class _SimulatorRun:
+    """Starts test_cuda.py's simulator child early and checks it last
+    (:func:`test_cuda.start_simulator_run`)."""
+
+    @pytest.hookimpl(trylast=True)  # after -k / -m deselection: these items run
+    def pytest_collection_modifyitems(self, config, items):
+        sim = [item for item in items if item.name == "test_cuda_kernels_in_simulator"]
+        if sim and not config.option.collectonly:
+            items.remove(sim[0])
+            items.append(sim[0])
+            sim[0].module.start_simulator_run()
+            self.module = sim[0].module
+
+    def pytest_sessionfinish(self):
+        if getattr(self, "module", None) is not None:
+            self.module.stop_simulator_run()
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_SimulatorRun(), "comm_codec_simulator_run")
+
+
 def _test_names(path: Path) -> set[str]:
     """The names of the test functions a module defines (module level and in classes)."""
     names = set()

@@ -20,6 +20,8 @@ import dataclasses
 import os
 import subprocess
 import sys
+import tempfile
+import time
 import zlib
 from pathlib import Path
 
@@ -609,15 +611,51 @@ def test_codec_dispatches_on_the_tensor_device():
 
 
 # -- the parent process --------------------------------------------------------------------------------
-def test_cuda_kernels_in_simulator():
-    """Run this file's kernel tests in numba's CUDA simulator, in a child process."""
+_SIM_TIMEOUT_S = 540
+_sim_run: dict = {}
+
+
+def start_simulator_run() -> None:
+    """Start the simulator child now, so that it runs beside the rest of the suite.
+
+    tests/conftest.py calls this once the test session's items are known, when
+    :func:`test_cuda_kernels_in_simulator` is among them (and moves that test last); the
+    child's ~2 minutes of interpreting GPU threads then overlap the other tests' waits
+    on their ranks and subprocesses instead of adding to them. Output goes to files: a
+    pipe nobody reads until the end would fill and stop the child.
+    """
+    if _sim_run:
+        return
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     cmd = [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider",
            "--durations=5", "-W", "ignore::pytest.PytestUnraisableExceptionWarning"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
-    tail = proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, f"simulator run failed:\n{tail}"
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, tail
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    _sim_run.update(proc=subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True),
+                    out=out, err=err, started=time.monotonic())
+
+
+def stop_simulator_run() -> None:
+    """Kill the child if it still runs (the session ended early: -x, an interrupt)."""
+    proc = _sim_run.get("proc")
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_cuda_kernels_in_simulator():
+    """Run this file's kernel tests in numba's CUDA simulator, in a child process."""
+    start_simulator_run()  # already running unless this test was called some other way
+    proc = _sim_run["proc"]
+    try:
+        proc.wait(timeout=max(1.0, _SIM_TIMEOUT_S - (time.monotonic() - _sim_run["started"])))
+    except subprocess.TimeoutExpired:
+        stop_simulator_run()
+    _sim_run["out"].seek(0)
+    _sim_run["err"].seek(0)
+    stdout, stderr = _sim_run["out"].read(), _sim_run["err"].read()
+    tail = stdout[-6000:] + stderr[-2000:]
+    assert proc.returncode == 0, f"simulator run failed (rc {proc.returncode}):\n{tail}"
+    assert " passed" in stdout and "skipped" not in stdout, tail
 
 
 def test_bench_gpu_says_clearly_when_there_is_no_gpu():
