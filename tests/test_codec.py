@@ -602,11 +602,36 @@ def test_output_pool_is_bounded_and_can_be_off():
     assert off.free_bytes == 0
 
 
-def test_pooled_outputs_of_codec_round_trips_are_independent():
+def test_the_front_of_a_pooled_array_keeps_its_block_out_of_the_pool():
+    import gc
+
+    from comm_codec.core.memory import POOL_MIN_BYTES, empty_bytes, front, output_pool
+
+    output_pool.clear()
+    n = POOL_MIN_BYTES + 4096
+    a = empty_bytes(n)
+    ptr = a.ctypes.data
+    part = front(a, 1000)
+    assert part.size == 1000 and part.ctypes.data == ptr
+    del a
+    gc.collect()
+    b = empty_bytes(n)
+    assert output_pool.free_bytes == 0 and b.ctypes.data != ptr  # still in use by `part`
+    del part
+    gc.collect()
+    assert output_pool.free_bytes == n and empty_bytes(n).ctypes.data == ptr
+    del b
+    small = np.empty(100, dtype=np.uint8)  # not pooled: a plain slice
+    assert front(small, 10).base is small
+    output_pool.clear()
+
+
+@pytest.mark.parametrize("threads", [None, 1])  # the planned path, and the single pass into pooled blocks
+def test_pooled_outputs_of_codec_round_trips_are_independent(threads):
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(1 << 20, generator=g) * 1e-3).to(torch.bfloat16)  # 2 MiB: pooled outputs
     y = (torch.randn(1 << 20, generator=g) * 1e-2).to(torch.bfloat16)
-    codec = cc.Codec()
+    codec = cc.Codec(threads=threads)
     fx, fy = codec.encode(x), codec.encode(y)
     dx = codec.decode(fx)
     del fy

@@ -22,7 +22,8 @@ from numba import njit
 import comm_codec as cc
 from comm_codec.books.profiler import WarmupProfiler
 from comm_codec.core.streams import as_bits, spec_for
-from comm_codec.kernels.encode import PAIR_ENTRIES, PAIR_SLOW, pair_tables
+from comm_codec.core import frame as _frame
+from comm_codec.kernels.encode import PAIR_ENTRIES, PAIR_SLOW, encode_frame_into, frame_room, pair_tables
 from comm_codec.kernels.symbols import symbols0
 from helpers import bits_equal
 
@@ -166,18 +167,43 @@ def test_serial_frame_equals_the_planned_path(dtype, n, seed, zeros, kind, check
 
 
 def test_serial_path_is_taken_for_one_chunk_or_one_thread(monkeypatch):
-    for threads, n, serial in ((None, 1000, True), (None, 1001, False), (1, 5000, True), (1, 300_000, False)):
+    # One thread: always the single pass (a 1.2 MB frame too, written into a pooled
+    # block); threads: only a tensor of one chunk.
+    for threads, n, serial in ((None, 1000, True), (None, 1001, False), (1, 5000, True), (1, 300_000, True),
+                               (None, 300_000, False)):
         codec = cc.Codec(threads=threads, chunk_elems=1000)
         taken = []
         real = codec._encode_serial
         monkeypatch.setattr(codec, "_encode_serial", lambda *a: taken.append(1) or real(*a))
-        x = _sample(n, torch.bfloat16, n, 0.0)  # 300 000 bf16 elements: 600 KB, still below the pool's 1 MiB
-        x = x.repeat(2) if n == 300_000 else x  # 1.2 MB: the planned path, with pooled output
+        x = _sample(n, torch.bfloat16, n, 0.0)
+        x = x.repeat(2) if n == 300_000 else x  # 1.2 MB: over the pool's 1 MiB
         bits, spec = as_bits(x)
         frame = codec.encode_array(bits, spec, "weight")
         assert bool(taken) == serial, (threads, n)
         assert np.array_equal(frame, codec._encode_planned(bits, spec, "weight"))
         assert codec.frame_parameters(frame).nchunks == -(-x.numel() // 1000)
+        bits_equal(codec.decode(torch.from_numpy(frame)), x)
+        if serial and n == 300_000:  # the front of a recycled block, not a fresh array
+            assert frame.base is not None and frame.base.size >= frame.size
+
+
+def test_encode_frame_into_refuses_a_block_short_of_its_room():
+    codec = cc.Codec(threads=1, chunk_elems=1000)
+    x = _sample(5000, torch.bfloat16, 3, 0.0)
+    bits, spec = as_bits(x)
+    want = codec.encode_array(bits, spec, "weight")
+    tables = codec._encode_tables("weight", spec)
+    head = np.frombuffer(want[:_frame.HEADER_BYTES + 8 * spec.nstreams].tobytes(), dtype=np.uint8).copy()
+    args = (bits, 1000, spec.exp_shift, tables.enc_code, tables.enc_len, tables.nbooks, tables.raw, *tables.pairs,
+            head, _frame.VERSION, codec.checksum)
+    room = frame_room(bits.size, 1000, spec.nstreams, head.size)
+    for size in (0, 64, room - 1):
+        out8 = np.full(size, 7, dtype=np.uint8)
+        assert encode_frame_into(*args, out8) == -1
+        assert (out8 == 7).all()  # nothing written
+    out8 = np.empty(room + 100, dtype=np.uint8)
+    pos = encode_frame_into(*args, out8)
+    assert 0 < pos <= room and np.array_equal(out8[:pos], want)
 
 
 @pytest.mark.parametrize("zeros", [0.0, 0.03, 0.5, 1.0])

@@ -15,7 +15,7 @@ import weakref
 
 import numpy as np
 
-__all__ = ["torch_threads_kept", "OutputPool", "output_pool", "empty_output", "empty_bytes", "POOL_MIN_BYTES"]
+__all__ = ["torch_threads_kept", "OutputPool", "output_pool", "empty_output", "empty_bytes", "front", "POOL_MIN_BYTES"]
 
 
 @contextlib.contextmanager
@@ -172,6 +172,31 @@ def empty_bytes(nbytes: int) -> np.ndarray:
     view = block[:nbytes]
     weakref.finalize(view, output_pool.give, block).atexit = False
     return view
+
+
+def front(array: np.ndarray, nbytes: int) -> np.ndarray:
+    """The first nbytes of an array from :func:`empty_bytes`, holding its memory as it did.
+
+    A slice's ``base`` is the block itself, not the array whose finalizer returns the
+    block to the pool, so a plain slice would let the block go back (and be written by
+    the next output) while the slice is still in use. This one keeps the array alive
+    for as long as the slice is.
+
+    Args:
+        array: a 1-D uint8 array from :func:`empty_bytes`.
+        nbytes: how many of its bytes, at most its size.
+
+    Returns:
+        A view of ``array[:nbytes]``.
+    """
+    out = array[:nbytes]
+    if array.base is not None:  # a pooled view (an array of its own needs nothing)
+        weakref.finalize(out, _keep, array).atexit = False
+    return out
+
+
+def _keep(_array) -> None:
+    """Nothing: the finalizer's reference to its argument is what keeps an array alive."""
 
 
 def empty_output(numel: int, dtype) -> "torch.Tensor":

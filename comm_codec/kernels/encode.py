@@ -48,7 +48,7 @@ from .jit import OVERLOAD_OPTIONS, entry, inline, jit, parallel_entry
 from .layout import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, LANE_HEADER, LANES
 from .symbols import chunk_ref, count_zeros, element_layout, hash_words, stream_params, symbol, symbols0
 
-__all__ = ["plan_chunks", "encode_chunks", "encode_frame", "pair_tables", "PAIR_ENTRIES", "PAIR_SLOW"]
+__all__ = ["plan_chunks", "encode_chunks", "encode_frame", "encode_frame_into", "frame_room", "pair_tables", "PAIR_ENTRIES", "PAIR_SLOW"]
 
 _U64_0 = np.uint64(0)
 
@@ -715,16 +715,52 @@ def _write_chunk(bits, lo, hi, c, exp_shift, enc_code, enc_len, nbooks, raw_stre
 
 
 @entry
+def frame_room(n, chunk_elems, ns, head_bytes):
+    """Bytes :func:`encode_frame_into` needs for a frame of n elements (n >= 1): every
+    chunk at its largest (mask and raw streams), its table, and a coded segment's
+    overshoot, since nothing is sized before it is written."""
+    nchunks = (n + chunk_elems - 1) // chunk_elems
+    entry_bytes = (8 + 4 * ns + 7) & ~7
+    room = head_bytes + nchunks * entry_bytes + 8 + _OVERSHOOT
+    last = n - (nchunks - 1) * chunk_elems
+    for k, m in ((nchunks - 1, chunk_elems), (1, last)):
+        room += k * ((((m + 7) // 8 + 7) & ~7) + ns * ((m + 7) & ~7))
+    return room
+
+
+@entry
 def encode_frame(bits, chunk_elems, exp_shift, enc_code, enc_len, nbooks, raw_stream, pair_code, pair_len, head,
                  version_books, do_checksum):
     """Plan and write a whole frame in one call, without threads; return it.
 
+    :func:`encode_frame_into` into an array of its own.
+
+    Returns:
+        The frame, uint8[]: the front of an array with room for the largest frame of
+        these elements, or an array of its own where that is under half the room (a
+        frame never holds more than twice its size).
+    """
+    room = frame_room(bits.size, chunk_elems, enc_len.shape[0], head.size)
+    out8 = np.empty(room, dtype=np.uint8)
+    pos = encode_frame_into(bits, chunk_elems, exp_shift, enc_code, enc_len, nbooks, raw_stream, pair_code, pair_len,
+                            head, version_books, do_checksum, out8)
+    # The frame is the front of the room; a frame under half of it (zeros) gets an array
+    # of its own, so that it never holds more than twice its size.
+    return out8[:pos] if 2 * pos >= room else out8[:pos].copy()
+
+
+@entry
+def encode_frame_into(bits, chunk_elems, exp_shift, enc_code, enc_len, nbooks, raw_stream, pair_code, pair_len, head,
+                      version_books, do_checksum, out8):
+    """Plan and write a whole frame into out8 in one call, without threads; return its size.
+
     The same bytes as :func:`plan_chunks`, :func:`encode_chunks` and the frame header
     (:func:`comm_codec.core.frame.write_header`) make together, without the host code
-    between them: a checkpoint writer codes hundreds of small tensors per save, and for
-    each the host work around three calls (scratch arrays, offsets, the structured chunk
-    table, the header) cost more than coding it. Chunks are written as
-    :func:`_write_chunk` says, single-book streams without being sized first.
+    between them (a checkpoint writer codes hundreds of small tensors per save, and for
+    each the host work around three calls, scratch arrays, offsets, the structured chunk
+    table, the header, cost more than coding it) and without the planning pass over
+    the elements: chunks are written as :func:`_write_chunk` says, single-book streams
+    without being sized first.
 
     Args:
         bits: element bits, at least one.
@@ -735,29 +771,24 @@ def encode_frame(bits, chunk_elems, exp_shift, enc_code, enc_len, nbooks, raw_st
             filled in here.
         version_books: the version byte of a frame in which some chunk names a book.
         do_checksum: whether to compute the chunks' checksums (0 is stored otherwise).
+        out8: uint8[], 8-byte aligned, of at least :func:`frame_room` bytes.
 
     Returns:
-        The frame, uint8[]: the front of an array with room for the largest frame of
-        these elements, or an array of its own where that is under half the room (a
-        frame never holds more than twice its size).
+        The frame's size in bytes (its first bytes of out8), or -1 when out8 is too
+        small or not aligned (nothing written).
     """
     n = bits.size
     ns = enc_len.shape[0]
     nchunks = (n + chunk_elems - 1) // chunk_elems
+    if n < 1 or out8.size < frame_room(n, chunk_elems, ns, head.size) or out8.ctypes.data % 8:
+        return -1
     cflags = np.zeros(nchunks, dtype=np.uint8)
     refs = np.zeros(nchunks, dtype=np.uint8)
     books = np.zeros(nchunks, dtype=np.uint16)
     sizes = np.zeros((nchunks, ns), dtype=np.uint32)
     entry_bytes = (8 + 4 * ns + 7) & ~7
     pos = head.size + nchunks * entry_bytes + 8  # the first payload
-    # Room for every chunk at its largest (mask and raw streams) and a coded segment's
-    # overshoot: nothing is sized before it is written.
-    last = n - (nchunks - 1) * chunk_elems
-    room = pos + _OVERSHOOT
-    for k, m in ((nchunks - 1, chunk_elems), (1, last)):
-        room += k * ((((m + 7) // 8 + 7) & ~7) + ns * ((m + 7) & ~7))
-    out8 = np.empty(room, dtype=np.uint8)
-    out64 = out8.view(np.uint64)
+    out64 = out8[:out8.size // 8 * 8].view(np.uint64)
     out8[:head.size] = head
     for k in range(8):
         out8[_NUMEL_AT + k] = (n >> (8 * k)) & 255
@@ -785,6 +816,4 @@ def encode_frame(bits, chunk_elems, exp_shift, enc_code, enc_len, nbooks, raw_st
         out8[_VERSION_AT] = version_books
     _put_u32(out8, at, _crc32(out8[:at]))
     _put_u32(out8, at + 4, 0)
-    # The frame is the front of the room; a frame under half of it (zeros) gets an array
-    # of its own, so that it never holds more than twice its size.
-    return out8[:pos] if 2 * pos >= room else out8[:pos].copy()
+    return pos
