@@ -599,6 +599,28 @@ def test_shipped_groups_are_priced_chunk_by_chunk(tmp_path):
     assert summary.ratio > 1.33  # 1.29 with an own book fitted to the summed counts (256 Ki chunks)
 
 
+def test_alike_chunks_are_priced_at_the_large_chunk_size_alone(tmp_path, monkeypatch):
+    """A tensor of four alike 64 Ki chunks (the same reference, similar entropies) is priced
+    once, in 256 Ki chunks; one whose chunks differ is priced at both sizes and keeps the
+    cheaper (the fp16-like chunk of test_shipped_groups_are_priced_chunk_by_chunk)."""
+    from comm_codec.checkpoint.plan import CHUNK_SIZES, BookChooser
+
+    priced = []
+    real = BookChooser.choose
+    monkeypatch.setattr(BookChooser, "choose", lambda self, rows, *a, **k: priced.append(len(rows)) or
+                        real(self, rows, *a, **k))
+    gen = torch.Generator().manual_seed(12)
+    alike = torch.randn(4 << 16, generator=gen) * 0.02
+    differ = alike.clone()
+    differ[: 1 << 16] = differ[: 1 << 16].half().float()
+    for name, w, want in (("alike", alike, [1]), ("differ", differ, [4, 1])):
+        priced.clear()
+        save_file({"w": w}, tmp_path / f"{name}.safetensors")
+        summary, packed = _round_trip(tmp_path / f"{name}.safetensors", tmp_path)
+        assert priced == want, name
+        assert ck.read_index(packed)["tensors"][0]["chunk_elems"] in CHUNK_SIZES
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int8, torch.float8_e5m2])
 def test_planning_counts_are_the_encoders_counts(dtype):
     """The planner's one-pass counts (comm_codec.kernels.plan) equal chunk_histograms' on the
