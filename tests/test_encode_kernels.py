@@ -193,7 +193,7 @@ def test_encode_frame_into_refuses_a_block_short_of_its_room():
     bits, spec = as_bits(x)
     want = codec.encode_array(bits, spec, "weight")
     tables = codec._encode_tables("weight", spec)
-    head = np.frombuffer(want[:_frame.HEADER_BYTES + 8 * spec.nstreams].tobytes(), dtype=np.uint8).copy()
+    head = codec._heads[("weight", spec.name)]  # what the codec hands the kernel (version 1, no counts)
     args = (bits, 1000, spec.exp_shift, tables.enc_code, tables.enc_len, tables.nbooks, tables.raw, *tables.pairs,
             head, _frame.VERSION, codec.checksum)
     room = frame_room(bits.size, 1000, spec.nstreams, head.size)
@@ -204,6 +204,12 @@ def test_encode_frame_into_refuses_a_block_short_of_its_room():
     out8 = np.empty(room + 100, dtype=np.uint8)
     pos = encode_frame_into(*args, out8)
     assert 0 < pos <= room and np.array_equal(out8[:pos], want)
+    # No elements: the header alone, as the planned path writes it.
+    empty = bits[:0]
+    room = frame_room(0, 1000, spec.nstreams, head.size)
+    out8 = np.empty(room, dtype=np.uint8)
+    pos = encode_frame_into(empty, *args[1:], out8)
+    assert np.array_equal(out8[:pos], codec._encode_planned(empty, spec, "weight"))
 
 
 @pytest.mark.parametrize("zeros", [0.0, 0.03, 0.5, 1.0])

@@ -716,9 +716,9 @@ def _write_chunk(bits, lo, hi, c, exp_shift, enc_code, enc_len, nbooks, raw_stre
 
 @entry
 def frame_room(n, chunk_elems, ns, head_bytes):
-    """Bytes :func:`encode_frame_into` needs for a frame of n elements (n >= 1): every
-    chunk at its largest (mask and raw streams), its table, and a coded segment's
-    overshoot, since nothing is sized before it is written."""
+    """Bytes :func:`encode_frame_into` needs for a frame of n elements: every chunk at
+    its largest (mask and raw streams), its table, and a coded segment's overshoot,
+    since nothing is sized before it is written (n = 0: the header alone)."""
     nchunks = (n + chunk_elems - 1) // chunk_elems
     entry_bytes = (8 + 4 * ns + 7) & ~7
     room = head_bytes + nchunks * entry_bytes + 8 + _OVERSHOOT
@@ -763,7 +763,7 @@ def encode_frame_into(bits, chunk_elems, exp_shift, enc_code, enc_len, nbooks, r
     without being sized first.
 
     Args:
-        bits: element bits, at least one.
+        bits: element bits (none: a frame of the header alone).
         chunk_elems, exp_shift, enc_len, nbooks, raw_stream: as for :func:`plan_chunks`.
         enc_code, pair_code, pair_len: as for :func:`encode_chunks`.
         head: uint8[24 + 8 * nstreams], the header and book ids that ``write_header``
@@ -780,7 +780,7 @@ def encode_frame_into(bits, chunk_elems, exp_shift, enc_code, enc_len, nbooks, r
     n = bits.size
     ns = enc_len.shape[0]
     nchunks = (n + chunk_elems - 1) // chunk_elems
-    if n < 1 or out8.size < frame_room(n, chunk_elems, ns, head.size) or out8.ctypes.data % 8:
+    if out8.size < frame_room(n, chunk_elems, ns, head.size) or out8.ctypes.data % 8:
         return -1
     cflags = np.zeros(nchunks, dtype=np.uint8)
     refs = np.zeros(nchunks, dtype=np.uint8)
