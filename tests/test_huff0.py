@@ -33,6 +33,15 @@ def test_missing_library_says_how_to_build_it(tmp_path):
         huff0.Huff0(str(tmp_path / "libhuff0.so"))
 
 
+def test_a_model_it_cannot_load_is_a_message_not_a_traceback(capsys):
+    # Checked before the library: the message says what to install (or what is known)
+    # whether or not huff0 is built here.
+    assert huff0.main(["--models", "nosuch"]) == 2
+    assert "unknown pretrained model 'nosuch'" in capsys.readouterr().err
+    assert huff0.main(["--models", ""]) == 2
+    assert "no models" in capsys.readouterr().err
+
+
 def test_round_trip_through_the_built_library():
     if not os.path.isfile(huff0.default_path()):
         pytest.skip(f"huff0 is not built here ({huff0.BUILD_HINT})")

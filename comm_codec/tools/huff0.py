@@ -208,6 +208,18 @@ def main(argv=None) -> int:
                         + default_path() + ")")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    from .pretrained import MODELS, model_path
+
+    models = [m for m in args.models.split(",") if m]
+    if not models:
+        print(f"huff0: no models given (--models: a comma-separated list of {', '.join(MODELS)})", file=sys.stderr)
+        return 2
+    for name in models:  # before the library: what to install, whether or not huff0 is built
+        try:
+            model_path(name)
+        except (ValueError, ModuleNotFoundError) as exc:
+            print(f"huff0: {exc}", file=sys.stderr)
+            return 2
     try:
         huff = Huff0(args.lib)
     except (FileNotFoundError, OSError) as exc:
@@ -223,7 +235,7 @@ def main(argv=None) -> int:
     cpu0, wall0 = time.process_time(), time.perf_counter()
     print(f"{'data':<44} {'Msym':>6} {'ratio h0/cc':>12}  {'enc Msym/s h0 / exp / full':>28}  "
           f"{'dec Msym/s h0 / exp / full':>28}  enc x h0 (exp/full)  dec x h0 (exp/full)")
-    for name, tensor in _datasets([m for m in args.models.split(",") if m]):
+    for name, tensor in _datasets(models):
         stream = exponent_stream(tensor)
         n = stream.size
         exp_codec, exp_t = _codec_for(stream, DEFAULT_CHUNK_ELEMS)
