@@ -366,6 +366,35 @@ def test_full_disk_leaves_nothing(tmp_path, monkeypatch):
     assert _leftovers(tmp_path) == []
 
 
+def test_output_writes_large_and_small_land_in_order(tmp_path, monkeypatch):
+    """Payloads past the write buffer go to the file directly, after what the buffer
+    holds; a write error there is the same clear CheckpointError."""
+    from comm_codec.checkpoint import files
+
+    g = np.random.default_rng(3)
+    big = g.integers(0, 256, 3 * files.DIRECT_WRITE_BYTES + 5, dtype=np.uint8)
+    parts = [b"head", big, b"\0" * 3, memoryview(bytes(range(200))), big[: files.DIRECT_WRITE_BYTES], b"z",
+             bytearray(b"tail")]
+    out = tmp_path / "o.bin"
+    with files.atomic_output(str(out)) as f:
+        for part in parts:
+            f.write(part)
+            f.pad8()
+        want = b"".join(bytes(p) + b"\0" * (-len(bytes(p)) % 8) for p in parts)
+        assert f.pos == len(want)
+        f.commit()
+    assert out.read_bytes() == want
+
+    def no_space(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", no_space)
+    with pytest.raises(ck.CheckpointError, match="cannot write .*No space left on device"):
+        with files.atomic_output(str(tmp_path / "p.bin")) as f:
+            f.write(big)
+    assert not (tmp_path / "p.bin").exists()
+
+
 def test_full_disk_on_decompress_fails_up_front(tmp_path, monkeypatch):
     torch.save(_state_dict(), tmp_path / "c.pt")
     ck.compress_file(tmp_path / "c.pt", tmp_path / "c.cckp")
