@@ -80,3 +80,45 @@ def test_price_stream_refuses_bad_arguments():
                  (rows, 0, books, True, np.zeros(255, dtype=np.int64), out),
                  (rows, 0, books, True, colsum, np.zeros(3))):
         assert kp.price_stream(*args) == kp.STATUS_BAD_ARGS
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32, np.uint8, np.int8])
+@pytest.mark.parametrize("zeros", ["none", "byte0-not-zero", "some"])
+def test_count_pieces_counts_zeros_and_stream_0_as_numpy(dtype, zeros):
+    """Stream 0 counted whole and the all-zero elements exactly, whether or not byte 0
+    occurs (-0.0 and subnormals have stream-0 byte 0 but are not zero)."""
+    rng = np.random.default_rng(7)
+    width = np.dtype(dtype).itemsize
+    ints = rng.integers(1, 1 << (8 * width) - (1 if dtype is np.int8 else 0), 70000).astype(dtype)
+    ref = _stream0(ints)
+    if zeros == "none":
+        ints = ints[ref != 0]
+    elif zeros == "byte0-not-zero":
+        ints = ints[ref != 0]
+        sign = np.array(1 << (8 * width - 1), dtype=np.uint64).astype(dtype) if dtype is not np.int8 else dtype(1)
+        ints[::97] = sign  # -0.0 for floats (and 1 for int8, whose byte 1 is symbol 1: not byte 0)
+    else:
+        ints[::13] = 0
+    starts = np.array([0, 1000, 40000], dtype=np.int64)
+    lengths = np.array([1000, 39000, ints.size - 40000], dtype=np.int64)
+    hist = np.empty((3, width, 256), dtype=np.int64)
+    got_zeros = np.empty(3, dtype=np.int64)
+    coded = np.empty(width, dtype=np.bool_)
+    assert kp.count_pieces(ints, starts, lengths, 1, 1 << 15, 7.8, hist, got_zeros, coded) == kp.STATUS_OK
+    for k in range(3):
+        piece = ints[starts[k]:starts[k] + lengths[k]]
+        assert got_zeros[k] == int((piece == 0).sum())
+        assert np.array_equal(hist[k, 0], np.bincount(_stream0(piece), minlength=256))
+    if zeros == "none":
+        assert hist[:, 0, 0].sum() == 0 and got_zeros.sum() == 0
+
+
+def _stream0(ints):
+    """Stream 0's byte of each element (layout: comm_codec.kernels.symbols.symbol0)."""
+    v = ints.astype(np.int64)
+    width = ints.dtype.itemsize
+    if ints.dtype == np.int8:
+        return v & 255
+    if width == 1:
+        return ((v << 1) | (v >> 7)) & 255
+    return (v >> (8 * width - 9)) & 255

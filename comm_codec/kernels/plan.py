@@ -44,7 +44,8 @@ def _count_stream0(piece, out):
 
     Stream 0's layout folded into constants (:func:`symbol0`), four tables counting four
     quarters of the piece side by side (consecutive increments of one counter would each
-    wait for the last: exponent bytes repeat), zeros in a vectorized pass of their own.
+    wait for the last: exponent bytes repeat), zeros in a vectorized pass of their own
+    where byte 0 occurs at all.
     A function of its own, so that the compiler does not merge it with the general loop
     (merged, the shifts were run-time values again).
     """
@@ -66,7 +67,9 @@ def _count_stream0(piece, out):
         h3[symbol0(v3[i])] += 1
     for b in range(256):
         out[b] = np.int64(h0[b]) + h1[b] + h2[b] + h3[b]
-    return count_zeros(piece)
+    # An all-zero element has stream-0 byte 0 (every type's symbol0(0) is 0): with no
+    # such byte there is none, and trained weights seldom have one.
+    return count_zeros(piece) if out[0] else np.int64(0)
 
 
 @jit
