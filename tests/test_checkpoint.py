@@ -212,6 +212,23 @@ def test_big_tensor_is_cut_into_pieces(tmp_path, monkeypatch):
     assert len(frames) == -(-300_000 // chunk) > 1  # pieces of one chunk each (64 kB < a chunk)
 
 
+def test_nonzero_padding_after_a_segment_is_corruption(tmp_path):
+    """The zeros that pad a segment to 8 bytes are covered by no CRC: a restore checks
+    them, and names the segment."""
+    save_file({"w": _weights(5003, dtype=torch.bfloat16), "b": torch.arange(7, dtype=torch.int8)},
+              tmp_path / "p.safetensors")
+    packed = tmp_path / "p.cckp"
+    ck.compress_file(tmp_path / "p.safetensors", packed)
+    seg = next(s for s in ck.read_index(packed)["segments"] if s[3] % 8)
+    data = bytearray(packed.read_bytes())
+    data[seg[2] + seg[3]] = 1  # the first padding byte after its payload
+    packed.write_bytes(bytes(data))
+    for op in (lambda: ck.decompress_file(packed, tmp_path / "p.out"), lambda: ck.verify_file(packed)):
+        with pytest.raises(ck.CheckpointError, match=f"padding after the segment at source bytes {seg[0]}\\.\\..* is corrupted"):
+            op()
+    assert not (tmp_path / "p.out").exists()
+
+
 def test_chunk_size_follows_the_data(tmp_path):
     """Homogeneous tensors get large chunks; tensors whose scale changes get small ones."""
     gen = torch.Generator().manual_seed(5)
@@ -634,19 +651,22 @@ def test_alike_chunks_are_priced_at_the_large_chunk_size_alone(tmp_path, monkeyp
     cheaper (the fp16-like chunk of test_shipped_groups_are_priced_chunk_by_chunk)."""
     from comm_codec.checkpoint.plan import CHUNK_SIZES, BookChooser
 
-    priced = []
-    real = BookChooser.choose
+    priced, counted = [], []
+    real, real_counts = BookChooser.choose, BookChooser.counts
     monkeypatch.setattr(BookChooser, "choose", lambda self, rows, *a, **k: priced.append(len(rows)) or
                         real(self, rows, *a, **k))
+    monkeypatch.setattr(BookChooser, "counts", lambda self, *a: counted.append(1) or real_counts(self, *a))
     gen = torch.Generator().manual_seed(12)
     alike = torch.randn(4 << 16, generator=gen) * 0.02
     differ = alike.clone()
     differ[: 1 << 16] = differ[: 1 << 16].half().float()
     for name, w, want in (("alike", alike, [1]), ("differ", differ, [4, 1])):
         priced.clear()
+        counted.clear()
         save_file({"w": w}, tmp_path / f"{name}.safetensors")
         summary, packed = _round_trip(tmp_path / f"{name}.safetensors", tmp_path)
         assert priced == want, name
+        assert len(counted) == 1, name  # the sample is counted once, whichever sizes are priced
         assert ck.read_index(packed)["tensors"][0]["chunk_elems"] in CHUNK_SIZES
 
 

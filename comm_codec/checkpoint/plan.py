@@ -508,11 +508,13 @@ def _plan_from(t: FileTensor, sample: Sample, base_sample: Sample | None, base_t
         return bits, transform, chunk_elems, books, origins, counts
 
     small, large = CHUNK_SIZES
-    if len(candidates) == 1 and numel > small and _large_chunks_cover((counts := chooser.counts(sample, spec))):
+    counts = chooser.counts(sample, spec)  # the untransformed sample's, needed either way
+    if len(candidates) == 1 and numel > small and _large_chunks_cover(counts):
         best = cost("none", counts, large)
     else:
         # The transform at the small chunk size, then the large chunks for the winner only.
-        best = min((cost(tr, chooser.counts(data, spec), small) for tr, data in candidates), key=lambda c: c[0])
+        best = min((cost(tr, counts if tr == "none" else chooser.counts(data, spec), small) for tr, data in candidates),
+                   key=lambda c: c[0])
         if numel > small:  # else one chunk either way
             best = min(best, cost(best[1], best[5], large), key=lambda c: c[0])
     _, t.transform, t.chunk_elems, books, origins, _ = best
