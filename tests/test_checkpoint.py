@@ -412,6 +412,24 @@ def test_output_writes_large_and_small_land_in_order(tmp_path, monkeypatch):
     assert not (tmp_path / "p.bin").exists()
 
 
+@pytest.mark.parametrize("name", ["blake3", "sha256"])
+def test_file_digest_over_several_blocks(tmp_path, monkeypatch, name):
+    """A whole file hashed a block at a time (a base's digest) equals the digest of its
+    bytes, with a short last block and an empty file."""
+    from comm_codec.checkpoint import files
+
+    monkeypatch.setattr(files, "_HASH_BLOCK", 4096)
+    data = np.random.default_rng(5).integers(0, 256, 3 * 4096 + 123, dtype=np.uint8).tobytes()
+    for content in (data, data[:4096], b""):
+        (tmp_path / "f").write_bytes(content)
+        m = files.FileMap(str(tmp_path / "f"))
+        try:
+            want = (blake3.blake3 if name == "blake3" else hashlib.sha256)(content).hexdigest()
+            assert files.file_digest(m, name) == want
+        finally:
+            m.close()
+
+
 def test_full_disk_on_decompress_fails_up_front(tmp_path, monkeypatch):
     torch.save(_state_dict(), tmp_path / "c.pt")
     ck.compress_file(tmp_path / "c.pt", tmp_path / "c.cckp")
