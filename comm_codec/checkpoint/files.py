@@ -26,7 +26,7 @@ __all__ = ["FileMap", "AtomicFile", "DigestStream", "atomic_output", "check_path
            "is_regular", "temp_name", "sweep_stale_temps", "TEMP_MARK", "track_temp", "untrack_temp",
            "remove_live_temps"]
 
-# Buffers waiting for the background sha256 thread.
+# Buffers waiting for the background digest thread (DigestStream).
 _SHA_QUEUE = 8
 # Bytes a FileMap keeps read for the next reader of the same range (FileMap.u8's keep).
 KEEP_BYTES = 16 << 20
