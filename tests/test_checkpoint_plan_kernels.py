@@ -96,7 +96,9 @@ def test_count_pieces_counts_zeros_and_stream_0_as_numpy(dtype, zeros):
     elif zeros == "byte0-not-zero":
         ints = ints[ref != 0]
         sign = np.array(1 << (8 * width - 1), dtype=np.uint64).astype(dtype) if dtype is not np.int8 else dtype(1)
-        ints[::97] = sign  # -0.0 for floats (and 1 for int8, whose byte 1 is symbol 1: not byte 0)
+        # -0.0 of a 2- or 4-byte float: stream-0 byte 0, not zero. A 1-byte type has no such
+        # element (fp8's sign rotates into bit 0, int8's byte is the element): byte 0 is zero.
+        ints[::97] = sign
     else:
         ints[::13] = 0
     starts = np.array([0, 1000, 40000], dtype=np.int64)

@@ -297,8 +297,8 @@ class AtomicFile:
             if n < DIRECT_WRITE_BYTES:
                 self.fh.write(view)
             else:
-                # A coded tensor's payload: copied into the buffer first, it cost a small
-                # file's compress 3 % more; what the buffer holds goes first.
+                # A coded tensor's payload: through the buffer it would be copied once
+                # more. What the buffer holds goes out first, so bytes stay in order.
                 self.fh.flush()
                 fd = self.fh.fileno()
                 while view.nbytes:
