@@ -14,6 +14,7 @@ import sys
 import zlib
 
 import numba
+import numpy as np
 import torch
 
 import comm_codec as cc
@@ -60,6 +61,57 @@ def random_bits(n: int, dtype: torch.dtype, generator: torch.Generator) -> torch
         lo = -(1 << (8 * width - 1))
         ints = torch.randint(lo, -lo, (n,), dtype=_INT_VIEW[width], generator=generator)
     return ints.view(dtype)
+
+
+def low_byte_tensor(chunk_elems: int, kinds, seed: int, skew: float = 0.36) -> torch.Tensor:
+    """fp32 chunks whose lowest byte (stream 3) barely compresses (kind 0) or compresses well (1).
+
+    Kind 0's low mantissa bits come from 32 values with probability ``skew``, else from
+    128: a book fitted to both kinds codes such a chunk 1-2 % under raw, less than the
+    share a later stream must save (kernels.layout.MIN_SAVING_SHIFT). Kind 1's take 24
+    values. Exponents and high mantissa bits are random over a small range.
+    """
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in kinds:
+        exp = rng.integers(120, 124, chunk_elems).astype(np.uint32)
+        hi = rng.integers(0, 1 << 16, chunk_elems).astype(np.uint32)
+        if k == 0:
+            low = np.where(rng.random(chunk_elems) < skew, rng.integers(0, 32, chunk_elems),
+                           rng.integers(0, 128, chunk_elems))
+        else:
+            low = rng.integers(0, 24, chunk_elems)
+        sign = rng.integers(0, 2, chunk_elems).astype(np.uint32)
+        out.append((sign << 31) | (exp << 23) | (hi << 7) | low.astype(np.uint32))
+    return torch.from_numpy(np.concatenate(out).view(np.int32)).view(torch.float32)
+
+
+def low_byte_books(chunk_elems: int) -> cc.CodebookSet:
+    """Weight books fitted to :func:`low_byte_tensor` chunks of both kinds (stream 3 coded)."""
+    from comm_codec.books.profiler import WarmupProfiler
+
+    prof = WarmupProfiler(chunk_elems=chunk_elems, max_books=1)
+    for seed in range(3):
+        prof.observe(low_byte_tensor(chunk_elems, [0, 1, 0, 0], seed), "weight")
+    return prof.build()
+
+
+def low_byte_segments(x: torch.Tensor, book: cc.Codebook, chunk_elems: int) -> np.ndarray:
+    """Bytes stream 3's coded segment of each chunk of fp32 ``x`` (no zeros) takes under ``book``:
+    lane lengths, then four lanes over the chunk's quarters, each padded to 8 bytes."""
+    u = int_view(x).numpy().view(np.uint32)
+    sym = ((u << 1) | (u >> 31)) & 255  # rotated left by one: the sign is bit 0 of the low byte
+    bits = book.symbol_bits().astype(np.int64)
+    sizes = []
+    for lo in range(0, u.size, chunk_elems):
+        chunk = sym[lo: lo + chunk_elems]
+        n = chunk.size
+        size = 4 * 4
+        for k in range(4):
+            lane = int(bits[chunk[k * n // 4: (k + 1) * n // 4]].sum())
+            size += ((lane + 7) // 8 + 7) // 8 * 8
+        sizes.append(size)
+    return np.array(sizes, dtype=np.int64)
 
 
 def fix_header_crc(data) -> bytes:

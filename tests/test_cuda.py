@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 import comm_codec as cc
 from comm_codec.core.streams import spec_for
 from comm_codec.core import frame as _frame
-from helpers import bits_equal, fix_header_crc, int_view, random_bits
+from helpers import bits_equal, fix_header_crc, int_view, low_byte_books, low_byte_segments, low_byte_tensor, random_bits
 from test_codec import DISTS, make_tensor, special_bits, tensor_of_bits
 
 SIM = bool(numba.config.ENABLE_CUDASIM)
@@ -457,6 +457,21 @@ def test_grouped_later_streams_pick_books_too(dtype):
     f = assert_same_frames(codec, grouped_tensor(dtype, seed=20 + DTYPES.index(dtype)))
     later = {(s, k) for s in range(1, dtype.itemsize) for k in book_indices(f, s) if k}
     assert later, "no stream after the first chose a book other than its first"
+
+
+def test_a_later_stream_saving_under_a_32nd_is_raw_as_on_the_cpu():
+    # A chunk's stream 3 whose book codes it 1-2 % under raw is stored raw by both
+    # planners (kernels.layout.MIN_SAVING_SHIFT); one that saves more is coded.
+    chunk = 1024
+    books = low_byte_books(chunk)
+    codec = cc.Codec(books, chunk_elems=chunk)
+    x = low_byte_tensor(chunk, [0, 1, 0], seed=9, skew=0.5)
+    coded = low_byte_segments(x, books.group("weight", "fp32", 3).books[0], chunk)
+    limit = chunk - (chunk >> 5)
+    assert coded[0] > limit and coded[0] < chunk and coded[1] <= limit, coded
+    f = assert_same_frames(codec, x, "weight")
+    raw = _frame.get_frame_parameters(f).table["cflags"] & (_frame.CHUNK_RAW0 << 3)
+    assert raw[0] and not raw[1]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8], ids=str)

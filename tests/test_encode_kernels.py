@@ -25,7 +25,7 @@ from comm_codec.core.streams import as_bits, spec_for
 from comm_codec.core import frame as _frame
 from comm_codec.kernels.encode import PAIR_ENTRIES, PAIR_SLOW, encode_frame_into, frame_room, pair_tables
 from comm_codec.kernels.symbols import symbols0
-from helpers import bits_equal
+from helpers import bits_equal, low_byte_books, low_byte_segments, low_byte_tensor
 
 import naive
 
@@ -298,3 +298,29 @@ def test_serial_frame_equals_the_planned_path_with_zeros_the_reference_sample_se
     ints = (as_bits(a)[0] ^ as_bits(b)[0]).view(np.dtype(f"i{a.element_size()}"))
     ints[np.random.default_rng(3).random(ints.size) < share] = 0
     _check_serial_is_planned(torch.from_numpy(ints.copy()).view(dtype), masked=share == 0.6)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_later_stream_is_coded_only_where_it_saves_a_32nd(threads):
+    # Stream 3 of fp32 (the lowest mantissa byte) decodes one 8-9-bit code a lookup, about
+    # twice the time of copying it: coded 1-2 % under raw it costs more than it saves, so
+    # every encoder stores it raw unless its segment is n >> 5 bytes under the chunk's n.
+    chunk = 4096
+    books = low_byte_books(chunk)
+    book = books.group("weight", "fp32", 3)
+    assert not book.raw and len(book.books) == 1
+    x = low_byte_tensor(chunk, [0, 1, 0, 0, 1, 0, 0], seed=9)
+    codec = cc.Codec(books, threads=min(threads, numba.config.NUMBA_NUM_THREADS), chunk_elems=chunk)
+    bits, spec = as_bits(x)
+    serial = codec._encode_serial(bits, spec, "weight")
+    assert np.array_equal(serial, codec._encode_planned(bits, spec, "weight"))
+    table = _frame.get_frame_parameters(serial).table
+    coded = low_byte_segments(x, book.books[0], chunk)
+    limit = chunk - (chunk >> 5)
+    in_band = (coded > limit) & (coded < chunk)  # what the book saves there is under 1/32
+    assert in_band.sum() >= 3 and (coded <= limit).sum() >= 2
+    raw = (table["cflags"] & (_frame.CHUNK_RAW0 << 3)) != 0
+    assert np.array_equal(raw, coded > limit)
+    assert np.array_equal(table["sizes"][:, 3], np.where(raw, chunk, coded))
+    bits_equal(codec.decode(serial), x)
+    bits_equal(naive.decode_frame(serial.tobytes(), naive.frame_books(books)), x)

@@ -33,6 +33,11 @@ stream other than the exponent stream is coded only where its books save at leas
 2.4 % of its bits (0.6 % of the ratio) and coded halves the decode speed. Weights and
 optimizer state (:data:`STORED_KINDS`) mostly go to checkpoints, where a byte stored
 outweighs decode speed: their streams are coded from a ``_RAW_MIN_GAIN`` (1.5 %) gain.
+Whatever the kind, the encoder then codes a later stream chunk by chunk only where it
+saves 1/32 of that chunk's bytes (:data:`comm_codec.kernels.layout.MIN_SAVING_SHIFT`):
+EfficientNet-Lite0's fp32 weights, under the shipped books, coded their lowest byte in
+205 of 287 chunks for 0.6 % of the frame; now 69 chunks keep 69 % of those bytes, and
+the weights decode 1.4x as fast (ratio 1.2031 -> 1.2010; zipnn's 1.2002).
 The checkpoint planner fits its own groups (:func:`grow_group`) and weighs it there.
 
 Distributed runs: :meth:`WarmupProfiler.statistics` gives the counts as plain arrays,

@@ -17,6 +17,7 @@ from ..core.codebooks import CodebookGroup, CodebookSet
 from ..core.codec import Codec
 from ..core.huffman import RAW_THRESHOLD_BITS, Codebook, entropy_bits
 from ..kernels import plan as _plan
+from ..kernels.layout import MIN_SAVING_SHIFT
 from .files import FileMap
 from .formats import FileTensor
 
@@ -231,20 +232,23 @@ class BookChooser:
             out[chunk_elems] = (rows, float(zeros.sum()), coded)
         return out
 
-    def partial(self, rows: np.ndarray, scale: float) -> tuple[Codebook, float] | None:
-        """A book for a stream that is raw on the whole but compressible in some chunks.
+    def partial(self, rows: np.ndarray, s: int, scale: float) -> tuple[Codebook, float] | None:
+        """A book for stream s, raw on the whole but compressible in some chunks.
 
-        The encoder stores a chunk's stream raw wherever its book would spend more, so a
-        book fitted to the chunks that compress (some rows of an embedding, say) costs
-        nothing on the others. Returns the book and the bits it saves (net of its place
-        in the index), or None.
+        The encoder stores a chunk's stream raw wherever its book would not save enough
+        (:data:`~comm_codec.kernels.layout.MIN_SAVING_SHIFT`), so a book fitted to the
+        chunks that compress (some rows of an embedding, say) costs nothing on the
+        others. Returns the book and the bits it saves (net of its place in the index),
+        or None.
         """
         n = rows.sum(axis=1)
         pick = (_entropies(rows) < RAW_THRESHOLD_BITS - 0.25) & (n > 0)
         if not pick.any():
             return None
         book = Codebook.from_counts(rows[pick].sum(axis=0), raw_threshold=None)
-        coded = np.minimum(rows @ book.symbol_bits(), 8.0 * n)
+        bits = (rows @ book.symbol_bits()).astype(np.float64)
+        limit = 8.0 * (n if s == 0 else n - np.maximum(1, n >> MIN_SAVING_SHIFT))
+        coded = np.where(bits < limit, bits, 8.0 * n)
         saved = float(8.0 * n.sum() - coded.sum()) * scale - _BOOK_COST_BITS
         return (book, saved) if saved > 0 else None
 
@@ -340,7 +344,7 @@ class BookChooser:
         c = colsum * scale
         h = entropy_bits(c)
         if h >= RAW_THRESHOLD_BITS:
-            found = self.partial(rows[:, s, :], scale) if grouped else None
+            found = self.partial(rows[:, s, :], s, scale) if grouped else None
             return [] if found is None else [(raw_bits * scale - found[1], found[0], "tensor")]
         found = self._own(c, float(c.sum()), h, dtype, s, build=grouped or floor + _BOOK_COST_BITS < best)
         if found is None:

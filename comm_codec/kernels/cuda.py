@@ -50,7 +50,7 @@ from numba import cuda, int32, int64, uint16, uint64
 # The CPU kernels' constants: the same statuses (the codec maps both through
 # layout.STATUS_MESSAGES), chunk flags, lane layout and checksum chains, by construction.
 from .layout import (CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, DEC_ENTRIES, HASH_MUL, HASH_SEED, LANE_HEADER, LANES,
-                     MAX_STREAMS, STATUS_BAD_CODE, STATUS_BOOK, STATUS_CHECKSUM, STATUS_MASK_COUNT, STATUS_OK,
+                     MAX_STREAMS, MIN_SAVING_SHIFT, STATUS_BAD_CODE, STATUS_BOOK, STATUS_CHECKSUM, STATUS_MASK_COUNT, STATUS_OK,
                      STATUS_OVERRUN, STATUS_SIZE)
 
 __all__ = ["SIMULATOR", "PLAN_THREADS", "DECODE_THREADS", "CRC_SEGMENT", "MAX_STREAMS", "plan_kernel",
@@ -275,7 +275,7 @@ def plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_len, nbooks, raw
             seg = int64(LANE_HEADER)
             for q in range(LANES):
                 seg += _pad8((lanes[chosen, q] + 7) // 8)
-            if seg >= present:
+            if seg > (present - 1 if s == 0 else present - _imax(int64(1), present >> MIN_SAVING_SHIFT)):
                 plan[c, 0] = plan[c, 0] | (CHUNK_RAW0 << s)
                 plan[c, 3 + s] = present
             else:

@@ -45,7 +45,7 @@ from numba.extending import overload
 from .histogram import lane_histograms
 from .intrinsics import address, load16, prefetch, store64
 from .jit import OVERLOAD_OPTIONS, entry, inline, jit, parallel_entry
-from .layout import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, LANE_HEADER, LANES
+from .layout import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, LANE_HEADER, LANES, MIN_SAVING_SHIFT
 from .symbols import chunk_ref, count_zeros, element_layout, hash_words, stream_params, symbol, symbols0
 
 __all__ = ["plan_chunks", "encode_chunks", "encode_frame", "encode_frame_into", "frame_room", "pair_tables", "PAIR_ENTRIES", "PAIR_SLOW"]
@@ -216,7 +216,7 @@ def _plan_chunk(bits, lo, hi, c, exp_shift, enc_len, nbooks, raw_stream, cflags,
             k = k0
         else:
             seg, k = _size_stream(src, slo, shi, s, exp_shift, ref, enc_len[s], nbooks[s], hist, priced)
-        if seg >= present:
+        if seg > (present - 1 if s == 0 else present - max(1, present >> MIN_SAVING_SHIFT)):
             flags |= CHUNK_RAW0 << s
             sizes[c, s] = present
         else:
@@ -704,7 +704,7 @@ def _write_chunk(bits, lo, hi, c, exp_shift, enc_code, enc_len, nbooks, raw_stre
         elif s > 0:
             seg, _ = _write_segment(src, s, exp_shift, ref, enc_code[s, 0], enc_len[s, 0], pair_code[0], pair_len[0],
                                     out8, out64, pos, pos + count, False)
-        if seg < 0 or seg >= count:
+        if seg < 0 or seg > (count - 1 if s == 0 else count - max(1, count >> MIN_SAVING_SHIFT)):
             flags |= CHUNK_RAW0 << s
             seg = count
             _write_raw(src, s, exp_shift, ref, out8, pos, seg)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from .jit import entry, jit
-from .layout import STATUS_BAD_ARGS, STATUS_OK
+from .layout import MIN_SAVING_SHIFT, STATUS_BAD_ARGS, STATUS_OK
 from .symbols import count_zeros, element_layout, symbol, symbol0
 
 __all__ = ["count_pieces", "chunk_refs", "chunk_rows", "price_stream", "STATUS_OK", "STATUS_BAD_ARGS"]
@@ -316,8 +316,9 @@ def chunk_rows(hist, zeros, lengths, refs, per, exp_shift, counted, rows):
 def price_stream(rows, s, book_bits, floor, colsum, out):
     """Price one stream of sampled chunks under a group of books, as the encoder codes them.
 
-    Each chunk costs its cheapest book (ties to the lower index) or, where that is not
-    cheaper, its raw bits (8 a symbol): the sums a book choice weighs, in one call
+    Each chunk costs its cheapest book (ties to the lower index) or, where that does not
+    save what :data:`~comm_codec.kernels.layout.MIN_SAVING_SHIFT` asks of the stream, its
+    raw bits (8 a symbol): the sums a book choice weighs, in one call
     instead of a dozen numpy operations on a few rows (the planner prices every stream
     of every tensor this way). Counts and bits are integers, so the sums are exact in
     any order.
@@ -329,10 +330,11 @@ def price_stream(rows, s, book_bits, floor, colsum, out):
         floor: whether to price each chunk's entropy too (out[2]).
         colsum: int64[256] output: the stream's counts summed over the chunks.
         out: float64[4] output: [0] the stream's symbols; [1] the sum over chunks of
-            min(cheapest book's bits, raw bits) (raw bits without books); [2] with
-            ``floor``, the sum of min(entropy bits, raw bits), the entropy in bits per
-            symbol being ``log2(n) - sum(c log2 c) / n`` over the chunk's n symbols;
-            [3] a bitmask of the books some chunk picks where they beat raw.
+            the cheapest book's bits where the chunk is coded, else its raw bits (raw
+            bits without books); [2] with ``floor``, the same with each chunk's entropy
+            for the book's bits, the entropy in bits per symbol being
+            ``log2(n) - sum(c log2 c) / n`` over the chunk's n symbols; [3] a bitmask of
+            the books some chunk picks where it is coded.
 
     Returns:
         STATUS_OK, or STATUS_BAD_ARGS (nothing written).
@@ -354,6 +356,9 @@ def price_stream(rows, s, book_bits, floor, colsum, out):
             n += r[b]
             colsum[b] += r[b]
         raw = 8.0 * np.float64(n)
+        # Coded only below this many bits (layout.MIN_SAVING_SHIFT: a later stream must
+        # save a share of its bytes, as every encoder decides).
+        limit = raw if s == 0 else 8.0 * np.float64(n - max(np.int64(1), n >> MIN_SAVING_SHIFT))
         symbols += np.float64(n)
         cheapest = raw
         if nbooks:
@@ -367,7 +372,7 @@ def price_stream(rows, s, book_bits, floor, colsum, out):
                 if best < 0 or bits < best:
                     best = bits
                     pick = j
-            if np.float64(best) < raw:
+            if np.float64(best) < limit:
                 used |= np.int64(1) << pick
                 cheapest = np.float64(best)
         priced += cheapest
@@ -378,7 +383,7 @@ def price_stream(rows, s, book_bits, floor, colsum, out):
                 if r[b] > 1:
                     acc += np.float64(r[b]) * np.log2(np.float64(r[b]))
             h = max(np.log2(np.float64(m)) - acc / np.float64(m), 0.0)
-            least += min(h * np.float64(n), raw)
+            least += h * np.float64(n) if h * np.float64(n) < limit else raw
     out[0] = symbols
     out[1] = priced
     out[2] = least
