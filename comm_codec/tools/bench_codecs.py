@@ -8,7 +8,9 @@ huff0 (:class:`Huff0`) codes only the exponent stream of each row (what the code
 books code; the other streams are stored raw by both), so its row's ratio is that
 stream's, and its GB/s is the tensor's bytes over the time huff0 takes for the exponent
 stream alone: a codec row faster than it codes the whole tensor faster than huff0 codes
-a third to a half of its bytes. It is timed when the library built by
+a third to a half of its bytes. Beside it, :class:`CodecExponents` times the codec on
+that same stream alone (its bytes as int8, one book fitted to them), which is the like
+for like comparison of the two coders. Both are timed when the library built by
 ``launch_scripts/build_huff0.sh`` is present, and skipped with a note saying how to
 build it otherwise.
 """
@@ -28,8 +30,8 @@ from ..core.codec import Codec
 from . import huff0 as _huff0
 from .bench_data import MIB, Dataset
 
-__all__ = ["Comparator", "Unsupported", "CommCodec", "Zstd", "Bz2", "ZipNN", "Huff0", "as_u8", "comparators",
-           "threads_available"]
+__all__ = ["Comparator", "Unsupported", "CommCodec", "CodecExponents", "Zstd", "Bz2", "ZipNN", "Huff0", "as_u8",
+           "comparators", "threads_available"]
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +210,40 @@ class Huff0(Comparator):
         return _huff0.exponent_stream(t)
 
 
+class CodecExponents(Comparator):
+    """The codec on the exponent stream of each row alone, one thread: what huff0's row is
+    measured against, symbol for symbol (the stream's bytes as int8, a book fitted to the
+    row's evaluation buckets, as huff0 fits a table to each block)."""
+
+    name = "comm_codec:exponents"
+    note = "exponent stream only, as int8 with a book fitted to it (the like of huff0's row)"
+
+    def __init__(self, chunk_elems: int):
+        self.chunk_elems = chunk_elems
+
+    def setup(self, ds):
+        if not ds.dtype.is_floating_point:
+            raise Unsupported(f"no exponent stream in {ds.spec_name}")
+        stream = np.concatenate([_huff0.exponent_stream(b) for b in ds.buckets])
+        self.codec, _ = _huff0.exponent_codec(stream, self.chunk_elems)
+
+    def prepare(self, t):
+        return torch.from_numpy(_huff0.exponent_stream(t).view(np.int8))
+
+    def encode(self, x, threads):
+        return self.codec.encode(x, kind="weight")
+
+    def decode(self, payload, threads):
+        return self.codec.decode(payload)
+
+    @staticmethod
+    def size(payload) -> int:
+        return payload.numel()
+
+    def expected(self, t):
+        return _huff0.exponent_stream(t)
+
+
 def threads_available() -> tuple:
     return (1, 2) if numba.config.NUMBA_NUM_THREADS >= 2 else (1,)
 
@@ -224,4 +260,6 @@ def comparators(chunk_elems: int, bz2_mb: float) -> list:
         found.append(Huff0())
     except OSError as exc:  # FileNotFoundError included: not built here
         log.warning("huff0 rows left out: %s", exc)
+    else:
+        found.insert(len(found) - 1, CodecExponents(chunk_elems))
     return found

@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-__all__ = ["BLOCK", "BUILD_HINT", "Huff0", "default_path", "exponent_stream", "main"]
+__all__ = ["BLOCK", "BUILD_HINT", "Huff0", "default_path", "exponent_codec", "exponent_stream", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +165,20 @@ class Huff0:
         return out
 
 
-def _codec_for(stream: np.ndarray, chunk_elems: int):
-    """A codec whose int8 book is fitted to stream's bytes (fixed books, no reference)."""
+def exponent_codec(stream: np.ndarray, chunk_elems: int):
+    """A codec for an exponent stream alone: its bytes as int8, with a book fitted to them.
+
+    What huff0 is fairly timed against: the codec's coder on the same bytes, with one
+    fixed book (no reference exponent; huff0 fits a table to every block).
+
+    Args:
+        stream: uint8[n], an :func:`exponent_stream`.
+        chunk_elems: the codec's chunk size.
+
+    Returns:
+        (the Codec, the stream as an int8 tensor sharing its memory); code it as kind
+        ``"weight"``.
+    """
     from ..books.profiler import WarmupProfiler
     from ..core.codec import Codec
 
@@ -238,7 +250,7 @@ def main(argv=None) -> int:
     for name, tensor in _datasets(models):
         stream = exponent_stream(tensor)
         n = stream.size
-        exp_codec, exp_t = _codec_for(stream, DEFAULT_CHUNK_ELEMS)
+        exp_codec, exp_t = exponent_codec(stream, DEFAULT_CHUNK_ELEMS)
         full_codec = Codec(threads=1)
         payload, sizes = huff.compress(stream)
         assert np.array_equal(huff.decompress(payload, sizes, n), stream)
