@@ -35,7 +35,8 @@ from hypothesis import strategies as st
 import comm_codec as cc
 from comm_codec.core.streams import spec_for
 from comm_codec.core import frame as _frame
-from helpers import bits_equal, fix_header_crc, int_view, low_byte_books, low_byte_segments, low_byte_tensor, random_bits
+from helpers import (bits_equal, fix_header_crc, int_view, low_byte_books, low_byte_segments, low_byte_tensor,
+                     random_bits)
 from test_codec import DISTS, make_tensor, special_bits, tensor_of_bits
 
 SIM = bool(numba.config.ENABLE_CUDASIM)

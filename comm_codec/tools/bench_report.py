@@ -65,7 +65,8 @@ def format_table(rows: list) -> str:
         mb = f"{r['eval_bytes'] / 1e6:.1f}" if first and r.get("eval_bytes") else ""
         zn = zipnn.get(key)
         times = ["", "", ""]
-        if zn is not None and r is not zn and not r["codec"].startswith("bound:") and r["codec"] not in (HUFF0, EXPONENTS):
+        coded_whole = not r["codec"].startswith("bound:") and r["codec"] not in (HUFF0, EXPONENTS)
+        if zn is not None and r is not zn and coded_whole:
             pairs = ((r["ratio"], zn["ratio"]), (r["enc_gbps"].get("1"), zn["enc_gbps"].get("1")),
                      (r["dec_gbps"].get("1"), zn["dec_gbps"].get("1")))
             times = [f"{a / b:.2f}" if a and b else "" for a, b in pairs]
