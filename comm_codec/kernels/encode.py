@@ -99,6 +99,13 @@ def _mask_pays(zeros, count, zero_cost):
     return zeros * zero_cost > count + 64
 
 
+@inline
+def _min_saving(s, n):
+    """Bytes stream s of a chunk of n present elements must save to be coded: one for
+    stream 0, 1/2**MIN_SAVING_SHIFT of them for a later stream (see layout.py)."""
+    return np.int64(1) if s == 0 else max(np.int64(1), n >> MIN_SAVING_SHIFT)
+
+
 @jit
 def _sample_zeros(bits, lo, hi):
     """All-zero elements among the strided sample that :func:`chunk_ref` reads."""
@@ -216,7 +223,7 @@ def _plan_chunk(bits, lo, hi, c, exp_shift, enc_len, nbooks, raw_stream, cflags,
             k = k0
         else:
             seg, k = _size_stream(src, slo, shi, s, exp_shift, ref, enc_len[s], nbooks[s], hist, priced)
-        if seg > (present - 1 if s == 0 else present - max(1, present >> MIN_SAVING_SHIFT)):
+        if seg > present - _min_saving(s, present):
             flags |= CHUNK_RAW0 << s
             sizes[c, s] = present
         else:
@@ -704,7 +711,7 @@ def _write_chunk(bits, lo, hi, c, exp_shift, enc_code, enc_len, nbooks, raw_stre
         elif s > 0:
             seg, _ = _write_segment(src, s, exp_shift, ref, enc_code[s, 0], enc_len[s, 0], pair_code[0], pair_len[0],
                                     out8, out64, pos, pos + count, False)
-        if seg < 0 or seg > (count - 1 if s == 0 else count - max(1, count >> MIN_SAVING_SHIFT)):
+        if seg < 0 or seg > count - _min_saving(s, count):
             flags |= CHUNK_RAW0 << s
             seg = count
             _write_raw(src, s, exp_shift, ref, out8, pos, seg)
