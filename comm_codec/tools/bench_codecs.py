@@ -257,9 +257,9 @@ def comparators(chunk_elems: int, bz2_mb: float) -> list:
     except ImportError as exc:
         log.warning("zipnn not importable (%s); its rows are left out (pip install comm_codec[bench])", exc)
     try:
-        found.append(Huff0())
+        huff = Huff0()
     except OSError as exc:  # FileNotFoundError included: not built here
         log.warning("huff0 rows left out: %s", exc)
     else:
-        found.insert(len(found) - 1, CodecExponents(chunk_elems))
+        found += [CodecExponents(chunk_elems), huff]
     return found
