@@ -70,7 +70,9 @@ def kernels(codec: Codec, tensor: torch.Tensor, kind: str, streams: int | None =
     sizes = np.zeros((nchunks, ns), np.uint32)
     checksums = np.zeros(nchunks, np.uint32)
     enc_code, enc_len, nbooks, raw = t.enc_code[:ns], t.enc_len[:ns], t.nbooks[:ns], t.raw[:ns]
-    plan_chunks(bits, ce, spec.exp_shift, enc_len, nbooks, raw, cflags, refs, books, sizes)
+    # trees before split exponents take no split argument
+    layout = (spec.exp_shift, t.split) if hasattr(t, "split") else (spec.exp_shift,)
+    plan_chunks(bits, ce, *layout, enc_len, nbooks, raw, cflags, refs, books, sizes)
     lengths = _frame.payload_bytes(cflags.astype(np.int64), sizes, _frame.chunk_counts(bits.size, ce, nchunks))
     offsets = np.cumsum(lengths) - lengths
     out = np.zeros(int(lengths.sum()) + 8, np.uint8)
@@ -78,10 +80,10 @@ def kernels(codec: Codec, tensor: torch.Tensor, kind: str, streams: int | None =
     extra = tuple(pairs) if pairs is not None else ()
 
     def plan():
-        plan_chunks(bits, ce, spec.exp_shift, enc_len, nbooks, raw, cflags, refs, books, sizes)
+        plan_chunks(bits, ce, *layout, enc_len, nbooks, raw, cflags, refs, books, sizes)
 
     def pack():
-        encode_chunks(bits, ce, spec.exp_shift, enc_code, enc_len, *extra, cflags, refs, books, sizes, offsets,
+        encode_chunks(bits, ce, *layout, enc_code, enc_len, *extra, cflags, refs, books, sizes, offsets,
                       out, out.view(np.uint64), checksums, True)
 
     return plan, pack

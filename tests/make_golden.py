@@ -32,6 +32,11 @@ CASES = {
 }
 
 
+# The cases whose dtype has bits under its exponent: also written with split exponents
+# (frame version 3) as <name>.split.frame; <name>.frame is the frame without (versions 1-2).
+SPLIT_CASES = ("fp16_activation", "fp8_e4m3_weight", "fp8_e5m2_gradient")
+
+
 def make_input(name: str):
     """Return the deterministic input tensor of a golden case (torch imported lazily)."""
     import torch
@@ -89,10 +94,13 @@ def main() -> int:
 
     os.makedirs(OUT, exist_ok=True)
     for name, (_, kind, _, chunk_elems) in CASES.items():
-        codec = cc.Codec(chunk_elems=chunk_elems, threads=1)
-        frame = codec.encode(make_input(name), kind=kind)
-        with open(os.path.join(OUT, name + ".frame"), "wb") as fh:
-            fh.write(frame.numpy().tobytes())
+        for split, suffix in ((False, ".frame"), (True, ".split.frame")):
+            if split and name not in SPLIT_CASES:
+                continue
+            codec = cc.Codec(chunk_elems=chunk_elems, threads=1, split_exponent=split)
+            frame = codec.encode(make_input(name), kind=kind)
+            with open(os.path.join(OUT, name + suffix), "wb") as fh:
+                fh.write(frame.numpy().tobytes())
     with tempfile.TemporaryDirectory() as tmp:
         st, pt = checkpoint_inputs(tmp)
         for src, name in ((st, "golden_safetensors.cckp"), (pt, "golden_pt.cckp")):

@@ -12,7 +12,8 @@ package except :func:`frame_books`, which only reads code lengths out of a book.
     in which the kernels' LSB-first packer emits ``symbol << escape_length``).
 (c) Entropy and unlimited optimal Huffman lengths.
 (d) A whole-frame decoder: header, book ids, chunk table, CRC, masks, raw and coded
-    (4-lane) streams, reference exponents, checksums.
+    (4-lane) streams, reference exponents, checksums, and split exponents (version 3:
+    the exponent's code derived from the stream's book, the bits under it in a plane).
 """
 
 from __future__ import annotations
@@ -231,6 +232,20 @@ def package_merge(weights, limit: int) -> list[int]:
     return lengths
 
 
+def exponent_lengths(lengths, escape_length: int, shift: int) -> list[int]:
+    """The split exponents' code (frame_format.md): exponent e weighs the sum of
+    2**(20 - l) over its 2**shift byte symbols (l = escape + 8 for an escaped one), and
+    its length is package-merge's at 12 over those weights, ranked by (weight, e)."""
+    weights = []
+    for e in range(256 >> shift):
+        w = 0
+        for m in range(1 << shift):
+            ln = int(lengths[(e << shift) | m])
+            w += 1 << (20 - (ln if ln else int(escape_length) + 8))
+        weights.append(w)
+    return package_merge(weights, 12)
+
+
 def expected_bits(counts, lengths, escape_length: int = 0) -> float:
     """Return mean bits per symbol of a book (length 0 = escape + 8 raw bits)."""
     total = float(sum(counts))
@@ -287,7 +302,8 @@ class NaiveFrame:
 def parse_frame(data: bytes) -> NaiveFrame:
     """Parse and check a frame's header, book ids, table and CRC (asserts on anything odd)."""
     magic, version, code, ns, flags, numel, chunk_elems, nchunks = HEADER.unpack_from(data, 0)
-    assert magic == MAGIC and version in (1, 2), (magic, version)
+    assert magic == MAGIC and version in (1, 2, 3), (magic, version)
+    assert flags & ~3 == 0 and (version == 3) == bool(flags & 2), (version, flags)
     dtype = DTYPE_BY_CODE[code]
     assert ns == LAYOUT[dtype][0]
     assert nchunks == (-(-numel // chunk_elems) if numel else 0)
@@ -299,7 +315,7 @@ def parse_frame(data: bytes) -> NaiveFrame:
     for c in range(nchunks):
         cflags, ref, chosen, checksum = struct.unpack_from("<BBHI", data, pos)
         sizes = list(struct.unpack_from(f"<{ns}I", data, pos + 8))
-        assert version == 2 or chosen == 0
+        assert version != 1 or chosen == 0
         assert data[pos + 8 + 4 * ns : pos + entry_size] == bytes(entry_size - 8 - 4 * ns)
         table.append((cflags, ref, checksum, sizes, [(chosen >> (4 * s)) & 15 for s in range(ns)]))
         pos += entry_size
@@ -308,6 +324,8 @@ def parse_frame(data: bytes) -> NaiveFrame:
     pos += 8
     if version == 2:
         assert any(any(t[4]) for t in table), "version 2 only when some chunk names a book"
+    if version == 3:
+        assert LAYOUT[dtype][2], "split exponents only where bits lie under the exponent"
     return NaiveFrame(dtype=dtype, numel=numel, chunk_elems=chunk_elems, nchunks=nchunks,
                       flags=flags, ids=ids, table=table, header_bytes=pos)
 
@@ -346,6 +364,7 @@ def decode_frame(data: bytes, books: dict[str, list[tuple[list[int], int]]]) -> 
     data = bytes(data)
     fr = parse_frame(data)
     width, rotate, exp_shift, _ = LAYOUT[fr.dtype]
+    split = exp_shift if fr.flags & 2 else 0
     pos = fr.header_bytes
     bits_out: list[int] = []
     for c, (cflags, ref, checksum, sizes, chosen) in enumerate(fr.table):
@@ -372,6 +391,19 @@ def decode_frame(data: bytes, books: dict[str, list[tuple[list[int], int]]]) -> 
             if cflags & (CHUNK_RAW0 << s):
                 assert sizes[s] == len(present) and chosen[s] == 0
                 streams.append(list(seg))
+            elif s == 0 and split:
+                # The exponents' code derived from each book; then the plane: split bits
+                # a symbol, LSB first, ceil(n / 8) groups of `split` bytes, unused bits 0.
+                group = [(exponent_lengths(ln, e, split), 0) for ln, e in books[fr.ids[s]]]
+                n = len(present)
+                plane_size = split * ((n + 7) // 8)
+                exps = decode_lanes(seg[: sizes[s] - plane_size], n, *group[chosen[s]])
+                costs = [len(encode_bits(exps, ln, e)) for ln, e in group]
+                assert costs.index(min(costs)) == chosen[s], ("not the cheapest book", c, s, costs)
+                plane = bytes_to_bits(seg[sizes[s] - plane_size:])
+                assert not any(plane[split * n:]), "nonzero bits after the plane's last symbol"
+                low = [sum(plane[split * j + b] << b for b in range(split)) for j in range(n)]
+                streams.append([(x << split) | m for x, m in zip(exps, low)])
             else:
                 group = books[fr.ids[s]]
                 lengths, esc = group[chosen[s]]

@@ -51,6 +51,13 @@ def test_inspect_frame(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "bf16, 50000 elements (100000 bytes raw)" in r.stdout
     assert "stream 1    book raw" in r.stdout
+    assert "exponents" not in r.stdout
+    frame = cc.Codec().encode(torch.randn(50000, dtype=torch.float16) * 1e-3, kind="gradient")
+    frame.numpy().tofile(path)
+    r = run_cli("inspect", str(path))
+    assert r.returncode == 0, r.stderr
+    assert "comm_codec v3" in r.stdout
+    assert "exponents   split: stream 0 codes the exponent alone, the 3 bits under it raw" in r.stdout
 
 
 def test_inspect_errors(tmp_path):

@@ -61,10 +61,11 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, tor
 _CODECS: dict = {}
 
 
-def make_codec(chunk_elems: int = CHUNK, checksum: bool = True) -> cc.Codec:
-    key = (chunk_elems, checksum)
+def make_codec(chunk_elems: int = CHUNK, checksum: bool = True, split: bool = True) -> cc.Codec:
+    key = (chunk_elems, checksum, split)
     if key not in _CODECS:
-        _CODECS[key] = cc.Codec(cc.CodebookSet.default(), chunk_elems=chunk_elems, checksum=checksum)
+        _CODECS[key] = cc.Codec(cc.CodebookSet.default(), chunk_elems=chunk_elems, checksum=checksum,
+                                split_exponent=split)
     return _CODECS[key]
 
 
@@ -125,12 +126,24 @@ def assert_same_frames(codec, x, kind="gradient") -> torch.Tensor:
 def test_frames_equal_cpu_bit_for_bit(dtype):
     x = mixed_tensor(dtype, seed=DTYPES.index(dtype))
     f = assert_same_frames(make_codec(), x)
-    cflags = _frame.get_frame_parameters(f).table["cflags"].astype(int)
+    params = _frame.get_frame_parameters(f)
+    assert params.split == max(spec_for(dtype).exp_shift, 0)  # fp16 and fp8 split their exponents
+    cflags = params.table["cflags"].astype(int)
     assert cflags[1] == _frame.CHUNK_ZERO
     assert cflags[2] & _frame.CHUNK_MASK
     assert cflags[3] & _frame.CHUNK_RAW0  # random bits: stored raw
     if dtype in (torch.bfloat16, torch.float32):
         assert not cflags[0] & _frame.CHUNK_RAW0 and not cflags[2] & _frame.CHUNK_RAW0  # coded; masked + coded
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_frames_without_split_exponents_equal_cpu_bit_for_bit(dtype):
+    x = mixed_tensor(dtype, seed=DTYPES.index(dtype))
+    f = assert_same_frames(make_codec(split=False), x)
+    assert _frame.get_frame_parameters(f).split == 0
+    # Each kind of frame decodes on the GPU with a codec of the other setting too.
+    bits_equal(gpu_decode(make_codec(split=True), f), x)
+    bits_equal(gpu_decode(make_codec(split=False), make_codec(split=True).encode(x)), x)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -445,7 +458,7 @@ def test_grouped_frames_equal_cpu_bit_for_bit(dtype):
     x = grouped_tensor(dtype, seed=DTYPES.index(dtype))
     f = assert_same_frames(codec, x)
     params = _frame.get_frame_parameters(f)
-    assert params.version == 2
+    assert params.version == (3 if params.split else 2)
     cflags = params.table["cflags"].astype(int)
     assert cflags[3] & _frame.CHUNK_MASK and cflags[4] == _frame.CHUNK_ZERO
     assert len(set(book_indices(f, 0))) > 1, book_indices(f, 0)

@@ -194,8 +194,8 @@ def test_encode_frame_into_refuses_a_block_short_of_its_room():
     want = codec.encode_array(bits, spec, "weight")
     tables = codec._encode_tables("weight", spec)
     head = codec._heads[("weight", spec.name)]  # what the codec hands the kernel (version 1, no counts)
-    args = (bits, 1000, spec.exp_shift, tables.enc_code, tables.enc_len, tables.nbooks, tables.raw, *tables.pairs,
-            head, _frame.VERSION, codec.checksum)
+    args = (bits, 1000, spec.exp_shift, tables.split, tables.enc_code, tables.enc_len, tables.nbooks, tables.raw,
+            *tables.pairs, head, _frame.VERSION, codec.checksum)
     room = frame_room(bits.size, 1000, spec.nstreams, head.size)
     for size in (0, 64, room - 1):
         out8 = np.full(size, 7, dtype=np.uint8)

@@ -245,22 +245,44 @@ def test_single_chunk_single_stream_lanes_match_naive_coder(dtype):
     counts[rel[5 if dtype == torch.int8 else 9]] = 0  # leave one symbol to the escape
     book = cc.Codebook.from_counts(counts)
     assert not book.raw and book.escape_length
-    codec = cc.Codec(cc.CodebookSet({("gradient", dtype, 0): book}), chunk_elems=256, checksum=False)
+    codec = cc.Codec(cc.CodebookSet({("gradient", dtype, 0): book}), chunk_elems=256, checksum=False,
+                     split_exponent=False)
     f = codec.encode(vals)
     p = cc.get_frame_parameters(f)
-    assert p.nchunks == 1 and p.table["cflags"][0] == 0 and int(p.table["ref"][0]) == ref
+    assert p.nchunks == 1 and p.table["cflags"][0] == 0 and int(p.table["ref"][0]) == ref and p.split == 0
     seg = f.numpy().tobytes()[p.header_bytes:]
     assert len(seg) == int(p.table["sizes"][0][0])
+    _check_lanes(seg, rel, book.lengths, book.escape_length)
+    bits_equal(naive.decode_frame(f.numpy().tobytes(), naive.frame_books(codec.codebooks)), vals)
+    if dtype == torch.float8_e4m3fn:
+        # Split exponents: the lanes code rel >> 4 with the code derived from the book
+        # (no escape), and a plane of the 4 bits under each exponent follows them.
+        f = cc.Codec(cc.CodebookSet({("gradient", dtype, 0): book}), chunk_elems=256, checksum=False).encode(vals)
+        p = cc.get_frame_parameters(f)
+        assert (p.version, p.split, int(p.table["cflags"][0]), int(p.table["ref"][0])) == (3, 4, 0, ref)
+        seg = f.numpy().tobytes()[p.header_bytes:]
+        size = int(p.table["sizes"][0][0])
+        plane = 4 * ((n + 7) // 8)
+        lengths = naive.exponent_lengths([int(x) for x in book.lengths], book.escape_length, 4)
+        _check_lanes(seg[: size - plane], [r >> 4 for r in rel], lengths + [0] * (256 - len(lengths)), 0)
+        low = naive.bytes_to_bits(seg[size - plane : size])
+        assert [sum(low[4 * j + b] << b for b in range(4)) for j in range(n)] == [r & 15 for r in rel]
+        assert not any(low[4 * n:])
+        bits_equal(naive.decode_frame(f.numpy().tobytes(), naive.frame_books(codec.codebooks)), vals)
+
+
+def _check_lanes(seg, symbols, lengths, escape_length):
+    """The segment's four lanes are exactly the naive coder's bytes of the symbols."""
+    n = len(symbols)
     lane_bytes = [int.from_bytes(seg[4 * k : 4 * k + 4], "little") for k in range(4)]
     pos = 16
     for k in range(4):
-        lane_syms = rel[k * n // 4 : (k + 1) * n // 4]
-        want = naive.bits_to_bytes(naive.encode_bits(lane_syms, book.lengths, book.escape_length))
+        lane_syms = symbols[k * n // 4 : (k + 1) * n // 4]
+        want = naive.bits_to_bytes(naive.encode_bits(lane_syms, lengths, escape_length))
         assert lane_bytes[k] == len(want)
         assert seg[pos : pos + len(want)] == want, f"lane {k}"
         pos += naive.pad8(len(want))
-    assert naive.decode_lanes(seg, n, [int(x) for x in book.lengths], book.escape_length) == rel
-    bits_equal(naive.decode_frame(f.numpy().tobytes(), naive.frame_books(codec.codebooks)), vals)
+    assert naive.decode_lanes(seg, n, [int(x) for x in lengths], escape_length) == symbols
 
 
 def _tensor(dtype, n, seed, zero_frac, scale):
@@ -313,13 +335,33 @@ def test_bad_magic(books, small_frame):
 
 
 def test_wrong_version(books, small_frame):
-    with pytest.raises(cc.FrameError, match="unsupported frame version 3; this build reads versions 1, 2"):
+    with pytest.raises(cc.FrameError, match="unsupported frame version 4; this build reads versions 1, 2, 3"):
+        cc.Codec(books).decode(_edit(small_frame, 4, 4))
+    with pytest.raises(cc.FrameError, match="frame version 3 without the split-exponent flag: version 3 frames, "
+                                            "and only they, split exponents"):
         cc.Codec(books).decode(_edit(small_frame, 4, 3))
     with pytest.raises(cc.FrameError, match="unsupported frame version 0"):
         cc.Codec(books).decode(_edit(small_frame, 4, 0))
     # Version 2 with every books field 0 is the same frame.
     out = cc.Codec(books).decode(_edit(small_frame, 4, 2))
     assert bits_equal(out, cc.Codec(books).decode(small_frame))
+
+
+def test_split_exponent_flag_is_checked_against_version_and_dtype(books, small_frame):
+    # bf16's stream 0 is its exponent alone: nothing to split.
+    with pytest.raises(cc.FrameError, match="frame says its bf16 exponents are split, but bf16 has no bits under its "
+                                            "exponent"):
+        cc.get_frame_parameters(_edit(_edit(small_frame, 7, 0x03), 4, 3))
+    split = cc.Codec().encode(torch.linspace(-3, 3, 5000, dtype=torch.float16), kind="gradient")
+    data = split.numpy().tobytes()
+    p = cc.get_frame_parameters(data)
+    assert (p.version, p.split) == (3, 3)
+    with pytest.raises(cc.FrameError, match="frame version 2 with the split-exponent flag"):
+        cc.get_frame_parameters(_edit(data, 4, 2))
+    with pytest.raises(cc.FrameError, match="frame version 3 without the split-exponent flag"):
+        cc.get_frame_parameters(_edit(data, 7, data[7] & ~0x02))
+    with pytest.raises(cc.FrameError, match="unknown frame flags 0x05"):
+        cc.get_frame_parameters(_edit(data, 7, 0x05))
 
 
 def test_unknown_dtype_code(books, small_frame):

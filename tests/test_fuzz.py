@@ -21,25 +21,37 @@ from helpers import bits_equal, fix_header_crc, random_bits, reseal
 import naive
 
 
-def _inputs() -> list[torch.Tensor]:
-    """Tensors whose frames have masks, ZERO chunks, coded and raw streams, several chunks."""
+def _inputs() -> list[tuple[torch.Tensor, dict]]:
+    """Tensors whose frames have masks, ZERO chunks, coded and raw streams, several
+    chunks; each with the settings of the codec that encodes it."""
     g = torch.Generator().manual_seed(17)
     out = []
-    for dtype in (torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn, torch.int8):
-        x = (torch.randn(700, generator=g) * 1e-2).to(dtype) if dtype != torch.int8 else \
-            (torch.randn(700, generator=g) * 3).round().to(torch.int8)
+
+    def tensor(dtype, chunk):
+        n = 5 * chunk + 60
+        x = (torch.randn(n, generator=g) * 1e-2).to(dtype) if dtype != torch.int8 else \
+            (torch.randn(n, generator=g) * 3).round().to(torch.int8)
         iv = x.view(torch.uint8 if x.element_size() == 1 else {2: torch.int16, 4: torch.int32}[x.element_size()])
-        iv[128:256] = 0  # a ZERO chunk
-        iv[300:420][torch.rand(120, generator=g) < 0.8] = 0  # masked chunks
-        iv[640:] = random_bits(60, dtype, g).view(iv.dtype)  # raw-ish tail
-        out.append(x)
+        iv[chunk:2 * chunk] = 0  # a ZERO chunk
+        masked = iv[2 * chunk + chunk // 3: 3 * chunk + chunk // 4]
+        masked[torch.rand(masked.numel(), generator=g) < 0.8] = 0  # masked chunks
+        iv[n - 60:] = random_bits(60, dtype, g).view(iv.dtype)  # raw-ish tail
+        return x
+
+    for dtype in (torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn, torch.int8):
+        out.append((tensor(dtype, 128), dict(chunk_elems=128, split_exponent=False)))
+    # Split exponents: chunks of 256, where a coded segment with its plane beats raw.
+    for dtype in (torch.float16, torch.float8_e4m3fn):
+        out.append((tensor(dtype, 256), dict(chunk_elems=256)))
     return out
 
 
-INPUTS = _inputs()
+CASES = _inputs()
+INPUTS = [x for x, _ in CASES]
 CODECS = {ck: cc.Codec(cc.CodebookSet.default(), chunk_elems=128, checksum=ck) for ck in (True, False)}
 FRAMES = {
-    (i, ck): CODECS[ck].encode(x).numpy().tobytes() for i, x in enumerate(INPUTS) for ck in (True, False)
+    (i, ck): cc.Codec(cc.CodebookSet.default(), checksum=ck, **kw).encode(x).numpy().tobytes()
+    for i, (x, kw) in enumerate(CASES) for ck in (True, False)
 }
 
 
@@ -55,6 +67,7 @@ def test_fuzz_inputs_cover_every_chunk_kind():
         assert any(c.any() for c in coded), i  # some stream of some chunk is coded
         bits_equal(CODECS[ck].decode(_writable(data)), INPUTS[i])
     assert seen & _frame.CHUNK_RAW0
+    assert sorted({cc.get_frame_parameters(data).split for data in FRAMES.values()}) == [0, 3, 4]
 
 
 def _writable(data: bytes) -> np.ndarray:

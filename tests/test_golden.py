@@ -1,8 +1,10 @@
 """Frames and containers stay byte-identical to the ones committed in tests/data/golden/.
 
 The fixtures were written by ``tests/make_golden.py`` with the code as it was before the
-package was reorganised into layers; the same inputs must give the same bytes now, and
-the committed bytes must decode to the inputs bit for bit.
+package was reorganised into layers (``<name>.frame``, frame versions 1 and 2), and the
+split-exponent frames (``<name>.split.frame``, version 3) when they were introduced; the
+same inputs must give the same bytes now, and the committed bytes must decode to the
+inputs bit for bit, by a codec of either setting.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import comm_codec as cc
 from comm_codec import checkpoint
 
 from helpers import bits_equal
-from make_golden import CASES, OUT, checkpoint_inputs, make_input
+from make_golden import CASES, OUT, SPLIT_CASES, checkpoint_inputs, make_input
 
 pytestmark = pytest.mark.unit
 
@@ -26,16 +28,24 @@ def _read(name: str) -> bytes:
         return fh.read()
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_frame_bytes_unchanged(name):
+@pytest.mark.parametrize("name,split", [(n, False) for n in sorted(CASES)] + [(n, True) for n in SPLIT_CASES])
+def test_frame_bytes_unchanged(name, split):
     _, kind, _, chunk_elems = CASES[name]
-    golden = _read(name + ".frame")
-    codec = cc.Codec(chunk_elems=chunk_elems, threads=1)
+    golden = _read(name + (".split.frame" if split else ".frame"))
+    assert golden[4] == 3 if split else golden[4] in (1, 2)  # the version byte
     x = make_input(name)
-    frame = codec.encode(x, kind=kind)
+    frame = cc.Codec(chunk_elems=chunk_elems, threads=1, split_exponent=split).encode(x, kind=kind)
     assert frame.numpy().tobytes() == golden
-    back = codec.decode(torch.frombuffer(bytearray(golden), dtype=torch.uint8))
-    bits_equal(back, x)
+    for either in (False, True):
+        codec = cc.Codec(chunk_elems=chunk_elems, threads=1, split_exponent=either)
+        bits_equal(codec.decode(torch.frombuffer(bytearray(golden), dtype=torch.uint8)), x)
+
+
+def test_split_frames_are_the_default_where_the_dtype_has_them():
+    for name, (_, kind, _, chunk_elems) in CASES.items():
+        frame = cc.Codec(chunk_elems=chunk_elems, threads=1).encode(make_input(name), kind=kind)
+        want = _read(name + (".split.frame" if name in SPLIT_CASES else ".frame"))
+        assert frame.numpy().tobytes() == want, name
 
 
 @pytest.mark.parametrize("which", ["safetensors", "pt"])

@@ -260,7 +260,7 @@ def test_cpu_kernel_checks_book_indices_without_the_host(bf16_case):
     chosen[c] = 15
     out = np.zeros(p.numel, dtype=np.uint16)
     status = np.zeros(p.nchunks, dtype=np.int32)
-    decode_chunks(f, f.view(np.uint64), p.numel, p.chunk_elems, 0, tables.dec, tables.multi,
+    decode_chunks(f, f.view(np.uint64), p.numel, p.chunk_elems, 0, 0, tables.dec, tables.multi,
                       np.ascontiguousarray(t["cflags"]), np.ascontiguousarray(t["ref"]), chosen,
                       np.ascontiguousarray(t["sizes"]), p.offsets, np.ascontiguousarray(t["checksum"]),
                       False, out, status)

@@ -63,7 +63,8 @@ class FileBooks:
         codec = self._codecs.get(key)
         if codec is None:
             keyed = {("weight", spec.name, s): b for s, b in enumerate(books)}
-            codec = self._codecs[key] = Codec(CodebookSet(keyed), threads=self.threads, chunk_elems=CHUNK)
+            codec = self._codecs[key] = Codec(CodebookSet(keyed), threads=self.threads, chunk_elems=CHUNK,
+                                              split_exponent=False)  # stored: the ratio first
         return codec
 
     def fit(self, tensor: torch.Tensor) -> list[Codebook]:

@@ -456,8 +456,10 @@ class BookChooser:
 
 
 def make_codec(books, spec, chunk_elems) -> Codec:
+    """Return the codec of one tensor's books; stored frames keep fp16's and fp8's ratio
+    (no split exponents: a file is read far less often than it is kept)."""
     keyed = {("weight", spec.name, s): b for s, b in enumerate(books)}
-    return Codec(CodebookSet(keyed), threads=1, chunk_elems=chunk_elems)
+    return Codec(CodebookSet(keyed), threads=1, chunk_elems=chunk_elems, split_exponent=False)
 
 
 def plan_tensor(t: FileTensor, src: FileMap, base: FileMap | None, base_tensor: FileTensor | None,

@@ -47,6 +47,8 @@ __all__ = [
     "HEADER_BYTES",
     "MAX_CHUNK_ELEMS",
     "FLAG_CHECKSUM",
+    "FLAG_SPLIT",
+    "VERSION_SPLIT",
     "CHUNK_MASK",
     "CHUNK_ZERO",
     "CHUNK_RAW0",
@@ -58,12 +60,20 @@ __all__ = [
 ]
 
 MAGIC = b"CCFR"
-VERSION = 2  # the newest version written; version 1 = version 2 with every chunk's books field 0
-READ_VERSIONS = (1, 2)
+# The version of a frame whose chunks name books of groups; version 1 = version 2 with
+# every chunk's books field 0 (written so whenever that holds).
+VERSION = 2
+# The version of every frame with split exponents (FLAG_SPLIT), books or not: a decoder
+# that reads versions 1 and 2 only refuses it by its version.
+VERSION_SPLIT = 3
+READ_VERSIONS = (1, 2, 3)
 MAX_CHUNK_ELEMS = 1 << 26
 HEADER_BYTES = 24
 FLAG_CHECKSUM = 0x01
-_KNOWN_FLAGS = FLAG_CHECKSUM
+# Stream 0's coded segments code the exponent alone, the exp_shift bits under it in a
+# raw plane after the lanes (fp16 and fp8 only; see frame_format.md).
+FLAG_SPLIT = 0x02
+_KNOWN_FLAGS = FLAG_CHECKSUM | FLAG_SPLIT
 # The chunk flags (CHUNK_MASK, CHUNK_ZERO, CHUNK_RAW0 << s) are the kernels' own
 # (comm_codec.kernels.layout), re-exported here with the rest of the format.
 
@@ -108,6 +118,8 @@ class FrameParameters:
         nchunks: number of chunks.
         book_ids: the codebook id of each stream ("0"*16 for raw).
         checksums: whether chunk payloads carry checksums.
+        split: the bits under the exponent that stream 0's coded segments store in a
+            plane (``spec.exp_shift`` in a frame with split exponents), or 0.
         header_bytes: bytes before the payload.
         frame_bytes: the frame's total length.
         table: the chunk table (numpy structured array).
@@ -121,6 +133,7 @@ class FrameParameters:
     nchunks: int
     book_ids: tuple
     checksums: bool
+    split: int
     header_bytes: int
     frame_bytes: int
     table: np.ndarray
@@ -132,9 +145,16 @@ class FrameParameters:
 
 
 def write_header(buf: np.ndarray, spec, numel, chunk_elems, flags, book_ids, table) -> None:
-    """Write header, book ids, chunk table and CRC into the start of ``buf`` (uint8)."""
+    """Write header, book ids, chunk table and CRC into the start of ``buf`` (uint8).
+
+    The version is :data:`VERSION_SPLIT` with ``FLAG_SPLIT`` in flags, else
+    :data:`VERSION` where some chunk names a book, else 1.
+    """
     ns = spec.nstreams
-    version = VERSION if len(table) and np.any(table["books"] != 0) else 1
+    if flags & FLAG_SPLIT:
+        version = VERSION_SPLIT
+    else:
+        version = VERSION if len(table) and np.any(table["books"] != 0) else 1
     _HEAD_STRUCT.pack_into(buf, 0, MAGIC, version, spec.code, ns, flags, numel, chunk_elems, len(table))
     pos = HEADER_BYTES
     buf[pos : pos + 8 * ns] = np.asarray(book_ids, dtype="<u8").view(np.uint8)
@@ -181,6 +201,14 @@ def get_frame_parameters(frame) -> FrameParameters:
         _fail(f"frame says {ns} streams, but {spec.name} has {spec.nstreams}")
     if flags & ~_KNOWN_FLAGS:
         _fail(f"unknown frame flags 0x{flags:02x}")
+    split = 0
+    if flags & FLAG_SPLIT:
+        if spec.exp_shift <= 0:
+            _fail(f"frame says its {spec.name} exponents are split, but {spec.name} has no bits under its exponent")
+        split = spec.exp_shift
+    if (version == VERSION_SPLIT) != bool(split):
+        _fail(f"frame version {version} {'with' if split else 'without'} the split-exponent flag: version "
+              f"{VERSION_SPLIT} frames, and only they, split exponents")
     if numel and not 0 < chunk_elems <= MAX_CHUNK_ELEMS:
         _fail(f"frame chunk_elems {chunk_elems} is outside 1..{MAX_CHUNK_ELEMS}")
     expected_chunks = -(-numel // chunk_elems) if numel else 0
@@ -208,6 +236,7 @@ def get_frame_parameters(frame) -> FrameParameters:
         nchunks=nchunks,
         book_ids=_book_ids(ids),
         checksums=bool(flags & FLAG_CHECKSUM),
+        split=split,
         header_bytes=hsize,
         frame_bytes=total,
         table=table,

@@ -148,7 +148,7 @@ def encode_frame(tensor: torch.Tensor, spec, tables, dev_tables: DeviceTables, c
     Args:
         tensor: a CUDA tensor (a CPU tensor under the simulator) of ``spec.dtype``.
         spec: its :class:`comm_codec.core.streams.StreamSpec`.
-        tables: the codec's host tables (book ids for the header).
+        tables: the codec's host tables (book ids for the header, whether exponents are split).
         dev_tables: the same tables on the tensor's device.
         chunk_elems: elements per chunk.
         checksum: compute per-chunk checksums.
@@ -167,7 +167,7 @@ def encode_frame(tensor: torch.Tensor, spec, tables, dev_tables: DeviceTables, c
     bits = launch.array(bits_t, UNSIGNED_BITS[width])
     plan_t = torch.empty((nchunks, 3 + ns), dtype=torch.int32, device=tensor.device)
     if nchunks:
-        launch(plan_kernel, nchunks, PLAN_THREADS, bits, numel, chunk_elems, width, ra, spec.exp_shift,
+        launch(plan_kernel, nchunks, PLAN_THREADS, bits, numel, chunk_elems, width, ra, spec.exp_shift, tables.split,
                launch.array(dev_tables.enc_len), launch.array(dev_tables.nbooks), launch.array(dev_tables.raw),
                launch.array(plan_t, np.uint32))
     # The one synchronisation: the frame's length depends on every chunk's plan.
@@ -183,7 +183,7 @@ def encode_frame(tensor: torch.Tensor, spec, tables, dev_tables: DeviceTables, c
     table["cflags"], table["ref"], table["sizes"] = cflags, plan[:, 1].astype(np.uint8), sizes
     table["books"] = plan[:, 2].astype(np.uint16)  # decides the version write_header writes
     header = np.zeros(hsize, dtype=np.uint8)
-    flags = _frame.FLAG_CHECKSUM if checksum else 0
+    flags = (_frame.FLAG_CHECKSUM if checksum else 0) | (_frame.FLAG_SPLIT if tables.split else 0)
     _frame.write_header(header, spec, numel, chunk_elems, flags, tables.ids, table)
     out = torch.empty(total, dtype=torch.uint8, device=tensor.device)
     out[:hsize].copy_(torch.from_numpy(header), non_blocking=True)
@@ -192,7 +192,7 @@ def encode_frame(tensor: torch.Tensor, spec, tables, dev_tables: DeviceTables, c
     out8 = launch.array(out)
     out64 = launch.array(out.view(torch.int64), np.uint64)
     table_pos = _frame.HEADER_BYTES + 8 * ns
-    launch(encode_kernel, nchunks, PLAN_THREADS, bits, numel, chunk_elems, width, ra, spec.exp_shift,
+    launch(encode_kernel, nchunks, PLAN_THREADS, bits, numel, chunk_elems, width, ra, spec.exp_shift, tables.split,
            launch.array(dev_tables.enc_code, np.uint32), launch.array(dev_tables.enc_len),
            launch.array(plan_t, np.uint32), launch.array(launch.put(offsets)), out8, out64,
            table_pos, table.dtype.itemsize, checksum)
@@ -275,7 +275,7 @@ def decode_frame(frame: torch.Tensor, params, dev_tables: DeviceTables, result: 
     out_bits = _bits_of(result, spec)
     launch(decode_kernel, nchunks, DECODE_THREADS, launch.array(frame), launch.array(frame.view(torch.int64),
            np.uint64), frame.numel(), params.numel, params.chunk_elems, spec.itemsize, 1 if spec.rotate else 0,
-           spec.exp_shift, launch.array(dev_tables.dec, np.uint16), launch.array(cflags), launch.array(refs),
+           spec.exp_shift, params.split, launch.array(dev_tables.dec, np.uint16), launch.array(cflags), launch.array(refs),
            launch.array(books), launch.array(sizes, np.uint32), launch.array(offsets), launch.array(checks, np.uint32),
            params.checksums, launch.array(out_bits, UNSIGNED_BITS[spec.itemsize]), launch.array(status))
     return status.cpu().numpy()

@@ -53,6 +53,8 @@ __all__ = [
     "RAW_THRESHOLD_BITS",
     "entropy_bits",
     "optimal_lengths",
+    "exponent_lengths",
+    "split_tables",
 ]
 
 MAX_CODE_LENGTH = 12
@@ -340,6 +342,72 @@ class Codebook:
             f"Codebook(id={self.id}, direct={used}, escape_length={self.escape_length}, "
             f"max_length={int(self.lengths.max())})"
         )
+
+
+def exponent_lengths(book: Codebook, shift: int) -> np.ndarray:
+    """Return the code lengths of a book's exponents alone, for frames with split exponents.
+
+    A frame with split exponents (``comm_codec/core/frame_format.md``) codes stream 0's
+    symbol ``b`` as the exponent ``b >> shift`` in a code of its own, the ``shift`` bits
+    under it stored raw. That code is derived from the stream's book, so the same books
+    serve both kinds of frame and every rank derives the same code: each exponent's
+    weight is the probability the book implies for its ``2**shift`` symbols, in integer
+    units of 2**-20 (``2**(20 - length)`` a symbol, the escape's length plus 8 for an
+    escaped one), and the lengths are package-merge's, limited to
+    :data:`MAX_CODE_LENGTH`, over the weights sorted by (weight, exponent). Every
+    exponent gets a code (the smallest weight is 1): no escape.
+
+    Args:
+        book: a coded book (not the raw one).
+        shift: bits under the exponent in a stream-0 byte (1..7).
+
+    Returns:
+        int64[256 >> shift], each exponent's code length.
+
+    Raises:
+        ValueError: the raw book, or a shift outside 1..7.
+    """
+    if book.raw:
+        raise ValueError("the raw book has no exponent code: a raw stream is stored as it is")
+    if not 1 <= shift <= 7:
+        raise ValueError(f"shift must lie in 1..7, got {shift}")
+    bits = book.symbol_bits()  # an escaped symbol costs its escape and its 8 bits
+    weights = (np.int64(1) << (20 - bits)).reshape(256 >> shift, 1 << shift).sum(axis=1)
+    order = np.argsort(weights, kind="stable")
+    lengths = np.empty(weights.size, dtype=np.int64)
+    lengths[order] = package_merge(weights[order].astype(np.int64), MAX_CODE_LENGTH)
+    return lengths
+
+
+def split_tables(book: Codebook, shift: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Return the kernels' ``(enc_code, enc_len, dec)`` for stream 0 with split exponents.
+
+    The code is :func:`exponent_lengths`'; the tables are :meth:`Codebook.tables`'
+    layout, indexed and filled so that the kernels use them as they use a book's:
+    ``enc_code`` and ``enc_len`` are indexed by the whole symbol byte and hold its
+    exponent's code (the bits under it go to the plane), and ``dec`` yields the exponent
+    shifted back up by ``shift``, its low bits 0 for the plane's bits.
+
+    Args:
+        book: a coded book.
+        shift: bits under the exponent (the dtype's ``exp_shift``, 1..7).
+
+    Returns:
+        uint32[256], uint8[256], uint16[4096] (the decode table has no escape entry).
+
+    Raises:
+        ValueError: as :func:`exponent_lengths`.
+    """
+    lengths = np.zeros(256, dtype=np.uint8)
+    lengths[: 256 >> shift] = exponent_lengths(book, shift)
+    code = np.zeros(256, dtype=np.uint32)
+    length = np.zeros(256, dtype=np.uint8)
+    dec = np.zeros(1 << DECODE_BITS, dtype=np.uint16)
+    canonical_tables(lengths, 0, DEC_ESCAPE_FLAG, code, length, dec)
+    exponent = np.arange(256) >> shift
+    slots = dec != 0
+    dec[slots] = ((dec[slots] & 255) << shift) | (dec[slots] & 0xFF00)
+    return code[exponent], length[exponent], dec
 
 
 def entropy_bits(counts) -> float:

@@ -19,7 +19,7 @@ from ..kernels.lanes import MULTI_BITS, multi_tables
 from ..kernels.layout import DEC_ENTRIES
 from .codebooks import CodebookGroup, CodebookSet
 from .errors import FrameError
-from .huffman import Codebook
+from .huffman import Codebook, split_tables
 
 __all__ = ["KernelTables", "TablesCache", "encode_tables", "decode_tables", "RAW_ID"]
 
@@ -37,14 +37,18 @@ class KernelTables:
         enc_code, enc_len: uint32/uint8[ns, nbooks_max, 256] encoder tables.
         dec: uint16[ns, nbooks_max, 4096] decode tables.
         raw: bool[ns], streams whose book is raw.
+        split: the bits under the exponent that stream 0's coded segments store raw (a
+            frame with split exponents; its tables are
+            :func:`comm_codec.core.huffman.split_tables`'), or 0.
         pairs: stream 0's pair tables for the CPU encoder, built on first use.
         on_device: torch.device -> :class:`comm_codec.core.gpu.DeviceTables`, filled by
             whoever copies the tables to a device.
     """
 
-    __slots__ = ("ids", "nbooks", "enc_code", "enc_len", "dec", "raw", "on_device", "_multi", "_pairs", "_limits")
+    __slots__ = ("ids", "nbooks", "enc_code", "enc_len", "dec", "raw", "split", "on_device", "_multi", "_pairs",
+                 "_limits")
 
-    def __init__(self, groups: list[CodebookGroup]):
+    def __init__(self, groups: list[CodebookGroup], split: int = 0):
         ns = len(groups)
         kmax = max(len(g) for g in groups)
         self.ids = np.array([g.id_int for g in groups], dtype=np.uint64)
@@ -54,12 +58,14 @@ class KernelTables:
         self.enc_len = np.zeros((ns, kmax, 256), dtype=np.uint8)
         self.dec = np.zeros((ns, kmax, DEC_ENTRIES), dtype=np.uint16)
         self.raw = np.array([g.raw for g in groups], dtype=np.bool_)
+        self.split = int(split) if not groups[0].raw else 0
         self.on_device: dict = {}
         self._multi = None
         self._pairs = None
         for s, group in enumerate(groups):
             for k, book in enumerate(group):
-                self.enc_code[s, k], self.enc_len[s, k], self.dec[s, k] = book.tables()
+                tables = split_tables(book, self.split) if s == 0 and self.split else book.tables()
+                self.enc_code[s, k], self.enc_len[s, k], self.dec[s, k] = tables
 
     @property
     def multi(self) -> np.ndarray:
@@ -108,23 +114,31 @@ class KernelTables:
                 )
 
 
-def encode_tables(codebooks: CodebookSet, kind: str, spec) -> KernelTables:
+def encode_tables(codebooks: CodebookSet, kind: str, spec, split: bool = False) -> KernelTables:
     """Return the tables that encode ``kind`` tensors of ``spec``'s dtype with ``codebooks``.
+
+    Args:
+        codebooks, kind: the books to code with.
+        spec: the dtype's :class:`~comm_codec.core.streams.StreamSpec`.
+        split: split exponents where the dtype has bits under its exponent (fp16, fp8)
+            and its stream 0 is coded.
 
     Raises:
         ValueError: an unknown kind, or a set without books for it (as
             :meth:`CodebookSet.group`).
     """
-    return KernelTables([codebooks.group(kind, spec.name, s) for s in range(spec.nstreams)])
+    shift = spec.exp_shift if split and spec.exp_shift > 0 else 0
+    return KernelTables([codebooks.group(kind, spec.name, s) for s in range(spec.nstreams)], shift)
 
 
-def decode_tables(codebooks: CodebookSet, ids: tuple) -> KernelTables:
+def decode_tables(codebooks: CodebookSet, ids: tuple, split: int = 0) -> KernelTables:
     """Return the tables that decode a frame whose streams name the book (group) ids ``ids``.
 
     Args:
         codebooks: the set to find the books in.
         ids: one 16-hex-digit id per stream (:attr:`FrameParameters.book_ids`); an id may
             name a group or one book of a group; :data:`RAW_ID` is a raw stream.
+        split: the frame's :attr:`FrameParameters.split`.
 
     Raises:
         FrameError: an id that the set does not hold.
@@ -144,7 +158,7 @@ def decode_tables(codebooks: CodebookSet, ids: tuple) -> KernelTables:
                 "codebook set does not hold; decode with the books it was encoded with"
             )
         groups.append(group)
-    return _SHARED.get(groups)
+    return _SHARED.get(groups, split)
 
 
 class _SharedTables:
@@ -161,14 +175,14 @@ class _SharedTables:
         self._entries: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, groups: list) -> KernelTables:
-        key = tuple(tuple((b.raw, b.escape_length, b.lengths.tobytes()) for b in g) for g in groups)
+    def get(self, groups: list, split: int) -> KernelTables:
+        key = (split,) + tuple(tuple((b.raw, b.escape_length, b.lengths.tobytes()) for b in g) for g in groups)
         with self._lock:
             tables = self._entries.get(key)
             if tables is not None:
                 self._entries.move_to_end(key)
                 return tables
-        tables = KernelTables(groups)
+        tables = KernelTables(groups, split)
         with self._lock:
             self._entries[key] = tables
             while len(self._entries) > self.maxsize:
@@ -197,16 +211,18 @@ class TablesCache:
         self._entries: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, codebooks: CodebookSet, ids: tuple) -> KernelTables:
-        """Return the cached tables for ``ids``, building them (:func:`decode_tables`) if absent."""
+    def get(self, codebooks: CodebookSet, ids: tuple, split: int = 0) -> KernelTables:
+        """Return the cached tables for ``ids`` (and a frame's ``split``), building them
+        (:func:`decode_tables`) if absent."""
+        key = (ids, split)
         with self._lock:
-            tables = self._entries.get(ids)
+            tables = self._entries.get(key)
             if tables is not None:
-                self._entries.move_to_end(ids)
+                self._entries.move_to_end(key)
                 return tables
-        tables = decode_tables(codebooks, ids)  # outside the lock: other threads keep decoding
+        tables = decode_tables(codebooks, ids, split)  # outside the lock: other threads keep decoding
         with self._lock:
-            self._entries[ids] = tables
+            self._entries[key] = tables
             while len(self._entries) > self.maxsize:
                 self._entries.popitem(last=False)
         return tables
@@ -215,4 +231,4 @@ class TablesCache:
         return len(self._entries)
 
     def __contains__(self, ids) -> bool:
-        return ids in self._entries
+        return any(key[0] == ids for key in self._entries)

@@ -145,6 +145,12 @@ def _pad8(n):
 
 
 @cuda.jit(device=True)
+def _plane_bytes(n, split):
+    """Bytes of a split stream 0's plane of n symbols (kernels.plane.plane_bytes)."""
+    return split * ((n + 7) // 8)
+
+
+@cuda.jit(device=True)
 def _hash_chain(words, start, nwords, seed, j):
     """Chain j of the chunk checksum: the words i = j (mod 4) of words[start:start+nwords]."""
     h = (HASH_SEED ^ uint64(seed)) ^ uint64(j)
@@ -172,10 +178,12 @@ def _block_scan(vals, nthreads):
 
 # -- plan ---------------------------------------------------------------------------------
 @cuda.jit
-def plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_len, nbooks, raw_stream, plan):
+def plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, split, enc_len, nbooks, raw_stream, plan):
     """Plan chunk blockIdx.x: plan[c] = [cflags, ref, books, sizes...] exactly as encode.plan_chunks.
 
-    enc_len is uint8[ns, nbooks_max, 256]; nbooks[s] is the size of stream s's group.
+    enc_len is uint8[ns, nbooks_max, 256]; nbooks[s] is the size of stream s's group;
+    split is the bits under the exponent of a split stream 0 (then enc_len[0] holds the
+    exponents' code lengths and its segments end in a plane of split bits a symbol), or 0.
     """
     c = cuda.blockIdx.x
     t = cuda.threadIdx.x
@@ -222,6 +230,8 @@ def plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_len, nbooks, raw
                 zero_cost += 8
             else:
                 zero_cost += int64(enc_len[s, 0, _sym(0, s, width, ra, _sub_for(s, exp_shift, best))])
+                if s == 0:
+                    zero_cost += split
         use_mask = zeros * zero_cost > count + 64
         info[0] = best
         info[1] = int64(use_mask)
@@ -275,6 +285,8 @@ def plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_len, nbooks, raw
             seg = int64(LANE_HEADER)
             for q in range(LANES):
                 seg += _pad8((lanes[chosen, q] + 7) // 8)
+            if s == 0:
+                seg += _plane_bytes(present, split)
             if seg > (present - 1 if s == 0 else present - _imax(int64(1), present >> MIN_SAVING_SHIFT)):
                 plan[c, 0] = plan[c, 0] | (CHUNK_RAW0 << s)
                 plan[c, 3 + s] = present
@@ -286,12 +298,14 @@ def plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_len, nbooks, raw
 
 # -- encode -------------------------------------------------------------------------------
 @cuda.jit
-def encode_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_code, enc_len, plan, offsets,
+def encode_kernel(bits, n, chunk_elems, width, ra, exp_shift, split, enc_code, enc_len, plan, offsets,
                    out8, out64, table_pos, entry_bytes, do_checksum):
     """Write chunk blockIdx.x's payload at offsets[c] and its checksum into the chunk table.
 
     enc_code and enc_len are [ns, nbooks_max, 256]; each coded stream s uses book
-    (plan[c, 2] >> 4s) & 15 of its group, as the plan chose.
+    (plan[c, 2] >> 4s) & 15 of its group, as the plan chose. A split stream 0 (split > 0)
+    codes its exponents with them and ends its segment in the plane of the split bits
+    under them (kernels.plane's layout).
     """
     c = cuda.blockIdx.x
     t = cuda.threadIdx.x
@@ -363,7 +377,7 @@ def encode_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_code, enc_len,
                 lane_bits[t, 2] = l2
                 lane_bits[t, 3] = l3
                 first_word = (pos + LANE_HEADER) // 8
-                for w in range(t, (size - LANE_HEADER) // 8, nt):
+                for w in range(t, (_pad8(size) - LANE_HEADER) // 8, nt):  # a plane and its padding too
                     out64[first_word + w] = _U64_0
                 cuda.syncthreads()
                 # Exclusive scan over threads, per lane (thread k scans lane k).
@@ -418,6 +432,22 @@ def encode_kernel(bits, n, chunk_elems, width, ra, exp_shift, enc_code, enc_len,
                     if off + ln > 64:
                         cuda.atomic.or_(out64, w + 1, code >> uint64(64 - off))
                     j += 1
+                if s == 0 and split:
+                    # The plane after the lanes: each symbol's low split bits at bit split * j.
+                    pbits = 8 * (pos + size - _plane_bytes(present, split))
+                    low = (int64(1) << split) - 1
+                    j = j0
+                    for i in range(a, b):
+                        v = bits[i]
+                        if use_mask and v == 0:
+                            continue
+                        m = uint64(_sym(v, 0, width, ra, sub) & low)
+                        p = pbits + split * j
+                        off = p & 63
+                        cuda.atomic.or_(out64, p >> 6, m << uint64(off))
+                        if off + split > 64:
+                            cuda.atomic.or_(out64, (p >> 6) + 1, m >> uint64(64 - off))
+                        j += 1
                 cuda.syncthreads()
             pos += _pad8(size)
         end = pos
@@ -490,12 +520,14 @@ def _lane_u32(frame8, at):
 
 
 @cuda.jit
-def decode_kernel(frame8, frame64, nbytes, numel, chunk_elems, width, ra, exp_shift, dec_tables,
+def decode_kernel(frame8, frame64, nbytes, numel, chunk_elems, width, ra, exp_shift, split, dec_tables,
                    cflags, refs, books, sizes, offsets, checksums, do_checksum, out, status):
     """Decode chunk blockIdx.x into out (element bits); status[c] = 0 or a layout.STATUS_* code.
 
     dec_tables is uint16[ns, nbooks_max, 4096]; coded stream s of chunk c was coded with
     book (books[c] >> 4s) & 15 of its group, whose table is loaded into shared memory.
+    With split > 0, stream 0's tables decode exponents (shifted up by split) and its
+    coded segments end in the plane of the split bits under them.
     """
     c = cuda.blockIdx.x
     t = cuda.threadIdx.x
@@ -565,14 +597,16 @@ def decode_kernel(frame8, frame64, nbytes, numel, chunk_elems, width, ra, exp_sh
                         st[LANES] = STATUS_MASK_COUNT if masked else STATUS_SIZE
                 elif ((chosen >> (4 * s)) & 15) >= nbooks:  # the host checks it against the group
                     st[LANES] = STATUS_BOOK
-                elif size < LANE_HEADER:
-                    st[LANES] = STATUS_SIZE
                 else:
-                    words = int64(0)
-                    for k in range(LANES):
-                        words += (_lane_u32(frame8, spos + 4 * k) + 7) // 8
-                    if LANE_HEADER + 8 * words != size:
+                    lanes = size - (_plane_bytes(present, split) if s == 0 else 0)
+                    if lanes < LANE_HEADER:
                         st[LANES] = STATUS_SIZE
+                    else:
+                        words = int64(0)
+                        for k in range(LANES):
+                            words += (_lane_u32(frame8, spos + 4 * k) + 7) // 8
+                        if LANE_HEADER + 8 * words != lanes:
+                            st[LANES] = STATUS_SIZE
             spos += _pad8(size)
     for s in range(ns):
         k = (chosen >> (4 * s)) & 15
@@ -614,6 +648,8 @@ def decode_kernel(frame8, frame64, nbytes, numel, chunk_elems, width, ra, exp_sh
                         base += (lane_bytes + 7) // 8
                 nwords = (lane_bytes + 7) // 8
                 p = int64(0)
+                plane = spos + size - _plane_bytes(present, split)  # a split stream 0's plane
+                low = (int64(1) << split) - 1
                 for j in range(jlo, jhi):
                     buf = _peek(frame64, base, nwords, p)
                     e = int64(dec[s, int64(buf & _U64_4095)])
@@ -626,6 +662,13 @@ def decode_kernel(frame8, frame64, nbytes, numel, chunk_elems, width, ra, exp_sh
                         y = int64(buf >> uint64(ln)) & 255
                         ln += 8
                     p += ln
+                    if s == 0 and split:  # the bits under the exponent, from the plane
+                        q = split * j
+                        at = plane + (q >> 3)
+                        m = int64(frame8[at]) >> (q & 7)
+                        if (q & 7) + split > 8:
+                            m |= int64(frame8[at + 1]) << (8 - (q & 7))
+                        y |= m & low
                     v = ((y + add) & 255) << shift
                     if s == 0:
                         out[lo + j] = v

@@ -28,8 +28,10 @@ from .jit import entry, inline, jit, parallel_entry
 # running the old lanes (with new tables, reading them the old way). So a cached
 # decode kernel is only as new as this file.
 from .lanes import decode_lanes
-from .layout import (CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, HASH_STATE, STATUS_BOOK, STATUS_CHECKSUM,
+from .layout import (CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, HASH_STATE, LANE_HEADER, STATUS_BOOK, STATUS_CHECKSUM,
                      STATUS_MASK_COUNT, STATUS_OK, STATUS_SIZE)
+# As for lanes.py: plane.py's code is compiled into the kernels below, keyed on this file.
+from .plane import or_plane, plane_bytes
 from .symbols import element_layout, hash_finish, hash_start
 
 __all__ = ["decode_chunks", "decode_chunks_serial", "decode_accumulate_chunks"]
@@ -94,11 +96,14 @@ def _assemble_masked(v0, v1, v2, v3, present, add, frame8, mpos, out):
 
 
 @jit
-def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_shift, dec_tables, multi, out, hs):
+def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_shift, split, dec_tables, multi, out,
+                  hs):
     """Decode one chunk's payload at pos into out (count elements); return a status.
 
     Coded streams are decoded into byte rows of a scratch array; raw streams are read
-    where they lie in the frame; then one pass (:func:`_assemble`) builds the elements.
+    where they lie in the frame; a split stream 0's lanes give its exponents (shifted
+    up) and its plane the bits under them (:func:`comm_codec.kernels.plane.or_plane`);
+    then one pass (:func:`_assemble`) builds the elements.
     A coded chunk of a 1-byte integer type (one stream, its bytes the elements: no
     reference, no rotation) is decoded straight into out instead. The lane loops go on
     with the checksum in hs (see :func:`comm_codec.kernels.lanes.decode_lanes`).
@@ -129,9 +134,10 @@ def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_
             present += (byte + (byte >> 4)) & 0x0F
         pos += (mbytes + 7) & ~7
     ns = sizes_c.size
-    # + 1: a masked chunk's assembly may index one past its last present element (and
-    # then skips the read); raw rows get the same slack from the frame's padding.
-    rows = np.empty((ns, present + 1), dtype=np.uint8)
+    # + 8: a masked chunk's assembly may index one past its last present element (and
+    # then skips the read), and a plane is ORed in 8 symbols at a time; raw rows get
+    # the one byte of slack from the frame's padding.
+    rows = np.empty((ns, present + 8), dtype=np.uint8)
     v0 = rows[0]
     v1 = rows[min(1, ns - 1)]
     v2 = rows[min(2, ns - 1)]
@@ -162,10 +168,19 @@ def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_
             k = (chosen >> (4 * s)) & 15
             if k >= dec_tables.shape[1]:  # the Python layer checks it against the group; trust nothing
                 return STATUS_BOOK
-            st = decode_lanes(frame8, frame64, pos, size, present, dec_tables[s, k], multi[s, k], rows[s],
-                               pf_in, pf_end, pf_out, pf_out_end, hs)
+            lanes = size
+            if s == 0 and split:
+                lanes = size - plane_bytes(present, split)
+                if lanes < LANE_HEADER:
+                    return STATUS_SIZE
+                pf_in -= size - lanes  # the plane too: it is read right after the lanes
+            st = decode_lanes(frame8, frame64, pos, lanes, present, dec_tables[s, k], multi[s, k], rows[s],
+                              pf_in, pf_end, pf_out, pf_out_end, hs)
             if st != STATUS_OK:
                 return st
+            if lanes != size:
+                fa = address(frame8)
+                or_plane(address(rows[0]), fa + pos + lanes, present, split, fa + pos + ((size + 7) & ~7))
         pos += (size + 7) & ~7
     add = (np.int64(ref) << exp_shift) if exp_shift >= 0 else np.int64(0)
     if flags & CHUNK_MASK:
@@ -176,7 +191,7 @@ def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_
 
 
 @jit
-def _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books, sizes,
+def _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs, books, sizes,
                 offsets, checksums, do_checksum, out):
     """Decode chunk c into out (its count elements); return its status."""
     lo = c * chunk_elems
@@ -193,7 +208,7 @@ def _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, m
     hs = np.empty(HASH_STATE, dtype=np.uint64)
     hash_start(hs, pos // 8, length // 8 if do_checksum else 0, c)
     st = _decode_chunk(frame8, frame64, pos, count, flags, np.int64(refs[c]), np.int64(books[c]),
-                       sizes[c], exp_shift, dec_tables, multi, out, hs)
+                       sizes[c], exp_shift, split, dec_tables, multi, out, hs)
     if do_checksum and hash_finish(frame64, hs, pos // 8, length // 8) != checksums[c]:
         st = STATUS_CHECKSUM
     return st
@@ -228,7 +243,7 @@ def _chunk_out(out, c, chunk_elems, numel):
 
 
 @parallel_entry
-def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books, sizes,
+def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs, books, sizes,
                   offsets, checksums, do_checksum, out, status):
     """Decode every chunk into out; status[c] gets a code per chunk (0 = ok).
 
@@ -238,6 +253,8 @@ def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, mu
     Args:
         frame8, frame64: the frame as uint8 and uint64 (same memory, 8-byte aligned).
         numel, chunk_elems, exp_shift: frame parameters.
+        split: the frame's split exponent bits (0: not split); with them, stream 0's
+            tables decode exponents (:func:`comm_codec.core.huffman.split_tables`).
         dec_tables: uint16[nstreams, nbooks_max, 4096] decode tables (unused rows for raw
             streams).
         multi: uint64[nstreams, nbooks_max, 4096] from
@@ -253,12 +270,13 @@ def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, mu
     order = _chunk_order(books, cflags.size)
     for i in prange(cflags.size):
         c = order[i]
-        status[c] = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs,
-                                books, sizes, offsets, checksums, do_checksum, _chunk_out(out, c, chunk_elems, numel))
+        status[c] = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags,
+                                refs, books, sizes, offsets, checksums, do_checksum,
+                                _chunk_out(out, c, chunk_elems, numel))
 
 
 @entry
-def decode_chunks_serial(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books,
+def decode_chunks_serial(frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs, books,
                          sizes, offsets, checksums, do_checksum, out, status):
     """:func:`decode_chunks` on the calling thread alone (same arguments, same results).
 
@@ -269,8 +287,9 @@ def decode_chunks_serial(frame8, frame64, numel, chunk_elems, exp_shift, dec_tab
     order = _chunk_order(books, cflags.size)
     for i in range(cflags.size):
         c = order[i]
-        status[c] = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs,
-                                books, sizes, offsets, checksums, do_checksum, _chunk_out(out, c, chunk_elems, numel))
+        status[c] = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags,
+                                refs, books, sizes, offsets, checksums, do_checksum,
+                                _chunk_out(out, c, chunk_elems, numel))
 
 
 # -- decode and accumulate into float32 ------------------------------------------------------
@@ -345,8 +364,8 @@ def _accumulate(bits, acc, half, add):
 
 
 @parallel_entry
-def decode_accumulate_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books,
-                             sizes, offsets, checksums, do_checksum, proto, half, acc, add, status):
+def decode_accumulate_chunks(frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs,
+                             books, sizes, offsets, checksums, do_checksum, proto, half, acc, add, status):
     """Decode every chunk and add its elements, widened to float32, into acc (or assign them).
 
     Each chunk is decoded into a scratch chunk (it stays in L1/L2) and then added, so the
@@ -368,8 +387,8 @@ def decode_accumulate_chunks(frame8, frame64, numel, chunk_elems, exp_shift, dec
         lo = c * chunk_elems
         hi = min(numel, lo + chunk_elems)
         scratch = np.empty(hi - lo, dtype=proto.dtype)
-        st = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, dec_tables, multi, cflags, refs, books,
-                         sizes, offsets, checksums, do_checksum, scratch)
+        st = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs,
+                         books, sizes, offsets, checksums, do_checksum, scratch)
         status[c] = st
         if st == STATUS_OK and hi <= acc.size:
             _accumulate(scratch, acc[lo:hi], half, add)

@@ -46,6 +46,7 @@ from .histogram import lane_histograms
 from .intrinsics import address, load16, prefetch, store64
 from .jit import OVERLOAD_OPTIONS, entry, inline, jit, parallel_entry
 from .layout import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, LANE_HEADER, LANES, MIN_SAVING_SHIFT
+from .plane import plane_bytes, write_plane
 from .symbols import chunk_ref, count_zeros, element_layout, hash_words, stream_params, symbol, symbols0
 
 __all__ = ["plan_chunks", "encode_chunks", "encode_frame", "encode_frame_into", "frame_room", "pair_tables", "PAIR_ENTRIES", "PAIR_SLOW"]
@@ -82,13 +83,14 @@ def _compact(src, kept):
 
 
 @inline
-def _zero_cost(bits, exp_shift, ref, enc_len, raw_stream):
+def _zero_cost(bits, exp_shift, split, ref, enc_len, raw_stream):
     """Bits an all-zero element costs in the streams, priced with each group's first book
-    (8 for a raw stream): what the zero mask saves on each zero it covers."""
+    (8 for a raw stream; a split stream 0 adds its plane's bits): what the zero mask
+    saves on each zero it covers."""
     cost = 0
     for s in range(enc_len.shape[0]):
         sh, sub, top, ra, mask = stream_params(bits, s, exp_shift, ref)
-        cost += 8 if raw_stream[s] else enc_len[s, 0, symbol(0, sh, sub, top, ra, mask)]
+        cost += 8 if raw_stream[s] else enc_len[s, 0, symbol(0, sh, sub, top, ra, mask)] + (split if s == 0 else 0)
     return cost
 
 
@@ -155,16 +157,19 @@ def _segment_plan(hist, sub, lens, nbooks, priced):
 
 
 @jit
-def _size_stream(src, lo, hi, s, exp_shift, ref, lens, nbooks, hist, priced):
+def _size_stream(src, lo, hi, s, exp_shift, split, ref, lens, nbooks, hist, priced):
     """(coded segment bytes, book of its group) of stream s over src[lo:hi], from its lane
-    histograms (left in hist for the caller)."""
+    histograms (left in hist for the caller); a split stream 0's plane included."""
     lane_histograms(src, lo, hi, s, hist)
     _, sub, _, _, _ = stream_params(src, s, exp_shift, ref)
-    return _segment_plan(hist, sub, lens, nbooks, priced)
+    seg, best = _segment_plan(hist, sub, lens, nbooks, priced)
+    if s == 0 and split:
+        seg += plane_bytes(hi - lo, split)
+    return seg, best
 
 
 @jit
-def _plan_chunk(bits, lo, hi, c, exp_shift, enc_len, nbooks, raw_stream, cflags, refs, books, sizes):
+def _plan_chunk(bits, lo, hi, c, exp_shift, split, enc_len, nbooks, raw_stream, cflags, refs, books, sizes):
     """Plan chunk c, elements bits[lo:hi], into entry c of the outputs (see :func:`plan_chunks`)."""
     ns = enc_len.shape[0]
     count = hi - lo
@@ -187,7 +192,7 @@ def _plan_chunk(bits, lo, hi, c, exp_shift, enc_len, nbooks, raw_stream, cflags,
     seg0 = np.int64(0)
     k0 = 0
     if early:
-        seg0, k0 = _size_stream(bits, lo, hi, first, exp_shift, ref, enc_len[first], nbooks[first], hist,
+        seg0, k0 = _size_stream(bits, lo, hi, first, exp_shift, split, ref, enc_len[first], nbooks[first], hist,
                                 priced)
     width, _, _ = element_layout(bits)
     byte0 = hist[0, 0] + hist[1, 0] + hist[2, 0] + hist[3, 0] if early else np.int64(-1)
@@ -202,7 +207,7 @@ def _plan_chunk(bits, lo, hi, c, exp_shift, enc_len, nbooks, raw_stream, cflags,
         for s in range(ns):
             sizes[c, s] = 0
         return
-    use_mask = _mask_pays(zeros, count, _zero_cost(bits, exp_shift, ref, enc_len, raw_stream))
+    use_mask = _mask_pays(zeros, count, _zero_cost(bits, exp_shift, split, ref, enc_len, raw_stream))
     present = count - zeros if use_mask else count
     flags = CHUNK_MASK if use_mask else 0
     src = bits
@@ -222,7 +227,7 @@ def _plan_chunk(bits, lo, hi, c, exp_shift, enc_len, nbooks, raw_stream, cflags,
             seg = seg0
             k = k0
         else:
-            seg, k = _size_stream(src, slo, shi, s, exp_shift, ref, enc_len[s], nbooks[s], hist, priced)
+            seg, k = _size_stream(src, slo, shi, s, exp_shift, split, ref, enc_len[s], nbooks[s], hist, priced)
         if seg > present - _min_saving(s, present):
             flags |= CHUNK_RAW0 << s
             sizes[c, s] = present
@@ -234,13 +239,17 @@ def _plan_chunk(bits, lo, hi, c, exp_shift, enc_len, nbooks, raw_stream, cflags,
 
 
 @parallel_entry
-def plan_chunks(bits, chunk_elems, exp_shift, enc_len, nbooks, raw_stream, cflags, refs, books, sizes):
+def plan_chunks(bits, chunk_elems, exp_shift, split, enc_len, nbooks, raw_stream, cflags, refs, books, sizes):
     """Choose each chunk's reference, zero handling, books and raw fallbacks; size its streams.
 
     Args:
         bits: element bits (typed as :mod:`comm_codec.kernels.layout` describes).
         chunk_elems: elements per chunk.
         exp_shift: the exponent's position in stream 0 (-1: no relative coding).
+        split: bits under the exponent that coded stream-0 segments store in a plane
+            (a frame with split exponents: :mod:`comm_codec.kernels.plane`), or 0;
+            stream 0's tables are then the exponent code's
+            (:func:`comm_codec.core.huffman.split_tables`).
         enc_len: uint8[nstreams, nbooks_max, 256] code lengths (escape included) per
             stream and book of its group.
         nbooks: int64[nstreams], the size of each stream's group.
@@ -251,8 +260,8 @@ def plan_chunks(bits, chunk_elems, exp_shift, enc_len, nbooks, raw_stream, cflag
     n = bits.size
     for c in prange(cflags.size):
         lo = c * chunk_elems
-        _plan_chunk(bits, lo, min(n, lo + chunk_elems), c, exp_shift, enc_len, nbooks, raw_stream, cflags, refs, books,
-                    sizes)
+        _plan_chunk(bits, lo, min(n, lo + chunk_elems), c, exp_shift, split, enc_len, nbooks, raw_stream, cflags, refs,
+                    books, sizes)
 
 
 @inline
@@ -535,8 +544,9 @@ def _count_value(sym, v):
 
 
 @jit
-def _write_segment(src, s, exp_shift, ref, codes, lens, pair_code, pair_len, out8, out64, pos, limit, zeros0):
-    """Write stream s of src as a coded segment (lane lengths, then lanes) at pos.
+def _write_segment(src, s, exp_shift, split, ref, codes, lens, pair_code, pair_len, out8, out64, pos, limit, zeros0):
+    """Write stream s of src as a coded segment (lane lengths, lanes, a split stream 0's
+    plane) at pos.
 
     Returns (the segment's bytes, or -1 where it would reach byte ``limit``, and then
     ends there; elements whose stream-0 byte is 0, counted only with ``zeros0``, over
@@ -550,13 +560,15 @@ def _write_segment(src, s, exp_shift, ref, codes, lens, pair_code, pair_len, out
         width, _, _ = element_layout(src)
         for j in range(0, count, 64 // width):
             prefetch(src, count + j)  # the next chunk (a hint: past the array's end is fine)
-        sym = np.empty(count // LANES + 8, dtype=np.uint8)
+        # The lanes' symbols side by side: a split stream's plane takes them all
+        # afterwards (8 bytes of slack for its 8-symbol reads).
+        sym = np.empty(count + 8, dtype=np.uint8)
         tail = np.empty(_TAIL_BYTES, dtype=np.uint8)
         for k in range(LANES):
             if wpos >= limit:
                 return -1, byte0
             view = src[k * count // LANES: (k + 1) * count // LANES]
-            lane = _lane_symbols(view, sub, sym)
+            lane = _lane_symbols(view, sub, sym[k * count // LANES:])
             if zeros0:
                 byte0 += _count_value(lane[:view.size], (-sub) & 255)  # the symbol of byte 0
             bits = _pack_pairs(lane, view.size, codes, lens, pair_code, pair_len, out8, wpos, tail, limit)
@@ -567,6 +579,14 @@ def _write_segment(src, s, exp_shift, ref, codes, lens, pair_code, pair_len, out
                 out8[j] = 0
             _put_u32(out8, pos + 4 * k, nbytes)
             wpos += (nbytes + 7) & ~7
+        if split:
+            end = wpos + plane_bytes(count, split)
+            if end > limit:
+                return -1, byte0
+            write_plane(address(sym), count, split, address(out8) + wpos, address(out8) + ((end + 7) & ~7))
+            for j in range(end, (end + 7) & ~7):
+                out8[j] = 0
+            wpos = end
     else:
         wlimit = (limit + 7) // 8
         for k in range(LANES):
@@ -581,8 +601,8 @@ def _write_segment(src, s, exp_shift, ref, codes, lens, pair_code, pair_len, out
 
 
 @jit
-def _encode_chunk(src, c, flags, ref, chosen, sizes, pos, exp_shift, enc_code, enc_len, pair_code, pair_len, out8,
-                  out64):
+def _encode_chunk(src, c, flags, ref, chosen, sizes, pos, exp_shift, split, enc_code, enc_len, pair_code, pair_len,
+                  out8, out64):
     """Write one chunk's payload from byte pos; return the end position."""
     if flags & CHUNK_ZERO:
         return pos
@@ -597,19 +617,19 @@ def _encode_chunk(src, c, flags, ref, chosen, sizes, pos, exp_shift, enc_code, e
         else:
             k = (chosen >> (4 * s)) & 15
             kp = k if s == 0 else 0  # pair tables are stream 0's
-            _write_segment(src, s, exp_shift, ref, enc_code[s, k], enc_len[s, k], pair_code[kp], pair_len[kp], out8,
-                           out64, pos, pos + size, False)
+            _write_segment(src, s, exp_shift, split, ref, enc_code[s, k], enc_len[s, k], pair_code[kp], pair_len[kp],
+                           out8, out64, pos, pos + size, False)
         pos += (size + 7) & ~7
     return pos
 
 
 @parallel_entry
-def encode_chunks(bits, chunk_elems, exp_shift, enc_code, enc_len, pair_code, pair_len, cflags, refs, books, sizes,
-                  offsets, out8, out64, checksums, do_checksum):
+def encode_chunks(bits, chunk_elems, exp_shift, split, enc_code, enc_len, pair_code, pair_len, cflags, refs, books,
+                  sizes, offsets, out8, out64, checksums, do_checksum):
     """Write every chunk's payload at its offset (as planned by :func:`plan_chunks`).
 
     Args:
-        bits, chunk_elems, exp_shift: as for :func:`plan_chunks`.
+        bits, chunk_elems, exp_shift, split: as for :func:`plan_chunks`.
         enc_code, enc_len: uint32/uint8[nstreams, nbooks_max, 256] encoder tables.
         pair_code, pair_len: stream 0's pair tables (:func:`pair_tables` of
             ``enc_code[0]``, ``enc_len[0]``), one row per book of its group.
@@ -624,7 +644,7 @@ def encode_chunks(bits, chunk_elems, exp_shift, enc_code, enc_len, pair_code, pa
         lo = c * chunk_elems
         hi = min(n, lo + chunk_elems)
         end = _encode_chunk(bits[lo:hi], c, cflags[c], np.int64(refs[c]), np.int64(books[c]), sizes,
-                            offsets[c], exp_shift, enc_code, enc_len, pair_code, pair_len, out8, out64)
+                            offsets[c], exp_shift, split, enc_code, enc_len, pair_code, pair_len, out8, out64)
         start = offsets[c] // 8
         checksums[c] = hash_words(out64, start, end // 8 - start, c) if do_checksum else 0
 
@@ -656,8 +676,8 @@ def _crc32(data):
 
 
 @jit
-def _write_chunk(bits, lo, hi, c, exp_shift, enc_code, enc_len, nbooks, raw_stream, pair_code, pair_len, cflags, refs,
-                 books, sizes, out8, out64, pos):
+def _write_chunk(bits, lo, hi, c, exp_shift, split, enc_code, enc_len, nbooks, raw_stream, pair_code, pair_len, cflags,
+                 refs, books, sizes, out8, out64, pos):
     """Write chunk c, elements bits[lo:hi], at pos, with its entry of the plan; return the end.
 
     The same decisions and bytes as :func:`_plan_chunk` then :func:`_encode_chunk`,
@@ -681,7 +701,7 @@ def _write_chunk(bits, lo, hi, c, exp_shift, enc_code, enc_len, nbooks, raw_stre
     zero_cost = 0
     if direct:
         ref = np.int64(chunk_ref(bits, lo, hi, exp_shift))
-        zero_cost = _zero_cost(src, exp_shift, ref, enc_len, raw_stream)
+        zero_cost = _zero_cost(src, exp_shift, split, ref, enc_len, raw_stream)
         # Written at once unless the sample's zeros say the mask will pay: the XOR of two
         # checkpoints' weights is some 12 % zeros at ~4 bits each, and sizing it first
         # took a second pass. The check below (_mask_pays) is the exact one; the sample
@@ -689,7 +709,7 @@ def _write_chunk(bits, lo, hi, c, exp_shift, enc_code, enc_len, nbooks, raw_stre
         sz, sn = _sample_zeros(bits, lo, hi)
         direct = 4 * sz * zero_cost <= 3 * sn
     if direct:
-        seg0, byte0 = _write_segment(src, 0, exp_shift, ref, enc_code[0, 0], enc_len[0, 0], pair_code[0],
+        seg0, byte0 = _write_segment(src, 0, exp_shift, split, ref, enc_code[0, 0], enc_len[0, 0], pair_code[0],
                                      pair_len[0], out8, out64, pos, pos + count, True)
         width, _, _ = element_layout(src)
         if seg0 >= 0 and (byte0 == 0 or width == 1):
@@ -698,9 +718,9 @@ def _write_chunk(bits, lo, hi, c, exp_shift, enc_code, enc_len, nbooks, raw_stre
             zeros = count_zeros(src)
         direct = zeros < count and not _mask_pays(zeros, count, zero_cost)
     if not direct:
-        _plan_chunk(bits, lo, hi, c, exp_shift, enc_len, nbooks, raw_stream, cflags, refs, books, sizes)
+        _plan_chunk(bits, lo, hi, c, exp_shift, split, enc_len, nbooks, raw_stream, cflags, refs, books, sizes)
         return _encode_chunk(bits[lo:hi], c, cflags[c], np.int64(refs[c]), np.int64(books[c]), sizes, pos, exp_shift,
-                             enc_code, enc_len, pair_code, pair_len, out8, out64)
+                             split, enc_code, enc_len, pair_code, pair_len, out8, out64)
     refs[c] = ref
     books[c] = 0
     flags = 0
@@ -709,8 +729,8 @@ def _write_chunk(bits, lo, hi, c, exp_shift, enc_code, enc_len, nbooks, raw_stre
         if raw_stream[s]:
             seg = -1
         elif s > 0:
-            seg, _ = _write_segment(src, s, exp_shift, ref, enc_code[s, 0], enc_len[s, 0], pair_code[0], pair_len[0],
-                                    out8, out64, pos, pos + count, False)
+            seg, _ = _write_segment(src, s, exp_shift, split, ref, enc_code[s, 0], enc_len[s, 0], pair_code[0],
+                                    pair_len[0], out8, out64, pos, pos + count, False)
         if seg < 0 or seg > count - _min_saving(s, count):
             flags |= CHUNK_RAW0 << s
             seg = count
@@ -736,7 +756,7 @@ def frame_room(n, chunk_elems, ns, head_bytes):
 
 
 @entry
-def encode_frame(bits, chunk_elems, exp_shift, enc_code, enc_len, nbooks, raw_stream, pair_code, pair_len, head,
+def encode_frame(bits, chunk_elems, exp_shift, split, enc_code, enc_len, nbooks, raw_stream, pair_code, pair_len, head,
                  version_books, do_checksum):
     """Plan and write a whole frame in one call, without threads; return it.
 
@@ -749,16 +769,16 @@ def encode_frame(bits, chunk_elems, exp_shift, enc_code, enc_len, nbooks, raw_st
     """
     room = frame_room(bits.size, chunk_elems, enc_len.shape[0], head.size)
     out8 = np.empty(room, dtype=np.uint8)
-    pos = encode_frame_into(bits, chunk_elems, exp_shift, enc_code, enc_len, nbooks, raw_stream, pair_code, pair_len,
-                            head, version_books, do_checksum, out8)
+    pos = encode_frame_into(bits, chunk_elems, exp_shift, split, enc_code, enc_len, nbooks, raw_stream, pair_code,
+                            pair_len, head, version_books, do_checksum, out8)
     # The frame is the front of the room; a frame under half of it (zeros) gets an array
     # of its own, so that it never holds more than twice its size.
     return out8[:pos] if 2 * pos >= room else out8[:pos].copy()
 
 
 @entry
-def encode_frame_into(bits, chunk_elems, exp_shift, enc_code, enc_len, nbooks, raw_stream, pair_code, pair_len, head,
-                      version_books, do_checksum, out8):
+def encode_frame_into(bits, chunk_elems, exp_shift, split, enc_code, enc_len, nbooks, raw_stream, pair_code, pair_len,
+                      head, version_books, do_checksum, out8):
     """Plan and write a whole frame into out8 in one call, without threads; return its size.
 
     The same bytes as :func:`plan_chunks`, :func:`encode_chunks` and the frame header
@@ -771,7 +791,7 @@ def encode_frame_into(bits, chunk_elems, exp_shift, enc_code, enc_len, nbooks, r
 
     Args:
         bits: element bits (none: a frame of the header alone).
-        chunk_elems, exp_shift, enc_len, nbooks, raw_stream: as for :func:`plan_chunks`.
+        chunk_elems, exp_shift, split, enc_len, nbooks, raw_stream: as for :func:`plan_chunks`.
         enc_code, pair_code, pair_len: as for :func:`encode_chunks`.
         head: uint8[24 + 8 * nstreams], the header and book ids that ``write_header``
             writes with version 1; the version, element count and chunk count are
@@ -805,8 +825,8 @@ def encode_frame_into(bits, chunk_elems, exp_shift, enc_code, enc_len, nbooks, r
     for c in range(nchunks):
         lo = c * chunk_elems
         start = pos
-        pos = _write_chunk(bits, lo, min(n, lo + chunk_elems), c, exp_shift, enc_code, enc_len, nbooks, raw_stream,
-                           pair_code, pair_len, cflags, refs, books, sizes, out8, out64, pos)
+        pos = _write_chunk(bits, lo, min(n, lo + chunk_elems), c, exp_shift, split, enc_code, enc_len, nbooks,
+                           raw_stream, pair_code, pair_len, cflags, refs, books, sizes, out8, out64, pos)
         checksum = hash_words(out64, start // 8, (pos - start) // 8, c) if do_checksum else np.uint32(0)
         named |= books[c] != 0
         out8[at] = cflags[c]

@@ -12,7 +12,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["prefetch", "prefetch_at", "address", "load64", "load16", "store8_at", "store64_at", "store64",
+__all__ = ["prefetch", "prefetch_at", "address", "load64", "load16", "load8", "store8_at", "store64_at", "store64",
            "as_f32", "f32_bits"]
 
 
@@ -81,6 +81,7 @@ def _raw_load(bits):
 
 load64 = _raw_load(64)
 load16 = _raw_load(16)
+load8 = _raw_load(8)
 
 
 @intrinsic

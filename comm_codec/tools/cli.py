@@ -56,6 +56,8 @@ def _cmd_inspect(args) -> int:
     print(f"frame       comm_codec v{p.version}, {p.frame_bytes} bytes, header {p.header_bytes}")
     print(f"tensor      {p.spec.name}, {p.numel} elements ({raw} bytes raw), ratio {raw / max(1, p.frame_bytes):.3f}")
     print(f"chunks      {p.nchunks} x {p.chunk_elems} elements, checksums {'on' if p.checksums else 'off'}")
+    if p.split:
+        print(f"exponents   split: stream 0 codes the exponent alone, the {p.split} bits under it raw")
     flags = p.table["cflags"].astype(int)
     print(f"            {int((flags & CHUNK_ZERO).astype(bool).sum())} all-zero, "
           f"{int((flags & CHUNK_MASK).astype(bool).sum())} zero-masked")
