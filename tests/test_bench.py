@@ -22,13 +22,17 @@ def test_bench_model_file_rows_and_zipnn_columns(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "xzn-r" in text and "xzn-e" in text and "xzn-d" in text
     rows = [line for line in text.splitlines() if line.startswith("file:tiny/weight")]
-    assert {line.split()[1] for line in rows} == {"bf16", "fp32"}
+    assert {line.split()[1] for line in rows} == {"bf16", "fp16", "fp32"}
     import json
 
     doc = json.loads(out_json.read_text())
     ours = [r for r in doc["rows"] if r["codec"] == "comm_codec:default"]
-    assert len(ours) == 2 and all(r["exact"] and r["enc_gbps"]["1"] > 0 for r in ours)
-    assert any(c["check"].startswith("file:tiny/weight bf16: ratio, shipped books / zipnn") for c in doc["targets"])
+    assert len(ours) == 3 and all(r["exact"] and r["enc_gbps"]["1"] > 0 for r in ours)
+    checks = {c["check"]: c for c in doc["targets"]}
+    assert any(c.startswith("file:tiny/weight bf16: ratio, shipped books / zipnn") for c in checks)
+    # fp16 rows are held to the speed targets; their ratio is shown, not judged (split exponents).
+    assert checks["file:tiny/weight fp16: decode 1T vs zipnn 1T"]["status"] in ("PASS", "MISS")
+    assert checks["file:tiny/weight fp16: ratio, shipped books / zipnn (split exponents; info)"]["status"] == "info"
 
 
 def test_bench_refuses_unknown_model_names(capsys):

@@ -132,9 +132,9 @@ def _flat(tensors) -> torch.Tensor:
 
 
 def _weight_datasets(name: str, tensors: dict, args) -> list:
-    """bf16 and fp32 copies of a model's floating-point weights, coded with the shipped books."""
+    """fp32, bf16 and fp16 copies of a model's floating-point weights, coded with the shipped books."""
     datasets = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         flat = _flat(t.to(dtype) for t in tensors.values())
         buckets = list(flat.chunk(4))  # ~ a checkpoint's shards; each coded on its own
         datasets.append(Dataset(
@@ -155,8 +155,19 @@ def pretrained_datasets(args) -> list:
         except ModuleNotFoundError as exc:
             log.warning("skipping pretrained model %s: %s", name, exc)
             continue
-        datasets += _weight_datasets(name, pretrained.load_weights(path), args)
-        if name != "minilm" or args.grad_steps < 2:
+        weights = pretrained.load_weights(path)
+        datasets += _weight_datasets(name, weights, args)
+        if name != "minilm":
+            continue
+        # A real fp16 token-embedding table (30522 x 384) on its own: the one tensor of a
+        # model that most of its bytes are, and that the shipped books were not built on.
+        table = weights["embeddings.word_embeddings.weight"].to(torch.float16).reshape(-1)
+        buckets = list(table.chunk(4))
+        datasets.append(Dataset(
+            name="minilm/word-embeddings", kind="weight", buckets=buckets, books=CodebookSet.default(),
+            book_note="book: shipped defaults; 30522 x 384 table", make_bulk=_tiled(buckets, int(args.bulk_mb * MIB)),
+        ))
+        if args.grad_steps < 2:
             continue
         split_at = args.grad_steps // 2
         for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):

@@ -120,8 +120,8 @@ def evaluate_targets(rows: list) -> list:
     # weights with the shipped books, everything else with books profiled on other steps.
     real_dense = ("minilm/weight", "minilm/gradient-dense", "lm-bf16/gradient", "lm-bf16/weight")
     for (dataset, dtype, codec), cc in sorted(by.items()):
-        weights = dataset.endswith("/weight") and not dataset.startswith("lm-")
-        if codec != ("comm_codec:default" if weights else "comm_codec:fixed") or dtype not in ("bf16", "fp32"):
+        weights = (dataset.endswith("/weight") and not dataset.startswith("lm-")) or dataset == "minilm/word-embeddings"
+        if codec != ("comm_codec:default" if weights else "comm_codec:fixed") or dtype not in ("bf16", "fp16", "fp32"):
             continue
         zn = by.get((dataset, dtype, "zipnn"))
         enc1, dec1 = cc["enc_gbps"].get("1"), cc["dec_gbps"].get("1")
@@ -147,7 +147,11 @@ def evaluate_targets(rows: list) -> list:
                 add(f"{where}: exponent stream, {label} 1T vs huff0", value, ">= 1.0x", value >= 1.0, "x", (ex, h0))
         if weights and zn and cc["ratio"] and zn["ratio"]:
             value = cc["ratio"] / zn["ratio"]
-            add(f"{where}: ratio, shipped books / zipnn", value, ">= 1.000x", value >= 1.0, "x")
+            if dtype == "fp16":  # split exponents trade 0.3-0.6 % of ratio for decode speed, by design
+                checks.append({"check": f"{where}: ratio, shipped books / zipnn (split exponents; info)",
+                               "value": value, "target": "", "unit": "x", "status": "info"})
+            else:
+                add(f"{where}: ratio, shipped books / zipnn", value, ">= 1.000x", value >= 1.0, "x")
     bad = [f"{r['dataset']} {r['dtype']} {r['codec']}" for r in rows
            if r["codec"].startswith("comm_codec") and (r["exact"] is False or r["error"])]
     checks.append({"check": "comm_codec round trips bit-exact (all rows)", "value": len(bad), "target": "0 failures",
