@@ -212,11 +212,12 @@ class Huff0(Comparator):
 
 class CodecExponents(Comparator):
     """The codec on the exponent stream of each row alone, one thread: what huff0's row is
-    measured against, symbol for symbol (the stream's bytes as int8, a book fitted to the
-    row's evaluation buckets, as huff0 fits a table to each block)."""
+    measured against, symbol for symbol (the stream's bytes as int8, a group of books
+    fitted to the row's evaluation buckets, each chunk coded with its best, as huff0
+    fits a table to each block; see :func:`comm_codec.tools.huff0.exponent_codec`)."""
 
     name = "comm_codec:exponents"
-    note = "exponent stream only, as int8 with a book fitted to it (the like of huff0's row)"
+    note = "exponent stream only, as int8 with books fitted to it (the like of huff0's row)"
 
     def __init__(self, chunk_elems: int):
         self.chunk_elems = chunk_elems
