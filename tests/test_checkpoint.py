@@ -691,9 +691,10 @@ def test_alike_chunks_are_priced_at_the_large_chunk_size_alone(tmp_path, monkeyp
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int8, torch.float8_e5m2])
 def test_planning_counts_are_the_encoders_counts(dtype):
     """The planner's one-pass counts (comm_codec.kernels.plan) equal chunk_histograms' on the
-    sampled chunks laid end to end, at both chunk sizes, for every stream it counts; a
-    stream it leaves out (random bytes) keeps each chunk's symbol count; zeros, masked
-    chunks, a short last chunk and a sampled (strided) big tensor included."""
+    sampled chunks' counted elements laid end to end, at both chunk sizes, for every stream
+    it counts; a stream it leaves out (random bytes) keeps each chunk's symbol count; zeros,
+    masked chunks, a short last chunk, a sampled (strided) big tensor and a tensor counted
+    on every 4th element included."""
     from comm_codec.checkpoint.plan import CHUNK_SIZES, BookChooser
     from comm_codec.books.profiler import chunk_counts
     from comm_codec.core.streams import spec_for
@@ -711,12 +712,17 @@ def test_planning_counts_are_the_encoders_counts(dtype):
             if dtype == torch.float32:
                 t[n // 3: n // 2] = t[n // 3: n // 2].half().float()  # low mantissa bytes zero: counted
         sample = chooser.sample(t.view(torch.uint8).numpy(), spec)
-        assert (sample.scale == 1.0) == (n <= 4 << 16)  # up to four chunks, or 16 of eight or more
-        laid = torch.cat([t[a:a + k] for a, k in zip(sample.at.tolist(), sample.lengths.tolist())])
+        assert sample.whole == (n <= 4 << 16)  # up to four chunks, or 16 of eight or more
+        assert sample.every == (1 if n in (5000, 2_500_001) else 4)  # too few elements; fitting a group
+        every = sample.every
+        laid = torch.cat([t[a:a + k:every] for a, k in zip(sample.at.tolist(), sample.lengths.tolist())])
+        assert sample.scale == n / len(laid)
         counts = chooser.counts(sample, spec)
         for chunk_elems in CHUNK_SIZES:
             rows, zeros, coded = counts[chunk_elems]
-            want, want_zeros = chunk_counts(laid, chunk_elems)
+            # Chunks of whole 64 Ki pieces: each counts chunk_elems / every elements, and its
+            # reference (every n // 256-th element) is taken from the same elements either way.
+            want, want_zeros = chunk_counts(laid, chunk_elems // every)
             assert zeros == want_zeros.sum()
             for s in range(spec.nstreams):
                 if coded[s]:
@@ -735,10 +741,10 @@ def test_planning_kernels_refuse_bad_arguments_with_a_status():
     coded = np.zeros(2, dtype=np.bool_)
     one = np.ones(1, dtype=np.int64)
     for start, length, step, streams in ((990, 20, 1, 2), (-1, 5, 1, 2), (0, 10, 1, 3), (0, 10, 0, 2)):
-        status = kp.count_pieces(bits, np.array([start]), np.array([length]), step, 1 << 15, 7.8,
+        status = kp.count_pieces(bits, np.array([start]), np.array([length]), 1, step, 1 << 15, 7.8,
                                  np.zeros((1, streams, 256), dtype=np.int64), zeros, np.zeros(streams, np.bool_))
         assert status == kp.STATUS_BAD_ARGS and not zeros.any()
-    assert kp.count_pieces(bits, np.array([0]), np.array([10]), 1, 1 << 15, 7.8, hist, zeros, coded) == kp.STATUS_OK
+    assert kp.count_pieces(bits, np.array([0]), np.array([10]), 1, 1, 1 << 15, 7.8, hist, zeros, coded) == kp.STATUS_OK
     hist = np.zeros((1, 1, 256), dtype=np.int64)
     refs = np.zeros(1, dtype=np.int64)
     assert kp.chunk_refs(bits, np.array([0]), np.array([1001]), 1, 0, refs) == kp.STATUS_BAD_ARGS

@@ -82,11 +82,13 @@ def test_price_stream_refuses_bad_arguments():
         assert kp.price_stream(*args) == kp.STATUS_BAD_ARGS
 
 
+@pytest.mark.parametrize("every", [1, 4, 7])
 @pytest.mark.parametrize("dtype", [np.uint16, np.uint32, np.uint8, np.int8])
 @pytest.mark.parametrize("zeros", ["none", "byte0-not-zero", "some"])
-def test_count_pieces_counts_zeros_and_stream_0_as_numpy(dtype, zeros):
-    """Stream 0 counted whole and the all-zero elements exactly, whether or not byte 0
-    occurs (-0.0 and subnormals have stream-0 byte 0 but are not zero)."""
+def test_count_pieces_counts_zeros_and_stream_0_as_numpy(dtype, zeros, every):
+    """Stream 0 counted on each piece's every ``every``-th element and the all-zero elements
+    among them exactly, whether or not byte 0 occurs (-0.0 and subnormals have stream-0
+    byte 0 but are not zero); pieces of lengths that ``every`` does not divide included."""
     rng = np.random.default_rng(7)
     width = np.dtype(dtype).itemsize
     ints = rng.integers(1, 1 << (8 * width) - (1 if dtype is np.int8 else 0), 70000).astype(dtype)
@@ -106,13 +108,39 @@ def test_count_pieces_counts_zeros_and_stream_0_as_numpy(dtype, zeros):
     hist = np.empty((3, width, 256), dtype=np.int64)
     got_zeros = np.empty(3, dtype=np.int64)
     coded = np.empty(width, dtype=np.bool_)
-    assert kp.count_pieces(ints, starts, lengths, 1, 1 << 15, 7.8, hist, got_zeros, coded) == kp.STATUS_OK
+    assert kp.count_pieces(ints, starts, lengths, every, 1, 1 << 15, 7.8, hist, got_zeros, coded) == kp.STATUS_OK
     for k in range(3):
-        piece = ints[starts[k]:starts[k] + lengths[k]]
+        piece = ints[starts[k]:starts[k] + lengths[k]:every]
         assert got_zeros[k] == int((piece == 0).sum())
         assert np.array_equal(hist[k, 0], np.bincount(_stream0(piece), minlength=256))
+        for s in range(1, width):  # step 1: every stream counted on the same elements
+            assert hist[k, s].sum() == piece.size
     if zeros == "none":
         assert hist[:, 0, 0].sum() == 0 and got_zeros.sum() == 0
+
+
+def test_count_pieces_counts_a_coded_later_stream_on_the_counted_elements():
+    """A later stream found coded on the sparse look is then counted on the same elements
+    as stream 0 (every 4th here), so that all of a chunk's rows are in the same units."""
+    rng = np.random.default_rng(8)
+    ints = rng.integers(0, 1 << 16, 1 << 17).astype(np.uint16) & np.uint16(0xFF0F)  # stream 1: 16 symbols
+    starts, lengths = np.array([0, 1 << 16], dtype=np.int64), np.array([1 << 16, (1 << 16) - 3], dtype=np.int64)
+    hist = np.empty((2, 2, 256), dtype=np.int64)
+    got_zeros, coded = np.empty(2, dtype=np.int64), np.empty(2, dtype=np.bool_)
+    assert kp.count_pieces(ints, starts, lengths, 4, 16, 1 << 15, 7.8, hist, got_zeros, coded) == kp.STATUS_OK
+    assert coded.tolist() == [True, True]
+    for k in range(2):
+        piece = ints[starts[k]:starts[k] + lengths[k]:4].astype(np.int64)
+        assert np.array_equal(hist[k, 1], np.bincount(((piece << 1) | (piece >> 15)) & 255, minlength=256))
+        assert hist[k, 0].sum() == hist[k, 1].sum() == piece.size
+
+
+def test_count_pieces_refuses_a_stride_under_one():
+    bits = np.zeros(100, dtype=np.uint16)
+    hist, zeros = np.zeros((1, 2, 256), dtype=np.int64), np.full(1, -1, dtype=np.int64)
+    status = kp.count_pieces(bits, np.array([0]), np.array([100]), 0, 1, 1 << 15, 7.8, hist, zeros,
+                             np.zeros(2, np.bool_))
+    assert status == kp.STATUS_BAD_ARGS and zeros[0] == -1
 
 
 def _stream0(ints):

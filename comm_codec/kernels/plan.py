@@ -12,7 +12,9 @@ sums of its pieces' histograms, stream 0's rotated by the chunk's reference
 (:func:`chunk_rows`). Streams that can only end up raw get a sparse look (every 16th
 element) instead of a full histogram, and the look decides it in the same call
 (:func:`count_pieces`): planning a small tensor is a few calls, not a few dozen numpy
-operations.
+operations. The histograms may count every k-th element of each piece only (a book
+fitted to a quarter of a tensor's elements codes it as well as one fitted to all of
+them), for a fraction of the counting.
 
 Element bits are typed as :mod:`comm_codec.kernels.layout` describes.
 """
@@ -73,12 +75,43 @@ def _count_stream0(piece, out):
 
 
 @jit
+def _count_stream0_every(piece, every, out):
+    """:func:`_count_stream0` of piece's elements 0, every, 2 * every, ...; return the
+    all-zero elements among them.
+
+    Four tables again, taking the counted elements in turn (with a stride there is
+    nothing for the loads to vectorize, so they need not be quarters).
+    """
+    m = (piece.size + every - 1) // every  # elements counted
+    q = m // 4
+    h0 = np.zeros(256, dtype=np.int32)
+    h1 = np.zeros(256, dtype=np.int32)
+    h2 = np.zeros(256, dtype=np.int32)
+    h3 = np.zeros(256, dtype=np.int32)
+    for k in range(q):
+        i = 4 * k * every
+        h0[symbol0(piece[i])] += 1
+        h1[symbol0(piece[i + every])] += 1
+        h2[symbol0(piece[i + 2 * every])] += 1
+        h3[symbol0(piece[i + 3 * every])] += 1
+    for j in range(4 * q, m):
+        h0[symbol0(piece[j * every])] += 1
+    for b in range(256):
+        out[b] = np.int64(h0[b]) + h1[b] + h2[b] + h3[b]
+    z = np.int64(0)
+    if out[0]:  # as in _count_stream0: without a stream-0 byte 0 there is no zero element
+        for i in range(0, piece.size, every):
+            z += np.int64(piece[i] == 0)
+    return z
+
+
+@jit
 def _count(piece, stream, step, out):
     """out[b] = elements of piece (every step-th) whose byte of ``stream`` is b; return
     the all-zero elements among them."""
     width, ra, _ = element_layout(piece)
-    if stream == 0 and step == 1 and piece.size < (1 << 33):  # int32 tables: quarters < 2**31
-        return _count_stream0(piece, out)
+    if stream == 0 and piece.size < (1 << 33):  # int32 tables: quarters < 2**31
+        return _count_stream0(piece, out) if step == 1 else _count_stream0_every(piece, step, out)
     top = np.int64(8 * width)
     mask = np.int64((1 << (8 * width)) - 1)
     sh = np.int64(8 * (width - 1 - stream))
@@ -130,27 +163,30 @@ def _look(piece, step, out):
 
 
 @entry
-def count_pieces(bits, starts, lengths, step, min_elems, limit, hist, zeros, coded):
+def count_pieces(bits, starts, lengths, every, step, min_elems, limit, hist, zeros, coded):
     """Count every stream of pieces of a tensor, looking at the random-looking ones only sparsely.
 
-    Stream 0 is counted whole. With ``step`` > 1, every other stream is first counted on
-    every step-th element; it is *coded* when some piece of at least ``min_elems``
-    elements shows under ``limit`` bits per symbol there (Shannon entropy plus the
-    Miller-Madow bias 255 / (2 n ln 2) of n samples; where over 1/8 of the piece's
-    elements are all zero, the encoder masks them, and those seen are left out of byte
-    0 first), and then counted whole; a stream not coded keeps its sparse counts. With
-    ``step`` 1 every stream is counted whole and coded.
+    A piece's *counted* elements are its elements 0, every, 2 * every, ...
+    (``ceil(length / every)`` of them). Stream 0 is counted on all of them. With ``step``
+    > 1, every other stream is first counted on every step-th element of the piece; it
+    is *coded* when some piece of at least ``min_elems`` elements shows under ``limit``
+    bits per symbol there (Shannon entropy plus the Miller-Madow bias 255 / (2 n ln 2)
+    of n samples; where over 1/8 of the piece's elements are all zero, the encoder masks
+    them, and those seen are left out of byte 0 first), and then counted on the counted
+    elements; a stream not coded keeps its sparse counts. With ``step`` 1 every stream
+    is counted on the counted elements, and coded.
 
     Args:
         bits: element bits (layout in the module docstring).
         starts, lengths: int64[npieces], piece k is bits[starts[k]:starts[k]+lengths[k]].
+        every: >= 1 (1: every element is counted).
         step: >= 1.
         min_elems: pieces shorter than this say nothing on a sparse look.
         limit: bits per symbol.
-        hist: int64[npieces, nstreams, 256] output: hist[k, s, b] = elements of piece k
-            (all of them, or every step-th where stream s is not coded) whose byte of
+        hist: int64[npieces, nstreams, 256] output: hist[k, s, b] = counted elements of
+            piece k (every step-th element where stream s is not coded) whose byte of
             stream s is b.
-        zeros: int64[npieces] output: all-zero elements of each piece.
+        zeros: int64[npieces] output: all-zero counted elements of each piece.
         coded: bool[nstreams] output.
 
     Returns:
@@ -158,7 +194,7 @@ def count_pieces(bits, starts, lengths, step, min_elems, limit, hist, zeros, cod
     """
     width, _, _ = element_layout(bits)
     npieces = starts.size
-    if (step < 1 or hist.shape[0] != npieces or hist.shape[1] != width or hist.shape[2] != 256
+    if (every < 1 or step < 1 or hist.shape[0] != npieces or hist.shape[1] != width or hist.shape[2] != 256
             or zeros.size != npieces or coded.size != width or not _check_pieces(bits, starts, lengths)):
         return STATUS_BAD_ARGS
     # Piece by piece, every stream of a piece while it is in cache: a sparse look at a
@@ -166,10 +202,10 @@ def count_pieces(bits, starts, lengths, step, min_elems, limit, hist, zeros, cod
     seen = np.zeros(npieces, dtype=np.int64)  # all-zero elements among those looked at
     for k in range(npieces):
         piece = bits[starts[k]:starts[k] + lengths[k]]
-        zeros[k] = _count(piece, 0, 1, hist[k, 0])
+        zeros[k] = _count(piece, 0, every, hist[k, 0])
         if step == 1:
             for s in range(1, width):
-                _count(piece, s, 1, hist[k, s])
+                _count(piece, s, every, hist[k, s])
         elif width > 1:
             seen[k] = _look(piece, step, hist[k])
     coded[0] = True
@@ -182,7 +218,8 @@ def count_pieces(bits, starts, lengths, step, min_elems, limit, hist, zeros, cod
             n = np.int64(0)
             for b in range(256):
                 n += hist[k, s, b]
-            drop = seen[k] if zeros[k] * 8 > lengths[k] else 0  # masked zeros are not coded
+            counted = (lengths[k] + every - 1) // every
+            drop = seen[k] if zeros[k] * 8 > counted else 0  # masked zeros are not coded
             n = max(n - drop, np.int64(1))
             acc = 0.0
             for b in range(256):
@@ -195,7 +232,7 @@ def count_pieces(bits, starts, lengths, step, min_elems, limit, hist, zeros, cod
         if coded[s] and step > 1:
             for k in range(npieces):
                 piece = bits[starts[k]:starts[k] + lengths[k]]
-                _count(piece, s, 1, hist[k, s])
+                _count(piece, s, every, hist[k, s])
     return STATUS_OK
 
 
