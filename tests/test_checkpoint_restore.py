@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
+import zstandard
 from safetensors.torch import save_file
 
 from comm_codec import checkpoint as ck
 from comm_codec.checkpoint import exact, files
+from comm_codec.checkpoint.container import zstd_bounded
+
+import crafted
 
 
 def _weights(n: int, dtype) -> torch.Tensor:
@@ -52,3 +57,25 @@ def test_restored_segments_are_written_in_order_by_one_thread(tmp_path, monkeypa
     assert len(decoders) == 1 and threading.get_ident() not in decoders
     ends = [0] + [off + n for _, off, n in writes]
     assert [off for _, off, _ in writes] == ends[:-1] and ends[-1] == src.stat().st_size
+
+
+def test_zstd_bytes_decode_within_their_bound_whatever_their_frames_declare():
+    """A zstd segment decodes to its bytes whether its frame declares its size (one call) or
+    not (streamed), across several frames; one that declares or holds more than the bound,
+    declares less than it holds, or has bytes after its last frame is refused without the
+    bound being exceeded; a truncated one comes out short (its caller checks the length)."""
+    data = bytes(range(256)) * 40
+    sized = zstandard.ZstdCompressor(level=3).compress(data)
+    assert zstandard.frame_content_size(sized) == len(data)
+    streamed = zstandard.ZstdCompressor(level=3, write_content_size=False).compress(data)
+    assert zstandard.frame_content_size(streamed) < 0  # not declared
+    for blob, want in ((sized, data), (streamed, data), (sized + sized, data * 2), (sized + streamed, data * 2)):
+        assert zstd_bounded(blob, len(want), "f.cckp", "segment") == want
+        assert zstd_bounded(blob, len(want) + 100, "f.cckp", "segment") == want
+        with pytest.raises(ck.CheckpointError, match="more than the"):
+            zstd_bounded(blob, len(want) - 1, "f.cckp", "segment")
+    assert len(zstd_bounded(sized[:-3], len(data), "f.cckp", "segment")) < len(data)
+    for bad in (sized + b"junk", crafted.zstd_with_claimed_size(data, 1 << 40),
+                crafted.zstd_with_claimed_size(data, 100)):
+        with pytest.raises(ck.CheckpointError, match="f.cckp: segment"):
+            zstd_bounded(bad, len(data), "f.cckp", "segment")
