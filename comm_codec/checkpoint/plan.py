@@ -230,26 +230,18 @@ class BookChooser:
         # Only chunks of enough elements say anything on a sparse look; a short last one
         # is left to them (it is stored raw too if they say so).
         step = _RAW_LOOK_STEP if bool((sample.lengths >= _RAW_LOOK_MIN_ELEMS).any()) else 1
-        hist = np.empty((npieces, ns, 256), dtype=np.int64)
+        small, large = CHUNK_SIZES
+        per = large // small
         zeros = np.empty(npieces, dtype=np.int64)
         flags = np.empty(ns, dtype=np.bool_)
-        _check(_plan.count_pieces(sample.bits, sample.starts, sample.lengths, sample.every, step, _RAW_LOOK_MIN_ELEMS,
-                                  _RAW_LOOK_BITS, hist, zeros, flags))
-        counted = sample.lengths if sample.every == 1 else (sample.lengths + sample.every - 1) // sample.every
-        coded = flags.tolist()
-        out = {}
-        for chunk_elems in CHUNK_SIZES:
-            per = chunk_elems // self.chunk_elems
-            nchunks = -(-npieces // per)
-            if nchunks == npieces and out:  # one piece a chunk again (a one-chunk tensor): same rows
-                out[chunk_elems] = next(iter(out.values()))
-                continue
-            refs = np.empty(nchunks, dtype=np.int64)
-            _check(_plan.chunk_refs(sample.bits, sample.starts, sample.lengths, per, spec.exp_shift, refs))
-            rows = np.empty((nchunks, ns, 256), dtype=np.int64)
-            _check(_plan.chunk_rows(hist, zeros, counted, refs, per, spec.exp_shift, flags, rows))
-            out[chunk_elems] = (rows, float(zeros.sum()), coded)
-        return out
+        rows = np.empty((npieces, ns, 256), dtype=np.int64)
+        rows_large = np.empty((-(-npieces // per), ns, 256), dtype=np.int64)
+        _check(_plan.count_chunks(sample.bits, sample.starts, sample.lengths, sample.every, step, _RAW_LOOK_MIN_ELEMS,
+                                  _RAW_LOOK_BITS, spec.exp_shift, per, zeros, flags, rows, rows_large))
+        z, coded = float(zeros.sum()), flags.tolist()
+        if len(rows_large) == npieces:  # one piece a chunk either way (a one-chunk tensor): the same rows
+            rows_large = rows
+        return {small: (rows, z, coded), large: (rows_large, z, coded)}
 
     def partial(self, rows: np.ndarray, s: int, scale: float) -> tuple[Codebook, float] | None:
         """A book for stream s, raw on the whole but compressible in some chunks.
@@ -573,11 +565,9 @@ def _large_chunks_cover(counts: dict) -> bool:
     rows = counts[small][0]
     if len(rows) >= GROUP_MIN_ROWS:
         return False
-    per = large // small
-    if not np.array_equal(np.add.reduceat(rows, np.arange(0, len(rows), per), axis=0), counts[large][0]):
-        return False
-    h = _entropies(rows.reshape(-1, 256)).reshape(rows.shape[:2])  # [chunk, stream]
-    return bool((h.max(axis=0) - h.min(axis=0) <= _ALIKE_BITS).all())
+    alike = _plan.chunks_alike(rows, counts[large][0], large // small, _ALIKE_BITS)
+    _check(_plan.STATUS_OK if alike >= 0 else alike)
+    return alike == 1
 
 
 def _check(status: int) -> None:

@@ -27,7 +27,8 @@ from .jit import entry, jit
 from .layout import MIN_SAVING_SHIFT, STATUS_BAD_ARGS, STATUS_OK
 from .symbols import count_zeros, element_layout, symbol, symbol0
 
-__all__ = ["count_pieces", "chunk_refs", "chunk_rows", "price_stream", "STATUS_OK", "STATUS_BAD_ARGS"]
+__all__ = ["count_pieces", "chunk_refs", "chunk_rows", "count_chunks", "chunks_alike", "price_stream", "STATUS_OK",
+           "STATUS_BAD_ARGS"]
 
 
 @jit
@@ -192,11 +193,25 @@ def count_pieces(bits, starts, lengths, every, step, min_elems, limit, hist, zer
     Returns:
         STATUS_OK, or STATUS_BAD_ARGS (nothing written).
     """
+    if not _pieces_ok(bits, starts, lengths, every, step, hist, zeros, coded):
+        return STATUS_BAD_ARGS
+    _count_pieces(bits, starts, lengths, every, step, min_elems, limit, hist, zeros, coded)
+    return STATUS_OK
+
+
+@jit
+def _pieces_ok(bits, starts, lengths, every, step, hist, zeros, coded):
     width, _, _ = element_layout(bits)
     npieces = starts.size
-    if (every < 1 or step < 1 or hist.shape[0] != npieces or hist.shape[1] != width or hist.shape[2] != 256
-            or zeros.size != npieces or coded.size != width or not _check_pieces(bits, starts, lengths)):
-        return STATUS_BAD_ARGS
+    return not (every < 1 or step < 1 or hist.shape[0] != npieces or hist.shape[1] != width or hist.shape[2] != 256
+                or zeros.size != npieces or coded.size != width or not _check_pieces(bits, starts, lengths))
+
+
+@jit
+def _count_pieces(bits, starts, lengths, every, step, min_elems, limit, hist, zeros, coded):
+    """:func:`count_pieces` of checked arguments."""
+    width, _, _ = element_layout(bits)
+    npieces = starts.size
     # Piece by piece, every stream of a piece while it is in cache: a sparse look at a
     # stream of 4-byte elements touches every cache line, as a full pass does.
     seen = np.zeros(npieces, dtype=np.int64)  # all-zero elements among those looked at
@@ -233,7 +248,6 @@ def count_pieces(bits, starts, lengths, every, step, min_elems, limit, hist, zer
             for k in range(npieces):
                 piece = bits[starts[k]:starts[k] + lengths[k]]
                 _count(piece, s, every, hist[k, s])
-    return STATUS_OK
 
 
 @entry
@@ -255,10 +269,18 @@ def chunk_refs(bits, starts, lengths, per, exp_shift, refs):
     Returns:
         STATUS_OK, or STATUS_BAD_ARGS (nothing written).
     """
-    width, ra, _ = element_layout(bits)
     npieces = starts.size
     if per < 1 or refs.size != (npieces + per - 1) // per or not _check_pieces(bits, starts, lengths):
         return STATUS_BAD_ARGS
+    _chunk_refs(bits, starts, lengths, per, exp_shift, refs)
+    return STATUS_OK
+
+
+@jit
+def _chunk_refs(bits, starts, lengths, per, exp_shift, refs):
+    """:func:`chunk_refs` of checked arguments."""
+    width, ra, _ = element_layout(bits)
+    npieces = starts.size
     top = np.int64(8 * width)
     mask = np.int64((1 << (8 * width)) - 1)
     sh = np.int64(8 * (width - 1))
@@ -288,7 +310,6 @@ def chunk_refs(bits, starts, lengths, per, exp_shift, refs):
             if hist[e] > hist[best]:
                 best = e
         refs[c] = best
-    return STATUS_OK
 
 
 @entry
@@ -323,6 +344,15 @@ def chunk_rows(hist, zeros, lengths, refs, per, exp_shift, counted, rows):
     for c in range(nchunks):
         if refs[c] < 0 or refs[c] > 255:
             return STATUS_BAD_ARGS
+    _chunk_rows(hist, zeros, lengths, refs, per, exp_shift, counted, rows)
+    return STATUS_OK
+
+
+@jit
+def _chunk_rows(hist, zeros, lengths, refs, per, exp_shift, counted, rows):
+    """:func:`chunk_rows` of checked arguments."""
+    npieces, ns = hist.shape[0], hist.shape[1]
+    nchunks = rows.shape[0]
     for c in range(nchunks):
         first = c * per
         last = min(npieces, first + per)
@@ -346,7 +376,92 @@ def chunk_rows(hist, zeros, lengths, refs, per, exp_shift, counted, rows):
             sub = (refs[c] << exp_shift) if (s == 0 and exp_shift >= 0) else 0
             for x in range(256):
                 out[x] = acc[(x + sub) & 255]
+
+
+@entry
+def count_chunks(bits, starts, lengths, every, step, min_elems, limit, exp_shift, per, zeros, coded, rows, rows_large):
+    """:func:`count_pieces`, then :func:`chunk_refs` and :func:`chunk_rows` for chunks of one
+    piece and of ``per`` pieces, in one call.
+
+    What the planner asks of a tensor's sample; as separate calls, the calls and their
+    scratch arrays cost as much as the counting of a small tensor.
+
+    Args:
+        bits, starts, lengths, every, step, min_elems, limit: as for :func:`count_pieces`.
+        exp_shift: as for :func:`chunk_refs`.
+        per: pieces per large chunk (>= 1).
+        zeros, coded: outputs, as for :func:`count_pieces`.
+        rows: int64[npieces, nstreams, 256] output: :func:`chunk_rows` of chunks of one piece.
+        rows_large: int64[ceil(npieces / per), nstreams, 256] output: the same of chunks of
+            ``per`` pieces.
+
+    Returns:
+        STATUS_OK, or STATUS_BAD_ARGS (nothing written).
+    """
+    npieces, ns = starts.size, coded.size
+    if (per < 1 or rows.shape[0] != npieces or rows.shape[1] != ns or rows.shape[2] != 256
+            or rows_large.shape[0] != (npieces + per - 1) // per or rows_large.shape[1] != ns
+            or rows_large.shape[2] != 256):
+        return STATUS_BAD_ARGS
+    hist = np.empty((npieces, ns, 256), dtype=np.int64)
+    if not _pieces_ok(bits, starts, lengths, every, step, hist, zeros, coded):
+        return STATUS_BAD_ARGS
+    _count_pieces(bits, starts, lengths, every, step, min_elems, limit, hist, zeros, coded)
+    ncounted = (lengths + every - 1) // every
+    for chunk_pieces, out in ((np.int64(1), rows), (np.int64(per), rows_large)):
+        refs = np.empty(out.shape[0], dtype=np.int64)
+        _chunk_refs(bits, starts, lengths, chunk_pieces, exp_shift, refs)
+        _chunk_rows(hist, zeros, ncounted, refs, chunk_pieces, exp_shift, coded, out)
     return STATUS_OK
+
+
+@entry
+def chunks_alike(rows, rows_large, per, spread):
+    """Whether chunks of ``per`` pieces have exactly their pieces' counts, and the pieces are alike.
+
+    True when rows_large[c] is the sum of rows[c*per .. c*per+per-1] (the same
+    references and zero handling: :func:`chunk_rows` of the same histograms) and, per
+    stream, the pieces' entropies (bits per symbol, ``log2(n) - sum(c log2 c) / n``, 0
+    for an empty row) lie within ``spread`` of each other.
+
+    Args:
+        rows, rows_large: int64 counts as :func:`count_chunks` gives them.
+        per: pieces per large chunk (>= 1).
+        spread: bits per symbol.
+
+    Returns:
+        1 (alike), 0 (not), or STATUS_BAD_ARGS (-1) for arrays of mismatched shapes.
+    """
+    npieces, ns = rows.shape[0], rows.shape[1]
+    nlarge = rows_large.shape[0]
+    if per < 1 or nlarge != (npieces + per - 1) // per or rows_large.shape[1] != ns or rows.shape[2] != 256 \
+            or rows_large.shape[2] != 256:
+        return STATUS_BAD_ARGS
+    for c in range(nlarge):
+        for s in range(ns):
+            for b in range(256):
+                acc = np.int64(0)
+                for p in range(c * per, min(npieces, c * per + per)):
+                    acc += rows[p, s, b]
+                if acc != rows_large[c, s, b]:
+                    return 0
+    for s in range(ns):
+        lo, hi = np.inf, -np.inf
+        for p in range(npieces):
+            n = np.int64(0)
+            acc = 0.0
+            for b in range(256):
+                k = rows[p, s, b]
+                n += k
+                if k > 1:
+                    acc += np.float64(k) * np.log2(np.float64(k))
+            m = np.float64(max(n, np.int64(1)))
+            h = max(np.log2(m) - acc / m, 0.0)
+            lo = min(lo, h)
+            hi = max(hi, h)
+        if hi - lo > spread:
+            return 0
+    return 1
 
 
 @entry
