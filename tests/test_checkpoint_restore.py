@@ -79,3 +79,87 @@ def test_zstd_bytes_decode_within_their_bound_whatever_their_frames_declare():
                 crafted.zstd_with_claimed_size(data, 100)):
         with pytest.raises(ck.CheckpointError, match="f.cckp: segment"):
             zstd_bounded(bad, len(data), "f.cckp", "segment")
+
+
+def test_a_digest_helped_by_other_threads_hashes_every_buffer_once_in_order():
+    """Threads that help the digest's own thread (DigestStream.help) hash the buffers in the
+    order they were handed over, each once, whoever gets it; each buffer's callback runs
+    once, after it is hashed; close() returns once all are hashed. The lagging hasher
+    makes the helpers take most of them."""
+    import hashlib
+
+    hashed, called = [], []
+    lock = threading.Lock()
+
+    class _Recording:  # a hasher that records the order, and lags
+        def __init__(self, name):
+            self.h = hashlib.sha256()
+
+        def update(self, data):
+            with lock:
+                hashed.append(bytes(data[:4]))
+            self.h.update(data)
+
+        def hexdigest(self):
+            return self.h.hexdigest()
+
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(files, "new_hasher", _Recording)
+    try:
+        h = files.DigestStream(background=True, name="sha256")
+        blocks = [i.to_bytes(4, "little") * 1000 for i in range(400)]
+        stop = threading.Event()
+
+        def helper():
+            while not stop.is_set():
+                h.help()
+
+        helpers = [threading.Thread(target=helper) for _ in range(3)]
+        for t in helpers:
+            t.start()
+        for i, b in enumerate(blocks):
+            h.update(b, lambda i=i: called.append((i, len(hashed))))
+        digest = h.hexdigest()
+        stop.set()
+        for t in helpers:
+            t.join()
+    finally:
+        monkey.undo()
+    assert hashed == [b[:4] for b in blocks]
+    assert digest == hashlib.sha256(b"".join(blocks)).hexdigest()
+    assert sorted(i for i, _ in called) == list(range(len(blocks)))
+    assert all(n > i for i, n in called)  # each callback after its buffer was hashed
+    assert not h.help()  # closed: nothing left, and no thread to help
+
+
+def test_a_digest_without_a_thread_hashes_at_once_and_help_does_nothing():
+    h = files.DigestStream(background=False, name="sha256")
+    seen = []
+    h.update(b"abc", lambda: seen.append(1))
+    assert seen == [1] and not h.help()
+    import hashlib
+
+    assert h.hexdigest() == hashlib.sha256(b"abc").hexdigest()
+
+
+def test_ordered_map_does_idle_work_while_the_next_result_is_not_ready():
+    """The consumer's idle work runs while it waits for a result (until it says there is no
+    more), and results still come in job order."""
+    from comm_codec.checkpoint.pipeline import Budget, ordered_map
+
+    gate, calls = threading.Event(), []
+
+    def fn(job):
+        if job == 0:
+            assert gate.wait(30), "the idle work never ran"
+        return 2 * job
+
+    def idle():
+        calls.append(1)
+        if len(calls) == 3:
+            gate.set()  # the first result is held back until idle work has run three times
+        return len(calls) < 6
+
+    assert list(ordered_map(fn, range(5), 2, Budget(100), lambda job: 1, inline=False, idle=idle)) == \
+        [(j, 2 * j) for j in range(5)]
+    assert 3 <= len(calls) <= 6

@@ -544,11 +544,15 @@ def _segment_cost(seg) -> int:
 def _decode_all(m: FileMap, index: dict, bm, sink, threads: int, progress: bool | None, label: str) -> DigestStream:
     """Restore every segment in order into ``sink`` (None: nothing written); return the digest of the bytes."""
     tensors = index["tensors"]
-    # Workers only decode; this thread writes each segment at its source offset (pwrite)
-    # and hands it to the digest. Writes into one file take turns on its inode lock
-    # (tmpfs, ext4), and a worker waiting there would be a worker not decoding. The
-    # writing is most of a thread's work, so this thread counts as one of ``threads``:
-    # a third thread decoding beside two left the writer with a smaller share of two cores.
+    # Workers decode; this thread writes each segment at its source offset (pwrite) and
+    # hands it to the digest. Writes into one file take turns on its inode lock (tmpfs,
+    # ext4), and a worker waiting there would be a worker not decoding. The writing is
+    # most of a thread's work, so this thread counts as one of ``threads``: a third
+    # thread decoding beside two left the writer with a smaller share of two cores. The
+    # digest is hashed by a worker between two decodes and by this thread while it waits
+    # for one, the digest's own (lower-priority) thread taking the rest: a 4 GB file
+    # restored on 2 threads 1.53x as fast as on 1 with the digest's thread doing it all,
+    # 1.8x so (DigestStream).
     positional = isinstance(sink, AtomicFile)
     if positional:
         sink.reserve(index["source"]["size"])
@@ -556,7 +560,9 @@ def _decode_all(m: FileMap, index: dict, bm, sink, threads: int, progress: bool 
     buffers = Buffers(_IN_FLIGHT_BYTES, PIECE_BYTES)
 
     def decode(seg):
-        return _decode_segment(seg, m, bm, tensors, m.path, buffers)
+        out = _decode_segment(seg, m, bm, tensors, m.path, buffers)
+        h.help()  # one buffer already written, hashed between two decodes (see DigestStream)
+        return out
 
     def finished(seg, buf) -> None:  # written and hashed: the buffer and its bytes go back
         if buf is not None:
@@ -567,7 +573,7 @@ def _decode_all(m: FileMap, index: dict, bm, sink, threads: int, progress: bool 
     meter = Progress(label, index["source"]["size"], progress)
     workers = threads - 1 if positional and threads > 1 else threads
     work = ordered_map(decode, _read_ahead(index["segments"], m), workers, budget, _segment_cost,
-                       inline=threads == 1)
+                       inline=threads == 1, idle=h.help)
     with contextlib.closing(work), contextlib.closing(h):
         for seg, (data, buf) in work:
             if data is not None:

@@ -43,7 +43,7 @@ class Budget:
             self._cv.notify_all()
 
 
-def ordered_map(fn, jobs, threads: int, budget: Budget, cost, inline: bool | None = None):
+def ordered_map(fn, jobs, threads: int, budget: Budget, cost, inline: bool | None = None, idle=None):
     """Yield (job, fn(job)) in job order, running up to ``threads`` jobs at once.
 
     A job is started only once ``budget.take(cost(job))`` grants it; the consumer gives
@@ -52,7 +52,9 @@ def ordered_map(fn, jobs, threads: int, budget: Budget, cost, inline: bool | Non
     ``2 * threads + 2`` jobs are in flight. ``inline`` (default: one thread) runs every
     job on the caller's thread; otherwise ``threads`` workers run them, so even one
     worker runs beside a consumer that has work of its own. The numba kernels and zstd
-    release the GIL.
+    release the GIL. ``idle()``, when given, is called while the next result is not
+    ready, for as long as it returns True (work of the consumer's own that can wait:
+    the restore's digest), before waiting for the result.
     """
     if inline is None:
         inline = threads == 1
@@ -81,6 +83,8 @@ def ordered_map(fn, jobs, threads: int, budget: Budget, cost, inline: bool | Non
         admit()
         while pending:
             job, fut = pending.popleft()
+            while idle is not None and not fut.done() and idle():
+                pass
             result = fut.result()
             yield job, result
             admit()
