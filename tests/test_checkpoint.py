@@ -755,8 +755,10 @@ def test_planning_kernels_refuse_bad_arguments_with_a_status():
 
 
 def test_many_pieces_through_reused_buffers(tmp_path, monkeypatch):
-    """Decoded pieces land in reused buffers, handed back once written and hashed: byte-exact
-    at any threads, written to a file (positional) or read back by load()."""
+    """Source pieces read for coding, coded pieces read back and decoded pieces all land in
+    reused buffers, handed back once written and hashed: byte-exact at any threads, written
+    to a file (positional) or read back by load(); stored (incompressible) pieces, whose
+    buffer is what is written, included."""
     from comm_codec.checkpoint import files
 
     monkeypatch.setattr(exact, "PIECE_BYTES", 64 << 10)
@@ -776,9 +778,11 @@ def test_many_pieces_through_reused_buffers(tmp_path, monkeypatch):
     monkeypatch.setattr(files, "new_hasher", _Slow)
     sd = {f"w{i}": _weights(300_000 + 999 * i, dtype=dtype) for i, dtype in
           enumerate((torch.bfloat16, torch.float32, torch.float16))}
+    sd["noise"] = torch.randint(-2**62, 2**62, (40_000,), generator=_GEN)  # opaque and incompressible: stored
     save_file(sd, tmp_path / "m.safetensors")
     for threads in (1, 3):
         _, packed = _round_trip(tmp_path / "m.safetensors", tmp_path, threads=threads, name=f"t{threads}")
+        assert "stored" in {s[4] for s in ck.read_index(packed)["segments"]}
         loaded = ck.load(packed, threads=threads)
         assert all(torch.equal(loaded[k].view(torch.uint8), sd[k].view(torch.uint8)) for k in sd)
 

@@ -165,10 +165,14 @@ def _zstd_c() -> zstandard.ZstdCompressor:
     return _tls.zc
 
 
-def _encode_job(job: _Job, src: FileMap, base: FileMap | None, tensors: list[FileTensor]):
-    """Read and code one segment; return (method, payload, crc32 or None, the source bytes read)."""
-    raw = src.u8(job.src_offset, job.length)
-    return (*_code_segment(job, raw, base, tensors), raw)
+def _encode_job(job: _Job, src: FileMap, base: FileMap | None, tensors: list[FileTensor], buffers: Buffers):
+    """Read and code one segment; return (method, payload, crc32 or None, the source bytes read,
+    the pooled buffer they lie in or None)."""
+    raw, buf = src.take_kept(job.src_offset, job.length), None
+    if raw is None:
+        buf = buffers.take(job.length)
+        raw = src.read_into(job.src_offset, buf[:job.length])
+    return (*_code_segment(job, raw, base, tensors), raw, buf)
 
 
 def _code_segment(job: _Job, raw: np.ndarray, base: FileMap | None, tensors: list[FileTensor]):
@@ -426,16 +430,17 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
             with atomic_output(dst, mode=_mode(src), release_in_background=threads > 1) as out, contextlib.closing(h):
                 out.write(HEADER.pack(MAGIC, VERSION, 0, 0))
                 budget = Budget(_IN_FLIGHT_BYTES)
-                work = ordered_map(lambda j: _encode_job(j, m, bm, tensors),
-                                    _jobs(m.size, tensors, plan, m), threads, budget, lambda j: j.length)
+                buffers = Buffers(_IN_FLIGHT_BYTES, PIECE_BYTES)
+                work = ordered_map(lambda j: _encode_job(j, m, bm, tensors, buffers),
+                                   _jobs(m.size, tensors, plan, m), threads, budget, lambda j: j.length)
                 with contextlib.closing(work):
-                    for job, (method, payload, crc, raw) in work:
-                        h.update(raw)
+                    for job, (method, payload, crc, raw, buf) in work:
                         offset = out.pos
-                        out.write(payload)
+                        out.write(payload)  # before the digest: a stored payload is raw, reused once hashed
                         segments.append([job.src_offset, job.length, offset, out.pos - offset, method, crc, job.tensor])
                         out.pad8()
-                        del payload
+                        h.update(raw, None if buf is None else functools.partial(buffers.give, buf))
+                        del payload, raw, buf
                         budget.give(job.length)
                         meter.update(job.length)
                 meter.close()
@@ -599,9 +604,14 @@ def _read_ahead(segments, m: FileMap):
 
 
 def _decode_segment(seg, m: FileMap, bm: FileMap | None, tensors, path, buffers: Buffers):
-    """Restore one segment's source bytes; return them and the pooled buffer they lie in (or None)."""
+    """Restore one segment's source bytes; return them and the pooled buffer they lie in (or None).
+
+    The coded bytes are read into a pooled buffer too, given back once decoded (a stored
+    segment's bytes are its restored bytes: their buffer is the one returned).
+    """
     src_off, src_len, off, length, method, crc, ti = seg
-    data = m.u8(off, length + -length % 8)  # the payload and its zero padding, in one read
+    inbuf = buffers.take(length + -length % 8)
+    data = m.read_into(off, inbuf[:length + -length % 8])  # the payload and its zero padding, in one read
     payload = data[:length]
     where = f"segment at source bytes {src_off}..{src_off + src_len}"
     if np.count_nonzero(data[length:]):  # (.any() cost 4x as much on these few bytes)
@@ -610,8 +620,9 @@ def _decode_segment(seg, m: FileMap, bm: FileMap | None, tensors, path, buffers:
         if zlib.crc32(payload) != crc:
             raise CheckpointError(f"{path}: {where} is corrupted (CRC-32 mismatch)")
         if method == "stored":
-            return payload, None
+            return payload, inbuf
         out = zstd_bounded(payload, src_len, path, where)
+        buffers.give(inbuf)
         if len(out) != src_len:
             raise CheckpointError(f"{path}: {where} decompressed to {len(out)} bytes, expected {src_len}")
         return out, None
@@ -623,6 +634,8 @@ def _decode_segment(seg, m: FileMap, bm: FileMap | None, tensors, path, buffers:
         t["_codec"].decode_into(payload, coded, max_output_bytes=src_len)
     except (FrameError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: tensor {printable(t['name'])!r}, {where}: {exc}") from None
+    del data, payload
+    buffers.give(inbuf)
     if t["transform"] == "none":
         return coded, buf
     if bm is None:  # verify without the base: the frames were checked, the bytes cannot be

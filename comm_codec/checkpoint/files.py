@@ -144,8 +144,30 @@ class FileMap:
                     del self._kept[next(iter(self._kept))]
         return out
 
-    def _read(self, offset: int, length: int) -> np.ndarray:
-        out = np.empty(length, dtype=np.uint8)
+    def take_kept(self, offset: int, length: int) -> np.ndarray | None:
+        """Return the array kept for exactly this range (see :meth:`u8`), or None; it is not kept after."""
+        if not self._kept:
+            return None
+        with self._kept_lock:
+            return self._kept.pop((offset, length), None)
+
+    def read_into(self, offset: int, out: np.ndarray) -> np.ndarray:
+        """Read bytes offset..offset+out.size into ``out`` (a contiguous uint8 array); return it.
+
+        For callers that recycle their buffers: a fresh array per read is a fresh mapping
+        for large reads, whose pages fault in and are unmapped again (and with threads,
+        each unmap interrupts every core the process runs on).
+
+        Raises:
+            ValueError, CheckpointError: as :meth:`u8`.
+        """
+        length = out.size
+        if offset < 0 or offset + length > self.size:
+            raise ValueError(f"bytes {offset}..{offset + length} are outside {self.path} ({self.size} bytes)")
+        return self._read(offset, length, out)
+
+    def _read(self, offset: int, length: int, out: np.ndarray | None = None) -> np.ndarray:
+        out = np.empty(length, dtype=np.uint8) if out is None else out
         view, done, fd = memoryview(out), 0, self._fh.fileno()
         while done < length:
             got = os.preadv(fd, [view[done:]], offset + done)

@@ -112,18 +112,28 @@ class Buffers:
 
     def __init__(self, keep: int, least: int):
         self._free: list = []
+        self._free_bytes = 0
         self._keep, self._least = keep, least
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
         """Return a uint8 array of at least nbytes (at least ``least``): the smallest free one that fits."""
         with self._lock:
-            fits = [i for i, buf in enumerate(self._free) if buf.size >= nbytes]
-            if fits:
-                return self._free.pop(min(fits, key=lambda i: self._free[i].size))
+            # Most requests fit any buffer (segments and their coded bytes are at most
+            # ``least``): the last one given back, still warm in cache.
+            best = len(self._free) - 1 if nbytes <= self._least else -1
+            if best < 0:
+                for i, buf in enumerate(self._free):
+                    if buf.size >= nbytes and (best < 0 or buf.size < self._free[best].size):
+                        best = i
+            if best >= 0:
+                buf = self._free.pop(best)
+                self._free_bytes -= buf.size
+                return buf
         return np.empty(max(nbytes, self._least), dtype=np.uint8)
 
     def give(self, buf: np.ndarray) -> None:
         with self._lock:
-            if sum(b.size for b in self._free) + buf.size <= self._keep:
+            if self._free_bytes + buf.size <= self._keep:
                 self._free.append(buf)
+                self._free_bytes += buf.size
