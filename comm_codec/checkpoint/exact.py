@@ -574,7 +574,7 @@ def _decode_all(m: FileMap, index: dict, bm, sink, threads: int, progress: bool 
             buffers.give(buf)
         budget.give(_segment_cost(seg))
 
-    h = DigestStream(threads > 1, recorded_digest(index["source"])[0])
+    h = DigestStream(threads > 1, recorded_digest(index["source"])[0], helped=True)
     meter = Progress(label, index["source"]["size"], progress)
     workers = threads - 1 if positional and threads > 1 else threads
     work = ordered_map(decode, _read_ahead(index["segments"], m), workers, budget, _segment_cost,
