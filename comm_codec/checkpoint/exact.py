@@ -610,8 +610,9 @@ def _decode_segment(seg, m: FileMap, bm: FileMap | None, tensors, path, buffers:
     segment's bytes are its restored bytes: their buffer is the one returned).
     """
     src_off, src_len, off, length, method, crc, ti = seg
-    inbuf = buffers.take(length + -length % 8)
-    data = m.read_into(off, inbuf[:length + -length % 8])  # the payload and its zero padding, in one read
+    padded = length + -length % 8  # the payload and its zero padding, in one read
+    inbuf = buffers.take(padded)
+    data = m.read_into(off, inbuf[:padded])
     payload = data[:length]
     where = f"segment at source bytes {src_off}..{src_off + src_len}"
     if np.count_nonzero(data[length:]):  # (.any() cost 4x as much on these few bytes)

@@ -117,7 +117,8 @@ class Buffers:
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
-        """Return a uint8 array of at least nbytes (at least ``least``): the smallest free one that fits."""
+        """Return a uint8 array of at least nbytes (at least ``least``): a free one that fits (the
+        last one given back when any would do, else the smallest that fits), or a new one."""
         with self._lock:
             # Most requests fit any buffer (segments and their coded bytes are at most
             # ``least``): the last one given back, still warm in cache.

@@ -51,9 +51,9 @@ _GROUP_REACH = 0.025  # see BookChooser._own_options
 _GROUP_SAMPLE_ELEMS = 1 << 20
 # A sample too small to fit a group to is counted on every _COUNT_EVERY-th element of each
 # chunk, where that leaves at least _COUNT_MIN elements: the books and chunk sizes it
-# chooses come out the same (TinyLM's bf16 weights: the same file to the byte; its fp32
-# weights, Adam state and all-MiniLM-L6-v2's files within 0.01 % of their size), for a
-# quarter of the counting, which was 15 % of compressing a 6.7 MB file. Samples for
+# chooses come out the same (TinyLM's bf16 and fp32 weights: the same files to the byte;
+# its Adam state, its .pt and all-MiniLM-L6-v2's files within 0.004 % of their size), for
+# a quarter of the counting, which was 15 % of compressing a 6.7 MB file. Samples for
 # groups are counted whole: a group is fitted chunk by chunk.
 _COUNT_EVERY = 4
 _COUNT_MIN = 1 << 14
