@@ -691,9 +691,10 @@ def test_alike_chunks_are_priced_at_the_large_chunk_size_alone(tmp_path, monkeyp
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int8, torch.float8_e5m2])
 def test_planning_counts_are_the_encoders_counts(dtype):
     """The planner's one-pass counts (comm_codec.kernels.plan) equal chunk_histograms' on the
-    sampled chunks laid end to end, at both chunk sizes, for every stream it counts; a
-    stream it leaves out (random bytes) keeps each chunk's symbol count; zeros, masked
-    chunks, a short last chunk and a sampled (strided) big tensor included."""
+    sampled chunks' counted elements laid end to end, at both chunk sizes, for every stream
+    it counts; a stream it leaves out (random bytes) keeps each chunk's symbol count; zeros,
+    masked chunks, a short last chunk, a sampled (strided) big tensor and a tensor counted
+    on every 4th element included."""
     from comm_codec.checkpoint.plan import CHUNK_SIZES, BookChooser
     from comm_codec.books.profiler import chunk_counts
     from comm_codec.core.streams import spec_for
@@ -711,12 +712,17 @@ def test_planning_counts_are_the_encoders_counts(dtype):
             if dtype == torch.float32:
                 t[n // 3: n // 2] = t[n // 3: n // 2].half().float()  # low mantissa bytes zero: counted
         sample = chooser.sample(t.view(torch.uint8).numpy(), spec)
-        assert (sample.scale == 1.0) == (n <= 4 << 16)  # up to four chunks, or 16 of eight or more
-        laid = torch.cat([t[a:a + k] for a, k in zip(sample.at.tolist(), sample.lengths.tolist())])
+        assert sample.whole == (n <= 4 << 16)  # up to four chunks, or 16 of eight or more
+        assert sample.every == (1 if n in (5000, 2_500_001) else 4)  # too few elements; fitting a group
+        every = sample.every
+        laid = torch.cat([t[a:a + k:every] for a, k in zip(sample.at.tolist(), sample.lengths.tolist())])
+        assert sample.scale == n / len(laid)
         counts = chooser.counts(sample, spec)
         for chunk_elems in CHUNK_SIZES:
             rows, zeros, coded = counts[chunk_elems]
-            want, want_zeros = chunk_counts(laid, chunk_elems)
+            # Chunks of whole 64 Ki pieces: each counts chunk_elems / every elements, and its
+            # reference (every n // 256-th element) is taken from the same elements either way.
+            want, want_zeros = chunk_counts(laid, chunk_elems // every)
             assert zeros == want_zeros.sum()
             for s in range(spec.nstreams):
                 if coded[s]:
@@ -735,10 +741,10 @@ def test_planning_kernels_refuse_bad_arguments_with_a_status():
     coded = np.zeros(2, dtype=np.bool_)
     one = np.ones(1, dtype=np.int64)
     for start, length, step, streams in ((990, 20, 1, 2), (-1, 5, 1, 2), (0, 10, 1, 3), (0, 10, 0, 2)):
-        status = kp.count_pieces(bits, np.array([start]), np.array([length]), step, 1 << 15, 7.8,
+        status = kp.count_pieces(bits, np.array([start]), np.array([length]), 1, step, 1 << 15, 7.8,
                                  np.zeros((1, streams, 256), dtype=np.int64), zeros, np.zeros(streams, np.bool_))
         assert status == kp.STATUS_BAD_ARGS and not zeros.any()
-    assert kp.count_pieces(bits, np.array([0]), np.array([10]), 1, 1 << 15, 7.8, hist, zeros, coded) == kp.STATUS_OK
+    assert kp.count_pieces(bits, np.array([0]), np.array([10]), 1, 1, 1 << 15, 7.8, hist, zeros, coded) == kp.STATUS_OK
     hist = np.zeros((1, 1, 256), dtype=np.int64)
     refs = np.zeros(1, dtype=np.int64)
     assert kp.chunk_refs(bits, np.array([0]), np.array([1001]), 1, 0, refs) == kp.STATUS_BAD_ARGS
@@ -749,8 +755,10 @@ def test_planning_kernels_refuse_bad_arguments_with_a_status():
 
 
 def test_many_pieces_through_reused_buffers(tmp_path, monkeypatch):
-    """Decoded pieces land in reused buffers, handed back once written and hashed: byte-exact
-    at any threads, written to a file (positional) or read back by load()."""
+    """Source pieces read for coding, coded pieces read back and decoded pieces all land in
+    reused buffers, handed back once written and hashed: byte-exact at any threads, written
+    to a file (positional) or read back by load(); stored (incompressible) pieces, whose
+    buffer is what is written, included."""
     from comm_codec.checkpoint import files
 
     monkeypatch.setattr(exact, "PIECE_BYTES", 64 << 10)
@@ -770,9 +778,11 @@ def test_many_pieces_through_reused_buffers(tmp_path, monkeypatch):
     monkeypatch.setattr(files, "new_hasher", _Slow)
     sd = {f"w{i}": _weights(300_000 + 999 * i, dtype=dtype) for i, dtype in
           enumerate((torch.bfloat16, torch.float32, torch.float16))}
+    sd["noise"] = torch.randint(-2**62, 2**62, (40_000,), generator=_GEN)  # opaque and incompressible: stored
     save_file(sd, tmp_path / "m.safetensors")
     for threads in (1, 3):
         _, packed = _round_trip(tmp_path / "m.safetensors", tmp_path, threads=threads, name=f"t{threads}")
+        assert "stored" in {s[4] for s in ck.read_index(packed)["segments"]}
         loaded = ck.load(packed, threads=threads)
         assert all(torch.equal(loaded[k].view(torch.uint8), sd[k].view(torch.uint8)) for k in sd)
 
@@ -869,3 +879,25 @@ def test_a_replaced_output_is_released_after_the_call_and_links_are_left_alone(t
         f.commit()
     assert not os.path.islink(link) and link.read_bytes() == b"x" and target.read_bytes() == b"kept"
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+
+def test_a_tensor_with_a_base_is_counted_on_every_element(tmp_path, monkeypatch):
+    """A tensor that may be coded as its XOR with the base is planned from every element of its
+    sampled chunks (the XOR of two checkpoints is mostly zeros and sparse bits: a sample of
+    every 4th element cost delta files 0.04 %); one without a base, every 4th."""
+    from comm_codec.checkpoint import plan
+
+    seen = []
+    real = plan.BookChooser.counts
+    monkeypatch.setattr(plan.BookChooser, "counts", lambda self, sample, spec: seen.append(sample.every) or
+                        real(self, sample, spec))
+    w = _weights(4 << 16, dtype=torch.bfloat16)
+    w2 = w.clone()
+    w2[::3] = _weights(len(w2[::3]), dtype=torch.bfloat16)
+    save_file({"w": w}, tmp_path / "a.safetensors")
+    save_file({"w": w2}, tmp_path / "b.safetensors")
+    _round_trip(tmp_path / "b.safetensors", tmp_path, name="alone")
+    assert seen == [4]
+    seen.clear()
+    _round_trip(tmp_path / "b.safetensors", tmp_path, base=tmp_path / "a.safetensors", name="delta")
+    assert seen and set(seen) == {1}

@@ -18,6 +18,7 @@ The package, one concept per module (each imports only those listed before it):
 
 - :mod:`.errors`: :class:`CheckpointError`, :class:`ChainError`.
 - :mod:`.files`: read-only maps, atomic outputs, streaming hashes.
+- :mod:`.report`: what a call returns (:class:`Summary`), sizes as printed, the progress line.
 - :mod:`.schema`: the checks a JSON index is held to.
 - :mod:`.container`: header, index and trailer shared by both formats; magics.
 - :mod:`.pickle_scan`, :mod:`.formats`: finding tensors in safetensors and torch zips.

@@ -69,7 +69,7 @@ class FileResult:
 
     def line(self) -> str:
         """Return the progress line the command line prints for this file."""
-        from .exact import human_bytes
+        from .report import human_bytes
 
         shown = printable(self.path)
         if self.action == "skipped":
@@ -115,7 +115,7 @@ class DirSummary:
 
     def line(self) -> str:
         """Return the one-line summary the command line prints after the per-file lines."""
-        from .exact import human_bytes
+        from .report import human_bytes
 
         coded = {"compress": "compressed", "decompress": "decompressed", "verify": "verified"}[self.op]
         a, b = human_bytes(self.original_bytes), human_bytes(self.stored_bytes)
@@ -446,7 +446,7 @@ def verify_dir(src, threads: int | None = None, progress: bool | None = None,
 def describe_dir(src) -> str:
     """Return a table of a tree written by :func:`compress_dir`: per file, how it is stored,
     its original and stored sizes and ratio (from each index; nothing is decoded)."""
-    from .exact import human_bytes
+    from .report import human_bytes
     from .exact_index import read_index
 
     src = os.fspath(src)

@@ -8,12 +8,13 @@ passes through is computed on a thread of its own when there are threads to spar
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import os
-import queue
 import re
 import stat
+import sys
 import threading
 
 import numpy as np
@@ -143,8 +144,30 @@ class FileMap:
                     del self._kept[next(iter(self._kept))]
         return out
 
-    def _read(self, offset: int, length: int) -> np.ndarray:
-        out = np.empty(length, dtype=np.uint8)
+    def take_kept(self, offset: int, length: int) -> np.ndarray | None:
+        """Return the array kept for exactly this range (see :meth:`u8`), or None; it is not kept after."""
+        if not self._kept:
+            return None
+        with self._kept_lock:
+            return self._kept.pop((offset, length), None)
+
+    def read_into(self, offset: int, out: np.ndarray) -> np.ndarray:
+        """Read bytes offset..offset+out.size into ``out`` (a contiguous uint8 array); return it.
+
+        For callers that recycle their buffers: a fresh array per read is a fresh mapping
+        for large reads, whose pages fault in and are unmapped again (and with threads,
+        each unmap interrupts every core the process runs on).
+
+        Raises:
+            ValueError, CheckpointError: as :meth:`u8`.
+        """
+        length = out.size
+        if offset < 0 or offset + length > self.size:
+            raise ValueError(f"bytes {offset}..{offset + length} are outside {self.path} ({self.size} bytes)")
+        return self._read(offset, length, out)
+
+    def _read(self, offset: int, length: int, out: np.ndarray | None = None) -> np.ndarray:
+        out = np.empty(length, dtype=np.uint8) if out is None else out
         view, done, fd = memoryview(out), 0, self._fh.fileno()
         while done < length:
             got = os.preadv(fd, [view[done:]], offset + done)
@@ -220,43 +243,100 @@ class DigestStream:
     two-thread compression at 1.1x one thread. ``update`` hands over a buffer (kept
     alive until hashed; at most ``_SHA_QUEUE`` are waiting, which bounds memory) and
     ``then``, called once it is hashed (to release source pages).
+
+    With ``background``, any thread may also :meth:`help`: hash the oldest buffer waiting,
+    itself, when no other thread is hashing. The buffers are hashed one at a time in the
+    order they were handed over, whoever hashes them. A restore on two cores has three
+    threads with work (the writer, a decoder, the digest); the two that have their own
+    work to do hash between their items, and the digest's thread, ``helped``, runs at a
+    lower priority (nice +5 on Linux) and takes what is left while a core is free. With
+    the digest's thread competing at the same priority, a 4 GB restore on two threads ran
+    1.53x one thread. A compress, whose workers do not help, ran 4 % slower with it lowered.
     """
 
-    def __init__(self, background: bool, name: str = WRITE_DIGEST):
+    def __init__(self, background: bool, name: str = WRITE_DIGEST, helped: bool = False):
         self.name = name
+        self._nice = _DIGEST_NICE if helped else 0
         self._h = new_hasher(name)
-        self._q = queue.Queue(_SHA_QUEUE) if background else None
+        self._items: collections.deque = collections.deque()  # (data, then), in order
+        self._cv = threading.Condition()
+        self._busy = False  # a thread is hashing (the oldest item is out of the deque)
+        self._closing = False
         self._thread = None
         if background:
             self._thread = threading.Thread(target=self._run, name="comm_codec-digest", daemon=True)
             self._thread.start()
 
     def _run(self) -> None:
-        while (item := self._q.get()) is not None:
-            data, then = item
+        if self._nice:
+            _lower_priority(self._nice)
+        while self._hash_one(block=True):
+            pass
+
+    def _hash_one(self, block: bool) -> bool:
+        """Hash the oldest waiting buffer on this thread; False when there was none to take
+        (without ``block``: also when another thread is hashing; with it: only once closed)."""
+        with self._cv:
+            while self._busy or not self._items:
+                if not block or (self._closing and not self._items and not self._busy):
+                    return False
+                self._cv.wait()
+            self._busy = True
+            data, then = self._items.popleft()
+            self._cv.notify_all()  # room for update()
+        try:
             self._h.update(data)
-            del data
-            if then is not None:
-                then()
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+        del data
+        if then is not None:
+            then()
+        return True
 
     def update(self, data, then=None) -> None:
         if self._thread is None:
             self._h.update(data)
             if then is not None:
                 then()
-        else:
-            self._q.put((data, then))
+            return
+        with self._cv:
+            while len(self._items) >= _SHA_QUEUE:
+                self._cv.wait()
+            self._items.append((data, then))
+            self._cv.notify_all()
+
+    def help(self) -> bool:
+        """Hash the oldest buffer handed over, on the caller's thread, unless none is waiting or
+        another thread is hashing; return whether one was hashed. Without ``background``,
+        ``update`` hashes at once and this does nothing."""
+        return self._thread is not None and self._hash_one(block=False)
 
     def close(self) -> None:
         """Wait until everything handed over is hashed (idempotent)."""
         if self._thread is not None:
-            self._q.put(None)
+            with self._cv:
+                self._closing = True
+                self._cv.notify_all()
             self._thread.join()
             self._thread = None
 
     def hexdigest(self) -> str:
         self.close()
         return self._h.hexdigest()
+
+
+# How much the digest's own thread yields to the threads that help it (see DigestStream).
+_DIGEST_NICE = 5
+
+
+def _lower_priority(nice: int) -> None:
+    """Lower the calling thread's scheduling priority by ``nice`` (Linux: nice is per thread)."""
+    if sys.platform.startswith("linux") and hasattr(threading, "get_native_id"):
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                           os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + nice)
 
 
 class AtomicFile:

@@ -54,7 +54,7 @@ from ..core.quoting import printable, shown
 from ..core.streams import spec_for
 from .container import HEADER, LOSSY_MAGIC, created_by, encode_index
 from .errors import ChainError, CheckpointError, fail
-from .exact import human_bytes
+from .report import human_bytes
 from .files import FileMap, atomic_output, check_paths
 from .formats import CODABLE, FileTensor, find_tensors, zip_crc_fields
 from .lossy_blobs import FileBooks, SkeletonReader, cut_skeleton, lay_out, skeleton_offsets

@@ -43,7 +43,7 @@ class Budget:
             self._cv.notify_all()
 
 
-def ordered_map(fn, jobs, threads: int, budget: Budget, cost, inline: bool | None = None):
+def ordered_map(fn, jobs, threads: int, budget: Budget, cost, inline: bool | None = None, idle=None):
     """Yield (job, fn(job)) in job order, running up to ``threads`` jobs at once.
 
     A job is started only once ``budget.take(cost(job))`` grants it; the consumer gives
@@ -52,7 +52,9 @@ def ordered_map(fn, jobs, threads: int, budget: Budget, cost, inline: bool | Non
     ``2 * threads + 2`` jobs are in flight. ``inline`` (default: one thread) runs every
     job on the caller's thread; otherwise ``threads`` workers run them, so even one
     worker runs beside a consumer that has work of its own. The numba kernels and zstd
-    release the GIL.
+    release the GIL. ``idle()``, when given, is called while the next result is not
+    ready, for as long as it returns True (work of the consumer's own that can wait:
+    the restore's digest), before waiting for the result.
     """
     if inline is None:
         inline = threads == 1
@@ -81,6 +83,8 @@ def ordered_map(fn, jobs, threads: int, budget: Budget, cost, inline: bool | Non
         admit()
         while pending:
             job, fut = pending.popleft()
+            while idle is not None and not fut.done() and idle():
+                pass
             result = fut.result()
             yield job, result
             admit()
@@ -108,18 +112,29 @@ class Buffers:
 
     def __init__(self, keep: int, least: int):
         self._free: list = []
+        self._free_bytes = 0
         self._keep, self._least = keep, least
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
-        """Return a uint8 array of at least nbytes (at least ``least``): the smallest free one that fits."""
+        """Return a uint8 array of at least nbytes (at least ``least``): a free one that fits (the
+        last one given back when any would do, else the smallest that fits), or a new one."""
         with self._lock:
-            fits = [i for i, buf in enumerate(self._free) if buf.size >= nbytes]
-            if fits:
-                return self._free.pop(min(fits, key=lambda i: self._free[i].size))
+            # Most requests fit any buffer (segments and their coded bytes are at most
+            # ``least``): the last one given back, still warm in cache.
+            best = len(self._free) - 1 if nbytes <= self._least else -1
+            if best < 0:
+                for i, buf in enumerate(self._free):
+                    if buf.size >= nbytes and (best < 0 or buf.size < self._free[best].size):
+                        best = i
+            if best >= 0:
+                buf = self._free.pop(best)
+                self._free_bytes -= buf.size
+                return buf
         return np.empty(max(nbytes, self._least), dtype=np.uint8)
 
     def give(self, buf: np.ndarray) -> None:
         with self._lock:
-            if sum(b.size for b in self._free) + buf.size <= self._keep:
+            if self._free_bytes + buf.size <= self._keep:
                 self._free.append(buf)
+                self._free_bytes += buf.size

@@ -12,7 +12,9 @@ sums of its pieces' histograms, stream 0's rotated by the chunk's reference
 (:func:`chunk_rows`). Streams that can only end up raw get a sparse look (every 16th
 element) instead of a full histogram, and the look decides it in the same call
 (:func:`count_pieces`): planning a small tensor is a few calls, not a few dozen numpy
-operations.
+operations. The histograms may count every k-th element of each piece only (a book
+fitted to a quarter of a tensor's elements codes it as well as one fitted to all of
+them), for a fraction of the counting.
 
 Element bits are typed as :mod:`comm_codec.kernels.layout` describes.
 """
@@ -25,7 +27,8 @@ from .jit import entry, jit
 from .layout import MIN_SAVING_SHIFT, STATUS_BAD_ARGS, STATUS_OK
 from .symbols import count_zeros, element_layout, symbol, symbol0
 
-__all__ = ["count_pieces", "chunk_refs", "chunk_rows", "price_stream", "STATUS_OK", "STATUS_BAD_ARGS"]
+__all__ = ["count_pieces", "chunk_refs", "chunk_rows", "count_chunks", "chunks_alike", "price_stream", "STATUS_OK",
+           "STATUS_BAD_ARGS"]
 
 
 @jit
@@ -73,12 +76,43 @@ def _count_stream0(piece, out):
 
 
 @jit
+def _count_stream0_every(piece, every, out):
+    """:func:`_count_stream0` of piece's elements 0, every, 2 * every, ...; return the
+    all-zero elements among them.
+
+    Four tables again, taking the counted elements in turn (with a stride there is
+    nothing for the loads to vectorize, so they need not be quarters).
+    """
+    m = (piece.size + every - 1) // every  # elements counted
+    q = m // 4
+    h0 = np.zeros(256, dtype=np.int32)
+    h1 = np.zeros(256, dtype=np.int32)
+    h2 = np.zeros(256, dtype=np.int32)
+    h3 = np.zeros(256, dtype=np.int32)
+    for k in range(q):
+        i = 4 * k * every
+        h0[symbol0(piece[i])] += 1
+        h1[symbol0(piece[i + every])] += 1
+        h2[symbol0(piece[i + 2 * every])] += 1
+        h3[symbol0(piece[i + 3 * every])] += 1
+    for j in range(4 * q, m):
+        h0[symbol0(piece[j * every])] += 1
+    for b in range(256):
+        out[b] = np.int64(h0[b]) + h1[b] + h2[b] + h3[b]
+    z = np.int64(0)
+    if out[0]:  # as in _count_stream0: without a stream-0 byte 0 there is no zero element
+        for i in range(0, piece.size, every):
+            z += np.int64(piece[i] == 0)
+    return z
+
+
+@jit
 def _count(piece, stream, step, out):
     """out[b] = elements of piece (every step-th) whose byte of ``stream`` is b; return
     the all-zero elements among them."""
     width, ra, _ = element_layout(piece)
-    if stream == 0 and step == 1 and piece.size < (1 << 33):  # int32 tables: quarters < 2**31
-        return _count_stream0(piece, out)
+    if stream == 0 and piece.size < (1 << 33):  # int32 tables: quarters < 2**31
+        return _count_stream0(piece, out) if step == 1 else _count_stream0_every(piece, step, out)
     top = np.int64(8 * width)
     mask = np.int64((1 << (8 * width)) - 1)
     sh = np.int64(8 * (width - 1 - stream))
@@ -130,46 +164,63 @@ def _look(piece, step, out):
 
 
 @entry
-def count_pieces(bits, starts, lengths, step, min_elems, limit, hist, zeros, coded):
+def count_pieces(bits, starts, lengths, every, step, min_elems, limit, hist, zeros, coded):
     """Count every stream of pieces of a tensor, looking at the random-looking ones only sparsely.
 
-    Stream 0 is counted whole. With ``step`` > 1, every other stream is first counted on
-    every step-th element; it is *coded* when some piece of at least ``min_elems``
-    elements shows under ``limit`` bits per symbol there (Shannon entropy plus the
-    Miller-Madow bias 255 / (2 n ln 2) of n samples; where over 1/8 of the piece's
-    elements are all zero, the encoder masks them, and those seen are left out of byte
-    0 first), and then counted whole; a stream not coded keeps its sparse counts. With
-    ``step`` 1 every stream is counted whole and coded.
+    A piece's *counted* elements are its elements 0, every, 2 * every, ...
+    (``ceil(length / every)`` of them). Stream 0 is counted on all of them. With ``step``
+    > 1, every other stream is first counted on every step-th element of the piece; it
+    is *coded* when some piece of at least ``min_elems`` elements shows under ``limit``
+    bits per symbol there (Shannon entropy plus the Miller-Madow bias 255 / (2 n ln 2)
+    of n samples; where over 1/8 of the piece's elements are all zero, the encoder masks
+    them, and those seen are left out of byte 0 first), and then counted on the counted
+    elements; a stream not coded keeps its sparse counts. With ``step`` 1 every stream
+    is counted on the counted elements, and coded.
 
     Args:
         bits: element bits (layout in the module docstring).
         starts, lengths: int64[npieces], piece k is bits[starts[k]:starts[k]+lengths[k]].
+        every: >= 1 (1: every element is counted).
         step: >= 1.
         min_elems: pieces shorter than this say nothing on a sparse look.
         limit: bits per symbol.
-        hist: int64[npieces, nstreams, 256] output: hist[k, s, b] = elements of piece k
-            (all of them, or every step-th where stream s is not coded) whose byte of
+        hist: int64[npieces, nstreams, 256] output: hist[k, s, b] = counted elements of
+            piece k (every step-th element where stream s is not coded) whose byte of
             stream s is b.
-        zeros: int64[npieces] output: all-zero elements of each piece.
+        zeros: int64[npieces] output: all-zero counted elements of each piece.
         coded: bool[nstreams] output.
 
     Returns:
         STATUS_OK, or STATUS_BAD_ARGS (nothing written).
     """
+    if not _pieces_ok(bits, starts, lengths, every, step, hist, zeros, coded):
+        return STATUS_BAD_ARGS
+    _count_pieces(bits, starts, lengths, every, step, min_elems, limit, hist, zeros, coded)
+    return STATUS_OK
+
+
+@jit
+def _pieces_ok(bits, starts, lengths, every, step, hist, zeros, coded):
     width, _, _ = element_layout(bits)
     npieces = starts.size
-    if (step < 1 or hist.shape[0] != npieces or hist.shape[1] != width or hist.shape[2] != 256
-            or zeros.size != npieces or coded.size != width or not _check_pieces(bits, starts, lengths)):
-        return STATUS_BAD_ARGS
+    return not (every < 1 or step < 1 or hist.shape[0] != npieces or hist.shape[1] != width or hist.shape[2] != 256
+                or zeros.size != npieces or coded.size != width or not _check_pieces(bits, starts, lengths))
+
+
+@jit
+def _count_pieces(bits, starts, lengths, every, step, min_elems, limit, hist, zeros, coded):
+    """:func:`count_pieces` of checked arguments."""
+    width, _, _ = element_layout(bits)
+    npieces = starts.size
     # Piece by piece, every stream of a piece while it is in cache: a sparse look at a
     # stream of 4-byte elements touches every cache line, as a full pass does.
     seen = np.zeros(npieces, dtype=np.int64)  # all-zero elements among those looked at
     for k in range(npieces):
         piece = bits[starts[k]:starts[k] + lengths[k]]
-        zeros[k] = _count(piece, 0, 1, hist[k, 0])
+        zeros[k] = _count(piece, 0, every, hist[k, 0])
         if step == 1:
             for s in range(1, width):
-                _count(piece, s, 1, hist[k, s])
+                _count(piece, s, every, hist[k, s])
         elif width > 1:
             seen[k] = _look(piece, step, hist[k])
     coded[0] = True
@@ -182,7 +233,8 @@ def count_pieces(bits, starts, lengths, step, min_elems, limit, hist, zeros, cod
             n = np.int64(0)
             for b in range(256):
                 n += hist[k, s, b]
-            drop = seen[k] if zeros[k] * 8 > lengths[k] else 0  # masked zeros are not coded
+            counted = (lengths[k] + every - 1) // every
+            drop = seen[k] if zeros[k] * 8 > counted else 0  # masked zeros are not coded
             n = max(n - drop, np.int64(1))
             acc = 0.0
             for b in range(256):
@@ -195,8 +247,7 @@ def count_pieces(bits, starts, lengths, step, min_elems, limit, hist, zeros, cod
         if coded[s] and step > 1:
             for k in range(npieces):
                 piece = bits[starts[k]:starts[k] + lengths[k]]
-                _count(piece, s, 1, hist[k, s])
-    return STATUS_OK
+                _count(piece, s, every, hist[k, s])
 
 
 @entry
@@ -218,10 +269,18 @@ def chunk_refs(bits, starts, lengths, per, exp_shift, refs):
     Returns:
         STATUS_OK, or STATUS_BAD_ARGS (nothing written).
     """
-    width, ra, _ = element_layout(bits)
     npieces = starts.size
     if per < 1 or refs.size != (npieces + per - 1) // per or not _check_pieces(bits, starts, lengths):
         return STATUS_BAD_ARGS
+    _chunk_refs(bits, starts, lengths, per, exp_shift, refs)
+    return STATUS_OK
+
+
+@jit
+def _chunk_refs(bits, starts, lengths, per, exp_shift, refs):
+    """:func:`chunk_refs` of checked arguments."""
+    width, ra, _ = element_layout(bits)
+    npieces = starts.size
     top = np.int64(8 * width)
     mask = np.int64((1 << (8 * width)) - 1)
     sh = np.int64(8 * (width - 1))
@@ -251,7 +310,6 @@ def chunk_refs(bits, starts, lengths, per, exp_shift, refs):
             if hist[e] > hist[best]:
                 best = e
         refs[c] = best
-    return STATUS_OK
 
 
 @entry
@@ -286,6 +344,15 @@ def chunk_rows(hist, zeros, lengths, refs, per, exp_shift, counted, rows):
     for c in range(nchunks):
         if refs[c] < 0 or refs[c] > 255:
             return STATUS_BAD_ARGS
+    _chunk_rows(hist, zeros, lengths, refs, per, exp_shift, counted, rows)
+    return STATUS_OK
+
+
+@jit
+def _chunk_rows(hist, zeros, lengths, refs, per, exp_shift, counted, rows):
+    """:func:`chunk_rows` of checked arguments."""
+    npieces, ns = hist.shape[0], hist.shape[1]
+    nchunks = rows.shape[0]
     for c in range(nchunks):
         first = c * per
         last = min(npieces, first + per)
@@ -309,7 +376,92 @@ def chunk_rows(hist, zeros, lengths, refs, per, exp_shift, counted, rows):
             sub = (refs[c] << exp_shift) if (s == 0 and exp_shift >= 0) else 0
             for x in range(256):
                 out[x] = acc[(x + sub) & 255]
+
+
+@entry
+def count_chunks(bits, starts, lengths, every, step, min_elems, limit, exp_shift, per, zeros, coded, rows, rows_large):
+    """:func:`count_pieces`, then :func:`chunk_refs` and :func:`chunk_rows` for chunks of one
+    piece and of ``per`` pieces, in one call.
+
+    What the planner asks of a tensor's sample; as separate calls, the calls and their
+    scratch arrays cost as much as the counting of a small tensor.
+
+    Args:
+        bits, starts, lengths, every, step, min_elems, limit: as for :func:`count_pieces`.
+        exp_shift: as for :func:`chunk_refs`.
+        per: pieces per large chunk (>= 1).
+        zeros, coded: outputs, as for :func:`count_pieces`.
+        rows: int64[npieces, nstreams, 256] output: :func:`chunk_rows` of chunks of one piece.
+        rows_large: int64[ceil(npieces / per), nstreams, 256] output: the same of chunks of
+            ``per`` pieces.
+
+    Returns:
+        STATUS_OK, or STATUS_BAD_ARGS (nothing written).
+    """
+    npieces, ns = starts.size, coded.size
+    if (per < 1 or rows.shape[0] != npieces or rows.shape[1] != ns or rows.shape[2] != 256
+            or rows_large.shape[0] != (npieces + per - 1) // per or rows_large.shape[1] != ns
+            or rows_large.shape[2] != 256):
+        return STATUS_BAD_ARGS
+    hist = np.empty((npieces, ns, 256), dtype=np.int64)
+    if not _pieces_ok(bits, starts, lengths, every, step, hist, zeros, coded):
+        return STATUS_BAD_ARGS
+    _count_pieces(bits, starts, lengths, every, step, min_elems, limit, hist, zeros, coded)
+    ncounted = (lengths + every - 1) // every
+    for chunk_pieces, out in ((np.int64(1), rows), (np.int64(per), rows_large)):
+        refs = np.empty(out.shape[0], dtype=np.int64)
+        _chunk_refs(bits, starts, lengths, chunk_pieces, exp_shift, refs)
+        _chunk_rows(hist, zeros, ncounted, refs, chunk_pieces, exp_shift, coded, out)
     return STATUS_OK
+
+
+@entry
+def chunks_alike(rows, rows_large, per, spread):
+    """Whether chunks of ``per`` pieces have exactly their pieces' counts, and the pieces are alike.
+
+    True when rows_large[c] is the sum of rows[c*per .. c*per+per-1] (the same
+    references and zero handling: :func:`chunk_rows` of the same histograms) and, per
+    stream, the pieces' entropies (bits per symbol, ``log2(n) - sum(c log2 c) / n``, 0
+    for an empty row) lie within ``spread`` of each other.
+
+    Args:
+        rows, rows_large: int64 counts as :func:`count_chunks` gives them.
+        per: pieces per large chunk (>= 1).
+        spread: bits per symbol.
+
+    Returns:
+        1 (alike), 0 (not), or STATUS_BAD_ARGS (-1) for arrays of mismatched shapes.
+    """
+    npieces, ns = rows.shape[0], rows.shape[1]
+    nlarge = rows_large.shape[0]
+    if per < 1 or nlarge != (npieces + per - 1) // per or rows_large.shape[1] != ns or rows.shape[2] != 256 \
+            or rows_large.shape[2] != 256:
+        return STATUS_BAD_ARGS
+    for c in range(nlarge):
+        for s in range(ns):
+            for b in range(256):
+                acc = np.int64(0)
+                for p in range(c * per, min(npieces, c * per + per)):
+                    acc += rows[p, s, b]
+                if acc != rows_large[c, s, b]:
+                    return 0
+    for s in range(ns):
+        lo, hi = np.inf, -np.inf
+        for p in range(npieces):
+            n = np.int64(0)
+            acc = 0.0
+            for b in range(256):
+                k = rows[p, s, b]
+                n += k
+                if k > 1:
+                    acc += np.float64(k) * np.log2(np.float64(k))
+            m = np.float64(max(n, np.int64(1)))
+            h = max(np.log2(m) - acc / m, 0.0)
+            lo = min(lo, h)
+            hi = max(hi, h)
+        if hi - lo > spread:
+            return 0
+    return 1
 
 
 @entry
