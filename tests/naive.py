@@ -27,6 +27,7 @@ import torch
 # -- (a) byte streams -------------------------------------------------------------------
 # dtype: (bytes per element, sign rotated to the LSB?, exponent position in stream 0 or None,
 #         frame dtype code). From the table in comm_codec/streams.py's docstring.
+# SPLIT_BITS: the low bits of stream 0 that a frame with split exponents stores raw (frame_format.md).
 LAYOUT = {
     torch.bfloat16: (2, True, 0, 1),  # [e8] [m7 s]
     torch.float16: (2, True, 3, 2),  # [e5 m_hi3] [m_lo7 s]
@@ -37,6 +38,7 @@ LAYOUT = {
     torch.uint8: (1, False, None, 7),  # [b]
 }
 DTYPE_BY_CODE = {v[3]: k for k, v in LAYOUT.items()}
+SPLIT_BITS = {torch.float16: 3, torch.float8_e4m3fn: 3, torch.float8_e5m2: 3}
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
@@ -325,7 +327,7 @@ def parse_frame(data: bytes) -> NaiveFrame:
     if version == 2:
         assert any(any(t[4]) for t in table), "version 2 only when some chunk names a book"
     if version == 3:
-        assert LAYOUT[dtype][2], "split exponents only where bits lie under the exponent"
+        assert dtype in SPLIT_BITS, "split exponents only where bits lie under the exponent"
     return NaiveFrame(dtype=dtype, numel=numel, chunk_elems=chunk_elems, nchunks=nchunks,
                       flags=flags, ids=ids, table=table, header_bytes=pos)
 
@@ -364,7 +366,7 @@ def decode_frame(data: bytes, books: dict[str, list[tuple[list[int], int]]]) -> 
     data = bytes(data)
     fr = parse_frame(data)
     width, rotate, exp_shift, _ = LAYOUT[fr.dtype]
-    split = exp_shift if fr.flags & 2 else 0
+    split = SPLIT_BITS[fr.dtype] if fr.flags & 2 else 0
     pos = fr.header_bytes
     bits_out: list[int] = []
     for c, (cflags, ref, checksum, sizes, chosen) in enumerate(fr.table):

@@ -127,7 +127,7 @@ def test_frames_equal_cpu_bit_for_bit(dtype):
     x = mixed_tensor(dtype, seed=DTYPES.index(dtype))
     f = assert_same_frames(make_codec(), x)
     params = _frame.get_frame_parameters(f)
-    assert params.split == max(spec_for(dtype).exp_shift, 0)  # fp16 and fp8 split their exponents
+    assert params.split == spec_for(dtype).split_bits  # fp16 and fp8 split their exponents
     cflags = params.table["cflags"].astype(int)
     assert cflags[1] == _frame.CHUNK_ZERO
     assert cflags[2] & _frame.CHUNK_MASK

@@ -255,19 +255,20 @@ def test_single_chunk_single_stream_lanes_match_naive_coder(dtype):
     _check_lanes(seg, rel, book.lengths, book.escape_length)
     bits_equal(naive.decode_frame(f.numpy().tobytes(), naive.frame_books(codec.codebooks)), vals)
     if dtype == torch.float8_e4m3fn:
-        # Split exponents: the lanes code rel >> 4 with the code derived from the book
-        # (no escape), and a plane of the 4 bits under each exponent follows them.
+        # Split exponents: the lanes code rel >> 3 (e4m3's exponent and top mantissa bit)
+        # with the code derived from the book (no escape), and a plane of the 3 bits
+        # under them follows.
         f = cc.Codec(cc.CodebookSet({("gradient", dtype, 0): book}), chunk_elems=256, checksum=False).encode(vals)
         p = cc.get_frame_parameters(f)
-        assert (p.version, p.split, int(p.table["cflags"][0]), int(p.table["ref"][0])) == (3, 4, 0, ref)
+        assert (p.version, p.split, int(p.table["cflags"][0]), int(p.table["ref"][0])) == (3, 3, 0, ref)
         seg = f.numpy().tobytes()[p.header_bytes:]
         size = int(p.table["sizes"][0][0])
-        plane = 4 * ((n + 7) // 8)
-        lengths = naive.exponent_lengths([int(x) for x in book.lengths], book.escape_length, 4)
-        _check_lanes(seg[: size - plane], [r >> 4 for r in rel], lengths + [0] * (256 - len(lengths)), 0)
+        plane = 3 * ((n + 7) // 8)
+        lengths = naive.exponent_lengths([int(x) for x in book.lengths], book.escape_length, 3)
+        _check_lanes(seg[: size - plane], [r >> 3 for r in rel], lengths + [0] * (256 - len(lengths)), 0)
         low = naive.bytes_to_bits(seg[size - plane : size])
-        assert [sum(low[4 * j + b] << b for b in range(4)) for j in range(n)] == [r & 15 for r in rel]
-        assert not any(low[4 * n:])
+        assert [sum(low[3 * j + b] << b for b in range(3)) for j in range(n)] == [r & 7 for r in rel]
+        assert not any(low[3 * n:])
         bits_equal(naive.decode_frame(f.numpy().tobytes(), naive.frame_books(codec.codebooks)), vals)
 
 

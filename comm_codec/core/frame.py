@@ -70,7 +70,7 @@ READ_VERSIONS = (1, 2, 3)
 MAX_CHUNK_ELEMS = 1 << 26
 HEADER_BYTES = 24
 FLAG_CHECKSUM = 0x01
-# Stream 0's coded segments code the exponent alone, the exp_shift bits under it in a
+# Stream 0's coded segments code the exponent alone, the spec's split_bits under it in a
 # raw plane after the lanes (fp16 and fp8 only; see frame_format.md).
 FLAG_SPLIT = 0x02
 _KNOWN_FLAGS = FLAG_CHECKSUM | FLAG_SPLIT
@@ -119,7 +119,7 @@ class FrameParameters:
         book_ids: the codebook id of each stream ("0"*16 for raw).
         checksums: whether chunk payloads carry checksums.
         split: the bits under the exponent that stream 0's coded segments store in a
-            plane (``spec.exp_shift`` in a frame with split exponents), or 0.
+            plane (``spec.split_bits`` in a frame with split exponents), or 0.
         header_bytes: bytes before the payload.
         frame_bytes: the frame's total length.
         table: the chunk table (numpy structured array).
@@ -203,9 +203,9 @@ def get_frame_parameters(frame) -> FrameParameters:
         _fail(f"unknown frame flags 0x{flags:02x}")
     split = 0
     if flags & FLAG_SPLIT:
-        if spec.exp_shift <= 0:
+        if not spec.split_bits:
             _fail(f"frame says its {spec.name} exponents are split, but {spec.name} has no bits under its exponent")
-        split = spec.exp_shift
+        split = spec.split_bits
     if (version == VERSION_SPLIT) != bool(split):
         _fail(f"frame version {version} {'with' if split else 'without'} the split-exponent flag: version "
               f"{VERSION_SPLIT} frames, and only they, split exponents")

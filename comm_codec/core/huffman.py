@@ -390,7 +390,7 @@ def split_tables(book: Codebook, shift: int) -> tuple[np.ndarray, np.ndarray, np
 
     Args:
         book: a coded book.
-        shift: bits under the exponent (the dtype's ``exp_shift``, 1..7).
+        shift: bits under the coded part (the dtype's ``split_bits``, 1..7).
 
     Returns:
         uint32[256], uint8[256], uint16[4096] (the decode table has no escape entry).

@@ -68,6 +68,8 @@ class StreamSpec:
         rotate: whether the sign bit is rotated to the least significant bit.
         exp_shift: position of the exponent inside stream 0's byte, or -1 when the type
             has no exponent (integers), in which case stream 0 is coded as is.
+        split_bits: the low bits of stream 0's byte that a frame with split exponents
+            stores raw beside the code of the rest (0: the type never splits).
     """
 
     torch_name: str
@@ -76,6 +78,7 @@ class StreamSpec:
     itemsize: int
     rotate: bool
     exp_shift: int
+    split_bits: int = 0
 
     @functools.cached_property
     def dtype(self):
@@ -100,10 +103,10 @@ class StreamSpec:
 
 _SPECS = (
     StreamSpec("bfloat16", 1, "bf16", 2, True, 0),
-    StreamSpec("float16", 2, "fp16", 2, True, 3),
+    StreamSpec("float16", 2, "fp16", 2, True, 3, 3),
     StreamSpec("float32", 3, "fp32", 4, True, 0),
-    StreamSpec("float8_e4m3fn", 4, "fp8_e4m3", 1, True, 4),
-    StreamSpec("float8_e5m2", 5, "fp8_e5m2", 1, True, 3),
+    StreamSpec("float8_e4m3fn", 4, "fp8_e4m3", 1, True, 4, 3),
+    StreamSpec("float8_e5m2", 5, "fp8_e5m2", 1, True, 3, 3),
     StreamSpec("int8", 6, "int8", 1, False, -1),
     StreamSpec("uint8", 7, "uint8", 1, False, -1),
 )

@@ -127,7 +127,7 @@ def encode_tables(codebooks: CodebookSet, kind: str, spec, split: bool = False) 
         ValueError: an unknown kind, or a set without books for it (as
             :meth:`CodebookSet.group`).
     """
-    shift = spec.exp_shift if split and spec.exp_shift > 0 else 0
+    shift = spec.split_bits if split else 0
     return KernelTables([codebooks.group(kind, spec.name, s) for s in range(spec.nstreams)], shift)
 
 

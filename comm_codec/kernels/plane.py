@@ -1,9 +1,10 @@
 """The raw plane of a split exponent segment: the bits under the exponent, k a symbol.
 
 In a frame with split exponents (fp16, fp8; see ``comm_codec/core/frame_format.md``) a
-coded stream-0 segment codes each symbol's exponent alone (``symbol >> k``, k the type's
-``exp_shift``) in its four lanes, and after them stores the symbol's low k bits (the
-mantissa bits, and fp8's sign, that share the exponent's byte) uncoded: a *plane* of k
+coded stream-0 segment codes each symbol's top bits alone (``symbol >> k``, k the type's
+``split_bits``: the exponent, and e4m3's top mantissa bit) in its four lanes, and after
+them stores the symbol's low k bits (the mantissa bits, and fp8's sign, that share the
+exponent's byte) uncoded: a *plane* of k
 bits per present symbol, LSB first, in symbol order. Groups of 8 symbols fill k whole
 bytes, so the plane is :func:`plane_bytes` long, the last group's unused bits zero.
 
@@ -16,7 +17,7 @@ costs 0.3-0.6 % of the frame.
 Both directions move 8 symbols at a time through one 64-bit word: packing squeezes the
 low k bits of 8 symbol bytes into 8k bits in three shift-or-mask steps (fields of k, 2k,
 4k, 8k bits), unpacking spreads them back in the three steps reversed. For the k of the
-supported types (3: fp16 and e5m2, 4: e4m3) four such words go through the steps
+supported types (3, every type that splits today; 4 also) four such words go through the steps
 side by side in one 256-bit vector (:func:`_spread32`, :func:`_squeeze32`, written in
 LLVM's vector IR since numba cannot vectorize the 3-byte stride): one word at a time,
 the decoder's plane cost 0.14 ns a symbol, 3.5 times its whole assembly pass; four
