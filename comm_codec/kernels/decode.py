@@ -3,10 +3,8 @@
 A chunk decodes in two phases. Its coded streams are decoded lane by lane
 (:func:`comm_codec.kernels.lanes.decode_lanes`) into byte rows of a scratch array, while
 raw streams are read where they lie in the frame; then one pass joins each element's
-stream bytes, adds the chunk's reference to stream 0 and rotates the sign back
-(:func:`_assemble`, vectorizable), or spreads the present elements out by the zero mask
-(:func:`_assemble_masked`). Writing each stream's symbols into the elements stream by
-stream instead would touch the output once per stream.
+stream bytes (:mod:`comm_codec.kernels.assemble`), with streaming stores where the
+whole output reaches :data:`~comm_codec.kernels.assemble.STREAM_MIN_BYTES`.
 A chunk of a 1-byte integer type has one stream whose bytes are the elements: its lanes
 are decoded straight into the output.
 
@@ -20,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
+# As for lanes.py below: assemble.py's code is compiled into the kernels here.
+from .assemble import STREAM_MIN_BYTES, assemble, assemble_masked
 from .intrinsics import address, as_f32, f32_bits
 from .jit import entry, inline, jit, parallel_entry
 # numba's on-disk cache keys the kernels below on this file alone, and they hold their
@@ -37,73 +37,16 @@ from .symbols import element_layout, hash_finish, hash_start
 __all__ = ["decode_chunks", "decode_chunks_serial", "decode_accumulate_chunks"]
 
 
-@inline
-def _element(v0, v1, v2, v3, j, add, width, ra):
-    """The element whose stream bytes are v0[j], v1[j], ...: stream 0 plus add (mod 256),
-    the streams joined most significant first, rotated back (sign from bit 0)."""
-    x = (np.int64(v0[j]) + add) & 255
-    if width >= 2:
-        x = (x << 8) | np.int64(v1[j])
-    if width == 4:
-        x = (((x << 8) | np.int64(v2[j])) << 8) | np.int64(v3[j])
-    if ra:
-        x = (x >> 1) | ((x & 1) << (8 * width - 1))
-    return x
-
-
-@jit
-def _assemble(v0, v1, v2, v3, present, add, dst):
-    """dst[i] = the element of the streams' bytes i, for i < present: one vectorizable pass."""
-    width, ra, _ = element_layout(dst)
-    for i in range(present):
-        dst[i] = _element(v0, v1, v2, v3, i, add, width, ra)
-
-
-@jit
-def _assemble_masked(v0, v1, v2, v3, present, add, frame8, mpos, out):
-    """out[i] = the next of the present elements (streams' bytes 0..present-1) where bit
-    i of the mask at frame8[mpos] is set, else 0.
-
-    Two passes: the present elements are built densely into a scratch row (the
-    vectorized :func:`_assemble`), then spread out by the mask a byte at a time,
-    branch-free: each element takes the next dense one multiplied by its bit (the
-    scratch row holds a zero one past the last, so nothing past the streams' bytes is
-    read even where a raw stream ends the frame). An all-zero mask byte (zeros come in
-    runs in many gradients) stores 8 zeros. Element by element with a select (``if
-    bit``, and even ``& -bit``), LLVM emits a branch that mispredicts on half-zero
-    gradients.
-    """
-    dense = np.empty(present + 1, dtype=out.dtype)
-    _assemble(v0, v1, v2, v3, present, add, dense)
-    dense[present] = 0
-    j = np.int64(0)
-    n = out.size
-    for q in range(n >> 3):
-        m = np.int64(frame8[mpos + q])
-        base = 8 * q
-        if m == 0:
-            for t in range(8):
-                out[base + t] = 0
-            continue
-        for t in range(8):
-            bit = (m >> t) & 1
-            out[base + t] = dense[j] * bit
-            j += bit
-    for i in range(n & ~7, n):
-        bit = (np.int64(frame8[mpos + (i >> 3)]) >> (i & 7)) & 1
-        out[i] = dense[j] * bit
-        j += bit
-
-
 @jit
 def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_shift, split, dec_tables, multi, out,
-                  hs):
+                  hs, streaming):
     """Decode one chunk's payload at pos into out (count elements); return a status.
 
     Coded streams are decoded into byte rows of a scratch array; raw streams are read
     where they lie in the frame; a split stream 0's lanes give its exponents (shifted
     up) and its plane the bits under them (:func:`comm_codec.kernels.plane.or_plane`);
-    then one pass (:func:`_assemble`) builds the elements.
+    then one pass builds the elements (:func:`comm_codec.kernels.assemble.assemble`,
+    with streaming stores if ``streaming``).
     A coded chunk of a 1-byte integer type (one stream, its bytes the elements: no
     reference, no rotation) is decoded straight into out instead. The lane loops go on
     with the checksum in hs (see :func:`comm_codec.kernels.lanes.decode_lanes`).
@@ -148,7 +91,10 @@ def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_
     for s in range(ns):
         pf_end += (np.int64(sizes_c[s]) + 7) & ~7
     pf_out = address(out)
-    pf_out_end = pf_out + out.size * out.itemsize
+    # A streamed output is not brought into cache: its stores bypass it (whole lines,
+    # where its start is a line's).
+    streaming = streaming and pf_out % 64 == 0
+    pf_out_end = pf_out if streaming else pf_out + out.size * out.itemsize
     for s in range(ns):
         size = np.int64(sizes_c[s])
         pf_in = address(frame8) + pos + size
@@ -184,15 +130,15 @@ def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_
         pos += (size + 7) & ~7
     add = (np.int64(ref) << exp_shift) if exp_shift >= 0 else np.int64(0)
     if flags & CHUNK_MASK:
-        _assemble_masked(v0, v1, v2, v3, present, add, frame8, mpos, out)
+        assemble_masked(v0, v1, v2, v3, present, add, frame8, mpos, out)
     else:
-        _assemble(v0, v1, v2, v3, present, add, out)
+        assemble(v0, v1, v2, v3, present, add, out, streaming)
     return STATUS_OK
 
 
 @jit
 def _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs, books, sizes,
-                offsets, checksums, do_checksum, out):
+                offsets, checksums, do_checksum, out, streaming):
     """Decode chunk c into out (its count elements); return its status."""
     lo = c * chunk_elems
     count = min(numel, lo + chunk_elems) - lo
@@ -208,7 +154,7 @@ def _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, split, dec_ta
     hs = np.empty(HASH_STATE, dtype=np.uint64)
     hash_start(hs, pos // 8, length // 8 if do_checksum else 0, c)
     st = _decode_chunk(frame8, frame64, pos, count, flags, np.int64(refs[c]), np.int64(books[c]),
-                       sizes[c], exp_shift, split, dec_tables, multi, out, hs)
+                       sizes[c], exp_shift, split, dec_tables, multi, out, hs, streaming)
     if do_checksum and hash_finish(frame64, hs, pos // 8, length // 8) != checksums[c]:
         st = STATUS_CHECKSUM
     return st
@@ -268,11 +214,12 @@ def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tab
         status: int32[nchunks] output.
     """
     order = _chunk_order(books, cflags.size)
+    streaming = out.size * out.itemsize >= STREAM_MIN_BYTES
     for i in prange(cflags.size):
         c = order[i]
         status[c] = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags,
                                 refs, books, sizes, offsets, checksums, do_checksum,
-                                _chunk_out(out, c, chunk_elems, numel))
+                                _chunk_out(out, c, chunk_elems, numel), streaming)
 
 
 @entry
@@ -285,11 +232,12 @@ def decode_chunks_serial(frame8, frame64, numel, chunk_elems, exp_shift, split, 
     decoding a 64 Ki-element chunk's host work.
     """
     order = _chunk_order(books, cflags.size)
+    streaming = out.size * out.itemsize >= STREAM_MIN_BYTES
     for i in range(cflags.size):
         c = order[i]
         status[c] = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags,
                                 refs, books, sizes, offsets, checksums, do_checksum,
-                                _chunk_out(out, c, chunk_elems, numel))
+                                _chunk_out(out, c, chunk_elems, numel), streaming)
 
 
 # -- decode and accumulate into float32 ------------------------------------------------------
@@ -388,7 +336,7 @@ def decode_accumulate_chunks(frame8, frame64, numel, chunk_elems, exp_shift, spl
         hi = min(numel, lo + chunk_elems)
         scratch = np.empty(hi - lo, dtype=proto.dtype)
         st = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs,
-                         books, sizes, offsets, checksums, do_checksum, scratch)
+                         books, sizes, offsets, checksums, do_checksum, scratch, False)
         status[c] = st
         if st == STATUS_OK and hi <= acc.size:
             _accumulate(scratch, acc[lo:hi], half, add)
