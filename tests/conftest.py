@@ -49,6 +49,7 @@ _DEEPSPEED_RUN = (
 # of its tests are in another tier. Patterns are fnmatch patterns over the test's name
 # (without parameters); the first that matches wins.
 TIERS = {
+    "test_assemble.py": "unit",
     "test_autoswitch.py": "unit",
     "test_bench.py": "unit",  # bench.run in-process
     "test_huff0.py": "unit",

@@ -24,8 +24,6 @@ change here must come with a change to decode.py (as for lanes.py and plane.py).
 
 from __future__ import annotations
 
-import platform
-
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -42,7 +40,6 @@ __all__ = ["STREAM_MIN_BYTES", "assemble", "assemble_masked"]
 # a plain store's read for ownership is a second trip through memory.
 STREAM_MIN_BYTES = 8 << 20
 _BLOCK_BYTES = 64  # one cache line: a streaming store fills whole lines
-_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 @inline
@@ -108,14 +105,10 @@ def _store_block(typingctx, a0, a1, a2, a3, add, dst, i):
 
 @intrinsic
 def _store_fence(typingctx):
-    """Order this thread's streaming stores before its later stores (sfence on x86, a
-    full fence elsewhere)."""
+    """Order this thread's streaming stores before its later stores: a full fence (mfence
+    on x86, which drains them as sfence does), once a chunk."""
     def codegen(context, builder, signature, args):
-        if _X86:
-            fn = builder.module.declare_intrinsic("llvm.x86.sse.sfence", fnty=ir.FunctionType(ir.VoidType(), []))
-            builder.call(fn, [])
-        else:  # pragma: no cover - the machines here are x86
-            builder.fence("seq_cst")
+        builder.fence("seq_cst")
         return context.get_dummy_value()
 
     return types.void(), codegen
