@@ -119,20 +119,36 @@ def _sample_zeros(bits, lo, hi):
 
 
 @jit
-def _segment_plan(hist, sub, lens, nbooks, priced):
+def _segment_plan(hist, sub, lens, nbooks, priced, fold):
     """Pick stream s's book for a chunk from its lane histograms; return (bytes, book).
 
     The book is the one with the fewest coded bits over the chunk (ties to the lower
     index); bytes is the coded segment's size with it, lane header and padding included.
     Only the bytes that occur are priced: a chunk of weights holds some 30 of the 256,
-    so a group of 16 books costs 16 x 30 products instead of 16 x 256.
-    ``priced`` (int64[3, 256]) is scratch: the bytes that occur, their symbols and counts.
+    so a group of 16 books costs 16 x 30 products instead of 16 x 256. With ``fold``
+    (a split stream 0's raw bits), the lengths depend on ``byte >> fold`` alone, so the
+    histograms are summed over the bytes of each such group first: fp16 weights hold
+    some 150 bytes a chunk, but a dozen exponents. ``priced`` (int64[3, 256]) is scratch:
+    the bytes (or groups) that occur, their symbols and counts.
     """
+    if fold:
+        per = 1 << fold
+        groups = 256 >> fold
+        folded = np.zeros((LANES, groups), dtype=np.int64)
+        for k in range(LANES):
+            for g in range(groups):
+                t = np.int64(0)
+                for b in range(per * g, per * g + per):
+                    t += hist[k, b]
+                folded[k, g] = t
+        hist = folded
+    else:
+        groups = 256
     m = 0
-    for b in range(256):  # branch-free: whether a byte occurs is not predictable
+    for b in range(groups):  # branch-free: whether a byte occurs is not predictable
         t = hist[0, b] + hist[1, b] + hist[2, b] + hist[3, b]
         priced[0, m] = b
-        priced[1, m] = (b - sub) & 255
+        priced[1, m] = ((b << fold) - sub) & 255  # a group's symbols share its first byte's length
         priced[2, m] = t
         m += np.int64(t != 0)
     best = 0
@@ -162,8 +178,9 @@ def _size_stream(src, lo, hi, s, exp_shift, split, ref, lens, nbooks, hist, pric
     histograms (left in hist for the caller); a split stream 0's plane included."""
     lane_histograms(src, lo, hi, s, hist)
     _, sub, _, _, _ = stream_params(src, s, exp_shift, ref)
-    seg, best = _segment_plan(hist, sub, lens, nbooks, priced)
-    if s == 0 and split:
+    fold = split if s == 0 else 0
+    seg, best = _segment_plan(hist, sub, lens, nbooks, priced, fold)
+    if fold:
         seg += plane_bytes(hi - lo, split)
     return seg, best
 
@@ -560,15 +577,16 @@ def _write_segment(src, s, exp_shift, split, ref, codes, lens, pair_code, pair_l
         width, _, _ = element_layout(src)
         for j in range(0, count, 64 // width):
             prefetch(src, count + j)  # the next chunk (a hint: past the array's end is fine)
-        # The lanes' symbols side by side: a split stream's plane takes them all
-        # afterwards (8 bytes of slack for its 8-symbol reads).
-        sym = np.empty(count + 8, dtype=np.uint8)
+        # A split stream's lanes leave their symbols side by side, for its plane to take
+        # them all afterwards (8 bytes of slack for its 8-symbol reads); otherwise each
+        # lane's symbols reuse one lane's room, which stays in L1.
+        sym = np.empty((count if split else count // LANES) + 8, dtype=np.uint8)
         tail = np.empty(_TAIL_BYTES, dtype=np.uint8)
         for k in range(LANES):
             if wpos >= limit:
                 return -1, byte0
             view = src[k * count // LANES: (k + 1) * count // LANES]
-            lane = _lane_symbols(view, sub, sym[k * count // LANES:])
+            lane = _lane_symbols(view, sub, sym[k * count // LANES:] if split else sym)
             if zeros0:
                 byte0 += _count_value(lane[:view.size], (-sub) & 255)  # the symbol of byte 0
             bits = _pack_pairs(lane, view.size, codes, lens, pair_code, pair_len, out8, wpos, tail, limit)
