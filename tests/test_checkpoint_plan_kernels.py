@@ -215,4 +215,14 @@ def test_chunks_alike_is_the_numpy_check(case):
     want = _alike_reference(rows, large, 4, 0.05)
     assert kp.chunks_alike(rows, large, 4, 0.05) == want
     assert want == (1 if case in ("alike", "one") else 0)
-    assert kp.chunks_alike(rows, large, 2, 0.05) == (1 if case == "one" else kp.STATUS_BAD_ARGS)
+    assert kp.chunks_alike(rows, large, 2, 0.05) == (1 if case == "one" else -1)
+
+
+def test_chunks_alike_refuses_arguments_of_mismatched_shapes_with_minus_one():
+    # -1, not a status code: 0 and 1 are its answers, and the planner tells a refusal by
+    # its sign (STATUS_BAD_ARGS is 7, which read as "alike" would hide the bug).
+    rows = np.zeros((4, 1, 256), dtype=np.int64)
+    assert kp.chunks_alike(rows, np.zeros((3, 1, 256), dtype=np.int64), 2, 0.05) == -1
+    assert kp.chunks_alike(rows, np.zeros((2, 2, 256), dtype=np.int64), 2, 0.05) == -1
+    assert kp.chunks_alike(rows, np.zeros((2, 1, 256), dtype=np.int64), 0, 0.05) == -1
+    assert kp.chunks_alike(rows, np.zeros((2, 1, 256), dtype=np.int64), 2, 0.05) == 1

@@ -574,7 +574,7 @@ def _large_chunks_cover(counts: dict) -> bool:
     if len(rows) >= GROUP_MIN_ROWS:
         return False
     alike = _plan.chunks_alike(rows, counts[large][0], large // small, _ALIKE_BITS)
-    _check(_plan.STATUS_OK if alike >= 0 else alike)
+    _check(_plan.STATUS_OK if alike >= 0 else _plan.STATUS_BAD_ARGS)
     return alike == 1
 
 

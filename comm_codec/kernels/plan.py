@@ -430,13 +430,13 @@ def chunks_alike(rows, rows_large, per, spread):
         spread: bits per symbol.
 
     Returns:
-        1 (alike), 0 (not), or STATUS_BAD_ARGS (-1) for arrays of mismatched shapes.
+        1 (alike), 0 (not), or -1 for arguments out of range (mismatched shapes, per < 1).
     """
     npieces, ns = rows.shape[0], rows.shape[1]
     nlarge = rows_large.shape[0]
     if per < 1 or nlarge != (npieces + per - 1) // per or rows_large.shape[1] != ns or rows.shape[2] != 256 \
             or rows_large.shape[2] != 256:
-        return STATUS_BAD_ARGS
+        return -1
     for c in range(nlarge):
         for s in range(ns):
             for b in range(256):
