@@ -30,9 +30,10 @@ def test_bench_model_file_rows_and_zipnn_columns(tmp_path, capsys):
     assert len(ours) == 3 and all(r["exact"] and r["enc_gbps"]["1"] > 0 for r in ours)
     checks = {c["check"]: c for c in doc["targets"]}
     assert any(c.startswith("file:tiny/weight bf16: ratio, shipped books / zipnn") for c in checks)
-    # fp16 rows are held to the speed targets; their ratio is shown, not judged (split exponents).
+    # fp16 rows are held to the speed targets, and their ratio to within 1 % of zipnn's (split
+    # exponents give up some of it for decode speed).
     assert checks["file:tiny/weight fp16: decode 1T vs zipnn 1T"]["status"] in ("PASS", "MISS")
-    assert checks["file:tiny/weight fp16: ratio, shipped books / zipnn (split exponents; info)"]["status"] == "info"
+    assert checks["file:tiny/weight fp16: ratio, shipped books / zipnn (split exponents)"]["target"] == ">= 0.990x"
 
 
 def test_bench_refuses_unknown_model_names(capsys):

@@ -18,7 +18,7 @@ import torch
 
 import comm_codec as cc
 from comm_codec import checkpoint as ck
-from comm_codec.checkpoint.exact import human_bytes
+from comm_codec.checkpoint.report import human_bytes
 from comm_codec.tools import cli
 
 

@@ -363,6 +363,11 @@ def test_split_exponent_flag_is_checked_against_version_and_dtype(books, small_f
         cc.get_frame_parameters(_edit(data, 7, data[7] & ~0x02))
     with pytest.raises(cc.FrameError, match="unknown frame flags 0x05"):
         cc.get_frame_parameters(_edit(data, 7, 0x05))
+    raw_books = cc.CodebookSet({("gradient", "fp16", s): cc.Codebook.raw_book() for s in (0, 1)})
+    plain = cc.Codec(raw_books).encode(torch.linspace(-3, 3, 5000, dtype=torch.float16), kind="gradient")
+    assert cc.get_frame_parameters(plain).version == 1  # nothing coded: not split
+    with pytest.raises(cc.FrameError, match=r"exponents are split, but its stream 0 is stored raw \(book id 0\)"):
+        cc.get_frame_parameters(_edit(_edit(plain.numpy().tobytes(), 7, 0x03), 4, 3))
 
 
 def test_unknown_dtype_code(books, small_frame):

@@ -37,8 +37,9 @@ The commands ``comm-codec compress / decompress / verify / ls`` are
 from .container import LOSSY_MAGIC, MAGIC
 from .directory import compress_dir, decompress_dir, verify_dir
 from .errors import CheckpointError
-from .exact import PIECE_BYTES, Summary, compress_file, decompress_file, describe, load, save, verify_file
+from .exact import PIECE_BYTES, compress_file, decompress_file, describe, load, save, verify_file
 from .exact_index import VERSION, is_checkpoint, read_index
+from .report import Summary
 
 __all__ = [
     "CheckpointError",

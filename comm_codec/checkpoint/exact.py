@@ -77,8 +77,6 @@ from .plan import CHUNK_SIZES, TRANSFORMS, BookChooser, make_codec, plan_tensor
 from .report import Progress, Summary, human_bytes
 
 __all__ = [
-    "Summary",
-    "human_bytes",
     "compress_file",
     "decompress_file",
     "verify_file",

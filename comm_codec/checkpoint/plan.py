@@ -279,8 +279,8 @@ class BookChooser:
         saved -= (len(group.books) - 1) * _BOOK_COST_BITS
         return (group, saved) if saved > 0 else None
 
-    def choose(self, rows: np.ndarray, scale: float, kind: str, spec, coded=None,
-               whole: bool | None = None) -> tuple[list, list[str], float]:
+    def choose(self, rows: np.ndarray, scale: float, kind: str, spec, coded=None, *,
+               whole: bool) -> tuple[list, list[str], float]:
         """Return the books (or groups), their origins and the expected coded bits of the tensor.
 
         Every option is priced chunk by chunk as the encoder codes it: each sampled
@@ -301,10 +301,9 @@ class BookChooser:
             kind: the tensor's kind (which shipped books).
             spec: its stream layout.
             coded: per stream, whether it was counted (False: raw, see :meth:`counts`).
-            whole: whether the rows are of every chunk of the tensor (:attr:`Sample.whole`);
-                None: when ``scale`` is 1.
+            whole: whether the rows are of every chunk of the tensor (:attr:`Sample.whole`;
+                not ``scale == 1``: a sample counted on every 4th element has scale 4).
         """
-        whole = scale == 1.0 if whole is None else whole
         grouped = len(rows) >= GROUP_MIN_ROWS  # enough sampled chunks to fit a group to
         books, origins, total = [], [], 0.0
         colsum = np.empty(256, dtype=np.int64)
@@ -530,7 +529,7 @@ def _plan_from(t: FileTensor, sample: Sample, base_sample: Sample | None, base_t
 
     def cost(transform, counts, chunk_elems):
         rows, zeros, coded = counts[chunk_elems]
-        books, origins, bits = chooser.choose(rows, sample.scale, t.kind, spec, coded, sample.whole)
+        books, origins, bits = chooser.choose(rows, sample.scale, t.kind, spec, coded, whole=sample.whole)
         bits += min(zeros * sample.scale * spec.nstreams * 8, numel)  # zeros: coded, or one mask bit each
         bits += -(-numel // chunk_elems) * _CHUNK_OVERHEAD_BYTES * 8
         return bits, transform, chunk_elems, books, origins, counts

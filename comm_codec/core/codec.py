@@ -540,7 +540,7 @@ class Codec:
 
     def _flags(self, tables: KernelTables) -> int:
         """The frame header's flags for frames coded with these tables."""
-        return (_frame.FLAG_CHECKSUM if self.checksum else 0) | (_frame.FLAG_SPLIT if tables.split else 0)
+        return _frame.header_flags(self.checksum, tables.split)
 
     def _decode_tables(self, params, max_output_bytes) -> KernelTables:
         """Check a frame's size limit and books; return its decode tables."""

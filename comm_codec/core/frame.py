@@ -7,6 +7,7 @@ summary::
 
     header   magic "CCFR" | version u8 | dtype u8 | nstreams u8 | flags u8
              numel u64 | chunk_elems u32 | nchunks u32              (24 bytes)
+             (flags: bit 0 checksums, bit 1 split exponents)
     books    nstreams x u64 book (or book group) id (0 = stream stored raw)
     table    nchunks x entry: cflags u8 | ref u8 | books u16 | checksum u32 | nstreams x size u32
              (entry padded to a multiple of 8 bytes)
@@ -19,9 +20,12 @@ payload at all), ``RAW0 << s`` (stream s of this chunk is stored uncoded). ``ref
 chunk's reference exponent: stream-0 symbols are coded as ``(byte - (ref << exp_shift))
 mod 256``. ``books`` (version 2) holds, in bits 4s..4s+3, which book of stream s's group
 coded the chunk; version 1 frames have 0 there (one book per stream), and a frame is
-written as version 1 whenever that holds. The checksum is a 64-bit multiply-xor hash (four interleaved chains) of the
-chunk's payload words folded to 32 bits: the 64-bit hash changes under any change
-confined to one word, the folded value misses such a change with probability 2**-32.
+written as version 1 whenever that holds. Version 3 is every frame with split exponents
+(fp16, fp8: stream 0's coded segments code the byte's top bits with a code derived from
+the book, and store its low ``spec.split_bits`` bits raw in a plane after the lanes).
+
+The checksum is a 64-bit multiply-xor hash (four interleaved chains) of the chunk's
+payload words folded to 32 bits: the 64-bit hash changes under any change confined to one word, the folded value misses such a change with probability 2**-32.
 """
 
 from __future__ import annotations
@@ -118,7 +122,7 @@ class FrameParameters:
         nchunks: number of chunks.
         book_ids: the codebook id of each stream ("0"*16 for raw).
         checksums: whether chunk payloads carry checksums.
-        split: the bits under the exponent that stream 0's coded segments store in a
+        split: the low bits of stream 0's byte that its coded segments store in a
             plane (``spec.split_bits`` in a frame with split exponents), or 0.
         header_bytes: bytes before the payload.
         frame_bytes: the frame's total length.
@@ -142,6 +146,11 @@ class FrameParameters:
     @property
     def dtype(self):
         return self.spec.dtype
+
+
+def header_flags(checksums: bool, split: int) -> int:
+    """Return the header's flags byte: FLAG_CHECKSUM with checksums, FLAG_SPLIT with split bits."""
+    return (FLAG_CHECKSUM if checksums else 0) | (FLAG_SPLIT if split else 0)
 
 
 def write_header(buf: np.ndarray, spec, numel, chunk_elems, flags, book_ids, table) -> None:
@@ -222,6 +231,9 @@ def get_frame_parameters(frame) -> FrameParameters:
     if crc != zlib.crc32(buf[:crc_pos]) or pad != 0:
         _fail("frame header is corrupted (CRC-32 mismatch)")
     ids = struct.unpack_from(f"<{ns}Q", buf, HEADER_BYTES)
+    if split and not ids[0]:
+        _fail("frame says its exponents are split, but its stream 0 is stored raw (book id 0): an encoder "
+              "splits only a coded stream 0")
     tdt = table_dtype(ns)
     table = buf[HEADER_BYTES + 8 * ns : crc_pos].view(tdt)
     offsets, total = _payload_layout(buf, table, spec, numel, chunk_elems, ids, hsize, version)

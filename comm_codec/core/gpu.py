@@ -181,9 +181,9 @@ def encode_frame(tensor: torch.Tensor, spec, tables, dev_tables: DeviceTables, c
     total = int(hsize + lengths.sum())
     table = np.zeros(nchunks, dtype=_frame.table_dtype(ns))
     table["cflags"], table["ref"], table["sizes"] = cflags, plan[:, 1].astype(np.uint8), sizes
-    table["books"] = plan[:, 2].astype(np.uint16)  # decides the version write_header writes
+    table["books"] = plan[:, 2].astype(np.uint16)  # with the flags, decides the version write_header writes
     header = np.zeros(hsize, dtype=np.uint8)
-    flags = (_frame.FLAG_CHECKSUM if checksum else 0) | (_frame.FLAG_SPLIT if tables.split else 0)
+    flags = _frame.header_flags(checksum, tables.split)
     _frame.write_header(header, spec, numel, chunk_elems, flags, tables.ids, table)
     out = torch.empty(total, dtype=torch.uint8, device=tensor.device)
     out[:hsize].copy_(torch.from_numpy(header), non_blocking=True)

@@ -359,7 +359,7 @@ def exponent_lengths(book: Codebook, shift: int) -> np.ndarray:
 
     Args:
         book: a coded book (not the raw one).
-        shift: bits under the exponent in a stream-0 byte (1..7).
+        shift: the low bits of a stream-0 byte stored raw (the dtype's ``split_bits``, 1..7).
 
     Returns:
         int64[256 >> shift], each exponent's code length.

@@ -7,8 +7,9 @@ Leaves of the package: they import numpy, numba and each other, nothing else.
   constants, the element bit layout (numpy only);
 * :mod:`.symbols` — element bits to stream symbols, the chunk reference, the checksum;
 * :mod:`.intrinsics` — prefetch hints, unaligned loads and stores;
-* :mod:`.encode` — plan and write chunks; :mod:`.lanes` and :mod:`.decode` — read them
-  back (and decode-and-add into float32);
+* :mod:`.plane` — the raw bits of a split exponent stream (fp16, fp8);
+* :mod:`.encode` — plan and write chunks; :mod:`.lanes`, :mod:`.assemble` and
+  :mod:`.decode` — read them back (and decode-and-add into float32);
 * :mod:`.histogram` — symbol histograms and Huffman cost arithmetic for book fitting;
 * :mod:`.plan` — the checkpoint planner's sampled byte histograms;
 * :mod:`.frame_params` — the frame parser's chunk-table checks and payload layout;

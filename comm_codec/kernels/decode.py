@@ -92,8 +92,8 @@ def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_
         pf_end += (np.int64(sizes_c[s]) + 7) & ~7
     pf_out = address(out)
     # A streamed output is not brought into cache: its stores bypass it (whole lines,
-    # where its start is a line's).
-    streaming = streaming and pf_out % 64 == 0
+    # where its start is a line's; a masked chunk is spread with plain stores).
+    streaming = streaming and pf_out % 64 == 0 and not flags & CHUNK_MASK
     pf_out_end = pf_out if streaming else pf_out + out.size * out.itemsize
     for s in range(ns):
         size = np.int64(sizes_c[s])

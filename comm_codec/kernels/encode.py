@@ -263,7 +263,7 @@ def plan_chunks(bits, chunk_elems, exp_shift, split, enc_len, nbooks, raw_stream
         bits: element bits (typed as :mod:`comm_codec.kernels.layout` describes).
         chunk_elems: elements per chunk.
         exp_shift: the exponent's position in stream 0 (-1: no relative coding).
-        split: bits under the exponent that coded stream-0 segments store in a plane
+        split: the low bits of stream 0's byte that its coded segments store in a plane
             (a frame with split exponents: :mod:`comm_codec.kernels.plane`), or 0;
             stream 0's tables are then the exponent code's
             (:func:`comm_codec.core.huffman.split_tables`).
@@ -812,9 +812,11 @@ def encode_frame_into(bits, chunk_elems, exp_shift, split, enc_code, enc_len, nb
         chunk_elems, exp_shift, split, enc_len, nbooks, raw_stream: as for :func:`plan_chunks`.
         enc_code, pair_code, pair_len: as for :func:`encode_chunks`.
         head: uint8[24 + 8 * nstreams], the header and book ids that ``write_header``
-            writes with version 1; the version, element count and chunk count are
-            filled in here.
-        version_books: the version byte of a frame in which some chunk names a book.
+            writes for a frame of no chunks (version 1, or 3 with split exponents); the
+            element count and chunk count are filled in here, and the version where a
+            chunk names a book.
+        version_books: the version byte of a frame in which some chunk names a book
+            (3 with split exponents, else 2).
         do_checksum: whether to compute the chunks' checksums (0 is stored otherwise).
         out8: uint8[], 8-byte aligned, of at least :func:`frame_room` bytes.
 

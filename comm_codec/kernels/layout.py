@@ -16,7 +16,9 @@ exp_shift)) mod 256``. :mod:`comm_codec.kernels.symbols` computes the symbols.
 
 **Coded segments** hold :data:`LANES` independent bit streams ("lanes") over consecutive
 quarters of the chunk's (present) elements, preceded by their u32 byte lengths
-(:data:`LANE_HEADER` bytes); each lane is padded to 8 bytes.
+(:data:`LANE_HEADER` bytes); each lane is padded to 8 bytes. A split stream 0 (frame
+version 3) ends its coded segment in a plane of each symbol's low bits
+(:mod:`comm_codec.kernels.plane`).
 
 **Statuses.** Kernels never raise: each chunk (or call) reports one of the ``STATUS_*``
 codes, and the Python layer turns them into exceptions with :data:`STATUS_MESSAGES`.

@@ -12,7 +12,7 @@ Why: fp16's stream-0 byte ``[e5 m3]`` carries some 5.6 bits, coded in 4-10-bit c
 that the decoder takes one or two a table lookup (1.8 G symbols/s on MiniLM's word
 embeddings as fp16); its exponent alone carries 2.7 bits in 1-4-bit codes, four to six
 a lookup (4.1 G/s), and the three bits under it are nearly uniform, so storing them raw
-costs 0.3-0.6 % of the frame.
+costs 0.4-0.65 % of the frame.
 
 Both directions move 8 symbols at a time through one 64-bit word: packing squeezes the
 low k bits of 8 symbol bytes into 8k bits in three shift-or-mask steps (fields of k, 2k,

@@ -136,7 +136,8 @@ def evaluate_targets(rows: list) -> list:
             add(f"{where}: {label} 1T vs zipnn 1T", value, ">= 1.5x", value is not None and value >= 1.5, "x",
                 (cc, zn))
         if dtype == "bf16" and (dataset in real_dense or dataset.startswith("file:")):
-            floor = 3.5 if dataset in real_weights or dataset.endswith("/weight") else 3.0
+            floor = 3.5 if dataset in real_weights or (dataset.startswith("file:") and dataset.endswith("/weight")) \
+                else 3.0
             add(f"{where}: encode 1T", enc1, ">= 1.5 GB/s", enc1 is not None and enc1 >= 1.5, " GB/s", (cc,))
             add(f"{where}: decode 1T", dec1, f">= {floor:g} GB/s", dec1 is not None and dec1 >= floor, " GB/s", (cc,))
         if (cc.get("bulk_bytes") or 0) >= 16e6:
@@ -151,9 +152,8 @@ def evaluate_targets(rows: list) -> list:
                 add(f"{where}: exponent stream, {label} 1T vs huff0", value, ">= 1.0x", value >= 1.0, "x", (ex, h0))
         if weights and zn and cc["ratio"] and zn["ratio"]:
             value = cc["ratio"] / zn["ratio"]
-            if dtype == "fp16":  # split exponents trade 0.3-0.6 % of ratio for decode speed, by design
-                checks.append({"check": f"{where}: ratio, shipped books / zipnn (split exponents; info)",
-                               "value": value, "target": "", "unit": "x", "status": "info"})
+            if dtype == "fp16":  # split exponents trade 0.4-0.65 % of ratio for decode speed, by design
+                add(f"{where}: ratio, shipped books / zipnn (split exponents)", value, ">= 0.990x", value >= 0.99, "x")
             else:
                 add(f"{where}: ratio, shipped books / zipnn", value, ">= 1.000x", value >= 1.0, "x")
     bad = [f"{r['dataset']} {r['dtype']} {r['codec']}" for r in rows
