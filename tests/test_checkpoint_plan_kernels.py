@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import comm_codec as cc
+from comm_codec.core.huffman import entropy_bits
 from comm_codec.kernels import plan as kp
 
 
@@ -58,27 +59,28 @@ def test_price_stream_equals_the_numpy_formulas(kind, nbooks, nchunks):
         book_bits[2] = book_bits[1]  # a tie: the lower index wins
     for s in (0, 1):
         colsum = np.full(256, -1, dtype=np.int64)
-        out = np.full(4, np.nan)
+        out = np.full(5, np.nan)
         assert kp.price_stream(rows, s, book_bits, True, colsum, out) == kp.STATUS_OK
         symbols, priced, floor, used, counts = _reference(rows, s, book_bits)
         assert out[0] == symbols and out[1] == priced and int(out[3]) == used
         assert out[2] == pytest.approx(floor, rel=1e-12, abs=1e-9)
+        assert out[4] == pytest.approx(entropy_bits(counts), rel=1e-12, abs=1e-9)
         assert np.array_equal(colsum, counts)
         assert kp.price_stream(rows, s, book_bits, False, colsum, out) == kp.STATUS_OK
-        assert out[2] == 0.0, "no entropy asked for"
+        assert out[2] == 0.0 and out[4] == 0.0, "no entropy asked for"
 
 
 def test_price_stream_refuses_bad_arguments():
     rows = np.zeros((2, 2, 256), dtype=np.int64)
     books = np.zeros((1, 256), dtype=np.int64)
-    colsum, out = np.zeros(256, dtype=np.int64), np.zeros(4)
+    colsum, out = np.zeros(256, dtype=np.int64), np.zeros(5)
     ok = kp.STATUS_OK
     assert kp.price_stream(rows, 1, books, True, colsum, out) == ok
     for args in ((rows, 2, books, True, colsum, out), (rows, -1, books, True, colsum, out),
                  (rows, 0, np.zeros((1, 255), dtype=np.int64), True, colsum, out),
                  (rows, 0, np.zeros((63, 256), dtype=np.int64), True, colsum, out),
                  (rows, 0, books, True, np.zeros(255, dtype=np.int64), out),
-                 (rows, 0, books, True, colsum, np.zeros(3))):
+                 (rows, 0, books, True, colsum, np.zeros(4))):
         assert kp.price_stream(*args) == kp.STATUS_BAD_ARGS
 
 

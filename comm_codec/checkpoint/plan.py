@@ -15,7 +15,7 @@ import numpy as np
 
 from ..core.codebooks import CodebookGroup, CodebookSet
 from ..core.codec import Codec
-from ..core.huffman import RAW_THRESHOLD_BITS, Codebook, entropy_bits
+from ..core.huffman import RAW_THRESHOLD_BITS, Codebook
 from ..kernels import plan as _plan
 from ..kernels.layout import MIN_SAVING_SHIFT
 from .files import FileMap
@@ -186,23 +186,29 @@ class BookChooser:
             read = lambda a, n: data[a:a + n]  # noqa: E731
         else:
             read = lambda a, n: data.u8(offset + a, n)  # noqa: E731
-        chunk = self.chunk_elems * spec.itemsize
+        per = self.chunk_elems
+        chunk = per * spec.itemsize
         nchunks = -(-nbytes // chunk)
         elems = _GROUP_SAMPLE_ELEMS if nchunks >= _GROUP_MIN_CHUNKS else _SAMPLE_ELEMS
-        take = min(nchunks, max(1, elems // self.chunk_elems))
-        picks = np.array([(i * nchunks) // take for i in range(take)], dtype=np.int64)
+        take = min(nchunks, max(1, elems // per))
         numel = nbytes // spec.itemsize
-        starts = at = picks * self.chunk_elems
-        lengths = np.minimum(starts + self.chunk_elems, numel) - starts
-        sampled = int(lengths.sum())
+        # Python integers: planning a small tensor is a few dozen such steps, and each
+        # numpy call on a handful of values costs a microsecond or more.
+        first = [(i * nchunks) // take * per for i in range(take)]
+        last = min(per, numel - first[-1]) if take else 0  # every chunk but the last is whole
+        sampled = max(0, take - 1) * per + last
         every = _COUNT_EVERY if sparse and take < GROUP_MIN_ROWS and sampled >= _COUNT_EVERY * _COUNT_MIN else 1
-        counted = sampled if every == 1 else int(((lengths + every - 1) // every).sum())
+        counted = sampled if every == 1 else (take - 1) * -(-per // every) + -(-last // every)
+        starts = at = np.array(first, dtype=np.int64)
+        lengths = np.full(take, per, dtype=np.int64)
+        if take:
+            lengths[-1] = last
         if take == nchunks:  # every chunk: the whole tensor, one read
             # kept for the coder, which reads the same bytes next (a small tensor is one
             # segment): planning reads nothing the coding does not
             u8 = data.u8(offset, numel * spec.itemsize, keep=True) if isinstance(data, FileMap) else \
                 read(0, numel * spec.itemsize)
-            if u8.ctypes.data % spec.itemsize:
+            if u8.__array_interface__["data"][0] % spec.itemsize:
                 u8 = u8.copy()
             bits = u8.view(spec.bits_dtype)
         else:  # the sampled chunks only, one after the other
@@ -307,7 +313,7 @@ class BookChooser:
         grouped = len(rows) >= GROUP_MIN_ROWS  # enough sampled chunks to fit a group to
         books, origins, total = [], [], 0.0
         colsum = np.empty(256, dtype=np.int64)
-        sums = np.empty(4)
+        sums = np.empty(5)
         for s in range(spec.nstreams):
             counted = coded is None or coded[s]
             entry = self._shipped_entry(kind, spec.name, s) if counted else None
@@ -328,16 +334,16 @@ class BookChooser:
             best = min(o[0] for o in options)
             floor = float(sums[2]) * scale
             if floor < best:
-                options += self._own_options(rows, s, colsum, raw_bits, scale, spec.name, grouped, best, floor,
-                                             whole)
+                options += self._own_options(rows, s, colsum, float(sums[4]), raw_bits, scale, spec.name, grouped,
+                                             best, floor, whole)
             bits, book, origin = min(options, key=lambda o: o[0])
             books.append(book)
             origins.append(origin)
             total += bits
         return books, origins, total
 
-    def _own_options(self, rows: np.ndarray, s: int, colsum: np.ndarray, raw_bits: float, scale: float, dtype: str,
-                     grouped: bool, best: float, floor: float, whole: bool) -> list:
+    def _own_options(self, rows: np.ndarray, s: int, colsum: np.ndarray, h: float, raw_bits: float, scale: float,
+                     dtype: str, grouped: bool, best: float, floor: float, whole: bool) -> list:
         """Options of books fitted to the tensor: its own book, a group grown from it, or
         (a stream raw on the whole) a book for the chunks that compress.
 
@@ -356,11 +362,11 @@ class BookChooser:
         is not built (building is most of planning a small tensor; on TinyLM's Adam
         state half the books built were never stored).
 
-        ``colsum`` holds stream s's counts summed over the chunks, ``raw_bits`` its raw
-        cost over them; ``whole``: the chunks are all of the tensor's.
+        ``colsum`` holds stream s's counts summed over the chunks, ``h`` their entropy in
+        bits per symbol, ``raw_bits`` their raw cost; ``whole``: the chunks are all of the
+        tensor's.
         """
         c = colsum * scale
-        h = entropy_bits(c)
         if h >= RAW_THRESHOLD_BITS:
             found = self.partial(rows[:, s, :], s, scale) if grouped else None
             return [] if found is None else [(raw_bits * scale - found[1], found[0], "tensor")]
@@ -368,7 +374,7 @@ class BookChooser:
         if found is None:
             return []
         book, new = found
-        priced = np.empty(4)
+        priced = np.empty(5)
         _check(_plan.price_stream(rows, s, book.symbol_bits()[None], False, np.empty(256, dtype=np.int64), priced))
         bits = float(priced[1]) * scale + (_BOOK_COST_BITS if new else 0.0)
         options = [(bits, book, "tensor")]

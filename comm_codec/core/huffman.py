@@ -105,7 +105,7 @@ class Codebook:
         id: 16 hex digits, a digest of the lengths ("0000000000000000" for raw).
     """
 
-    __slots__ = ("lengths", "escape_length", "raw", "id", "_tables")
+    __slots__ = ("lengths", "escape_length", "raw", "id", "_tables", "_symbol_bits")
 
     def __init__(self, lengths, escape_length: int = 0, raw: bool = False):
         """Make a book from code lengths, checking that they form a prefix code.
@@ -121,6 +121,7 @@ class Codebook:
         """
         self.raw = bool(raw)
         self._tables = None
+        self._symbol_bits = None
         if self.raw:
             self.lengths = np.full(256, 8, dtype=np.uint8)
             self.escape_length = 0
@@ -202,11 +203,15 @@ class Codebook:
     # -- properties -----------------------------------------------------------------
     def symbol_bits(self) -> np.ndarray:
         """Return the cost in bits of each of the 256 symbols under this book."""
-        if self.raw:
-            return np.full(256, 8, dtype=np.int64)
-        bits = self.lengths.astype(np.int64)
-        bits[bits == 0] = self.escape_length + 8
-        return bits
+        bits = self._symbol_bits
+        if bits is None:  # a book does not change: computed once (the planner asks per tensor)
+            if self.raw:
+                bits = np.full(256, 8, dtype=np.int64)
+            else:
+                bits = self.lengths.astype(np.int64)
+                bits[bits == 0] = self.escape_length + 8
+            self._symbol_bits = bits
+        return bits.copy()
 
     def expected_bits(self, counts) -> float:
         """Return the mean bits per symbol this book spends on a distribution.

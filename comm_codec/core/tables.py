@@ -128,7 +128,10 @@ def encode_tables(codebooks: CodebookSet, kind: str, spec, split: bool = False) 
             :meth:`CodebookSet.group`).
     """
     shift = spec.split_bits if split else 0
-    return KernelTables([codebooks.group(kind, spec.name, s) for s in range(spec.nstreams)], shift)
+    # Shared by content with every codec: the checkpoint writer makes a codec per file
+    # and book tuple, and stream 0's pair tables take as long to build as coding a
+    # 128 kB tensor.
+    return _SHARED.get([codebooks.group(kind, spec.name, s) for s in range(spec.nstreams)], shift)
 
 
 def decode_tables(codebooks: CodebookSet, ids: tuple, split: int = 0) -> KernelTables:
@@ -162,7 +165,7 @@ def decode_tables(codebooks: CodebookSet, ids: tuple, split: int = 0) -> KernelT
 
 
 class _SharedTables:
-    """Decode tables by the books' content, for every codec of the process (LRU, bounded).
+    """Encode and decode tables by the books' content, for every codec of the process (LRU, bounded).
 
     The checkpoint reader makes a codec per tensor book tuple on every file it opens,
     from books parsed out of that file: equal books, new objects. Keyed by what the
@@ -190,7 +193,8 @@ class _SharedTables:
         return tables
 
 
-# 16 tuples of at most 2.5 MiB of tables each (see TablesCache), shared by every codec.
+# 16 tuples, shared by every codec: each at most 2.5 MiB of decode tables (see
+# TablesCache) and, once encoded with, 320 KiB of pair tables per book of stream 0's group.
 _SHARED = _SharedTables(16)
 
 

@@ -481,12 +481,13 @@ def price_stream(rows, s, book_bits, floor, colsum, out):
         book_bits: int64[nbooks, 256], each book's bits per symbol (nbooks may be 0).
         floor: whether to price each chunk's entropy too (out[2]).
         colsum: int64[256] output: the stream's counts summed over the chunks.
-        out: float64[4] output: [0] the stream's symbols; [1] the sum over chunks of
+        out: float64[5] output: [0] the stream's symbols; [1] the sum over chunks of
             the cheapest book's bits where the chunk is coded, else its raw bits (raw
             bits without books); [2] with ``floor``, the same with each chunk's entropy
             for the book's bits, the entropy in bits per symbol being
             ``log2(n) - sum(c log2 c) / n`` over the chunk's n symbols; [3] a bitmask of
-            the books some chunk picks where it is coded.
+            the books some chunk picks where it is coded; [4] with ``floor``, the
+            entropy of ``colsum`` in bits per symbol (else 0).
 
     Returns:
         STATUS_OK, or STATUS_BAD_ARGS (nothing written).
@@ -494,7 +495,7 @@ def price_stream(rows, s, book_bits, floor, colsum, out):
     nchunks = rows.shape[0]
     nbooks = book_bits.shape[0]
     if (s < 0 or s >= rows.shape[1] or rows.shape[2] != 256 or book_bits.shape[1] != 256 or nbooks > 62
-            or colsum.size != 256 or out.size != 4):
+            or colsum.size != 256 or out.size != 5):
         return STATUS_BAD_ARGS
     colsum[:] = 0
     symbols = 0.0
@@ -536,8 +537,19 @@ def price_stream(rows, s, book_bits, floor, colsum, out):
                     acc += np.float64(r[b]) * np.log2(np.float64(r[b]))
             h = max(np.log2(np.float64(m)) - acc / np.float64(m), 0.0)
             least += h * np.float64(n) if h * np.float64(n) < limit else raw
+    whole = 0.0
+    if floor:
+        m = np.int64(0)
+        acc = 0.0
+        for b in range(256):
+            m += colsum[b]
+            if colsum[b] > 1:
+                acc += np.float64(colsum[b]) * np.log2(np.float64(colsum[b]))
+        m = max(m, np.int64(1))
+        whole = max(np.log2(np.float64(m)) - acc / np.float64(m), 0.0)
     out[0] = symbols
     out[1] = priced
     out[2] = least
     out[3] = np.float64(used)
+    out[4] = whole
     return STATUS_OK
