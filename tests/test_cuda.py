@@ -467,6 +467,24 @@ def test_grouped_frames_equal_cpu_bit_for_bit(dtype):
     assert len(set(book_indices(f, 0))) > 1, book_indices(f, 0)
 
 
+def test_grouped_split_e4m3_at_chunks_that_code():
+    # e4m3 with a group and split exponents, at chunks long enough for the split segment
+    # (lane header, lanes, plane) to beat raw: narrow; a quarter wide (all wide, e4m3 is
+    # as good as random and stored raw); narrow with every special value. Each chunk picks
+    # a book of the group other than its first.
+    chunk = 1024
+    narrow, wide = two_part_tensor(torch.float8_e4m3fn, seed=41, n=3 * chunk)
+    x = narrow.clone()
+    x[chunk: chunk + chunk // 4] = wide[chunk: chunk + chunk // 4]
+    specials = int_view(tensor_of_bits(special_bits(torch.float8_e4m3fn), torch.float8_e4m3fn))
+    int_view(x)[2 * chunk + 3: 2 * chunk + 3 + specials.numel()] = specials
+    f = assert_same_frames(group_codec(chunk, split=True), x)
+    params = _frame.get_frame_parameters(f)
+    assert params.version == 3 and params.split == spec_for(torch.float8_e4m3fn).split_bits
+    assert not (params.table["cflags"] & _frame.CHUNK_RAW0).any(), "stream 0 stored raw: the split never coded"
+    assert all(book_indices(f, 0)), book_indices(f, 0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_grouped_later_streams_pick_books_too(dtype):
     # A nonzero book index for a stream s > 0 (bits 4s..4s+3 of the books field).

@@ -122,6 +122,14 @@ def assemble(v0, v1, v2, v3, present, add, dst, streaming):
     dst go out as streaming stores (module docstring) and the rest through the loop.
     A block reads 64 // width bytes of each row, for whole blocks of present elements
     only: nothing past the rows' present bytes is read.
+
+    Args:
+        v0, v1, v2, v3: uint8 rows, byte i of each stream (rows past the element's
+            width are ignored).
+        present: elements to build.
+        add: stream 0's reference (``ref << exp_shift``), added back mod 256.
+        dst: output, element bits (at least ``present`` of them).
+        streaming: allow streaming stores (an output of :data:`STREAM_MIN_BYTES` or more).
     """
     width, ra, _ = element_layout(dst)
     done = 0
@@ -158,6 +166,12 @@ def assemble_masked(v0, v1, v2, v3, present, add, frame8, mpos, out):
     runs in many gradients) stores 8 zeros. Element by element with a select (``if
     bit``, and even ``& -bit``), LLVM emits a branch that mispredicts on half-zero
     gradients.
+
+    Args:
+        v0, v1, v2, v3, present, add: as for :func:`assemble`.
+        frame8: the frame's bytes.
+        mpos: where the chunk's mask (one bit per element of ``out``) starts in frame8.
+        out: output, element bits of the whole chunk.
     """
     dense = np.empty(present + 1, dtype=out.dtype)
     assemble(v0, v1, v2, v3, present, add, dense, False)

@@ -11,8 +11,10 @@ each size (:func:`chunk_refs`); the counts of a chunk made of several pieces are
 sums of its pieces' histograms, stream 0's rotated by the chunk's reference
 (:func:`chunk_rows`). Streams that can only end up raw get a sparse look (every 16th
 element) instead of a full histogram, and the look decides it in the same call
-(:func:`count_pieces`): planning a small tensor is a few calls, not a few dozen numpy
-operations. The histograms may count every k-th element of each piece only (a book
+(:func:`count_pieces`). The planner makes one call, :func:`count_chunks`, which runs
+these steps for both chunk sizes (apart, the calls and their scratch arrays cost as much
+as counting a small tensor); the steps stay callable alone, and are tested so. The
+histograms may count every k-th element of each piece only (a book
 fitted to a quarter of a tensor's elements codes it as well as one fitted to all of
 them), for a fraction of the counting.
 

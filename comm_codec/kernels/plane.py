@@ -117,14 +117,29 @@ def _squeeze32(typingctx, sym, out, k):
 
 @inline
 def plane_bytes(n, k):
-    """Bytes of the plane of n symbols, k bits each: ceil(n / 8) groups of k bytes."""
+    """Bytes of the plane of n symbols, k bits each: ceil(n / 8) groups of k bytes.
+
+    Args:
+        n: symbols (>= 0).
+        k: bits a symbol (``spec.split_bits``, 1..7).
+
+    Returns:
+        The plane's size in bytes (not padded).
+    """
     return k * ((n + 7) // 8)
 
 
 @inline
 def plane_masks(k):
-    """(m1, m2, m3, m4): the masks of 8 fields of k bits in bytes, 4 of 2k in 16-bit
-    words, 2 of 4k in 32-bit words, and the 8k bits of a packed group."""
+    """The masks that :func:`pack8` and :func:`unpack8` take.
+
+    Args:
+        k: bits a field (1..7).
+
+    Returns:
+        (m1, m2, m3, m4), uint64: 8 fields of k bits in bytes, 4 of 2k in 16-bit
+        words, 2 of 4k in 32-bit words, and the 8k bits of a packed group.
+    """
     m1 = np.uint64((1 << k) - 1) * _ONES8
     m2 = np.uint64((1 << (2 * k)) - 1) * _ONES16
     m3 = np.uint64((1 << (4 * k)) - 1) * _ONES32
@@ -134,7 +149,15 @@ def plane_masks(k):
 
 @inline
 def pack8(x, k, m1, m2, m3, m4):
-    """The low k bits of x's 8 bytes, byte j's at bits k*j.. of the result (8k bits)."""
+    """Pack the low k bits of x's 8 bytes: byte j's at bits k*j.. of the result.
+
+    Args:
+        x: uint64, 8 symbol bytes (their bits above k are ignored).
+        k, m1, m2, m3, m4: field width and :func:`plane_masks` (k).
+
+    Returns:
+        uint64 holding the 8k packed bits (the bits above them are 0).
+    """
     y = x & m1
     y = (y | (y >> np.uint64(8 - k))) & m2
     y = (y | (y >> np.uint64(16 - 2 * k))) & m3
@@ -143,7 +166,15 @@ def pack8(x, k, m1, m2, m3, m4):
 
 @inline
 def unpack8(x, k, m1, m2, m3):
-    """:func:`pack8` undone: field j of x's low 8k bits into the low bits of byte j."""
+    """Undo :func:`pack8`: field j of x's low 8k bits into the low bits of byte j.
+
+    Args:
+        x: uint64, a packed group in its low 8k bits (the bits above them are 0).
+        k, m1, m2, m3: field width and the first three :func:`plane_masks` (k).
+
+    Returns:
+        uint64 of 8 bytes, each holding its field in its low k bits.
+    """
     y = (x | (x << np.uint64(32 - 4 * k))) & m3
     y = (y | (y << np.uint64(16 - 2 * k))) & m2
     return (y | (y << np.uint64(8 - k))) & m1
@@ -159,6 +190,13 @@ def write_plane(sym, n, k, out, end):
     written, as the next chunk may be another thread's. Reads whole 8-byte groups of
     sym: the caller's buffer has 7 bytes of slack past its n symbols, whose values do
     not matter (the last group's fields past n are cut off).
+
+    Args:
+        sym: address of the n symbol bytes (their low k bits go in the plane).
+        n: symbols.
+        k: bits a symbol (``spec.split_bits``).
+        out: address of the plane (:func:`plane_bytes` (n, k) bytes).
+        end: address nothing is written at or past.
     """
     groups = (n + 7) // 8
     g = 0
@@ -193,6 +231,13 @@ def or_plane(row, plane, n, k, end):
     is read with one 8-byte load where 8 bytes lie before end, byte by byte otherwise.
     Writes whole 8-byte words of row, up to 7 bytes past its n symbols: the caller's
     row has that slack.
+
+    Args:
+        row: address of the n decoded bytes (each an exponent shifted up by k).
+        plane: address of the plane (n symbols of k bits).
+        n: symbols.
+        k: bits a symbol (``spec.split_bits``).
+        end: address no read reaches.
     """
     groups = (n + 7) // 8
     g = 0
