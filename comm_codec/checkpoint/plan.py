@@ -262,7 +262,7 @@ class BookChooser:
         or None.
         """
         n = rows.sum(axis=1)
-        pick = (_entropies(rows) < RAW_THRESHOLD_BITS - 0.25) & (n > 0)
+        pick = (_entropies(rows, n) < RAW_THRESHOLD_BITS - 0.25) & (n > 0)
         if not pick.any():
             return None
         book = Codebook.from_counts(rows[pick].sum(axis=0), raw_threshold=None)
@@ -479,11 +479,14 @@ class BookChooser:
         return codec, ids
 
 
-def make_codec(books, spec, chunk_elems) -> Codec:
-    """Return the codec of one tensor's books; stored frames keep fp16's and fp8's ratio
-    (no split exponents: a file is read far less often than it is kept)."""
+def make_codec(books, spec, chunk_elems, threads: int = 1) -> Codec:
+    """Return the codec of one tensor's books (or groups), one per stream, keyed as "weight".
+
+    Stored frames keep fp16's and fp8's ratio: no split exponents (a file is read far
+    less often than it is kept).
+    """
     keyed = {("weight", spec.name, s): b for s, b in enumerate(books)}
-    return Codec(CodebookSet(keyed), threads=1, chunk_elems=chunk_elems, split_exponent=False)
+    return Codec(CodebookSet(keyed), threads=threads, chunk_elems=chunk_elems, split_exponent=False)
 
 
 def plan_tensor(t: FileTensor, src: FileMap, base: FileMap | None, base_tensor: FileTensor | None,
@@ -579,7 +582,8 @@ def _large_chunks_cover(counts: dict) -> bool:
     if len(rows) >= GROUP_MIN_ROWS:
         return False
     alike = _plan.chunks_alike(rows, counts[large][0], large // small, _ALIKE_BITS)
-    _check(_plan.STATUS_OK if alike >= 0 else _plan.STATUS_BAD_ARGS)
+    if alike < 0:
+        _check(_plan.STATUS_BAD_ARGS)
     return alike == 1
 
 
@@ -591,8 +595,7 @@ def _check(status: int) -> None:
 def _entropies(rows: np.ndarray, n: np.ndarray | None = None) -> np.ndarray:
     """Shannon entropy in bits per symbol of each row of counts (0 for an empty row);
     ``n``: the rows' sums, when the caller has them."""
-    # log2(n) - sum(c log2 c) / n: one log over the counts, no division of each count
-    # (planning calls this ~50 times per file: its cost shows in a small file's compress).
+    # log2(n) - sum(c log2 c) / n: one log over the counts, no division of each count.
     n = np.maximum(rows.sum(axis=1) if n is None else n, 1)
     h = np.log2(n) - (rows * np.log2(np.maximum(rows, 1))).sum(axis=1) / n
     return np.maximum(h, 0.0)  # rounding: a single symbol gives +-1e-16

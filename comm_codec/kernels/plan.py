@@ -25,12 +25,27 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import entry, jit
+from .jit import entry, inline, jit
 from .layout import MIN_SAVING_SHIFT, STATUS_BAD_ARGS, STATUS_OK
 from .symbols import count_zeros, element_layout, symbol, symbol0
 
 __all__ = ["count_pieces", "chunk_refs", "chunk_rows", "count_chunks", "chunks_alike", "price_stream", "STATUS_OK",
            "STATUS_BAD_ARGS"]
+
+
+@inline
+def _entropy(row):
+    """Shannon entropy in bits per symbol of 256 counts: ``log2(n) - sum(c log2 c) / n``
+    over their n symbols (0 for none; floored at 0 against rounding)."""
+    n = np.int64(0)
+    acc = 0.0
+    for b in range(256):
+        k = row[b]
+        n += k
+        if k > 1:
+            acc += np.float64(k) * np.log2(np.float64(k))
+    m = np.float64(max(n, np.int64(1)))
+    return max(np.log2(m) - acc / m, 0.0)
 
 
 @jit
@@ -411,6 +426,9 @@ def count_chunks(bits, starts, lengths, every, step, min_elems, limit, exp_shift
     _count_pieces(bits, starts, lengths, every, step, min_elems, limit, hist, zeros, coded)
     ncounted = (lengths + every - 1) // every
     for chunk_pieces, out in ((np.int64(1), rows), (np.int64(per), rows_large)):
+        if chunk_pieces > 1 and out.shape[0] == npieces:  # at most one piece: one chunk at either size
+            out[:] = rows
+            continue
         refs = np.empty(out.shape[0], dtype=np.int64)
         _chunk_refs(bits, starts, lengths, chunk_pieces, exp_shift, refs)
         _chunk_rows(hist, zeros, ncounted, refs, chunk_pieces, exp_shift, coded, out)
@@ -450,15 +468,7 @@ def chunks_alike(rows, rows_large, per, spread):
     for s in range(ns):
         lo, hi = np.inf, -np.inf
         for p in range(npieces):
-            n = np.int64(0)
-            acc = 0.0
-            for b in range(256):
-                k = rows[p, s, b]
-                n += k
-                if k > 1:
-                    acc += np.float64(k) * np.log2(np.float64(k))
-            m = np.float64(max(n, np.int64(1)))
-            h = max(np.log2(m) - acc / m, 0.0)
+            h = _entropy(rows[p, s])
             lo = min(lo, h)
             hi = max(hi, h)
         if hi - lo > spread:
@@ -532,26 +542,11 @@ def price_stream(rows, s, book_bits, floor, colsum, out):
                 cheapest = np.float64(best)
         priced += cheapest
         if floor:
-            m = max(n, np.int64(1))
-            acc = 0.0
-            for b in range(256):
-                if r[b] > 1:
-                    acc += np.float64(r[b]) * np.log2(np.float64(r[b]))
-            h = max(np.log2(np.float64(m)) - acc / np.float64(m), 0.0)
+            h = _entropy(r)
             least += h * np.float64(n) if h * np.float64(n) < limit else raw
-    whole = 0.0
-    if floor:
-        m = np.int64(0)
-        acc = 0.0
-        for b in range(256):
-            m += colsum[b]
-            if colsum[b] > 1:
-                acc += np.float64(colsum[b]) * np.log2(np.float64(colsum[b]))
-        m = max(m, np.int64(1))
-        whole = max(np.log2(np.float64(m)) - acc / np.float64(m), 0.0)
     out[0] = symbols
     out[1] = priced
     out[2] = least
     out[3] = np.float64(used)
-    out[4] = whole
+    out[4] = _entropy(colsum) if floor else 0.0
     return STATUS_OK
