@@ -129,13 +129,10 @@ class FileMap:
         """
         if length == 0:
             return np.zeros(0, dtype=np.uint8)
-        if offset < 0 or length < 0 or offset + length > self.size:
-            raise ValueError(f"bytes {offset}..{offset + length} are outside {self.path} ({self.size} bytes)")
-        if self._kept:
-            with self._kept_lock:
-                out = self._kept.pop((offset, length), None)
-            if out is not None:
-                return out
+        self._check_range(offset, length)
+        out = self.take_kept(offset, length)
+        if out is not None:
+            return out
         out = self._read(offset, length)
         if keep and length <= KEEP_BYTES:
             with self._kept_lock:
@@ -161,10 +158,12 @@ class FileMap:
         Raises:
             ValueError, CheckpointError: as :meth:`u8`.
         """
-        length = out.size
-        if offset < 0 or offset + length > self.size:
+        self._check_range(offset, out.size)
+        return self._read(offset, out.size, out)
+
+    def _check_range(self, offset: int, length: int) -> None:
+        if offset < 0 or length < 0 or offset + length > self.size:
             raise ValueError(f"bytes {offset}..{offset + length} are outside {self.path} ({self.size} bytes)")
-        return self._read(offset, length, out)
 
     def _read(self, offset: int, length: int, out: np.ndarray | None = None) -> np.ndarray:
         out = np.empty(length, dtype=np.uint8) if out is None else out

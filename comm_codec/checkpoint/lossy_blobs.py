@@ -20,7 +20,6 @@ import torch
 import zstandard
 
 from ..books.profiler import stream_counts
-from ..core.codebooks import CodebookSet
 from ..core.codec import Codec
 from ..core.frame import FrameError, get_frame_parameters, header_size, write_header
 from ..core.huffman import Codebook
@@ -28,6 +27,7 @@ from ..core.streams import spec_for
 from ..kernels.symbols import hash_words
 from .errors import CheckpointError, fail
 from .files import FileMap
+from .plan import make_codec
 
 __all__ = ["CHUNK", "PIECE", "FileBooks", "SkeletonReader", "cut_skeleton", "skeleton_offsets", "lay_out"]
 
@@ -62,9 +62,7 @@ class FileBooks:
         key = (spec.name, tuple(b.id for b in books))
         codec = self._codecs.get(key)
         if codec is None:
-            keyed = {("weight", spec.name, s): b for s, b in enumerate(books)}
-            codec = self._codecs[key] = Codec(CodebookSet(keyed), threads=self.threads, chunk_elems=CHUNK,
-                                              split_exponent=False)  # stored: the ratio first
+            codec = self._codecs[key] = make_codec(books, spec, CHUNK, self.threads)
         return codec
 
     def fit(self, tensor: torch.Tensor) -> list[Codebook]:

@@ -177,13 +177,9 @@ class Codebook:
         if escaped.any():
             symbols = np.append(symbols, _ESCAPE)
             weights = np.append(weights, max(int(w[escaped].sum()), _ESCAPE_FLOOR))
-        # Ties are broken by symbol (a stable sort), so the book depends on the counts alone.
-        order = np.argsort(weights, kind="stable")
         if (1 << MAX_CODE_LENGTH) < symbols.size:  # pragma: no cover - 257 symbols always fit
             raise ValueError(f"{symbols.size} symbols cannot be coded in {MAX_CODE_LENGTH} bits")
-        by_rank = package_merge(weights[order].astype(np.int64), MAX_CODE_LENGTH)
-        lens = np.empty(symbols.size, dtype=np.int64)
-        lens[order] = by_rank
+        lens = _limited_lengths(weights)
         lengths = np.zeros(256, dtype=np.uint8)
         esc_len = 0
         if symbols[-1] == _ESCAPE:
@@ -378,6 +374,14 @@ def exponent_lengths(book: Codebook, shift: int) -> np.ndarray:
         raise ValueError(f"shift must lie in 1..7, got {shift}")
     bits = book.symbol_bits()  # an escaped symbol costs its escape and its 8 bits
     weights = (np.int64(1) << (20 - bits)).reshape(256 >> shift, 1 << shift).sum(axis=1)
+    return _limited_lengths(weights)
+
+
+def _limited_lengths(weights: np.ndarray) -> np.ndarray:
+    """Optimal code lengths of at most MAX_CODE_LENGTH bits for these weights (int64[]).
+
+    Ties are broken by position (a stable sort), so the lengths depend on the weights alone.
+    """
     order = np.argsort(weights, kind="stable")
     lengths = np.empty(weights.size, dtype=np.int64)
     lengths[order] = package_merge(weights[order].astype(np.int64), MAX_CODE_LENGTH)
