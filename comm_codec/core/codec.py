@@ -143,7 +143,7 @@ class Codec:
 
     Attributes:
         decode_cache: the decode tables this codec keeps, by the book ids that frames
-            name (a :class:`comm_codec.core.tables.TablesCache` of
+            name and their split bits (a :class:`comm_codec.core.tables.TablesCache` of
             :data:`DECODE_CACHE_SIZE` entries; ``len()`` and ``in`` tell what it holds).
     """
 

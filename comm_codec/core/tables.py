@@ -82,8 +82,9 @@ class KernelTables:
 
         The CPU encoder packs stream 0 two symbols per lookup in them
         (:func:`comm_codec.kernels.encode.pair_tables`): 320 KiB per book, so only the
-        encoder builds them, once per codec and (kind, dtype). Threads that race here
-        build the same tables; the last one is kept.
+        encoder builds them, once per tables object (shared by every codec with the same
+        books: :func:`encode_tables`). Threads that race here build the same tables; the
+        last one is kept.
         """
         pairs = self._pairs
         if pairs is None:
@@ -199,7 +200,7 @@ _SHARED = _SharedTables(16)
 
 
 class TablesCache:
-    """Decode tables by book-id tuple, least recently used out first; safe between threads.
+    """Decode tables by book-id tuple and split bits, least recently used out first; safe between threads.
 
     A job's frames name a handful of tuples (one per kind and dtype), but frames from an
     untrusted peer can name any mix of a set's ids, and each tuple's tables take up to
@@ -235,4 +236,5 @@ class TablesCache:
         return len(self._entries)
 
     def __contains__(self, ids) -> bool:
-        return any(key[0] == ids for key in self._entries)
+        with self._lock:  # another thread's get() may insert or evict meanwhile
+            return any(key[0] == ids for key in self._entries)

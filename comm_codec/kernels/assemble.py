@@ -33,13 +33,13 @@ from .intrinsics import address
 from .jit import inline, jit
 from .symbols import element_layout
 
-__all__ = ["STREAM_MIN_BYTES", "assemble", "assemble_masked"]
+__all__ = ["STREAM_MIN_BYTES", "LINE_BYTES", "assemble", "assemble_masked"]
 
 # Outputs from this size on are written with streaming stores: past the L2 of a core
 # (1-2 MiB on the machines this was tuned on) and the share of L3 a core can count on,
 # a plain store's read for ownership is a second trip through memory.
 STREAM_MIN_BYTES = 8 << 20
-_BLOCK_BYTES = 64  # one cache line: a streaming store fills whole lines
+LINE_BYTES = 64  # one cache line: a streaming store fills whole lines, from an address aligned to it
 
 
 @inline
@@ -66,7 +66,7 @@ def _store_block(typingctx, a0, a1, a2, a3, add, dst, i):
         return None
     width = dst.dtype.bitwidth // 8
     rotate = not dst.dtype.signed
-    n = _BLOCK_BYTES // width
+    n = LINE_BYTES // width
     bits = 8 * width
 
     def codegen(context, builder, signature, args):
@@ -96,7 +96,7 @@ def _store_block(typingctx, a0, a1, a2, a3, add, dst, i):
             x = builder.or_(builder.lshr(x, splat(1)), builder.shl(x, splat(bits - 1)))
         data = context.make_array(signature.args[5])(context, builder, ary).data
         ptr = builder.bitcast(builder.gep(data, [index]), vec.as_pointer())
-        store = builder.store(x, ptr, align=_BLOCK_BYTES)
+        store = builder.store(x, ptr, align=LINE_BYTES)
         store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
         return context.get_dummy_value()
 
@@ -133,8 +133,8 @@ def assemble(v0, v1, v2, v3, present, add, dst, streaming):
     """
     width, ra, _ = element_layout(dst)
     done = 0
-    if streaming and address(dst) % _BLOCK_BYTES == 0:
-        per = _BLOCK_BYTES // width
+    if streaming and address(dst) % LINE_BYTES == 0:
+        per = LINE_BYTES // width
         blocks = present // per
         a0 = address(v0)
         a1 = address(v1)

@@ -19,7 +19,7 @@ import numpy as np
 from numba import prange
 
 # As for lanes.py below: assemble.py's code is compiled into the kernels here.
-from .assemble import STREAM_MIN_BYTES, assemble, assemble_masked
+from .assemble import LINE_BYTES, STREAM_MIN_BYTES, assemble, assemble_masked
 from .intrinsics import address, as_f32, f32_bits
 from .jit import entry, inline, jit, parallel_entry
 # numba's on-disk cache keys the kernels below on this file alone, and they hold their
@@ -93,7 +93,7 @@ def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_
     pf_out = address(out)
     # A streamed output is not brought into cache: its stores bypass it (whole lines,
     # where its start is a line's; a masked chunk is spread with plain stores).
-    streaming = streaming and pf_out % 64 == 0 and not flags & CHUNK_MASK
+    streaming = streaming and pf_out % LINE_BYTES == 0 and not flags & CHUNK_MASK
     pf_out_end = pf_out if streaming else pf_out + out.size * out.itemsize
     for s in range(ns):
         size = np.int64(sizes_c[s])

@@ -36,7 +36,7 @@ from numba.extending import intrinsic
 from .intrinsics import load8, load64, store8_at, store64_at
 from .jit import inline
 
-__all__ = ["plane_bytes", "plane_masks", "pack8", "unpack8", "write_plane", "or_plane"]
+__all__ = ["plane_bytes", "write_plane", "or_plane"]
 
 _ONES8 = np.uint64(0x0101010101010101)
 _ONES16 = np.uint64(0x0001000100010001)
@@ -45,7 +45,7 @@ _U64_0 = np.uint64(0)
 
 
 def _masks(k):
-    """plane_masks' values as Python ints (for the vector code's constants)."""
+    """_plane_masks' values as Python ints (for the vector code's constants)."""
     return (((1 << k) - 1) * 0x0101010101010101, ((1 << 2 * k) - 1) * 0x0001000100010001,
             ((1 << 4 * k) - 1) * 0x0000000100000001, (1 << 8 * k) - 1)
 
@@ -130,8 +130,8 @@ def plane_bytes(n, k):
 
 
 @inline
-def plane_masks(k):
-    """The masks that :func:`pack8` and :func:`unpack8` take.
+def _plane_masks(k):
+    """The masks that :func:`_pack8` and :func:`_unpack8` take.
 
     Args:
         k: bits a field (1..7).
@@ -148,12 +148,12 @@ def plane_masks(k):
 
 
 @inline
-def pack8(x, k, m1, m2, m3, m4):
+def _pack8(x, k, m1, m2, m3, m4):
     """Pack the low k bits of x's 8 bytes: byte j's at bits k*j.. of the result.
 
     Args:
         x: uint64, 8 symbol bytes (their bits above k are ignored).
-        k, m1, m2, m3, m4: field width and :func:`plane_masks` (k).
+        k, m1, m2, m3, m4: field width and :func:`_plane_masks` (k).
 
     Returns:
         uint64 holding the 8k packed bits (the bits above them are 0).
@@ -165,12 +165,12 @@ def pack8(x, k, m1, m2, m3, m4):
 
 
 @inline
-def unpack8(x, k, m1, m2, m3):
-    """Undo :func:`pack8`: field j of x's low 8k bits into the low bits of byte j.
+def _unpack8(x, k, m1, m2, m3):
+    """Undo :func:`_pack8`: field j of x's low 8k bits into the low bits of byte j.
 
     Args:
         x: uint64, a packed group in its low 8k bits (the bits above them are 0).
-        k, m1, m2, m3: field width and the first three :func:`plane_masks` (k).
+        k, m1, m2, m3: field width and the first three :func:`_plane_masks` (k).
 
     Returns:
         uint64 of 8 bytes, each holding its field in its low k bits.
@@ -208,12 +208,12 @@ def write_plane(sym, n, k, out, end):
         while g + 4 <= n // 8 and out + 4 * g + 16 <= end:
             _squeeze32(sym + 8 * g, out + 4 * g, 4)
             g += 4
-    m1, m2, m3, m4 = plane_masks(k)
+    m1, m2, m3, m4 = _plane_masks(k)
     for q in range(g, groups):
         x = load64(sym + 8 * q)
         if 8 * q + 8 > n:  # the last group: fields past n are zero
             x &= (np.uint64(1) << np.uint64(8 * (n - 8 * q))) - np.uint64(1)
-        p = pack8(x, k, m1, m2, m3, m4)
+        p = _pack8(x, k, m1, m2, m3, m4)
         at = out + k * q
         if at + 8 <= end:
             store64_at(at, np.int64(p))
@@ -249,7 +249,7 @@ def or_plane(row, plane, n, k, end):
         while g + 4 <= groups and plane + 4 * g + 16 <= end:
             _spread32(row + 8 * g, plane + 4 * g, 4)
             g += 4
-    m1, m2, m3, m4 = plane_masks(k)
+    m1, m2, m3, m4 = _plane_masks(k)
     for q in range(g, groups):
         at = plane + k * q
         if at + 8 <= end:
@@ -259,4 +259,4 @@ def or_plane(row, plane, n, k, end):
             for b in range(k):
                 x |= np.uint64(load8(at + b)) << np.uint64(8 * b)
         d = row + 8 * q
-        store64_at(d, np.int64(load64(d) | unpack8(x, k, m1, m2, m3)))
+        store64_at(d, np.int64(load64(d) | _unpack8(x, k, m1, m2, m3)))
