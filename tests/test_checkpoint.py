@@ -202,6 +202,45 @@ def test_default_threads_follow_the_file_size(tmp_path, monkeypatch):
     assert (tmp_path / "small.out").read_bytes() == small.read_bytes()
 
 
+def _layers(step: int) -> dict:
+    """A file whose planning depends on order: alike layers (a later one may reuse a book
+    built for an earlier one), layers of other scales (books of their own), tiny tensors
+    (coded with the bytes around them), a bf16 table of 8+ chunks (groups), three dtypes."""
+    g = torch.Generator().manual_seed(7)
+    out = {}
+    for i in range(10):
+        scale = (0.02, 0.02, 0.5, 1e-3, 0.02)[i % 5]
+        w = torch.randn(256, 96 + 16 * i, generator=g) * scale
+        w = w + step * 1e-4 * torch.randn(w.shape, generator=torch.Generator().manual_seed(50 + i))
+        out[f"layer{i:02d}.w"] = w.to((torch.float32, torch.bfloat16, torch.float16)[i % 3])
+        out[f"layer{i:02d}.b"] = torch.randn(96, generator=g).to(torch.bfloat16)
+    table = torch.randn(9 * 65536, generator=g) * torch.linspace(0.001, 2.0, 9 * 65536)
+    out["table"] = table.to(torch.bfloat16)
+    return out
+
+
+def test_container_is_the_same_bytes_at_any_thread_count(tmp_path):
+    """With threads, tensors are sampled and counted ahead on workers, while books are
+    chosen in file order: 1, 2 and 3 threads write the same bytes, standalone and as a delta."""
+    src, prev = tmp_path / "step1.safetensors", tmp_path / "step0.safetensors"
+    save_file(_layers(1), src)
+    save_file(_layers(0), prev)
+    for base in (None, prev):
+        packed = []
+        for threads in (1, 2, 3, 1, 2):
+            out = tmp_path / f"{threads}.{len(packed)}.cckp"
+            summary = ck.compress_file(src, out, base=base, threads=threads, progress=False)
+            assert summary.threads == threads and summary.coded == 11  # the biases go with the bytes around them
+            packed.append(out.read_bytes())
+        assert all(p == packed[0] for p in packed[1:])
+        index = ck.read_index(out)
+        assert len(index["books"]) >= 3  # books built (and some reused) in file order
+        if base is not None:
+            assert any(t["transform"] == "xor" for t in index["tensors"])
+        ck.decompress_file(out, tmp_path / "out", base=base, threads=2, progress=False)
+        assert _sha(tmp_path / "out") == _sha(src)
+
+
 def test_big_tensor_is_cut_into_pieces(tmp_path, monkeypatch):
     monkeypatch.setattr(exact, "PIECE_BYTES", 64 << 10)
     save_file({"w": _weights(300_000, dtype=torch.bfloat16)}, tmp_path / "b.safetensors")
