@@ -241,6 +241,23 @@ def test_container_is_the_same_bytes_at_any_thread_count(tmp_path):
         assert _sha(tmp_path / "out") == _sha(src)
 
 
+def test_segments_reach_the_workers_in_batches_in_order():
+    """Small segments go to a worker together (a wake-up each cost more than coding a small
+    tensor), at least ``least`` bytes or ``most`` of them; on one thread, one at a time."""
+    from comm_codec.checkpoint.pipeline import batched, unbatched
+
+    sizes = [100, 2000] + [5] * 9 + [3000, 7]
+    jobs = [exact._Job(i, n, -1) for i, n in enumerate(sizes)]
+    batches = list(batched(iter(jobs), 1000, 8))
+    assert [j for b in batches for j in b] == jobs
+    assert [len(b) for b in batches] == [2, 8, 2, 1]
+    assert [len(b) for b in batched(iter(jobs), exact._batch_bytes(1), 8)] == [1] * len(jobs)
+    segments = [[0, n] for n in sizes]
+    assert next(batched(iter(segments), 2100, 8, lambda seg: seg[1])) == segments[:2]
+    results = [[j.length for j in b] for b in batches]
+    assert list(unbatched(zip(batches, results))) == [(j, j.length) for j in jobs]
+
+
 def test_big_tensor_is_cut_into_pieces(tmp_path, monkeypatch):
     monkeypatch.setattr(exact, "PIECE_BYTES", 64 << 10)
     save_file({"w": _weights(300_000, dtype=torch.bfloat16)}, tmp_path / "b.safetensors")

@@ -72,7 +72,7 @@ from .exact_index import INDEX_FORMAT, VERSION, is_checkpoint, load_index, read_
 from .files import (WRITE_DIGEST, AtomicFile, DigestStream, FileMap, atomic_output, check_paths, file_digest,
                     new_hasher, recorded_digest, track_temp, untrack_temp)
 from .formats import FileTensor, find_tensors
-from .pipeline import Budget, Buffers, ordered_map
+from .pipeline import Budget, Buffers, batched, ordered_map, unbatched
 from .plan import CHUNK_SIZES, TRANSFORMS, BookChooser, make_codec, plan_tensor
 from .report import Progress, Summary, human_bytes
 
@@ -106,6 +106,13 @@ _READ_AHEAD = 2 * PIECE_BYTES
 # Segment bytes in flight at once (being coded, waiting to be written or hashed), whatever
 # the threads: a file of 64 MiB segments cannot make each of many workers hold one.
 _IN_FLIGHT_BYTES = 128 << 20
+# Segments go to a worker together until they hold _BATCH_BYTES source bytes or are
+# _BATCH_JOBS segments: handed over one by one, each small tensor cost two thread wake-ups
+# (on 2 cores, 2 threads compressed 13-90 MB files 0.95-1.3x as fast as 1, and 1.08-1.46x
+# so batched). The count bounds a batch's budget where each restored segment holds a
+# pooled buffer of PIECE_BYTES.
+_BATCH_BYTES = 1 << 20
+_BATCH_JOBS = 8
 # A file whose original is this many times its own size (all-zero chunks cost a table
 # entry, zstd blocks of one byte repeated four bytes) is restored twice: once to check its
 # digest, writing nothing, then into the output. Real checkpoints are 1-4x; a crafted one
@@ -147,6 +154,12 @@ def _segments(size: int, tensors: list[FileTensor], plan):
             yield _Job(start, min(step, t.offset + t.nbytes - start), i)
         pos = t.offset + t.nbytes
     yield from _opaque_jobs(pos, size)
+
+
+def _batch_bytes(threads: int) -> int:
+    """:func:`~.pipeline.batched`'s ``least``: one job a batch on one thread, where nothing
+    is handed over (a segment is then written and hashed while its bytes are still in cache)."""
+    return _BATCH_BYTES if threads > 1 else 0
 
 
 def _opaque_jobs(start: int, end: int):
@@ -429,10 +442,11 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
                 out.write(HEADER.pack(MAGIC, VERSION, 0, 0))
                 budget = Budget(_IN_FLIGHT_BYTES)
                 buffers = Buffers(_IN_FLIGHT_BYTES, PIECE_BYTES)
-                work = ordered_map(lambda j: _encode_job(j, m, bm, tensors, buffers),
-                                   _jobs(m.size, tensors, plan, m), threads, budget, lambda j: j.length)
+                batches = batched(_jobs(m.size, tensors, plan, m), _batch_bytes(threads), _BATCH_JOBS)
+                work = ordered_map(lambda b: [_encode_job(j, m, bm, tensors, buffers) for j in b], batches, threads,
+                                   budget, lambda b: sum(j.length for j in b))
                 with contextlib.closing(work):
-                    for job, (method, payload, crc, raw, buf) in work:
+                    for job, (method, payload, crc, raw, buf) in unbatched(work):
                         offset = out.pos
                         out.write(payload)  # before the digest: a stored payload is raw, reused once hashed
                         segments.append([job.src_offset, job.length, offset, out.pos - offset, method, crc, job.tensor])
@@ -575,10 +589,11 @@ def _decode_all(m: FileMap, index: dict, bm, sink, threads: int, progress: bool 
     h = DigestStream(threads > 1, recorded_digest(index["source"])[0], helped=True)
     meter = Progress(label, index["source"]["size"], progress)
     workers = threads - 1 if positional and threads > 1 else threads
-    work = ordered_map(decode, _read_ahead(index["segments"], m), workers, budget, _segment_cost,
-                       inline=threads == 1, idle=h.help)
+    batches = batched(_read_ahead(index["segments"], m), _batch_bytes(threads), _BATCH_JOBS, lambda seg: seg[1])
+    work = ordered_map(lambda b: [decode(seg) for seg in b], batches, workers, budget,
+                       lambda b: sum(_segment_cost(seg) for seg in b), inline=threads == 1, idle=h.help)
     with contextlib.closing(work), contextlib.closing(h):
-        for seg, (data, buf) in work:
+        for seg, (data, buf) in unbatched(work):
             if data is not None:
                 # Written before the digest: once hashed, the buffer is reused.
                 if positional:

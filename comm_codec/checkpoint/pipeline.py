@@ -3,7 +3,8 @@
 Used by the exact format (:mod:`.exact`): :func:`ordered_map` runs a function over
 segments on a thread pool and yields the results in order; a :class:`Budget` bounds the
 bytes the segments in flight hold (being coded, waiting to be written or hashed), whatever
-the number of threads; :class:`Buffers` recycles the buffers restored segments land in.
+the number of threads; :func:`batched` hands small segments over several at a time;
+:class:`Buffers` recycles the buffers restored segments land in.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numba
 import numpy as np
 
-__all__ = ["Budget", "ordered_map", "Buffers"]
+__all__ = ["Budget", "Buffers", "batched", "ordered_map", "unbatched"]
 
 
 class Budget:
@@ -90,6 +91,36 @@ def ordered_map(fn, jobs, threads: int, budget: Budget, cost, inline: bool | Non
             admit()
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
+
+
+def batched(jobs, least: int, most: int, length=lambda job: job.length):
+    """Yield consecutive jobs in lists, for :func:`ordered_map` to hand to a worker together.
+
+    A list is closed once it holds ``least`` source bytes or ``most`` jobs; the last one may
+    hold less. Every hand-over wakes a worker and then the consumer, which costs more than
+    coding a small tensor.
+
+    Args:
+        jobs: the jobs, in order.
+        least: source bytes a list holds at least (0: one job a list).
+        most: jobs a list holds at most (bounding its budget where each job holds a buffer).
+        length: a job's source bytes.
+    """
+    batch, size = [], 0
+    for job in jobs:
+        batch.append(job)
+        size += length(job)
+        if size >= least or len(batch) >= most:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def unbatched(work):
+    """Yield (job, result) for each job of :func:`ordered_map`'s (list of jobs, list of results), in order."""
+    for batch, results in work:
+        yield from zip(batch, results)
 
 
 def _one_kernel_thread() -> None:
