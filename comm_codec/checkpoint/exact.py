@@ -107,10 +107,10 @@ _READ_AHEAD = 2 * PIECE_BYTES
 # the threads: a file of 64 MiB segments cannot make each of many workers hold one.
 _IN_FLIGHT_BYTES = 128 << 20
 # Segments go to a worker together until they hold _BATCH_BYTES source bytes or are
-# _BATCH_JOBS segments: handed over one by one, each small tensor cost two thread wake-ups
-# (on 2 cores, 2 threads compressed 13-90 MB files 0.95-1.3x as fast as 1, and 1.08-1.46x
-# so batched). The count bounds a batch's budget where each restored segment holds a
-# pooled buffer of PIECE_BYTES.
+# _BATCH_JOBS segments: a segment handed over alone costs two thread wake-ups, more than
+# coding a small tensor (on 2 cores, 13-90 MB files compress on 2 threads 0.95-1.3x as fast
+# as on 1 with one segment a hand-over, 1.08-1.46x batched). The count bounds a batch's
+# budget where each restored segment holds a pooled buffer of PIECE_BYTES.
 _BATCH_BYTES = 1 << 20
 _BATCH_JOBS = 8
 # A file whose original is this many times its own size (all-zero chunks cost a table

@@ -105,6 +105,9 @@ def batched(jobs, least: int, most: int, length=lambda job: job.length):
         least: source bytes a list holds at least (0: one job a list).
         most: jobs a list holds at most (bounding its budget where each job holds a buffer).
         length: a job's source bytes.
+
+    Yields:
+        Lists of consecutive jobs, every job once, in order.
     """
     batch, size = [], 0
     for job in jobs:
@@ -118,7 +121,15 @@ def batched(jobs, least: int, most: int, length=lambda job: job.length):
 
 
 def unbatched(work):
-    """Yield (job, result) for each job of :func:`ordered_map`'s (list of jobs, list of results), in order."""
+    """Undo :func:`batched` on the results of :func:`ordered_map`.
+
+    Args:
+        work: (list of jobs, list of their results) pairs, as :func:`ordered_map` yields
+            them for a function over :func:`batched` lists.
+
+    Yields:
+        (job, result) for each job, in order.
+    """
     for batch, results in work:
         yield from zip(batch, results)
 
