@@ -66,6 +66,8 @@ TIERS = {
                                      "test_a_first_coded_call_that_waits_for_kernels_says_so": "unit"}),
     "test_cuda.py": "unit",  # the simulator run is pytest in a child process, not the CLI
     "test_dcp.py": ("unit", {"test_fsdp2_*": "dist"}),
+    "test_dcp_untrusted.py": "unit",
+    "test_dcp_compat.py": "unit",
     "test_ddp.py": ("dist", {"test_hook_annotations_are_the_types_ddp_checks": "unit",
                              "test_huffman_state_rejects_bad_arguments": "unit",
                              "test_huffman_state_codebooks_from_path": "unit"}),

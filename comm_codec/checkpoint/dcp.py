@@ -27,10 +27,13 @@ differs from an earlier one's only in its numbers (``layer.3.mlp.weight`` after
 first and keeps the frame if it comes out within 2 % of that tensor's frame in size;
 otherwise it is planned itself. Small tensors are packed, in the order they come, into
 frames of the shipped books (at most 1 Mi elements each). A data file ends
-with a book table (JSON) and a fixed trailer: the books of its own that its frames
-use, the groups they form, and the digest of the shipped set; shipped books are named
-by id only. Frames name their books by id, so a frame decodes only with the very books
-it was made with.
+with a book table (JSON) and a fixed trailer (:mod:`comm_codec.checkpoint._dcp_file`):
+every book and group its frames use, shipped ones included, so that a later release
+with other default books still reads it; and a CRC-32 of every item stored as DCP
+stores it (frames carry their own). Frames name their books by id, so a frame decodes
+only with the very books it was made with. Files written before books were stored name
+the shipped books by id only: they read with the shipped set that wrote them
+(``codebooks=``).
 
 **Records.** Each frame's entry in ``.metadata`` is DCP's own per-item record with the
 transform descriptor :data:`FRAME_DESCRIPTOR`; a packed tensor's record is its pack
@@ -41,11 +44,14 @@ frame's place with the descriptors :data:`PACK_DESCRIPTOR` and
 **Untrusted directories.** DCP's ``FileSystemReader`` unpickles ``.metadata`` with
 ``pickle.load`` and the default planner loads non-tensor values with
 ``torch.load(weights_only=False)``: a crafted directory runs code. :class:`Reader`
-unpickles ``.metadata`` with an allow-list of DCP's metadata classes, checks every
-record (file names inside the directory, chunks inside their tensors), checks each
-non-tensor value with ``torch.load(weights_only=True)`` before handing it on (unless
-``trusted=True``), and checks every size a file claims against what the metadata says
-the item holds before reading or decoding it; a pack
+unpickles ``.metadata`` with an allow-list of DCP's metadata classes whose constructors
+cannot grow their input (:mod:`comm_codec.checkpoint._dcp_metadata`), checks every
+record (file names inside the directory, chunks that tile their tensors), reads a
+``torch.save`` record only when its zip members are stored and its pickle small
+(:mod:`comm_codec.checkpoint._dcp_items`), loads each non-tensor value with
+``weights_only=True`` and hands DCP's planner a fresh ``torch.save`` of the result, never
+the file's bytes (unless ``trusted=True``), and checks every size a file claims against
+what the metadata says the item holds before reading or decoding it; a pack
 range must hold exactly the item's elements and lie inside a pack frame of at most 1 Mi
 elements. Any problem raises :class:`CheckpointError`
 naming the file; ``dcp.load`` wraps it in DCP's ``CheckpointException`` (its
@@ -55,37 +61,58 @@ naming the file; ``dcp.load`` wraps it in DCP's ``CheckpointException`` (its
 from __future__ import annotations
 
 import io
-import json
 import logging
 import math
 import os
 import pickle
 import re
-import stat
-import struct
 import zlib
 
+import numba
 import numpy as np
 import torch
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint import load as dcp_load
+
 # _StorageInfo is the per-item record FileSystemReader reads; storing ours in the same
 # class keeps the directory an ordinary DCP one (and .metadata loadable by DCP itself).
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, StorageMeta, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.filesystem import (
+    FileSystemReader,
+    FileSystemWriter,
+    SerializationFormat,
+    _StorageInfo,
+)
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..core.codebooks import CodebookGroup, CodebookSet, as_codebook_set
+from ..core.codebooks import as_codebook_set
 from ..core.codec import Codec
 from ..core.errors import CheckpointError, CodebookError, FrameError
-from ..core.frame import header_size
 from ..core.huffman import Codebook
 from ..core.quoting import printable
 from ..core.streams import SUPPORTED_DTYPES, spec_for
+from ._dcp_file import (
+    DATA_SUFFIX,
+    RAW_ID,
+    TRAILER,
+    TRAILER_MAGIC,
+    DataFile,
+    book_table,
+    max_frame_bytes,
+)
+from ._dcp_items import (
+    MAX_TENSOR_PICKLE,
+    MAX_VALUE_PICKLE,
+    ZSTD_DESCRIPTOR,
+    check_torch_zip,
+    load_checked,
+    resave,
+    zstd_decode,
+)
+from ._dcp_metadata import MAX_METADATA_BYTES, METADATA_NAME, read_metadata
+from .files import atomic_output
 from .formats import FileTensor
 from .plan import CHUNK_SIZES, BookChooser, make_codec, plan_bytes
 
@@ -98,17 +125,6 @@ FRAME_DESCRIPTOR = "comm_codec.frame/1"
 # The descriptor of an item that is a range of a pack frame; a second descriptor,
 # "elements=<start>+<count>", says which elements of it.
 PACK_DESCRIPTOR = "comm_codec.pack/1"
-# Largest .metadata read: DCP writes ~300 bytes per tensor chunk.
-MAX_METADATA_BYTES = 1 << 30
-_METADATA_NAME = ".metadata"  # FileSystemWriter's name for it
-_DATA_SUFFIX = ".distcp"  # and for its data files
-_BOOKS_FORMAT = "comm_codec.dcp.books"
-_BOOKS_VERSION = 1
-_MAX_BOOKS_BYTES = 64 << 20  # a book takes ~400 bytes of JSON
-# At the very end of a data file: magic, book table offset and length, its CRC-32, zero.
-_TRAILER = struct.Struct("<8sQQII")
-_TRAILER_MAGIC = b"CCDCPBK1"
-_RAW_ID = "0" * 16
 # Tensors this small are coded with the shipped books, packed: a book of their own would
 # cost more in the table than it saves, and one frame for all of them saves a header, a
 # record and a call per tensor (189 of all-MiniLM-L6-v2's 303 tensors; coded one frame
@@ -130,6 +146,8 @@ _REUSE_TOLERANCE = 0.02
 _DIGITS = re.compile(r"\d+")
 # torch.save's zip around a tensor that is stored as DCP stores it: a few kB at most.
 _TORCH_SAVE_SLACK = 1 << 20
+# The most bytes a non-tensor value of a DCP + ZStandard directory decompresses to.
+_MAX_VALUE_BYTES = 256 << 20
 _OPTIMIZER_NAME = re.compile(r"exp_avg|momentum|(^|\.)(optim|optimizer|state)\.", re.IGNORECASE)
 
 
@@ -162,55 +180,85 @@ class Writer(FileSystemWriter):
     Use as ``dcp.save(state_dict, storage_writer=Writer(path))`` or
     ``dcp.async_save(...)``: with ``async_save`` the state dict is staged (copied to CPU)
     on the calling thread and coded on DCP's writer thread. Each rank writes one data
-    file; tensors of a codec dtype become frames, other tensors and non-tensor values
-    are stored as :class:`FileSystemWriter` stores them. Coding runs on one thread.
+    file (one per item with ``single_file_per_rank=False``); tensors of a codec dtype
+    become frames, other tensors and non-tensor values are stored as
+    :class:`FileSystemWriter` stores them, with a CRC-32 of each in the file's book
+    table. Each data file holds every book its frames use, so it reads with any later
+    release. Files are written under a temporary name (``O_EXCL | O_NOFOLLOW``) and
+    renamed into place: a symlink or FIFO planted at a data file's name is replaced,
+    never written through.
 
     Args:
         path: the checkpoint directory (created if missing).
         codebooks: the shipped books tensors are weighed against (a
-            :class:`CodebookSet`, a path to one, or None for the default set). A reader
-            needs the same set for frames that use them.
+            :class:`CodebookSet`, a path to one, or None for the default set).
         kind: ``fqn -> kind`` choosing those books per tensor; default :func:`kind_of`.
-        sync_files: fsync each data file and the metadata (as FileSystemWriter).
-        overwrite: allow writing over an existing checkpoint (as FileSystemWriter).
+        single_file_per_rank: one data file per rank (default), or one per item.
+        sync_files: fsync the metadata (as FileSystemWriter); data files are always
+            fsynced before their rename.
+        thread_count: threads that code each large tensor (capped at numba's thread
+            count); FileSystemWriter writes that many files instead.
+        per_thread_copy_ahead: accepted for FileSystemWriter's signature (unused: the
+            tensors are coded where they are).
         cache_staged_state_dict: keep the CPU copy that ``async_save`` stages into,
             for the next save (as FileSystemWriter).
+        overwrite: allow writing over an existing checkpoint (as FileSystemWriter).
+        _extensions: DCP stream extensions: refused (frames are compressed already).
+        serialization_format: only ``SerializationFormat.TORCH_SAVE`` (how items that
+            are not frames are stored).
 
     Raises:
         TypeError, FileNotFoundError, CodebookError: bad ``codebooks`` (see
             :func:`comm_codec.core.codebooks.as_codebook_set`).
+        ValueError: ``thread_count`` under 1, extensions, another serialization format.
     """
 
-    def __init__(self, path, *, codebooks=None, kind=None, sync_files: bool = True, overwrite: bool = True,
-                 cache_staged_state_dict: bool = False):
-        super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1,
-                         overwrite=overwrite, cache_staged_state_dict=cache_staged_state_dict)
+    def __init__(self, path, *, codebooks=None, kind=None, single_file_per_rank: bool = True,
+                 sync_files: bool = True, thread_count: int = 1, per_thread_copy_ahead: int = 10_000_000,
+                 cache_staged_state_dict: bool = False, overwrite: bool = True, _extensions=None,
+                 serialization_format=SerializationFormat.TORCH_SAVE):
+        if _extensions:
+            raise ValueError("comm_codec.dcp.Writer takes no DCP stream extensions: its frames are compressed "
+                             "already, and an extension would see them as opaque bytes")
+        if serialization_format != SerializationFormat.TORCH_SAVE:
+            raise ValueError(f"comm_codec.dcp.Writer stores items that are not frames with torch.save; "
+                             f"serialization_format={serialization_format!r} is not supported")
+        if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
+            raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
+        super().__init__(path, single_file_per_rank=single_file_per_rank, sync_files=sync_files, thread_count=1,
+                         per_thread_copy_ahead=per_thread_copy_ahead, overwrite=overwrite,
+                         cache_staged_state_dict=cache_staged_state_dict)
         self.codebooks = as_codebook_set(codebooks)
         self.kind = kind_of if kind is None else kind
+        self.coding_threads = min(thread_count, numba.config.NUMBA_NUM_THREADS)
         self._shipped_codec = None  # for the packs of tensors too small to plan; made on first use
+        self._threaded: dict = {}  # a planned codec's id -> the same books on coding_threads threads
 
     def write_data(self, plan, planner) -> Future:
-        """Write this rank's items into ``<prefix>0.distcp``; return their records (a done Future)."""
-        name = f"{plan.storage_data.prefix}0{_DATA_SUFFIX}"
-        results = self._write_file(os.path.join(os.fspath(self.path), name), name, plan.items, planner)
+        """Write this rank's items into ``<prefix>0.distcp`` (or one file per item); return their records."""
+        files = [plan.items] if self.single_file_per_rank else [[item] for item in plan.items]
+        results: list = []
+        for n, items in enumerate(files):
+            name = f"{plan.storage_data.prefix}{n}{DATA_SUFFIX}"
+            results += self._write_file(os.path.join(os.fspath(self.path), name), name, items, planner)
         fut: Future = Future()
         fut.set_result(results)
         return fut
 
     def _write_file(self, path: str, name: str, items, planner) -> list:
         out = _FileOut(name, BookChooser(self.codebooks))
-        with open(path, "wb") as fh:
+        with atomic_output(path) as fh:
             out.fh = fh
             for item in items:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
-                    out.write(item, data.getbuffer())
+                    out.write_plain(item, data.getbuffer())
                     continue
                 tensor = data.detach()
                 if tensor.device.type != "cpu":  # frames of CUDA tensors would stay on the GPU
                     tensor = tensor.cpu()
                 if tensor.dtype not in SUPPORTED_DTYPES:
-                    out.write(item, _torch_save(tensor))
+                    out.write_plain(item, _torch_save(tensor))
                 elif tensor.numel() < _PLAN_MIN_ELEMS:
                     self._pack(out, item, tensor)
                 else:
@@ -219,17 +267,16 @@ class Writer(FileSystemWriter):
                               tensor.numel() * tensor.element_size())
             for key in list(out.packs):
                 self._flush_pack(out, key)
-            table = self._book_table(out.chooser)
+            table = book_table(out.used, {i: e["book"] for i, e in out.chooser.books.items()},
+                               out.chooser.groups, self.codebooks, out.checksums)
             fh.write(table)
-            fh.write(_TRAILER.pack(_TRAILER_MAGIC, out.pos, len(table), zlib.crc32(table), 0))
-            fh.flush()
-            if self.sync_files:
-                os.fsync(fh.fileno())
+            fh.write(TRAILER.pack(TRAILER_MAGIC, out.pos, len(table), zlib.crc32(table), 0))
+            fh.commit()
         log.info("%s: %d items, tensors of codec dtypes %d -> %d bytes (%d tensors planned, %d taking an earlier "
                  "tensor's plan)", path, len(out.results), out.raw, out.coded, out.planned, out.reused)
         return out.results
 
-    def _pack(self, out: "_FileOut", item, tensor: torch.Tensor) -> None:
+    def _pack(self, out: _FileOut, item, tensor: torch.Tensor) -> None:
         """Add a small tensor to the pack of its dtype and kind (written when full or at the end)."""
         key = (tensor.dtype, self.kind(item.index.fqn))
         if key in out.packs and out.pack_elems[key] + tensor.numel() > _PACK_MAX_ELEMS:
@@ -237,7 +284,7 @@ class Writer(FileSystemWriter):
         out.packs.setdefault(key, []).append((item, tensor.reshape(-1)))
         out.pack_elems[key] = out.pack_elems.get(key, 0) + tensor.numel()
 
-    def _flush_pack(self, out: "_FileOut", key) -> None:
+    def _flush_pack(self, out: _FileOut, key) -> None:
         """Write one frame of a pack's tensors, one after the other; record each as its range of it."""
         dtype, kind = key
         members = out.packs.pop(key)
@@ -248,22 +295,24 @@ class Writer(FileSystemWriter):
                                         split_exponent=False)
         flat = torch.cat([t for _, t in members]) if len(members) > 1 else members[0][1].contiguous()
         frame = memoryview(self._shipped_codec.encode(flat, kind=kind).numpy())
+        out.used.update(Codec.frame_parameters(frame).book_ids)
         pos, start = out.pos, 0
         for item, t in members:
             out.record(item, pos, len(frame), [PACK_DESCRIPTOR, f"elements={start}+{t.numel()}"])
             start += t.numel()
         out.write(None, frame, None, flat.numel() * flat.element_size())
 
-    def _encode(self, tensor: torch.Tensor, fqn: str, out: "_FileOut") -> torch.Tensor:
+    def _encode(self, tensor: torch.Tensor, fqn: str, out: _FileOut) -> torch.Tensor:
         """One tensor's frame, with the books its sample says are smallest (or a sibling's plan)."""
         tensor = tensor.contiguous()
         key = (_DIGITS.sub("#", fqn), tensor.dtype, tuple(tensor.shape))
         earlier = out.plans.get(key)
         if earlier is not None:
             codec, size = earlier
-            frame = codec.encode(tensor, kind="weight")
+            frame = self._threads(codec).encode(tensor, kind="weight")
             if abs(frame.numel() / size - 1.0) <= _REUSE_TOLERANCE:
                 out.reused += 1
+                out.used.update(Codec.frame_parameters(frame.numpy()).book_ids)
                 return frame
         spec = spec_for(tensor.dtype)
         u8 = _as_u8(tensor)
@@ -271,18 +320,22 @@ class Writer(FileSystemWriter):
                              kind=self.kind(fqn), codable=True)
         plan_bytes(planned, u8, out.chooser)
         out.planned += 1
-        frame = planned.codec.encode(tensor, kind="weight")  # make_codec keys its books as "weight"
+        frame = self._threads(planned.codec).encode(tensor, kind="weight")  # make_codec keys its books as "weight"
+        out.used.update(Codec.frame_parameters(frame.numpy()).book_ids)
         if earlier is None:
             out.plans[key] = (planned.codec, frame.numel())
         return frame
 
-    def _book_table(self, chooser: BookChooser) -> bytes:
-        """The file's book table: books of its own (shipped ones by id only) and groups."""
-        own = {book_id: entry["book"] for book_id, entry in chooser.books.items()
-               if self.codebooks.by_id(book_id) is None}
-        table = {"format": _BOOKS_FORMAT, "version": _BOOKS_VERSION, "shipped": self.codebooks.digest,
-                 "books": own, "groups": dict(chooser.groups)}
-        return json.dumps(table, separators=(",", ":"), allow_nan=False).encode()
+    def _threads(self, codec: Codec) -> Codec:
+        """The codec's books and chunk size on :attr:`coding_threads` threads (the same frames)."""
+        if self.coding_threads == 1:
+            return codec
+        found = self._threaded.get(id(codec))
+        if found is None or found[0] is not codec:
+            found = self._threaded[id(codec)] = (codec, Codec(codec.codebooks, threads=self.coding_threads,
+                                                              chunk_elems=codec.chunk_elems,
+                                                              split_exponent=codec.split_exponent))
+        return found[1]
 
 
 class _FileOut:
@@ -298,6 +351,8 @@ class _FileOut:
         self.pack_elems: dict = {}  # (dtype, kind) -> elements in its pack so far
         self.plans: dict = {}  # (name pattern, dtype, shape) -> (codec, its frame's bytes)
         self.raw = self.coded = self.planned = self.reused = 0
+        self.used: set = set()  # ids of every book or group a frame of the file names
+        self.checksums: dict = {}  # offset -> (length, CRC-32) of items stored as DCP stores them
 
     def record(self, item, pos: int, length: int, descriptors) -> None:
         self.results.append(WriteResult(index=item.index, size_in_bytes=length,
@@ -315,6 +370,11 @@ class _FileOut:
             self.coded += length
         self.pos += length
 
+    def write_plain(self, item, payload) -> None:
+        """Append an item stored as DCP stores it, and note its CRC-32 for the book table."""
+        self.checksums[self.pos] = (len(payload), zlib.crc32(payload))
+        self.write(item, payload)
+
 
 def _torch_save(tensor: torch.Tensor) -> memoryview:
     """A tensor as FileSystemWriter stores it: ``torch.save`` of it, storage cut to its elements."""
@@ -325,225 +385,27 @@ def _torch_save(tensor: torch.Tensor) -> memoryview:
     return buf.getbuffer()
 
 
-# -- reading ------------------------------------------------------------------------------------
-_METADATA_GLOBALS = {
-    **{("torch.distributed.checkpoint.metadata", c.__name__): c
-       for c in (Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata, TensorProperties,
-                 MetadataIndex, StorageMeta)},
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-    ("torch", "Size"): torch.Size,
-    ("collections", "OrderedDict"): __import__("collections").OrderedDict,
-}
-# Named, not imported: what DCP's metadata pickles refer to besides its dataclasses.
-_METADATA_NAMES = {
-    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),  # an Enum of three values
-    ("torch.serialization", "_get_layout"),  # a lookup of torch's layouts by name
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"),  # StorageMeta.checkpoint_id
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickle DCP metadata: its own classes, torch dtypes and sizes, paths; nothing else."""
-
-    def find_class(self, module, name):
-        found = _METADATA_GLOBALS.get((module, name))
-        if found is not None:
-            return found
-        if (module, name) in _METADATA_NAMES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refers to {printable(module, 60)}.{printable(name, 60)}, which DCP "
-                                     "metadata never holds")
-
-    def persistent_load(self, pid):
-        raise pickle.UnpicklingError("holds a persistent id, which DCP metadata never holds")
-
-
-def _open_regular(path: str):
-    """Open a regular file for reading (checked before and after open: a FIFO would block)."""
-    st = os.stat(path)
-    if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"{path} is not a regular file")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    fh = os.fdopen(fd, "rb")
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        fh.close()
-        raise CheckpointError(f"{path} is not a regular file")
-    return fh
-
-
-def _plain_name(name) -> bool:
-    """Whether a recorded file name is one file inside the checkpoint directory."""
-    return (isinstance(name, str) and 0 < len(name) <= 255 and name not in (".", "..") and "/" not in name
-            and "\\" not in name and "\0" not in name and name != _METADATA_NAME)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _check_size(x, ndim: int | None = None) -> bool:
-    return isinstance(x, torch.Size) and (ndim is None or len(x) == ndim) and all(_is_int(d) and d >= 0 for d in x)
-
-
-def _check_metadata(md, path: str) -> None:
-    """Check every field of unpickled metadata that reading relies on; CheckpointError if not."""
-    def bad(what):
-        raise CheckpointError(f"{path}: not a DCP checkpoint's metadata ({what})")
-
-    if not isinstance(md, Metadata):
-        bad(f"holds a {type(md).__name__}")
-    if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
-        bad("no state_dict_metadata or storage_data mapping")
-    for fqn, entry in md.state_dict_metadata.items():
-        if not isinstance(fqn, str):
-            bad("a key that is not a string")
-        if isinstance(entry, BytesStorageMetadata):
-            continue
-        if not isinstance(entry, TensorStorageMetadata) or not isinstance(entry.properties, TensorProperties) \
-                or not isinstance(entry.properties.dtype, torch.dtype) or not _check_size(entry.size) \
-                or not isinstance(entry.chunks, list):
-            bad(f"entry {printable(fqn, 80)} is malformed")
-        for chunk in entry.chunks:
-            if not isinstance(chunk, ChunkStorageMetadata) or not _check_size(chunk.offsets, len(entry.size)) \
-                    or not _check_size(chunk.sizes, len(entry.size)) \
-                    or any(o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, entry.size)):
-                bad(f"entry {printable(fqn, 80)} has a chunk outside its tensor {tuple(entry.size)}")
-    for index, info in md.storage_data.items():
-        if not isinstance(index, MetadataIndex) or index.fqn not in md.state_dict_metadata:
-            bad("a storage record for no entry")
-        if not isinstance(info, _StorageInfo) or not _plain_name(info.relative_path) \
-                or not (_is_int(info.offset) and _is_int(info.length) and info.offset >= 0 and info.length >= 0):
-            bad(f"the storage record of {printable(index.fqn, 80)} is malformed (a file name must name a file "
-                "in the checkpoint directory)")
-        descriptors = getattr(info, "transform_descriptors", None)
-        if descriptors is not None and not (isinstance(descriptors, (list, tuple))
-                                            and all(isinstance(d, str) for d in descriptors)):
-            bad(f"the storage record of {printable(index.fqn, 80)} has malformed transforms")
-
-
-def _max_frame_bytes(numel: int, spec) -> int:
-    """The most bytes a frame of numel elements can take: raw data, the chunk table of the
-    smallest chunks the codec makes (8 elements) and 8 bytes of padding per chunk and stream."""
-    nchunks = -(-numel // 8)
-    return numel * spec.itemsize + header_size(spec.nstreams, nchunks) + 8 * (spec.nstreams + 1) * nchunks
-
-
-class _DataFile:
-    """One open data file of a checkpoint: bounded reads, and its book table once asked for."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.fh = _open_regular(path)
-        self.size = os.fstat(self.fh.fileno()).st_size
-        self._books = None
-
-    def read(self, offset: int, length: int, what: str) -> np.ndarray:
-        if offset + length > self.size:
-            raise CheckpointError(f"{self.path}: truncated: {what} lies at bytes {offset}..{offset + length}, "
-                                  f"the file has {self.size}")
-        buf = np.empty(length, dtype=np.uint8)
-        self.fh.seek(offset)
-        view, got = memoryview(buf), 0
-        while got < length:
-            n = self.fh.readinto(view[got:])
-            if not n:
-                raise CheckpointError(f"{self.path}: truncated while reading {what}")
-            got += n
-        return buf
-
-    def books(self, shipped: CodebookSet) -> dict:
-        """id -> Codebook or CodebookGroup, of every book and group the file's table names."""
-        if self._books is None:
-            self._books = self._read_books(shipped)
-        return self._books
-
-    def _read_books(self, shipped: CodebookSet) -> dict:
-        path = self.path
-        if self.size < _TRAILER.size:
-            raise CheckpointError(f"{path}: truncated or not a comm_codec DCP data file (no book table)")
-        magic, offset, length, crc, zero = _TRAILER.unpack(bytes(self.read(self.size - _TRAILER.size,
-                                                                          _TRAILER.size, "the trailer")))
-        if magic != _TRAILER_MAGIC or zero != 0:
-            raise CheckpointError(f"{path}: truncated or not a comm_codec DCP data file (no book table at its end)")
-        if length > _MAX_BOOKS_BYTES or offset + length + _TRAILER.size != self.size:
-            raise CheckpointError(f"{path}: the book table's place ({offset}, {length} bytes) is not before the "
-                                  "trailer: truncated or corrupted")
-        raw = bytes(self.read(offset, length, "the book table"))
-        if zlib.crc32(raw) != crc:
-            raise CheckpointError(f"{path}: the book table is corrupted (CRC-32 mismatch)")
-        try:
-            table = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            raise CheckpointError(f"{path}: the book table is not JSON") from None
-        if not isinstance(table, dict) or table.get("format") != _BOOKS_FORMAT \
-                or table.get("version") != _BOOKS_VERSION or not isinstance(table.get("books"), dict) \
-                or not isinstance(table.get("groups"), dict):
-            raise CheckpointError(f"{path}: the book table is not a {_BOOKS_FORMAT} version {_BOOKS_VERSION} table")
-        books: dict = {}
-        for book_id, entry in table["books"].items():
-            try:
-                book = Codebook.from_dict(entry)
-            except (CodebookError, KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise CheckpointError(f"{path}: codebook {printable(book_id, 20)}: {exc}") from None
-            if book.id != book_id:
-                raise CheckpointError(f"{path}: codebook listed as {printable(book_id, 20)} is {book.id}")
-            books[book_id] = book
-
-        def member(book_id):
-            found = books.get(book_id) if isinstance(book_id, str) else None
-            if found is None and isinstance(book_id, str):
-                found = shipped.by_id(book_id)
-            if found is None:
-                raise CheckpointError(_missing(path, book_id, table.get("shipped"), shipped))
-            return found
-
-        for group_id, members in table["groups"].items():
-            if not isinstance(members, list) or not 1 <= len(members) <= CodebookGroup.MAX_BOOKS:
-                raise CheckpointError(f"{path}: codebook group {printable(group_id, 20)} is malformed")
-            try:
-                group = CodebookGroup([member(b) for b in members])
-            except (ValueError, TypeError) as exc:
-                if isinstance(exc, CheckpointError):
-                    raise
-                raise CheckpointError(f"{path}: codebook group {printable(group_id, 20)}: {exc}") from None
-            if group.id != group_id:
-                raise CheckpointError(f"{path}: codebook group listed as {printable(group_id, 20)} is {group.id}")
-            books[group_id] = group
-        books["_shipped"] = table.get("shipped")
-        return books
-
-    def close(self) -> None:
-        self.fh.close()
-
-
-def _missing(path: str, book_id, written_with, shipped: CodebookSet) -> str:
-    why = ("" if written_with == shipped.digest else
-           f"; it was written with shipped books {printable(written_with, 40)}, this reader has {shipped.digest}")
-    return f"{path}: a frame needs codebook {printable(book_id, 20)}, which neither the file nor the shipped books hold{why}"
-
-
 class Reader(FileSystemReader):
-    """A DCP ``StorageReader`` for directories written by :class:`Writer` (or plain DCP).
+    """A DCP ``StorageReader`` for every DCP directory: :class:`Writer`'s, plain DCP, DCP + ZStandard.
 
     Use as ``dcp.load(state_dict, storage_reader=Reader(path))``, on any number of ranks
     (or in one process without a process group): DCP's planner reshards. Frames are
     decoded bit for bit into the destination tensors; items stored as DCP stores them
-    (plain DCP directories too) are read as ``FileSystemReader`` reads them, with
-    ``weights_only=True``. Directories written with DCP's stream extensions (ZStandard)
-    are refused: read them with ``FileSystemReader``.
+    (plain DCP directories too, and those written with ``FileSystemWriter(...,
+    _extensions=[ZStandard()])``) are read as ``FileSystemReader`` reads them, after the
+    checks below.
 
     Nothing from the directory is trusted: see the module docstring. Problems raise
     :class:`CheckpointError` naming the file; :func:`load` surfaces it unwrapped.
 
     Args:
         path: the checkpoint directory.
-        codebooks: the shipped books the writer used (None: the default set).
-        trusted: hand non-tensor values to DCP's planner without first checking that
-            ``torch.load(weights_only=True)`` accepts them (DCP's planner itself loads them
-            with ``weights_only=False``). Only for directories you wrote yourself.
+        codebooks: the shipped books, for data files written before files held every
+            book they use (None: the default set); later files need none.
+        trusted: hand non-tensor values to DCP's planner as the file holds them
+            (DCP's planner loads them with ``weights_only=False``), without first
+            checking that ``torch.load(weights_only=True)`` accepts them. Only for
+            directories you wrote yourself.
 
     Raises:
         TypeError, FileNotFoundError, CodebookError: bad ``codebooks``.
@@ -556,6 +418,7 @@ class Reader(FileSystemReader):
         self._chunks: dict = {}  # (fqn, chunk offsets) -> (dtype, chunk sizes)
         self._codecs: dict = {}  # (dtype name, book ids) -> Codec
         self._last_pack = None  # ((path, offset, length), its decoded elements)
+        self._preread = None  # metadata that load() read and checked, handed to DCP's first read_metadata
 
     # No **kwargs: DCP then reads the global .metadata only, never a rank's own.
     def read_metadata(self) -> Metadata:
@@ -567,27 +430,12 @@ class Reader(FileSystemReader):
         Raises:
             CheckpointError: no such file, not a regular file, larger than
                 :data:`MAX_METADATA_BYTES`, a pickle that refers to anything but DCP's
-                metadata classes, or records that point outside the directory or
-                outside their tensors.
+                metadata classes, or records that point outside the directory, chunks
+                that do not tile their tensors.
         """
-        path = os.path.join(os.fspath(self.path), _METADATA_NAME)
-        try:
-            with _open_regular(path) as fh:
-                raw = fh.read(MAX_METADATA_BYTES + 1)
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: no such file: {os.fspath(self.path)} is not a DCP checkpoint") from None
-        except OSError as exc:
-            raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-        if len(raw) > MAX_METADATA_BYTES:
-            raise CheckpointError(f"{path}: larger than {MAX_METADATA_BYTES} bytes: not DCP metadata")
-        try:
-            md = _MetadataUnpickler(io.BytesIO(raw)).load()
-        except Exception as exc:  # a crafted pickle raises whatever its opcodes provoke
-            raise CheckpointError(f"{path}: not DCP metadata, or truncated or tampered "
-                                  f"({type(exc).__name__}: {printable(str(exc), 160)})") from None
-        _check_metadata(md, path)
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
+        md, self._preread = self._preread, None
+        if md is None:
+            md = read_metadata(self.path)
         md.storage_meta.load_id = self.load_id
         return md
 
@@ -611,13 +459,13 @@ class Reader(FileSystemReader):
         for req in plan.items:
             info = self.storage_data.get(req.storage_index)
             if info is None:
-                raise CheckpointError(f"{os.path.join(os.fspath(self.path), _METADATA_NAME)}: no storage record "
+                raise CheckpointError(f"{os.path.join(os.fspath(self.path), METADATA_NAME)}: no storage record "
                                       f"for {printable(req.storage_index.fqn, 80)}")
             per_file.setdefault(info.relative_path, []).append((req, info))
         for name, reqs in per_file.items():
             path = os.path.join(os.fspath(self.path), name)
             try:
-                data = _DataFile(path)
+                data = DataFile(path)
             except FileNotFoundError:
                 raise CheckpointError(f"{path}: no such file (the checkpoint's metadata names it)") from None
             except OSError as exc:
@@ -639,26 +487,40 @@ class Reader(FileSystemReader):
         fut.set_result(None)
         return fut
 
-    def _read_item(self, data: _DataFile, req, info, planner) -> None:
+    def _plain_bytes(self, data: DataFile, info, descriptors, limit: int, fqn: str) -> bytes:
+        """The bytes of an item stored as DCP stores it (decompressed if DCP's ZStandard wrote it), checked."""
+        if info.length > limit:
+            raise CheckpointError(f"{data.path}: {fqn}: its record claims {info.length} bytes, more than the "
+                                  f"{limit} the item may take")
+        raw = data.read(info.offset, info.length, fqn).tobytes()
+        crc = data.checksum(info.offset, info.length, fqn)
+        if crc is not None and zlib.crc32(raw) != crc:
+            raise CheckpointError(f"{data.path}: {fqn}: its bytes are corrupted (CRC-32 mismatch)")
+        if descriptors == (ZSTD_DESCRIPTOR,):
+            raw = zstd_decode(raw, limit, f"{data.path}: {fqn}")
+        return raw
+
+    def _read_item(self, data: DataFile, req, info, planner) -> None:
         descriptors = tuple(getattr(info, "transform_descriptors", None) or ())
         fqn = printable(req.storage_index.fqn, 80)
         packed = len(descriptors) == 2 and descriptors[0] == PACK_DESCRIPTOR
-        if descriptors not in ((), (FRAME_DESCRIPTOR,)) and not packed:
+        if descriptors not in ((), (FRAME_DESCRIPTOR,), (ZSTD_DESCRIPTOR,)) and not packed:
             raise CheckpointError(f"{data.path}: {fqn} was written with DCP extension(s) "
-                                  f"{printable(', '.join(descriptors), 80)}; read it with FileSystemReader")
+                                  f"{printable(', '.join(descriptors), 80)}, which this reader does not know")
         if req.type == LoadItemType.BYTE_IO:
-            if descriptors:
+            if descriptors not in ((), (ZSTD_DESCRIPTOR,)):
                 raise CheckpointError(f"{data.path}: {fqn}: a non-tensor value recorded as a frame")
-            raw = bytes(data.read(info.offset, info.length, fqn))
-            if not self.trusted:
-                try:
-                    torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-                except Exception as exc:  # torch.load raises many types on foreign bytes
-                    raise CheckpointError(
-                        f"{data.path}: {fqn}: a non-tensor value that weights-only loading refuses "
-                        f"({type(exc).__name__}); DCP's planner would unpickle it with weights_only=False. "
-                        "If you trust this checkpoint, read it with Reader(path, trusted=True)") from None
-            planner.load_bytes(req, io.BytesIO(raw))
+            raw = self._plain_bytes(data, info, descriptors, _MAX_VALUE_BYTES, fqn)
+            if self.trusted:
+                planner.load_bytes(req, io.BytesIO(raw))
+                return
+            try:
+                value = load_checked(raw, MAX_VALUE_PICKLE, f"{data.path}: {fqn}")
+            except CheckpointError as exc:
+                raise CheckpointError(
+                    f"{exc}; a non-tensor value that DCP's planner would unpickle with weights_only=False. "
+                    "If you trust this checkpoint, read it with Reader(path, trusted=True)") from None
+            planner.load_bytes(req, resave(value))
             return
         known = self._chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
         if known is None:
@@ -675,17 +537,17 @@ class Reader(FileSystemReader):
         numel = math.prod(sizes)
         if packed:
             stored = self._unpack(data, info, dtype, sizes, numel, descriptors[1], fqn)
-        elif descriptors:
+        elif descriptors == (FRAME_DESCRIPTOR,):
             stored = self._decode(data, info, dtype, sizes, numel, target, fqn)
         else:
-            stored = self._torch_load(data, info, dtype, sizes, numel, fqn)
+            stored = self._torch_load(data, info, descriptors, dtype, sizes, numel, fqn)
         if stored is not target:
             for dim, (offset, length) in enumerate(zip(req.storage_offsets, req.lengths)):
                 stored = stored.narrow(dim, offset, length)
             target.copy_(stored)
         planner.commit_tensor(req, target)
 
-    def _read_frame(self, data: _DataFile, info, dtype, numel: int, exact: bool, what: str, fqn):
+    def _read_frame(self, data: DataFile, info, dtype, numel: int, exact: bool, what: str, fqn):
         """Read and check a frame record of numel elements of dtype (at most numel unless exact).
 
         Returns:
@@ -695,7 +557,7 @@ class Reader(FileSystemReader):
             raise CheckpointError(f"{data.path}: {fqn}: a {what} recorded for a {dtype} tensor, which the codec "
                                   "does not code")
         spec = spec_for(dtype)
-        most = _max_frame_bytes(numel, spec)
+        most = max_frame_bytes(numel, spec)
         if info.length > most:
             raise CheckpointError(f"{data.path}: {fqn}: its record claims a {info.length}-byte {what}; one of "
                                   f"{'' if exact else 'at most '}{numel} x {spec.name} takes at most {most}")
@@ -706,7 +568,7 @@ class Reader(FileSystemReader):
                                   f"{'the metadata says' if exact else 'one holds at most'} {numel} x {spec.name}")
         return buf, params
 
-    def _decode(self, data: _DataFile, info, dtype, sizes, numel, target, fqn):
+    def _decode(self, data: DataFile, info, dtype, sizes, numel, target, fqn):
         """Decode a frame record: into target when it is the whole chunk, else into a new tensor."""
         buf, params = self._read_frame(data, info, dtype, numel, True, "frame", fqn)
         whole = tuple(target.shape) == tuple(sizes) and target.dtype == dtype and target.is_contiguous() \
@@ -715,7 +577,7 @@ class Reader(FileSystemReader):
         self._codec(data, params).decode(buf, out=out)
         return out
 
-    def _unpack(self, data: _DataFile, info, dtype, sizes, numel, where: str, fqn):
+    def _unpack(self, data: DataFile, info, dtype, sizes, numel, where: str, fqn):
         """An item's range of a pack frame (decoded once for the items that follow it in the file)."""
         found = _PACK_RANGE.fullmatch(where)
         if found is None:
@@ -734,35 +596,22 @@ class Reader(FileSystemReader):
                                   f"of {pack.numel()} elements")
         return pack[start:start + count].view(sizes)
 
-    def _codec(self, data: _DataFile, params) -> Codec:
+    def _codec(self, data: DataFile, params) -> Codec:
         key = (params.spec.name, params.book_ids)
         codec = self._codecs.get(key)
         if codec is None:
-            books = None
-            groups = []
-            for book_id in params.book_ids:
-                if book_id == _RAW_ID:
-                    groups.append(Codebook.raw_book())
-                    continue
-                books = data.books(self.codebooks) if books is None else books
-                found = books.get(book_id)
-                for lookup in (self.codebooks.group_by_id, self.codebooks.by_id):
-                    found = lookup(book_id) if found is None else found
-                if found is None:
-                    raise CheckpointError(_missing(data.path, book_id, books.get("_shipped"), self.codebooks))
-                groups.append(found)
+            groups = [Codebook.raw_book() if book_id == RAW_ID else data.lookup(book_id, self.codebooks)
+                      for book_id in params.book_ids]
             # Frames carry their chunk size; the codec's own is not used to decode.
             codec = self._codecs[key] = make_codec(groups, params.spec, CHUNK_SIZES[0])
         return codec
 
-    def _torch_load(self, data: _DataFile, info, dtype, sizes, numel, fqn):
+    def _torch_load(self, data: DataFile, info, descriptors, dtype, sizes, numel, fqn):
         """Load a tensor stored as DCP stores it, checked against its metadata."""
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        if info.length > numel * itemsize + _TORCH_SAVE_SLACK:
-            raise CheckpointError(f"{data.path}: {fqn}: its record claims {info.length} bytes for a "
-                                  f"{numel * itemsize}-byte tensor")
-        raw = data.read(info.offset, info.length, fqn)
-        tensor = torch.load(io.BytesIO(raw.tobytes()), map_location="cpu", weights_only=True)
+        raw = self._plain_bytes(data, info, descriptors, numel * itemsize + _TORCH_SAVE_SLACK, fqn)
+        check_torch_zip(raw, MAX_TENSOR_PICKLE, f"{data.path}: {fqn}")
+        tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != tuple(sizes):
             what = f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise CheckpointError(f"{data.path}: {fqn}: holds {what}, the metadata says {dtype} {tuple(sizes)}")
@@ -787,7 +636,7 @@ def load(state_dict: dict, path, *, process_group=None, planner=None, codebooks=
         CheckpointException: any other failure, as ``dcp.load`` raises it.
     """
     reader = Reader(path, codebooks=codebooks, trusted=trusted)
-    reader.read_metadata()
+    reader._preread = read_metadata(reader.path)  # checked once, before DCP plans; DCP's own read gets it
     try:
         dcp_load(state_dict, storage_reader=reader, process_group=process_group, planner=planner)
     except CheckpointException as exc:
