@@ -67,7 +67,7 @@ TIERS = {
     "test_cuda.py": "unit",  # the simulator run is pytest in a child process, not the CLI
     "test_dcp.py": ("unit", {"test_fsdp2_*": "dist"}),
     "test_dcp_untrusted.py": "unit",
-    "test_dcp_compat.py": "unit",
+    "test_dcp_compat.py": ("unit", {"test_*_on_two_ranks_*": "dist"}),
     "test_ddp.py": ("dist", {"test_hook_annotations_are_the_types_ddp_checks": "unit",
                              "test_huffman_state_rejects_bad_arguments": "unit",
                              "test_huffman_state_codebooks_from_path": "unit"}),

@@ -293,6 +293,11 @@ def _cmd_verify(args) -> int:
     from ..checkpoint import exact as checkpoint
 
     for file in args.files:
+        if file != "-" and os.path.isdir(file) and os.path.isfile(os.path.join(file, ".metadata")):
+            from ..checkpoint import dcp_tools  # a DCP directory: every frame, book table and item
+
+            _say(args, dcp_tools.verify_dcp(file))
+            continue
         if file != "-" and os.path.isdir(file):
             from ..checkpoint import directory
 
@@ -320,7 +325,11 @@ def _cmd_ls(args) -> int:
     for k, file in enumerate(args.files):
         if k:
             print()
-        if os.path.isdir(file):
+        if os.path.isdir(file) and os.path.isfile(os.path.join(file, ".metadata")) or file.endswith(".distcp"):
+            from ..checkpoint import dcp_tools
+
+            print(dcp_tools.describe_dcp(file) if os.path.isdir(file) else dcp_tools.describe_dcp_file(file))
+        elif os.path.isdir(file):
             from ..checkpoint import directory
 
             print(directory.describe_dir(file))

@@ -37,6 +37,11 @@ def _cmd_inspect(args) -> int:
     from ..core.errors import CheckpointError
     from ..core.frame import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, HEADER_BYTES, get_frame_parameters, header_size
 
+    if args.file.endswith(".distcp"):
+        from ..checkpoint import dcp_tools  # a DCP data file: its book table and items, not a frame
+
+        print(dcp_tools.describe_dcp_file(args.file))
+        return 0
     with open_regular(args.file) as fh:
         kind = container.identify(fh.read(8))
         if kind == "exact":
