@@ -138,7 +138,8 @@ def _w_save_torch(rank, world, path):
     sd = {"model": msd, "optim": osd}
     dcp.save(sd, storage_writer=FileSystemWriter(os.path.join(path, "zstd"), _extensions=[ZStandard()]))
     dcp.save(sd, storage_writer=ccd.Writer(os.path.join(path, "ours"), thread_count=2, single_file_per_rank=False))
-    return _full(sd) if rank == 0 else None
+    full = _full(sd)  # a collective: every rank gathers
+    return full if rank == 0 else None
 
 
 def test_zstd_and_writer_options_on_two_ranks_load_bit_exact(tmp_path):

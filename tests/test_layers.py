@@ -68,7 +68,8 @@ EXTERNAL_ALLOWED = {"kernels": set(sys.stdlib_module_names) | {"numpy", "numba",
 EXTERNAL_FORBIDDEN = {"books": ("torch.distributed",), "checkpoint": ("torch.distributed",)}
 # module -> outside modules it may import although its layer forbids them: the DCP storage
 # subclasses torch.distributed.checkpoint's reader and writer (and nothing else of torch.distributed)
-EXTERNAL_EXEMPT = {f"{PACKAGE}.checkpoint.dcp": ("torch.distributed.checkpoint",)}
+EXTERNAL_EXEMPT = {f"{PACKAGE}.checkpoint.dcp": ("torch.distributed.checkpoint",),
+                   f"{PACKAGE}.checkpoint._dcp_metadata": ("torch.distributed.checkpoint",)}
 # the public API of namedtuples, which is spelled with an underscore
 NAMEDTUPLE_API = {"_asdict", "_replace", "_fields", "_field_defaults", "_make"}
 

@@ -487,6 +487,86 @@ class Reader(FileSystemReader):
         fut.set_result(None)
         return fut
 
+    def verify(self) -> dict:
+        """Check every data file the metadata names, without a state dict to load into.
+
+        The metadata is read through :meth:`read_metadata`'s checks; each data file's
+        book table (CRC-32, every book and group rebuilt); every frame and pack frame
+        decoded in full (each chunk's checksum) against what the metadata says it holds;
+        every item stored as DCP stores it against its CRC-32 (files written before
+        checksums, and torch's own, record none: those items are checked to be
+        ``torch.save`` records torch reads in bounded time).
+
+        Returns:
+            Counts: ``files``, ``frames``, ``packs``, ``crc`` (items checked by CRC-32),
+            ``unchecked`` (items with no checksum).
+
+        Raises:
+            CheckpointError: anything corrupted, truncated or foreign, naming the file.
+        """
+        md = read_metadata(self.path)
+        counts = dict.fromkeys(("files", "frames", "packs", "crc", "unchecked"), 0)
+        per_file: dict = {}
+        for index, info in md.storage_data.items():
+            per_file.setdefault(info.relative_path, []).append((index, info, md.state_dict_metadata[index.fqn]))
+        for name, items in sorted(per_file.items()):
+            path = os.path.join(os.fspath(self.path), name)
+            try:
+                data = DataFile(path)
+            except FileNotFoundError:
+                raise CheckpointError(f"{path}: no such file (the checkpoint's metadata names it)") from None
+            except OSError as exc:
+                raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+            counts["files"] += 1
+            try:
+                if data.has_trailer():
+                    data.books(self.codebooks)
+                seen: set = set()
+                for index, info, entry in sorted(items, key=lambda x: x[1].offset):
+                    fqn = printable(index.fqn, 80)
+                    try:
+                        self._verify_item(data, index, info, entry, seen, counts, fqn)
+                    except CheckpointError:
+                        raise
+                    except (FrameError, CodebookError, OSError, RuntimeError, ValueError, TypeError) as exc:
+                        raise CheckpointError(f"{path}: {fqn}: {printable(str(exc), 200)}") from None
+            finally:
+                data.close()
+        return counts
+
+    def _verify_item(self, data: DataFile, index, info, entry, seen: set, counts: dict, fqn: str) -> None:
+        descriptors = tuple(getattr(info, "transform_descriptors", None) or ())
+        packed = len(descriptors) == 2 and descriptors[0] == PACK_DESCRIPTOR
+        if descriptors not in ((), (FRAME_DESCRIPTOR,), (ZSTD_DESCRIPTOR,)) and not packed:
+            raise CheckpointError(f"{data.path}: {fqn} was written with DCP extension(s) "
+                                  f"{printable(', '.join(descriptors), 80)}, which this reader does not know")
+        tensor = isinstance(entry, TensorStorageMetadata)
+        if packed or descriptors == (FRAME_DESCRIPTOR,):
+            if not tensor:
+                raise CheckpointError(f"{data.path}: {fqn}: a non-tensor value recorded as a frame")
+            if (info.offset, info.length) in seen:
+                return  # a pack frame checked for an earlier item
+            seen.add((info.offset, info.length))
+            dtype = entry.properties.dtype
+            sizes = next((c.sizes for c in entry.chunks if tuple(c.offsets) == tuple(index.offset or ())), None)
+            if sizes is None:
+                raise CheckpointError(f"{data.path}: {fqn}: the metadata has no chunk at {tuple(index.offset or ())}")
+            what = "pack frame" if packed else "frame"
+            buf, params = self._read_frame(data, info, dtype, _PACK_MAX_ELEMS if packed else math.prod(sizes),
+                                           not packed, what, fqn)
+            self._codec(data, params).decode(buf, out=torch.empty(params.numel, dtype=dtype))
+            counts["packs" if packed else "frames"] += 1
+            return
+        crc = data.checksum(info.offset, info.length, fqn)
+        limit = _MAX_VALUE_BYTES if not tensor else \
+            math.prod(entry.size) * torch.empty(0, dtype=entry.properties.dtype).element_size() + _TORCH_SAVE_SLACK
+        raw = self._plain_bytes(data, info, descriptors, limit, fqn)
+        if crc is not None:
+            counts["crc"] += 1
+            return
+        counts["unchecked"] += 1
+        check_torch_zip(raw, MAX_TENSOR_PICKLE if tensor else MAX_VALUE_PICKLE, f"{data.path}: {fqn}")
+
     def _plain_bytes(self, data: DataFile, info, descriptors, limit: int, fqn: str) -> bytes:
         """The bytes of an item stored as DCP stores it (decompressed if DCP's ZStandard wrote it), checked."""
         if info.length > limit:

@@ -7,25 +7,21 @@ metadata through the reader's checks, then every data file it names: the book ta
 checksum checked) against what the metadata says it holds, and every item stored as DCP
 stores it against the CRC-32 its file recorded (files of torch's own writer record none:
 their items are only checked to be ``torch.save`` records that torch can read in
-bounded time).
+bounded time). The checks themselves are :meth:`comm_codec.checkpoint.dcp.Reader.verify`.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import zlib
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..core.codec import Codec
-from ..core.errors import CheckpointError, CodebookError, FrameError
 from ..core.quoting import printable
 from ._dcp_file import DATA_SUFFIX, DataFile
-from ._dcp_items import MAX_TENSOR_PICKLE, MAX_VALUE_PICKLE, ZSTD_DESCRIPTOR, check_torch_zip
+from ._dcp_items import ZSTD_DESCRIPTOR
 from ._dcp_metadata import METADATA_NAME, read_metadata
-from .dcp import _PACK_MAX_ELEMS, FRAME_DESCRIPTOR, PACK_DESCRIPTOR, Reader
+from .dcp import FRAME_DESCRIPTOR, PACK_DESCRIPTOR, Reader
 
 __all__ = ["describe_dcp", "describe_dcp_file", "is_dcp_dir", "is_dcp_file", "verify_dcp"]
 
@@ -51,6 +47,11 @@ def is_dcp_file(path) -> bool:
         return data.has_trailer()
     finally:
         data.close()
+
+
+def _is_tensor(entry) -> bool:
+    """Whether a checked metadata entry is a tensor's (TensorStorageMetadata; the other kind is a value's)."""
+    return hasattr(entry, "chunks")
 
 
 def _kind(info) -> str:
@@ -82,11 +83,11 @@ def _chunk(entry, index):
     for chunk in entry.chunks:
         if tuple(chunk.offsets) == offsets:
             return entry.properties.dtype, math.prod(chunk.sizes)
-    raise CheckpointError(f"no chunk at {offsets}")
+    return entry.properties.dtype, 0
 
 
 def verify_dcp(path, codebooks=None) -> str:
-    """Check every data file of a DCP directory; return a one-line summary.
+    """Check every data file of a DCP directory (:meth:`Reader.verify`); return a one-line summary.
 
     Args:
         path: the directory (with ``.metadata``).
@@ -94,73 +95,17 @@ def verify_dcp(path, codebooks=None) -> str:
             book they use (None: the default set).
 
     Returns:
-        ``verified DIR: N data files, F frames, P pack frames, C items by CRC-32, U items unchecked``.
+        ``verified DIR: N data files, F frames, P pack frames, C items by CRC-32, U items ...``.
 
     Raises:
         CheckpointError: the metadata, a book table, a frame or an item is corrupted,
             truncated or foreign (the message names the file).
     """
     path = os.fspath(path)
-    md = read_metadata(path)
-    reader = Reader(path, codebooks=codebooks)
-    counts = dict.fromkeys(("files", "frames", "packs", "crc", "unchecked"), 0)
-    for name, items in sorted(_per_file(md).items()):
-        file_path = os.path.join(path, name)
-        try:
-            data = DataFile(file_path)
-        except FileNotFoundError:
-            raise CheckpointError(f"{file_path}: no such file (the checkpoint's metadata names it)") from None
-        except OSError as exc:
-            raise CheckpointError(f"{file_path}: cannot be read ({exc.strerror or exc})") from None
-        counts["files"] += 1
-        try:
-            if data.has_trailer():
-                data.books(reader.codebooks)  # the table's CRC, every book and group rebuilt
-            seen = set()
-            for index, info, entry in items:
-                fqn = printable(index.fqn, 80)
-                try:
-                    _verify_item(reader, data, index, info, entry, seen, counts, fqn)
-                except CheckpointError:
-                    raise
-                except (FrameError, CodebookError, OSError, RuntimeError, ValueError, TypeError) as exc:
-                    raise CheckpointError(f"{file_path}: {fqn}: {printable(str(exc), 200)}") from None
-        finally:
-            data.close()
+    counts = Reader(path, codebooks=codebooks).verify()
     return (f"verified {printable(path)}: {counts['files']} data files, {counts['frames']} frames, {counts['packs']} "
             f"pack frames, {counts['crc']} items by CRC-32, {counts['unchecked']} items with no checksum "
-            "(read as torch.save records)")
-
-
-def _verify_item(reader: Reader, data: DataFile, index, info, entry, seen: set, counts: dict, fqn: str) -> None:
-    kind = _kind(info)
-    if kind == "foreign":
-        raise CheckpointError(f"{data.path}: {fqn} was written with a DCP extension this reader does not know")
-    if kind in ("frame", "pack"):
-        if not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointError(f"{data.path}: {fqn}: a non-tensor value recorded as a frame")
-        key = (info.offset, info.length)
-        if key in seen:
-            return  # a pack frame checked for an earlier item
-        seen.add(key)
-        dtype, numel = _chunk(entry, index)
-        exact = kind == "frame"
-        buf, params = reader._read_frame(data, info, dtype, numel if exact else _PACK_MAX_ELEMS, exact,
-                                         kind, fqn)
-        reader._codec(data, params).decode(buf, out=torch.empty(params.numel, dtype=dtype))
-        counts["frames" if exact else "packs"] += 1
-        return
-    raw = data.read(info.offset, info.length, fqn).tobytes()
-    crc = data.checksum(info.offset, info.length, fqn)
-    if crc is not None:
-        if zlib.crc32(raw) != crc:
-            raise CheckpointError(f"{data.path}: {fqn}: its bytes are corrupted (CRC-32 mismatch)")
-        counts["crc"] += 1
-        return
-    counts["unchecked"] += 1
-    if kind == "plain":
-        check_torch_zip(raw, MAX_TENSOR_PICKLE if isinstance(entry, TensorStorageMetadata) else MAX_VALUE_PICKLE,
-                        f"{data.path}: {fqn}")
+            "(checked to be torch.save records torch reads in bounded time)")
 
 
 def describe_dcp(path) -> str:
@@ -180,7 +125,7 @@ def describe_dcp(path) -> str:
         counted = set()
         for index, info, entry in items:
             kind = _kind(info)
-            if isinstance(entry, TensorStorageMetadata):
+            if _is_tensor(entry):
                 dtype, numel = _chunk(entry, index)
                 raw = numel * torch.empty(0, dtype=dtype).element_size()
                 what = f"{str(dtype).replace('torch.', '')} {numel} elements"
