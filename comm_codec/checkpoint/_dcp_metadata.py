@@ -97,7 +97,9 @@ _GLOBALS = {
     ("torch", "Size"): _size,
     ("collections", "OrderedDict"): _ordered_dict,
     ("torch.serialization", "_get_layout"): _layout,
-    **{("pathlib", name): _path for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")},
+    # pathlib's classes as Python 3.11-3.12 (pathlib) and 3.13+ (pathlib._local) pickle them
+    **{(module, name): _path for module in ("pathlib", "pathlib._local")
+       for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")},
 }
 
 
