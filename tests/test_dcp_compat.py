@@ -17,21 +17,21 @@ from __future__ import annotations
 import os
 import shutil
 
+import dist_utils
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from make_golden import checkpoint_inputs
+from make_golden_dcp import BOOKS, OUT, state_dict
+from test_dcp import _assert_same, _full, _trained, _zeros_like
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._extension import ZStandard
 
 import comm_codec as cc
 import comm_codec.dcp as ccd
-import dist_utils
 from comm_codec import checkpoint
 from comm_codec.core import codebooks as codebooks_module
 from comm_codec.core.errors import CheckpointError
-from make_golden import checkpoint_inputs
-from make_golden_dcp import BOOKS, OUT, state_dict
-from test_dcp import _assert_same, _full, _trained, _zeros_like
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed.*:UserWarning")
 

@@ -15,6 +15,7 @@ import shutil
 import threading
 import time
 
+import crafted_dcp as cr
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -23,7 +24,6 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import comm_codec.dcp as ccd
-import crafted_dcp as cr
 from comm_codec.checkpoint import _dcp_items, _dcp_metadata
 from comm_codec.core.errors import CheckpointError
 

@@ -9,6 +9,7 @@ table, resealed (trailer offset and CRC-32 recomputed, so edits reach the frame 
 is any exception other than CheckpointError, a hang (-timeout), memory past
 -rss_limit_mb, or a file written outside the directory.
 
+    python tests/fuzz/fuzz_dcp.py --seeds CORPUS_DIR    # once: the real files, one per mode
     python tests/fuzz/fuzz_dcp.py -max_total_time=600 -rss_limit_mb=1024 -timeout=20 CORPUS_DIR
 """
 
@@ -39,6 +40,7 @@ warnings.simplefilter("ignore")
 _ROOT = tempfile.mkdtemp(prefix="cc-fuzz-dcp-")
 _GOOD = os.path.join(_ROOT, "good")
 _WORK = os.path.join(_ROOT, "work")
+torch.manual_seed(0)
 _SD = {"w": (torch.randn(200, 100) * 0.02).to(torch.bfloat16), "b": torch.randn(64), "n": torch.arange(100),
        "m": torch.arange(20) % 2 == 0, "step": 5}
 dcp.save(_SD, storage_writer=ccd.Writer(_GOOD))
@@ -81,6 +83,22 @@ def TestOneInput(data: bytes):
     assert set(os.listdir(_ROOT)) == before, "a file written outside the checkpoint directory"
 
 
+def _write_seeds(folder: str) -> None:
+    """One seed per mode, from the real directory: its .metadata, its data file, its items."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(_GOOD, ".metadata"), "rb") as fh:
+        metadata = fh.read()
+    with open(os.path.join(_GOOD, "__0_0.distcp"), "rb") as fh:
+        data = fh.read()
+    offset = _TRAILER.unpack(data[-_TRAILER.size:])[1]
+    for mode, body in enumerate((metadata, data, data[:offset])):
+        with open(os.path.join(folder, f"seed{mode}"), "wb") as fh:
+            fh.write(bytes([mode]) + body)
+
+
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--seeds":
+        _write_seeds(sys.argv[2])
+        sys.exit(0)
     atheris.Setup(sys.argv, TestOneInput)
     atheris.Fuzz()
