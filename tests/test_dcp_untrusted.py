@@ -266,3 +266,15 @@ def test_pickle_of_metadata_is_what_dcp_writes(tmp_path):
     dcp.save(sd, storage_writer=FileSystemWriter(tmp_path))
     raw = (tmp_path / ".metadata").read_bytes()
     assert pickle.loads(raw).state_dict_metadata.keys() == _dcp_metadata.read_metadata(tmp_path).state_dict_metadata.keys()
+
+
+def test_metadata_without_an_entry_the_state_dict_asks_for_is_a_checkpoint_error(tmp_path, plain_dir):
+    """Found by tests/fuzz/fuzz_dcp.py: DCP's planner raised "Missing key", wrapped in CheckpointException."""
+    d = _copy(plain_dir[0], tmp_path)
+
+    def drop(md):
+        md.state_dict_metadata.pop("w")
+        md.storage_data = {i: r for i, r in md.storage_data.items() if i.fqn != "w"}
+    _edit(d, drop)
+    msg = _fails_fast(lambda: ccd.load(_target(plain_dir[1]), d), "Missing key")
+    assert str(d / ".metadata") in msg

@@ -712,7 +712,8 @@ def load(state_dict: dict, path, *, process_group=None, planner=None, codebooks=
         codebooks, trusted: as for :class:`Reader`.
 
     Raises:
-        CheckpointError: the directory is missing, foreign, truncated or tampered.
+        CheckpointError: the directory is missing, foreign, truncated or tampered, or
+            lacks an entry the state dict asks for.
         CheckpointException: any other failure, as ``dcp.load`` raises it.
     """
     reader = Reader(path, codebooks=codebooks, trusted=trusted)
@@ -724,4 +725,10 @@ def load(state_dict: dict, path, *, process_group=None, planner=None, codebooks=
             error = exc.failures[rank][0]
             if isinstance(error, CheckpointError):
                 raise error.with_traceback(None) from None
+        for rank in sorted(exc.failures):
+            error = exc.failures[rank][0]
+            # DCP's planner: the state dict asks for an entry the metadata does not list
+            if isinstance(error, RuntimeError) and str(error).startswith("Missing key in checkpoint"):
+                raise CheckpointError(f"{os.path.join(os.fspath(reader.path), METADATA_NAME)}: "
+                                      f"{printable(str(error), 200)}") from None
         raise
