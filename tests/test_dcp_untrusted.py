@@ -80,6 +80,12 @@ def test_a_330_byte_path_doubling_metadata_fails_fast(tmp_path):
     assert str(tmp_path / ".metadata") in msg
 
 
+def test_a_memo_index_of_2_to_the_31_fails_fast_in_little_memory(tmp_path):
+    """Found by tests/fuzz/fuzz_dcp.py: the C unpickler resizes its memo array to the index (16 GB)."""
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04N" + b"r\xff\xff\xff\x7f" + b".")
+    _fails_fast(lambda: ccd.load({}, tmp_path), "metadata .holds a NoneType", seconds=1.0, mb=50)
+
+
 @pytest.mark.parametrize("name", [("torch", "Size"), ("collections", "OrderedDict")])
 def test_constructors_that_copy_their_argument_fail_fast(tmp_path, name):
     (tmp_path / ".metadata").write_bytes(cr.copying_pickle(*name, items=1 << 14, copies=1 << 14))
