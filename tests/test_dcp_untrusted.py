@@ -236,6 +236,21 @@ def test_a_symlink_planted_at_the_data_file_is_replaced_not_followed(tmp_path):
     assert torch.equal(out["w"].view(torch.int16), sd["w"].view(torch.int16))
 
 
+def test_symlinks_planted_at_the_metadata_names_are_not_followed(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    for name in (".metadata", ".metadata.tmp"):
+        os.symlink(victim, d / name)
+    sd = {"w": torch.randn(10)}
+    dcp.save(sd, storage_writer=ccd.Writer(d))
+    assert victim.read_bytes() == b"keep me" and not os.path.islink(d / ".metadata")
+    out = _target(sd)
+    ccd.load(out, d)
+    assert torch.equal(out["w"], sd["w"])
+
+
 def test_a_fifo_planted_at_the_data_file_does_not_block_the_save(tmp_path):
     d = tmp_path / "ckpt"
     d.mkdir()

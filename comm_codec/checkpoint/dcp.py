@@ -77,6 +77,7 @@ from torch.distributed.checkpoint import load as dcp_load
 # _StorageInfo is the per-item record FileSystemReader reads; storing ours in the same
 # class keeps the directory an ordinary DCP one (and .metadata loadable by DCP itself).
 from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
     FileSystemReader,
     FileSystemWriter,
     SerializationFormat,
@@ -244,6 +245,22 @@ class Writer(FileSystemWriter):
         fut: Future = Future()
         fut.set_result(results)
         return fut
+
+    def finish(self, metadata: Metadata, results) -> None:
+        """Write ``.metadata`` as FileSystemWriter does, but through the atomic writer.
+
+        FileSystemWriter opens ``.metadata.tmp`` with ``open(..., "wb")``, which follows a
+        symlink planted there; here the pickle goes to an ``O_EXCL | O_NOFOLLOW`` temp file
+        renamed over ``.metadata``.
+        """
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}
+        metadata.storage_meta = self.storage_meta()
+        rank_local = not self.use_collectives and self.rank is not None
+        name = f"__{self.rank}{METADATA_NAME}" if rank_local else METADATA_NAME
+        with atomic_output(os.path.join(os.fspath(self.path), name)) as fh:
+            fh.write(pickle.dumps(metadata))
+            fh.commit()
 
     def _write_file(self, path: str, name: str, items, planner) -> list:
         out = _FileOut(name, BookChooser(self.codebooks))
