@@ -103,7 +103,7 @@ _GLOBALS = {
 }
 
 
-class _MetadataUnpickler(pickle._Unpickler):  # noqa: SLF001 (pickle's pure-Python unpickler, on purpose)
+class _MetadataUnpickler(pickle._Unpickler):  # pickle's pure-Python unpickler, on purpose
     """Unpickle DCP metadata: its own classes, torch dtypes, sizes, paths as strings; nothing else.
 
     Python's own unpickler, not the C one: the C unpickler keeps its memo in an array that a
