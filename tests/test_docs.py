@@ -178,8 +178,6 @@ import torch
 grads = [torch.randn(1 << 16, dtype=torch.bfloat16) * 1e-3 for _ in range(4)]
 """,
 }
-# Preludes whose runs take long (DeepSpeed's first init builds a C++ op; trainers start slowly).
-SLOW_PRELUDES = {"deepspeed", "hf", "lightning", "accelerate", "fsdp", "series"}
 
 
 def _markdown_files() -> list[Path]:
@@ -204,8 +202,8 @@ def _snippets() -> list:
             ranks = int(options.get("ranks", 1))
             prelude = options.get("prelude")
             marks = [pytest.mark.dist] if ranks > 1 else []
-            if prelude in SLOW_PRELUDES or (ranks > 1 and path.name != "README.md"):
-                marks.append(pytest.mark.slow)
+            if not (path.name == "README.md" and ranks == 1 and prelude is None):
+                marks.append(pytest.mark.slow)  # the quick tier runs the README's codec snippet
             if skip:
                 marks.append(pytest.mark.skip(reason=match.group(1)))
             params.append(pytest.param(code, ranks, prelude, id=f"{path.relative_to(ROOT)}:{i + 1}", marks=marks))
@@ -226,12 +224,19 @@ def test_every_python_fence_is_found_with_a_known_prelude():
         assert prelude is None or prelude in PRELUDES, f"{p.id}: unknown prelude {prelude!r}"
 
 
+@pytest.fixture(scope="session")
+def torch_extensions(tmp_path_factory):
+    """One build of DeepSpeed's C++ op per session, in a directory of its own (a build killed
+    half way leaves a lock that a later run in the same directory would wait on forever)."""
+    return tmp_path_factory.mktemp("torch_extensions")
+
+
 @pytest.mark.parametrize("code,ranks,prelude", _snippets())
-def test_snippet_runs(code, ranks, prelude, tmp_path):
+def test_snippet_runs(code, ranks, prelude, tmp_path, torch_extensions):
     script = tmp_path / "snippet.py"
     script.write_text(textwrap.dedent(PRELUDES.get(prelude, "")) + "\n" + code, encoding="utf-8")
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-               TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"), PYTHONPATH=str(ROOT),
+               TORCH_EXTENSIONS_DIR=str(torch_extensions), PYTHONPATH=str(ROOT),
                TOKENIZERS_PARALLELISM="false")
     if ranks == 1:
         argv = [sys.executable, str(script)]
