@@ -393,7 +393,7 @@ def _kind(name: str) -> str:
 
 def _ratio_by_kind(index: dict) -> dict:
     acc = collections.defaultdict(lambda: [0, 0])
-    for src_off, src_len, off, length, method, crc, ti in index["segments"]:
+    for _src_off, src_len, _off, length, _method, _crc, ti in index["segments"]:
         kind = _kind(index["tensors"][ti]["name"]) if ti >= 0 else "other bytes"
         acc[kind][0] += src_len
         acc[kind][1] += length
@@ -641,7 +641,7 @@ def _targets(results: list, kinds: dict, rss: dict | None, xor: dict) -> list:
             v = bt[1]["seconds"] / bt[2]["seconds"]
             add(f"big file {rss['file_bytes'] / 1e9:.2f} GB: {op} 2T vs 1T", f"{v:.2f}x (the 2T run got "
                 f"{bt[2]['cores']:.2f} cores)", ">= 1.7x", v >= 1.7)
-    for pair, by_kind in kinds.items():
+    for pair in kinds:
         cc = _row(results, f"delta {pair}", "comm_codec")
         xz = xor.get(pair)
         if cc and xz:

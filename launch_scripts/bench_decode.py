@@ -43,8 +43,9 @@ except ImportError:  # running from a checkout without an install
 
 from comm_codec.books.profiler import WarmupProfiler
 from comm_codec.core.codec import DEFAULT_CHUNK_ELEMS, Codec
-from comm_codec.tools.huff0 import BLOCK, Huff0, exponent_stream
 from comm_codec.tools.bench_measure import best_of
+
+from huff0 import BLOCK, Huff0, exponent_stream  # launch_scripts/huff0.py, beside this script
 
 ZIPNN_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32}

@@ -51,8 +51,9 @@ except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from comm_codec.core.errors import LinkShapingError  # noqa: E402
-from comm_codec.tools import netns  # noqa: E402
 from comm_codec.tools.pretrained import minilm_masked_lm  # noqa: E402
+
+import netns  # noqa: E402  (launch_scripts/netns.py, beside this script)
 
 ROWS = ("zero3", "always", "auto", "zero++")
 
@@ -140,7 +141,7 @@ def _rank(rank, world, port, args, out_path):
         try:
             engines[row] = ccds.initialize(model=fresh, model_parameters=fresh.parameters(),
                                            config=_config(row, args.batch, args.probe_steps))[0]
-        except Exception as exc:  # ZeRO++ on CPU: DeepSpeed's own error, printed in the table
+        except Exception as exc:  # noqa: BLE001 - ZeRO++ on CPU: DeepSpeed's own error, printed in the table
             errors[row] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     rows = [r for r in ROWS if r in engines]
     done = {r: 0 for r in rows}

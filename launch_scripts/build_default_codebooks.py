@@ -41,8 +41,8 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from comm_codec.tools import pretrained
 from comm_codec.books.profiler import WarmupProfiler
+from comm_codec.tools import pretrained
 from comm_codec.tools.tinylm import TinyLM, batches, load_corpus
 
 log = logging.getLogger("build_default_codebooks")

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Build huff0 (the Huffman coder inside zstd, from FiniteStateEntropy's lib/) as a shared
-# library for comm_codec.tools.huff0, the reference the codec's entropy stage is timed
+# library for launch_scripts/huff0.py, the reference the codec's entropy stage is timed
 # against. Only this script is ours: the C sources stay where they were fetched.
 #
 #   launch_scripts/build_huff0.sh SOURCE_DIR [OUTPUT]
 #
 # SOURCE_DIR: a checkout of https://github.com/Cyan4973/FiniteStateEntropy (or its lib/).
 # OUTPUT: the library to write (default ~/.cache/comm_codec/libhuff0.so, where
-# comm_codec.tools.huff0 looks first; COMM_CODEC_HUFF0 names another).
+# launch_scripts/huff0.py looks first; COMM_CODEC_HUFF0 names another).
 set -euo pipefail
 if [ $# -lt 1 ]; then
     echo "usage: $0 SOURCE_DIR [OUTPUT]  (SOURCE_DIR: FiniteStateEntropy checkout or its lib/)" >&2

@@ -31,7 +31,6 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
 
 import torch
 from safetensors.torch import save_file
@@ -52,7 +51,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _ACT_MODULE = re.compile(r"blocks\.\d+\.(attn|mlp)")
 
 
-def _parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="output directory (created if missing)")
     parser.add_argument("--steps", type=int, default=40, help="training steps (default: 40)")
@@ -83,7 +82,7 @@ def _parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def _capture_activations(model: torch.nn.Module, store: Dict[str, torch.Tensor]) -> None:
+def _capture_activations(model: torch.nn.Module, store: dict[str, torch.Tensor]) -> None:
     """Register forward hooks that keep each attention/MLP output in ``store``."""
 
     def make_hook(name: str):
@@ -99,7 +98,7 @@ def _capture_activations(model: torch.nn.Module, store: Dict[str, torch.Tensor])
             module.register_forward_hook(make_hook(name))
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = _parse_args(argv)
     dtype = _DTYPES[args.dtype]
@@ -119,17 +118,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         n_params, args.dtype, len(corpus), args.steps, args.batch, args.threads,
     )
 
-    activations: Dict[str, torch.Tensor] = {}
+    activations: dict[str, torch.Tensor] = {}
     _capture_activations(model, activations)
     param_names = {p: name for name, p in model.named_parameters()}
     args.out.mkdir(parents=True, exist_ok=True)
-    files: List[str] = []
+    files: list[str] = []
 
     def on_step(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: float) -> None:
         _log.info("step %4d  loss %.4f", step, loss)
         if step % args.dump_every:
             return
-        tensors: Dict[str, torch.Tensor] = {}
+        tensors: dict[str, torch.Tensor] = {}
         for p, name in param_names.items():
             tensors[f"grad/{name}"] = p.grad.detach().clone()
             tensors[f"weight/{name}"] = p.detach().clone()

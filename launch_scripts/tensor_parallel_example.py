@@ -27,7 +27,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from comm_codec import Codec, CodebookSet
+from comm_codec import CodebookSet, Codec
 from comm_codec.collectives import row_parallel_all_reduce
 from comm_codec.comm.stats import CommStats
 from comm_codec.tools.procs import free_port

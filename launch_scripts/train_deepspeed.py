@@ -9,8 +9,8 @@ passes ``--local_rank``). See ``launch_scripts/run_deepspeed.sh``.
 Usage::
 
     torchrun --standalone --nproc-per-node 2 launch_scripts/train_deepspeed.py --steps 30
-    deepspeed --num_gpus 2 launch_scripts/train_deepspeed.py --steps 30 --stage 1 --dtype fp32
-    torchrun ... launch_scripts/train_deepspeed.py --stage 3 --offload   # ZeRO-3, optimizer on the CPU
+    deepspeed --num_gpus 2 launch_scripts/train_deepspeed.py --steps 30 --zero-stage 1 --dtype fp32
+    torchrun ... launch_scripts/train_deepspeed.py --zero-stage 3 --offload   # ZeRO-3, optimizer on the CPU
     # the same run without the plugin, for comparison:
     torchrun ... launch_scripts/train_deepspeed.py --no-plugin
     # every ZeRO stage x dtype, with and without the plugin, in one launch; prints the
@@ -54,7 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deepspeed_config", "--deepspeed-config", default=os.path.join(HERE, "ds_config.json"),
                    help="DeepSpeed config with a comm_codec section (default: %(default)s)")
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="override zero_optimization.stage")
+    p.add_argument("--zero-stage", "--stage", dest="stage", type=int, choices=(0, 1, 2, 3),
+                   help="ZeRO stage 0-3: overrides zero_optimization.stage of the config (ds_config.json: 2)")
     p.add_argument("--offload", action="store_true",
                    help="offload the optimizer to the CPU (zero_optimization.offload_optimizer; stage 2 or 3)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), help="override the bf16 section")

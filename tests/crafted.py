@@ -36,7 +36,7 @@ class Container:
         self.body = bytearray(data[:off])  # header + payload
 
     @classmethod
-    def read(cls, path) -> "Container":
+    def read(cls, path) -> Container:
         with open(path, "rb") as fh:
             return cls(fh.read())
 

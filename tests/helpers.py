@@ -272,3 +272,55 @@ def join_deepspeed(rank: int, world: int) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT="1")
     deepspeed.init_distributed(dist_backend="gloo")
+
+
+def slow_but(quick, *axes):
+    """Every combination of parametrize axes as ``pytest.param`` cases, each marked ``slow``
+    unless its id is in ``quick`` (the quick tier keeps a few cases of a large product).
+
+    Args:
+        quick: the ids of the cases the quick tier runs.
+        axes: each a list of ``(value, id)``; a case's values and id ("sum-bf16-world2")
+            follow the order of the axes, so the argnames must too.
+
+    Returns:
+        A list of ``pytest.param`` for ``pytest.mark.parametrize``.
+
+    Raises:
+        ValueError: an id in ``quick`` names no case (a renamed axis value).
+    """
+    import itertools
+
+    import pytest
+
+    cases = []
+    for combo in itertools.product(*axes):
+        case_id = "-".join(i for _, i in combo)
+        marks = () if case_id in quick else (pytest.mark.slow,)
+        cases.append(pytest.param(*(v for v, _ in combo), id=case_id, marks=marks))
+    unknown = set(quick) - {c.id for c in cases}
+    if unknown:
+        raise ValueError(f"slow_but: no case has the id(s) {sorted(unknown)}")
+    return cases
+
+
+def launch_script(name: str):
+    """Import ``launch_scripts/<name>.py`` (the lab tools that are not installed with the package).
+
+    Args:
+        name: the module's file name without ``.py``.
+
+    Returns:
+        The module, loaded once per process under ``name``.
+    """
+    import importlib.util
+    from pathlib import Path
+
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parents[1] / "launch_scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before exec: dataclasses and pickling look the module up by name
+    spec.loader.exec_module(module)
+    return module

@@ -310,11 +310,11 @@ def parse_frame(data: bytes) -> NaiveFrame:
     assert ns == LAYOUT[dtype][0]
     assert nchunks == (-(-numel // chunk_elems) if numel else 0)
     pos = HEADER.size
-    ids = ["%016x" % x for x in struct.unpack_from(f"<{ns}Q", data, pos)]
+    ids = [f"{x:016x}" for x in struct.unpack_from(f"<{ns}Q", data, pos)]
     pos += 8 * ns
     entry_size = pad8(8 + 4 * ns)
     table = []
-    for c in range(nchunks):
+    for _ in range(nchunks):
         cflags, ref, chosen, checksum = struct.unpack_from("<BBHI", data, pos)
         sizes = list(struct.unpack_from(f"<{ns}I", data, pos + 8))
         assert version != 1 or chosen == 0

@@ -14,6 +14,8 @@ from comm_codec.comm import autoswitch
 from comm_codec.comm.autoswitch import AutoSwitch, decide
 from comm_codec.ddp import HuffmanState
 
+pytestmark = pytest.mark.unit
+
 
 class _Steps:
     """Drive an AutoSwitch step by step with a fake clock: a step costs ``cost(step, coded)`` s."""

@@ -7,7 +7,10 @@ import torch
 
 from comm_codec.tools import bench
 
+pytestmark = pytest.mark.unit
 
+
+@pytest.mark.slow
 def test_bench_model_file_rows_and_zipnn_columns(tmp_path, capsys):
     pytest.importorskip("zipnn", reason="the test extra (pip install comm_codec[test]) brings zipnn")
     from safetensors.torch import save_file

@@ -17,6 +17,8 @@ import torch
 
 from helpers import REPO
 
+pytestmark = pytest.mark.cli
+
 _CHILD = r"""
 import json, sys
 from comm_codec.checkpoint import compress_file, decompress_file, describe, read_index, verify_file
@@ -52,7 +54,7 @@ def _files(tmp_path):
     return {"safetensors": st, "torch_zip": pt}
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", "torch_zip"])
+@pytest.mark.parametrize("fmt", ["safetensors", pytest.param("torch_zip", marks=pytest.mark.slow)])
 def test_checkpoint_calls_do_not_import_torch(tmp_path, fmt):
     src = _files(tmp_path)[fmt]
     # one fresh interpreter runs every call in turn (each interpreter start imports numba)
@@ -64,6 +66,7 @@ def test_checkpoint_calls_do_not_import_torch(tmp_path, fmt):
     assert (tmp_path / "x.out").read_bytes() == src.read_bytes()
 
 
+@pytest.mark.slow
 def test_checkpoint_commands_do_not_import_torch(tmp_path):
     # The command line as a user runs it; -X importtime lists every module each command loads.
     src = _files(tmp_path)["safetensors"]

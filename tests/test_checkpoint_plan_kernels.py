@@ -13,6 +13,8 @@ import comm_codec as cc
 from comm_codec.core.huffman import entropy_bits
 from comm_codec.kernels import plan as kp
 
+pytestmark = pytest.mark.unit
+
 
 def _reference(rows, s, book_bits):
     r = rows[:, s, :]

@@ -20,6 +20,8 @@ from comm_codec.checkpoint.container import zstd_bounded
 
 import crafted
 
+pytestmark = pytest.mark.unit
+
 
 def _weights(n: int, dtype) -> torch.Tensor:
     return (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 0.02).to(dtype)

@@ -16,6 +16,8 @@ from safetensors.numpy import save_file
 
 from helpers import run_cli, start_cli
 
+pytestmark = pytest.mark.cli
+
 
 def _truncate_once_writing(proc, folder, victim, keep: int) -> bool:
     """Truncate ``victim`` to ``keep`` bytes once ``proc``'s temp output in ``folder`` has bytes
@@ -31,7 +33,7 @@ def _truncate_once_writing(proc, folder, victim, keep: int) -> bool:
     return False
 
 
-@pytest.mark.parametrize("op", ["compress", "decompress"])
+@pytest.mark.parametrize("op", ["compress", pytest.param("decompress", marks=pytest.mark.slow)])
 def test_cli_input_truncated_while_read_is_one_line_error(tmp_path, op):
     """A file that shrinks while it is read: exit 2 with one line, no temp file left (a mapped
     input would die of SIGBUS)."""

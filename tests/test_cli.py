@@ -11,7 +11,10 @@ import pytest
 import torch
 
 import comm_codec as cc
+
 from helpers import run_cli
+
+pytestmark = pytest.mark.cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,6 +29,7 @@ def test_version_and_help():
         assert command in r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [["--help"], ["--version"], ["no-such-command"], ["demo", "--bogus"],
                                   ["precompile", "--help"]])
 def test_help_version_and_usage_errors_import_neither_torch_nor_numba(args):
@@ -36,6 +40,7 @@ def test_help_version_and_usage_errors_import_neither_torch_nor_numba(args):
     assert not imported & {"torch", "numba"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["precompile", "warmup"])
 def test_precompile_and_its_alias_warmup_print_a_table(command):
     r = run_cli(command, "--dtypes", "bf16", "--codec-only")
@@ -60,6 +65,7 @@ def test_inspect_frame(tmp_path):
     assert "exponents   split: stream 0 codes the exponent alone, the 3 bits under it raw" in r.stdout
 
 
+@pytest.mark.slow
 def test_inspect_errors(tmp_path):
     r = run_cli("inspect", str(tmp_path / "missing"))
     assert r.returncode == 2 and "No such file or directory" in r.stderr and "Traceback" not in r.stderr
@@ -74,12 +80,14 @@ def test_unknown_option_is_a_usage_error():
     assert r.returncode == 2 and "unrecognized arguments: --bogus" in r.stderr
 
 
+@pytest.mark.slow
 def test_bench_quick_synthetic_prints_a_table():
     r = run_cli("bench", "--quick", "--skip-real", timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "comm_codec" in r.stdout and "zstd" in r.stdout
 
 
+@pytest.mark.slow
 def test_profile_checkpoint(tmp_path):
     from safetensors.torch import save_file
 
@@ -100,6 +108,7 @@ def test_profile_checkpoint(tmp_path):
     assert [b.id for _, b in single.items()] == [b.id for _, b in books.items()]
 
 
+@pytest.mark.slow
 def test_profile_entry_with_holdout(tmp_path):
     (tmp_path / "my_entry.py").write_text(textwrap.dedent("""
         import torch
@@ -117,6 +126,7 @@ def test_profile_entry_with_holdout(tmp_path):
     assert ("gradient", "bf16", 0) in cc.CodebookSet.load(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["profile"], "give exactly one of --entry module:function or --checkpoint FILE"),
     (["profile", "--entry", "nomodule_xyz:f"], "cannot import 'nomodule_xyz'"),
@@ -129,6 +139,7 @@ def test_profile_errors(args, message):
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_inspect_lists_a_compressed_checkpoint_and_survives_a_closed_pipe(tmp_path):
     from safetensors.torch import save_file
 
@@ -146,6 +157,7 @@ def test_inspect_lists_a_compressed_checkpoint_and_survives_a_closed_pipe(tmp_pa
     assert "Traceback" not in p.stderr and p.stdout.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_profile_plot_draws_a_png(tmp_path):
     from safetensors.torch import save_file
 
@@ -165,6 +177,7 @@ def _one_safetensors(tmp_path):
     return tmp_path / "m.safetensors"
 
 
+@pytest.mark.slow
 def test_a_file_that_is_neither_gets_one_message_from_every_command(tmp_path):
     src = str(_one_safetensors(tmp_path))
     errors = set()
@@ -177,6 +190,7 @@ def test_a_file_that_is_neither_gets_one_message_from_every_command(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_existing_output_needs_force_and_a_compressed_input_is_refused(tmp_path):
     src = _one_safetensors(tmp_path)
     dst = tmp_path / "m.cckp"
@@ -196,6 +210,7 @@ def test_existing_output_needs_force_and_a_compressed_input_is_refused(tmp_path)
     assert not (tmp_path / "again.cckp").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command,words", [("inspect", "Describe a comm_codec file"),
                                            ("verify", "check every checksum"), ("ls", "Print FILE's index"),
                                            ("compress", "keeps the source's permission bits")])
@@ -204,6 +219,7 @@ def test_checkpoint_commands_have_help_text(command, words):
     assert r.returncode == 0 and words in " ".join(r.stdout.split()), r.stdout
 
 
+@pytest.mark.slow
 def test_a_sharded_directory_round_trips_through_the_command(tmp_path):
     """The real command on an HF-style sharded directory: one line per file, one summary, and the
     restored tree byte for byte (the library side is tests/test_directories.py)."""

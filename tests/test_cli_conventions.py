@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 import pty
-import threading
 import sys
+import threading
 
 import pytest
 import torch
@@ -20,6 +20,8 @@ import comm_codec as cc
 from comm_codec import checkpoint as ck
 from comm_codec.checkpoint.report import human_bytes
 from comm_codec.tools import cli
+
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture

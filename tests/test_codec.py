@@ -9,10 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import comm_codec as cc
-from comm_codec.core.codec import DECODE_CACHE_SIZE
-from comm_codec.core import frame as _frame
 from comm_codec.books.profiler import WarmupProfiler
+from comm_codec.core import frame as _frame
+from comm_codec.core.codec import DECODE_CACHE_SIZE
+
 from helpers import MAX_THREADS, bits_equal, fix_header_crc, int_view, random_bits
+
+pytestmark = pytest.mark.unit
 
 _CODECS: dict = {}
 
@@ -222,6 +225,7 @@ def test_decode_out_errors(small_codec, sample):
         small_codec.decode(f, out=np.empty(1200, dtype=np.float32))
 
 
+@pytest.mark.slow
 def test_frames_from_numpy_bytes_and_buffers_decode(small_codec, sample):
     f = small_codec.encode(sample)
     arr = f.numpy()
@@ -426,9 +430,9 @@ def test_decode_table_cache_is_bounded():
     assert seen > 2 * DECODE_CACHE_SIZE
     assert len(codec.decode_cache) == DECODE_CACHE_SIZE
     # The most recent frames' tables are the ones kept.
-    last = (("%016x" % ids[-1]), ("%016x" % ids[2]))
+    last = (f"{ids[-1]:016x}", f"{ids[2]:016x}")
     assert last in codec.decode_cache
-    first = (("%016x" % ids[0]), ("%016x" % ids[0]))
+    first = (f"{ids[0]:016x}", f"{ids[0]:016x}")
     assert first not in codec.decode_cache
 
 
@@ -514,6 +518,7 @@ def test_frame_parameters_of_a_cpu_frame(small_codec, sample):
         cc.Codec.frame_parameters(bytes(64))
 
 
+@pytest.mark.slow
 def test_precompile_loads_kernels_and_reports_per_dtype(caplog):
     import logging
 
@@ -818,6 +823,7 @@ def test_equal_books_share_decode_tables_across_codecs(tmp_path):
     assert other.decode_cache.get(other.codebooks, gids) is not a.decode_cache.get(a.codebooks, ids)
 
 
+@pytest.mark.cli
 def test_first_use_of_the_serial_and_the_threaded_decode_are_each_reported(tmp_path):
     # A one-chunk frame decodes on the serial kernel and a many-chunk frame on the
     # threaded one: each kernel's first load (or compile) in a process is a wait that

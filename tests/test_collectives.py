@@ -14,13 +14,17 @@ import torch
 import torch.distributed as dist
 
 import comm_codec as cc
-import dist_utils
-from comm_codec.comm import collectives
 from comm_codec.collectives import CollectiveError
+from comm_codec.comm import collectives
 from comm_codec.comm.stats import CommStats
 
-WORLDS = [2, 3]
-WORLD_IDS = [f"world{w}" for w in WORLDS]
+import dist_utils
+from helpers import slow_but
+
+pytestmark = pytest.mark.dist
+
+WORLDS = [2, pytest.param(3, marks=pytest.mark.slow)]  # the quick tier runs 2 ranks
+WORLD_IDS = ["world2", "world3"]
 FLOATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ALL_DTYPES = dict(FLOATS, fp8_e4m3=torch.float8_e4m3fn, fp8_e5m2=torch.float8_e5m2,
                   int8=torch.int8, uint8=torch.uint8)
@@ -110,9 +114,8 @@ def _w_all_reduce(rank, world, dtype_name, average):
     return out
 
 
-@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
-@pytest.mark.parametrize("dtype_name", list(FLOATS))
-@pytest.mark.parametrize("average", [False, True], ids=["sum", "average"])
+@pytest.mark.parametrize("average,dtype_name,world", slow_but(
+    {"sum-bf16-world2", "average-fp32-world2"}, [(False, "sum"), (True, "average")], [(d, d) for d in FLOATS], [(w, f"world{w}") for w in (2, 3)]))
 def test_all_reduce_bit_exact_rank_order(world, dtype_name, average):
     results = dist_utils.run(_w_all_reduce, world, dtype_name, average)
     itemsize = FLOATS[dtype_name].itemsize
@@ -243,9 +246,8 @@ def _w_reduce_scatter(rank, world, dtype_name, average):
     return stats.as_dict()
 
 
-@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
-@pytest.mark.parametrize("dtype_name", list(FLOATS))
-@pytest.mark.parametrize("average", [False, True], ids=["sum", "average"])
+@pytest.mark.parametrize("average,dtype_name,world", slow_but(
+    {"average-bf16-world2"}, [(False, "sum"), (True, "average")], [(d, d) for d in FLOATS], [(w, f"world{w}") for w in (2, 3)]))
 def test_reduce_scatter_bit_exact_rank_order(world, dtype_name, average):
     for s in dist_utils.run(_w_reduce_scatter, world, dtype_name, average):
         assert s["calls"] == 4 and s["bytes_in"] > 0
@@ -566,6 +568,7 @@ def test_corrupt_frames_raise_collective_error_on_every_rank(world):
         assert len({r[key] for r in results}) == 1, f"{key}: ranks report different errors"
 
 
+@pytest.mark.unit
 def test_engine_precompiles_the_coded_dtype_before_a_coded_call():
     """Owners load the kernels of the dtype that is coded (the cast's, if any) before timing a call."""
     from comm_codec.comm.engine import CodingEngine
@@ -601,6 +604,7 @@ def _w_peer_announces(rank, world, claim):
     return {"type": None}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("claim", [1 << 40, -5], ids=["huge", "negative"])
 def test_a_peer_announcing_an_impossible_size_fails_every_honest_rank_in_time(claim):
     """Sizes in a stage's exchange are claims: nothing is allocated for one the receiver cannot
@@ -614,6 +618,7 @@ def test_a_peer_announcing_an_impossible_size_fails_every_honest_rank_in_time(cl
     assert f"rank 2 announced frames of {claim} and 0 bytes" in outcomes[0]["value"]["message"]
 
 
+@pytest.mark.unit
 def test_a_first_coded_call_that_waits_for_kernels_says_so(monkeypatch, caplog):
     """A compile still running when the first coded call comes: silent for 2 s, then a WARNING
     that names the dtypes and how long it has run, then one when they are ready."""

@@ -33,11 +33,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import comm_codec as cc
-from comm_codec.core.streams import spec_for
 from comm_codec.core import frame as _frame
-from helpers import (bits_equal, fix_header_crc, int_view, low_byte_books, low_byte_segments, low_byte_tensor,
-                     random_bits)
+from comm_codec.core.streams import spec_for
+
+from helpers import (
+    bits_equal,
+    fix_header_crc,
+    int_view,
+    low_byte_books,
+    low_byte_segments,
+    low_byte_tensor,
+    random_bits,
+)
 from test_codec import DISTS, make_tensor, special_bits, tensor_of_bits
+
+pytestmark = pytest.mark.unit
 
 SIM = bool(numba.config.ENABLE_CUDASIM)
 
@@ -692,6 +702,7 @@ def stop_simulator_run() -> None:
         proc.wait()
 
 
+@pytest.mark.slow
 def test_cuda_kernels_in_simulator():
     """Run this file's kernel tests in numba's CUDA simulator, in a child process."""
     start_simulator_run()  # already running unless this test was called some other way

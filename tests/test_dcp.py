@@ -11,7 +11,6 @@ Worker functions (``_w_*``) run on every rank.
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import shutil
@@ -28,16 +27,18 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 
 import comm_codec.dcp as ccd
-import dist_utils
 from comm_codec.core.codec import Codec
 from comm_codec.core.errors import CheckpointError
 from comm_codec.core.streams import SUPPORTED_DTYPES
+
+import dist_utils
 from helpers import bits_equal, random_bits
 
 UNCODED = (torch.int64, torch.int32, torch.int16, torch.bool, torch.float64, torch.complex64)
 # DCP warns that it loads in one process when no process group exists: that is the point here.
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning",
-                                        "ignore:.*torch.distributed.*:UserWarning")
+pytestmark = [pytest.mark.unit,
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning",
+                                         "ignore:.*torch.distributed.*:UserWarning")]
 
 
 def _zeros_like(sd):
@@ -497,11 +498,13 @@ def saved_on_two(tmp_path_factory):
     return path, results
 
 
+@pytest.mark.dist
 def test_fsdp2_save_async_save_and_load_on_two_ranks(saved_on_two):
     _, results = saved_on_two
     assert all(off_thread for _, off_thread in results)  # async_save coded on DCP's thread
 
 
+@pytest.mark.dist
 def test_fsdp2_checkpoint_of_two_ranks_loads_in_one_process(saved_on_two):
     path, results = saved_on_two
     want = results[0][0]
@@ -514,6 +517,8 @@ def test_fsdp2_checkpoint_of_two_ranks_loads_in_one_process(saved_on_two):
         _assert_same(target, want)
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 def test_fsdp2_checkpoint_of_two_ranks_loads_on_four(saved_on_two):
     path, results = saved_on_two
     assert dist_utils.run(_w_load, 4, os.path.join(path, "sync"), results[0][0], timeout=180) == [True] * 4

@@ -11,7 +11,10 @@ import pytest
 import torch
 
 import comm_codec as cc
+
 from helpers import bits_equal
+
+pytestmark = pytest.mark.unit
 
 
 def _codec_and_frame(n: int, escapes: float = 0.01):
@@ -49,7 +52,7 @@ def test_every_lane_on_a_bad_code_is_reported(where):
     bad = f.numpy().copy()
     starts = _lane_starts(bad, p)
     rng = np.random.default_rng(1)
-    for k, s in enumerate(starts):
+    for s in starts:
         at = s if where == "start" else s + (starts[1] - starts[0]) // 2
         bad[at:at + 48] = 0xFF  # all ones: the 7/8 code's missing pattern, again and again
     with pytest.raises(cc.FrameError, match="chunk 0 of 1 is bad: bit pattern that is no code"):

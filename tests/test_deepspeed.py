@@ -33,6 +33,8 @@ from torch import nn
 import dist_utils
 from helpers import error_text, join_deepspeed
 
+pytestmark = pytest.mark.unit
+
 try:
     import comm_codec.deepspeed as ccds
 except ImportError:  # DeepSpeed not installed: only the import test below runs
@@ -201,6 +203,8 @@ def ds_results(ds_run):
 # ----------------------------------------------------------------------------------------
 # Training with the plugin: same losses, fewer bytes
 # ----------------------------------------------------------------------------------------
+@pytest.mark.dist
+@pytest.mark.slow
 @needs_deepspeed
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
 def test_losses_equal_without_plugin(ds_results, name):
@@ -212,6 +216,8 @@ def test_losses_equal_without_plugin(ds_results, name):
         assert off["bytes_in"] == off["bytes_out"] == off["calls"] == off["raw_calls"] == 0 and off["ratio"] == 1.0
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 @needs_deepspeed
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
 def test_stats_show_every_reduction_coded_and_fewer_bytes(ds_results, name):
@@ -224,6 +230,8 @@ def test_stats_show_every_reduction_coded_and_fewer_bytes(ds_results, name):
         assert st["ratio"] == pytest.approx(st["bytes_in"] / st["bytes_out"])
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 @needs_deepspeed
 @pytest.mark.parametrize("name", [c[0] for c in CASES if "reduce" not in c[0] or "allreduce" in c[0]])
 def test_all_reduced_gradients_bit_identical_across_ranks(ds_results, name):
@@ -232,6 +240,8 @@ def test_all_reduced_gradients_bit_identical_across_ranks(ds_results, name):
     assert digests[0] == digests[1]
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 @needs_deepspeed
 def test_owner_reduce_path_sends_no_all_reduce(ds_results):
     # use_multi_rank_bucket_allreduce=false: slices go to their owners only.
@@ -239,6 +249,8 @@ def test_owner_reduce_path_sends_no_all_reduce(ds_results):
         assert res["zero2-fp32-reduce"]["digests"] == []
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 @needs_deepspeed
 def test_online_warmup_reduces_plainly_then_codes_with_identical_books(ds_results):
     stats = [res[WARMUP[0]]["stats"] for res in ds_results]
@@ -248,6 +260,8 @@ def test_online_warmup_reduces_plainly_then_codes_with_identical_books(ds_result
     assert stats[0]["books"] is not None and stats[0]["books"] == stats[1]["books"]
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 @needs_deepspeed
 def test_cast_bf16_is_lossy_but_close_and_sends_about_half(ds_results):
     for res in ds_results:
@@ -256,6 +270,8 @@ def test_cast_bf16_is_lossy_but_close_and_sends_about_half(ds_results):
         assert r["stats"]["ratio"] > 2.0 * res["zero0-fp32"]["stats"]["ratio"] * 0.9
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 @needs_deepspeed
 def test_deepspeed_monitor_gets_comm_codec_events(ds_run):
     # log_every=2 over 4 steps: DeepSpeed's CSV monitor writes rank 0's ratio at steps 2 and 4.
@@ -264,6 +280,8 @@ def test_deepspeed_monitor_gets_comm_codec_events(ds_run):
     assert float(rows[-1].split(",")[1]) > 1.05
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 @needs_deepspeed
 def test_failures_that_need_a_process_group(ds_results):
     for res in ds_results:
@@ -273,6 +291,8 @@ def test_failures_that_need_a_process_group(ds_results):
         assert res["twice"] == "RuntimeError: comm_codec is already installed in this engine"
 
 
+@pytest.mark.dist
+@pytest.mark.slow
 @needs_deepspeed
 def test_coding_leaves_torch_thread_count_alone(ds_results):
     # numba's OpenMP layer shares the OpenMP thread count with torch's intra-op pool; a

@@ -14,10 +14,12 @@ from comm_codec.checkpoint import directory
 from comm_codec.checkpoint.errors import CheckpointError
 from comm_codec.tools import cli
 
+pytestmark = pytest.mark.unit
+
 
 def _regular_files(root) -> dict:
     out = {}
-    for folder, dirs, files in os.walk(root):
+    for folder, _dirs, files in os.walk(root):
         for name in files:
             path = os.path.join(folder, name)
             if os.path.isfile(path) and not os.path.islink(path):

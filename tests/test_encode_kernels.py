@@ -11,23 +11,25 @@ planned path (plan, allocate, pack, header).
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import numba
 from numba import njit
 
 import comm_codec as cc
 from comm_codec.books.profiler import WarmupProfiler
-from comm_codec.core.streams import as_bits, spec_for
 from comm_codec.core import frame as _frame
+from comm_codec.core.streams import as_bits, spec_for
 from comm_codec.kernels.encode import PAIR_ENTRIES, PAIR_SLOW, encode_frame_into, frame_room, pair_tables
 from comm_codec.kernels.symbols import symbols0
-from helpers import bits_equal, low_byte_books, low_byte_segments, low_byte_tensor
 
 import naive
+from helpers import bits_equal, low_byte_books, low_byte_segments, low_byte_tensor
+
+pytestmark = pytest.mark.unit
 
 
 @njit(cache=False)

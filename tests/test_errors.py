@@ -8,6 +8,8 @@ import torch
 import comm_codec as cc
 from comm_codec import checkpoint
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("name, builtin", [
     ("FrameError", ValueError), ("CodebookError", ValueError), ("CheckpointError", ValueError),

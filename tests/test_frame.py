@@ -10,9 +10,11 @@ from hypothesis import strategies as st
 
 import comm_codec as cc
 from comm_codec.core import frame
-from helpers import bits_equal, fix_header_crc
 
 import naive
+from helpers import bits_equal, fix_header_crc
+
+pytestmark = pytest.mark.unit
 
 
 # -- a tiny explicit codebook set and inputs, for frames whose bytes are pinned ---------------

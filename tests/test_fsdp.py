@@ -26,8 +26,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 import comm_codec as cc
 import comm_codec.fsdp as ccf
-import dist_utils
 from comm_codec.comm import collectives
+
+import dist_utils
+
+pytestmark = pytest.mark.dist
 
 STEPS = 5
 WARMUP = 2
@@ -410,6 +413,7 @@ def _w_refresh(rank, world):
 # ----------------------------------------------------------------------------------------
 # Tests
 # ----------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("world,config,min_piece", [(2, "bf16", None), (2, "fp32-mp", 64), (2, "bf16-divide3", None),
                                                     (4, "bf16", 64)])
 def test_bit_identical_to_rank_order_reference(world, config, min_piece):
@@ -430,12 +434,14 @@ def test_bit_identical_to_rank_order_reference(world, config, min_piece):
     assert len({tuple(r["coded_losses"]) for r in results}) == world  # rank-specific batches
 
 
+@pytest.mark.slow
 def test_mode_never_is_plain_fsdp2():
     for r in dist_utils.run(_w_never, 2):
         assert r["same"] and r["losses"]
         assert r["calls"] == 0 and r["raw_calls"] > 0 and r["books"] is None and r["steps"] == STEPS
 
 
+@pytest.mark.slow
 def test_async_all_gather_returns_work():
     for r in dist_utils.run(_w_async_unshard, 2):
         assert r["same"], "prefetching with async_op=True changed the results"
@@ -443,12 +449,14 @@ def test_async_all_gather_returns_work():
         assert r["is_work"] and r["direct"] and r["sync"] and r["calls"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
 def test_corrupt_frame_fails_on_every_rank(collective):
     for message in dist_utils.run(_w_corrupt_frame, 2, collective):
         assert message.startswith("compressed collective failed: rank 1: "), message
 
 
+@pytest.mark.slow
 def test_frozen_parameters_of_another_dtype_travel_plainly():
     for r in dist_utils.run(_w_frozen_mixed, 2):
         assert r["same_full"]
@@ -474,7 +482,7 @@ def test_different_books_fail_on_every_rank():
         assert r.startswith("RuntimeError: codebooks differ across ranks"), r
 
 
-@pytest.mark.parametrize("world,refresh", [(2, False), (2, True), (4, False)],
+@pytest.mark.parametrize("world,refresh", [(2, False), (2, True), pytest.param(4, False, marks=pytest.mark.slow)],
                          ids=["world2", "world2-with_refreshes", "world4"])
 def test_auto_mode_switches_mid_run_on_every_rank_at_the_same_step(world, refresh):
     """The DDP hook's AutoSwitch decides for FSDP2 too: coding wins the first measurement
@@ -513,6 +521,7 @@ def test_drift_refresh_swaps_books_on_every_rank():
         assert r["same_books"] and r["same_full"]
 
 
+@pytest.mark.unit
 def test_state_validates_options():
     with pytest.raises(ValueError, match="warmup_steps must be an integer >= 0"):
         ccf.FSDPState(warmup_steps=-1)
@@ -540,6 +549,7 @@ def test_demo_trains_and_reports():
     assert results[0]["param_digest"] == results[1]["param_digest"]
 
 
+@pytest.mark.unit
 def test_demo_command_rejects_bad_options(capsys):
     from comm_codec.tools.fsdp_demo import main
 
@@ -549,6 +559,9 @@ def test_demo_command_rejects_bad_options(capsys):
     assert "--warmup-steps must be in 1..2" in capsys.readouterr().err
 
 
+@pytest.mark.cli
+@pytest.mark.dist
+@pytest.mark.slow
 def test_comm_codec_demo_fsdp_runs_and_prints_the_bytes_saved():
     """The README's command, as a user types it: two spawned ranks, FSDP2, a few steps."""
     import re
@@ -568,6 +581,7 @@ def test_comm_codec_demo_fsdp_runs_and_prints_the_bytes_saved():
                                                "data-parallel run needs peers), got 1"]
 
 
+@pytest.mark.unit
 def test_codec_threads_default_to_the_ranks_share_of_the_cores(monkeypatch):
     """threads=None must not give every rank all of numba's threads (they share the cores)."""
     from comm_codec.ddp import default_threads
@@ -602,6 +616,7 @@ def _w_stalled_rank(rank, world, sleep_s):
     return {"step": None}
 
 
+@pytest.mark.slow
 def test_a_stalled_rank_fails_the_other_within_the_users_timeout():
     """Every group comm_codec.fsdp makes takes the user's timeout (torch gives new groups 30 minutes)."""
     outcomes = dist_utils.run_outcomes(_w_stalled_rank, 2, 3 * STALL_TIMEOUT, timeout=60 + 6 * STALL_TIMEOUT,

@@ -14,11 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import comm_codec as cc
-from comm_codec.core.streams import spec_for
 from comm_codec.core import frame as _frame
-from helpers import bits_equal, fix_header_crc, random_bits, reseal
+from comm_codec.core.streams import spec_for
 
 import naive
+from helpers import bits_equal, fix_header_crc, random_bits, reseal
+
+pytestmark = pytest.mark.unit
 
 
 def _inputs() -> list[tuple[torch.Tensor, dict]]:

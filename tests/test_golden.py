@@ -13,12 +13,12 @@ import os
 
 import pytest
 import torch
+from make_golden import CASES, OUT, SPLIT_CASES, checkpoint_inputs, make_input
 
 import comm_codec as cc
 from comm_codec import checkpoint
 
 from helpers import bits_equal
-from make_golden import CASES, OUT, SPLIT_CASES, checkpoint_inputs, make_input
 
 pytestmark = pytest.mark.unit
 

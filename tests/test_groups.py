@@ -11,11 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import comm_codec as cc
-from comm_codec.core import frame as _frame
 from comm_codec.books.profiler import WarmupProfiler, chunk_counts, grow_group
-from helpers import bits_equal, fix_header_crc, int_view, random_bits
+from comm_codec.core import frame as _frame
 
 import naive
+from helpers import bits_equal, fix_header_crc, int_view, random_bits
+
+pytestmark = pytest.mark.unit
 
 
 def _layered(dtype, n_layers=6, per_layer=3000, seed=0) -> torch.Tensor:
@@ -302,6 +304,7 @@ def _w_build_groups(rank, world):
     return build_books(prof).to_dict()
 
 
+@pytest.mark.dist
 def test_distributed_build_equals_one_process_over_all_ranks_data():
     # Ranks gather each other's chunk histograms in rank order, so every rank builds the
     # groups that one process observing all ranks' tensors in that order builds.

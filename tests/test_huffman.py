@@ -15,9 +15,11 @@ from hypothesis import strategies as st
 import comm_codec as cc
 from comm_codec.core import huffman
 from comm_codec.kernels.histogram import package_merge
-from helpers import bits_equal
 
 import naive
+from helpers import bits_equal
+
+pytestmark = pytest.mark.unit
 
 
 def _geometric(ratio: float, floor: float = 0.0) -> np.ndarray:

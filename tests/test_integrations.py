@@ -14,12 +14,15 @@ import hashlib
 import os
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import dist_utils
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 STEPS = 5
 WARMUP = 2

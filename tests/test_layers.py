@@ -42,6 +42,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "comm_codec"
 MAX_LINES = 900

@@ -16,10 +16,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from comm_codec import checkpoint as ck
-from comm_codec.checkpoint import lossy
-from comm_codec.checkpoint import lossy_transforms
+from comm_codec.checkpoint import lossy, lossy_transforms
 from comm_codec.tools.tinylm import TinyLM, batches, load_corpus, train_steps
+
 from helpers import run_cli
+
+pytestmark = pytest.mark.unit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -144,6 +146,7 @@ def test_safetensors_chain_of_five_does_not_drift(tmp_path):
     assert max(worst[2:]) <= 1.6 * worst[1], worst
 
 
+@pytest.mark.cli
 def test_metadata_round_trip_and_inspect(series, tmp_path):
     packed = _compress_chain(series[:2], tmp_path, bits=3, alpha=2e-3, beta=1.5)
     index = lossy.read_index(packed[1])
@@ -305,6 +308,8 @@ def test_quantizer_is_lloyd_optimal_and_rounding_matches_torch():
 
 
 # -- command line ---------------------------------------------------------------------------
+@pytest.mark.cli
+@pytest.mark.slow
 def test_cli_round_trip_and_errors(series, tmp_path):
     a, b = tmp_path / "a.ccl", tmp_path / "b.ccl"
     r = run_cli("compress", series[0], a, "--lossy", "excp")

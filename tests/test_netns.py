@@ -1,4 +1,4 @@
-"""comm_codec.tools.netns: the benchmarks' shaped loopback, made and deleted for real.
+"""launch_scripts/netns.py: the benchmarks' shaped loopback, made and deleted for real.
 
 Where this process may make network namespaces (root, iproute2), a real one is made,
 shaped, entered and deleted; elsewhere each test checks that the refusal says why.
@@ -13,7 +13,12 @@ import sys
 import pytest
 
 from comm_codec.core.errors import LinkShapingError
-from comm_codec.tools import netns
+
+from helpers import launch_script
+
+netns = launch_script("netns")
+
+pytestmark = pytest.mark.unit
 
 NAME = f"cc-test-{os.getpid()}"
 CAN = netns.shaping_unavailable() is None
@@ -57,3 +62,11 @@ def _refused():
     with pytest.raises(LinkShapingError, match="need root|need iproute2"):
         with netns.namespace(NAME):
             pass
+
+
+def test_lab_tools_are_not_installed_with_the_package():
+    """netns needs root and huff0 a C library the user builds: they live in launch_scripts/."""
+    import importlib.util
+
+    for name in ("netns", "huff0"):
+        assert importlib.util.find_spec(f"comm_codec.tools.{name}") is None, name

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 import comm_codec as cc
-from comm_codec.core.streams import spec_for
 from comm_codec.books.profiler import WarmupProfiler, stream_counts
+from comm_codec.core.streams import spec_for
 
 import naive
 from helpers import bits_equal
+
+pytestmark = pytest.mark.unit
 
 
 def _two_tensors():
@@ -35,7 +37,7 @@ def test_books_come_from_the_mean_of_normalized_distributions():
     prof.observe(big, kind="gradient")
     prof.observe(small, kind="gradient")
     books = prof.build()
-    (c1, z1), (c2, z2) = stream_counts(big), stream_counts(small)
+    (c1, z1), (c2, _z2) = stream_counts(big), stream_counts(small)
     assert z1 == int((big.view(torch.int16) == 0).sum()) and c1.sum(axis=1).tolist() == [big.numel() - z1] * 2
     avg = (_normalized(c1) + _normalized(c2)) / 2
     for s in range(2):

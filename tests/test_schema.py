@@ -15,6 +15,8 @@ from comm_codec.checkpoint import exact_index, lossy_index, schema
 from comm_codec.checkpoint.errors import CheckpointError
 from comm_codec.checkpoint.schema import Anything, Int, ListOf, MapOf, Nullable, Num, OneOf, Record, Row, Str
 
+pytestmark = pytest.mark.unit
+
 _SCALAR = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
                     st.text(max_size=6), st.sampled_from(["frame", "stored", "a", "bb", 1, 2, 0, -1, True, 1.0]))
 _JSON = st.recursive(_SCALAR, lambda inner: st.one_of(st.lists(inner, max_size=4),

@@ -8,9 +8,11 @@ import torch
 
 import comm_codec as cc
 from comm_codec.core import streams
-from helpers import bits_equal, random_bits
 
 import naive
+from helpers import bits_equal, random_bits
+
+pytestmark = pytest.mark.unit
 
 SIZES = [0, 1, 2, 7, 1000]
 SUPPORTED_MESSAGE = (

@@ -28,9 +28,11 @@ from safetensors.torch import save_file
 from comm_codec import checkpoint as ck
 from comm_codec.checkpoint import lossy
 from comm_codec.checkpoint.files import temp_name
-from helpers import start_cli, run_crafted
 
 import crafted
+from helpers import run_crafted, start_cli
+
+pytestmark = pytest.mark.unit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _GEN = torch.Generator().manual_seed(7)
@@ -267,12 +269,14 @@ def _allowed_roots(work) -> list:
     return sorted(r for r in roots if r)
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_crafted_inputs_exit_cleanly_in_bounded_memory(corpus, tmp_path):
     cases = list(_cases(corpus, tmp_path))
     before = set(os.listdir(tmp_path))
     results = run_crafted([argv for _, argv, _ in cases], tmp_path, _allowed_roots(tmp_path), timeout=400)
     bad = []
-    for (label, argv, statuses), res in zip(cases, results):
+    for (label, _argv, statuses), res in zip(cases, results):
         lines = [x for x in res["stderr"].splitlines() if x.strip() and not x.startswith("INFO ")]
         problems = []
         if res["rc"] not in statuses:
@@ -299,7 +303,8 @@ def _big_source(tmp_path):
     return tmp_path / "big.safetensors"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.cli
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGHUP, marks=pytest.mark.slow)])
 def test_termination_signals_remove_the_temp_file(tmp_path, sig):
     src = _big_source(tmp_path)
     proc = start_cli("compress", src, tmp_path / "o.cckp", "--threads", "1")
@@ -318,6 +323,7 @@ def test_termination_signals_remove_the_temp_file(tmp_path, sig):
     assert sorted(os.listdir(tmp_path)) == ["big.safetensors"]
 
 
+@pytest.mark.cli
 def test_a_later_run_removes_stale_temp_files_of_dead_runs(tmp_path):
     src = tmp_path / "m.safetensors"
     save_file({"w": _weights(10_000)}, src)

@@ -20,9 +20,11 @@ from safetensors.torch import save_file
 
 from comm_codec import checkpoint as ck
 from comm_codec.core import atomic
-from helpers import REPO, run_cli, run_crafted
 
 import crafted
+from helpers import REPO, run_cli, run_crafted
+
+pytestmark = pytest.mark.unit
 
 _MB = 1 << 20
 _GEN = torch.Generator().manual_seed(11)
@@ -86,6 +88,7 @@ def test_atomic_write_leaves_nothing_on_error(tmp_path):
 
 
 # -- numba without a writable cache ----------------------------------------------------------
+@pytest.mark.cli
 def test_every_command_works_without_a_writable_numba_cache(tmp_path):
     """A copy of the package where no cache can be written, even by root: ``__pycache__`` is a
     file beside every module, HOME and NUMBA_CACHE_DIR lie under /dev/null."""
@@ -123,6 +126,7 @@ def test_every_command_works_without_a_writable_numba_cache(tmp_path):
     assert not any(os.path.isdir(os.path.join(f, "__pycache__")) for f, _, _ in os.walk(copy))
 
 
+@pytest.mark.cli
 def test_a_bad_numba_thread_setting_is_one_line():
     r = run_cli("precompile", env={"NUMBA_NUM_THREADS": "0"}, timeout=120)
     assert "NUMBA_NUM_THREADS" in _one_line_error(r)

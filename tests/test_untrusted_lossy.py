@@ -22,9 +22,11 @@ from safetensors.torch import load_file, save_file
 from comm_codec.checkpoint import lossy
 from comm_codec.checkpoint.lossy_transforms import MANTISSA, round_mantissa
 from comm_codec.core import atomic
-from helpers import run_cli, run_crafted
 
 import crafted
+from helpers import run_cli, run_crafted
+
+pytestmark = pytest.mark.cli
 
 _GEN = torch.Generator().manual_seed(27)
 _GIB = 1 << 30
@@ -89,6 +91,7 @@ def _claim_zeros(src, ccl, dst, numel: int, reseal: bool) -> int:
     return c.index["reconstruction"]["size"]
 
 
+@pytest.mark.slow
 def test_a_gigabyte_claim_is_streamed_in_bounded_memory(precision_file, tmp_path):
     src, ccl = precision_file
     size = _claim_zeros(src, ccl, tmp_path / "g.ccl", _GIB // 4, reseal=True)
@@ -154,6 +157,7 @@ def _values(bits: np.ndarray, dtype: str) -> np.ndarray:
     return torch.from_numpy(bits.view(np.int32 if bits.itemsize == 4 else np.int16)).view(_TORCH[dtype]).double().numpy()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_rounding_meets_the_subnormal_bound_for_every_pattern(dtype):
     bits = _subnormals(dtype)

@@ -28,6 +28,8 @@ from comm_codec.tools import cli
 import crafted
 from helpers import run_crafted
 
+pytestmark = [pytest.mark.cli, pytest.mark.slow]  # 12 command-line runs: out of the quick tier
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _GEN = torch.Generator().manual_seed(11)
 # What a crafted name tries: clear the screen, set the title, forge a line of output.

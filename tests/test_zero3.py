@@ -20,11 +20,13 @@ import time
 
 import pytest
 import torch
+from test_deepspeed import ccds, needs_deepspeed, torch_extensions_env
 from torch import nn
 
 import dist_utils
 from helpers import error_text, join_deepspeed
-from test_deepspeed import ccds, needs_deepspeed, torch_extensions_env
+
+pytestmark = pytest.mark.dist
 
 STEPS = 3
 # Small buckets still code: the model is small.
@@ -239,6 +241,7 @@ def test_zero3_codes_both_collectives_and_every_rank_gathers_the_owners_bits(z3)
         assert g0[1] == g1[1] == owners, f"all-gather {k}: decoded rows differ from the owners' shards"
 
 
+@pytest.mark.slow
 @needs_deepspeed
 def test_zero3_warmup_builds_books_for_weights_and_gradients(z3_more):
     for res in z3_more:
@@ -251,6 +254,7 @@ def test_zero3_warmup_builds_books_for_weights_and_gradients(z3_more):
     assert z3_more[0]["warmup"][2]["books"] == z3_more[1]["warmup"][2]["books"]
 
 
+@pytest.mark.slow
 @needs_deepspeed
 def test_offload_at_stage_3_codes_gradients_bit_identically(z3_more):
     for res in z3_more:
@@ -259,6 +263,7 @@ def test_offload_at_stage_3_codes_gradients_bit_identically(z3_more):
         assert st["reduce_scatter"]["calls"] >= STEPS and st["reduce_scatter"]["ratio"] > 1.05
 
 
+@pytest.mark.slow
 @needs_deepspeed
 def test_offload_at_stage_2_codes_gradients_and_trains_the_same(z3_more):
     for res in z3_more:
@@ -283,17 +288,19 @@ def test_settings_not_covered_fail_on_every_rank_naming_key_and_values(z3):
 # ----------------------------------------------------------------------------------------
 # Slow tier: 4 ranks, a stalled rank
 # ----------------------------------------------------------------------------------------
+@pytest.mark.slow
 @needs_deepspeed
 def test_zero3_world4_bit_identical_to_rank_order_reference():
     with torch_extensions_env() as env:
         results = dist_utils.run_fresh(_w_zero3, 4, "", (), timeout=300, env=env)
     for rank, res in enumerate(results):
         assert res["coded"][:2] == res["reference"][:2], f"rank {rank} differs from the reference"
-        for k, (own, rows) in enumerate(res["gathers"]):
+        for k, (_own, rows) in enumerate(res["gathers"]):
             assert rows == [other["gathers"][k][0] for other in results]
     assert len({res["coded"][1][0] for res in results}) == 1
 
 
+@pytest.mark.slow
 @needs_deepspeed
 def test_a_stalled_rank_fails_the_other_within_the_users_timeout():
     timeout = 6.0

@@ -165,11 +165,13 @@ def _parse_args(argv):
     return args
 
 
-def run(argv=None) -> int:
+def run(argv=None, extra=None) -> int:
     """Run the benchmark and print its table; the ``comm-codec bench`` command.
 
     Args:
         argv: command-line arguments (None: ``sys.argv[1:]``); ``--help`` lists them.
+        extra: a function of the chunk size returning more comparators for the table
+            (``launch_scripts/huff0.py``'s huff0 rows), or None.
 
     Returns:
         0 (a missed target is a result, not a failure).
@@ -190,7 +192,7 @@ def run(argv=None) -> int:
         datasets += synthetic_datasets(args)
     log.info("data ready: %d datasets, %.1f s", len(datasets), time.perf_counter() - started)
 
-    codecs = comparators(args.chunk_elems, args.bz2_mb)
+    codecs = comparators(args.chunk_elems, args.bz2_mb) + (list(extra(args.chunk_elems)) if extra else [])
 
     rows = []
     for ds in datasets:

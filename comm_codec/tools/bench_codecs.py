@@ -1,18 +1,13 @@
-"""The codecs under test: comm_codec (profiled, single-book and shipped books), zstd, bz2, zipnn, huff0.
+"""The codecs under test: comm_codec (profiled, single-book and shipped books), zstd, bz2, zipnn.
 
 Every comparator has the same small interface (:class:`Comparator`): a per-dataset
 ``setup``, an untimed ``prepare`` of the input, ``encode`` and ``decode`` with a thread
 count, the ``size`` of a payload and the ``expected`` result of a round trip.
 
-huff0 (:class:`Huff0`) codes only the exponent stream of each row (what the codec's
-books code; the other streams are stored raw by both), so its row's ratio is that
-stream's, and its GB/s is the tensor's bytes over the time huff0 takes for the exponent
-stream alone: a codec row faster than it codes the whole tensor faster than huff0 codes
-a third to a half of its bytes. Beside it, :class:`CodecExponents` times the codec on
-that same stream alone (its bytes as int8, one book fitted to them), which is the like
-for like comparison of the two coders. Both are timed when the library built by
-``launch_scripts/build_huff0.sh`` is present, and skipped with a note saying how to
-build it otherwise.
+The huff0 rows (huff0 on the exponent stream and the codec on that stream alone) come
+from ``launch_scripts/huff0.py``, which needs a C library the user builds: ``python
+launch_scripts/bench_codec.py`` is this bench with them (:func:`comm_codec.tools.bench.run`'s
+``extra``).
 """
 
 from __future__ import annotations
@@ -27,10 +22,9 @@ import torch
 
 from ..core.codebooks import CodebookSet
 from ..core.codec import Codec
-from . import huff0 as _huff0
 from .bench_data import MIB, Dataset
 
-__all__ = ["Comparator", "Unsupported", "CommCodec", "CodecExponents", "Zstd", "Bz2", "ZipNN", "Huff0", "as_u8",
+__all__ = ["Comparator", "Unsupported", "CommCodec", "Zstd", "Bz2", "ZipNN", "as_u8",
            "comparators", "threads_available"]
 
 log = logging.getLogger(__name__)
@@ -179,72 +173,6 @@ class ZipNN(Comparator):
         return self.dec[threads].decompress(payload)
 
 
-class Huff0(Comparator):
-    """huff0 on the exponent stream of each row, 64 KiB blocks, one thread."""
-
-    name = "huff0:exponents"
-
-    def __init__(self):
-        self.coder = _huff0.Huff0()  # FileNotFoundError (with how to build it) when it is not built
-        self.note = "exponent stream only (ratio of that stream; GB/s of the tensor's bytes)"
-
-    def setup(self, ds):
-        if not ds.dtype.is_floating_point:
-            raise Unsupported(f"no exponent stream in {ds.spec_name}")
-
-    def prepare(self, t):
-        return _huff0.exponent_stream(t)
-
-    def encode(self, x, threads):
-        return self.coder.compress(x) + (x.size,)
-
-    def decode(self, payload, threads):
-        return self.coder.decompress(*payload)
-
-    @staticmethod
-    def size(payload) -> int:
-        data, sizes, _ = payload
-        return data.size + 4 * len(sizes)
-
-    def expected(self, t):
-        return _huff0.exponent_stream(t)
-
-
-class CodecExponents(Comparator):
-    """The codec on the exponent stream of each row alone, one thread: what huff0's row is
-    measured against, symbol for symbol (the stream's bytes as int8, a group of books
-    fitted to the row's evaluation buckets, each chunk coded with its best, as huff0
-    fits a table to each block; see :func:`comm_codec.tools.huff0.exponent_codec`)."""
-
-    name = "comm_codec:exponents"
-    note = "exponent stream only, as int8 with books fitted to it (the like of huff0's row)"
-
-    def __init__(self, chunk_elems: int):
-        self.chunk_elems = chunk_elems
-
-    def setup(self, ds):
-        if not ds.dtype.is_floating_point:
-            raise Unsupported(f"no exponent stream in {ds.spec_name}")
-        stream = np.concatenate([_huff0.exponent_stream(b) for b in ds.buckets])
-        self.codec, _ = _huff0.exponent_codec(stream, self.chunk_elems)
-
-    def prepare(self, t):
-        return torch.from_numpy(_huff0.exponent_stream(t).view(np.int8))
-
-    def encode(self, x, threads):
-        return self.codec.encode(x, kind="weight")
-
-    def decode(self, payload, threads):
-        return self.codec.decode(payload)
-
-    @staticmethod
-    def size(payload) -> int:
-        return payload.numel()
-
-    def expected(self, t):
-        return _huff0.exponent_stream(t)
-
-
 def threads_available() -> tuple:
     return (1, 2) if numba.config.NUMBA_NUM_THREADS >= 2 else (1,)
 
@@ -257,10 +185,4 @@ def comparators(chunk_elems: int, bz2_mb: float) -> list:
         found.append(ZipNN())
     except ImportError as exc:
         log.warning("zipnn not importable (%s); its rows are left out (pip install comm_codec[bench])", exc)
-    try:
-        huff = Huff0()
-    except OSError as exc:  # FileNotFoundError included: not built here
-        log.warning("huff0 rows left out: %s", exc)
-    else:
-        found += [CodecExponents(chunk_elems), huff]
     return found

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from .bench_measure import BUSY_SHARE
-from .huff0 import BUILD_HINT
 
 __all__ = ["HUFF0", "format_table", "evaluate_targets", "format_targets"]
 
@@ -87,7 +86,8 @@ def format_table(rows: list) -> str:
             + "; ".join(notes)
         ).rstrip())
     if rows and not huff:
-        lines.append(f"(no huff0 column: the huff0 library is not built; {BUILD_HINT})")
+        lines.append("(no huff0 column: python launch_scripts/bench_codec.py adds it where "
+                     "launch_scripts/build_huff0.sh has built the library)")
     return "\n".join(lines)
 
 

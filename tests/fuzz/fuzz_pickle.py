@@ -15,10 +15,11 @@ import tempfile
 
 import atheris
 
+import comm_codec.books.profiler  # noqa: E402,F401
+
 # The codec and its numba kernels first, uninstrumented: numba cannot compile atheris's
 # branch hooks. Only the checkpoint package (the parsers under test) is instrumented.
 import comm_codec.core.codec  # noqa: E402,F401
-import comm_codec.books.profiler  # noqa: E402,F401
 
 with atheris.instrument_imports(include=["comm_codec.checkpoint"]):
     from comm_codec.checkpoint import formats, pickle_scan

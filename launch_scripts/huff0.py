@@ -13,8 +13,11 @@ stored as huff0 returns it, raw where ``HUF_compress`` returns 0 (incompressible
 one byte where it returns 1 (a single symbol); ``HUF_decompress`` reads all three from
 the stored size, so a payload is the blocks plus their u32 sizes.
 
-Run as a script (``python -m comm_codec.tools.huff0``) it times huff0 against the codec
-on the exponent streams of real weights, alternating the two in one process.
+Run as a script (``python launch_scripts/huff0.py``) it times huff0 against the codec on
+the exponent streams of real weights, alternating the two in one process;
+:func:`comparators` gives ``launch_scripts/bench_codec.py`` (``comm-codec bench`` with
+the huff0 rows) its two extra rows. It lives beside the launchers, not in the package,
+because it needs a C library the user builds.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ import time
 import numpy as np
 import torch
 
-__all__ = ["BLOCK", "BUILD_HINT", "Huff0", "default_path", "exponent_codec", "exponent_stream", "main"]
+from comm_codec.tools.bench_codecs import Comparator, Unsupported
+
+__all__ = ["BLOCK", "BUILD_HINT", "CodecExponents", "Huff0", "Huff0Rows", "comparators", "default_path",
+           "exponent_codec", "exponent_stream", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +189,8 @@ def exponent_codec(stream: np.ndarray, chunk_elems: int, max_books: int = 8):
         (the Codec, the stream as an int8 tensor sharing its memory); code it as kind
         ``"weight"``.
     """
-    from ..books.profiler import WarmupProfiler
-    from ..core.codec import Codec
+    from comm_codec.books.profiler import WarmupProfiler
+    from comm_codec.core.codec import Codec
 
     prof = WarmupProfiler(chunk_elems=chunk_elems, max_books=max_books)
     t = torch.from_numpy(stream.view(np.int8))
@@ -201,7 +207,7 @@ def _best(fn, repeat: int, out: list) -> None:
 def _datasets(names: list) -> list:
     """(name, tensor) pairs: the packaged models' weights, flattened, in bf16 and fp32, and
     MiniLM's word-embedding table cast to fp16 (no packaged model ships fp16 weights)."""
-    from .pretrained import load_weights, model_path
+    from comm_codec.tools.pretrained import load_weights, model_path
 
     out = []
     for name in names:
@@ -217,14 +223,14 @@ def _datasets(names: list) -> list:
 
 def main(argv=None) -> int:
     """Time huff0 against the codec on exponent streams; print a table (symbols per second)."""
-    parser = argparse.ArgumentParser(prog="python -m comm_codec.tools.huff0", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python launch_scripts/huff0.py", description=main.__doc__)
     parser.add_argument("--models", default="minilm", help="comma-separated packaged models (minilm, efficientnet)")
     parser.add_argument("--repeat", type=int, default=7, help="alternating rounds, best kept (7)")
     parser.add_argument("--lib", default=None, help="the built huff0 library (default: %(default)s -> "
                         + default_path() + ")")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    from .pretrained import MODELS, model_path
+    from comm_codec.tools.pretrained import MODELS, model_path
 
     models = [m for m in args.models.split(",") if m]
     if not models:
@@ -243,7 +249,7 @@ def main(argv=None) -> int:
         return 2
     import numba
 
-    from ..core.codec import DEFAULT_CHUNK_ELEMS, Codec
+    from comm_codec.core.codec import DEFAULT_CHUNK_ELEMS, Codec
 
     numba.set_num_threads(1)
     torch.set_num_threads(1)
@@ -284,6 +290,91 @@ def main(argv=None) -> int:
           f"book fitted to it, full = the whole tensor with the shipped books (elements/s); best of "
           f"{args.repeat} alternating rounds; cores available {cores}, CPU time / wall {(time.process_time() - cpu0) / wall:.2f}")
     return 0
+
+
+class Huff0Rows(Comparator):
+    """huff0 on the exponent stream of each row, 64 KiB blocks, one thread."""
+
+    name = "huff0:exponents"
+
+    def __init__(self):
+        self.coder = Huff0()  # FileNotFoundError (with how to build it) when it is not built
+        self.note = "exponent stream only (ratio of that stream; GB/s of the tensor's bytes)"
+
+    def setup(self, ds):
+        if not ds.dtype.is_floating_point:
+            raise Unsupported(f"no exponent stream in {ds.spec_name}")
+
+    def prepare(self, t):
+        return exponent_stream(t)
+
+    def encode(self, x, threads):
+        return self.coder.compress(x) + (x.size,)
+
+    def decode(self, payload, threads):
+        return self.coder.decompress(*payload)
+
+    @staticmethod
+    def size(payload) -> int:
+        data, sizes, _ = payload
+        return data.size + 4 * len(sizes)
+
+    def expected(self, t):
+        return exponent_stream(t)
+
+
+class CodecExponents(Comparator):
+    """The codec on the exponent stream of each row alone, one thread: what huff0's row is
+    measured against, symbol for symbol (the stream's bytes as int8, a group of books
+    fitted to the row's evaluation buckets, each chunk coded with its best, as huff0
+    fits a table to each block; see :func:`exponent_codec`)."""
+
+    name = "comm_codec:exponents"
+    note = "exponent stream only, as int8 with books fitted to it (the like of huff0's row)"
+
+    def __init__(self, chunk_elems: int):
+        self.chunk_elems = chunk_elems
+
+    def setup(self, ds):
+        if not ds.dtype.is_floating_point:
+            raise Unsupported(f"no exponent stream in {ds.spec_name}")
+        stream = np.concatenate([exponent_stream(b) for b in ds.buckets])
+        self.codec, _ = exponent_codec(stream, self.chunk_elems)
+
+    def prepare(self, t):
+        return torch.from_numpy(exponent_stream(t).view(np.int8))
+
+    def encode(self, x, threads):
+        return self.codec.encode(x, kind="weight")
+
+    def decode(self, payload, threads):
+        return self.codec.decode(payload)
+
+    @staticmethod
+    def size(payload) -> int:
+        return payload.numel()
+
+    def expected(self, t):
+        return exponent_stream(t)
+
+
+def comparators(chunk_elems: int) -> list:
+    """The two huff0 rows for ``comm-codec bench``'s table (:func:`comm_codec.tools.bench.run`'s
+    ``extra``): the codec on the exponent stream alone and huff0 on it.
+
+    Args:
+        chunk_elems: the bench's chunk size, for the exponent codec's books.
+
+    Returns:
+        The comparators, or an empty list (with a warning saying how to build it) when the
+        huff0 library is not built here.
+    """
+    try:
+        huff = Huff0Rows()
+    except OSError as exc:  # FileNotFoundError included: not built here
+        log.warning("huff0 rows left out: %s", exc)
+        return []
+    return [CodecExponents(chunk_elems), huff]
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ nothing outside the machine is reached, and its loopback is shaped with a token-
 filter (``tc qdisc ... tbf``). :func:`namespace` makes one and deletes it however the run
 ends (an exception, SIGTERM, SIGHUP); :func:`exec_argv` is the command that runs a
 program inside it; :func:`shape` changes its rate between runs. The recipe is
-``launch_scripts/netns.sh``'s. Root and iproute2 are needed.
+``launch_scripts/netns.sh``'s. Root and iproute2 are needed, which is why it lives beside
+the benchmarks that import it and is not installed with the package.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import signal
 import subprocess
 import sys
 
-from ..core.errors import LinkShapingError
+from comm_codec.core.errors import LinkShapingError
 
 __all__ = ["exec_argv", "namespace", "shape", "shaping_unavailable"]
 
