@@ -33,7 +33,7 @@ from comm_codec import checkpoint
 from comm_codec.core import codebooks as codebooks_module
 from comm_codec.core.errors import CheckpointError
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed.*:UserWarning")
+pytestmark = [pytest.mark.unit, pytest.mark.filterwarnings("ignore:.*torch.distributed.*:UserWarning")]
 
 
 def _empty_like(sd):
@@ -142,6 +142,7 @@ def _w_save_torch(rank, world, path):
     return full if rank == 0 else None
 
 
+@pytest.mark.dist
 def test_zstd_and_writer_options_on_two_ranks_load_bit_exact(tmp_path):
     want = dist_utils.run(_w_save_torch, 2, str(tmp_path), timeout=180)[0]
     assert len([n for n in os.listdir(tmp_path / "ours") if n.endswith(".distcp")]) > 2  # one file per item

@@ -27,7 +27,7 @@ import comm_codec.dcp as ccd
 from comm_codec.checkpoint import _dcp_items, _dcp_metadata
 from comm_codec.core.errors import CheckpointError
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed.*:UserWarning")
+pytestmark = [pytest.mark.unit, pytest.mark.filterwarnings("ignore:.*torch.distributed.*:UserWarning")]
 
 
 def _rss_mb() -> float:
