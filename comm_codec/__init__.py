@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import importlib
 
-from .core.errors import ChainError, CheckpointError, CodebookError, CollectiveError, CommCodecError, FrameError
+from .core.errors import (AgreementError, ChainError, CheckpointError, CodebookError, CollectiveError, CommCodecError,
+                          ConfigError, FrameError)
 from .core.version import __version__
 
 __all__ = [
     "Codec",
+    "CommConfig",
     "Codebook",
     "CodebookGroup",
     "CodebookSet",
@@ -35,6 +37,8 @@ __all__ = [
     "CheckpointError",
     "ChainError",
     "CollectiveError",
+    "AgreementError",
+    "ConfigError",
     "FrameError",
     "KINDS",
     "SUPPORTED_DTYPES",
@@ -46,6 +50,7 @@ __all__ = [
 # name -> module that defines it (imported when the name is first read)
 _LAZY = {
     "Codec": ".core.codec",
+    "CommConfig": ".comm.config",
     "Codebook": ".core.huffman",
     "CodebookGroup": ".core.codebooks",
     "CodebookSet": ".core.codebooks",

@@ -62,6 +62,7 @@ TIERS = {
     "test_codec.py": ("unit", {"test_first_use_of_the_serial_*": "cli"}),  # that one: a fresh interpreter
     "test_encode_kernels.py": "unit",
     "test_checkpoint_plan_kernels.py": "unit",
+    "test_config.py": "unit",
     "test_collectives.py": ("dist", {"test_engine_precompiles_the_coded_dtype_before_a_coded_call": "unit",
                                      "test_a_first_coded_call_that_waits_for_kernels_says_so": "unit"}),
     "test_cuda.py": "unit",  # the simulator run is pytest in a child process, not the CLI

@@ -460,16 +460,18 @@ def test_hook_annotations_are_the_types_ddp_checks():
 
 
 @pytest.mark.parametrize("kwargs, phrase", [
-    ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0, got -1"),
-    ({"warmup_steps": 1.5}, "warmup_steps must be an integer >= 0"),
-    ({"cast": "fp8"}, "cast must be None or 'bf16', got 'fp8'"),
+    ({"warmup_steps": -1}, "warmup_steps=-1; allowed: an integer >= 0"),
+    ({"warmup_steps": 1.5}, "warmup_steps=1.5; allowed: an integer >= 0"),
+    ({"cast": "fp8"}, "cast='fp8'; allowed: None (lossless) or 'bf16'"),
     ({"codebooks": "BOOKS", "warmup_steps": 3}, "give either codebooks (fixed books) or warmup_steps > 0"),
-    ({"min_bytes": -1}, "min_bytes must be an integer >= 0"),
+    ({"min_bytes": -1}, "min_bytes=-1; allowed: an integer >= 0"),
+    ({"mode": "sometimes"}, "mode='sometimes'; allowed: 'auto', 'always', 'never'"),
+    ({"threads": 0}, "threads=0; allowed: None or an integer in 1.."),
 ])
 def test_huffman_state_rejects_bad_arguments(kwargs, phrase):
     if kwargs.get("codebooks") == "BOOKS":
         kwargs = dict(kwargs, codebooks=cc.CodebookSet.default())
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(cc.ConfigError) as info:
         HuffmanState(**kwargs)
     assert phrase in str(info.value)
 
@@ -480,6 +482,8 @@ def test_huffman_state_codebooks_from_path(other_books_path):
     assert HuffmanState(codebooks=str(other_books_path)).stats()["books"] == expected
     with pytest.raises(TypeError, match="codebooks must be a CodebookSet, a path or None"):
         HuffmanState(codebooks=42)
+    with pytest.raises(cc.CodebookError, match="codebooks='missing.json': no such file"):
+        HuffmanState(codebooks="missing.json")
 
 
 def test_ddp_exact_with_books_from_a_saved_file(other_books_path):

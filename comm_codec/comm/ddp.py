@@ -52,24 +52,30 @@ class HuffmanState(CodingEngine):
             defaults, or books built online when ``warmup_steps`` > 0.
         warmup_steps: backward passes to profile (plain all-reduce) before building books
             and compressing; 0 compresses from the start. Requires ``codebooks=None``.
-        **options: the engine's other settings, the same for every adapter
-            (:data:`comm_codec.comm.engine.OPTIONS`): ``mode`` ("auto", "always",
-            "never"), ``cast`` (None or "bf16": fp32 buckets rounded to bf16, **lossy**),
-            ``min_bytes`` (smaller buckets go plainly), ``threads``, ``log_every``,
-            ``writer``, ``drift_every``, ``refresh_threshold``, ``refresh_steps``,
-            ``recheck_every``, ``probe_steps``, ``hysteresis``; see
-            :class:`~comm_codec.comm.engine.CodingEngine`.
+        config: a :class:`~comm_codec.comm.config.CommConfig` holding every setting
+            (keywords given beside it replace its fields).
+        writer: optional TensorBoard ``SummaryWriter`` (scalars under comm_codec/).
+        **options: the other :class:`~comm_codec.comm.config.CommConfig` settings, the
+            same for every adapter: ``mode`` ("auto", "always", "never"), ``cast`` (None
+            or "bf16": fp32 buckets rounded to bf16, **lossy**), ``min_bytes``,
+            ``threads``, ``log_every``, ``drift_every``, ``refresh_threshold``,
+            ``refresh_steps``, ``recheck_every``, ``probe_steps``, ``hysteresis``.
 
     Raises:
-        ValueError: a negative warmup, both codebooks and warmup given, an unknown cast
-            or mode, negative sizes, or a refresh threshold without drift measurement.
+        ConfigError: a bad setting; the message names the key, the value and what is allowed.
+        CodebookError: ``codebooks`` names a missing or malformed file.
         TypeError: codebooks of the wrong type, or an unknown option.
     """
 
     __slots__ = ()
 
-    def __init__(self, process_group=None, codebooks=None, warmup_steps: int = 0, **options):
-        super().__init__(process_group, codebooks, warmup_steps, name="HuffmanState", **options)
+    def __init__(self, process_group=None, codebooks=None, warmup_steps: int = 0, *, config=None, writer=None,
+                 **options):
+        if codebooks is not None:
+            options["codebooks"] = codebooks
+        if warmup_steps or config is None:
+            options["warmup_steps"] = warmup_steps
+        super().__init__(process_group, config, writer=writer, name="HuffmanState", **options)
         if dist.is_available() and dist.is_initialized():
             self.group()  # creating a group is collective: here, where every rank builds its state
 

@@ -64,12 +64,12 @@ the same on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import json
 import logging
 import os
-from typing import Optional
 
 try:
     import deepspeed
@@ -80,19 +80,18 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the ext
         "pip install 'comm_codec[deepspeed]'"
     ) from _exc
 
-import pydantic
 import torch
 import torch.distributed as dist
 
 from ..core.codebooks import KINDS, CodebookSet
-from ..core.errors import CodebookError
+from ..core.errors import CodebookError, ConfigError
 from . import collectives
-from .autoswitch import MODES
-from .engine import CASTS, CODED_DTYPES, CodingEngine
+from .config import CommConfig
+from .engine import CODED_DTYPES, CodingEngine
 from .zero3 import SEAMS as ZERO3_SEAMS
 from .zero3 import Zero3Seams, seam_parameters
 
-__all__ = ["CommCodecConfig", "SUPPORTED_DEEPSPEED", "initialize", "install", "parse_config", "stats"]
+__all__ = ["CommCodecConfig", "DEEPSPEED_ONLY", "SUPPORTED_DEEPSPEED", "initialize", "install", "parse_config", "stats"]
 
 log = logging.getLogger(__name__)
 
@@ -115,113 +114,103 @@ _SEAMS = {
 
 
 # -- configuration ------------------------------------------------------------------------
-class CommCodecConfig(pydantic.BaseModel):
-    """The ``"comm_codec"`` section of a DeepSpeed config; unknown keys are rejected.
+# The section's keys that are not CommConfig settings: the plugin's own.
+DEEPSPEED_ONLY = ("enabled", "kinds", "monitor")
+
+
+@dataclasses.dataclass(frozen=True)
+class CommCodecConfig:
+    """The ``"comm_codec"`` section of a DeepSpeed config, parsed.
+
+    Its keys are the :class:`~comm_codec.comm.config.CommConfig` settings (the same as
+    ``HuffmanState``'s and ``comm_codec.fsdp.register``'s, validated there) plus the
+    DeepSpeed-only keys of :data:`DEEPSPEED_ONLY`; any other key is refused.
 
     Attributes:
-        enabled: install the codec (a present section defaults to true).
+        config: the coding settings.
         codebooks: ``"default"`` (the shipped books), ``"online"`` (built from the first
-            ``warmup_steps`` steps), or the path of a saved :class:`CodebookSet`; unset:
-            ``"online"`` when ``warmup_steps`` > 0, else ``"default"``.
-        warmup_steps: optimizer steps reduced plainly while profiling; they build the
-            books online (as ``HuffmanState(warmup_steps=...)``).
-        mode: ``"auto"``, ``"always"`` or ``"never"``, as for HuffmanState.
-        recheck_every, probe_steps, hysteresis: auto mode's measurement, as for
-            HuffmanState.
+            ``warmup_steps`` steps), or the path of a saved :class:`CodebookSet`; unset in
+            the file: ``"online"`` when ``warmup_steps`` > 0, else ``"default"``.
+        enabled: install the codec (a present section defaults to true).
         kinds: the traffic to code, by codebook kind: ``"gradient"`` (gradient reduction,
-            every stage), ``"weight"`` (the parameter all-gathers of ZeRO stage 3); unset:
+            every stage), ``"weight"`` (the parameter all-gathers of ZeRO stage 3); None:
             everything the stage moves.
-        cast: null (lossless) or ``"bf16"``: fp32 buckets are rounded to bf16 before
-            coding (**lossy**, like PyTorch's bf16_compress_hook).
-        log_every: log a traffic line (and write DeepSpeed monitor events) every this
-            many steps on rank 0; 0 = never.
-        min_bytes: buckets smaller than this are reduced plainly.
-        threads: numba threads for the codec (null: numba's setting).
-        drift_every, refresh_threshold, refresh_steps: codebook drift measurement and
-            refresh, as in :class:`comm_codec.ddp.HuffmanState`.
         monitor: also write comm_codec/* scalars to DeepSpeed's monitor (TensorBoard,
             W&B, CSV) when one is enabled in the config.
+
+    Every other setting reads through to ``config`` (``section.mode``, ``section.cast``...).
     """
 
-    model_config = pydantic.ConfigDict(extra="forbid", strict=True, frozen=True)
-
+    config: CommConfig
+    codebooks: str = "default"
     enabled: bool = True
-    codebooks: Optional[str] = None
-    warmup_steps: int = pydantic.Field(0, ge=0)
-    mode: str = "auto"
-    recheck_every: int = pydantic.Field(200, ge=1)
-    probe_steps: int = pydantic.Field(4, ge=1)
-    hysteresis: float = pydantic.Field(0.05, ge=0, lt=1)
-    kinds: Optional[list[str]] = pydantic.Field(None, min_length=1)
-    cast: Optional[str] = None
-    log_every: int = pydantic.Field(50, ge=0)
-    min_bytes: int = pydantic.Field(4096, ge=0)
-    threads: Optional[int] = pydantic.Field(None, ge=1)
-    drift_every: int = pydantic.Field(0, ge=0)
-    refresh_threshold: Optional[float] = pydantic.Field(None, gt=0)
-    refresh_steps: int = pydantic.Field(3, ge=1)
+    kinds: tuple[str, ...] | None = None
     monitor: bool = True
 
-    @pydantic.field_validator("codebooks")
-    @classmethod
-    def _codebook_source(cls, value):
-        if value is None or value in ("default", "online"):
-            return value
-        if not os.path.isfile(value):
-            raise ValueError(f"codebook file {value!r} not found; expected \"default\", \"online\" or the "
-                             "path of a file saved by CodebookSet.save (e.g. train_ddp.py --save-codebooks)")
-        return value
+    def __getattr__(self, name):
+        if name in CommConfig.fields():
+            return getattr(self.config, name)
+        raise AttributeError(name)
 
-    @pydantic.field_validator("kinds")
-    @classmethod
-    def _kinds(cls, value):
-        for kind in value or ():
-            if kind not in KINDS:
-                raise ValueError(f"unknown tensor kind {kind!r}; allowed: {list(_SUPPORTED_KINDS)}")
+
+def _section_error(key: str, problem: str) -> ConfigError:
+    exc = ConfigError(f"{SECTION}.{key}" if key else SECTION, None, problem)
+    exc.args = (f"invalid \"{SECTION}\" section in the DeepSpeed config: "
+                + (f"{SECTION}.{key}: " if key else f"{SECTION}: ") + problem,)
+    return exc
+
+
+def _json(value) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _parse_section(section: dict) -> CommCodecConfig:
+    allowed = (*CommConfig.fields(), *DEEPSPEED_ONLY)
+    for key in section:
+        if key not in allowed:
+            raise _section_error(key, f"unknown key; allowed keys: {', '.join(allowed)}")
+    own = {key: section[key] for key in DEEPSPEED_ONLY if key in section}
+    for key in ("enabled", "monitor"):
+        if key in own and not isinstance(own[key], bool):
+            raise _section_error(key, f"{_json(own[key])}; allowed: true or false")
+    kinds = own.get("kinds")
+    if kinds is not None:
+        if not isinstance(kinds, list) or not kinds:
+            raise _section_error("kinds", f"{_json(kinds)}; allowed: a non-empty list of {list(_SUPPORTED_KINDS)}")
+        for kind in kinds:
             if kind not in _SUPPORTED_KINDS:
-                raise ValueError(f"kind {kind!r} is not coded by the DeepSpeed plugin (it codes gradient "
-                                 f"reduction and ZeRO-3 parameter all-gathers); allowed: {list(_SUPPORTED_KINDS)}")
-        return value
-
-    @pydantic.field_validator("mode")
-    @classmethod
-    def _mode(cls, value):
-        if value not in MODES:
-            raise ValueError(f"unknown mode {value!r}; allowed: " + ", ".join(f'"{m}"' for m in MODES))
-        return value
-
-    @pydantic.field_validator("cast")
-    @classmethod
-    def _cast(cls, value):
-        if value not in CASTS:
-            raise ValueError(f"unknown cast {value!r}; allowed: null (lossless) or \"bf16\"")
-        return value
-
-    @pydantic.model_validator(mode="after")
-    def _consistent(self):
-        if self.codebooks == "online" and self.warmup_steps == 0:
-            raise ValueError("codebooks \"online\" needs warmup_steps >= 1 (the steps whose statistics "
-                             "build the books)")
-        if self.codebooks not in (None, "online") and self.warmup_steps:
-            raise ValueError(f"warmup_steps builds the books online, but codebooks is {self.codebooks!r}: "
+                what = ("is not coded by the DeepSpeed plugin (it codes gradient reduction and ZeRO-3 parameter "
+                        "all-gathers)" if kind in KINDS else "is an unknown tensor kind")
+                raise _section_error("kinds", f"{kind!r} {what}; allowed: {list(_SUPPORTED_KINDS)}")
+        own["kinds"] = tuple(kinds)
+    settings = {key: value for key, value in section.items() if key not in DEEPSPEED_ONLY}
+    source = settings.pop("codebooks", None)
+    warmup = settings.get("warmup_steps", 0)
+    if source == "online":
+        if warmup == 0:
+            raise _section_error("", "codebooks \"online\" needs warmup_steps >= 1 (the steps whose statistics "
+                                 "build the books)")
+    elif source is not None and warmup:
+        raise _section_error("warmup_steps", f"warmup_steps builds the books online, but codebooks is {source!r}: "
                              "drop codebooks (or set it to \"online\") to build them, or set warmup_steps to 0")
-        if self.codebooks is None:
-            object.__setattr__(self, "codebooks", "online" if self.warmup_steps else "default")
-        if self.refresh_threshold is not None and not self.drift_every:
-            raise ValueError("refresh_threshold needs drift_every > 0 (drift is what triggers a refresh)")
-        return self
-
-
-def _config_error(exc: pydantic.ValidationError) -> ValueError:
-    problems = []
-    for err in exc.errors():
-        key = ".".join([SECTION, *map(str, err["loc"])])
-        if err["type"] == "extra_forbidden":
-            problems.append(f"{key}: unknown key; allowed keys: {', '.join(CommCodecConfig.model_fields)}")
-            continue
-        msg = err["msg"].removeprefix("Value error, ")
-        problems.append(f"{key}: {msg}" + (f" (got {err['input']!r})" if err["loc"] else ""))
-    return ValueError(f"invalid \"{SECTION}\" section in the DeepSpeed config: " + "; ".join(problems))
+    elif source not in (None, "default"):
+        if not isinstance(source, str):
+            raise _section_error("codebooks", f"{_json(source)}; allowed: \"default\", \"online\" or the path "
+                                 "of a file saved by CodebookSet.save")
+        settings["codebooks"] = source
+    try:
+        config = CommConfig(**settings)
+    except ConfigError as exc:
+        raise _section_error(exc.key, f"{_json(exc.value)}; allowed: {exc.allowed}") from None
+    except CodebookError as exc:
+        raise CodebookError(f"invalid \"{SECTION}\" section in the DeepSpeed config: {SECTION}.codebooks: "
+                            f"{exc}") from None
+    if source is None:
+        source = "online" if config.warmup_steps else "default"
+    return CommCodecConfig(config=config, codebooks=source, **own)
 
 
 def parse_config(config) -> CommCodecConfig | None:
@@ -235,8 +224,9 @@ def parse_config(config) -> CommCodecConfig | None:
         The validated section, or None when the config has none.
 
     Raises:
-        ValueError: an unknown key or a bad value; the message names the key
-            (``comm_codec.cast``...) and what is allowed.
+        ConfigError: an unknown key or a bad value; the message names the key
+            (``comm_codec.cast``...), the value and what is allowed.
+        CodebookError: a codebook file that is missing or not a codebook set.
         FileNotFoundError: the config file does not exist.
     """
     if isinstance(config, CommCodecConfig):
@@ -249,11 +239,8 @@ def parse_config(config) -> CommCodecConfig | None:
     if section is None:
         return None
     if not isinstance(section, dict):
-        raise ValueError(f"\"{SECTION}\" in the DeepSpeed config must be an object, got {section!r}")
-    try:
-        return CommCodecConfig.model_validate(section)
-    except pydantic.ValidationError as exc:
-        raise _config_error(exc) from None
+        raise _section_error("", f"{_json(section)}; allowed: an object (must be an object of settings)")
+    return _parse_section(section)
 
 
 def _load_config_file(path) -> dict:
@@ -290,9 +277,11 @@ def _check_version() -> None:
             )
 
 
-def _unsupported(feature: str, fix: str) -> ValueError:
-    return ValueError(f"comm_codec.deepspeed does not support {feature}; {fix}, "
-                      f"or set \"{SECTION}\": {{\"enabled\": false}}")
+def _unsupported(feature: str, fix: str) -> ConfigError:
+    exc = ConfigError(SECTION, None, "a supported setup")
+    exc.args = (f"comm_codec.deepspeed does not support {feature}; {fix}, "
+                f"or set \"{SECTION}\": {{\"enabled\": false}}",)
+    return exc
 
 
 # ZeRO settings that take the traffic off the seams (ZeRO++'s lossy paths, fetching by
@@ -344,13 +333,11 @@ def check_zero(zero: dict, section: CommCodecConfig) -> int:
     allowed = list(_STAGE_KINDS[stage])
     for kind in section.kinds or ():
         if kind not in allowed:
-            raise ValueError(f"invalid \"{SECTION}\" section in the DeepSpeed config: {SECTION}.kinds: "
-                             f"{kind!r} (parameter all-gathers) is coded at ZeRO stage 3 only; allowed at "
-                             f"stage {stage}: {allowed}")
+            raise _section_error("kinds", f"{kind!r} (parameter all-gathers) is coded at ZeRO stage 3 only; "
+                                 f"allowed at stage {stage}: {allowed}")
     if stage == 3 and section.cast is not None:
-        raise ValueError(f"invalid \"{SECTION}\" section in the DeepSpeed config: {SECTION}.cast: "
-                         f"{section.cast!r} at ZeRO stage 3, where weights and gradients must arrive exactly; "
-                         "allowed at stage 3: null")
+        raise _section_error("cast", f"{section.cast!r} at ZeRO stage 3, where weights and gradients must "
+                             "arrive exactly; allowed at stage 3: null")
     return stage
 
 
@@ -423,30 +410,20 @@ class _Plugin:
     __slots__ = ("config", "coder", "engine", "stage", "kinds", "zero3", "_step_open")
 
     def __init__(self, engine, config: CommCodecConfig, stage: int):
-        books = None
-        if config.codebooks not in ("default", "online"):
-            try:
-                books = CodebookSet.load(config.codebooks)
-            except (OSError, CodebookError) as exc:
-                raise ValueError(f"{SECTION}.codebooks: cannot load codebook file {config.codebooks!r}: "
-                                 f"{exc}") from None
         self.stage = stage
         self.kinds = tuple(config.kinds or _STAGE_KINDS[stage])
-        if books is not None or config.codebooks == "default":
+        if config.codebooks != "online":
+            books = config.config.codebooks
             _check_books(books if books is not None else CodebookSet.default(), config.codebooks,
                          _coded_dtypes(engine, stage, self.kinds))
         zero3 = stage == 3
         try:
             self.coder = CodingEngine(
-                engine.data_parallel_group, books, config.warmup_steps, config.mode, config.cast,
-                config.min_bytes, config.threads, config.log_every, drift_every=config.drift_every,
-                refresh_threshold=config.refresh_threshold, refresh_steps=config.refresh_steps,
-                recheck_every=config.recheck_every, probe_steps=config.probe_steps, hysteresis=config.hysteresis,
-                name="comm_codec.deepspeed", allow_cast=not zero3,
+                engine.data_parallel_group, config.config, name="comm_codec.deepspeed", allow_cast=not zero3,
                 plain_name="plain reduce-scatter/all-gather" if zero3 else "plain all-reduce",
                 collectives=("reduce_scatter", "all_gather") if zero3 else ("all_reduce",))
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"invalid \"{SECTION}\" section in the DeepSpeed config: {exc}") from None
+        except ConfigError as exc:
+            raise _section_error(exc.key, f"{_json(exc.value)}; allowed: {exc.allowed}") from None
         # Creating a group is collective: here, where every rank installs.
         self.zero3 = Zero3Seams(self.coder, engine, self.kinds) if zero3 else None
         if not zero3:
@@ -603,8 +580,7 @@ def _check_books(books: CodebookSet, source: str, wanted: dict) -> None:
                 books.group(kind, dtype, 0)
             except ValueError:
                 name = str(dtype).replace("torch.", "")
-                raise ValueError(f"invalid \"{SECTION}\" section in the DeepSpeed config: {SECTION}.codebooks: "
-                                 f"the books {source!r} hold no {kind!r} book for {name} (this engine sends "
+                raise _section_error("codebooks", f"the books {source!r} hold no {kind!r} book for {name} (this engine sends "
                                  f"{kind}s as {name}; the books hold {', '.join(held)}); allowed: books profiled "
                                  f"on {name} {kind}s, \"default\" or \"online\" (with warmup_steps)") from None
 

@@ -95,24 +95,27 @@ class FSDPState(CodingEngine):
             parameters out, so the all-gather FSDP prefetches in backward runs on the
             worker while the current layer computes, as it runs on its own stream on a
             GPU. False: such calls return when done.
-        **options: the engine's settings, the same for every adapter
-            (:data:`comm_codec.comm.engine.OPTIONS`: ``codebooks``, ``warmup_steps``,
-            ``mode``, ``min_bytes`` (per-rank shard bytes below which a collective runs
-            plainly), ``threads``, ``log_every``, ``writer``, ``drift_every``,
-            ``refresh_threshold``, ``refresh_steps``, ``recheck_every``, ``probe_steps``,
-            ``hysteresis``); ``cast`` is refused (weights must arrive exact).
+        config: a :class:`~comm_codec.comm.config.CommConfig` holding every setting
+            (keywords given beside it replace its fields).
+        writer: optional TensorBoard ``SummaryWriter`` (scalars under comm_codec/).
+        **options: the :class:`~comm_codec.comm.config.CommConfig` settings, the same for
+            every adapter (``codebooks``, ``warmup_steps``, ``mode``, ``min_bytes``:
+            per-rank shard bytes below which a collective runs plainly, ...); ``cast``
+            is refused (weights must arrive exact).
 
     Raises:
-        ValueError: a bad mode, negative counts, both codebooks and warmup given, a
-            refresh threshold without drift measurement, a cast.
+        ConfigError: a bad setting, or a cast; the message names the key, the value and
+            what is allowed.
+        CodebookError: ``codebooks`` names a missing or malformed file.
         TypeError: codebooks of the wrong type, or an unknown option.
     """
 
     __slots__ = ("overlap", "modules", "_twins", "_saved", "_queued")
 
-    def __init__(self, process_group=None, overlap: bool = True, **options):
-        super().__init__(process_group, name="comm_codec.fsdp", plain_name="plain reduce-scatter/all-gather",
-                         collectives=("reduce_scatter", "all_gather"), allow_cast=False, **options)
+    def __init__(self, process_group=None, overlap: bool = True, *, config=None, writer=None, **options):
+        super().__init__(process_group, config, writer=writer, name="comm_codec.fsdp",
+                         plain_name="plain reduce-scatter/all-gather", collectives=("reduce_scatter", "all_gather"),
+                         allow_cast=False, **options)
         self.overlap = bool(overlap)
         self.modules: list[str] = []
         self._twins: dict[tuple, object] = {}
