@@ -24,7 +24,10 @@ import importlib
 
 from .core.errors import (AgreementError, ChainError, CheckpointError, CodebookError, CollectiveError, CommCodecError,
                           ConfigError, FrameError)
+from .core.logs import set_verbosity, verbosity_from_env
 from .core.version import __version__
+
+verbosity_from_env()
 
 __all__ = [
     "Codec",
@@ -44,6 +47,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "WarmupProfiler",
     "get_frame_parameters",
+    "set_verbosity",
     "__version__",
 ]
 

@@ -207,8 +207,6 @@ class AutoSwitch:
         if before is not None and self.coded != before:
             self.switches += 1
         self._next_probe = step + self.recheck_every
-        if rank_of(group) == 0:
-            log.info("comm_codec: %s", self.decision["reason"])
 
 
 def agree(plain_s: list[float], coded_s: list[float], step: int, group=None, hysteresis: float = 0.05, *,

@@ -92,18 +92,17 @@ def _plain_all_reduce(state: HuffmanState, tensor: torch.Tensor) -> torch.future
 def _coded_all_reduce(state: HuffmanState, tensor: torch.Tensor, is_last: bool) -> torch.Tensor:
     """On the worker: the bucket's compressed all-reduce (or a plain one where coding cannot pay)."""
     group = state.group()
-    stats = state.stats_for("all_reduce")
-    if not state.codes(tensor, tensor.numel(), "gradient"):
+
+    def plain():
         tensor.div_(dist.get_world_size(group))
         dist.all_reduce(tensor, group=group)
-        state.count_plain("all_reduce", tensor, group)
-    else:
-        state.sample_drift(tensor)
-        state.observe(tensor, "gradient")
-        state.precompile_for(tensor)
+
+    def coded(stats):
         collectives.all_reduce(tensor, state.codec, group, average=True, cast=state.cast_dtype(tensor),
                                stats=stats, workspace=state.workspace)
-        state.observe(tensor, "reduced_gradient")
+
+    state.dispatch("all_reduce", tensor, group, numel_per_rank=tensor.numel(), kind="gradient", coded=coded,
+                   plain=plain, reduced_kind="reduced_gradient")
     if is_last:
         state.end_step()
     return tensor

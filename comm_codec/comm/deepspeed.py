@@ -86,14 +86,17 @@ import torch.distributed as dist
 from ..core.codebooks import KINDS, CodebookSet
 from ..core.errors import CodebookError, ConfigError
 from . import collectives
-from .config import CommConfig
+from .config import CommConfig, make_config
 from .engine import CODED_DTYPES, CodingEngine
+from .stats import LOGGED, TrafficStats
 from .zero3 import SEAMS as ZERO3_SEAMS
 from .zero3 import Zero3Seams, seam_parameters
 
-__all__ = ["CommCodecConfig", "DEEPSPEED_ONLY", "SUPPORTED_DEEPSPEED", "initialize", "install", "parse_config", "stats"]
+__all__ = ["CommCodecConfig", "DEEPSPEED_ONLY", "DeepSpeedState", "SUPPORTED_DEEPSPEED", "initialize", "install",
+           "parse_config", "register", "stats"]
 
-log = logging.getLogger(__name__)
+# Inside DeepSpeed, the plugin's lines go where DeepSpeed's own go (shown at INFO by default).
+ds_logger = deepspeed.utils.logger
 
 SUPPORTED_DEEPSPEED = "0.19"  # the major.minor whose reduction methods the plugin copies
 SECTION = "comm_codec"
@@ -404,10 +407,18 @@ def _check_engine(engine) -> None:
 
 
 # -- the plugin ---------------------------------------------------------------------------
-class _Plugin:
-    """What the plugin keeps per engine: its config, the coding engine, the step flag."""
+class DeepSpeedState:
+    """The codec installed in one DeepSpeed engine: what :func:`register` returns.
 
-    __slots__ = ("config", "coder", "engine", "stage", "kinds", "zero3", "_step_open")
+    Attributes:
+        config: the parsed ``"comm_codec"`` section.
+        coder: the :class:`~comm_codec.comm.engine.CodingEngine` (books, mode, statistics).
+        engine: the DeepSpeed engine.
+        stage: its ZeRO stage.
+        kinds: the traffic coded ("gradient"; and "weight" at ZeRO-3).
+    """
+
+    __slots__ = ("config", "coder", "engine", "stage", "kinds", "zero3", "_step_open", "_patched")
 
     def __init__(self, engine, config: CommCodecConfig, stage: int):
         self.stage = stage
@@ -420,6 +431,7 @@ class _Plugin:
         try:
             self.coder = CodingEngine(
                 engine.data_parallel_group, config.config, name="comm_codec.deepspeed", allow_cast=not zero3,
+                logger=ds_logger,
                 plain_name="plain reduce-scatter/all-gather" if zero3 else "plain all-reduce",
                 collectives=("reduce_scatter", "all_gather") if zero3 else ("all_reduce",))
         except ConfigError as exc:
@@ -431,6 +443,31 @@ class _Plugin:
         self.config = config
         self.engine = engine
         self._step_open = False
+        self._patched: list = []
+
+    def stats(self) -> TrafficStats:
+        """Return the traffic record (:class:`~comm_codec.comm.stats.TrafficStats`), as every state's ``stats()``."""
+        return self.coder.stats()
+
+    def patch(self, obj, name: str, value) -> None:
+        """Set ``obj.name`` to ``value``, remembering what :meth:`detach` puts back."""
+        self._patched.append((obj, name, vars(obj).get(name)))
+        setattr(obj, name, value)
+
+    def detach(self) -> None:
+        """Give the engine back DeepSpeed's own reduction (and fetch, at ZeRO-3); the statistics stay readable."""
+        patched = self._patched + (self.zero3.patched if self.zero3 is not None else [])
+        for obj, name, before in reversed(patched):
+            if before is None:
+                vars(obj).pop(name, None)  # the class's method shows through again
+            else:
+                setattr(obj, name, before)
+        self._patched = []
+        if self.zero3 is not None:
+            self.zero3.patched = []
+        if getattr(self.engine, "_comm_codec", None) is self:
+            self.engine._comm_codec = None
+        self.coder.shutdown()
 
     def reduce(self, tensor: torch.Tensor, group, dst: int | None = None) -> None:
         """Sum ``tensor`` over ``group`` in place: on every rank, or only on rank ``dst``.
@@ -439,45 +476,31 @@ class _Plugin:
         group rank ``dst``), coded once warmup is over; buckets the codec cannot code or
         that are too small to pay go plainly, exactly as DeepSpeed sends them.
         """
-        # numba's OpenMP layer resets the process-wide OpenMP thread count that torch's
-        # intra-op pool shares (torch.set_num_threads(1); one parallel kernel; and
-        # torch.get_num_threads() is NUMBA_NUM_THREADS): left alone, that oversubscribes
-        # the ranks' cores and changes the summation order, hence the bits, of the
-        # model's own matmuls. Put it back after every reduction.
-        threads = torch.get_num_threads()
-        try:
-            self._reduce(tensor, group, dst)
-        finally:
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
-
-    def _reduce(self, tensor, group, dst) -> None:
         coder = self.coder
-        if not self._step_open:  # the step's first reduction: settings check, books, mode
-            self._step_open = True
-            coder.begin_step()
-        stats = coder.stats_for("all_reduce")
-        codable = tensor.device.type == "cpu" and coder.codable(tensor, tensor.numel())
-        if not (codable and coder.codes(tensor, tensor.numel(), "gradient")):
-            if codable:
-                coder.observe(tensor, "gradient")
+        try:
+            if not self._step_open:  # the step's first reduction: settings check, books, mode
+                self._step_open = True
+                coder.begin_step()
             if dst is None:
-                ds_dist.all_reduce(tensor, group=group)
-                coder.count_plain("all_reduce", tensor, group)
+                def plain():
+                    ds_dist.all_reduce(tensor, group=group)
+
+                def coded(stats):
+                    collectives.all_reduce(tensor, coder.codec, group, cast=coder.cast_dtype(tensor), stats=stats,
+                                           workspace=coder.workspace)
             else:
-                ds_dist.reduce(tensor, ds_dist.get_global_rank(group, dst), group=group)
-                coder.count_plain("reduce", tensor, group, record="all_reduce", dst=dst)
-            if codable and dst is None:
-                coder.observe(tensor, "reduced_gradient")
-            return
-        coder.sample_drift(tensor)
-        coder.observe(tensor, "gradient")
-        cast = coder.cast_dtype(tensor)
-        if dst is None:
-            collectives.all_reduce(tensor, coder.codec, group, cast=cast, stats=stats, workspace=coder.workspace)
-            coder.observe(tensor, "reduced_gradient")
-        else:
-            collectives.reduce(tensor, dst, coder.codec, group, cast=cast, stats=stats, workspace=coder.workspace)
+                def plain():
+                    ds_dist.reduce(tensor, ds_dist.get_global_rank(group, dst), group=group)
+
+                def coded(stats):
+                    collectives.reduce(tensor, dst, coder.codec, group, cast=coder.cast_dtype(tensor), stats=stats,
+                                       workspace=coder.workspace)
+            coder.dispatch("all_reduce" if dst is None else "reduce", tensor, group, numel_per_rank=tensor.numel(),
+                           kind="gradient", coded=coded, plain=plain, record="all_reduce", dst=dst,
+                           reduced_kind="reduced_gradient" if dst is None else None,
+                           allowed=tensor.device.type == "cpu")
+        finally:
+            coder.keep_torch_threads()
 
     def end_of_step(self) -> None:
         coder = self.coder
@@ -492,7 +515,7 @@ class _Plugin:
                 and coder.step % self.config.log_every == 0 and engine.global_rank == 0):
             d = coder.stats()
             monitor.write_events([(f"comm_codec/{key}", d[key], engine.global_samples)
-                                  for key in ("ratio", "bytes_in", "bytes_out", "encode_seconds", "decode_seconds")])
+                                  for key in LOGGED])
 
 
 # -- the replaced DeepSpeed methods (0.19 bodies; only the collective differs) ------------
@@ -598,17 +621,21 @@ def _wrap_step(plugin, step):
 
 
 # -- public -------------------------------------------------------------------------------
-def install(engine, config=None) -> None:
-    """Install the codec into an existing engine's gradient reduction.
+def install(engine, config=None) -> DeepSpeedState:
+    """Install the codec into an existing engine's gradient reduction (:func:`register` with a section).
 
     Args:
         engine: a ``deepspeed.DeepSpeedEngine`` (from ``deepspeed.initialize``).
         config: the ``"comm_codec"`` section (dict or :class:`CommCodecConfig`), or None
             to read it from the engine's DeepSpeed config.
 
+    Returns:
+        The :class:`DeepSpeedState` (``.stats()``, ``.detach()``).
+
     Raises:
-        ValueError: no enabled section, bad values, a codebook file that cannot be
-            loaded, or a setup the plugin does not support (named in the message).
+        ConfigError: no enabled section, bad values, or a setup the plugin does not
+            support (named in the message).
+        CodebookError: a codebook file that cannot be loaded.
         RuntimeError: an unsupported DeepSpeed version, or the plugin already installed.
     """
     _check_version()
@@ -621,26 +648,74 @@ def install(engine, config=None) -> None:
     else:
         section = parse_config(config)
     if section is None or not section.enabled:
-        raise ValueError(f"the DeepSpeed config has no enabled \"{SECTION}\" section; add "
-                         f"\"{SECTION}\": {{\"enabled\": true}} or pass config=")
+        raise _section_error("", f"the DeepSpeed config has no enabled \"{SECTION}\" section; add "
+                             f"\"{SECTION}\": {{\"enabled\": true}} or pass config=")
     _check_engine(engine)
     raw = engine.config if isinstance(engine.config, dict) else engine._config._param_dict
     stage = check_zero(_zero_section(raw) | {"stage": engine.zero_optimization_stage()}, section)
-    plugin = _Plugin(engine, section, stage)
+    plugin = DeepSpeedState(engine, section, stage)
     plugin.coder.start_precompile({p.dtype for p in engine.module.parameters()} | {engine.communication_data_type})
-    engine.allreduce_bucket = functools.partial(_engine_allreduce_bucket, plugin, engine)
+    plugin.patch(engine, "allreduce_bucket", functools.partial(_engine_allreduce_bucket, plugin, engine))
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     if isinstance(engine.optimizer, DeepSpeedZeroOptimizer) and stage < 3:
         opt = engine.optimizer
-        opt.allreduce_bucket = functools.partial(_zero_allreduce_bucket, plugin, opt)
-        opt.gradient_reduction_w_predivide = functools.partial(_zero_gradient_reduction_w_predivide, plugin, opt)
-    engine.step = _wrap_step(plugin, engine.step)
+        plugin.patch(opt, "allreduce_bucket", functools.partial(_zero_allreduce_bucket, plugin, opt))
+        plugin.patch(opt, "gradient_reduction_w_predivide",
+                     functools.partial(_zero_gradient_reduction_w_predivide, plugin, opt))
+    plugin.patch(engine, "step", _wrap_step(plugin, engine.step))
     engine._comm_codec = plugin
     if engine.global_rank == 0:
-        log.info("comm_codec installed: ZeRO stage %d, %s, books %s, warmup %d, cast %s, mode %s, coding %s",
+        ds_logger.info("comm_codec installed: ZeRO stage %d, %s, books %s, warmup %d, cast %s, mode %s, coding %s",
                  stage, type(engine.optimizer).__name__, section.codebooks, section.warmup_steps, section.cast,
                  section.mode, "/".join(plugin.kinds))
+    return plugin
+
+
+def register(engine, *, config: CommConfig | None = None, kinds=None, monitor: bool = True,
+             **options) -> DeepSpeedState:
+    """Code the gradient reduction (and ZeRO-3's parameter fetch) of a DeepSpeed engine; return its state.
+
+    The same keywords as ``HuffmanState`` and ``comm_codec.fsdp.register``, plus the
+    DeepSpeed-only ``kinds`` and ``monitor`` (see :class:`CommCodecConfig`). Without any,
+    the engine's own ``"comm_codec"`` config section is used when it has one.
+
+    Args:
+        engine: a ``deepspeed.DeepSpeedEngine``, on every rank.
+        config: a :class:`~comm_codec.comm.config.CommConfig` (keywords beside it replace
+            its fields).
+        kinds: the traffic to code ("gradient", "weight"); None: what the stage moves.
+        monitor: also write comm_codec/* scalars to DeepSpeed's monitor.
+        **options: :class:`~comm_codec.comm.config.CommConfig` settings.
+
+    Returns:
+        The :class:`DeepSpeedState`.
+
+    Raises:
+        ConfigError, CodebookError, RuntimeError: as :func:`install`.
+        TypeError: an unknown option.
+    """
+    if config is None and not options and kinds is None and monitor:
+        raw = engine.config if isinstance(engine.config, dict) else engine._config._param_dict
+        section = parse_config(raw)
+        if section is not None and section.enabled:
+            return install(engine, section)
+    config = make_config(config, options, "comm_codec.deepspeed.register")
+    section = CommCodecConfig(config=config, codebooks=_source(config), kinds=_kinds(kinds), monitor=bool(monitor))
+    return install(engine, section)
+
+
+def _source(config: CommConfig) -> str:
+    if config.codebooks is not None:
+        return f"<books {config.codebooks.digest[:12]}>"
+    return "online" if config.warmup_steps else "default"
+
+
+def _kinds(kinds):
+    if kinds is None:
+        return None
+    parsed = _parse_section({"kinds": list(kinds)})
+    return parsed.kinds
 
 
 def initialize(*args, **kwargs):
@@ -679,8 +754,8 @@ def initialize(*args, **kwargs):
     return result
 
 
-def stats(engine) -> dict:
-    """Return the plugin's traffic statistics: the dict of :meth:`CodingEngine.stats` (as HuffmanState's).
+def stats(engine) -> TrafficStats:
+    """Return the plugin's traffic record: ``register(engine).stats()``, kept for the contract.
 
     An engine whose config has a ``"comm_codec"`` section with ``"enabled": false``
     gets a record with ``"enabled": False`` and every counter 0.
@@ -695,12 +770,9 @@ def stats(engine) -> dict:
     if plugin is None:
         raise ValueError("this engine has no comm_codec plugin; build it with comm_codec.deepspeed.initialize "
                          "and an enabled \"comm_codec\" config section, or call comm_codec.deepspeed.install")
-    return plugin.coder.stats()
+    return plugin.stats()
 
 
-def _disabled_stats() -> dict:
+def _disabled_stats() -> TrafficStats:
     """The stats of a ``"comm_codec"`` section with ``"enabled": false``: nothing coded, nothing counted."""
-    from .stats import CommStats
-
-    return {"enabled": False, **CommStats().as_dict(), "warming_up": False, "books": None, "drift": None,
-            "refreshes": 0, "mode": "never", "decision": None, "switches": 0, "probes": 0, "coding": False}
+    return TrafficStats(enabled=False, mode="never")

@@ -47,7 +47,7 @@ from .autoswitch import AutoSwitch
 from .config import CommConfig, make_config
 from .collectives import Workspace, on_cuda_worker, plain_wire_bytes
 from .refresh import BookRefresh
-from .stats import CommStats, state_stats
+from .stats import LOGGED, CommStats, TrafficStats, traffic_line
 
 __all__ = ["CASTS", "CODED_DTYPES", "OPTIONS", "CodingEngine", "FutureWork", "default_threads"]
 
@@ -97,6 +97,7 @@ class CodingEngine:
         collectives: the names of the collectives the adapter runs (one statistics
             record each; with several, :meth:`stats` also reports each under its name).
         allow_cast: whether ``cast`` may be set.
+        logger: where the engine's lines go (default: this module's; DeepSpeed's for its plugin).
         **options: :class:`~comm_codec.comm.config.CommConfig` fields (replacing
             ``config``'s).
 
@@ -111,7 +112,7 @@ class CodingEngine:
         # what users tune
         "config", "process_group", "warmup_steps", "writer",
         # what the adapter is
-        "name", "collectives",
+        "name", "collectives", "log",
         # books and the decision
         "codebooks", "codec", "profiler", "switch", "refresh", "step", "coding", "verified",
         # the run (never pickled)
@@ -123,8 +124,9 @@ class CodingEngine:
 
     def __init__(self, process_group=None, config: CommConfig | None = None, *, writer=None,
                  name: str = "comm_codec", plain_name: str = "plain all-reduce",
-                 collectives: tuple[str, ...] = ("all_reduce",), allow_cast: bool = True, **options):
+                 collectives: tuple[str, ...] = ("all_reduce",), allow_cast: bool = True, logger=None, **options):
         config = make_config(config, options, name)
+        self.log = logger if logger is not None else log
         if config.cast is not None and not allow_cast:
             raise ConfigError("cast", config.cast, f"None here: {name}'s collectives move weights and gradients "
                               "that must arrive exactly")
@@ -149,7 +151,7 @@ class CodingEngine:
         self._stats = {c: CommStats() for c in self.collectives}
         self._init_run()
         self.codec = Codec(self.codebooks, threads=self.codec_threads()) if self.codebooks is not None else None
-        log.info("%s: mode=%s, warmup_steps=%d, cast=%s, books=%s", name, config.mode, self.warmup_steps,
+        self.log.info("%s: mode=%s, warmup_steps=%d, cast=%s, books=%s", name, config.mode, self.warmup_steps,
                  config.cast, "online" if self.codebooks is None else self.codebooks.digest[:12])
 
     # the settings, read from the config
@@ -220,32 +222,29 @@ class CodingEngine:
         self._stats[record or collective].add_plain(wire)
 
     def stats_for(self, collective: str) -> CommStats:
-        """Return the traffic counters of one of the adapter's collectives (by name)."""
+        """Return the live traffic counters of one of the adapter's collectives (by name), which its calls add to."""
         return self._stats[collective]
 
-    def stats(self) -> dict:
-        """Return traffic statistics and the coding decision, the same keys for every adapter.
+    def stats(self) -> TrafficStats:
+        """Return traffic statistics and the coding decision: one typed record, the same fields for every adapter.
 
         Returns:
-            bytes_in and bytes_out (what plain collectives would have sent over the
-            whole run, and what was sent: plain calls count at ratio 1), ratio,
-            bytes_saved; coded_bytes_in, coded_bytes_out, coded_ratio (the coded calls
-            alone), plain_bytes; calls (coded) and raw_calls (plain); encode_seconds,
-            decode_seconds, codec_seconds, comm_seconds; steps (summed over the
-            adapter's collectives, see :class:`CommStats`); warming_up, books, drift, refreshes; mode, coding
-            (whether the current step codes), decision (None before the first
-            measurement; else coded, step, plain_ms, coded_ms, per_rank_ms, reason),
-            switches, probes. With several collectives, each one's counters also under
-            its name (e.g. "reduce_scatter", "all_gather").
+            A :class:`~comm_codec.comm.stats.TrafficStats`: bytes_in and bytes_out (what
+            plain collectives would have sent over the whole run, and what was sent:
+            plain calls count at ratio 1), ratio, bytes_saved; coded_bytes_in,
+            coded_bytes_out, coded_ratio (the coded calls alone), plain_bytes; calls
+            (coded) and raw_calls (plain); encode_seconds, decode_seconds, codec_seconds,
+            comm_seconds; steps; warming_up, books, drift, refreshes; mode, coding (whether
+            the current step codes), decision, switches, probes; and ``collectives``, one
+            record per collective (with several, each also reads under its name, e.g.
+            ``stats()["reduce_scatter"]``). ``stats()["bytes_in"]`` and ``as_dict()`` work.
         """
-        parts = {name: s.as_dict() for name, s in self._stats.items()}
+        parts = {name: s.record() for name, s in self._stats.items()}
         total = CommStats.sum(parts.values())
-        total["steps"] = self.step
-        if len(parts) > 1:
-            total.update(parts)
-        total.update(state_stats(warming_up=self.warming_up, codebooks=self.codebooks, refresh=self.refresh,
-                                 switch=self.switch, coding=self.coding))
-        return total
+        books = self.codebooks.digest if self.codebooks is not None else None
+        return TrafficStats(**total.as_dict(), steps=self.step, warming_up=self.warming_up, books=books,
+                            drift=self.refresh.drift, refreshes=self.refresh.refreshes, coding=self.coding,
+                            **self.switch.stats(), collectives=parts)
 
     def reset_stats(self) -> None:
         """Zero the traffic counters (the step count, the books and the decision stay)."""
@@ -293,7 +292,7 @@ class CodingEngine:
         if self.codebooks is not None and not self.verified:
             agreement.check_same_books(self.codebooks, group, device)
             self.verified = True
-            log.info("%s: coding with books %s", self.name, self.codebooks.digest[:12])
+            self.log.info("%s: coding with books %s", self.name, self.codebooks.digest[:12])
         if self._drift_pending:
             # The last step sampled the drift on its first coded tensor (0 where none was).
             sample, self._drift_sample, self._drift_pending = self._drift_sample, None, False
@@ -302,7 +301,10 @@ class CodingEngine:
         if self.refresh.swap_due(self.step):
             source = f"{self.name} refresh"
             self.swap_books(self.refresh.rebuild(self.profiler, group, self.step, source, device), group, device)
+        decided = self.switch.decision
         self.coding = False if self.warming_up else self.switch.begin_step(self.step, group, device)
+        if self.switch.decision is not decided and agreement.rank_of(self.process_group) == 0:
+            self.log.info("%s: auto mode at step %d: %s", self.name, self.step, self.switch.decision["reason"])
         self._drift_pending = self.coding and self.refresh.due(self.step)
         return self.coding
 
@@ -314,14 +316,61 @@ class CodingEngine:
             return
         d = self.stats()
         if log_now and agreement.rank_of(self.process_group) == 0:
-            log.info("%s step %d: wire ratio %.3f over the run (%d of %d calls coded, at %.3f), %.1f MB saved, "
-                     "codec %.2fs, %s", self.name, self.step, d["ratio"], d["calls"], d["calls"] + d["raw_calls"],
-                     d["coded_ratio"], d["bytes_saved"] / 1e6, d["codec_seconds"],
-                     "coding" if self.coding else "plain")
+            self.log.info("%s step %d (%s): %s", self.name, self.step, "coding" if self.coding else "plain",
+                     traffic_line(d))
         if self.writer is not None:
-            for key in ("ratio", "bytes_in", "bytes_out", "encode_seconds", "decode_seconds"):
+            for key in LOGGED:
                 self.writer.add_scalar(f"comm_codec/{key}", d[key], self.step)
             self.writer.add_scalar("comm_codec/coding", float(self.coding), self.step)
+
+    def dispatch(self, collective: str, tensor: torch.Tensor, group, *, numel_per_rank: int, kind: str, coded, plain,
+                 reduced_kind: str | None = None, record: str | None = None, dst: int | None = None,
+                 allowed: bool = True) -> None:
+        """Run one collective call: observe, decide, code or send plainly, count.
+
+        Every adapter's collectives go through here, so what the profiler observes and
+        what is counted does not depend on the adapter.
+
+        Args:
+            collective: "all_reduce", "reduce_scatter", "all_gather" or "reduce" (how
+                :meth:`count_plain` counts a plain call).
+            tensor: the collective's input (the W-row input of a reduce-scatter).
+            group: the group it runs on.
+            numel_per_rank: the elements each rank contributes (``min_bytes`` applies to them).
+            kind: the books' kind of ``tensor``.
+            coded: called with the statistics record when the call codes; runs the coded collective.
+            plain: called without arguments otherwise; runs the framework's own collective.
+            reduced_kind: the kind of ``tensor`` after the call, observed then (an
+                all-reduce's result), or None.
+            record: the statistics record (default: ``collective``'s).
+            dst: the destination rank of a "reduce".
+            allowed: False sends plainly whatever the step decided (a kind or device the
+                adapter does not code).
+        """
+        observed = tensor.dtype in CODED_DTYPES
+        if observed:
+            self.observe(tensor, kind)
+        if allowed and self.codes(tensor, numel_per_rank, kind):
+            if kind == "gradient":
+                self.sample_drift(tensor, kind)
+            self.precompile_for(tensor)
+            coded(self.stats_for(record or collective))
+        else:
+            plain()
+            self.count_plain(collective, tensor, group, record=record, dst=dst)
+        if observed and reduced_kind is not None:
+            self.observe(tensor, reduced_kind)
+
+    def keep_torch_threads(self) -> None:
+        """Put back torch's thread count as it was when the engine was made, if the codec changed it.
+
+        numba's OpenMP layer may reset the OpenMP thread count torch's intra-op pool
+        shares: left alone, that oversubscribes the ranks' cores and changes the summation
+        order, hence the bits, of the model's own matmuls. Adapters whose framework code
+        runs between coded calls (DeepSpeed) call it after each.
+        """
+        if torch.get_num_threads() != self._torch_threads:
+            torch.set_num_threads(self._torch_threads)
 
     def codes(self, tensor: torch.Tensor, numel_per_rank: int, kind: str) -> bool:
         """Whether a collective on ``tensor`` codes now: a coded step, a dtype, size and book that pay.
@@ -402,11 +451,11 @@ class CodingEngine:
             try:
                 future.result(timeout=2.0)
             except concurrent.futures.TimeoutError:
-                log.warning("%s: the first coded step waits for the codec's kernels (%s), compiling for %.0f s "
+                self.log.warning("%s: the first coded step waits for the codec's kernels (%s), compiling for %.0f s "
                             "so far (numba caches them: `comm-codec precompile` once after installing skips this)",
                             self.name, names, time.monotonic() - started)
                 future.result()
-                log.warning("%s: the codec's kernels (%s) are ready after %.0f s", self.name, names,
+                self.log.warning("%s: the codec's kernels (%s) are ready after %.0f s", self.name, names,
                             time.monotonic() - started)
             self._precompiling = None
         self.codec.precompile([self.cast_dtype(tensor) or tensor.dtype])
@@ -417,7 +466,7 @@ class CodingEngine:
         self.codebooks, self.codec, self.profiler = books, Codec(books, threads=self.codec_threads()), None
         self.verified = True
         self._has_book.clear()
-        log.info("%s: coding with books %s from step %d", self.name, books.digest[:12], self.step)
+        self.log.info("%s: coding with books %s from step %d", self.name, books.digest[:12], self.step)
 
     def codec_threads(self) -> int | None:
         """The user's thread count, else the rank's share of the node (once the first step found it)."""
@@ -507,6 +556,7 @@ class CodingEngine:
         self.warmup_steps = state["warmup_steps"]
         self.process_group = None
         self.writer = None
+        self.log = log
         self.name, self.collectives = state["name"], tuple(state["collectives"])
         self.step, self.coding = state["step"], state["coding"]
         self.switch, self.refresh = state["switch"], state["refresh"]

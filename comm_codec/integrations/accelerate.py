@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-from . import attach
+from . import register as register_state
 
 __all__ = ["register"]
 
@@ -48,4 +48,4 @@ def register(accelerator, model, **state_kwargs):
     if accelerator.num_processes <= 1:
         log.info("comm_codec: a single process, no gradient traffic to compress")
         return None
-    return attach(model, **state_kwargs)
+    return register_state(model, **state_kwargs)
