@@ -22,8 +22,16 @@ from __future__ import annotations
 
 import importlib
 
-from .core.errors import (AgreementError, ChainError, CheckpointError, CodebookError, CollectiveError, CommCodecError,
-                          ConfigError, FrameError)
+from .core.errors import (
+    AgreementError,
+    ChainError,
+    CheckpointError,
+    CodebookError,
+    CollectiveError,
+    CommCodecError,
+    ConfigError,
+    FrameError,
+)
 from .core.logs import set_verbosity, verbosity_from_env
 from .core.version import __version__
 

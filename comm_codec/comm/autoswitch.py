@@ -40,7 +40,7 @@ import statistics
 import time
 
 from ..core.errors import AgreementError
-from .agreement import gather_rows, rank_of
+from .agreement import gather_rows
 
 __all__ = ["MODES", "AutoSwitch", "agree", "check_mode", "check_rows", "decide"]
 

@@ -68,7 +68,6 @@ import dataclasses
 import functools
 import inspect
 import json
-import logging
 import os
 
 try:

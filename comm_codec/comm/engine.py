@@ -44,8 +44,8 @@ from ..core.precompile import precompile as precompile_kernels
 from ..core.streams import ACCUMULABLE_DTYPES
 from . import agreement
 from .autoswitch import AutoSwitch
-from .config import CommConfig, make_config
 from .collectives import Workspace, on_cuda_worker, plain_wire_bytes
+from .config import CommConfig, make_config
 from .refresh import BookRefresh
 from .stats import LOGGED, CommStats, TrafficStats, traffic_line
 
