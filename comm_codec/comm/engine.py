@@ -28,6 +28,7 @@ Cross-rank agreement itself is :mod:`comm_codec.comm.agreement`'s.
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import logging
 import os
 import time
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from ..books.profiler import WarmupProfiler
 from ..core.codebooks import CodebookSet
 from ..core.codec import Codec
-from ..core.errors import AgreementError, ConfigError
+from ..core.errors import AgreementError, CollectiveError, ConfigError
 from ..core.precompile import precompile as precompile_kernels
 from ..core.streams import ACCUMULABLE_DTYPES
 from . import agreement
@@ -609,8 +610,23 @@ class FutureWork(dist.Work):
         self._future = future
 
     def wait(self, timeout=None) -> bool:
-        """Wait until the collective is done; raise what it raised."""
-        self._future.result()
+        """Wait until the collective is done; raise what it raised.
+
+        Args:
+            timeout: a ``datetime.timedelta`` or seconds; None or zero waits as long as
+                it takes (torch's ``Work.wait`` default).
+
+        Returns:
+            True.
+
+        Raises:
+            CollectiveError: not done within ``timeout``.
+        """
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        try:
+            self._future.result(timeout=seconds if seconds else None)
+        except concurrent.futures.TimeoutError:
+            raise CollectiveError(f"comm_codec collective not done after {seconds:g} s (Work.wait timeout)") from None
         return True
 
     def is_completed(self) -> bool:
