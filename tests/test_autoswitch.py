@@ -151,7 +151,7 @@ def test_default_threads_is_the_ranks_share_of_the_cores(monkeypatch):
     import numba
     import torch
 
-    from comm_codec.ddp import default_threads
+    from comm_codec.comm.engine import default_threads
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 8)

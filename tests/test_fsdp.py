@@ -570,7 +570,7 @@ def test_comm_codec_demo_fsdp_runs_and_prints_the_bytes_saved():
 
 def test_codec_threads_default_to_the_ranks_share_of_the_cores(monkeypatch):
     """threads=None must not give every rank all of numba's threads (they share the cores)."""
-    from comm_codec.ddp import default_threads
+    from comm_codec.comm.engine import default_threads
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert ccf.FSDPState().codec.threads == default_threads(2)

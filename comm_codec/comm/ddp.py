@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
-from .engine import CodingEngine, default_threads
+from .engine import CodingEngine
 
-__all__ = ["HuffmanState", "huffman_hook", "default_threads"]
+__all__ = ["HuffmanState", "huffman_hook"]
 
 
 class HuffmanState(CodingEngine):
