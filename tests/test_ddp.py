@@ -809,6 +809,8 @@ def test_demo_codes_always_and_says_what_auto_would_decide():
         assert auto == results[0]["auto"]  # agreed: the same verdict on every rank
         assert isinstance(auto["coded"], bool) and auto["plain_ms"] > 0 and auto["coded_ms"] > 0
         assert ("compressing pays here" if auto["coded"] else "plain all-reduce is faster here") in auto["reason"]
+        # the "coded buckets" figure is the coded records' own ratio, not the overall one
+        assert s["coded_ratio"] == s["coded_bytes_in"] / s["coded_bytes_out"] and s["coded_ratio"] > s["ratio"]
 
 
 # ----------------------------------------------------------------------------------------
