@@ -99,17 +99,17 @@ SURFACE = {
     'comm_codec.checkpoint': {
         'CheckpointError': 'class(...)',
         'Summary': "class(op: 'str', original_bytes: 'int', compressed_bytes: 'int', seconds: 'float', threads: 'int', format: 'str', tensors: 'int' = 0, coded: 'int' = 0, delta: 'int' = 0, digest: 'str | None' = None) -> None",
-        'compress_file': "(src, dst, base=None, threads: 'int | None' = None, codebooks: 'CodebookSet | None' = None, progress: 'bool | None' = None, force: 'bool' = True) -> 'Summary'",
-        'decompress_file': "(src, dst, base=None, threads: 'int | None' = None, progress: 'bool | None' = None, force: 'bool' = True) -> 'Summary'",
-        'verify_file': "(src, base=None, threads: 'int | None' = None, progress: 'bool | None' = None) -> 'Summary'",
-        'compress_dir': "(src, dst, threads: 'int | None' = None, force: 'bool' = False, progress: 'bool | None' = None, on_file: 'Callable[[FileResult], None] | None' = None, codebooks=None) -> 'DirSummary'",
-        'decompress_dir': "(src, dst, threads: 'int | None' = None, force: 'bool' = False, progress: 'bool | None' = None, on_file: 'Callable[[FileResult], None] | None' = None) -> 'DirSummary'",
-        'verify_dir': "(src, threads: 'int | None' = None, progress: 'bool | None' = None, on_file: 'Callable[[FileResult], None] | None' = None) -> 'DirSummary'",
+        'compress_file': "(src, dst, *, base=None, threads: 'int | None' = None, codebooks=None, progress: 'bool | None' = None, force: 'bool' = False) -> 'Summary'",
+        'decompress_file': "(src, dst, *, base=None, threads: 'int | None' = None, progress: 'bool | None' = None, force: 'bool' = False) -> 'Summary'",
+        'verify_file': "(src, *, base=None, threads: 'int | None' = None, progress: 'bool | None' = None) -> 'Summary'",
+        'compress_dir': "(src, dst, *, threads: 'int | None' = None, force: 'bool' = False, progress: 'bool | None' = None, on_file: 'Callable[[FileResult], None] | None' = None, codebooks=None) -> 'DirSummary'",
+        'decompress_dir': "(src, dst, *, threads: 'int | None' = None, force: 'bool' = False, progress: 'bool | None' = None, on_file: 'Callable[[FileResult], None] | None' = None) -> 'DirSummary'",
+        'verify_dir': "(src, *, threads: 'int | None' = None, progress: 'bool | None' = None, on_file: 'Callable[[FileResult], None] | None' = None) -> 'DirSummary'",
         'read_index': "(path) -> 'dict'",
         'describe': "(path) -> 'str'",
         'is_checkpoint': "(path) -> 'bool'",
-        'save': "(state_dict, path, base=None, threads: 'int | None' = None) -> 'Summary'",
-        'load': "(path, base=None, threads: 'int | None' = None, map_location='cpu')",
+        'save': "(state_dict, path, *, base=None, threads: 'int | None' = None) -> 'Summary'",
+        'load': "(path, *, base=None, threads: 'int | None' = None, map_location='cpu')",
         'MAGIC': 'value',
         'LOSSY_MAGIC': 'value',
         'VERSION': 'value',
@@ -118,10 +118,10 @@ SURFACE = {
     'comm_codec.checkpoint.lossy': {
         'ChainError': "class(message: 'str', missing: 'str')",
         'LossySummary': "class(op: 'str', mode: 'str', original_bytes: 'int', compressed_bytes: 'int', seconds: 'float', format: 'str', lossy_tensors: 'int' = 0, errors: 'dict' = <factory>, notes: 'list' = <factory>, base: 'str | None' = None) -> None",
-        'compress_file': "(src, dst, mode: 'str' = 'excp', base=None, bits: 'int' = 4, alpha: 'float' = 0.0005, beta: 'float' = 2.0, keep_bits: 'int | None' = None, threads: 'int | None' = None) -> 'LossySummary'",
-        'decompress_file': "(src, dst, base=None, threads: 'int | None' = None) -> 'LossySummary'",
-        'verify_file': "(src, base=None, threads: 'int | None' = None) -> 'LossySummary'",
-        'load': "(path, base=None, map_location='cpu')",
+        'compress_file': "(src, dst, *, mode: 'str' = 'excp', base=None, bits: 'int' = 4, alpha: 'float' = 0.0005, beta: 'float' = 2.0, keep_bits: 'int | None' = None, threads: 'int | None' = None) -> 'LossySummary'",
+        'decompress_file': "(src, dst, *, base=None, threads: 'int | None' = None) -> 'LossySummary'",
+        'verify_file': "(src, *, base=None, threads: 'int | None' = None) -> 'LossySummary'",
+        'load': "(path, *, base=None, map_location='cpu')",
         'read_index': "(path) -> 'dict'",
         'describe': "(path) -> 'str'",
         'is_lossy': "(path) -> 'bool'",
@@ -185,3 +185,29 @@ def test_every_state_reports_one_record_type():
     assert [k for k in ddp] == [k for k in fsdp if k not in ("reduce_scatter", "all_gather")]
     assert ddp["bytes_in"] == 0 and ddp.as_dict()["steps"] == 0
     assert "steps" not in fsdp["all_gather"] and fsdp.collectives["all_gather"].calls == 0
+
+
+def test_checkpoint_options_are_keyword_only_force_is_false_and_codebooks_take_a_path(tmp_path):
+    import torch
+
+    import comm_codec as cc
+    from comm_codec import checkpoint
+
+    src = tmp_path / "w.pt"
+    torch.save({"w": torch.randn(64, 64).to(torch.bfloat16)}, src)
+    books = tmp_path / "books.json"
+    cc.CodebookSet.default().save(books)
+    with pytest.raises(TypeError):
+        checkpoint.compress_file(src, tmp_path / "a.cckp", 4)  # was: 4 taken as base
+    checkpoint.compress_file(src, tmp_path / "a.cckp", codebooks=str(books))
+    with pytest.raises(FileExistsError):
+        checkpoint.compress_file(src, tmp_path / "a.cckp")  # force=False, as the command line
+    checkpoint.compress_file(src, tmp_path / "a.cckp", force=True)
+    with pytest.raises(cc.CodebookError, match="no such file"):
+        checkpoint.compress_file(src, tmp_path / "b.cckp", codebooks=tmp_path / "missing.json")
+    checkpoint.decompress_file(tmp_path / "a.cckp", tmp_path / "back.pt")
+    with pytest.raises(FileExistsError):
+        checkpoint.decompress_file(tmp_path / "a.cckp", tmp_path / "back.pt")
+    assert (tmp_path / "back.pt").read_bytes() == src.read_bytes()
+    for fn in (checkpoint.compress_dir, checkpoint.decompress_dir):
+        assert inspect.signature(fn).parameters["force"].default is False

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import numba
 
-from ..core.codebooks import CodebookSet
-from ..core.errors import CodebookError, ConfigError
+from ..core.codebooks import CodebookSet, as_codebook_set
+from ..core.errors import ConfigError
 
 __all__ = ["CommConfig", "CASTS", "MODES", "make_config"]
 
@@ -123,10 +123,7 @@ class CommConfig:
             raise ConfigError("hysteresis", self.hysteresis, "a fraction in [0, 1)")
         books = self.codebooks
         if isinstance(books, (str, os.PathLike)):
-            if not os.path.isfile(books):
-                raise CodebookError(f"codebooks={os.fspath(books)!r}: no such file; allowed: a CodebookSet, "
-                                    "the path of a file saved by CodebookSet.save, or None")
-            object.__setattr__(self, "codebooks", CodebookSet.load(books))
+            object.__setattr__(self, "codebooks", as_codebook_set(books))
         elif books is not None and not isinstance(books, CodebookSet):
             raise TypeError(f"codebooks must be a CodebookSet, a path or None, got {type(books).__name__}")
         if self.codebooks is not None and self.warmup_steps:
