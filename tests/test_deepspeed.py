@@ -270,7 +270,7 @@ def test_failures_that_need_a_process_group(ds_results):
     for res in ds_results:
         assert "comm_codec.codebooks: cannot load codebook file" in res["bad_books"]
         assert "broken.json" in res["bad_books"]
-        assert res["pipeline"].startswith("ValueError: comm_codec.deepspeed does not support the pipeline engine")
+        assert res["pipeline"].startswith("ConfigError: comm_codec.deepspeed does not support the pipeline engine")
         assert res["twice"] == "RuntimeError: comm_codec is already installed in this engine"
 
 

@@ -461,7 +461,7 @@ def test_bad_models_name_the_module():
     for r in dist_utils.run(_w_bad_models, 2):
         assert r["plain"].startswith("TypeError: Linear has no FSDP2 module")
         assert r["not_module"].startswith("TypeError: model must be a torch.nn.Module")
-        assert r["mode"].startswith("ValueError: mode must be one of 'auto', 'always', 'never', got 'sometimes'")
+        assert r["mode"].startswith("ConfigError: mode='sometimes'; allowed: 'auto', 'always', 'never'")
         assert r["fsdp1"].startswith("TypeError: module '1' is an FSDP1 FullyShardedDataParallel")
         assert r["ddp"].startswith("TypeError: module '<root>' is a DistributedDataParallel")
         assert r["groups"].startswith("ValueError: module '<root>' holds 2 FSDP parameter groups")
