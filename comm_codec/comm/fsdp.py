@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.errors import AgreementError
 from . import agreement, collectives
 from .engine import CodingEngine
 
@@ -158,7 +159,7 @@ class FSDPState(CodingEngine):
             try:
                 union |= {tuple(int(r) for r in ranks) for ranks in json.loads(text)}
             except (ValueError, TypeError):
-                raise RuntimeError(f"comm_codec.fsdp: rank {rank} sent a group list that is not JSON") from None
+                raise AgreementError(f"comm_codec.fsdp: rank {rank} sent a group list that is not JSON") from None
         for ranks in sorted(union):
             group = agreement.twin_group(world, ranks)
             if dist.get_rank() in ranks:
