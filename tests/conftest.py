@@ -64,6 +64,7 @@ TIERS = {
     "test_checkpoint_plan_kernels.py": "unit",
     "test_config.py": "unit",
     "test_surface.py": "unit",
+    "test_logs.py": "unit",
     "test_collectives.py": ("dist", {"test_engine_precompiles_the_coded_dtype_before_a_coded_call": "unit",
                                      "test_a_first_coded_call_that_waits_for_kernels_says_so": "unit"}),
     "test_cuda.py": "unit",  # the simulator run is pytest in a child process, not the CLI
