@@ -181,7 +181,37 @@ def _w_deepspeed(rank, world, bad_books_path, monitor_dir):
     engine, *_ = ccds.initialize(model=model, model_parameters=model.parameters(),
                                  config=_ds_config(0, "fp32", {}, {}))
     out["twice"] = error_text(lambda: ccds.install(engine))
+    out["register"] = _register_and_detach(rank)
     return out
+
+
+def _register_and_detach(rank):
+    """register() on an engine built by plain deepspeed.initialize, then detach(): DeepSpeed's own again."""
+    import deepspeed
+
+    import comm_codec.deepspeed as ccds
+
+    model = _model()
+    config = _ds_config(2, "fp32", {}, {})
+    del config["comm_codec"]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    state = ccds.register(engine, mode="always", min_bytes=0)
+    g = torch.Generator().manual_seed(2000 + rank)
+
+    def step():
+        x, y = torch.randn(8, 32, generator=g), torch.randn(8, 8, generator=g)
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+
+    step()
+    step()
+    coded = state.stats()
+    state.detach()
+    step()
+    after = state.stats()
+    return {"type": type(state).__name__, "calls": coded["calls"], "ratio": coded["ratio"],
+            "calls_after_detach": after["calls"] + after["raw_calls"] - coded["calls"] - coded["raw_calls"],
+            "same_record": type(coded).__name__, "restored": "allreduce_bucket" not in vars(engine)}
 
 
 @pytest.fixture(scope="module")
@@ -272,6 +302,10 @@ def test_failures_that_need_a_process_group(ds_results):
         assert "broken.json" in res["bad_books"]
         assert res["pipeline"].startswith("ConfigError: comm_codec.deepspeed does not support the pipeline engine")
         assert res["twice"] == "RuntimeError: comm_codec is already installed in this engine"
+        r = res["register"]
+        assert r["type"] == "DeepSpeedState" and r["same_record"] == "TrafficStats"
+        assert r["calls"] >= 2 and r["ratio"] > 1.05, r
+        assert r["calls_after_detach"] == 0 and r["restored"], r
 
 
 @needs_deepspeed
@@ -312,7 +346,8 @@ def test_bad_config_values_name_the_key(section, phrase):
 def test_missing_codebook_file_is_named():
     with pytest.raises(cc.CodebookError) as info:
         ccds.parse_config({"comm_codec": {"codebooks": "/no/such/books.json"}})
-    assert "comm_codec.codebooks: codebooks='/no/such/books.json': no such file" in str(info.value)
+    assert "comm_codec.codebooks: cannot load codebook file '/no/such/books.json'" in str(info.value)
+    assert "no such file" in str(info.value)
 
 
 @needs_deepspeed

@@ -209,7 +209,7 @@ def _parse_section(section: dict) -> CommCodecConfig:
         raise _section_error(exc.key, f"{_json(exc.value)}; allowed: {exc.allowed}") from None
     except CodebookError as exc:
         raise CodebookError(f"invalid \"{SECTION}\" section in the DeepSpeed config: {SECTION}.codebooks: "
-                            f"{exc}") from None
+                            f"cannot load codebook file {source!r}: {exc}") from None
     if source is None:
         source = "online" if config.warmup_steps else "default"
     return CommCodecConfig(config=config, codebooks=source, **own)
