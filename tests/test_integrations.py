@@ -283,3 +283,53 @@ def test_hf_trainer_deepspeed_section_is_coded_and_bit_identical():
             s = c["stats"]
             assert s["steps"] == STEPS and s["calls"] >= STEPS and s["raw_calls"] == 0, (stage, s)
             assert s["bytes_saved"] > 0 and s["ratio"] > 1.05, (stage, s)
+
+
+# Accelerate's DeepSpeed plugin: prepare() builds the engine; register() installs into it.
+def _w_accelerate_deepspeed(rank, world, port, stage, section):
+    _launcher_env(rank, world, port)
+    from accelerate import Accelerator, DeepSpeedPlugin
+
+    from comm_codec.integrations.accelerate import register
+
+    ds_config = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1,
+                 "zero_optimization": {"stage": stage}, "steps_per_print": 10_000}
+    if section is not None:
+        ds_config["comm_codec"] = section
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config))
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    engine, opt = accelerator.prepare(model, opt)
+    state = register(accelerator, engine) if section is not None else None
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        loss = F.mse_loss(engine(x), y)
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    h = hashlib.sha256()
+    with __import__("deepspeed").zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+        for p in engine.module.parameters():
+            h.update(p.detach().float().contiguous().view(torch.uint8).numpy().tobytes())
+    out = {"engine": type(engine).__name__, "digest": h.hexdigest(), "losses": losses}
+    if state is not None:
+        d = state.stats()
+        out["stats"] = {key: d[key] for key in ("calls", "raw_calls", "ratio", "bytes_saved", "steps")}
+        out["state"] = type(state).__name__
+        state.detach()
+    return out
+
+
+def test_accelerate_deepspeed_plugin_section_is_coded_and_bit_identical():
+    for stage in (2, 3):
+        coded = _run_deepspeed_ranks(_w_accelerate_deepspeed, dist_utils.free_port(), stage,
+                                     {"mode": "always", "min_bytes": 0})
+        plain = _run_deepspeed_ranks(_w_accelerate_deepspeed, dist_utils.free_port(), stage, None)
+        for c, p in zip(coded, plain):
+            assert c["engine"] == "DeepSpeedEngine" and c["state"] == "DeepSpeedState"
+            assert c["digest"] == p["digest"] and c["losses"] == p["losses"], (stage, c, p)
+            s = c["stats"]
+            assert s["steps"] == STEPS and s["calls"] >= STEPS and s["raw_calls"] == 0, (stage, s)
+            assert s["bytes_saved"] > 0 and s["ratio"] > 1.05, (stage, s)

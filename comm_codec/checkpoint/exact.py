@@ -380,7 +380,7 @@ def _mode(path: str) -> int:
 
 
 def compress_file(src, dst, *, base=None, threads: int | None = None, codebooks=None,
-                  progress: bool | None = None, force: bool = False) -> Summary:
+                  progress: bool | None = None, force: bool = True) -> Summary:
     """Compress a checkpoint file losslessly.
 
     Args:
@@ -394,7 +394,7 @@ def compress_file(src, dst, *, base=None, threads: int | None = None, codebooks=
             a file under :data:`SMALL_FILE_BYTES`).
         codebooks: the books to weigh against per-tensor books (default: shipped books).
         progress: progress line on stderr; None: only when stderr is a terminal.
-        force: replace an existing dst; False (the default, as everywhere in comm_codec)
+        force: replace an existing dst (the default, as ``open(dst, "wb")``); False
             refuses any existing dst, a dangling symlink included, as the command line
             does without ``--force``.
 
@@ -660,7 +660,7 @@ def _decode_segment(seg, m: FileMap, bm: FileMap | None, tensors, path, buffers:
 
 
 def decompress_file(src, dst, *, base=None, threads: int | None = None, progress: bool | None = None,
-                    force: bool = False) -> Summary:
+                    force: bool = True) -> Summary:
     """Restore the original checkpoint, byte for byte, from a compressed file.
 
     Args:
@@ -674,7 +674,7 @@ def decompress_file(src, dst, *, base=None, threads: int | None = None, progress
         threads: worker threads (default: the CPU count, at most NUMBA_NUM_THREADS; 1 for
             a compressed file under :data:`SMALL_FILE_BYTES`).
         progress: progress line on stderr; None: only when stderr is a terminal.
-        force: replace an existing dst; False (the default) refuses any existing dst.
+        force: replace an existing dst (the default); False refuses any existing dst.
 
     Returns:
         A :class:`Summary`.
