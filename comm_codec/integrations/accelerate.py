@@ -48,7 +48,11 @@ def register(accelerator, model, **state_kwargs):
         TypeError: several processes, but the model is neither DDP, FSDP2 nor a
             DeepSpeed engine.
     """
-    if accelerator.num_processes <= 1:
+    import torch.distributed as dist
+
+    # The process group is the truth: Accelerate reports 1 process for DeepSpeed on CPU.
+    processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else accelerator.num_processes
+    if processes <= 1:
         log.info("comm_codec: a single process, no gradient traffic to compress")
         return None
     return register_state(model, **state_kwargs)
