@@ -22,11 +22,24 @@ from __future__ import annotations
 
 import importlib
 
-from .core.errors import ChainError, CheckpointError, CodebookError, CollectiveError, CommCodecError, FrameError
+from .core.errors import (
+    AgreementError,
+    ChainError,
+    CheckpointError,
+    CodebookError,
+    CollectiveError,
+    CommCodecError,
+    ConfigError,
+    FrameError,
+)
+from .core.logs import set_verbosity, verbosity_from_env
 from .core.version import __version__
+
+verbosity_from_env()
 
 __all__ = [
     "Codec",
+    "CommConfig",
     "Codebook",
     "CodebookGroup",
     "CodebookSet",
@@ -35,17 +48,21 @@ __all__ = [
     "CheckpointError",
     "ChainError",
     "CollectiveError",
+    "AgreementError",
+    "ConfigError",
     "FrameError",
     "KINDS",
     "SUPPORTED_DTYPES",
     "WarmupProfiler",
     "get_frame_parameters",
+    "set_verbosity",
     "__version__",
 ]
 
 # name -> module that defines it (imported when the name is first read)
 _LAZY = {
     "Codec": ".core.codec",
+    "CommConfig": ".comm.config",
     "Codebook": ".core.huffman",
     "CodebookGroup": ".core.codebooks",
     "CodebookSet": ".core.codebooks",

@@ -469,16 +469,18 @@ def test_hook_annotations_are_the_types_ddp_checks():
 
 @pytest.mark.unit
 @pytest.mark.parametrize("kwargs, phrase", [
-    ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0, got -1"),
-    ({"warmup_steps": 1.5}, "warmup_steps must be an integer >= 0"),
-    ({"cast": "fp8"}, "cast must be None or 'bf16', got 'fp8'"),
+    ({"warmup_steps": -1}, "warmup_steps=-1; allowed: an integer >= 0"),
+    ({"warmup_steps": 1.5}, "warmup_steps=1.5; allowed: an integer >= 0"),
+    ({"cast": "fp8"}, "cast='fp8'; allowed: None (lossless) or 'bf16'"),
     ({"codebooks": "BOOKS", "warmup_steps": 3}, "give either codebooks (fixed books) or warmup_steps > 0"),
-    ({"min_bytes": -1}, "min_bytes must be an integer >= 0"),
+    ({"min_bytes": -1}, "min_bytes=-1; allowed: an integer >= 0"),
+    ({"mode": "sometimes"}, "mode='sometimes'; allowed: 'auto', 'always', 'never'"),
+    ({"threads": 0}, "threads=0; allowed: None or an integer in 1.."),
 ])
 def test_huffman_state_rejects_bad_arguments(kwargs, phrase):
     if kwargs.get("codebooks") == "BOOKS":
         kwargs = dict(kwargs, codebooks=cc.CodebookSet.default())
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(cc.ConfigError) as info:
         HuffmanState(**kwargs)
     assert phrase in str(info.value)
 
@@ -490,6 +492,8 @@ def test_huffman_state_codebooks_from_path(other_books_path):
     assert HuffmanState(codebooks=str(other_books_path)).stats()["books"] == expected
     with pytest.raises(TypeError, match="codebooks must be a CodebookSet, a path or None"):
         HuffmanState(codebooks=42)
+    with pytest.raises(cc.CodebookError, match="codebooks='missing.json': no such file"):
+        HuffmanState(codebooks="missing.json")
 
 
 def test_ddp_exact_with_books_from_a_saved_file(other_books_path):
@@ -819,6 +823,8 @@ def test_demo_codes_always_and_says_what_auto_would_decide():
         assert auto == results[0]["auto"]  # agreed: the same verdict on every rank
         assert isinstance(auto["coded"], bool) and auto["plain_ms"] > 0 and auto["coded_ms"] > 0
         assert ("compressing pays here" if auto["coded"] else "plain all-reduce is faster here") in auto["reason"]
+        # the "coded buckets" figure is the coded records' own ratio, not the overall one
+        assert s["coded_ratio"] == s["coded_bytes_in"] / s["coded_bytes_out"] and s["coded_ratio"] > s["ratio"]
 
 
 # ----------------------------------------------------------------------------------------

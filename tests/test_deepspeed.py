@@ -30,6 +30,7 @@ import pytest
 import torch
 from torch import nn
 
+import comm_codec as cc
 import dist_utils
 from helpers import error_text, join_deepspeed
 
@@ -182,7 +183,37 @@ def _w_deepspeed(rank, world, bad_books_path, monitor_dir):
     engine, *_ = ccds.initialize(model=model, model_parameters=model.parameters(),
                                  config=_ds_config(0, "fp32", {}, {}))
     out["twice"] = error_text(lambda: ccds.install(engine))
+    out["register"] = _register_and_detach(rank)
     return out
+
+
+def _register_and_detach(rank):
+    """register() on an engine built by plain deepspeed.initialize, then detach(): DeepSpeed's own again."""
+    import deepspeed
+
+    import comm_codec.deepspeed as ccds
+
+    model = _model()
+    config = _ds_config(2, "fp32", {}, {})
+    del config["comm_codec"]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    state = ccds.register(engine, mode="always", min_bytes=0)
+    g = torch.Generator().manual_seed(2000 + rank)
+
+    def step():
+        x, y = torch.randn(8, 32, generator=g), torch.randn(8, 8, generator=g)
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+
+    step()
+    step()
+    coded = state.stats()
+    state.detach()
+    step()
+    after = state.stats()
+    return {"type": type(state).__name__, "calls": coded["calls"], "ratio": coded["ratio"],
+            "calls_after_detach": after["calls"] + after["raw_calls"] - coded["calls"] - coded["raw_calls"],
+            "same_record": type(coded).__name__, "restored": "allreduce_bucket" not in vars(engine)}
 
 
 @pytest.fixture(scope="module")
@@ -287,8 +318,12 @@ def test_failures_that_need_a_process_group(ds_results):
     for res in ds_results:
         assert "comm_codec.codebooks: cannot load codebook file" in res["bad_books"]
         assert "broken.json" in res["bad_books"]
-        assert res["pipeline"].startswith("ValueError: comm_codec.deepspeed does not support the pipeline engine")
+        assert res["pipeline"].startswith("ConfigError: comm_codec.deepspeed does not support the pipeline engine")
         assert res["twice"] == "RuntimeError: comm_codec is already installed in this engine"
+        r = res["register"]
+        assert r["type"] == "DeepSpeedState" and r["same_record"] == "TrafficStats"
+        assert r["calls"] >= 2 and r["ratio"] > 1.05, r
+        assert r["calls_after_detach"] == 0 and r["restored"], r
 
 
 @pytest.mark.dist
@@ -306,32 +341,33 @@ def test_coding_leaves_torch_thread_count_alone(ds_results):
 # ----------------------------------------------------------------------------------------
 @needs_deepspeed
 @pytest.mark.parametrize("section, phrase", [
-    ({"compresion": True}, "comm_codec.compresion: unknown key; allowed keys: enabled, codebooks, warmup_steps"),
-    ({"cast": "fp8"}, "comm_codec.cast: unknown cast 'fp8'; allowed: null (lossless) or \"bf16\""),
-    ({"warmup_steps": -1, "codebooks": "online"}, "comm_codec.warmup_steps: Input should be greater than or equal to 0"),
-    ({"warmup_steps": "5", "codebooks": "online"}, "comm_codec.warmup_steps: Input should be a valid integer (got '5')"),
-    ({"enabled": "yes"}, "comm_codec.enabled: Input should be a valid boolean"),
+    ({"compresion": True}, "comm_codec.compresion: unknown key; allowed keys: codebooks, warmup_steps"),
+    ({"cast": "fp8"}, "comm_codec.cast: \"fp8\"; allowed: None (lossless) or 'bf16'"),
+    ({"warmup_steps": -1, "codebooks": "online"}, "comm_codec.warmup_steps: -1; allowed: an integer >= 0"),
+    ({"warmup_steps": "5", "codebooks": "online"}, "comm_codec.warmup_steps: \"5\"; allowed: an integer >= 0"),
+    ({"enabled": "yes"}, "comm_codec.enabled: \"yes\"; allowed: true or false"),
     ({"codebooks": "online"}, "comm_codec: codebooks \"online\" needs warmup_steps >= 1"),
     ({"warmup_steps": 3, "codebooks": "default"}, "warmup_steps builds the books online, but codebooks is 'default'"),
-    ({"mode": "sometimes"}, "comm_codec.mode: unknown mode 'sometimes'; allowed: \"auto\", \"always\", \"never\""),
-    ({"hysteresis": 1.5}, "comm_codec.hysteresis: Input should be less than 1"),
-    ({"kinds": ["activation"]}, "comm_codec.kinds: kind 'activation' is not coded by the DeepSpeed plugin"),
-    ({"kinds": ["bogus"]}, "comm_codec.kinds: unknown tensor kind 'bogus'; allowed: ['gradient', 'weight']"),
-    ({"kinds": []}, "comm_codec.kinds: List should have at least 1 item"),
-    ({"log_every": -5}, "comm_codec.log_every: Input should be greater than or equal to 0"),
+    ({"mode": "sometimes"}, "comm_codec.mode: \"sometimes\"; allowed: 'auto', 'always', 'never'"),
+    ({"hysteresis": 1.5}, "comm_codec.hysteresis: 1.5; allowed: a fraction in [0, 1)"),
+    ({"kinds": ["activation"]}, "comm_codec.kinds: 'activation' is not coded by the DeepSpeed plugin"),
+    ({"kinds": ["bogus"]}, "comm_codec.kinds: 'bogus' is an unknown tensor kind; allowed: ['gradient', 'weight']"),
+    ({"kinds": []}, "comm_codec.kinds: []; allowed: a non-empty list of ['gradient', 'weight']"),
+    ({"log_every": -5}, "comm_codec.log_every: -5; allowed: an integer >= 0"),
     ({"refresh_threshold": 0.05}, "refresh_threshold needs drift_every > 0"),
 ])
 def test_bad_config_values_name_the_key(section, phrase):
-    with pytest.raises(ValueError, match="invalid \"comm_codec\" section in the DeepSpeed config") as info:
+    with pytest.raises(cc.ConfigError, match="invalid \"comm_codec\" section in the DeepSpeed config") as info:
         ccds.parse_config({"comm_codec": section})
     assert phrase in str(info.value)
 
 
 @needs_deepspeed
 def test_missing_codebook_file_is_named():
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(cc.CodebookError) as info:
         ccds.parse_config({"comm_codec": {"codebooks": "/no/such/books.json"}})
-    assert "comm_codec.codebooks: codebook file '/no/such/books.json' not found" in str(info.value)
+    assert "comm_codec.codebooks: cannot load codebook file '/no/such/books.json'" in str(info.value)
+    assert "no such file" in str(info.value)
 
 
 @needs_deepspeed
@@ -393,7 +429,7 @@ def test_one_bit_optimizer_rejected_at_initialize():
 @needs_deepspeed
 def test_bad_section_rejected_at_initialize():
     msg = _initialize_error({"train_batch_size": 2, "comm_codec": {"cast": "int8"}})
-    assert "comm_codec.cast: unknown cast 'int8'" in msg
+    assert "comm_codec.cast: \"int8\"; allowed: None (lossless) or 'bf16'" in msg
 
 
 @needs_deepspeed

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.unit
 
 @pytest.mark.parametrize("name, builtin", [
     ("FrameError", ValueError), ("CodebookError", ValueError), ("CheckpointError", ValueError),
-    ("ChainError", ValueError), ("CollectiveError", RuntimeError),
+    ("ChainError", ValueError), ("CollectiveError", RuntimeError), ("AgreementError", RuntimeError),
+    ("ConfigError", ValueError),
 ])
 def test_every_error_is_a_comm_codec_error_and_keeps_its_builtin_base(name, builtin):
     cls = getattr(cc, name)
@@ -36,3 +37,30 @@ def test_errors_raised_by_each_layer_are_caught_by_the_base(tmp_path):
     with pytest.raises(cc.CommCodecError):
         checkpoint.decompress_file(not_ours, tmp_path / "out")
     assert checkpoint.CheckpointError is cc.CheckpointError
+
+
+def test_future_work_wait_honours_its_timeout():
+    import concurrent.futures
+    import datetime
+    import time
+
+    from comm_codec.comm.engine import FutureWork
+
+    never = concurrent.futures.Future()
+    work = FutureWork(never)
+    start = time.monotonic()
+    with pytest.raises(cc.CollectiveError, match="not done after 0.2 s"):
+        work.wait(datetime.timedelta(seconds=0.2))
+    with pytest.raises(cc.CollectiveError, match="not done after 0.1 s"):
+        work.wait(0.1)
+    assert time.monotonic() - start < 5
+    never.set_result(None)
+    assert work.wait(datetime.timedelta(seconds=0.2)) is True and work.wait() is True
+
+
+def test_disagreeing_ranks_raise_an_agreement_error_under_the_base():
+    from comm_codec.comm.autoswitch import check_rows
+
+    with pytest.raises(cc.AgreementError, match="ranks reached the decision at different steps") as info:
+        check_rows([[3, 1, 1.0, 1, 1.0], [4, 1, 1.0, 1, 1.0]], 3)
+    assert isinstance(info.value, cc.CommCodecError) and isinstance(info.value, RuntimeError)

@@ -221,3 +221,118 @@ def test_attach_takes_one_keyword_set_for_ddp_and_fsdp2():
         for name in ("ddp", "fsdp2"):
             assert r[name]["min_bytes"] == 0 and r[name]["warmup"] == 1
             assert r[name]["steps"] == 3 and r[name]["calls"] > 0, (name, r[name])
+
+
+# HF Trainer with TrainingArguments(deepspeed=ds_config): the ds_config's "comm_codec"
+# section configures the callback, which installs into the engine the Trainer built.
+def _w_hf_deepspeed(rank, world, port, stage, section):
+    _launcher_env(rank, world, port)
+    from transformers import Trainer, TrainingArguments
+
+    from comm_codec.integrations.hf import CommCodecCallback
+
+    data = []
+    for step in range(STEPS * world):
+        x, y = _batch(0, step)
+        data += [{"x": x[i], "labels": y[i]} for i in range(len(x))]
+    ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                 "zero_optimization": {"stage": stage}, "steps_per_print": 10_000,
+                 "optimizer": {"type": "Adam", "params": {"lr": "auto", "torch_adam": True}}}
+    callbacks = []
+    if section is not None:
+        ds_config["comm_codec"] = section
+        callbacks.append(CommCodecCallback())
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=16, max_steps=STEPS, logging_steps=1,
+                                 learning_rate=0.01, report_to=[], use_cpu=True, save_strategy="no",
+                                 disable_tqdm=True, dataloader_num_workers=0, ddp_backend="gloo", seed=0,
+                                 deepspeed=ds_config)
+        model = _Regressor()
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+        trainer.train()
+    engine = trainer.model_wrapped
+    h = hashlib.sha256()
+    with __import__("deepspeed").zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+        for p in engine.module.parameters():
+            h.update(p.detach().float().contiguous().view(torch.uint8).numpy().tobytes())
+    out = {"engine": type(engine).__name__, "digest": h.hexdigest(), "losses": [
+        x["loss"] for x in trainer.state.log_history if "loss" in x]}
+    if callbacks:
+        d = callbacks[0].state.stats()
+        out["stats"] = {key: d[key] for key in ("calls", "raw_calls", "ratio", "bytes_saved", "steps")}
+        callbacks[0].state.detach()
+    return out
+
+
+def _run_deepspeed_ranks(fn, *args):
+    # DeepSpeed's CPU accelerator and its shared-memory op, built once per machine.
+    env = {"DS_ACCELERATOR": "cpu", "NUMBA_NUM_THREADS": "2",
+           "TORCH_EXTENSIONS_DIR": os.path.join(tempfile.gettempdir(), f"comm_codec-tests-torch-extensions-{os.getuid()}")}
+    group = dist_utils.WorkerGroup(2, env=env)
+    try:
+        return group.run(fn, *args, timeout=900)
+    finally:
+        group.kill()  # DeepSpeed leaves threads that keep a finished rank from exiting promptly
+
+
+def test_hf_trainer_deepspeed_section_is_coded_and_bit_identical():
+    for stage in (2, 3):
+        coded = _run_deepspeed_ranks(_w_hf_deepspeed, dist_utils.free_port(), stage, {"mode": "always",
+                                                                                      "min_bytes": 0})
+        plain = _run_deepspeed_ranks(_w_hf_deepspeed, dist_utils.free_port(), stage, None)
+        for c, p in zip(coded, plain):
+            assert c["engine"] == "DeepSpeedEngine"
+            assert c["digest"] == p["digest"] and c["losses"] == p["losses"], (stage, c, p)
+            s = c["stats"]
+            assert s["steps"] == STEPS and s["calls"] >= STEPS and s["raw_calls"] == 0, (stage, s)
+            assert s["bytes_saved"] > 0 and s["ratio"] > 1.05, (stage, s)
+
+
+# Accelerate's DeepSpeed plugin: prepare() builds the engine; register() installs into it.
+def _w_accelerate_deepspeed(rank, world, port, stage, section):
+    _launcher_env(rank, world, port)
+    from accelerate import Accelerator, DeepSpeedPlugin
+
+    from comm_codec.integrations.accelerate import register
+
+    ds_config = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1,
+                 "zero_optimization": {"stage": stage}, "steps_per_print": 10_000}
+    if section is not None:
+        ds_config["comm_codec"] = section
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config))
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    engine, opt = accelerator.prepare(model, opt)
+    state = register(accelerator, engine) if section is not None else None
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        loss = F.mse_loss(engine(x), y)
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    h = hashlib.sha256()
+    with __import__("deepspeed").zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+        for p in engine.module.parameters():
+            h.update(p.detach().float().contiguous().view(torch.uint8).numpy().tobytes())
+    out = {"engine": type(engine).__name__, "digest": h.hexdigest(), "losses": losses}
+    if state is not None:
+        d = state.stats()
+        out["stats"] = {key: d[key] for key in ("calls", "raw_calls", "ratio", "bytes_saved", "steps")}
+        out["state"] = type(state).__name__
+        state.detach()
+    return out
+
+
+def test_accelerate_deepspeed_plugin_section_is_coded_and_bit_identical():
+    for stage in (2, 3):
+        coded = _run_deepspeed_ranks(_w_accelerate_deepspeed, dist_utils.free_port(), stage,
+                                     {"mode": "always", "min_bytes": 0})
+        plain = _run_deepspeed_ranks(_w_accelerate_deepspeed, dist_utils.free_port(), stage, None)
+        for c, p in zip(coded, plain):
+            assert c["engine"] == "DeepSpeedEngine" and c["state"] == "DeepSpeedState"
+            assert c["digest"] == p["digest"] and c["losses"] == p["losses"], (stage, c, p)
+            s = c["stats"]
+            assert s["steps"] == STEPS and s["calls"] >= STEPS and s["raw_calls"] == 0, (stage, s)
+            assert s["bytes_saved"] > 0 and s["ratio"] > 1.05, (stage, s)

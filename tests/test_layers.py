@@ -8,13 +8,13 @@ of the package (its own layer always included):
 ==============  ===========================================================================
 kernels         nothing of the package; of the outside world only the standard library,
                 numpy and numba (llvmlite, numba's code generator, for ``@intrinsic``)
-core            kernels (``core/errors.py`` and ``core/version.py``: nothing of the package)
+core            kernels (``core/errors.py``, ``core/version.py``, ``core/logs.py``: nothing of the package)
 books           core, kernels; never ``torch.distributed``
 comm            books, core, kernels
 checkpoint      books, core, kernels; never comm, never ``torch.distributed``
 integrations    comm, books, core, kernels
 tools           every layer; nothing outside tools (and ``__main__``) imports tools
-root facades    ``__init__``: only core.errors and core.version (the rest is loaded lazily);
+root facades    ``__init__``: only core.errors, core.version and core.logs (the rest lazily);
                 ``ddp``, ``fsdp``, ``deepspeed``, ``collectives``: re-exports of comm;
                 ``__main__``: tools
 ==============  ===========================================================================
@@ -62,8 +62,8 @@ LAYER_IMPORTS = {
     "root": set(),  # see ROOT_EAGER
 }
 FACADES = {"ddp", "fsdp", "deepspeed", "collectives", "dcp"}
-ROOT_EAGER = {f"{PACKAGE}.core.errors", f"{PACKAGE}.core.version"}  # what __init__ may import
-ISOLATED = {f"{PACKAGE}.core.errors", f"{PACKAGE}.core.version"}  # import nothing of the package
+ROOT_EAGER = {f"{PACKAGE}.core.errors", f"{PACKAGE}.core.version", f"{PACKAGE}.core.logs"}  # what __init__ may import
+ISOLATED = {f"{PACKAGE}.core.errors", f"{PACKAGE}.core.version", f"{PACKAGE}.core.logs"}  # import nothing of the package
 # layer -> the only outside top-level packages it may import (absent: any)
 EXTERNAL_ALLOWED = {"kernels": set(sys.stdlib_module_names) | {"numpy", "numba", "llvmlite"}}
 # layer -> outside modules it must never import (the module or anything under it)

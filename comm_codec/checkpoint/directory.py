@@ -301,7 +301,7 @@ def _finish(op: str, started: float, at_once: int, results: list, skipped: list)
 
 
 # -- the three operations -------------------------------------------------------------------
-def compress_dir(src, dst, threads: int | None = None, force: bool = False, progress: bool | None = None,
+def compress_dir(src, dst, *, threads: int | None = None, force: bool = False, progress: bool | None = None,
                  on_file: Callable[[FileResult], None] | None = None, codebooks=None) -> DirSummary:
     """Compress every checkpoint file of a tree into a mirror of it; copy every other file.
 
@@ -377,7 +377,7 @@ def _run_tree(op: str, src: str, dst: str, made, make_job, at_once: int, on_file
     return _finish(op, started, at_once, results, skipped)
 
 
-def decompress_dir(src, dst, threads: int | None = None, force: bool = False, progress: bool | None = None,
+def decompress_dir(src, dst, *, threads: int | None = None, force: bool = False, progress: bool | None = None,
                    on_file: Callable[[FileResult], None] | None = None) -> DirSummary:
     """Restore a tree written by :func:`compress_dir`, byte for byte.
 
@@ -409,7 +409,7 @@ def decompress_dir(src, dst, threads: int | None = None, force: bool = False, pr
     return _run_tree("decompress", src, dst, made, make_job, at_once, on_file, started)
 
 
-def verify_dir(src, threads: int | None = None, progress: bool | None = None,
+def verify_dir(src, *, threads: int | None = None, progress: bool | None = None,
                on_file: Callable[[FileResult], None] | None = None) -> DirSummary:
     """Check every ``.cckp`` file of a tree written by :func:`compress_dir`; write nothing.
 

@@ -61,7 +61,7 @@ import numpy as np
 import zstandard
 
 from ..core.atomic import create_temp
-from ..core.codebooks import CodebookSet
+from ..core.codebooks import CodebookSet, as_codebook_set
 from ..core.frame import FrameError
 from ..core.huffman import Codebook
 from ..core.quoting import printable
@@ -256,7 +256,7 @@ def _base_file(base, scratch_dir: str | None, threads: int):
                 fd, tmp = create_temp(os.path.join(scratch_dir, "base"))
                 track_temp(tmp)
                 os.close(fd)
-                decompress_file(base, tmp, threads=threads, progress=False)
+                decompress_file(base, tmp, threads=threads, progress=False, force=True)
                 path = tmp
         else:
             path = base
@@ -379,7 +379,7 @@ def _mode(path: str) -> int:
     return os.stat(path).st_mode & 0o777
 
 
-def compress_file(src, dst, base=None, threads: int | None = None, codebooks: CodebookSet | None = None,
+def compress_file(src, dst, *, base=None, threads: int | None = None, codebooks=None,
                   progress: bool | None = None, force: bool = True) -> Summary:
     """Compress a checkpoint file losslessly.
 
@@ -411,8 +411,8 @@ def compress_file(src, dst, base=None, threads: int | None = None, codebooks: Co
     if not force and os.path.lexists(dst):
         raise FileExistsError(17, f"{dst} exists; pass force=True to replace it", dst)
     threads = _threads(threads, _size(src))
-    if codebooks is not None and not isinstance(codebooks, CodebookSet):
-        raise TypeError(f"codebooks must be a CodebookSet or None, got {type(codebooks).__name__}")
+    if codebooks is not None:
+        codebooks = as_codebook_set(codebooks)
     started = time.perf_counter()
     check_paths(src, dst, None if base is None else os.fspath(base))
     m = FileMap(src)
@@ -659,7 +659,7 @@ def _decode_segment(seg, m: FileMap, bm: FileMap | None, tensors, path, buffers:
     return restored, buf
 
 
-def decompress_file(src, dst, base=None, threads: int | None = None, progress: bool | None = None,
+def decompress_file(src, dst, *, base=None, threads: int | None = None, progress: bool | None = None,
                     force: bool = True) -> Summary:
     """Restore the original checkpoint, byte for byte, from a compressed file.
 
@@ -700,7 +700,7 @@ def decompress_file(src, dst, base=None, threads: int | None = None, progress: b
     return summary
 
 
-def verify_file(src, base=None, threads: int | None = None, progress: bool | None = None) -> Summary:
+def verify_file(src, *, base=None, threads: int | None = None, progress: bool | None = None) -> Summary:
     """Decode a compressed checkpoint and check it, writing nothing.
 
     Every checksum is checked (index CRC, segment CRCs, frame header CRCs and chunk
@@ -784,7 +784,7 @@ def _book_label(book: str, groups: dict, origin: dict) -> str:
 
 
 # -- torch.save / torch.load stand-ins ------------------------------------------------------
-def save(state_dict, path, base=None, threads: int | None = None) -> Summary:
+def save(state_dict, path, *, base=None, threads: int | None = None) -> Summary:
     """``torch.save`` a state dict and compress it into ``path``.
 
     Args:
@@ -804,13 +804,13 @@ def save(state_dict, path, base=None, threads: int | None = None) -> Summary:
     try:
         with os.fdopen(fd, "wb") as fh:
             torch.save(state_dict, fh)
-        return compress_file(tmp, path, base=base, threads=threads, progress=False)
+        return compress_file(tmp, path, base=base, threads=threads, progress=False, force=True)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
 
 
-def load(path, base=None, threads: int | None = None, map_location="cpu"):
+def load(path, *, base=None, threads: int | None = None, map_location="cpu"):
     """Restore a checkpoint written by :func:`save` or :func:`compress_file` and load it.
 
     torch files are read with ``torch.load(..., weights_only=True)`` (no arbitrary

@@ -143,7 +143,7 @@ class LossySummary:
 
 
 # -- compress -------------------------------------------------------------------------------
-def compress_file(src, dst, mode: str = "excp", base=None, bits: int = DEFAULT_BITS, alpha: float = DEFAULT_ALPHA,
+def compress_file(src, dst, *, mode: str = "excp", base=None, bits: int = DEFAULT_BITS, alpha: float = DEFAULT_ALPHA,
                   beta: float = DEFAULT_BETA, keep_bits: int | None = None,
                   threads: int | None = None) -> LossySummary:
     """Compress a checkpoint lossily (an explicit opt-in; :func:`checkpoint.compress_file` is exact).
@@ -406,7 +406,7 @@ def _crc32(pieces) -> int:
     return crc
 
 
-def decompress_file(src, dst, base=None, threads: int | None = None) -> LossySummary:
+def decompress_file(src, dst, *, base=None, threads: int | None = None) -> LossySummary:
     """Write the reconstructed checkpoint, in the source's format, from a lossy file.
 
     Args:
@@ -461,7 +461,7 @@ def _check_not_in_chain(src: str, dst: str, base) -> None:
                                   "decompressing it needs; choose another output path (inputs are never modified)")
 
 
-def verify_file(src, base=None, threads: int | None = None) -> LossySummary:
+def verify_file(src, *, base=None, threads: int | None = None) -> LossySummary:
     """Decode a lossy file (and its chain) and check the reconstruction's sha256; write nothing.
 
     Args:
@@ -487,7 +487,7 @@ def _summary(op: str, index: dict, size: int, started: float) -> LossySummary:
                         index["errors"], index["notes"], None if index["base"] is None else index["base"]["name"])
 
 
-def load(path, base=None, map_location="cpu"):
+def load(path, *, base=None, map_location="cpu"):
     """Reconstruct a lossy checkpoint in memory and load it.
 
     torch files are loaded with ``torch.load(..., weights_only=True)``, safetensors with

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ..books.profiler import ProfileStatistics, WarmupProfiler
 from ..core.codebooks import CodebookSet, as_codebook_set
+from ..core.errors import AgreementError
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
@@ -154,7 +155,7 @@ def gather_texts(text: str, group=None, device=None, limit: int = MAX_MESSAGE_BY
 
     Raises:
         ValueError: this rank's message is over ``limit``.
-        RuntimeError: a peer announced a length outside 0..``limit`` (every rank alike:
+        AgreementError: a peer announced a length outside 0..``limit`` (every rank alike:
             they all see the same lengths).
     """
     data = text.encode("utf-8", "replace")
@@ -168,7 +169,7 @@ def gather_texts(text: str, group=None, device=None, limit: int = MAX_MESSAGE_BY
 
 
 def check_same_settings(owner: str, settings: dict, group=None, device=None) -> list[str]:
-    """Raise the same ValueError on every rank if the ranks' settings differ (collective).
+    """Raise the same AgreementError on every rank if the ranks' settings differ (collective).
 
     Ranks configured differently would issue collectives that do not match and wait on
     each other forever; comparing first turns that into one clear error everywhere.
@@ -183,7 +184,7 @@ def check_same_settings(owner: str, settings: dict, group=None, device=None) -> 
         Every rank's host name, in rank order (for the ranks-per-node count).
 
     Raises:
-        ValueError: on every rank, naming the first setting that differs and its values.
+        AgreementError: on every rank, naming the first setting that differs and its values.
     """
     mine = json.dumps({"settings": settings, "host": socket.gethostname()}, sort_keys=True)
     seen = []
@@ -191,13 +192,13 @@ def check_same_settings(owner: str, settings: dict, group=None, device=None) -> 
         try:
             seen.append(json.loads(text))
         except ValueError:
-            raise RuntimeError(f"comm_codec agreement: rank {r} sent settings that are not JSON") from None
+            raise AgreementError(f"comm_codec agreement: rank {r} sent settings that are not JSON") from None
     first = seen[0].get("settings", {})
     for rank, entry in enumerate(seen):
         theirs = entry.get("settings", {})
         for name in sorted(set(first) | set(theirs)):
             if theirs.get(name) != first.get(name):
-                raise ValueError(
+                raise AgreementError(
                     f"{owner} differs across ranks: {name} is {first.get(name)!r} on rank 0 but "
                     f"{theirs.get(name)!r} on rank {rank}; give every rank the same settings")
     return [str(entry.get("host", "")) for entry in seen]
@@ -218,7 +219,7 @@ def check_same_books(books: CodebookSet, group=None, device=None) -> None:
         device: the agreement tensors' device.
 
     Raises:
-        RuntimeError: the sets differ; the message names the ranks and the first
+        AgreementError: the sets differ; the message names the ranks and the first
             (kind, dtype, stream) whose book differs, on every rank.
     """
     books = as_codebook_set(books)
@@ -231,11 +232,11 @@ def check_same_books(books: CodebookSet, group=None, device=None) -> None:
         theirs = dict(line.split("=", 1) for line in other.splitlines()[1:] if "=" in line)
         for key in sorted(set(mine) | set(theirs)):
             if mine.get(key) != theirs.get(key):
-                raise RuntimeError(
+                raise AgreementError(
                     f"codebooks differ across ranks: {key} is {mine.get(key, 'missing')} on rank 0 "
                     f"but {theirs.get(key, 'missing')} on rank {rank}; load the same codebook file on "
                     "every rank or build them with comm_codec.comm.agreement.build_books(profiler, group)")
-    raise RuntimeError("codebook set digests differ across ranks")
+    raise AgreementError("codebook set digests differ across ranks")
 
 
 def sum_statistics(stats: ProfileStatistics, group=None, device=None) -> ProfileStatistics:
@@ -254,7 +255,7 @@ def sum_statistics(stats: ProfileStatistics, group=None, device=None) -> Profile
         The summed statistics, with ``world_size`` set.
 
     Raises:
-        RuntimeError: ranks observed different (kind, dtype) pairs (on every rank).
+        AgreementError: ranks observed different (kind, dtype) pairs (on every rank).
     """
     if not is_initialized():
         return stats
@@ -262,7 +263,7 @@ def sum_statistics(stats: ProfileStatistics, group=None, device=None) -> Profile
     keys = sorted(stats.sums)
     seen = gather_texts(";".join("%s/%s" % k for k in keys), group, device)
     if len(set(seen)) != 1:
-        raise RuntimeError("ranks observed different tensor kinds/dtypes before building books: "
+        raise AgreementError("ranks observed different tensor kinds/dtypes before building books: "
                            + " | ".join(f"rank {r}: {s or '(none)'}" for r, s in enumerate(seen)))
     sums = {}
     for k in keys:
@@ -318,7 +319,7 @@ def _gather_uneven(mine: torch.Tensor, limit: int, what: str, group, device) -> 
     lengths = [int(s.item()) for s in sizes]
     bad = [(r, k) for r, k in enumerate(lengths) if not 0 <= k <= limit]
     if bad:
-        raise RuntimeError("comm_codec agreement: " + ", ".join(f"rank {r} announced " + what.format(k)
+        raise AgreementError("comm_codec agreement: " + ", ".join(f"rank {r} announced " + what.format(k)
                                                                for r, k in bad) + f" (at most {limit})")
     longest = max(1, max(lengths))  # never a zero-element collective (gloo rejects them)
     padded = torch.zeros((longest,) + tuple(mine.shape[1:]), dtype=mine.dtype)

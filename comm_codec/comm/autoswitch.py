@@ -27,7 +27,7 @@ point, begins step s+1 where step s's backward pass ends: the interval between t
 calls is still one whole step, forward, backward and optimizer.)
 
 Faults: a rank whose step counter differs, or whose figures are not finite positive
-times, makes every rank raise the same RuntimeError at the agreement (they all see the
+times, makes every rank raise the same AgreementError at the agreement (they all see the
 same gathered rows); a rank that dies before the agreement makes the others' all-gather
 fail within the process group's timeout.
 """
@@ -39,7 +39,8 @@ import math
 import statistics
 import time
 
-from .agreement import gather_rows, rank_of
+from ..core.errors import AgreementError
+from .agreement import gather_rows
 
 __all__ = ["MODES", "AutoSwitch", "agree", "check_mode", "check_rows", "decide"]
 
@@ -143,7 +144,7 @@ class AutoSwitch:
             device: where the agreement's tensor lives (NCCL: a CUDA device).
 
         Raises:
-            RuntimeError: at an agreement, if the ranks' step counters or figures
+            AgreementError: at an agreement, if the ranks' step counters or figures
                 disagree (on every rank alike).
         """
         now = self.clock()
@@ -206,8 +207,6 @@ class AutoSwitch:
         if before is not None and self.coded != before:
             self.switches += 1
         self._next_probe = step + self.recheck_every
-        if rank_of(group) == 0:
-            log.info("comm_codec: %s", self.decision["reason"])
 
 
 def agree(plain_s: list[float], coded_s: list[float], step: int, group=None, hysteresis: float = 0.05, *,
@@ -234,7 +233,7 @@ def agree(plain_s: list[float], coded_s: list[float], step: int, group=None, hys
         ``{"coded", "step", "plain_ms", "coded_ms", "per_rank_ms", "reason"}``.
 
     Raises:
-        RuntimeError: the ranks' steps differ or a rank has no valid times (every rank).
+        AgreementError: the ranks' steps differ or a rank has no valid times (every rank).
     """
     mine = [float(step), len(plain_s), _median(plain_s), len(coded_s), _median(coded_s)]
     rows = gather_rows(mine, group, device)
@@ -269,10 +268,10 @@ def check_rows(rows: list[list[float]], step: int) -> None:
     steps = {int(r[0]) for r in rows}
     if len(steps) != 1:
         listing = ", ".join(f"rank {i} at step {int(r[0])}" for i, r in enumerate(rows))
-        raise RuntimeError(f"comm_codec auto mode: ranks reached the decision at different steps ({listing}); "
+        raise AgreementError(f"comm_codec auto mode: ranks reached the decision at different steps ({listing}); "
                            "every rank must run the same steps with the same settings")
     for i, r in enumerate(rows):
         if not (r[1] >= 1 and r[3] >= 1 and all(math.isfinite(v) and v > 0 for v in (r[2], r[4]))):
-            raise RuntimeError(f"comm_codec auto mode: rank {i} measured no valid step times at step {step} "
+            raise AgreementError(f"comm_codec auto mode: rank {i} measured no valid step times at step {step} "
                                f"(plain {r[2]!r} s over {int(r[1])} steps, coded {r[4]!r} s over {int(r[3])}); "
                                "its clock or its step counter is broken")

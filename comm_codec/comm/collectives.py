@@ -58,10 +58,11 @@ from .stats import CommStats
 from .workspace import Workspace
 from ..core.streams import ACCUMULABLE_DTYPES
 
+# The user's names; the engine's helpers here (pieces, plain_wire_bytes, on_cuda_worker,
+# the piece sizes) are importable but not part of the public surface.
 __all__ = [
-    "MAX_PIECES",
-    "MIN_PIECE_ELEMS",
     "CollectiveError",
+    "CommStats",
     "Workspace",
     "all_reduce",
     "reduce_scatter",
@@ -70,9 +71,6 @@ __all__ = [
     "recv",
     "reduce",
     "row_parallel_all_reduce",
-    "on_cuda_worker",
-    "pieces",
-    "plain_wire_bytes",
 ]
 
 log = logging.getLogger(__name__)

@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
-from .engine import CodingEngine, default_threads
+from .engine import CodingEngine
 
-__all__ = ["HuffmanState", "huffman_hook", "default_threads"]
+__all__ = ["HuffmanState", "huffman_hook"]
 
 
 class HuffmanState(CodingEngine):
@@ -52,24 +52,30 @@ class HuffmanState(CodingEngine):
             defaults, or books built online when ``warmup_steps`` > 0.
         warmup_steps: backward passes to profile (plain all-reduce) before building books
             and compressing; 0 compresses from the start. Requires ``codebooks=None``.
-        **options: the engine's other settings, the same for every adapter
-            (:data:`comm_codec.comm.engine.OPTIONS`): ``mode`` ("auto", "always",
-            "never"), ``cast`` (None or "bf16": fp32 buckets rounded to bf16, **lossy**),
-            ``min_bytes`` (smaller buckets go plainly), ``threads``, ``log_every``,
-            ``writer``, ``drift_every``, ``refresh_threshold``, ``refresh_steps``,
-            ``recheck_every``, ``probe_steps``, ``hysteresis``; see
-            :class:`~comm_codec.comm.engine.CodingEngine`.
+        config: a :class:`~comm_codec.comm.config.CommConfig` holding every setting
+            (keywords given beside it replace its fields).
+        writer: optional TensorBoard ``SummaryWriter`` (scalars under comm_codec/).
+        **options: the other :class:`~comm_codec.comm.config.CommConfig` settings, the
+            same for every adapter: ``mode`` ("auto", "always", "never"), ``cast`` (None
+            or "bf16": fp32 buckets rounded to bf16, **lossy**), ``min_bytes``,
+            ``threads``, ``log_every``, ``drift_every``, ``refresh_threshold``,
+            ``refresh_steps``, ``recheck_every``, ``probe_steps``, ``hysteresis``.
 
     Raises:
-        ValueError: a negative warmup, both codebooks and warmup given, an unknown cast
-            or mode, negative sizes, or a refresh threshold without drift measurement.
+        ConfigError: a bad setting; the message names the key, the value and what is allowed.
+        CodebookError: ``codebooks`` names a missing or malformed file.
         TypeError: codebooks of the wrong type, or an unknown option.
     """
 
     __slots__ = ()
 
-    def __init__(self, process_group=None, codebooks=None, warmup_steps: int = 0, **options):
-        super().__init__(process_group, codebooks, warmup_steps, name="HuffmanState", **options)
+    def __init__(self, process_group=None, codebooks=None, warmup_steps: int = 0, *, config=None, writer=None,
+                 **options):
+        if codebooks is not None:
+            options["codebooks"] = codebooks
+        if warmup_steps or config is None:
+            options["warmup_steps"] = warmup_steps
+        super().__init__(process_group, config, writer=writer, name="HuffmanState", **options)
         if dist.is_available() and dist.is_initialized():
             self.group()  # creating a group is collective: here, where every rank builds its state
 
@@ -86,18 +92,17 @@ def _plain_all_reduce(state: HuffmanState, tensor: torch.Tensor) -> torch.future
 def _coded_all_reduce(state: HuffmanState, tensor: torch.Tensor, is_last: bool) -> torch.Tensor:
     """On the worker: the bucket's compressed all-reduce (or a plain one where coding cannot pay)."""
     group = state.group()
-    stats = state.stats_for("all_reduce")
-    if not state.codes(tensor, tensor.numel(), "gradient"):
+
+    def plain():
         tensor.div_(dist.get_world_size(group))
         dist.all_reduce(tensor, group=group)
-        state.count_plain("all_reduce", tensor, group)
-    else:
-        state.sample_drift(tensor)
-        state.observe(tensor, "gradient")
-        state.precompile_for(tensor)
+
+    def coded(stats):
         collectives.all_reduce(tensor, state.codec, group, average=True, cast=state.cast_dtype(tensor),
                                stats=stats, workspace=state.workspace)
-        state.observe(tensor, "reduced_gradient")
+
+    state.dispatch("all_reduce", tensor, group, numel_per_rank=tensor.numel(), kind="gradient", coded=coded,
+                   plain=plain, reduced_kind="reduced_gradient")
     if is_last:
         state.end_step()
     return tensor

@@ -64,12 +64,11 @@ the same on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import json
-import logging
 import os
-from typing import Optional
 
 try:
     import deepspeed
@@ -80,21 +79,23 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the ext
         "pip install 'comm_codec[deepspeed]'"
     ) from _exc
 
-import pydantic
 import torch
 import torch.distributed as dist
 
 from ..core.codebooks import KINDS, CodebookSet
-from ..core.errors import CodebookError
+from ..core.errors import CodebookError, ConfigError
 from . import collectives
-from .autoswitch import MODES
-from .engine import CASTS, CODED_DTYPES, CodingEngine
+from .config import CommConfig, make_config
+from .engine import CODED_DTYPES, CodingEngine
+from .stats import LOGGED, TrafficStats
 from .zero3 import SEAMS as ZERO3_SEAMS
 from .zero3 import Zero3Seams, seam_parameters
 
-__all__ = ["CommCodecConfig", "SUPPORTED_DEEPSPEED", "initialize", "install", "parse_config", "stats"]
+__all__ = ["CommCodecConfig", "DEEPSPEED_ONLY", "DeepSpeedState", "SUPPORTED_DEEPSPEED", "initialize", "install",
+           "parse_config", "register", "stats"]
 
-log = logging.getLogger(__name__)
+# Inside DeepSpeed, the plugin's lines go where DeepSpeed's own go (shown at INFO by default).
+ds_logger = deepspeed.utils.logger
 
 SUPPORTED_DEEPSPEED = "0.19"  # the major.minor whose reduction methods the plugin copies
 SECTION = "comm_codec"
@@ -115,113 +116,103 @@ _SEAMS = {
 
 
 # -- configuration ------------------------------------------------------------------------
-class CommCodecConfig(pydantic.BaseModel):
-    """The ``"comm_codec"`` section of a DeepSpeed config; unknown keys are rejected.
+# The section's keys that are not CommConfig settings: the plugin's own.
+DEEPSPEED_ONLY = ("enabled", "kinds", "monitor")
+
+
+@dataclasses.dataclass(frozen=True)
+class CommCodecConfig:
+    """The ``"comm_codec"`` section of a DeepSpeed config, parsed.
+
+    Its keys are the :class:`~comm_codec.comm.config.CommConfig` settings (the same as
+    ``HuffmanState``'s and ``comm_codec.fsdp.register``'s, validated there) plus the
+    DeepSpeed-only keys of :data:`DEEPSPEED_ONLY`; any other key is refused.
 
     Attributes:
-        enabled: install the codec (a present section defaults to true).
+        config: the coding settings.
         codebooks: ``"default"`` (the shipped books), ``"online"`` (built from the first
-            ``warmup_steps`` steps), or the path of a saved :class:`CodebookSet`; unset:
-            ``"online"`` when ``warmup_steps`` > 0, else ``"default"``.
-        warmup_steps: optimizer steps reduced plainly while profiling; they build the
-            books online (as ``HuffmanState(warmup_steps=...)``).
-        mode: ``"auto"``, ``"always"`` or ``"never"``, as for HuffmanState.
-        recheck_every, probe_steps, hysteresis: auto mode's measurement, as for
-            HuffmanState.
+            ``warmup_steps`` steps), or the path of a saved :class:`CodebookSet`; unset in
+            the file: ``"online"`` when ``warmup_steps`` > 0, else ``"default"``.
+        enabled: install the codec (a present section defaults to true).
         kinds: the traffic to code, by codebook kind: ``"gradient"`` (gradient reduction,
-            every stage), ``"weight"`` (the parameter all-gathers of ZeRO stage 3); unset:
+            every stage), ``"weight"`` (the parameter all-gathers of ZeRO stage 3); None:
             everything the stage moves.
-        cast: null (lossless) or ``"bf16"``: fp32 buckets are rounded to bf16 before
-            coding (**lossy**, like PyTorch's bf16_compress_hook).
-        log_every: log a traffic line (and write DeepSpeed monitor events) every this
-            many steps on rank 0; 0 = never.
-        min_bytes: buckets smaller than this are reduced plainly.
-        threads: numba threads for the codec (null: numba's setting).
-        drift_every, refresh_threshold, refresh_steps: codebook drift measurement and
-            refresh, as in :class:`comm_codec.ddp.HuffmanState`.
         monitor: also write comm_codec/* scalars to DeepSpeed's monitor (TensorBoard,
             W&B, CSV) when one is enabled in the config.
+
+    Every other setting reads through to ``config`` (``section.mode``, ``section.cast``...).
     """
 
-    model_config = pydantic.ConfigDict(extra="forbid", strict=True, frozen=True)
-
+    config: CommConfig
+    codebooks: str = "default"
     enabled: bool = True
-    codebooks: Optional[str] = None
-    warmup_steps: int = pydantic.Field(0, ge=0)
-    mode: str = "auto"
-    recheck_every: int = pydantic.Field(200, ge=1)
-    probe_steps: int = pydantic.Field(4, ge=1)
-    hysteresis: float = pydantic.Field(0.05, ge=0, lt=1)
-    kinds: Optional[list[str]] = pydantic.Field(None, min_length=1)
-    cast: Optional[str] = None
-    log_every: int = pydantic.Field(50, ge=0)
-    min_bytes: int = pydantic.Field(4096, ge=0)
-    threads: Optional[int] = pydantic.Field(None, ge=1)
-    drift_every: int = pydantic.Field(0, ge=0)
-    refresh_threshold: Optional[float] = pydantic.Field(None, gt=0)
-    refresh_steps: int = pydantic.Field(3, ge=1)
+    kinds: tuple[str, ...] | None = None
     monitor: bool = True
 
-    @pydantic.field_validator("codebooks")
-    @classmethod
-    def _codebook_source(cls, value):
-        if value is None or value in ("default", "online"):
-            return value
-        if not os.path.isfile(value):
-            raise ValueError(f"codebook file {value!r} not found; expected \"default\", \"online\" or the "
-                             "path of a file saved by CodebookSet.save (e.g. train_ddp.py --save-codebooks)")
-        return value
+    def __getattr__(self, name):
+        if name in CommConfig.fields():
+            return getattr(self.config, name)
+        raise AttributeError(name)
 
-    @pydantic.field_validator("kinds")
-    @classmethod
-    def _kinds(cls, value):
-        for kind in value or ():
-            if kind not in KINDS:
-                raise ValueError(f"unknown tensor kind {kind!r}; allowed: {list(_SUPPORTED_KINDS)}")
+
+def _section_error(key: str, problem: str) -> ConfigError:
+    exc = ConfigError(f"{SECTION}.{key}" if key else SECTION, None, problem)
+    exc.args = (f"invalid \"{SECTION}\" section in the DeepSpeed config: "
+                + (f"{SECTION}.{key}: " if key else f"{SECTION}: ") + problem,)
+    return exc
+
+
+def _json(value) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _parse_section(section: dict) -> CommCodecConfig:
+    allowed = (*CommConfig.fields(), *DEEPSPEED_ONLY)
+    for key in section:
+        if key not in allowed:
+            raise _section_error(key, f"unknown key; allowed keys: {', '.join(allowed)}")
+    own = {key: section[key] for key in DEEPSPEED_ONLY if key in section}
+    for key in ("enabled", "monitor"):
+        if key in own and not isinstance(own[key], bool):
+            raise _section_error(key, f"{_json(own[key])}; allowed: true or false")
+    kinds = own.get("kinds")
+    if kinds is not None:
+        if not isinstance(kinds, list) or not kinds:
+            raise _section_error("kinds", f"{_json(kinds)}; allowed: a non-empty list of {list(_SUPPORTED_KINDS)}")
+        for kind in kinds:
             if kind not in _SUPPORTED_KINDS:
-                raise ValueError(f"kind {kind!r} is not coded by the DeepSpeed plugin (it codes gradient "
-                                 f"reduction and ZeRO-3 parameter all-gathers); allowed: {list(_SUPPORTED_KINDS)}")
-        return value
-
-    @pydantic.field_validator("mode")
-    @classmethod
-    def _mode(cls, value):
-        if value not in MODES:
-            raise ValueError(f"unknown mode {value!r}; allowed: " + ", ".join(f'"{m}"' for m in MODES))
-        return value
-
-    @pydantic.field_validator("cast")
-    @classmethod
-    def _cast(cls, value):
-        if value not in CASTS:
-            raise ValueError(f"unknown cast {value!r}; allowed: null (lossless) or \"bf16\"")
-        return value
-
-    @pydantic.model_validator(mode="after")
-    def _consistent(self):
-        if self.codebooks == "online" and self.warmup_steps == 0:
-            raise ValueError("codebooks \"online\" needs warmup_steps >= 1 (the steps whose statistics "
-                             "build the books)")
-        if self.codebooks not in (None, "online") and self.warmup_steps:
-            raise ValueError(f"warmup_steps builds the books online, but codebooks is {self.codebooks!r}: "
+                what = ("is not coded by the DeepSpeed plugin (it codes gradient reduction and ZeRO-3 parameter "
+                        "all-gathers)" if kind in KINDS else "is an unknown tensor kind")
+                raise _section_error("kinds", f"{kind!r} {what}; allowed: {list(_SUPPORTED_KINDS)}")
+        own["kinds"] = tuple(kinds)
+    settings = {key: value for key, value in section.items() if key not in DEEPSPEED_ONLY}
+    source = settings.pop("codebooks", None)
+    warmup = settings.get("warmup_steps", 0)
+    if source == "online":
+        if warmup == 0:
+            raise _section_error("", "codebooks \"online\" needs warmup_steps >= 1 (the steps whose statistics "
+                                 "build the books)")
+    elif source is not None and warmup:
+        raise _section_error("warmup_steps", f"warmup_steps builds the books online, but codebooks is {source!r}: "
                              "drop codebooks (or set it to \"online\") to build them, or set warmup_steps to 0")
-        if self.codebooks is None:
-            object.__setattr__(self, "codebooks", "online" if self.warmup_steps else "default")
-        if self.refresh_threshold is not None and not self.drift_every:
-            raise ValueError("refresh_threshold needs drift_every > 0 (drift is what triggers a refresh)")
-        return self
-
-
-def _config_error(exc: pydantic.ValidationError) -> ValueError:
-    problems = []
-    for err in exc.errors():
-        key = ".".join([SECTION, *map(str, err["loc"])])
-        if err["type"] == "extra_forbidden":
-            problems.append(f"{key}: unknown key; allowed keys: {', '.join(CommCodecConfig.model_fields)}")
-            continue
-        msg = err["msg"].removeprefix("Value error, ")
-        problems.append(f"{key}: {msg}" + (f" (got {err['input']!r})" if err["loc"] else ""))
-    return ValueError(f"invalid \"{SECTION}\" section in the DeepSpeed config: " + "; ".join(problems))
+    elif source not in (None, "default"):
+        if not isinstance(source, str):
+            raise _section_error("codebooks", f"{_json(source)}; allowed: \"default\", \"online\" or the path "
+                                 "of a file saved by CodebookSet.save")
+        settings["codebooks"] = source
+    try:
+        config = CommConfig(**settings)
+    except ConfigError as exc:
+        raise _section_error(exc.key, f"{_json(exc.value)}; allowed: {exc.allowed}") from None
+    except CodebookError as exc:
+        raise CodebookError(f"invalid \"{SECTION}\" section in the DeepSpeed config: {SECTION}.codebooks: "
+                            f"cannot load codebook file {source!r}: {exc}") from None
+    if source is None:
+        source = "online" if config.warmup_steps else "default"
+    return CommCodecConfig(config=config, codebooks=source, **own)
 
 
 def parse_config(config) -> CommCodecConfig | None:
@@ -235,8 +226,9 @@ def parse_config(config) -> CommCodecConfig | None:
         The validated section, or None when the config has none.
 
     Raises:
-        ValueError: an unknown key or a bad value; the message names the key
-            (``comm_codec.cast``...) and what is allowed.
+        ConfigError: an unknown key or a bad value; the message names the key
+            (``comm_codec.cast``...), the value and what is allowed.
+        CodebookError: a codebook file that is missing or not a codebook set.
         FileNotFoundError: the config file does not exist.
     """
     if isinstance(config, CommCodecConfig):
@@ -249,11 +241,8 @@ def parse_config(config) -> CommCodecConfig | None:
     if section is None:
         return None
     if not isinstance(section, dict):
-        raise ValueError(f"\"{SECTION}\" in the DeepSpeed config must be an object, got {section!r}")
-    try:
-        return CommCodecConfig.model_validate(section)
-    except pydantic.ValidationError as exc:
-        raise _config_error(exc) from None
+        raise _section_error("", f"{_json(section)}; allowed: an object (must be an object of settings)")
+    return _parse_section(section)
 
 
 def _load_config_file(path) -> dict:
@@ -290,9 +279,11 @@ def _check_version() -> None:
             )
 
 
-def _unsupported(feature: str, fix: str) -> ValueError:
-    return ValueError(f"comm_codec.deepspeed does not support {feature}; {fix}, "
-                      f"or set \"{SECTION}\": {{\"enabled\": false}}")
+def _unsupported(feature: str, fix: str) -> ConfigError:
+    exc = ConfigError(SECTION, None, "a supported setup")
+    exc.args = (f"comm_codec.deepspeed does not support {feature}; {fix}, "
+                f"or set \"{SECTION}\": {{\"enabled\": false}}",)
+    return exc
 
 
 # ZeRO settings that take the traffic off the seams (ZeRO++'s lossy paths, fetching by
@@ -344,13 +335,11 @@ def check_zero(zero: dict, section: CommCodecConfig) -> int:
     allowed = list(_STAGE_KINDS[stage])
     for kind in section.kinds or ():
         if kind not in allowed:
-            raise ValueError(f"invalid \"{SECTION}\" section in the DeepSpeed config: {SECTION}.kinds: "
-                             f"{kind!r} (parameter all-gathers) is coded at ZeRO stage 3 only; allowed at "
-                             f"stage {stage}: {allowed}")
+            raise _section_error("kinds", f"{kind!r} (parameter all-gathers) is coded at ZeRO stage 3 only; "
+                                 f"allowed at stage {stage}: {allowed}")
     if stage == 3 and section.cast is not None:
-        raise ValueError(f"invalid \"{SECTION}\" section in the DeepSpeed config: {SECTION}.cast: "
-                         f"{section.cast!r} at ZeRO stage 3, where weights and gradients must arrive exactly; "
-                         "allowed at stage 3: null")
+        raise _section_error("cast", f"{section.cast!r} at ZeRO stage 3, where weights and gradients must "
+                             "arrive exactly; allowed at stage 3: null")
     return stage
 
 
@@ -417,36 +406,35 @@ def _check_engine(engine) -> None:
 
 
 # -- the plugin ---------------------------------------------------------------------------
-class _Plugin:
-    """What the plugin keeps per engine: its config, the coding engine, the step flag."""
+class DeepSpeedState:
+    """The codec installed in one DeepSpeed engine: what :func:`register` returns.
 
-    __slots__ = ("config", "coder", "engine", "stage", "kinds", "zero3", "_step_open")
+    Attributes:
+        config: the parsed ``"comm_codec"`` section.
+        coder: the :class:`~comm_codec.comm.engine.CodingEngine` (books, mode, statistics).
+        engine: the DeepSpeed engine.
+        stage: its ZeRO stage.
+        kinds: the traffic coded ("gradient"; and "weight" at ZeRO-3).
+    """
+
+    __slots__ = ("config", "coder", "engine", "stage", "kinds", "zero3", "_step_open", "_patched")
 
     def __init__(self, engine, config: CommCodecConfig, stage: int):
-        books = None
-        if config.codebooks not in ("default", "online"):
-            try:
-                books = CodebookSet.load(config.codebooks)
-            except (OSError, CodebookError) as exc:
-                raise ValueError(f"{SECTION}.codebooks: cannot load codebook file {config.codebooks!r}: "
-                                 f"{exc}") from None
         self.stage = stage
         self.kinds = tuple(config.kinds or _STAGE_KINDS[stage])
-        if books is not None or config.codebooks == "default":
+        if config.codebooks != "online":
+            books = config.config.codebooks
             _check_books(books if books is not None else CodebookSet.default(), config.codebooks,
                          _coded_dtypes(engine, stage, self.kinds))
         zero3 = stage == 3
         try:
             self.coder = CodingEngine(
-                engine.data_parallel_group, books, config.warmup_steps, config.mode, config.cast,
-                config.min_bytes, config.threads, config.log_every, drift_every=config.drift_every,
-                refresh_threshold=config.refresh_threshold, refresh_steps=config.refresh_steps,
-                recheck_every=config.recheck_every, probe_steps=config.probe_steps, hysteresis=config.hysteresis,
-                name="comm_codec.deepspeed", allow_cast=not zero3,
+                engine.data_parallel_group, config.config, name="comm_codec.deepspeed", allow_cast=not zero3,
+                logger=ds_logger,
                 plain_name="plain reduce-scatter/all-gather" if zero3 else "plain all-reduce",
                 collectives=("reduce_scatter", "all_gather") if zero3 else ("all_reduce",))
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"invalid \"{SECTION}\" section in the DeepSpeed config: {exc}") from None
+        except ConfigError as exc:
+            raise _section_error(exc.key, f"{_json(exc.value)}; allowed: {exc.allowed}") from None
         # Creating a group is collective: here, where every rank installs.
         self.zero3 = Zero3Seams(self.coder, engine, self.kinds) if zero3 else None
         if not zero3:
@@ -454,6 +442,31 @@ class _Plugin:
         self.config = config
         self.engine = engine
         self._step_open = False
+        self._patched: list = []
+
+    def stats(self) -> TrafficStats:
+        """Return the traffic record (:class:`~comm_codec.comm.stats.TrafficStats`), as every state's ``stats()``."""
+        return self.coder.stats()
+
+    def patch(self, obj, name: str, value) -> None:
+        """Set ``obj.name`` to ``value``, remembering what :meth:`detach` puts back."""
+        self._patched.append((obj, name, vars(obj).get(name)))
+        setattr(obj, name, value)
+
+    def detach(self) -> None:
+        """Give the engine back DeepSpeed's own reduction (and fetch, at ZeRO-3); the statistics stay readable."""
+        patched = self._patched + (self.zero3.patched if self.zero3 is not None else [])
+        for obj, name, before in reversed(patched):
+            if before is None:
+                vars(obj).pop(name, None)  # the class's method shows through again
+            else:
+                setattr(obj, name, before)
+        self._patched = []
+        if self.zero3 is not None:
+            self.zero3.patched = []
+        if getattr(self.engine, "_comm_codec", None) is self:
+            self.engine._comm_codec = None
+        self.coder.shutdown()
 
     def reduce(self, tensor: torch.Tensor, group, dst: int | None = None) -> None:
         """Sum ``tensor`` over ``group`` in place: on every rank, or only on rank ``dst``.
@@ -462,45 +475,31 @@ class _Plugin:
         group rank ``dst``), coded once warmup is over; buckets the codec cannot code or
         that are too small to pay go plainly, exactly as DeepSpeed sends them.
         """
-        # numba's OpenMP layer resets the process-wide OpenMP thread count that torch's
-        # intra-op pool shares (torch.set_num_threads(1); one parallel kernel; and
-        # torch.get_num_threads() is NUMBA_NUM_THREADS): left alone, that oversubscribes
-        # the ranks' cores and changes the summation order, hence the bits, of the
-        # model's own matmuls. Put it back after every reduction.
-        threads = torch.get_num_threads()
-        try:
-            self._reduce(tensor, group, dst)
-        finally:
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
-
-    def _reduce(self, tensor, group, dst) -> None:
         coder = self.coder
-        if not self._step_open:  # the step's first reduction: settings check, books, mode
-            self._step_open = True
-            coder.begin_step()
-        stats = coder.stats_for("all_reduce")
-        codable = tensor.device.type == "cpu" and coder.codable(tensor, tensor.numel())
-        if not (codable and coder.codes(tensor, tensor.numel(), "gradient")):
-            if codable:
-                coder.observe(tensor, "gradient")
+        try:
+            if not self._step_open:  # the step's first reduction: settings check, books, mode
+                self._step_open = True
+                coder.begin_step()
             if dst is None:
-                ds_dist.all_reduce(tensor, group=group)
-                coder.count_plain("all_reduce", tensor, group)
+                def plain():
+                    ds_dist.all_reduce(tensor, group=group)
+
+                def coded(stats):
+                    collectives.all_reduce(tensor, coder.codec, group, cast=coder.cast_dtype(tensor), stats=stats,
+                                           workspace=coder.workspace)
             else:
-                ds_dist.reduce(tensor, ds_dist.get_global_rank(group, dst), group=group)
-                coder.count_plain("reduce", tensor, group, record="all_reduce", dst=dst)
-            if codable and dst is None:
-                coder.observe(tensor, "reduced_gradient")
-            return
-        coder.sample_drift(tensor)
-        coder.observe(tensor, "gradient")
-        cast = coder.cast_dtype(tensor)
-        if dst is None:
-            collectives.all_reduce(tensor, coder.codec, group, cast=cast, stats=stats, workspace=coder.workspace)
-            coder.observe(tensor, "reduced_gradient")
-        else:
-            collectives.reduce(tensor, dst, coder.codec, group, cast=cast, stats=stats, workspace=coder.workspace)
+                def plain():
+                    ds_dist.reduce(tensor, ds_dist.get_global_rank(group, dst), group=group)
+
+                def coded(stats):
+                    collectives.reduce(tensor, dst, coder.codec, group, cast=coder.cast_dtype(tensor), stats=stats,
+                                       workspace=coder.workspace)
+            coder.dispatch("all_reduce" if dst is None else "reduce", tensor, group, numel_per_rank=tensor.numel(),
+                           kind="gradient", coded=coded, plain=plain, record="all_reduce", dst=dst,
+                           reduced_kind="reduced_gradient" if dst is None else None,
+                           allowed=tensor.device.type == "cpu")
+        finally:
+            coder.keep_torch_threads()
 
     def end_of_step(self) -> None:
         coder = self.coder
@@ -515,7 +514,7 @@ class _Plugin:
                 and coder.step % self.config.log_every == 0 and engine.global_rank == 0):
             d = coder.stats()
             monitor.write_events([(f"comm_codec/{key}", d[key], engine.global_samples)
-                                  for key in ("ratio", "bytes_in", "bytes_out", "encode_seconds", "decode_seconds")])
+                                  for key in LOGGED])
 
 
 # -- the replaced DeepSpeed methods (0.19 bodies; only the collective differs) ------------
@@ -603,8 +602,7 @@ def _check_books(books: CodebookSet, source: str, wanted: dict) -> None:
                 books.group(kind, dtype, 0)
             except ValueError:
                 name = str(dtype).replace("torch.", "")
-                raise ValueError(f"invalid \"{SECTION}\" section in the DeepSpeed config: {SECTION}.codebooks: "
-                                 f"the books {source!r} hold no {kind!r} book for {name} (this engine sends "
+                raise _section_error("codebooks", f"the books {source!r} hold no {kind!r} book for {name} (this engine sends "
                                  f"{kind}s as {name}; the books hold {', '.join(held)}); allowed: books profiled "
                                  f"on {name} {kind}s, \"default\" or \"online\" (with warmup_steps)") from None
 
@@ -622,17 +620,21 @@ def _wrap_step(plugin, step):
 
 
 # -- public -------------------------------------------------------------------------------
-def install(engine, config=None) -> None:
-    """Install the codec into an existing engine's gradient reduction.
+def install(engine, config=None) -> DeepSpeedState:
+    """Install the codec into an existing engine's gradient reduction (:func:`register` with a section).
 
     Args:
         engine: a ``deepspeed.DeepSpeedEngine`` (from ``deepspeed.initialize``).
         config: the ``"comm_codec"`` section (dict or :class:`CommCodecConfig`), or None
             to read it from the engine's DeepSpeed config.
 
+    Returns:
+        The :class:`DeepSpeedState` (``.stats()``, ``.detach()``).
+
     Raises:
-        ValueError: no enabled section, bad values, a codebook file that cannot be
-            loaded, or a setup the plugin does not support (named in the message).
+        ConfigError: no enabled section, bad values, or a setup the plugin does not
+            support (named in the message).
+        CodebookError: a codebook file that cannot be loaded.
         RuntimeError: an unsupported DeepSpeed version, or the plugin already installed.
     """
     _check_version()
@@ -645,26 +647,74 @@ def install(engine, config=None) -> None:
     else:
         section = parse_config(config)
     if section is None or not section.enabled:
-        raise ValueError(f"the DeepSpeed config has no enabled \"{SECTION}\" section; add "
-                         f"\"{SECTION}\": {{\"enabled\": true}} or pass config=")
+        raise _section_error("", f"the DeepSpeed config has no enabled \"{SECTION}\" section; add "
+                             f"\"{SECTION}\": {{\"enabled\": true}} or pass config=")
     _check_engine(engine)
     raw = engine.config if isinstance(engine.config, dict) else engine._config._param_dict
     stage = check_zero(_zero_section(raw) | {"stage": engine.zero_optimization_stage()}, section)
-    plugin = _Plugin(engine, section, stage)
+    plugin = DeepSpeedState(engine, section, stage)
     plugin.coder.start_precompile({p.dtype for p in engine.module.parameters()} | {engine.communication_data_type})
-    engine.allreduce_bucket = functools.partial(_engine_allreduce_bucket, plugin, engine)
+    plugin.patch(engine, "allreduce_bucket", functools.partial(_engine_allreduce_bucket, plugin, engine))
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     if isinstance(engine.optimizer, DeepSpeedZeroOptimizer) and stage < 3:
         opt = engine.optimizer
-        opt.allreduce_bucket = functools.partial(_zero_allreduce_bucket, plugin, opt)
-        opt.gradient_reduction_w_predivide = functools.partial(_zero_gradient_reduction_w_predivide, plugin, opt)
-    engine.step = _wrap_step(plugin, engine.step)
+        plugin.patch(opt, "allreduce_bucket", functools.partial(_zero_allreduce_bucket, plugin, opt))
+        plugin.patch(opt, "gradient_reduction_w_predivide",
+                     functools.partial(_zero_gradient_reduction_w_predivide, plugin, opt))
+    plugin.patch(engine, "step", _wrap_step(plugin, engine.step))
     engine._comm_codec = plugin
     if engine.global_rank == 0:
-        log.info("comm_codec installed: ZeRO stage %d, %s, books %s, warmup %d, cast %s, mode %s, coding %s",
+        ds_logger.info("comm_codec installed: ZeRO stage %d, %s, books %s, warmup %d, cast %s, mode %s, coding %s",
                  stage, type(engine.optimizer).__name__, section.codebooks, section.warmup_steps, section.cast,
                  section.mode, "/".join(plugin.kinds))
+    return plugin
+
+
+def register(engine, *, config: CommConfig | None = None, kinds=None, monitor: bool = True,
+             **options) -> DeepSpeedState:
+    """Code the gradient reduction (and ZeRO-3's parameter fetch) of a DeepSpeed engine; return its state.
+
+    The same keywords as ``HuffmanState`` and ``comm_codec.fsdp.register``, plus the
+    DeepSpeed-only ``kinds`` and ``monitor`` (see :class:`CommCodecConfig`). Without any,
+    the engine's own ``"comm_codec"`` config section is used when it has one.
+
+    Args:
+        engine: a ``deepspeed.DeepSpeedEngine``, on every rank.
+        config: a :class:`~comm_codec.comm.config.CommConfig` (keywords beside it replace
+            its fields).
+        kinds: the traffic to code ("gradient", "weight"); None: what the stage moves.
+        monitor: also write comm_codec/* scalars to DeepSpeed's monitor.
+        **options: :class:`~comm_codec.comm.config.CommConfig` settings.
+
+    Returns:
+        The :class:`DeepSpeedState`.
+
+    Raises:
+        ConfigError, CodebookError, RuntimeError: as :func:`install`.
+        TypeError: an unknown option.
+    """
+    if config is None and not options and kinds is None and monitor:
+        raw = engine.config if isinstance(engine.config, dict) else engine._config._param_dict
+        section = parse_config(raw)
+        if section is not None and section.enabled:
+            return install(engine, section)
+    config = make_config(config, options, "comm_codec.deepspeed.register")
+    section = CommCodecConfig(config=config, codebooks=_source(config), kinds=_kinds(kinds), monitor=bool(monitor))
+    return install(engine, section)
+
+
+def _source(config: CommConfig) -> str:
+    if config.codebooks is not None:
+        return f"<books {config.codebooks.digest[:12]}>"
+    return "online" if config.warmup_steps else "default"
+
+
+def _kinds(kinds):
+    if kinds is None:
+        return None
+    parsed = _parse_section({"kinds": list(kinds)})
+    return parsed.kinds
 
 
 def initialize(*args, **kwargs):
@@ -703,8 +753,8 @@ def initialize(*args, **kwargs):
     return result
 
 
-def stats(engine) -> dict:
-    """Return the plugin's traffic statistics: the dict of :meth:`CodingEngine.stats` (as HuffmanState's).
+def stats(engine) -> TrafficStats:
+    """Return the plugin's traffic record: ``register(engine).stats()``, kept for the contract.
 
     An engine whose config has a ``"comm_codec"`` section with ``"enabled": false``
     gets a record with ``"enabled": False`` and every counter 0.
@@ -719,12 +769,9 @@ def stats(engine) -> dict:
     if plugin is None:
         raise ValueError("this engine has no comm_codec plugin; build it with comm_codec.deepspeed.initialize "
                          "and an enabled \"comm_codec\" config section, or call comm_codec.deepspeed.install")
-    return plugin.coder.stats()
+    return plugin.stats()
 
 
-def _disabled_stats() -> dict:
+def _disabled_stats() -> TrafficStats:
     """The stats of a ``"comm_codec"`` section with ``"enabled": false``: nothing coded, nothing counted."""
-    from .stats import CommStats
-
-    return {"enabled": False, **CommStats().as_dict(), "warming_up": False, "books": None, "drift": None,
-            "refreshes": 0, "mode": "never", "decision": None, "switches": 0, "probes": 0, "coding": False}
+    return TrafficStats(enabled=False, mode="never")

@@ -28,6 +28,7 @@ Cross-rank agreement itself is :mod:`comm_codec.comm.agreement`'s.
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import logging
 import os
 import time
@@ -39,13 +40,15 @@ import torch.distributed as dist
 from ..books.profiler import WarmupProfiler
 from ..core.codebooks import CodebookSet
 from ..core.codec import Codec
+from ..core.errors import AgreementError, CollectiveError, ConfigError
 from ..core.precompile import precompile as precompile_kernels
 from ..core.streams import ACCUMULABLE_DTYPES
 from . import agreement
-from .autoswitch import AutoSwitch, check_mode
+from .autoswitch import AutoSwitch
 from .collectives import Workspace, on_cuda_worker, plain_wire_bytes
+from .config import CommConfig, make_config
 from .refresh import BookRefresh
-from .stats import CommStats, state_stats
+from .stats import LOGGED, CommStats, TrafficStats, traffic_line
 
 __all__ = ["CASTS", "CODED_DTYPES", "OPTIONS", "CodingEngine", "FutureWork", "default_threads"]
 
@@ -55,10 +58,9 @@ log = logging.getLogger(__name__)
 CODED_DTYPES = ACCUMULABLE_DTYPES
 # cast= values: None is lossless; "bf16" rounds fp32 tensors to bf16 before coding (lossy).
 CASTS = {None: None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-# The keyword arguments every adapter takes (HuffmanState, comm_codec.fsdp.compress, the
-# DeepSpeed section), so that one set of settings fits them all.
-OPTIONS = ("codebooks", "warmup_steps", "mode", "cast", "min_bytes", "threads", "log_every", "writer",
-           "drift_every", "refresh_threshold", "refresh_steps", "recheck_every", "probe_steps", "hysteresis")
+# The keyword arguments every adapter takes (HuffmanState, comm_codec.fsdp.register, the
+# DeepSpeed section): the fields of CommConfig.
+OPTIONS = CommConfig.fields()
 
 
 def default_threads(local_world_size: int) -> int:
@@ -83,112 +85,66 @@ def default_threads(local_world_size: int) -> int:
     return max(1, min(share, torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
 
 
-def _check_count(name: str, value, minimum: int = 0) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 class CodingEngine:
     """Books, warmup, the coding decision, the worker thread and statistics of one adapter.
 
     Args:
         process_group: the group the engine agrees and codes over (None: the world).
-        codebooks: a :class:`CodebookSet`, a path to a saved one, or None: the shipped
-            defaults, or books built online when ``warmup_steps`` > 0.
-        warmup_steps: steps run plainly while the profiler observes, before books are
-            built and coding starts; 0 codes from the start. Excludes ``codebooks``.
-        mode: "auto" (default: code only where it measures faster), "always" (code every
-            step after warmup) or "never" (the framework's own collectives).
-        cast: None (lossless) or "bf16": fp32 tensors are rounded to bf16 before coding.
-            **Lossy.** Only adapters whose collectives sum (all-reduce) accept it.
-        min_bytes: a collective whose per-rank input is smaller than this runs plainly
-            (its frames' headers would cost more than coding saves).
-        threads: numba threads for the codec (None: :func:`default_threads` of the ranks
-            on this node, found at the first step).
-        log_every: log a traffic line every this many steps on rank 0 (0: never).
+        config: the settings (:class:`~comm_codec.comm.config.CommConfig`); None: made
+            from ``options``.
         writer: optional TensorBoard ``SummaryWriter``; scalars go under comm_codec/.
-        drift_every: every this many steps, measure on the step's first coded tensor
-            how much the books lose against optimal codes for it (``stats()["drift"]``);
-            0 = off.
-        refresh_threshold: when the largest measured loss over the ranks exceeds this
-            fraction, profile ``refresh_steps`` more steps (still coding) and swap in
-            rebuilt books on every rank at the same step; None = never.
-        refresh_steps: steps profiled for a refresh.
-        recheck_every: in auto mode, steps between two measurements of both modes.
-        probe_steps: in auto mode, steps timed per mode in a measurement.
-        hysteresis: in auto mode, the fraction by which the other mode must be faster
-            for the engine to switch to it.
         name: the adapter's name in messages and logs.
         plain_name: what the auto decision calls the plain collectives.
         collectives: the names of the collectives the adapter runs (one statistics
             record each; with several, :meth:`stats` also reports each under its name).
-        kinds: the tensor kinds the adapter profiles (for its error messages).
         allow_cast: whether ``cast`` may be set.
+        logger: where the engine's lines go (default: this module's; DeepSpeed's for its plugin).
+        **options: :class:`~comm_codec.comm.config.CommConfig` fields (replacing
+            ``config``'s).
 
     Raises:
-        ValueError: bad counts, an unknown mode or cast, both codebooks and warmup, a
-            refresh threshold without drift measurement, threads out of range.
-        TypeError: codebooks of the wrong type.
+        ConfigError: a bad setting (see :class:`~comm_codec.comm.config.CommConfig`), or
+            a cast where ``allow_cast`` is False.
+        CodebookError: a codebook path that is missing or not a codebook set.
+        TypeError: an unknown option, codebooks of the wrong type.
     """
 
     __slots__ = (
         # what users tune
-        "process_group", "warmup_steps", "mode", "cast", "min_bytes", "threads", "log_every", "writer",
+        "config", "process_group", "warmup_steps", "writer",
         # what the adapter is
-        "name", "collectives",
+        "name", "collectives", "log",
         # books and the decision
         "codebooks", "codec", "profiler", "switch", "refresh", "step", "coding", "verified",
         # the run (never pickled)
         "workspace", "_group", "_executor", "_pid", "_checked", "_node_threads", "_drift_sample",
-        "_drift_pending", "_has_book", "_precompiling",
+        "_drift_pending", "_has_book", "_precompiling", "_torch_threads",
         # statistics
         "_stats",
     )
 
-    def __init__(self, process_group=None, codebooks=None, warmup_steps: int = 0, mode: str = "auto", cast=None,
-                 min_bytes: int = 4096, threads: int | None = None, log_every: int = 50, writer=None,
-                 drift_every: int = 0, refresh_threshold: float | None = None, refresh_steps: int = 3,
-                 recheck_every: int = 200, probe_steps: int = 4, hysteresis: float = 0.05, *,
+    def __init__(self, process_group=None, config: CommConfig | None = None, *, writer=None,
                  name: str = "comm_codec", plain_name: str = "plain all-reduce",
-                 collectives: tuple[str, ...] = ("all_reduce",), allow_cast: bool = True):
-        check_mode(mode)
-        _check_count("warmup_steps", warmup_steps)
-        _check_count("min_bytes", min_bytes)
-        _check_count("log_every", log_every)
-        if codebooks is not None and warmup_steps:
-            raise ValueError("give either codebooks (fixed books) or warmup_steps > 0 (books built online), not both")
-        if cast not in CASTS:
-            raise ValueError(f"cast must be None or 'bf16', got {cast!r}")
-        if cast is not None and not allow_cast:
-            raise ValueError(f"{name} does not take cast={cast!r}: its collectives move weights and gradients "
-                             "that must arrive exactly; use cast=None")
-        if threads is not None and not (isinstance(threads, int) and 1 <= threads <= numba.config.NUMBA_NUM_THREADS):
-            raise ValueError(f"threads must be None or an integer in 1..{numba.config.NUMBA_NUM_THREADS} "
-                             f"(NUMBA_NUM_THREADS), got {threads!r}")
-        refresh = BookRefresh(drift_every, refresh_threshold, refresh_steps)
-        switch = AutoSwitch(mode, probe_steps=probe_steps, recheck_every=recheck_every, hysteresis=hysteresis,
-                            plain_name=plain_name)
-        if isinstance(codebooks, (str, os.PathLike)):
-            codebooks = CodebookSet.load(codebooks)
-        if codebooks is not None and not isinstance(codebooks, CodebookSet):
-            raise TypeError(f"codebooks must be a CodebookSet, a path or None, got {type(codebooks).__name__}")
+                 collectives: tuple[str, ...] = ("all_reduce",), allow_cast: bool = True, logger=None, **options):
+        config = make_config(config, options, name)
+        self.log = logger if logger is not None else log
+        if config.cast is not None and not allow_cast:
+            raise ConfigError("cast", config.cast, f"None here: {name}'s collectives move weights and gradients "
+                              "that must arrive exactly")
+        self.config = config
         self.process_group = process_group
-        self.warmup_steps = warmup_steps if mode != "never" else 0
-        self.mode = mode
-        self.cast = cast
-        self.min_bytes = min_bytes
-        self.threads = threads
-        self.log_every = log_every
+        self.warmup_steps = config.warmup_steps if config.mode != "never" else 0
         self.writer = writer
         self.name = name
         self.collectives = tuple(collectives)
-        self.switch = switch
-        self.refresh = refresh
-        if mode == "never":
+        self.switch = AutoSwitch(config.mode, probe_steps=config.probe_steps, recheck_every=config.recheck_every,
+                                 hysteresis=config.hysteresis, plain_name=plain_name)
+        self.refresh = BookRefresh(config.drift_every, config.refresh_threshold, config.refresh_steps)
+        if config.mode == "never":
             self.codebooks = None
         else:
-            self.codebooks = codebooks if codebooks is not None or warmup_steps else CodebookSet.default()
+            self.codebooks = config.codebooks if config.codebooks is not None or config.warmup_steps \
+                else CodebookSet.default()
         self.profiler = WarmupProfiler() if self.warmup_steps else None
         self.step = 0
         self.coding = False
@@ -196,8 +152,34 @@ class CodingEngine:
         self._stats = {c: CommStats() for c in self.collectives}
         self._init_run()
         self.codec = Codec(self.codebooks, threads=self.codec_threads()) if self.codebooks is not None else None
-        log.info("%s: mode=%s, warmup_steps=%d, cast=%s, books=%s", name, mode, self.warmup_steps, cast,
-                 "online" if self.codebooks is None else self.codebooks.digest[:12])
+        self.log.info("%s: mode=%s, warmup_steps=%d, cast=%s, books=%s", name, config.mode, self.warmup_steps,
+                 config.cast, "online" if self.codebooks is None else self.codebooks.digest[:12])
+
+    # the settings, read from the config
+    @property
+    def mode(self) -> str:
+        """The configured mode ("auto", "always", "never")."""
+        return self.config.mode
+
+    @property
+    def cast(self):
+        """The configured cast (None or "bf16")."""
+        return self.config.cast
+
+    @property
+    def min_bytes(self) -> int:
+        """The per-rank input size below which a collective runs plainly."""
+        return self.config.min_bytes
+
+    @property
+    def threads(self) -> int | None:
+        """The configured codec threads (None: the rank's share of the node)."""
+        return self.config.threads
+
+    @property
+    def log_every(self) -> int:
+        """Steps between two traffic lines (0: never)."""
+        return self.config.log_every
 
     def _init_run(self) -> None:
         self.workspace = Workspace()  # the worker's scratch buffers, reused from call to call
@@ -211,6 +193,7 @@ class CodingEngine:
         self._drift_pending = False
         self._has_book = {}
         self._precompiling = None  # (start time, dtype names, future) of the background precompile
+        self._torch_threads = torch.get_num_threads()
 
     # -- what adapters and users read ------------------------------------------------------
     @property
@@ -240,32 +223,29 @@ class CodingEngine:
         self._stats[record or collective].add_plain(wire)
 
     def stats_for(self, collective: str) -> CommStats:
-        """Return the traffic counters of one of the adapter's collectives (by name)."""
+        """Return the live traffic counters of one of the adapter's collectives (by name), which its calls add to."""
         return self._stats[collective]
 
-    def stats(self) -> dict:
-        """Return traffic statistics and the coding decision, the same keys for every adapter.
+    def stats(self) -> TrafficStats:
+        """Return traffic statistics and the coding decision: one typed record, the same fields for every adapter.
 
         Returns:
-            bytes_in and bytes_out (what plain collectives would have sent over the
-            whole run, and what was sent: plain calls count at ratio 1), ratio,
-            bytes_saved; coded_bytes_in, coded_bytes_out, coded_ratio (the coded calls
-            alone), plain_bytes; calls (coded) and raw_calls (plain); encode_seconds,
-            decode_seconds, codec_seconds, comm_seconds; steps (summed over the
-            adapter's collectives, see :class:`CommStats`); warming_up, books, drift, refreshes; mode, coding
-            (whether the current step codes), decision (None before the first
-            measurement; else coded, step, plain_ms, coded_ms, per_rank_ms, reason),
-            switches, probes. With several collectives, each one's counters also under
-            its name (e.g. "reduce_scatter", "all_gather").
+            A :class:`~comm_codec.comm.stats.TrafficStats`: bytes_in and bytes_out (what
+            plain collectives would have sent over the whole run, and what was sent:
+            plain calls count at ratio 1), ratio, bytes_saved; coded_bytes_in,
+            coded_bytes_out, coded_ratio (the coded calls alone), plain_bytes; calls
+            (coded) and raw_calls (plain); encode_seconds, decode_seconds, codec_seconds,
+            comm_seconds; steps; warming_up, books, drift, refreshes; mode, coding (whether
+            the current step codes), decision, switches, probes; and ``collectives``, one
+            record per collective (with several, each also reads under its name, e.g.
+            ``stats()["reduce_scatter"]``). ``stats()["bytes_in"]`` and ``as_dict()`` work.
         """
-        parts = {name: s.as_dict() for name, s in self._stats.items()}
+        parts = {name: s.record() for name, s in self._stats.items()}
         total = CommStats.sum(parts.values())
-        total["steps"] = self.step
-        if len(parts) > 1:
-            total.update(parts)
-        total.update(state_stats(warming_up=self.warming_up, codebooks=self.codebooks, refresh=self.refresh,
-                                 switch=self.switch, coding=self.coding))
-        return total
+        books = self.codebooks.digest if self.codebooks is not None else None
+        return TrafficStats(**total.as_dict(), steps=self.step, warming_up=self.warming_up, books=books,
+                            drift=self.refresh.drift, refreshes=self.refresh.refreshes, coding=self.coding,
+                            **self.switch.stats(), collectives=parts)
 
     def reset_stats(self) -> None:
         """Zero the traffic counters (the step count, the books and the decision stay)."""
@@ -313,7 +293,7 @@ class CodingEngine:
         if self.codebooks is not None and not self.verified:
             agreement.check_same_books(self.codebooks, group, device)
             self.verified = True
-            log.info("%s: coding with books %s", self.name, self.codebooks.digest[:12])
+            self.log.info("%s: coding with books %s", self.name, self.codebooks.digest[:12])
         if self._drift_pending:
             # The last step sampled the drift on its first coded tensor (0 where none was).
             sample, self._drift_sample, self._drift_pending = self._drift_sample, None, False
@@ -322,7 +302,10 @@ class CodingEngine:
         if self.refresh.swap_due(self.step):
             source = f"{self.name} refresh"
             self.swap_books(self.refresh.rebuild(self.profiler, group, self.step, source, device), group, device)
+        decided = self.switch.decision
         self.coding = False if self.warming_up else self.switch.begin_step(self.step, group, device)
+        if self.switch.decision is not decided and agreement.rank_of(self.process_group) == 0:
+            self.log.info("%s: auto mode at step %d: %s", self.name, self.step, self.switch.decision["reason"])
         self._drift_pending = self.coding and self.refresh.due(self.step)
         return self.coding
 
@@ -334,14 +317,61 @@ class CodingEngine:
             return
         d = self.stats()
         if log_now and agreement.rank_of(self.process_group) == 0:
-            log.info("%s step %d: wire ratio %.3f over the run (%d of %d calls coded, at %.3f), %.1f MB saved, "
-                     "codec %.2fs, %s", self.name, self.step, d["ratio"], d["calls"], d["calls"] + d["raw_calls"],
-                     d["coded_ratio"], d["bytes_saved"] / 1e6, d["codec_seconds"],
-                     "coding" if self.coding else "plain")
+            self.log.info("%s step %d (%s): %s", self.name, self.step, "coding" if self.coding else "plain",
+                     traffic_line(d))
         if self.writer is not None:
-            for key in ("ratio", "bytes_in", "bytes_out", "encode_seconds", "decode_seconds"):
+            for key in LOGGED:
                 self.writer.add_scalar(f"comm_codec/{key}", d[key], self.step)
             self.writer.add_scalar("comm_codec/coding", float(self.coding), self.step)
+
+    def dispatch(self, collective: str, tensor: torch.Tensor, group, *, numel_per_rank: int, kind: str, coded, plain,
+                 reduced_kind: str | None = None, record: str | None = None, dst: int | None = None,
+                 allowed: bool = True) -> None:
+        """Run one collective call: observe, decide, code or send plainly, count.
+
+        Every adapter's collectives go through here, so what the profiler observes and
+        what is counted does not depend on the adapter.
+
+        Args:
+            collective: "all_reduce", "reduce_scatter", "all_gather" or "reduce" (how
+                :meth:`count_plain` counts a plain call).
+            tensor: the collective's input (the W-row input of a reduce-scatter).
+            group: the group it runs on.
+            numel_per_rank: the elements each rank contributes (``min_bytes`` applies to them).
+            kind: the books' kind of ``tensor``.
+            coded: called with the statistics record when the call codes; runs the coded collective.
+            plain: called without arguments otherwise; runs the framework's own collective.
+            reduced_kind: the kind of ``tensor`` after the call, observed then (an
+                all-reduce's result), or None.
+            record: the statistics record (default: ``collective``'s).
+            dst: the destination rank of a "reduce".
+            allowed: False sends plainly whatever the step decided (a kind or device the
+                adapter does not code).
+        """
+        observed = tensor.dtype in CODED_DTYPES
+        if observed:
+            self.observe(tensor, kind)
+        if allowed and self.codes(tensor, numel_per_rank, kind):
+            if kind == "gradient":
+                self.sample_drift(tensor, kind)
+            self.precompile_for(tensor)
+            coded(self.stats_for(record or collective))
+        else:
+            plain()
+            self.count_plain(collective, tensor, group, record=record, dst=dst)
+        if observed and reduced_kind is not None:
+            self.observe(tensor, reduced_kind)
+
+    def keep_torch_threads(self) -> None:
+        """Put back torch's thread count as it was when the engine was made, if the codec changed it.
+
+        numba's OpenMP layer may reset the OpenMP thread count torch's intra-op pool
+        shares: left alone, that oversubscribes the ranks' cores and changes the summation
+        order, hence the bits, of the model's own matmuls. Adapters whose framework code
+        runs between coded calls (DeepSpeed) call it after each.
+        """
+        if torch.get_num_threads() != self._torch_threads:
+            torch.set_num_threads(self._torch_threads)
 
     def codes(self, tensor: torch.Tensor, numel_per_rank: int, kind: str) -> bool:
         """Whether a collective on ``tensor`` codes now: a coded step, a dtype, size and book that pay.
@@ -422,11 +452,11 @@ class CodingEngine:
             try:
                 future.result(timeout=2.0)
             except concurrent.futures.TimeoutError:
-                log.warning("%s: the first coded step waits for the codec's kernels (%s), compiling for %.0f s "
+                self.log.warning("%s: the first coded step waits for the codec's kernels (%s), compiling for %.0f s "
                             "so far (numba caches them: `comm-codec precompile` once after installing skips this)",
                             self.name, names, time.monotonic() - started)
                 future.result()
-                log.warning("%s: the codec's kernels (%s) are ready after %.0f s", self.name, names,
+                self.log.warning("%s: the codec's kernels (%s) are ready after %.0f s", self.name, names,
                             time.monotonic() - started)
             self._precompiling = None
         self.codec.precompile([self.cast_dtype(tensor) or tensor.dtype])
@@ -437,7 +467,7 @@ class CodingEngine:
         self.codebooks, self.codec, self.profiler = books, Codec(books, threads=self.codec_threads()), None
         self.verified = True
         self._has_book.clear()
-        log.info("%s: coding with books %s from step %d", self.name, books.digest[:12], self.step)
+        self.log.info("%s: coding with books %s from step %d", self.name, books.digest[:12], self.step)
 
     def codec_threads(self) -> int | None:
         """The user's thread count, else the rank's share of the node (once the first step found it)."""
@@ -511,8 +541,8 @@ class CodingEngine:
     # -- pickling: settings, books, decision, counters; no group, worker or writer -------------
     def __getstate__(self):
         return {
-            "settings": {"warmup_steps": self.warmup_steps, "mode": self.mode, "cast": self.cast,
-                         "min_bytes": self.min_bytes, "threads": self.threads, "log_every": self.log_every},
+            "settings": {name: getattr(self.config, name) for name in CommConfig.fields() if name != "codebooks"},
+            "warmup_steps": self.warmup_steps,
             "name": self.name, "collectives": self.collectives, "step": self.step, "coding": self.coding,
             "switch": self.switch, "refresh": self.refresh,
             "codebooks": self.codebooks.to_dict() if self.codebooks is not None else None,
@@ -523,10 +553,11 @@ class CodingEngine:
         }
 
     def __setstate__(self, state):
-        for key, value in state["settings"].items():
-            setattr(self, key, value)
+        self.config = CommConfig(**state["settings"])
+        self.warmup_steps = state["warmup_steps"]
         self.process_group = None
         self.writer = None
+        self.log = log
         self.name, self.collectives = state["name"], tuple(state["collectives"])
         self.step, self.coding = state["step"], state["coding"]
         self.switch, self.refresh = state["switch"], state["refresh"]
@@ -545,12 +576,8 @@ class CodingEngine:
     # -- internal -----------------------------------------------------------------------------
     def _shared_settings(self) -> dict:
         """The settings that change which collectives a rank issues (and the step it is at)."""
-        sw, rf = self.switch, self.refresh
-        return {"mode": self.mode, "warmup_steps": self.warmup_steps, "cast": self.cast,
-                "min_bytes": self.min_bytes, "drift_every": rf.drift_every,
-                "refresh_threshold": rf.refresh_threshold, "refresh_steps": rf.refresh_steps,
-                "probe_steps": sw.probe_steps, "recheck_every": sw.recheck_every, "hysteresis": sw.hysteresis,
-                "step": self.step, "books": "online" if self.codebooks is None else "fixed"}
+        return {**self.config.shared(), "warmup_steps": self.warmup_steps, "step": self.step,
+                "books": "online" if self.codebooks is None else "fixed"}
 
     def _check_settings(self, group, device) -> None:
         hosts = agreement.check_same_settings(self.name, self._shared_settings(), group, device)
@@ -561,7 +588,7 @@ class CodingEngine:
 
     def _warmup_books(self, group, device) -> CodebookSet:
         if self.profiler is None or not self.profiler.kinds():
-            raise RuntimeError(f"{self.name}: warmup ended without observing any tensor of a float dtype; "
+            raise AgreementError(f"{self.name}: warmup ended without observing any tensor of a float dtype; "
                                "nothing to build books from")
         return agreement.build_books(self.profiler, group, {"source": f"online {self.name} warmup",
                                                             "steps": self.warmup_steps}, device)
@@ -583,8 +610,23 @@ class FutureWork(dist.Work):
         self._future = future
 
     def wait(self, timeout=None) -> bool:
-        """Wait until the collective is done; raise what it raised."""
-        self._future.result()
+        """Wait until the collective is done; raise what it raised.
+
+        Args:
+            timeout: a ``datetime.timedelta`` or seconds; None or zero waits as long as
+                it takes (torch's ``Work.wait`` default).
+
+        Returns:
+            True.
+
+        Raises:
+            CollectiveError: not done within ``timeout``.
+        """
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        try:
+            self._future.result(timeout=seconds if seconds else None)
+        except concurrent.futures.TimeoutError:
+            raise CollectiveError(f"comm_codec collective not done after {seconds:g} s (Work.wait timeout)") from None
         return True
 
     def is_completed(self) -> bool:

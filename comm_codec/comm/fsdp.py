@@ -7,7 +7,7 @@ Usage::
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    state = comm_codec.fsdp.compress(model, warmup_steps=5)
+    state = comm_codec.fsdp.register(model, warmup_steps=5)
     ...                         # train as usual
     state.stats()               # bytes_in, bytes_out, ratio, ...; per collective under
                                 # "reduce_scatter" and "all_gather"
@@ -62,8 +62,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.errors import AgreementError
 from . import agreement, collectives
-from .engine import CODED_DTYPES, CodingEngine
+from .engine import CodingEngine
 
 try:  # FSDP2's custom-collective seams: torch >= 2.8 (tested with 2.13)
     from torch.distributed.fsdp import FSDPModule
@@ -72,7 +73,7 @@ except ImportError:  # pragma: no cover - older torch
     FSDPModule = None
     AllGather = ReduceScatter = object
 
-__all__ = ["FSDPState", "HuffmanReduceScatter", "HuffmanAllGather", "compress"]
+__all__ = ["FSDPState", "HuffmanReduceScatter", "HuffmanAllGather", "compress", "register"]
 
 log = logging.getLogger(__name__)
 
@@ -95,24 +96,27 @@ class FSDPState(CodingEngine):
             parameters out, so the all-gather FSDP prefetches in backward runs on the
             worker while the current layer computes, as it runs on its own stream on a
             GPU. False: such calls return when done.
-        **options: the engine's settings, the same for every adapter
-            (:data:`comm_codec.comm.engine.OPTIONS`: ``codebooks``, ``warmup_steps``,
-            ``mode``, ``min_bytes`` (per-rank shard bytes below which a collective runs
-            plainly), ``threads``, ``log_every``, ``writer``, ``drift_every``,
-            ``refresh_threshold``, ``refresh_steps``, ``recheck_every``, ``probe_steps``,
-            ``hysteresis``); ``cast`` is refused (weights must arrive exact).
+        config: a :class:`~comm_codec.comm.config.CommConfig` holding every setting
+            (keywords given beside it replace its fields).
+        writer: optional TensorBoard ``SummaryWriter`` (scalars under comm_codec/).
+        **options: the :class:`~comm_codec.comm.config.CommConfig` settings, the same for
+            every adapter (``codebooks``, ``warmup_steps``, ``mode``, ``min_bytes``:
+            per-rank shard bytes below which a collective runs plainly, ...); ``cast``
+            is refused (weights must arrive exact).
 
     Raises:
-        ValueError: a bad mode, negative counts, both codebooks and warmup given, a
-            refresh threshold without drift measurement, a cast.
+        ConfigError: a bad setting, or a cast; the message names the key, the value and
+            what is allowed.
+        CodebookError: ``codebooks`` names a missing or malformed file.
         TypeError: codebooks of the wrong type, or an unknown option.
     """
 
     __slots__ = ("overlap", "modules", "_twins", "_saved", "_queued")
 
-    def __init__(self, process_group=None, overlap: bool = True, **options):
-        super().__init__(process_group, name="comm_codec.fsdp", plain_name="plain reduce-scatter/all-gather",
-                         collectives=("reduce_scatter", "all_gather"), allow_cast=False, **options)
+    def __init__(self, process_group=None, overlap: bool = True, *, config=None, writer=None, **options):
+        super().__init__(process_group, config, writer=writer, name="comm_codec.fsdp",
+                         plain_name="plain reduce-scatter/all-gather", collectives=("reduce_scatter", "all_gather"),
+                         allow_cast=False, **options)
         self.overlap = bool(overlap)
         self.modules: list[str] = []
         self._twins: dict[tuple, object] = {}
@@ -121,16 +125,18 @@ class FSDPState(CodingEngine):
 
     # -- public -------------------------------------------------------------------------
     def detach(self) -> None:
-        """Put back on every module the collectives it had before :func:`compress`."""
+        """Put back on every module the collectives it had before :func:`register` (:meth:`reattach` undoes it)."""
         for _, group, reduce_scatter, all_gather in self._saved:
             group._reduce_scatter_comm = reduce_scatter
             group._all_gather_comm = all_gather
 
-    def attach(self) -> None:
+    def reattach(self) -> None:
         """Install this state's coded collectives again after :meth:`detach`."""
         for name, group, _, _ in self._saved:
             group._reduce_scatter_comm = HuffmanReduceScatter(self, name)
             group._all_gather_comm = HuffmanAllGather(self, name)
+
+    attach = reattach  # the earlier name
 
     def install(self, modules: list[tuple[str, nn.Module]]) -> None:
         """Make the twin groups and set the coded collectives on every module (collective).
@@ -153,7 +159,7 @@ class FSDPState(CodingEngine):
             try:
                 union |= {tuple(int(r) for r in ranks) for ranks in json.loads(text)}
             except (ValueError, TypeError):
-                raise RuntimeError(f"comm_codec.fsdp: rank {rank} sent a group list that is not JSON") from None
+                raise AgreementError(f"comm_codec.fsdp: rank {rank} sent a group list that is not JSON") from None
         for ranks in sorted(union):
             group = agreement.twin_group(world, ranks)
             if dist.get_rank() in ranks:
@@ -179,7 +185,7 @@ class FSDPState(CodingEngine):
         twin = self._twins.get(ranks)
         if twin is None:
             raise RuntimeError(f"comm_codec.fsdp: FSDP called a collective on ranks {list(ranks)}, a group "
-                               "compress() did not see; call compress() after every fully_shard()")
+                               "register() did not see; call register() after every fully_shard()")
         return twin
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group, op, name: str) -> None:
@@ -190,18 +196,15 @@ class FSDPState(CodingEngine):
             return  # nothing to reduce (and gloo rejects zero-element collectives)
         average, factor = _division(op, name)
         twin = self.twin(group)
-        self.observe(inp, "gradient")
-        stats = self.stats_for("reduce_scatter")
-        if not self.codes(inp, n, "gradient"):
-            _plain_reduce_scatter(out, inp, twin, op, factor)
-            self.count_plain("reduce_scatter", inp, twin)
-            return
-        self.sample_drift(inp)
-        self.precompile_for(inp)
-        collectives.reduce_scatter(out, list(inp.view(world, n)), self.codec, twin, average=average, kind="gradient",
-                                   stats=stats, workspace=self.workspace)
-        if factor is not None:
-            out.mul_(factor)
+
+        def coded(stats):
+            collectives.reduce_scatter(out, list(inp.view(world, n)), self.codec, twin, average=average,
+                                       kind="gradient", stats=stats, workspace=self.workspace)
+            if factor is not None:
+                out.mul_(factor)
+
+        self.dispatch("reduce_scatter", inp, twin, numel_per_rank=n, kind="gradient", coded=coded,
+                      plain=lambda: _plain_reduce_scatter(out, inp, twin, op, factor))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group, name: str) -> None:
         """On the worker: FSDP's all-gather of every rank's ``inp`` into ``out``, coded where it pays."""
@@ -210,17 +213,11 @@ class FSDPState(CodingEngine):
         if n == 0:
             return
         twin = self.twin(group)
-        if inp.dtype in CODED_DTYPES:
-            # (FSDP gathers a module whose parameters mix dtypes as uint8 bytes: sent plainly)
-            self.observe(inp, "weight")
-        stats = self.stats_for("all_gather")
-        if not self.codes(inp, n, "weight"):
-            _all_gather_single(out, inp, group=twin)
-            self.count_plain("all_gather", inp, twin)
-            return
-        self.precompile_for(inp)
-        collectives.all_gather(list(out.view(world, n)), inp, self.codec, twin, kind="weight", stats=stats,
-                               workspace=self.workspace)
+        # (FSDP gathers a module whose parameters mix dtypes as uint8 bytes: sent plainly)
+        self.dispatch("all_gather", inp, twin, numel_per_rank=n, kind="weight",
+                      coded=lambda stats: collectives.all_gather(list(out.view(world, n)), inp, self.codec, twin,
+                                                                 kind="weight", stats=stats, workspace=self.workspace),
+                      plain=lambda: _all_gather_single(out, inp, group=twin))
 
     # -- steps ------------------------------------------------------------------------------------
     def arm_step_end(self) -> None:
@@ -316,8 +313,9 @@ class HuffmanAllGather(_Coded, AllGather):
                           async_op or state.overlap)
 
 
-def compress(model: nn.Module, *, process_group=None, **state_kwargs) -> FSDPState:
-    """Code the reduce-scatter and all-gather of every FSDP2 module of a model.
+def register(model: nn.Module, *, process_group=None, config=None, overlap: bool = True, writer=None,
+             **options) -> FSDPState:
+    """Code the reduce-scatter and all-gather of every FSDP2 module of a model; return the state.
 
     Call it on every rank after ``fully_shard`` has been applied (to the layers and the
     root) and before training. It is collective: the ranks create twin process groups.
@@ -325,27 +323,39 @@ def compress(model: nn.Module, *, process_group=None, **state_kwargs) -> FSDPSta
     Args:
         model: the model, with ``fully_shard`` applied.
         process_group: the group books are built and checked over (None: the world).
-        **state_kwargs: :class:`FSDPState`'s options (warmup_steps, mode, codebooks,
-            min_bytes, threads, log_every, drift_every, refresh_threshold, ...).
+        config: a :class:`~comm_codec.comm.config.CommConfig` (keywords beside it replace
+            its fields).
+        overlap: see :class:`FSDPState` (FSDP2 only).
+        writer: optional TensorBoard ``SummaryWriter``.
+        **options: :class:`~comm_codec.comm.config.CommConfig` settings (warmup_steps,
+            mode, codebooks, min_bytes, threads, log_every, drift_every, ...), the same
+            as ``HuffmanState``'s.
 
     Returns:
-        The :class:`FSDPState`; ``state.stats()`` reports the traffic.
+        The :class:`FSDPState`; ``state.stats()`` reports the traffic, ``state.detach()``
+        puts FSDP's own collectives back.
 
     Raises:
-        TypeError: not a module, no FSDP2 module in it, an FSDP1 or DDP wrapper inside.
+        TypeError: not a module, no FSDP2 module in it, an FSDP1 or DDP wrapper inside,
+            an unknown option.
         ValueError: a module FSDP2 cannot give one custom collective (several parameter
-            groups), trainable parameters of mixed dtypes in one module, bad options.
-        RuntimeError: torch.distributed is not initialized, or ranks hold different books.
+            groups), trainable parameters of mixed dtypes in one module.
+        ConfigError, CodebookError: bad settings.
+        AgreementError: ranks hold different books or settings.
+        RuntimeError: torch.distributed is not initialized.
     """
     if FSDPModule is None:
         raise RuntimeError(f"comm_codec.fsdp needs torch >= 2.8 (FSDP2 custom collectives); this is {torch.__version__}")
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("torch.distributed is not initialized: call init_process_group before compress()")
+        raise RuntimeError("torch.distributed is not initialized: call init_process_group before register()")
     modules = _fsdp_modules(model)
-    state = FSDPState(process_group, **state_kwargs)
+    state = FSDPState(process_group, overlap, config=config, writer=writer, **options)
     state.start_precompile({p.dtype for p in model.parameters()})
     state.install(modules)
     return state
+
+
+compress = register  # the design's first name for it
 
 
 def _fsdp_modules(model) -> list[tuple[str, nn.Module]]:

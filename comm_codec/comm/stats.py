@@ -7,16 +7,139 @@ would have put on the wire from this rank over the run (a ring all-reduce sends
 buckets too small to pay) adds its wire bytes to both, a coded one its frames, padding
 and size exchanges to ``bytes_out``. So ``ratio = bytes_in / bytes_out`` is the wire
 saving of the whole run; the coded calls alone are under ``coded_bytes_in``,
-``coded_bytes_out`` and ``coded_ratio``. :func:`state_stats` is what every owner's
-``stats()`` reports beside the traffic, under the same keys.
+``coded_bytes_out`` and ``coded_ratio``.
+
+What users read is typed: :class:`CollectiveStats` is one collective's traffic, and
+:class:`TrafficStats` -- what every state's ``stats()`` returns, for the DDP hook, FSDP2
+and DeepSpeed alike -- adds the run's step count, books and coding decision, with one
+:class:`CollectiveStats` per collective the adapter runs. Both are frozen dataclasses
+that also read as mappings (``stats()["bytes_in"]``) and turn into plain dicts with
+``as_dict()`` (for JSON and loggers).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+from collections.abc import Mapping
 
-__all__ = ["CommStats", "state_stats"]
+__all__ = ["CommStats", "CollectiveStats", "TrafficStats", "LOGGED", "traffic_line"]
+
+# The fields every integration logs (the periodic traffic line, trainer logs, monitors).
+LOGGED = ("ratio", "coded_ratio", "bytes_saved", "bytes_in", "bytes_out", "calls", "raw_calls", "codec_seconds")
+
+
+class _Record(Mapping):
+    """A frozen dataclass that reads like the dict it replaces: ``record["bytes_in"]``, ``in``, ``keys()``."""
+
+    def __getitem__(self, key):
+        if key in self._keys():
+            value = getattr(self, key)
+            return value.as_dict() if isinstance(value, _Record) else value
+        raise KeyError(key)
+
+    def __iter__(self):
+        return iter(self._keys())
+
+    def __len__(self):
+        return len(self._keys())
+
+    def _keys(self) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(self))
+
+    def as_dict(self) -> dict:
+        """Return the record as a plain dict (nested records as dicts)."""
+        return {key: self[key] for key in self}
+
+
+@dataclasses.dataclass(frozen=True, eq=True)
+class CollectiveStats(_Record):
+    """One collective's traffic on this rank over the run.
+
+    Attributes:
+        bytes_in: what plain collectives would have sent (coded and plain calls).
+        bytes_out: what was sent.
+        ratio: ``bytes_in / bytes_out`` (1.0 before any call).
+        bytes_saved: ``bytes_in - bytes_out``.
+        coded_bytes_in, coded_bytes_out, coded_ratio: the coded calls alone.
+        plain_bytes: what the plain calls sent.
+        calls: coded calls; raw_calls: plain calls.
+        encode_seconds, decode_seconds, codec_seconds: time in the codec.
+        comm_seconds: wall time of the coded collectives (codec included).
+    """
+
+    bytes_in: int = 0
+    bytes_out: int = 0
+    ratio: float = 1.0
+    bytes_saved: int = 0
+    coded_bytes_in: int = 0
+    coded_bytes_out: int = 0
+    coded_ratio: float = 1.0
+    plain_bytes: int = 0
+    calls: int = 0
+    raw_calls: int = 0
+    encode_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    codec_seconds: float = 0.0
+    comm_seconds: float = 0.0
+
+    @classmethod
+    def of(cls, counts: dict) -> "CollectiveStats":
+        """Make the record from :class:`CommStats` counters (the totals and ratios derived)."""
+        d = CommStats._derived({name: counts[name] for name in CommStats._FIELDS})
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(CollectiveStats)})
+
+
+@dataclasses.dataclass(frozen=True, eq=True)
+class TrafficStats(CollectiveStats):
+    """What a state's ``stats()`` returns: the traffic of all its collectives, the steps, books and decision.
+
+    The same fields for every integration (DDP, FSDP2, DeepSpeed; a DeepSpeed section
+    with ``"enabled": false`` has ``enabled`` False and everything else zero).
+
+    Attributes:
+        (traffic): the fields of :class:`CollectiveStats`, summed over the collectives.
+        steps: training steps counted.
+        enabled: whether the codec is installed.
+        warming_up: whether the books are still being profiled.
+        books: the books' digest (None while none exist).
+        drift: the last measured loss of the books against optimal codes (None: not measured).
+        refreshes: book refreshes so far.
+        mode: "auto", "always" or "never".
+        coding: whether the current step codes.
+        decision: auto's last decision (None before the first measurement; else coded,
+            step, plain_ms, coded_ms, per_rank_ms, reason).
+        switches: changes of auto's decision; probes: its measurements started.
+        collectives: one :class:`CollectiveStats` per collective the adapter runs, by
+            name ("all_reduce"; "reduce_scatter" and "all_gather"). Where there are
+            several, each also reads under its name: ``stats()["all_gather"]["calls"]``.
+    """
+
+    steps: int = 0
+    enabled: bool = True
+    warming_up: bool = False
+    books: str | None = None
+    drift: float | None = None
+    refreshes: int = 0
+    mode: str = "never"
+    coding: bool = False
+    decision: dict | None = None
+    switches: int = 0
+    probes: int = 0
+    collectives: dict = dataclasses.field(default_factory=dict)
+
+    def _keys(self) -> tuple[str, ...]:
+        own = tuple(f.name for f in dataclasses.fields(self) if f.name != "collectives")
+        return own + (tuple(self.collectives) if len(self.collectives) > 1 else ())
+
+    def __getitem__(self, key):
+        if key in self.collectives and len(self.collectives) > 1:
+            return self.collectives[key].as_dict()
+        return super().__getitem__(key)
+
+    def __hash__(self):
+        return id(self)
 
 
 class CommStats:
@@ -31,11 +154,10 @@ class CommStats:
         calls: compressed collectives run.
         raw_calls: uncompressed collectives run (warmup, mode "never", auto's plain steps,
             tensors too small to pay).
-        steps: training steps counted by the owner.
     """
 
     _FIELDS = ("coded_bytes_in", "coded_bytes_out", "plain_bytes", "encode_seconds", "decode_seconds",
-               "comm_seconds", "calls", "raw_calls", "steps")
+               "comm_seconds", "calls", "raw_calls")
     _FLOATS = ("encode_seconds", "decode_seconds", "comm_seconds")
 
     def __init__(self):
@@ -78,9 +200,13 @@ class CommStats:
 
     def as_dict(self) -> dict:
         """Return the counters plus the run's totals and ratios (see the module's docstring)."""
+        return self.record().as_dict()
+
+    def record(self) -> CollectiveStats:
+        """Return the counters as a typed, frozen :class:`CollectiveStats`."""
         with self._lock:
             d = {name: getattr(self, name) for name in self._FIELDS}
-        return CommStats._derived(d)
+        return CollectiveStats.of(d)
 
     @staticmethod
     def _derived(d: dict) -> dict:
@@ -93,13 +219,13 @@ class CommStats:
         return d
 
     @staticmethod
-    def sum(records) -> dict:
-        """Add up several :meth:`as_dict` results (one per collective) into one, ratios recomputed."""
+    def sum(records) -> CollectiveStats:
+        """Add up several :class:`CollectiveStats` (one per collective) into one, ratios recomputed."""
         total = {name: 0 for name in CommStats._FIELDS}
         for d in records:
             for name in CommStats._FIELDS:
                 total[name] += d[name]
-        return CommStats._derived(total)
+        return CollectiveStats.of(total)
 
     def __getstate__(self):
         return {name: getattr(self, name) for name in self._FIELDS}
@@ -114,14 +240,8 @@ class CommStats:
         return f"CommStats(ratio={d['ratio']:.3f}, bytes_in={d['bytes_in']}, bytes_out={d['bytes_out']})"
 
 
-def state_stats(*, warming_up: bool, codebooks, refresh, switch, coding: bool) -> dict:
-    """Return the keys beside the traffic that every owner's ``stats()`` reports.
-
-    The DDP hook (and so DeepSpeed) and FSDP2 report the same: ``warming_up``, ``books``
-    (the books' digest, None while none exist), ``drift`` and ``refreshes`` (of a
-    :class:`~comm_codec.comm.refresh.BookRefresh`), ``mode``, ``decision``, ``switches``,
-    ``probes`` (:meth:`~comm_codec.comm.autoswitch.AutoSwitch.stats`) and ``coding``
-    (whether the current step codes).
-    """
-    return {"warming_up": warming_up, "books": codebooks.digest if codebooks is not None else None,
-            "drift": refresh.drift, "refreshes": refresh.refreshes, **switch.stats(), "coding": coding}
+def traffic_line(stats) -> str:
+    """Return the fields of :data:`LOGGED` as one line, the same for every integration's log."""
+    return (f"ratio={stats['ratio']:.3f} coded_ratio={stats['coded_ratio']:.3f} "
+            f"bytes_saved={stats['bytes_saved']} bytes_in={stats['bytes_in']} bytes_out={stats['bytes_out']} "
+            f"calls={stats['calls']} raw_calls={stats['raw_calls']} codec_seconds={stats['codec_seconds']:.2f}")

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from . import agreement, collectives
-from .engine import CODED_DTYPES, CodingEngine
+from .engine import CodingEngine
 
 __all__ = ["FETCH_PARAMETERS", "SEAMS", "Zero3Seams", "check_fetch", "install_dispatchers", "seam_parameters"]
 
@@ -157,13 +157,12 @@ class Zero3Seams:
         RuntimeError: a seam is not DeepSpeed 0.19's.
     """
 
-    __slots__ = ("coder", "kinds", "twin", "ranks", "step_open", "threads")
+    __slots__ = ("coder", "kinds", "twin", "ranks", "step_open", "patched")
 
     def __init__(self, coder: CodingEngine, engine, kinds):
         self.coder = coder
         self.kinds = frozenset(kinds)
         self.step_open = False
-        self.threads = torch.get_num_threads()
         opt = engine.optimizer
         params = [p for p in engine.module.parameters() if hasattr(p, "ds_id")]
         for p in params[:1]:
@@ -179,6 +178,9 @@ class Zero3Seams:
         self.twin = agreement.twin_group(dist.group.WORLD, self.ranks)
         coder.use_group(self.twin)
         install_dispatchers()
+        # (object, attribute, its own value before, or None where the class's showed through)
+        self.patched = [(p, "all_gather_coalesced", vars(p).get("all_gather_coalesced")) for p in params]
+        self.patched.append((opt, _AVG_SCATTER, vars(opt).get(_AVG_SCATTER)))
         for p in params:
             p.all_gather_coalesced = self._marking(p.all_gather_coalesced)
         setattr(opt, _AVG_SCATTER, self._marking(getattr(opt, _AVG_SCATTER)))
@@ -194,7 +196,7 @@ class Zero3Seams:
     # -- steps -----------------------------------------------------------------------------
     def open_step(self) -> None:
         """Begin the step at its first collective (on the worker, after what is queued)."""
-        self._keep_threads()
+        self.coder.keep_torch_threads()
         if not self.step_open:
             self.step_open = True
             self.coder.step_on_worker(end=False, begin=True)
@@ -203,14 +205,7 @@ class Zero3Seams:
         """Count the step (after an optimizer step), on the worker."""
         self.coder.step_on_worker(end=True, begin=False)
         self.step_open = False
-        self._keep_threads()
-
-    def _keep_threads(self) -> None:
-        # numba's OpenMP layer may reset the OpenMP thread count torch's intra-op pool
-        # shares; a changed count changes the summation order, hence the bits, of the
-        # model's own matmuls.
-        if torch.get_num_threads() != self.threads:
-            torch.set_num_threads(self.threads)
+        self.coder.keep_torch_threads()
 
     def _twin_of(self, group):
         ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
@@ -235,15 +230,12 @@ class Zero3Seams:
         coder = self.coder
 
         def run():
-            if input_tensor.dtype in CODED_DTYPES:
-                coder.observe(input_tensor, "weight")
-            if "weight" in self.kinds and coder.codes(input_tensor, n, "weight"):
-                coder.precompile_for(input_tensor)
-                collectives.all_gather(list(output_tensor.view(world, n)), input_tensor, coder.codec, twin,
-                                       kind="weight", stats=coder.stats_for("all_gather"), workspace=coder.workspace)
-            else:
-                _all_gather_single(output_tensor, input_tensor, group=twin)
-                coder.count_plain("all_gather", input_tensor, twin)
+            coder.dispatch("all_gather", input_tensor, twin, numel_per_rank=n, kind="weight",
+                           allowed="weight" in self.kinds,
+                           coded=lambda stats: collectives.all_gather(
+                               list(output_tensor.view(world, n)), input_tensor, coder.codec, twin, kind="weight",
+                               stats=stats, workspace=coder.workspace),
+                           plain=lambda: _all_gather_single(output_tensor, input_tensor, group=twin))
 
         return coder.call(run, input_tensor, async_op=True)
 
@@ -271,21 +263,19 @@ class Zero3Seams:
         out = torch.empty(width, dtype=dtype, device=rows.device)
         coder = self.coder
 
+        def plain():  # DeepSpeed's own: pre-divide, then sum
+            rows.div_(world)
+            _reduce_scatter_single(out, rows.view(-1), group=twin)
+
         def run():
-            if dtype in CODED_DTYPES:
-                coder.observe(rows, "gradient")
-            if "gradient" in self.kinds and coder.codes(rows, width, "gradient"):
-                coder.sample_drift(rows)
-                coder.precompile_for(rows)
-                collectives.reduce_scatter(out, list(rows), coder.codec, twin, average=True, kind="gradient",
-                                           stats=coder.stats_for("reduce_scatter"), workspace=coder.workspace)
-            else:  # DeepSpeed's own: pre-divide, then sum
-                rows.div_(world)
-                _reduce_scatter_single(out, rows.view(-1), group=twin)
-                coder.count_plain("reduce_scatter", rows, twin)
+            coder.dispatch("reduce_scatter", rows, twin, numel_per_rank=width, kind="gradient",
+                           allowed="gradient" in self.kinds, plain=plain,
+                           coded=lambda stats: collectives.reduce_scatter(
+                               out, list(rows), coder.codec, twin, average=True, kind="gradient", stats=stats,
+                               workspace=coder.workspace))
 
         coder.call(run, rows, async_op=False)
-        self._keep_threads()
+        self.coder.keep_torch_threads()
         parts, offset = [], 0
         for t, size in zip(tensors, sizes):
             mine = max(0, min(size, t.numel() - rank * size))

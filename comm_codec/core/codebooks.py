@@ -86,12 +86,14 @@ def as_codebook_set(books) -> "CodebookSet":
 
     Raises:
         TypeError: anything else.
-        FileNotFoundError: the path does not exist.
-        CodebookError: the file is not a valid codebook file.
+        CodebookError: the path does not exist, or the file is not a valid codebook file.
     """
     if books is None:
         return CodebookSet.default()
     if isinstance(books, (str, os.PathLike)):
+        if not os.path.isfile(books):
+            raise CodebookError(f"codebooks={os.fspath(books)!r}: no such file; allowed: a CodebookSet, the path "
+                                "of a file saved by CodebookSet.save, or None")
         return CodebookSet.load(books)
     if not isinstance(books, CodebookSet):
         raise TypeError(

@@ -9,7 +9,7 @@ line before it imports anything heavy, can raise and catch them.
 from __future__ import annotations
 
 __all__ = ["CommCodecError", "FrameError", "CodebookError", "CheckpointError", "ChainError", "CollectiveError",
-           "LinkShapingError"]
+           "AgreementError", "ConfigError", "LinkShapingError"]
 
 
 class CommCodecError(Exception):
@@ -40,11 +40,33 @@ class CollectiveError(CommCodecError, RuntimeError):
     """A compressed collective failed on some rank; raised on every rank of the group."""
 
 
+class AgreementError(CollectiveError):
+    """Ranks disagree where they must agree: settings, books, observed dtypes, an auto decision.
+
+    Raised on every rank of the group, at the same agreement.
+    """
+
+
+class ConfigError(CommCodecError, ValueError):
+    """A setting has a value that is not allowed: ``key``, ``value`` and ``allowed`` say which and what.
+
+    Args:
+        key: the setting's name (``"warmup_steps"``; ``"comm_codec.warmup_steps"`` in a
+            DeepSpeed config).
+        value: the value given.
+        allowed: what the setting takes, in words.
+    """
+
+    def __init__(self, key: str, value, allowed: str):
+        super().__init__(f"{key}={value!r}; allowed: {allowed}")
+        self.key, self.value, self.allowed = key, value, allowed
+
+
 class LinkShapingError(CommCodecError, RuntimeError):
     """A benchmark's shaped link cannot be made: not root, no iproute2, a namespace taken, tc failing."""
 
 
 for _cls in (CommCodecError, FrameError, CodebookError, CheckpointError, ChainError, CollectiveError,
-             LinkShapingError):
+             AgreementError, ConfigError, LinkShapingError):
     _cls.__module__ = "comm_codec"  # shown (and caught) as comm_codec.FrameError etc.
 del _cls

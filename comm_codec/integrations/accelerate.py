@@ -13,14 +13,17 @@ built-in hook types, so the hook is registered on the prepared model instead::
     state.stats()
 
 With Accelerate's FSDP2 (``fsdp_version: 2``) the same call installs
-:func:`comm_codec.fsdp.compress` instead.
+:func:`comm_codec.fsdp.register` instead, and with its DeepSpeed plugin
+(``Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=...))``, where ``prepare``
+returns the DeepSpeed engine) :func:`comm_codec.deepspeed.register`: without options,
+the ds_config's ``"comm_codec"`` section configures it.
 """
 
 from __future__ import annotations
 
 import logging
 
-from . import attach
+from . import register as register_state
 
 __all__ = ["register"]
 
@@ -34,18 +37,22 @@ def register(accelerator, model, **state_kwargs):
 
     Args:
         accelerator: the ``accelerate.Accelerator``.
-        model: the prepared model (DDP, or FSDP2).
-        **state_kwargs: :class:`comm_codec.ddp.HuffmanState` (DDP) or
-            :class:`comm_codec.fsdp.FSDPState` (FSDP2) options.
+        model: the prepared model (DDP, FSDP2, or the DeepSpeed engine).
+        **state_kwargs: :class:`~comm_codec.comm.config.CommConfig` settings, the same
+            for every framework.
 
     Returns:
         The state, or None when the run has a single process (nothing to compress).
 
     Raises:
-        TypeError: several processes, but the model is neither DDP nor FSDP2 (e.g.
-            DeepSpeed: use ``comm_codec.deepspeed``).
+        TypeError: several processes, but the model is neither DDP, FSDP2 nor a
+            DeepSpeed engine.
     """
-    if accelerator.num_processes <= 1:
+    import torch.distributed as dist
+
+    # The process group is the truth: Accelerate reports 1 process for DeepSpeed on CPU.
+    processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else accelerator.num_processes
+    if processes <= 1:
         log.info("comm_codec: a single process, no gradient traffic to compress")
         return None
-    return attach(model, **state_kwargs)
+    return register_state(model, **state_kwargs)

@@ -9,10 +9,12 @@ Usage::
                       callbacks=[CommCodecCallback(warmup_steps=5)])
     trainer.train()        # logs gain comm_codec/ratio, comm_codec/bytes_saved, ...
 
-When training starts the Trainer has wrapped the model (DDP through Accelerate, or
-FSDP2), and the callback registers comm_codec on the wrapper. Callbacks are handed only
-the bare model, so the callback finds the DDP that wraps it among the live objects
-(``gc.get_objects()``, once per run).
+When training starts the Trainer has wrapped the model (DDP through Accelerate, FSDP2,
+or a DeepSpeed engine with ``TrainingArguments(deepspeed=ds_config)``), and the callback
+registers comm_codec on the wrapper. Callbacks are handed only the bare model, so the
+callback finds the DDP or DeepSpeed engine that wraps it among the live objects
+(``gc.get_objects()``, once per run). With DeepSpeed and no options, the ds_config's
+``"comm_codec"`` section configures it.
 Its numbers go into the logs of every logging step: into the ``logs`` dict that the
 callbacks after it see and into ``state.log_history``. Reporting callbacks listed before
 it (``report_to`` integrations come first) do not see them.
@@ -25,13 +27,13 @@ import logging
 
 from transformers import TrainerCallback
 
-from . import attach
+from ..comm.stats import LOGGED
+from . import register as register_state
 
 __all__ = ["CommCodecCallback"]
 
 log = logging.getLogger(__name__)
 
-_LOGGED = ("ratio", "coded_ratio", "bytes_saved", "bytes_in", "bytes_out", "calls", "raw_calls", "codec_seconds")
 
 
 class CommCodecCallback(TrainerCallback):
@@ -52,28 +54,32 @@ class CommCodecCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.state is not None or args.world_size <= 1:
             return  # registered by an earlier train(), or nothing to compress
-        self.state = attach(_wrapped(model), **self.state_kwargs)
+        self.state = register_state(_wrapped(model), **self.state_kwargs)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.state is None or logs is None:
             return
         d = self.state.stats()
-        numbers = {f"comm_codec/{key}": d[key] for key in _LOGGED}
+        numbers = {f"comm_codec/{key}": d[key] for key in LOGGED}
         logs.update(numbers)
         if state.log_history:  # the Trainer appended a copy of logs before calling us
             state.log_history[-1].update(numbers)
 
 
 def _wrapped(model):
-    """The model to register on: the DDP wrapping ``model``, or ``model`` itself (FSDP2)."""
+    """The model to register on: the DDP or DeepSpeed engine wrapping ``model``, or ``model`` itself (FSDP2)."""
+    import sys
+
     from torch.nn.parallel import DistributedDataParallel
 
     from ..comm import fsdp
 
     if fsdp.FSDPModule is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules()):
         return model
+    ds_engine = sys.modules.get("deepspeed.runtime.engine")
+    wrappers = (DistributedDataParallel,) + ((ds_engine.DeepSpeedEngine,) if ds_engine is not None else ())
     for owner in gc.get_objects():  # once per training run: tens of milliseconds
-        if isinstance(owner, DistributedDataParallel) and owner.module is model:
+        if isinstance(owner, wrappers) and owner.module is model:
             return owner
     raise RuntimeError("CommCodecCallback: the Trainer's model is wrapped neither in DistributedDataParallel "
-                       f"nor in FSDP2 ({type(model).__name__}); launch with torchrun or accelerate launch")
+                       f"nor in FSDP2 nor DeepSpeed ({type(model).__name__}); launch with torchrun or accelerate launch")

@@ -25,7 +25,8 @@ try:
 except ImportError:  # the standalone pytorch_lightning package
     from pytorch_lightning import Callback
 
-from . import attach
+from ..comm.stats import LOGGED
+from . import register as register_state
 
 __all__ = ["CommCodecCallback"]
 
@@ -36,7 +37,8 @@ class CommCodecCallback(Callback):
     """Register :func:`comm_codec.ddp.huffman_hook` on the strategy's DDP model at fit start.
 
     Args:
-        log_stats: log ``comm_codec/ratio`` and ``comm_codec/bytes_saved`` every step.
+        log_stats: log the traffic fields every integration logs (``comm_codec/ratio``,
+            ``comm_codec/bytes_saved``, ...: :data:`comm_codec.comm.stats.LOGGED`) every step.
         **state_kwargs: :class:`comm_codec.ddp.HuffmanState` options (FSDP2 models:
             :class:`comm_codec.fsdp.FSDPState` options), e.g. ``warmup_steps=5``.
 
@@ -53,7 +55,7 @@ class CommCodecCallback(Callback):
         if self.state is not None or trainer.world_size <= 1:
             return
         try:
-            self.state = attach(trainer.strategy.model, **self.state_kwargs)
+            self.state = register_state(trainer.strategy.model, **self.state_kwargs)
         except RuntimeError as exc:
             if "once" in str(exc):  # DDP keeps one comm hook
                 raise RuntimeError("CommCodecCallback: the DDP model has a comm hook already (DDPStrategy("
@@ -63,5 +65,4 @@ class CommCodecCallback(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.state is not None and self.log_stats:
             d = self.state.stats()
-            pl_module.log_dict({"comm_codec/ratio": float(d["ratio"]),
-                                "comm_codec/bytes_saved": float(d["bytes_saved"])}, on_step=True, on_epoch=False)
+            pl_module.log_dict({f"comm_codec/{key}": float(d[key]) for key in LOGGED}, on_step=True, on_epoch=False)

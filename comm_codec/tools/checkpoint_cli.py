@@ -236,7 +236,7 @@ def _compress_one(args, src: str, dst: str, books) -> None:
     with _local_input(src, dst) as path, _local_output(dst) as out:
         if args.lossy is None:
             summary = checkpoint.compress_file(path, out, base=args.base, threads=_used_threads(args),
-                                               codebooks=books, progress=_progress(args))
+                                               codebooks=books, progress=_progress(args), force=True)
         else:
             from ..checkpoint import lossy
 
@@ -281,11 +281,11 @@ def _decompress_one(args, src: str, dst: str) -> None:
         elif dst == "-":
             # Streamed: the bytes reach stdout as they are decoded, in order.
             summary = checkpoint.decompress_file(path, sys.stdout.buffer, base=args.base, threads=threads,
-                                                 progress=_progress(args))
+                                                 progress=_progress(args), force=True)
             sys.stdout.buffer.flush()
         else:
             summary = checkpoint.decompress_file(path, dst, base=args.base, threads=threads,
-                                                 progress=_progress(args))
+                                                 progress=_progress(args), force=True)
     _say(args, summary.line(), to_stderr=dst == "-")
 
 
