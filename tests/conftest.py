@@ -95,6 +95,7 @@ TIERS = {
     "test_untrusted_names.py": "cli",
     "test_schema.py": "unit",
     "test_untrusted_lossy.py": ("cli", {"test_rounding_meets_*": "unit"}),
+    "test_untrusted_walks.py": "unit",
     "test_untrusted_json.py": ("unit", {"test_padded_indexes_exit_cleanly_in_bounded_memory": "cli"}),
     "test_untrusted.py": ("unit", {"test_crafted_inputs_exit_cleanly_in_bounded_memory": "cli",
                                    "test_termination_signals_remove_the_temp_file": "cli",

@@ -26,7 +26,7 @@ import zlib
 
 import zstandard
 
-from ..core import _json
+from ..core._json import loads as json_loads
 from .errors import CheckpointError, fail
 from .files import FileMap
 
@@ -147,7 +147,7 @@ def parse_json(text: bytes, path, what: str = "index"):
     Raises:
         CheckpointError: too large, not UTF-8, not JSON, or nested too deeply.
     """
-    return _json.loads(text, limit=_MAX_INDEX_MEMORY,
+    return json_loads(text, limit=_MAX_INDEX_MEMORY,
                        error=lambda reason: CheckpointError(f"{path}: {what} is malformed ({reason})"))
 
 

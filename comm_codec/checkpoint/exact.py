@@ -70,7 +70,7 @@ from .container import HEADER, MAGIC, created_by, encode_index, identify, zstd_b
 from .errors import CheckpointError
 from .exact_index import INDEX_FORMAT, VERSION, is_checkpoint, load_index, read_index
 from .files import (WRITE_DIGEST, AtomicFile, DigestStream, FileMap, atomic_output, check_paths, file_digest,
-                    new_hasher, recorded_digest, track_temp, untrack_temp)
+                    new_hasher, recorded_digest, stat_of, track_temp, untrack_temp)
 from .formats import FileTensor, find_tensors
 from .pipeline import Budget, Buffers, batched, ordered_map, unbatched
 from .plan import CHUNK_SIZES, TRANSFORMS, BookChooser, make_codec, plan_tensor
@@ -210,7 +210,7 @@ def _code_segment(job: _Job, raw: np.ndarray, base: FileMap | None, tensors: lis
 def _size(path) -> int | None:
     """A file's size for choosing threads, None when it cannot be read (its opener says why)."""
     with contextlib.suppress(OSError, TypeError, ValueError):
-        return os.stat(path).st_size
+        return stat_of(path).st_size
     return None
 
 
@@ -376,7 +376,7 @@ def _base_matches(tensors: list[FileTensor], bm: FileMap | None) -> dict:
 
 def _mode(path: str) -> int:
     """The permission bits an output made from ``path`` gets: the input's (less the umask)."""
-    return os.stat(path).st_mode & 0o777
+    return stat_of(path).st_mode & 0o777
 
 
 def compress_file(src, dst, base=None, threads: int | None = None, codebooks: CodebookSet | None = None,

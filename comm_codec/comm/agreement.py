@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..books.profiler import ProfileStatistics, WarmupProfiler
-from ..core import _json
+from ..core._json import loads as json_loads
 from ..core.codebooks import CodebookSet, as_codebook_set
 from ..core.errors import CollectiveError
 
@@ -223,7 +223,7 @@ def peer_json(text: str, what: str):
         CollectiveError: ``"<what> (<reason>)"``: malformed, nested too deeply, or too
             large to parse.
     """
-    return _json.loads(text, limit=_MAX_PEER_PARSE,
+    return json_loads(text, limit=_MAX_PEER_PARSE,
                        error=lambda reason: CollectiveError(f"{what} ({reason})"))
 
 

@@ -41,7 +41,7 @@ from importlib import resources
 
 import numpy as np
 
-from . import _json
+from ._json import loads as json_loads
 from .atomic import atomic_write
 from .huffman import Codebook, CodebookError
 from .quoting import printable, shown
@@ -455,7 +455,7 @@ class CodebookSet:
         path = os.fspath(path)
         raw = _read_book_file(path)
         try:
-            data = _json.loads(raw, limit=_MAX_PARSE_BYTES, parse_constant=_no_constant, parse_int=_small_int,
+            data = json_loads(raw, limit=_MAX_PARSE_BYTES, parse_constant=_no_constant, parse_int=_small_int,
                                error=CodebookError)
         except CodebookError as exc:
             raise CodebookError(f"{path}: not a valid codebook file ({exc})") from None
