@@ -204,3 +204,32 @@ def test_real_stale_temps_in_the_output_are_swept_once_per_directory(tree, tmp_p
     directory.compress_dir(src, mirror, threads=2, force=True)
     assert sorted(sweeps) == sorted({str(mirror), str(mirror / "sub")}), sweeps
     assert not os.path.exists(mirror / "sub" / stale)
+
+
+# -- every path the user passed is printed escaped (#11) -------------------------------------------
+_EVIL = "x\x1b]0;owned\x07\x1b[2J\nverified ok"
+
+
+@pytest.mark.parametrize("kind", ["exact", "lossy", "frame"])
+def test_ls_and_inspect_print_the_path_argument_escaped(tmp_path, kind, capsys):
+    import comm_codec as cc
+    from comm_codec.checkpoint import exact, lossy
+    from comm_codec.tools import cli
+
+    w = torch.randn(4096, generator=torch.Generator().manual_seed(2)) * 0.02
+    path = tmp_path / (_EVIL + {"exact": ".cckp", "lossy": ".ccl", "frame": ".ccf"}[kind])
+    if kind == "exact":
+        save_file({"w": w.bfloat16()}, tmp_path / "m.safetensors")
+        exact.compress_file(tmp_path / "m.safetensors", path, threads=1)
+    elif kind == "lossy":
+        torch.save({"model": {"w": w}}, tmp_path / "a.pt")
+        lossy.compress_file(tmp_path / "a.pt", path, threads=1)
+    else:
+        path.write_bytes(bytes(cc.Codec().encode(w.bfloat16(), kind="weight").numpy()))
+    for argv in (["inspect", str(path)], ["ls", str(path)]) if kind != "frame" else (["inspect", str(path)],):
+        capsys.readouterr()
+        assert cli.main(argv) == 0
+        out, err = capsys.readouterr()
+        assert "\x1b" not in out + err and "\x07" not in out + err, (argv[0], out)
+        assert "\\x1b]0;owned\\x07\\x1b[2J\\x0averified ok" in out, (argv[0], out)
+        assert not any(line.startswith("verified ok") for line in out.splitlines())

@@ -502,7 +502,8 @@ def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str
         tensors = index["tensors"]
         need = index["base"]
         if need is None and base is not None:
-            log.warning("%s was compressed without a base; ignoring base %s", path, base)
+            log.warning("%s was compressed without a base; ignoring base %s", printable(path, 4096),
+                        printable(os.fspath(base), 4096))
             base = None
         if need is not None and base is None and sink is not None:
             raise CheckpointError(
@@ -723,11 +724,11 @@ def describe(path) -> str:
     coded = collections.Counter()
     for s_off, s_len, off, length, method, crc, ti in index["segments"]:
         coded[ti] += length
-    # Every string below but the path comes from the file: printable() escapes what could
+    # Every string below comes from the file or the user: printable() escapes what could
     # drive the terminal or start a line of its own.
     ratio = f"{src['size'] / max(1, size):.3f}" if src["size"] else "- (empty original)"
     lines = [
-        f"file      {path}: comm_codec checkpoint v{index['version']}, {human_bytes(size)}",
+        f"file      {printable(path, 4096)}: comm_codec checkpoint v{index['version']}, {human_bytes(size)}",
         f"source    {printable(src['name'])}: {src['format']}, {human_bytes(src['size'])}, {_shown(src, 64)}",
         "base      " + ("none" if base is None else
                         f"{printable(base['name'])}: {human_bytes(base['size'])}, {_shown(base, 64)}"),

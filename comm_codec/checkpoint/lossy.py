@@ -373,7 +373,8 @@ def _restore(src: str, base, threads: int | None, output=None) -> tuple[dict, in
             bpath, bsha = find_base(src, index, base)
             weights = chain_weights(bpath, bsha, threads)
         elif base is not None:
-            log.warning("%s is not a delta (no base); ignoring base %s", src, base)
+            log.warning("%s is not a delta (no base); ignoring base %s", printable(src, 4096),
+                        printable(os.fspath(base), 4096))
         dec = Decoder(src, m, index, weights, threads)
         records = index["tensors"]
         crcs = {}
@@ -530,12 +531,12 @@ def describe(path) -> str:
     index = read_index(path)
     size = os.path.getsize(path)
     src, base = index["source"], index["base"]
-    # Every string below but the path comes from the file: printable() escapes what could
+    # Every string below comes from the file or the user: printable() escapes what could
     # drive the terminal or start a line of its own.
     params = ", ".join(f"{printable(k, 32)}={v:g}" if isinstance(v, float) else f"{printable(k, 32)}={v}"
                        for k, v in index["params"].items())
     lines = [
-        f"file      {path}: LOSSY comm_codec checkpoint v{index['version']} (mode {index['mode']}), {human_bytes(size)}",
+        f"file      {printable(path, 4096)}: LOSSY comm_codec checkpoint v{index['version']} (mode {index['mode']}), {human_bytes(size)}",
         f"params    {params}",
         f"source    {printable(src['name'])}: {src['format']}, {human_bytes(src['size'])}, "
         f"sha256 {printable(src['sha256'])}",
