@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     load = os.getloadavg()
     print(f"{args.files} files of {args.size} bytes in one directory, {args.reps} alternating reps, "
-          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, load {load[0]:.2f} {load[1]:.2f} "
+          f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, load {load[0]:.2f} {load[1]:.2f} "
           f"{load[2]:.2f}, {args.dir}")
     print(f"{'what':<28} {'median s':>9} {'min s':>8}")
     for name, xs in (("cp -r", cp), ("comm-codec compress", comp), ("comm-codec decompress", dec),

@@ -15,8 +15,10 @@ import threading
 import time
 import tracemalloc
 
+import crafted
 import pytest
 import torch
+from helpers import run_crafted
 from safetensors.torch import save_file
 
 import comm_codec as cc
@@ -25,9 +27,6 @@ from comm_codec.checkpoint import lossy
 from comm_codec.checkpoint.container import parse_json
 from comm_codec.comm import agreement
 from comm_codec.core import _json
-from helpers import run_crafted
-
-import crafted
 
 _N = 60_000
 _SHAPES = {
@@ -146,7 +145,7 @@ def test_padded_indexes_exit_cleanly_in_bounded_memory(seeds, tmp_path):
     astral_tree.mkdir()
     for name in ("a", "b"):
         (astral_tree / f"{name}.safetensors.cckp").write_bytes(crafted.padded_index(exact, 40 << 20))
-    p = lambda n: str(tmp_path / n)  # noqa: E731
+    p = lambda n: str(tmp_path / n)
     cases = [
         (["ls", p("astral.cckp")], (2,)),
         (["verify", p("astral.cckp")], (2,)),
@@ -175,3 +174,26 @@ def _roots() -> list:
     return sorted({os.path.dirname(os.path.dirname(os.path.abspath(__file__))), sys.prefix, sys.base_prefix,
                    sysconfig.get_paths()["purelib"], "/proc/", "/sys/", "/dev/null", "/dev/urandom", "/dev/shm",
                    "/etc/localtime", "/usr/", "/lib"})
+
+
+_PICKLING_COLLECTIVES = {"all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+                         "send_object_list", "recv_object_list", "all_to_all_object"}
+
+
+def test_nothing_between_ranks_is_a_pickle():
+    """Finding 7: the package, its demos and its launch scripts call no collective that
+    unpickles what a peer sends (a peer's ``__reduce__`` would run on every rank)."""
+    import ast
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    calls = []
+    for top in ("comm_codec", "launch_scripts"):
+        for folder, _, names in os.walk(os.path.join(repo, top)):
+            for name in names:
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+                    calls += [f"{os.path.relpath(path, repo)}:{node.lineno} {node.func.attr}"
+                              for node in ast.walk(tree) if isinstance(node, ast.Call)
+                              and isinstance(node.func, ast.Attribute) and node.func.attr in _PICKLING_COLLECTIVES]
+    assert not calls, calls

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,7 +95,7 @@ def _swap_for_fifo(path):
 
 def _swap_for_copy(path):
     def swap():
-        data = open(path, "rb").read()
+        data = Path(path).read_bytes()
         with open(str(path) + ".new", "wb") as fh:  # made while the old one exists: another inode
             fh.write(data)
         os.rename(str(path) + ".new", path)
@@ -169,7 +170,7 @@ def test_is_checkpoint_file_never_waits_on_a_fifo_nor_follows_a_link(tmp_path):
 # -- stale temp files: swept once per directory, never a name the run writes ---------------------
 def _dead_pid() -> int:
     return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                              capture_output=True, text=True).stdout)
+                              check=True, capture_output=True, text=True).stdout)
 
 
 def test_a_file_named_like_a_dead_runs_temp_is_copied_and_restored(tree, tmp_path):

@@ -30,12 +30,12 @@ import dataclasses
 import errno
 import os
 import stat
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from ..core.quoting import printable
 from .errors import CheckpointError
 
-__all__ = ["Entry", "Tree", "kind_of", "before_open"]
+__all__ = ["Entry", "Tree", "before_open", "kind_of"]
 
 # Called with an entry's relative path just before it is opened (tests race it; None: nothing).
 before_open: Callable[[str], None] | None = None
@@ -98,7 +98,7 @@ class Tree:
         self._fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
         self._dirs: dict = {"": _ident(os.fstat(self._fd))}  # rel -> ident the walk saw
 
-    def __enter__(self) -> "Tree":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

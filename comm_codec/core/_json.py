@@ -42,7 +42,7 @@ import threading
 
 from .errors import CommCodecError
 
-__all__ = ["loads", "estimate", "JsonBudget", "budget", "VALUE_COST", "DEFAULT_LIMIT"]
+__all__ = ["DEFAULT_LIMIT", "VALUE_COST", "JsonBudget", "budget", "estimate", "loads"]
 
 # Bytes of Python objects one JSON value may cost beyond its characters (see the module doc).
 VALUE_COST = 120
