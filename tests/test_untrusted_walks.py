@@ -234,3 +234,36 @@ def test_ls_and_inspect_print_the_path_argument_escaped(tmp_path, kind, capsys):
         assert "\x1b" not in out + err and "\x07" not in out + err, (argv[0], out)
         assert "\\x1b]0;owned\\x07\\x1b[2J\\x0averified ok" in out, (argv[0], out)
         assert not any(line.startswith("verified ok") for line in out.splitlines())
+
+
+# -- a lossy delta read from stdin finds its base in the working directory ------------------------
+def test_decompress_of_a_lossy_delta_from_stdin_looks_for_its_base_in_the_working_directory(
+        tmp_path, monkeypatch, capsys):
+    import io
+
+    from comm_codec.checkpoint import lossy
+    from comm_codec.tools import cli
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(20_000, generator=g) * 0.02
+    torch.save({"model": {"w": w}}, tmp_path / "a.pt")
+    torch.save({"model": {"w": w + 1e-3}}, tmp_path / "b.pt")
+    lossy.compress_file(tmp_path / "a.pt", tmp_path / "a.ccl", threads=1)
+    lossy.compress_file(tmp_path / "b.pt", tmp_path / "b.ccl", base=tmp_path / "a.ccl", threads=1)
+    lossy.decompress_file(tmp_path / "b.ccl", tmp_path / "want.pt", threads=1)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "spool"))
+    (tmp_path / "spool").mkdir()
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    data = (tmp_path / "b.ccl").read_bytes()
+    for argv in (["decompress", "-", "-"], ["verify", "-"]):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+        out = io.TextIOWrapper(io.BytesIO())
+        monkeypatch.setattr(sys, "stdout", out)
+        rc = cli.main(argv)
+        assert rc == 0, (argv, capsys.readouterr().err)
+        if argv[0] == "decompress":
+            out.flush()
+            assert out.buffer.getvalue() == (tmp_path / "want.pt").read_bytes()
+    assert os.listdir(tmp_path / "spool") == []
