@@ -67,7 +67,7 @@ def estimate(text: bytes) -> int:
     n = len(text)
     width = 4 if _ASTRAL.search(text) else 2 if _WIDE.search(text) else 1
     values = text.count(b",") + text.count(b":") + text.count(b"[") + text.count(b"{") + 1
-    return n + width * n + (width + 1) * n + values * VALUE_COST + 1024
+    return n + width * n + (width + 1) * n + values * VALUE_COST + 4096  # + the parser's own frames
 
 
 class JsonBudget:
