@@ -10,6 +10,7 @@ the input (names and bytes).
 Usage::
 
     python launch_scripts/bench_many_files.py [--files 20000] [--size 0] [--reps 3] [--dir /tmp]
+        [--baseline DIR]    # another source tree's comm_codec (git archive REV comm_codec | tar -x -C DIR), same run
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import tempfile
 import time
 
 
-def _timed(argv) -> float:
+def _timed(argv, env=None) -> float:
     start = time.perf_counter()
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, env=env)
     return time.perf_counter() - start
 
 
@@ -44,6 +45,7 @@ def main(argv=None) -> int:
     parser.add_argument("--size", type=int, default=0, help="bytes per file (default 0: empty files)")
     parser.add_argument("--reps", type=int, default=3, help="alternating repetitions (default 3)")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the trees are made")
+    parser.add_argument("--baseline", help="a source tree holding another comm_codec, timed alternately too")
     args = parser.parse_args(argv)
     work = tempfile.mkdtemp(prefix="cc-many-", dir=args.dir)
     src = os.path.join(work, "src")
@@ -53,31 +55,36 @@ def main(argv=None) -> int:
         with open(os.path.join(src, f"f{i:06d}.bin"), "wb") as fh:
             fh.write(payload)
     cli = [sys.executable, "-m", "comm_codec"]
-    cp, cc, comp, dec = [], [], [], []
+    trees = {"this tree": None}
+    if args.baseline:
+        trees["baseline"] = dict(os.environ, PYTHONPATH=os.path.abspath(args.baseline))
+    cp, comp, dec = [], {t: [] for t in trees}, {t: [] for t in trees}
     try:
         for _ in range(args.reps):
-            for d in ("copy", "out", "back"):
-                shutil.rmtree(os.path.join(work, d), ignore_errors=True)
+            shutil.rmtree(os.path.join(work, "copy"), ignore_errors=True)
             cp.append(_timed(["cp", "-r", src, os.path.join(work, "copy")]))
-            c = _timed(cli + ["compress", "-q", src, os.path.join(work, "out")])
-            d = _timed(cli + ["decompress", "-q", os.path.join(work, "out"), os.path.join(work, "back")])
-            comp.append(c)
-            dec.append(d)
-            cc.append(c + d)
-            if not _same(src, os.path.join(work, "back")):
-                raise SystemExit("bench_many_files.py: the restored tree differs from the input")
+            for tree, env in trees.items():
+                for d in ("out", "back"):
+                    shutil.rmtree(os.path.join(work, d), ignore_errors=True)
+                comp[tree].append(_timed(cli + ["compress", "-q", src, os.path.join(work, "out")], env))
+                dec[tree].append(_timed(cli + ["decompress", "-q", os.path.join(work, "out"),
+                                               os.path.join(work, "back")], env))
+                if not _same(src, os.path.join(work, "back")):
+                    raise SystemExit(f"bench_many_files.py: {tree}: the restored tree differs from the input")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     load = os.getloadavg()
     print(f"{args.files} files of {args.size} bytes in one directory, {args.reps} alternating reps, "
           f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, load {load[0]:.2f} {load[1]:.2f} "
           f"{load[2]:.2f}, {args.dir}")
-    print(f"{'what':<28} {'median s':>9} {'min s':>8}")
-    for name, xs in (("cp -r", cp), ("comm-codec compress", comp), ("comm-codec decompress", dec),
-                     ("compress + decompress", cc)):
-        print(f"{name:<28} {statistics.median(xs):9.2f} {min(xs):8.2f}")
-    print(f"ratio (compress + decompress) / cp -r: {statistics.median(cc) / statistics.median(cp):.1f}x (median), "
-          f"{min(cc) / min(cp):.1f}x (min)")
+    print(f"{'what':<36} {'median s':>9} {'min s':>8}")
+    print(f"{'cp -r':<36} {statistics.median(cp):9.2f} {min(cp):8.2f}")
+    for tree in trees:
+        both = [c + d for c, d in zip(comp[tree], dec[tree])]
+        for name, xs in (("compress", comp[tree]), ("decompress", dec[tree]), ("compress + decompress", both)):
+            print(f"{tree + ': ' + name:<36} {statistics.median(xs):9.2f} {min(xs):8.2f}")
+        print(f"{tree}: (compress + decompress) / cp -r: {statistics.median(both) / statistics.median(cp):.1f}x "
+              f"(median), {min(both) / min(cp):.1f}x (min)")
     return 0
 
 

@@ -70,7 +70,7 @@ def open_regular(path: str):
         FileNotFoundError, PermissionError, IsADirectoryError: as ``open``.
         CheckpointError: not a regular file.
     """
-    held = _PINNED.get(path)
+    held = _pinned_fd(path)
     if held is not None:  # a file a directory walk opened: that very file, never the name again
         fd = os.dup(held)
         os.lseek(fd, 0, os.SEEK_SET)
@@ -94,9 +94,12 @@ def open_regular(path: str):
     return fh
 
 
-# path -> descriptor of a file already opened (and checked) by a directory walk; see pinned().
-_PINNED: dict = {}
-_PINNED_LOCK = threading.Lock()
+# This thread's {path: descriptor} of files a directory walk opened and checked; see pinned().
+_pins = threading.local()
+
+
+def _pinned_fd(path: str) -> int | None:
+    return getattr(_pins, "fds", {}).get(path)
 
 
 @contextlib.contextmanager
@@ -106,22 +109,24 @@ def pinned(path: str, fh):
     A directory walk (:mod:`.walk`) opens each file once, through directory descriptors
     with ``O_NOFOLLOW``, and checks it is the file it listed; the compressors it then
     calls with the file's path read that descriptor (a duplicate, from offset 0), not
-    whatever the name leads to by then.
+    whatever the name leads to by then. The pin holds on the calling thread only (where
+    a compressor opens its source), so concurrent runs never see each other's files.
     """
-    with _PINNED_LOCK:
-        if path in _PINNED:
-            raise RuntimeError(f"{path} is already pinned")
-        _PINNED[path] = fh.fileno()
+    fds = _pins.__dict__.setdefault("fds", {})
+    before = fds.get(path)
+    fds[path] = fh.fileno()
     try:
         yield fh
     finally:
-        with _PINNED_LOCK:
-            _PINNED.pop(path, None)
+        if before is None:
+            fds.pop(path, None)
+        else:
+            fds[path] = before
 
 
 def stat_of(path: str) -> os.stat_result:
     """``os.stat(path)``, or of the file :func:`pinned` holds for that path."""
-    held = _PINNED.get(path)
+    held = _pinned_fd(path)
     return os.fstat(held) if held is not None else os.stat(path)
 
 
