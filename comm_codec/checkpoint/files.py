@@ -405,10 +405,11 @@ class AtomicFile:
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise FileNotFoundError(2, "No such directory", folder)
-        _sweep_before_writing(os.path.abspath(folder))
+        scope = _sweep_before_writing(os.path.abspath(folder))
         fd, self.tmp = create_temp(path)  # O_EXCL | O_NOFOLLOW, beside path
         track_temp(self.tmp)
-        os.fchmod(fd, (0o666 if mode is None else mode & 0o777) & ~umask())
+        mask = umask() if scope is None else scope.umask
+        os.fchmod(fd, (0o666 if mode is None else mode & 0o777) & ~mask)
         self.fh = os.fdopen(fd, "wb", buffering=1 << 20)
         self.pos = 0
         self._pwrite_lock = threading.Lock()
@@ -603,6 +604,7 @@ class _SweepScope:
             self.keep.setdefault(folder, set()).add(name)
         self.swept: set = set()
         self.renamed: set = set()  # folders whose renames are made durable when the run ends
+        self.umask = umask()  # read once per run: /proc/self/status is an open and a read per file
         self.lock = threading.Lock()
 
     def covers(self, folder: str) -> bool:
@@ -669,13 +671,15 @@ def _fsync_folder_after(folder: str) -> None:
             scope.renamed.add(folder)
 
 
-def _sweep_before_writing(folder: str) -> None:
-    """Sweep ``folder`` as the run writing it says (see :func:`sweep_scope`), else every time."""
+def _sweep_before_writing(folder: str):
+    """Sweep ``folder`` as the run writing it says (see :func:`sweep_scope`), else every time;
+    return the run's scope (None outside one)."""
     scope = _scope_of(folder)
     if scope is None:
         sweep_stale_temps(folder)
     else:
         scope.sweep(folder)
+    return scope
 
 
 def _alive(pid: int) -> bool:
