@@ -52,7 +52,6 @@ log = logging.getLogger("comm_codec.checkpoint")
 
 # What a compressed file's name gets; decompress strips it.
 SUFFIX = ".cckp"
-_COPY_STEP = 1 << 20
 
 
 @dataclasses.dataclass
@@ -218,8 +217,7 @@ def _copy(fh, dst: str, force: bool) -> None:
     if not force and os.path.lexists(dst):
         raise FileExistsError(17, f"{dst} exists; pass --force to replace it", dst)
     with atomic_output(dst, mode=os.fstat(fh.fileno()).st_mode & 0o777) as out:
-        while block := fh.read(_COPY_STEP):
-            out.write(block)
+        out.copy_from(fh.fileno())
         out.commit()
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import hashlib
+import io
 import os
 import re
 import stat
@@ -36,6 +38,8 @@ _HASH_BLOCK = 4 << 20
 # AtomicFile.write: payloads this large are written straight to the file (the buffer
 # gathers the headers, padding and small segments between them).
 DIRECT_WRITE_BYTES = 64 << 10
+# AtomicFile.copy_from: bytes per copy_file_range call.
+_COPY_BLOCK = 8 << 20
 
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
@@ -402,15 +406,18 @@ class AtomicFile:
     def __init__(self, path: str, mode: int | None = None, release_in_background: bool = False):
         self.path = path
         self._release_in_background = release_in_background
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder):
-            raise FileNotFoundError(2, "No such directory", folder)
-        scope = _sweep_before_writing(os.path.abspath(folder))
+        self._folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(self._folder):
+            raise FileNotFoundError(2, "No such directory", self._folder)
+        self._scope = _sweep_before_writing(self._folder)
         fd, self.tmp = create_temp(path)  # O_EXCL | O_NOFOLLOW, beside path
         track_temp(self.tmp)
-        mask = umask() if scope is None else scope.umask
+        mask = umask() if self._scope is None else self._scope.umask
         os.fchmod(fd, (0o666 if mode is None else mode & 0o777) & ~mask)
-        self.fh = os.fdopen(fd, "wb", buffering=1 << 20)
+        # The 1 MiB buffer is allocated on the first write (a copied file never needs it:
+        # allocating and freeing it cost a tree of small files more than the copies).
+        self.fh = os.fdopen(fd, "wb", buffering=0)
+        self._buffered = False
         self.pos = 0
         self._pwrite_lock = threading.Lock()
 
@@ -420,6 +427,9 @@ class AtomicFile:
         n = view.nbytes
         try:
             if n < DIRECT_WRITE_BYTES:
+                if not self._buffered:
+                    self.fh = io.BufferedWriter(self.fh, buffer_size=1 << 20)
+                    self._buffered = True
                 self.fh.write(view)
             else:
                 # A coded tensor's payload: through the buffer it would be copied once
@@ -431,6 +441,36 @@ class AtomicFile:
         except OSError as exc:
             raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
         self.pos += n
+
+    def copy_from(self, fd: int) -> None:
+        """Append the whole file open at ``fd`` (from its offset 0), copied in the kernel when it can be.
+
+        Raises:
+            CheckpointError: a read or write failed.
+        """
+        self.fh.flush()
+        out, offset = self.fh.fileno(), 0
+        try:
+            while True:
+                try:
+                    n = os.copy_file_range(fd, out, _COPY_BLOCK, offset)
+                except OSError as exc:  # EXDEV on old kernels, ENOSYS, EINVAL: copy through user space
+                    if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP) or offset:
+                        raise
+                    n = -1
+                if n < 0:
+                    while block := os.pread(fd, _COPY_BLOCK, offset):
+                        view = memoryview(block)
+                        while view.nbytes:
+                            view = view[os.write(out, view):]
+                        offset += len(block)
+                    break
+                if n == 0:
+                    break
+                offset += n
+        except OSError as exc:
+            raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
+        self.pos += offset
 
     def reserve(self, size: int) -> None:
         """Say the file will be ``size`` bytes: fail now if its file system has no room for them.
@@ -510,7 +550,7 @@ class AtomicFile:
         except OSError as exc:
             raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
         untrack_temp(self.tmp)
-        _fsync_folder_after(os.path.dirname(os.path.abspath(self.path)))
+        _fsync_folder_after(self._folder, self._scope)
 
     def abort(self) -> None:
         with contextlib.suppress(OSError):
@@ -660,10 +700,9 @@ def _fsync_folder(folder: str) -> None:
             os.close(dfd)
 
 
-def _fsync_folder_after(folder: str) -> None:
+def _fsync_folder_after(folder: str, scope) -> None:
     """Make a rename into ``folder`` durable: now, or once for the folder when its run ends
     (a tree of 20 000 small files would otherwise pay 20 000 directory fsyncs)."""
-    scope = _scope_of(folder)
     if scope is None:
         _fsync_folder(folder)
     else:
