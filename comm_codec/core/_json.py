@@ -51,8 +51,8 @@ DEFAULT_LIMIT = 512 << 20
 # Every parse in flight in the process together (COMM_CODEC_JSON_BUDGET_MB overrides).
 _BUDGET_DEFAULT = 512 << 20
 
-_ASTRAL = re.compile(rb"[\xf0-\xf4]|\\u[dD][89abAB]")
-_WIDE = re.compile(rb"[\x80-\xff]|\\u")
+_LEADS4 = (b"\xf0", b"\xf1", b"\xf2", b"\xf3", b"\xf4")  # UTF-8 lead bytes of characters beyond U+FFFF
+_SURROGATE = re.compile(rb"\\u[dD][89abAB]")
 
 
 def estimate(text: bytes) -> int:
@@ -65,7 +65,12 @@ def estimate(text: bytes) -> int:
         The estimate in bytes (see the module's doc for what it counts).
     """
     n = len(text)
-    width = 4 if _ASTRAL.search(text) else 2 if _WIDE.search(text) else 1
+    # Substring tests and isascii() run at memory speed; the regex only where an escape is.
+    escapes = b"\\u" in text
+    if any(lead in text for lead in _LEADS4) or (escapes and _SURROGATE.search(text)):
+        width = 4
+    else:
+        width = 1 if text.isascii() and not escapes else 2
     values = text.count(b",") + text.count(b":") + text.count(b"[") + text.count(b"{") + 1
     return n + width * n + (width + 1) * n + values * VALUE_COST + 4096  # + the parser's own frames
 
