@@ -192,7 +192,8 @@ def test_nothing_between_ranks_is_a_pickle():
             for name in names:
                 if name.endswith(".py"):
                     path = os.path.join(folder, name)
-                    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+                    with open(path, encoding="utf-8") as fh:
+                        tree = ast.parse(fh.read(), path)
                     calls += [f"{os.path.relpath(path, repo)}:{node.lineno} {node.func.attr}"
                               for node in ast.walk(tree) if isinstance(node, ast.Call)
                               and isinstance(node.func, ast.Attribute) and node.func.attr in _PICKLING_COLLECTIVES]

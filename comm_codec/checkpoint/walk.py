@@ -31,6 +31,7 @@ import errno
 import os
 import stat
 from collections.abc import Callable, Iterator
+from typing import Self
 
 from ..core.quoting import printable
 from .errors import CheckpointError

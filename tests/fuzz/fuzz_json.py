@@ -29,7 +29,8 @@ def _books() -> bytes:
     global _BOOKS
     if _BOOKS is None:
         cc.CodebookSet.default().save(f"{_DIR}/ok.json")
-        _BOOKS = open(f"{_DIR}/ok.json", "rb").read()
+        with open(f"{_DIR}/ok.json", "rb") as fh:
+            _BOOKS = fh.read()
     return _BOOKS
 
 

@@ -42,7 +42,8 @@ def _files_of(root):
         for name in names:
             p = os.path.join(folder, name)
             if os.path.isfile(p) and not os.path.islink(p):
-                out[os.path.relpath(p, root)] = open(p, "rb").read()
+                with open(p, "rb") as fh:
+                    out[os.path.relpath(p, root)] = fh.read()
     return out
 
 
