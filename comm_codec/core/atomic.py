@@ -33,8 +33,18 @@ _SUFFIX = ".tmp"
 
 
 def host_name() -> str:
-    """This host's name as temp names carry it (first label, [A-Za-z0-9-] only)."""
-    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname().split(".")[0])[:64] or "host"
+    """This host's name as temp names carry it (first label, [A-Za-z0-9-] only).
+
+    Computed again only when ``socket.gethostname()`` changes: a directory run makes a
+    temp name per file.
+    """
+    raw = socket.gethostname()
+    if _HOST[0] != raw:
+        _HOST[:] = [raw, re.sub(r"[^A-Za-z0-9-]", "-", raw.split(".")[0])[:64] or "host"]
+    return _HOST[1]
+
+
+_HOST = ["", ""]  # (gethostname(), the name temp files carry)
 
 
 def _fit(name: str, room: int) -> str:
