@@ -248,6 +248,8 @@ def _compress_one(args, src: str, dst: str, books) -> None:
                 keep_bits=args.keep_bits, threads=_used_threads(args))
     # lossy notes (keyframe, fallbacks) were logged by comm_codec.checkpoint.lossy
     _say(args, summary.line(), to_stderr=dst == "-")
+    if getattr(summary, "note", None):
+        _say(args, f"note: {summary.note}", to_stderr=dst == "-")
 
 
 def _cmd_decompress(args) -> int:
