@@ -56,6 +56,7 @@ TIERS = {
     "test_checkpoint.py": ("unit", {"test_cli_*": "cli"}),
     "test_checkpoint_imports.py": "cli",  # fresh interpreters run the API calls and the commands
     "test_checkpoint_truncated.py": "cli",
+    "test_checkpoint_formats.py": ("unit", {"test_distcp_of_a_real_model_*": "dist"}),
     "test_checkpoint_restore.py": "unit",
     "test_cli.py": "cli",
     "test_cli_conventions.py": "unit",  # the command line in-process (cli.main), real pipes and a pty
@@ -110,6 +111,7 @@ SLOW: dict[str, tuple[str, ...]] = {
     "test_bench.py": ("test_bench_model_file_rows_and_zipnn_columns",),
     "test_checkpoint.py": ("test_safetensors_round_trip_all_dtypes", "test_delta_chain_of_three",
                            "test_same_output_for_any_number_of_threads", "test_cli_round_trip_and_errors"),
+    "test_checkpoint_formats.py": ("test_distcp_of_a_real_model_*", "test_legacy_torch_save_of_a_real_model_*"),
     "test_checkpoint_imports.py": ("*", "!test_checkpoint_calls_do_not_import_torch[safetensors]"),
     "test_checkpoint_truncated.py": ("*[decompress]",),
     "test_cli.py": ("*", "!test_version_and_help", "!test_unknown_option_is_a_usage_error", "!test_inspect_frame"),

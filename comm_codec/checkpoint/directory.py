@@ -383,15 +383,17 @@ def decompress_dir(src, dst, threads: int | None = None, force: bool = False, pr
 
     Every ``F.cckp`` is decompressed into ``F`` (its digest checked before it appears);
     every other file is copied. Arguments, results and errors as :func:`compress_dir`;
-    a ``.cckp`` file that is not a comm_codec checkpoint fails with its name.
+    a ``.cckp`` file that is not a comm_codec checkpoint fails with its name, and a tree
+    with no ``.cckp`` file is refused (CheckpointError) before anything is written.
     """
     from .exact import decompress_file
 
     src, dst = os.fspath(src), os.fspath(dst)
     started = time.perf_counter()
     _check_trees(src, dst, force)
-    nfiles = sum(kind == "file" for _, kind in _walk(src))
-    at_once, per_file = _pool_size(threads, nfiles)
+    files = [rel for rel, kind in _walk(src) if kind == "file"]
+    _refuse_uncompressed(src, files, "decompress")
+    at_once, per_file = _pool_size(threads, len(files))
     made = _Made()
 
     def make_job(rel: str):
@@ -409,6 +411,14 @@ def decompress_dir(src, dst, threads: int | None = None, force: bool = False, pr
     return _run_tree("decompress", src, dst, made, make_job, at_once, on_file, started)
 
 
+def _refuse_uncompressed(src: str, files: list, op: str) -> None:
+    """Refuse a tree with no compressed file: there would be nothing to check or restore,
+    and a command that did nothing must not look like one that succeeded."""
+    if not any(rel.endswith(SUFFIX) for rel in files):
+        raise CheckpointError(f"{src} holds no compressed file ({SUFFIX}), so there is nothing to {op} "
+                              f"({len(files)} other files); give a directory written by 'comm-codec compress DIR OUT'")
+
+
 def verify_dir(src, threads: int | None = None, progress: bool | None = None,
                on_file: Callable[[FileResult], None] | None = None) -> DirSummary:
     """Check every ``.cckp`` file of a tree written by :func:`compress_dir`; write nothing.
@@ -417,7 +427,8 @@ def verify_dir(src, threads: int | None = None, progress: bool | None = None,
         A :class:`DirSummary` (other files are listed as copied: there is nothing to check).
 
     Raises:
-        CheckpointError: a compressed file is corrupted (named in the message).
+        CheckpointError: a compressed file is corrupted (named in the message), or the
+            tree holds no ``.cckp`` file (nothing would be checked).
     """
     from .exact import verify_file
 
@@ -425,8 +436,9 @@ def verify_dir(src, threads: int | None = None, progress: bool | None = None,
     if not os.path.isdir(src):
         raise NotADirectoryError(20, "Not a directory", src)
     started = time.perf_counter()
-    nfiles = sum(kind == "file" for _, kind in _walk(src))
-    at_once, per_file = _pool_size(threads, nfiles)
+    files = [rel for rel, kind in _walk(src) if kind == "file"]
+    _refuse_uncompressed(src, files, "verify")
+    at_once, per_file = _pool_size(threads, len(files))
 
     def make_job(rel: str):
         def job() -> FileResult:

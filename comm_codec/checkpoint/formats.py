@@ -123,7 +123,7 @@ def find_tensors_noted(m: FileMap) -> tuple[str, list[FileTensor], str | None]:
     try:
         if len(head) >= 9 and head[8:9] == b"{":
             found, fmt = _safetensors_tensors(m), "safetensors"
-        elif head[:4] == b"PK\x03\x04":
+        elif head[:4] == b"PK\x03\x04" and not m.path.endswith(".distcp"):
             end = _record_end(m, 0)
             if end is None or end == m.size:
                 found, fmt = _torch_zip_tensors(m), "torch_zip"
@@ -317,6 +317,8 @@ class _Reader:
     def get(self, pos: int, n: int) -> bytes:
         """Return bytes pos..pos+n (fewer at the end of the file)."""
         n = max(0, min(n, self.size - pos))
+        if n == 0 or pos < 0:
+            return b""
         if not (self._at <= pos and pos + n <= self._at + len(self._buf)):
             self._at = pos
             self._buf = bytes(self.m.u8(pos, min(max(n, self._block), self.size - pos)))
@@ -445,7 +447,11 @@ def _record_tensors(m: FileMap) -> list[FileTensor]:
         start = pos if r.get(pos, 4) == _LOCAL else _find(r, _LOCAL, pos, m.size)
         if start < 0:
             break
-        rec = _walk_record(r, start)
+        try:
+            rec = _walk_record(r, start)
+        except Exception as exc:  # noqa: BLE001 - the rest of the file stays opaque
+            log.debug("%s: record at %d not read (%s: %s)", m.path, start, type(exc).__name__, exc)
+            break
         if rec is None:
             misses += 1
             if misses > _MAX_FALSE_STARTS:
