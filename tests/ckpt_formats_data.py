@@ -16,18 +16,20 @@ import os
 
 import torch
 
-__all__ = ["minilm", "train_steps", "dcp_rank", "save_legacy", "save_legacy_with_payload", "Payload"]
+__all__ = ["minilm", "train_steps", "dcp_rank", "save_legacy", "save_legacy_with_payload", "Payload", "hf_dirs"]
 
 
-def minilm():
-    """Return all-MiniLM-L6-v2 (transformers BertModel) with its pretrained fp32 weights."""
+def minilm(pooling: bool = False):
+    """Return all-MiniLM-L6-v2 (transformers BertModel) with its pretrained fp32 weights
+    (and, with ``pooling``, a pooler initialized from seed 0: the package has none)."""
     from transformers import BertConfig, BertModel
 
     from comm_codec.tools.pretrained import load_weights, model_path
 
     model_file = model_path("minilm")
     config = BertConfig.from_json_file(os.path.join(os.path.dirname(model_file), "config.json"))
-    model = BertModel(config, add_pooling_layer=False)
+    torch.manual_seed(0)
+    model = BertModel(config, add_pooling_layer=pooling)
     model.load_state_dict(load_weights(model_file), strict=False)
     return model
 
@@ -79,3 +81,18 @@ def save_legacy_with_payload(path: str, marker: str) -> dict:
     tensors = {"w": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g).to(torch.bfloat16)}
     torch.save({**tensors, "evil": Payload(marker)}, path, _use_new_zipfile_serialization=False)
     return tensors
+
+
+def hf_dirs(root: str, steps: tuple = (0,), shard: str = "30MB") -> list:
+    """Save MiniLM with ``save_pretrained`` (sharded) after each number of AdamW steps in
+    ``steps`` (ascending), into ``root/step<N>``; return the directories."""
+    model = minilm(pooling=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    done, out = 0, []
+    for n in steps:
+        train_steps(model, opt, n - done, seed=n)
+        done = n
+        folder = os.path.join(root, f"step{n}")
+        model.save_pretrained(folder, max_shard_size=shard)
+        out.append(folder)
+    return out

@@ -216,3 +216,90 @@ def test_verify_and_decompress_of_a_directory_with_nothing_compressed_exit_2(sma
     empty.mkdir()
     assert cli.main(["verify", str(empty)]) == 2
     assert cli.main(["verify", str(small_dcp / "__0_0.distcp")]) == 2  # a file that is not ours
+
+
+# -- tensors straight from compressed files -------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """MiniLM saved by save_pretrained in 3 shards, and its mirror by `comm-codec compress DIR`."""
+    root = tmp_path_factory.mktemp("hf")
+    (src,) = data.hf_dirs(str(root))
+    assert cli.main(["compress", src, str(root / "packed")]) == 0
+    return src, root / "packed"
+
+
+def test_load_file_and_lazy_open_are_bit_exact_against_safetensors(hf_model):
+    from safetensors.torch import load_file as st_load_file
+
+    from comm_codec.checkpoint import tensors
+
+    src, packed = hf_model
+    shards = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
+    assert len(shards) == 3
+    for shard in shards:
+        ref = st_load_file(os.path.join(src, shard))
+        got = tensors.load_file(packed / (shard + ".cckp"))
+        assert list(got) == list(ref)
+        for k in ref:
+            assert got[k].dtype == ref[k].dtype and torch.equal(got[k].view(torch.uint8), ref[k].view(torch.uint8))
+        with tensors.open(packed / (shard + ".cckp")) as f:
+            assert sorted(f.keys()) == sorted(ref)
+            for k in reversed(f.keys()):  # any order, one at a time
+                t = f.get_tensor(k)
+                assert t.shape == ref[k].shape and torch.equal(t.view(torch.uint8), ref[k].view(torch.uint8))
+            assert f.metadata() == {"format": "pt"}
+            with pytest.raises(KeyError):
+                f.get_tensor("no.such.tensor")
+
+
+def test_from_pretrained_of_a_compressed_directory_equals_the_original(hf_model):
+    from transformers import AutoModel
+
+    from comm_codec.integrations.hf import from_pretrained
+
+    src, packed = hf_model
+    ref = AutoModel.from_pretrained(src).state_dict()
+    got = from_pretrained(AutoModel, packed).state_dict()
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+
+
+def test_loaders_refuse_crafted_inputs(hf_model, tmp_path):
+    from comm_codec.checkpoint import tensors
+    from comm_codec.integrations.hf import load_state_dict
+
+    src, packed = hf_model
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors.index.json").write_text('{"weight_map": {"x": "../outside.safetensors"}}')
+    with pytest.raises(checkpoint.CheckpointError, match="not a file name inside"):
+        load_state_dict(bad)
+    (bad / "model.safetensors.index.json").write_text('{"weight_map": {"x": "gone.safetensors"}}')
+    with pytest.raises(checkpoint.CheckpointError, match="is missing"):
+        load_state_dict(bad)
+    # A compressed safetensors file whose header lies about a tensor's size.
+    from safetensors.torch import save_file
+
+    st = tmp_path / "lie.safetensors"
+    save_file({"w": torch.randn(64, 64)}, st)
+    raw = bytearray(st.read_bytes())
+    at = raw.index(b"[64,64]")
+    raw[at:at + 7] = b"[65,64]"
+    st.write_bytes(raw)
+    checkpoint.compress_file(st, tmp_path / "lie.cckp")
+    with pytest.raises(checkpoint.CheckpointError, match="malformed safetensors entry"):
+        tensors.open(tmp_path / "lie.cckp")
+    with pytest.raises(checkpoint.CheckpointError, match="malformed safetensors entry"):
+        tensors.load_file(tmp_path / "lie.cckp")
+    # A flipped byte inside a coded tensor: its frame's checksum says so.
+    packed_file = packed / "model-00001-of-00003.safetensors.cckp"
+    blob = bytearray(packed_file.read_bytes())
+    blob[len(blob) // 2] ^= 0x40
+    (tmp_path / "flip.cckp").write_bytes(blob)
+    with pytest.raises(checkpoint.CheckpointError):
+        with tensors.open(tmp_path / "flip.cckp") as f:
+            for k in f.keys():
+                f.get_tensor(k)
+    with pytest.raises(checkpoint.CheckpointError):
+        tensors.load_file(tmp_path / "flip.cckp")

@@ -69,11 +69,14 @@ def load_file(path, device: str = "cpu") -> dict:
     """
     from .exact import _restore, _threads, _size
 
+    from .exact_index import read_index
+
     path = os.fspath(path)
-    sink = _Memory()
+    source = read_index(path)["source"]
+    sink = _Memory(source["size"])
     _restore(path, sink, None, _threads(None, _size(path)), False, "decompress")
     data = sink.array()
-    fmt = _source_format(path)
+    fmt = source["format"]
     if fmt in ("torch_zip", "torch_legacy"):
         import io
 
@@ -87,23 +90,21 @@ def load_file(path, device: str = "cpu") -> dict:
     return {name: _tensor(data[start + a:start + b], dtype, shape, device) for name, (dtype, shape, a, b) in header}
 
 
-def _source_format(path: str) -> str:
-    from .exact_index import read_index
-
-    return read_index(path)["source"]["format"]
-
-
 class _Memory:
     """A sink for :func:`~.exact._restore`: the restored bytes, appended in order."""
 
-    def __init__(self):
-        self._buf = bytearray()
+    def __init__(self, size: int):
+        self._buf, self._pos = np.empty(size, dtype=np.uint8), 0
 
     def write(self, data) -> None:
-        self._buf += memoryview(data).cast("B")  # a copy: the restorer reuses its buffers
+        view = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        if self._pos + view.size > self._buf.size:  # the index was checked: cannot happen
+            raise CheckpointError("restored more bytes than the original had")
+        self._buf[self._pos:self._pos + view.size] = view  # a copy: the restorer reuses its buffers
+        self._pos += view.size
 
     def array(self) -> np.ndarray:
-        return np.frombuffer(self._buf, dtype=np.uint8)
+        return self._buf[:self._pos]
 
 
 def _tensor(raw: np.ndarray, dtype: str, shape: list, device: str):

@@ -26,8 +26,9 @@ import logging
 from transformers import TrainerCallback
 
 from . import attach
+from ._hf_load import from_pretrained, load_state_dict
 
-__all__ = ["CommCodecCallback"]
+__all__ = ["CommCodecCallback", "from_pretrained", "load_state_dict"]
 
 log = logging.getLogger(__name__)
 
