@@ -78,6 +78,33 @@ def _shard(tree, mesh):
             for k, v in tree.items()}
 
 
+def _skeleton_from_rank0(tree):
+    """Rank 0's {name: [shape, dtype name]} tree, on every rank, as JSON in byte tensors."""
+    from comm_codec.comm import agreement
+
+    def skeleton(t):
+        return {k: skeleton(v) if isinstance(v, dict) else [list(v.shape), str(v.dtype).removeprefix("torch.")]
+                for k, v in t.items()}
+
+    texts = agreement.gather_texts(json.dumps(skeleton(tree)) if tree is not None else "")
+    return agreement.peer_json(texts[0], "rank 0 sent a state skeleton that is not JSON")
+
+
+def _from_skeleton(tree):
+    """Empty tensors of the skeleton's shapes and dtypes, for the ranks that receive rank 0's values."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out[k] = _from_skeleton(v)
+            continue
+        shape, dtype = v
+        if not isinstance(getattr(torch, str(dtype), None), torch.dtype) or \
+                not all(isinstance(d, int) and 0 <= d < 1 << 40 for d in shape):
+            raise ValueError(f"rank 0 sent a malformed entry for {k!r}")
+        out[k] = torch.empty(shape, dtype=getattr(torch, dtype))
+    return out
+
+
 def _nbytes(tree) -> int:
     return sum(_nbytes(v) if isinstance(v, dict) else v.numel() * v.element_size() for v in tree.values())
 
@@ -131,11 +158,13 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
     cpu0, wall0 = time.process_time(), time.perf_counter()
     for name in args.dtypes.split(","):
         full = _state(DTYPES[name]) if rank == 0 else None
-        box = [full]
-        dist.broadcast_object_list(box, src=0)
-        sd = _shard(box[0], mesh)
-        raw = _nbytes(box[0])
-        del box, full
+        # Rank 0's names, shapes and dtypes as JSON (broadcast_object_list would unpickle
+        # them); distribute_tensor then scatters rank 0's values (src_data_rank=0).
+        skeleton = _skeleton_from_rank0(full)
+        full = full if rank == 0 else _from_skeleton(skeleton)
+        sd = _shard(full, mesh)
+        raw = _nbytes(full)
+        del full
         # one save and load of each first: kernels and page cache warm
         for rep in range(args.reps + 1):
             for j in range(len(ARMS)):

@@ -188,8 +188,11 @@ def _rank(rank, world, port, args, out_path):
             entry["decision"] = (st["decision"] or {}).get("reason")
             entry["coding"] = st["coding"]
         result["rows"][row] = entry
-    gathered = [None] * world
-    dist.all_gather_object(gathered, result)
+    # JSON through byte tensors, sized before parsing: all_gather_object would unpickle what peers send.
+    from comm_codec.comm import agreement
+
+    texts = agreement.gather_texts(json.dumps(result), device=agreement.collective_device(None))
+    gathered = [agreement.peer_json(t, f"rank {r} sent results that are not JSON") for r, t in enumerate(texts)]
     if rank == 0:
         with open(out_path, "w") as fh:
             json.dump(gathered, fh)

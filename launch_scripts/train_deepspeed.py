@@ -197,8 +197,13 @@ def main(argv=None) -> int:
             on = train(run_config(base, stage, dtype, plugin=True, offload=offload), args, rank, world)
             # Every rank's losses must match; gather each rank's worst difference.
             diff, equal = _compare(on["losses"], off["losses"])
-            worst = [None] * world
-            dist.all_gather_object(worst, (diff, equal))
+            # As a tensor, not all_gather_object: that would unpickle what each peer sends.
+            from comm_codec.comm.agreement import collective_device
+
+            mine = torch.tensor([diff, float(equal)], dtype=torch.float64, device=collective_device())
+            parts = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(parts, mine)
+            worst = [(float(t[0]), bool(t[1])) for t in parts]
             st = on["stats"]
             rows.append({"stage": stage, "dtype": dtype, "steps": args.steps,
                          "max_rel_loss_diff": max(d for d, _ in worst), "bit_equal": all(e for _, e in worst),

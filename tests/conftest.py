@@ -96,6 +96,8 @@ TIERS = {
     "test_untrusted_names.py": "cli",
     "test_schema.py": "unit",
     "test_untrusted_lossy.py": ("cli", {"test_rounding_meets_*": "unit"}),
+    "test_untrusted_walks.py": "unit",
+    "test_untrusted_json.py": ("unit", {"test_padded_indexes_exit_cleanly_in_bounded_memory": "cli"}),
     "test_untrusted.py": ("unit", {"test_crafted_inputs_exit_cleanly_in_bounded_memory": "cli",
                                    "test_termination_signals_remove_the_temp_file": "cli",
                                    "test_a_later_run_removes_stale_temp_files_of_dead_runs": "cli"}),
@@ -148,6 +150,7 @@ SLOW: dict[str, tuple[str, ...]] = {
     "test_zero3.py": ("test_zero3_world4_bit_identical_to_rank_order_reference",
                       "test_a_stalled_rank_fails_the_other_within_the_users_timeout",
                       "test_zero3_warmup_builds_books_for_weights_and_gradients", "test_offload_at_stage_*"),
+    "test_untrusted_json.py": ("test_padded_indexes_exit_cleanly_in_bounded_memory",),
     "test_untrusted.py": ("test_crafted_inputs_exit_cleanly_in_bounded_memory",
                           "test_termination_signals_remove_the_temp_file[1]"),
 }

@@ -111,6 +111,24 @@ def deep_json(depth: int) -> bytes:
     return b"[" * depth + b"]" * depth
 
 
+def padded_index(data: bytes, chars: int, astral: bool = True) -> bytes:
+    """A real container whose index gains ``"pad": "😀aaa..."`` (``chars`` characters), resealed.
+
+    One astral character makes Python hold the whole string at 4 bytes per character:
+    a few kB of zstd that parse into GBs unless the reader sizes the text first.
+    """
+    c = Container(data)
+    c.index["pad"] = ("\U0001F600" if astral else "a") + "a" * (chars - 1)
+    return c.seal(index_bytes=json.dumps(c.index, separators=(",", ":"), ensure_ascii=False).encode())
+
+
+def padded_json(text: bytes, nbytes: int) -> bytes:
+    """A JSON object's text with ``"pad": [{},{},...]`` added, ``nbytes`` long in all (millions of dicts)."""
+    head = text.rstrip()[:-1] + b',"pad":['
+    count = max(1, (nbytes - len(head) - 2) // 3)
+    return head + b"{}," * (count - 1) + b"{}]}"
+
+
 # -- running the command line on crafted inputs, one process for many cases ---------------
 class _Sink:
     """A stream whose target changes per case (logging binds its stream once)."""

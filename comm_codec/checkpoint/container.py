@@ -26,6 +26,7 @@ import zlib
 
 import zstandard
 
+from ..core._json import loads as json_loads
 from .errors import CheckpointError, fail
 from .files import FileMap
 
@@ -57,10 +58,9 @@ NOT_OURS = ("not a comm_codec checkpoint or frame (bad magic): give a file writt
             "`comm-codec compress` (or a codec frame, for inspect)")
 # Largest index (JSON text) read: a checkpoint of 250 000 segments needs about 15 MB.
 _MAX_INDEX_BYTES = 128 << 20
-# What json.loads may build, estimated from the text before it runs (each JSON value costs
-# up to ~100 bytes of Python objects): a crafted index of empty lists cannot take GBs.
+# What parsing an index may hold (comm_codec.core._json.estimate): a real index of 250 000
+# segments takes about 200 MB.
 _MAX_INDEX_MEMORY = 512 << 20
-_VALUE_COST = 100
 
 
 @functools.lru_cache(maxsize=1)
@@ -139,17 +139,16 @@ def zstd_bounded(blob, limit: int, path, what: str) -> bytes:
     return b"".join(parts)
 
 
-def parse_json(text: bytes, path):
-    """json.loads of UTF-8 text, refused (CheckpointError) when its objects could not fit in
-    memory (estimated from the text before parsing) or nest too deep."""
-    values = text.count(b",") + text.count(b":") + text.count(b"[") + text.count(b"{") + 1
-    if values * _VALUE_COST + len(text) > _MAX_INDEX_MEMORY:
-        fail(path, f"index holds {values} JSON values, more than this reader takes "
-                   f"({_MAX_INDEX_MEMORY // _VALUE_COST}): corrupted or not written by comm_codec")
-    try:
-        return json.loads(text.decode("utf-8"))
-    except RecursionError:
-        fail(path, "index is malformed (JSON nested too deeply)")
+def parse_json(text: bytes, path, what: str = "index"):
+    """Parse JSON text read from a container (its index, a safetensors header) with
+    :func:`comm_codec.core._json.loads`: refused before parsing when it could not fit in
+    memory, and within the budget every parse in flight shares.
+
+    Raises:
+        CheckpointError: too large, not UTF-8, not JSON, or nested too deeply.
+    """
+    return json_loads(text, limit=_MAX_INDEX_MEMORY,
+                       error=lambda reason: CheckpointError(f"{path}: {what} is malformed ({reason})"))
 
 
 def encode_index(index: dict, index_offset: int, version: int, magic: bytes) -> tuple[bytes, bytes]:

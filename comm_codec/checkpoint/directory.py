@@ -19,6 +19,11 @@ over when there are fewer files than threads). Each output file is written atomi
 (:mod:`.files`); a run that fails removes the files and directories it made, and leaves
 those that were there before. Symlinks are never followed (a link could lead out of the
 tree) and, like FIFOs, sockets and devices, they are skipped with a warning naming each.
+The tree is read through :class:`.walk.Tree`: each file is opened once, through directory
+descriptors with ``O_NOFOLLOW | O_NONBLOCK``, and must be the file the walk listed; an
+entry swapped meanwhile (for a symlink, a FIFO, another file) fails the run, naming it.
+Stale temp files of dead runs are swept once per output directory, never a name the run
+writes or copies (:func:`.files.sweep_scope`).
 The output is never inside the input tree (nor the input inside the output), and a tree
 that already holds ``.cckp`` files is refused: their names would be ambiguous on the way
 back.
@@ -38,6 +43,7 @@ from typing import Callable
 
 from ..core.quoting import printable
 from .errors import CheckpointError
+from .walk import Tree
 
 __all__ = ["SUFFIX", "DirSummary", "FileResult", "is_checkpoint_file", "compress_dir", "decompress_dir",
            "verify_dir", "describe_dir"]
@@ -133,56 +139,36 @@ def is_checkpoint_file(path: str) -> bool:
     """Return whether a regular file is one :func:`compress_dir` compresses (else it is copied).
 
     safetensors (an 8-byte header length, then ``{``) and ``torch.save`` zips (``PK``)
-    are known by their first bytes; DCP data files (``*.distcp``) by their name.
+    are known by their first bytes; DCP data files (``*.distcp``) by their name. A symlink
+    is not followed and a FIFO not waited on: neither is a checkpoint file.
     """
     if path.endswith(".distcp"):
         return True
     try:
-        with open(path, "rb") as fh:
-            head = fh.read(9)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return False
-    return head[:4] == b"PK\x03\x04" or (len(head) == 9 and head[8:9] == b"{")
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and _is_checkpoint_head(path, os.pread(fd, 9, 0))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _is_checkpoint_head(path: str, head: bytes) -> bool:
+    return path.endswith(".distcp") or head[:4] == b"PK\x03\x04" or (len(head) == 9 and head[8:9] == b"{")
 
 
 # -- walking a tree -------------------------------------------------------------------------
-def _kind_of(st: os.stat_result) -> str | None:
-    """None for a regular file or directory, else what the entry is (it is skipped)."""
-    mode = st.st_mode
-    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
-        return None
-    for test, name in ((stat.S_ISLNK, "a symlink (never followed)"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
-def _walk(root: str):
-    """Yield (relative path, "dir" | "file" | reason skipped) for every entry under root, in
-    sorted order, parents before children, never following a symlink."""
-    todo = [""]
-    while todo:
-        rel = todo.pop()
-        here = os.path.join(root, rel) if rel else root
-        try:
-            names = sorted(os.listdir(here))
-        except OSError as exc:
-            raise CheckpointError(f"cannot list {here}: {exc.strerror or exc}") from None
-        subdirs = []
-        for name in names:
-            child = os.path.join(rel, name) if rel else name
-            st = os.lstat(os.path.join(root, child))
-            kind = _kind_of(st)
-            if kind is not None:
-                yield child, kind
-            elif stat.S_ISDIR(st.st_mode):
-                yield child, "dir"
-                subdirs.append(child)
-            else:
-                yield child, "file"
-        todo.extend(reversed(subdirs))
+def _entries(src: str) -> tuple[Tree, list]:
+    """Open the tree and walk it (see :mod:`.walk`): every entry, parents before children."""
+    tree = Tree(src)
+    try:
+        return tree, list(tree.walk())
+    except BaseException:
+        tree.close()
+        raise
 
 
 def _check_trees(src: str, dst: str, force: bool) -> None:
@@ -225,13 +211,13 @@ class _Made:
                 os.rmdir(path)
 
 
-def _copy(src: str, dst: str, force: bool) -> None:
-    """Copy one regular file atomically (temp file, fsync, rename), keeping its permission bits."""
-    from .files import atomic_output, open_regular
+def _copy(fh, dst: str, force: bool) -> None:
+    """Copy one open regular file atomically (temp file, fsync, rename), keeping its permission bits."""
+    from .files import atomic_output
 
     if not force and os.path.lexists(dst):
         raise FileExistsError(17, f"{dst} exists; pass --force to replace it", dst)
-    with open_regular(src) as fh, atomic_output(dst, mode=os.fstat(fh.fileno()).st_mode & 0o777) as out:
+    with atomic_output(dst, mode=os.fstat(fh.fileno()).st_mode & 0o777) as out:
         while block := fh.read(_COPY_STEP):
             out.write(block)
         out.commit()
@@ -280,18 +266,18 @@ def _map_files(jobs: list, at_once: int, on_file) -> list:
     return results
 
 
-def _tree_jobs(src: str, dst: str | None, made: _Made | None, make_job) -> tuple[list, list]:
-    """Walk src; make the mirror's directories under dst; return (jobs, skipped results)."""
+def _tree_jobs(src: str, entries: list, dst: str | None, made: _Made | None, make_job) -> tuple[list, list]:
+    """Make the mirror's directories under dst; return (a job per file, skipped results)."""
     jobs, skipped = [], []
-    for rel, kind in _walk(src):
-        if kind == "dir":
+    for entry in entries:
+        if entry.kind == "dir":
             if made is not None:
-                made.mkdir(os.path.join(dst, rel))
-        elif kind == "file":
-            jobs.append(make_job(rel))
+                made.mkdir(os.path.join(dst, entry.rel))
+        elif entry.kind == "file":
+            jobs.append(make_job(entry))
         else:
-            log.warning("skipping %s: %s", printable(os.path.join(src, rel)), kind)
-            skipped.append(FileResult(rel, "skipped", note=kind))
+            log.warning("skipping %s: %s", printable(os.path.join(src, entry.rel)), entry.kind)
+            skipped.append(FileResult(entry.rel, "skipped", note=entry.kind))
     return jobs, skipped
 
 
@@ -326,51 +312,65 @@ def compress_dir(src, dst, threads: int | None = None, force: bool = False, prog
             a file failed (the files and directories this call made are removed).
     """
     from .exact import compress_file
+    from .files import pinned
 
     src, dst = os.fspath(src), os.fspath(dst)
     started = time.perf_counter()
     _check_trees(src, dst, force)
-    files = [rel for rel, kind in _walk(src) if kind == "file"]
-    ours = [rel for rel in files if rel.endswith(SUFFIX)]
-    if ours:
-        raise CheckpointError(f"{os.path.join(src, ours[0])}: the directory already holds {len(ours)} {SUFFIX} "
-                              f"file(s); decompress or move them first (their names would be ambiguous when the "
-                              "mirror is decompressed)")
-    at_once, per_file = _pool_size(threads, len(files))
-    made = _Made()
+    tree, entries = _entries(src)
+    with tree:
+        files = [e.rel for e in entries if e.kind == "file"]
+        ours = [rel for rel in files if rel.endswith(SUFFIX)]
+        if ours:
+            raise CheckpointError(f"{os.path.join(src, ours[0])}: the directory already holds {len(ours)} {SUFFIX} "
+                                  f"file(s); decompress or move them first (their names would be ambiguous when the "
+                                  "mirror is decompressed)")
+        at_once, per_file = _pool_size(threads, len(files))
+        made = _Made()
 
-    def make_job(rel: str):
-        def job() -> FileResult:
-            path = os.path.join(src, rel)
-            if not is_checkpoint_file(path):
-                return _copied(rel, path, os.path.join(dst, rel), force, made, "copied (not a checkpoint file)")
-            out = os.path.join(dst, rel + SUFFIX)
-            existed = os.path.lexists(out)
-            s = compress_file(path, out, threads=per_file, codebooks=codebooks, progress=_meter(progress, at_once),
-                              force=force)
-            made.file(out, existed)
-            return FileResult(rel, "compressed", s.original_bytes, s.compressed_bytes)
-        return job
+        def make_job(entry):
+            def job() -> FileResult:
+                rel, path = entry.rel, os.path.join(src, entry.rel)
+                with tree.open(entry) as fh:
+                    if not _is_checkpoint_head(rel, os.pread(fh.fileno(), 9, 0)):
+                        return _copied(rel, fh, os.path.join(dst, rel), force, made, "copied (not a checkpoint file)")
+                    out = os.path.join(dst, rel + SUFFIX)
+                    existed = os.path.lexists(out)
+                    with pinned(path, fh):
+                        s = compress_file(path, out, threads=per_file, codebooks=codebooks,
+                                          progress=_meter(progress, at_once), force=force)
+                made.file(out, existed)
+                return FileResult(rel, "compressed", s.original_bytes, s.compressed_bytes)
+            return job
 
-    return _run_tree("compress", src, dst, made, make_job, at_once, on_file, started)
+        outputs = [os.path.join(dst, rel + tail) for rel in files for tail in ("", SUFFIX)]
+        return _run_tree("compress", src, dst, entries, outputs, made, make_job, at_once, on_file, started)
 
 
-def _copied(rel: str, path: str, out: str, force: bool, made, note: str = "") -> FileResult:
+def _copied(rel: str, fh, out: str, force: bool, made, note: str = "") -> FileResult:
     """Copy a file that is not coded, recording it among the outputs a failed run removes."""
     existed = os.path.lexists(out)
-    _copy(path, out, force)
+    _copy(fh, out, force)
     made.file(out, existed)
-    size = os.path.getsize(out)
+    size = os.fstat(fh.fileno()).st_size
     return FileResult(rel, "copied", size, size, note)
 
 
-def _run_tree(op: str, src: str, dst: str, made, make_job, at_once: int, on_file, started: float) -> DirSummary:
-    """Make the output tree, run every file's job, and undo what was made if any fails."""
+def _run_tree(op: str, src: str, dst: str, entries: list, outputs: list, made, make_job, at_once: int, on_file,
+              started: float) -> DirSummary:
+    """Make the output tree, run every file's job, and undo what was made if any fails.
+
+    Stale temp files of dead runs are swept once per output folder, never one of
+    ``outputs`` (what this run writes or copies: a file of the tree may look like a temp).
+    """
+    from .files import sweep_scope
+
     try:
         if not os.path.isdir(dst):
             made.mkdir(dst)
-        jobs, skipped = _tree_jobs(src, dst, made, make_job)
-        results = _map_files(jobs, at_once, on_file)
+        jobs, skipped = _tree_jobs(src, entries, dst, made, make_job)
+        with sweep_scope(dst, outputs):
+            results = _map_files(jobs, at_once, on_file)
     except BaseException:
         made.undo()
         raise
@@ -387,28 +387,35 @@ def decompress_dir(src, dst, threads: int | None = None, force: bool = False, pr
     with no ``.cckp`` file is refused (CheckpointError) before anything is written.
     """
     from .exact import decompress_file
+    from .files import pinned
 
     src, dst = os.fspath(src), os.fspath(dst)
     started = time.perf_counter()
     _check_trees(src, dst, force)
-    files = [rel for rel, kind in _walk(src) if kind == "file"]
-    _refuse_uncompressed(src, files, "decompress")
-    at_once, per_file = _pool_size(threads, len(files))
-    made = _Made()
+    tree, entries = _entries(src)
+    with tree:
+        files = [e.rel for e in entries if e.kind == "file"]
+        _refuse_uncompressed(src, files, "decompress")
+        at_once, per_file = _pool_size(threads, len(files))
+        made = _Made()
 
-    def make_job(rel: str):
-        def job() -> FileResult:
-            path = os.path.join(src, rel)
-            if not rel.endswith(SUFFIX):
-                return _copied(rel, path, os.path.join(dst, rel), force, made)
-            out = os.path.join(dst, rel[:-len(SUFFIX)])
-            existed = os.path.lexists(out)
-            s = decompress_file(path, out, threads=per_file, progress=_meter(progress, at_once), force=force)
-            made.file(out, existed)
-            return FileResult(rel, "decompressed", s.original_bytes, s.compressed_bytes)
-        return job
+        def make_job(entry):
+            def job() -> FileResult:
+                rel, path = entry.rel, os.path.join(src, entry.rel)
+                with tree.open(entry) as fh:
+                    if not rel.endswith(SUFFIX):
+                        return _copied(rel, fh, os.path.join(dst, rel), force, made)
+                    out = os.path.join(dst, rel[:-len(SUFFIX)])
+                    existed = os.path.lexists(out)
+                    with pinned(path, fh):
+                        s = decompress_file(path, out, threads=per_file, progress=_meter(progress, at_once),
+                                            force=force)
+                made.file(out, existed)
+                return FileResult(rel, "decompressed", s.original_bytes, s.compressed_bytes)
+            return job
 
-    return _run_tree("decompress", src, dst, made, make_job, at_once, on_file, started)
+        outputs = [os.path.join(dst, rel[:-len(SUFFIX)] if rel.endswith(SUFFIX) else rel) for rel in files]
+        return _run_tree("decompress", src, dst, entries, outputs, made, make_job, at_once, on_file, started)
 
 
 def _refuse_uncompressed(src: str, files: list, op: str) -> None:
@@ -431,28 +438,30 @@ def verify_dir(src, threads: int | None = None, progress: bool | None = None,
             tree holds no ``.cckp`` file (nothing would be checked).
     """
     from .exact import verify_file
+    from .files import pinned
 
     src = os.fspath(src)
     if not os.path.isdir(src):
         raise NotADirectoryError(20, "Not a directory", src)
     started = time.perf_counter()
-    files = [rel for rel, kind in _walk(src) if kind == "file"]
-    _refuse_uncompressed(src, files, "verify")
-    at_once, per_file = _pool_size(threads, len(files))
+    tree, entries = _entries(src)
+    with tree:
+        _refuse_uncompressed(src, [e.rel for e in entries if e.kind == "file"], "verify")
+        at_once, per_file = _pool_size(threads, sum(e.kind == "file" for e in entries))
 
-    def make_job(rel: str):
-        def job() -> FileResult:
-            path = os.path.join(src, rel)
-            if not rel.endswith(SUFFIX):
-                size = os.path.getsize(path)
-                return FileResult(rel, "copied", size, size, "not compressed, nothing to check:")
-            s = verify_file(path, threads=per_file, progress=_meter(progress, at_once))
-            checked = f", {s.digest.split(':')[0]} ok" if s.digest else ", digest NOT checked (a delta)"
-            return FileResult(rel, "verified", s.original_bytes, s.compressed_bytes, checked)
-        return job
+        def make_job(entry):
+            def job() -> FileResult:
+                rel, path = entry.rel, os.path.join(src, entry.rel)
+                if not rel.endswith(SUFFIX):
+                    return FileResult(rel, "copied", entry.size, entry.size, "not compressed, nothing to check:")
+                with tree.open(entry) as fh, pinned(path, fh):
+                    s = verify_file(path, threads=per_file, progress=_meter(progress, at_once))
+                checked = f", {s.digest.split(':')[0]} ok" if s.digest else ", digest NOT checked (a delta)"
+                return FileResult(rel, "verified", s.original_bytes, s.compressed_bytes, checked)
+            return job
 
-    jobs, skipped = _tree_jobs(src, None, None, make_job)
-    return _finish("verify", started, at_once, _map_files(jobs, at_once, on_file), skipped)
+        jobs, skipped = _tree_jobs(src, entries, None, None, make_job)
+        return _finish("verify", started, at_once, _map_files(jobs, at_once, on_file), skipped)
 
 
 def describe_dir(src) -> str:
@@ -461,27 +470,34 @@ def describe_dir(src) -> str:
     from .report import human_bytes
     from .exact_index import read_index
 
+    from .files import pinned
+
     src = os.fspath(src)
     if not os.path.isdir(src):
         raise NotADirectoryError(20, "Not a directory", src)
     rows, total_in, total_out = [], 0, 0
-    for rel, kind in _walk(src):
-        if kind == "dir":
-            continue
-        if kind != "file":
-            rows.append((printable(rel), "skipped", "-", "-", "-", kind))
-            continue
-        size = os.path.getsize(os.path.join(src, rel))
-        if rel.endswith(SUFFIX):
-            index = read_index(os.path.join(src, rel))
-            orig = index["source"]["size"]
-            n = len(index["tensors"])
-            rows.append((printable(rel[:-len(SUFFIX)]), "compressed", human_bytes(orig), human_bytes(size),
-                         f"{orig / max(1, size):.3f}", f"{index['source']['format']}, {n} tensors"))
-        else:
-            orig = size
-            rows.append((printable(rel), "copied", human_bytes(size), human_bytes(size), "1.000", ""))
-        total_in, total_out = total_in + orig, total_out + size
+    tree, entries = _entries(src)
+    with tree:
+        for entry in entries:
+            rel, kind = entry.rel, entry.kind
+            if kind == "dir":
+                continue
+            if kind != "file":
+                rows.append((printable(rel), "skipped", "-", "-", "-", kind))
+                continue
+            size = entry.size
+            if rel.endswith(SUFFIX):
+                path = os.path.join(src, rel)
+                with tree.open(entry) as fh, pinned(path, fh):
+                    index = read_index(path)
+                orig = index["source"]["size"]
+                n = len(index["tensors"])
+                rows.append((printable(rel[:-len(SUFFIX)]), "compressed", human_bytes(orig), human_bytes(size),
+                             f"{orig / max(1, size):.3f}", f"{index['source']['format']}, {n} tensors"))
+            else:
+                orig = size
+                rows.append((printable(rel), "copied", human_bytes(size), human_bytes(size), "1.000", ""))
+            total_in, total_out = total_in + orig, total_out + size
     width = max([len(r[0]) for r in rows] + [4])
     lines = [f"directory {printable(src)}: {sum(r[1] == 'compressed' for r in rows)} compressed, "
              f"{sum(r[1] == 'copied' for r in rows)} copied, {sum(r[1] == 'skipped' for r in rows)} skipped; "

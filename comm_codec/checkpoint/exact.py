@@ -70,7 +70,7 @@ from .container import HEADER, MAGIC, created_by, encode_index, identify, zstd_b
 from .errors import CheckpointError
 from .exact_index import INDEX_FORMAT, VERSION, is_checkpoint, load_index, read_index
 from .files import (WRITE_DIGEST, AtomicFile, DigestStream, FileMap, atomic_output, check_paths, file_digest,
-                    new_hasher, recorded_digest, track_temp, untrack_temp)
+                    new_hasher, recorded_digest, stat_of, track_temp, untrack_temp)
 from .formats import FileTensor, find_tensors, find_tensors_noted
 from .pipeline import Budget, Buffers, batched, ordered_map, unbatched
 from .plan import CHUNK_SIZES, TRANSFORMS, BookChooser, make_codec, plan_tensor
@@ -210,7 +210,7 @@ def _code_segment(job: _Job, raw: np.ndarray, base: FileMap | None, tensors: lis
 def _size(path) -> int | None:
     """A file's size for choosing threads, None when it cannot be read (its opener says why)."""
     with contextlib.suppress(OSError, TypeError, ValueError):
-        return os.stat(path).st_size
+        return stat_of(path).st_size
     return None
 
 
@@ -376,7 +376,7 @@ def _base_matches(tensors: list[FileTensor], bm: FileMap | None) -> dict:
 
 def _mode(path: str) -> int:
     """The permission bits an output made from ``path`` gets: the input's (less the umask)."""
-    return os.stat(path).st_mode & 0o777
+    return stat_of(path).st_mode & 0o777
 
 
 def compress_file(src, dst, base=None, threads: int | None = None, codebooks: CodebookSet | None = None,
@@ -503,7 +503,8 @@ def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str
         tensors = index["tensors"]
         need = index["base"]
         if need is None and base is not None:
-            log.warning("%s was compressed without a base; ignoring base %s", path, base)
+            log.warning("%s was compressed without a base; ignoring base %s", printable(path, 4096),
+                        printable(os.fspath(base), 4096))
             base = None
         if need is not None and base is None and sink is not None:
             raise CheckpointError(
@@ -724,11 +725,11 @@ def describe(path) -> str:
     coded = collections.Counter()
     for s_off, s_len, off, length, method, crc, ti in index["segments"]:
         coded[ti] += length
-    # Every string below but the path comes from the file: printable() escapes what could
+    # Every string below comes from the file or the user: printable() escapes what could
     # drive the terminal or start a line of its own.
     ratio = f"{src['size'] / max(1, size):.3f}" if src["size"] else "- (empty original)"
     lines = [
-        f"file      {path}: comm_codec checkpoint v{index['version']}, {human_bytes(size)}",
+        f"file      {printable(path, 4096)}: comm_codec checkpoint v{index['version']}, {human_bytes(size)}",
         f"source    {printable(src['name'])}: {src['format']}, {human_bytes(src['size'])}, {_shown(src, 64)}",
         "base      " + ("none" if base is None else
                         f"{printable(base['name'])}: {human_bytes(base['size'])}, {_shown(base, 64)}"),

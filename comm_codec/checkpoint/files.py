@@ -25,7 +25,7 @@ from .errors import CheckpointError
 __all__ = ["FileMap", "AtomicFile", "DigestStream", "atomic_output", "check_paths", "file_digest", "new_hasher",
            "recorded_digest", "KEEP_BYTES", "WRITE_DIGEST", "DIGESTS", "open_regular",
            "is_regular", "temp_name", "sweep_stale_temps", "TEMP_MARK", "track_temp", "untrack_temp",
-           "remove_live_temps"]
+           "remove_live_temps", "pinned", "stat_of", "sweep_scope"]
 
 # Buffers waiting for the background digest thread (DigestStream).
 _SHA_QUEUE = 8
@@ -70,6 +70,11 @@ def open_regular(path: str):
         FileNotFoundError, PermissionError, IsADirectoryError: as ``open``.
         CheckpointError: not a regular file.
     """
+    held = _PINNED.get(path)
+    if held is not None:  # a file a directory walk opened: that very file, never the name again
+        fd = os.dup(held)
+        os.lseek(fd, 0, os.SEEK_SET)
+        return os.fdopen(fd, "rb")
     st = os.stat(path)
     if not stat.S_ISREG(st.st_mode):
         raise _not_regular(path, st)
@@ -87,6 +92,37 @@ def open_regular(path: str):
         fh.close()
         raise
     return fh
+
+
+# path -> descriptor of a file already opened (and checked) by a directory walk; see pinned().
+_PINNED: dict = {}
+_PINNED_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def pinned(path: str, fh):
+    """Make :func:`open_regular` (and so :class:`FileMap`) of ``path`` use the open file ``fh``.
+
+    A directory walk (:mod:`.walk`) opens each file once, through directory descriptors
+    with ``O_NOFOLLOW``, and checks it is the file it listed; the compressors it then
+    calls with the file's path read that descriptor (a duplicate, from offset 0), not
+    whatever the name leads to by then.
+    """
+    with _PINNED_LOCK:
+        if path in _PINNED:
+            raise RuntimeError(f"{path} is already pinned")
+        _PINNED[path] = fh.fileno()
+    try:
+        yield fh
+    finally:
+        with _PINNED_LOCK:
+            _PINNED.pop(path, None)
+
+
+def stat_of(path: str) -> os.stat_result:
+    """``os.stat(path)``, or of the file :func:`pinned` holds for that path."""
+    held = _PINNED.get(path)
+    return os.fstat(held) if held is not None else os.stat(path)
 
 
 class FileMap:
@@ -192,8 +228,12 @@ class FileMap:
         self._advised = end
 
     def unchanged(self) -> bool:
-        """Whether the file still has the size, mtime and inode it had when opened."""
-        st = os.stat(self.path)
+        """Whether the open file still has the size, mtime and inode it had when opened.
+
+        The open descriptor, not the name: a file renamed over the name meanwhile is not
+        what was read, and a symlink there is never followed.
+        """
+        st = os.fstat(self._fh.fileno())
         return (st.st_size, st.st_mtime_ns, st.st_ino) == self.stamp
 
     def close(self) -> None:
@@ -360,7 +400,7 @@ class AtomicFile:
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise FileNotFoundError(2, "No such directory", folder)
-        sweep_stale_temps(folder)
+        _sweep_before_writing(os.path.abspath(folder))
         fd, self.tmp = create_temp(path)  # O_EXCL | O_NOFOLLOW, beside path
         track_temp(self.tmp)
         os.fchmod(fd, (0o666 if mode is None else mode & 0o777) & ~umask())
@@ -451,7 +491,9 @@ class AtomicFile:
     def commit(self) -> None:
         try:
             self.fh.flush()
-            os.fsync(self.fh.fileno())
+            # An empty file has no data to make durable: the rename is, by its folder's fsync.
+            if os.fstat(self.fh.fileno()).st_size:
+                os.fsync(self.fh.fileno())
             self.fh.close()
             replaced = self._hold_replaced() if self._release_in_background else None
             try:
@@ -462,12 +504,7 @@ class AtomicFile:
         except OSError as exc:
             raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
         untrack_temp(self.tmp)
-        with contextlib.suppress(OSError):
-            dfd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+        _fsync_folder_after(os.path.dirname(os.path.abspath(self.path)))
 
     def abort(self) -> None:
         with contextlib.suppress(OSError):
@@ -519,12 +556,18 @@ def temp_name(name: str, pid: int | None = None) -> str:
 _STALE = re.compile(r"^\..+\.%s\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.[^.]+\.tmp$" % TEMP_MARK)
 
 
-def sweep_stale_temps(folder: str) -> list:
+def sweep_stale_temps(folder: str, keep=frozenset()) -> list:
     """Remove temp files that runs of ours on this host left in folder and that are dead.
 
     A run killed by SIGKILL (or a power cut) cannot remove its temp file; the next run
     that writes into the same folder does. Only files with our mark, this host's name and
     the pid of a process that no longer exists are removed; anything else is left alone.
+
+    Args:
+        folder: the directory.
+        keep: names in ``folder`` never removed, whatever they look like (the outputs a
+            run writes or copies there: a file of the input tree may be named like a
+            temp file).
 
     Returns:
         The names removed.
@@ -536,12 +579,98 @@ def sweep_stale_temps(folder: str) -> list:
         return removed
     for name in names:
         m = _STALE.match(name)
-        if m is None or m["host"] != host or _alive(int(m["pid"])):
+        if m is None or m["host"] != host or name in keep or _alive(int(m["pid"])):
             continue
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(folder, name))
             removed.append(name)
     return removed
+
+
+class _SweepScope:
+    """One run writing a tree: each folder swept once, the run's own output names kept."""
+
+    def __init__(self, root: str, outputs):
+        self.root = os.path.abspath(root)
+        self.keep: dict = {}  # folder -> names the run writes there
+        for path in outputs:
+            folder, name = os.path.split(os.path.abspath(path))
+            self.keep.setdefault(folder, set()).add(name)
+        self.swept: set = set()
+        self.renamed: set = set()  # folders whose renames are made durable when the run ends
+        self.lock = threading.Lock()
+
+    def covers(self, folder: str) -> bool:
+        return folder == self.root or folder.startswith(self.root + os.sep)
+
+    def sweep(self, folder: str) -> None:
+        with self.lock:  # writers into a folder wait until it is swept
+            if folder not in self.swept:
+                sweep_stale_temps(folder, frozenset(self.keep.get(folder, ())))
+                self.swept.add(folder)
+
+
+_SCOPES: list = []
+_SCOPES_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def sweep_scope(root: str, outputs):
+    """Within, outputs under ``root`` sweep each folder's stale temps once, never removing ``outputs``.
+
+    Without a scope, every :class:`AtomicFile` sweeps its folder: for a tree of many files
+    in one directory that is a listing per file (quadratic), and a file of the tree that
+    is named like a dead run's temp, once copied, would be removed by the next file's sweep.
+
+    Args:
+        root: the output tree's root.
+        outputs: every path the run may write or copy (absolute or relative to the
+            working directory).
+    """
+    scope = _SweepScope(root, outputs)
+    with _SCOPES_LOCK:
+        _SCOPES.append(scope)
+    try:
+        yield scope
+    finally:
+        with _SCOPES_LOCK:
+            _SCOPES.remove(scope)
+        for folder in sorted(scope.renamed):
+            _fsync_folder(folder)
+
+
+def _scope_of(folder: str):
+    with _SCOPES_LOCK:
+        return next((sc for sc in reversed(_SCOPES) if sc.covers(folder)), None)
+
+
+def _fsync_folder(folder: str) -> None:
+    with contextlib.suppress(OSError):
+        dfd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def _fsync_folder_after(folder: str) -> None:
+    """Make a rename into ``folder`` durable: now, or once for the folder when its run ends
+    (a tree of 20 000 small files would otherwise pay 20 000 directory fsyncs)."""
+    scope = _scope_of(folder)
+    if scope is None:
+        _fsync_folder(folder)
+    else:
+        with scope.lock:
+            scope.renamed.add(folder)
+
+
+def _sweep_before_writing(folder: str) -> None:
+    """Sweep ``folder`` as the run writing it says (see :func:`sweep_scope`), else every time."""
+    scope = _scope_of(folder)
+    if scope is None:
+        sweep_stale_temps(folder)
+    else:
+        scope.sweep(folder)
 
 
 def _alive(pid: int) -> bool:

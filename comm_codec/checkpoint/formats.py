@@ -180,7 +180,7 @@ def _safetensors_tensors(m: FileMap) -> list[FileTensor]:
     (hlen,) = struct.unpack("<Q", bytes(m.u8(0, 8)))
     if hlen > min(m.size - 8, 100 << 20):
         raise ValueError(f"header length {hlen} exceeds the file")
-    header = parse_json(bytes(m.u8(8, hlen)), m.path)  # refused before parsing if it could not fit in memory
+    header = parse_json(bytes(m.u8(8, hlen)), m.path, "safetensors header")  # sized before parsing
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
     start = 8 + hlen

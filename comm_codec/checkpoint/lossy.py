@@ -349,7 +349,7 @@ def _worst(records: list[dict]) -> dict:
 
 
 # -- decompress -----------------------------------------------------------------------------
-def _restore(src: str, base, threads: int | None, output=None) -> tuple[dict, int]:
+def _restore(src: str, base, threads: int | None, output=None, beside: str | None = None) -> tuple[dict, int]:
     """Reconstruct a lossy file's checkpoint as a stream of pieces; check its sha256 at the end.
 
     Every claim of the index is checked first (:class:`.lossy_tensors.Decoder`), so a file
@@ -370,10 +370,11 @@ def _restore(src: str, base, threads: int | None, output=None) -> tuple[dict, in
         index = load_index(m)
         weights = None
         if index["base"] is not None:
-            bpath, bsha = find_base(src, index, base)
+            bpath, bsha = find_base(src, index, base, beside)
             weights = chain_weights(bpath, bsha, threads)
         elif base is not None:
-            log.warning("%s is not a delta (no base); ignoring base %s", src, base)
+            log.warning("%s is not a delta (no base); ignoring base %s", printable(src, 4096),
+                        printable(os.fspath(base), 4096))
         dec = Decoder(src, m, index, weights, threads)
         records = index["tensors"]
         crcs = {}
@@ -406,7 +407,7 @@ def _crc32(pieces) -> int:
     return crc
 
 
-def decompress_file(src, dst, base=None, threads: int | None = None) -> LossySummary:
+def decompress_file(src, dst, base=None, threads: int | None = None, beside=None) -> LossySummary:
     """Write the reconstructed checkpoint, in the source's format, from a lossy file.
 
     Args:
@@ -418,6 +419,8 @@ def decompress_file(src, dst, base=None, threads: int | None = None) -> LossySum
         base: the base lossy file, if not beside src under the name it records; earlier
             links of the chain are looked for beside each file.
         threads: numba threads for decoding.
+        beside: the directory src's own base is looked for in (default: src's): the
+            command line gives the working directory for a file read from stdin.
 
     Returns:
         A :class:`LossySummary`.
@@ -429,7 +432,7 @@ def decompress_file(src, dst, base=None, threads: int | None = None) -> LossySum
     started = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
     check_paths(src, dst, None if base is None else os.fspath(base))
-    _check_not_in_chain(src, dst, base)
+    _check_not_in_chain(src, dst, base, beside)
     out = None
 
     def output(piece) -> None:
@@ -439,14 +442,14 @@ def decompress_file(src, dst, base=None, threads: int | None = None) -> LossySum
         out.write(piece)
 
     with contextlib.ExitStack() as stack:
-        index, size = _restore(src, base, threads, output)
+        index, size = _restore(src, base, threads, output, beside)
         if out is None:
             out = stack.enter_context(atomic_output(dst, mode=os.stat(src).st_mode))
         out.commit()
     return _summary("decompress", index, size, started)
 
 
-def _check_not_in_chain(src: str, dst: str, base) -> None:
+def _check_not_in_chain(src: str, dst: str, base, beside=None) -> None:
     """Refuse an output that would replace a file of src's chain (its base found beside it, ...)."""
     if not os.path.exists(dst) or not is_lossy(src):
         return
@@ -455,19 +458,20 @@ def _check_not_in_chain(src: str, dst: str, base) -> None:
         index = load_index(m)
     finally:
         m.close()
-    for link in chain_files(src, index, base):
+    for link in chain_files(src, index, base, beside):
         if os.path.samefile(link, dst):
             raise CheckpointError(f"output {dst} is {link}, a file of {src}'s chain of bases, which "
                                   "decompressing it needs; choose another output path (inputs are never modified)")
 
 
-def verify_file(src, base=None, threads: int | None = None) -> LossySummary:
+def verify_file(src, base=None, threads: int | None = None, beside=None) -> LossySummary:
     """Decode a lossy file (and its chain) and check the reconstruction's sha256; write nothing.
 
     Args:
         src: the lossy file.
         base: its base lossy file, when not beside it under its recorded name.
         threads: numba threads for decoding.
+        beside: as for :func:`decompress_file`.
 
     Returns:
         A :class:`LossySummary`.
@@ -476,7 +480,7 @@ def verify_file(src, base=None, threads: int | None = None) -> LossySummary:
         ChainError, CheckpointError: as :func:`decompress_file`.
     """
     started = time.perf_counter()
-    index, size = _restore(os.fspath(src), base, threads)
+    index, size = _restore(os.fspath(src), base, threads, None, beside)
     return _summary("verify", index, size, started)
 
 
@@ -530,12 +534,12 @@ def describe(path) -> str:
     index = read_index(path)
     size = os.path.getsize(path)
     src, base = index["source"], index["base"]
-    # Every string below but the path comes from the file: printable() escapes what could
+    # Every string below comes from the file or the user: printable() escapes what could
     # drive the terminal or start a line of its own.
     params = ", ".join(f"{printable(k, 32)}={v:g}" if isinstance(v, float) else f"{printable(k, 32)}={v}"
                        for k, v in index["params"].items())
     lines = [
-        f"file      {path}: LOSSY comm_codec checkpoint v{index['version']} (mode {index['mode']}), {human_bytes(size)}",
+        f"file      {printable(path, 4096)}: LOSSY comm_codec checkpoint v{index['version']} (mode {index['mode']}), {human_bytes(size)}",
         f"params    {params}",
         f"source    {printable(src['name'])}: {src['format']}, {human_bytes(src['size'])}, "
         f"sha256 {printable(src['sha256'])}",

@@ -60,12 +60,13 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def find_base(path: str, index: dict, override) -> tuple[str, str]:
+def find_base(path: str, index: dict, override, beside: str | None = None) -> tuple[str, str]:
     """Find and check the base a lossy file names; return (path, sha256).
 
     The recorded name comes from the file, so it is never followed as a path: it must be
-    a plain file name, looked for beside the file, and a regular file. Only a base the
-    user names (``override``) may lie anywhere.
+    a plain file name, looked for beside the file (or in ``beside``: the working
+    directory for a file read from stdin), and a regular file. Only a base the user
+    names (``override``) may lie anywhere.
 
     Raises:
         ChainError: the base is missing (``missing`` is the path looked for).
@@ -73,7 +74,7 @@ def find_base(path: str, index: dict, override) -> tuple[str, str]:
             has another sha256.
     """
     rec = index["base"]
-    cand = _base_path(path, rec, override)
+    cand = _base_path(path, rec, override, beside)
     if not os.path.exists(cand):
         raise ChainError(
             f"{path} is a lossy delta against {printable(rec['name'])} (sha256 {printable(rec['sha256'][:16])}...), "
@@ -86,18 +87,20 @@ def find_base(path: str, index: dict, override) -> tuple[str, str]:
     return cand, sha
 
 
-def _base_path(path: str, rec: dict, override) -> str:
-    """Where the base a file records is looked for: ``override``, or its plain name beside the file."""
+def _base_path(path: str, rec: dict, override, beside: str | None = None) -> str:
+    """Where the base a file records is looked for: ``override``, or its plain name beside the
+    file (in ``beside`` when given)."""
     if override is not None:
         return os.fspath(override)
     name = rec["name"]
     if name in ("", ".", "..") or os.path.basename(name) != name or "\0" in name:
         fail(path, f"records its base as {shown(name, 80)}, which is not a plain file name: the file is "
                    "corrupted or crafted; pass the base's path yourself (--base)")
-    return os.path.join(os.path.dirname(os.path.abspath(path)), name)
+    return os.path.join(os.path.abspath(beside) if beside is not None else os.path.dirname(os.path.abspath(path)),
+                        name)
 
 
-def chain_files(path: str, index: dict, override) -> list[str]:
+def chain_files(path: str, index: dict, override, beside: str | None = None) -> list[str]:
     """Return the files of a lossy file's chain that exist: its base, that file's base, and so on.
 
     Only names are followed (no digest is checked: :func:`find_base` does that when the
@@ -106,9 +109,9 @@ def chain_files(path: str, index: dict, override) -> list[str]:
     missing or unreadable, or where the chain loops.
     """
     files: list[str] = []
-    cur, rec, over = path, index["base"], override
+    cur, rec, over, home = path, index["base"], override, beside
     while rec is not None:
-        cand = _base_path(cur, rec, over)
+        cand = _base_path(cur, rec, over, home)
         if not os.path.isfile(cand) or any(os.path.samefile(cand, f) for f in files + [path]):
             break
         files.append(cand)
@@ -119,7 +122,7 @@ def chain_files(path: str, index: dict, override) -> list[str]:
             break  # decoding the chain reports it
         finally:
             m.close()
-        cur, over = cand, None
+        cur, over, home = cand, None, None
     return files
 
 

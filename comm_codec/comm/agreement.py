@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 
 from ..books.profiler import ProfileStatistics, WarmupProfiler
+from ..core._json import loads as json_loads
 from ..core.codebooks import CodebookSet, as_codebook_set
+from ..core.errors import CollectiveError
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
@@ -41,6 +43,7 @@ __all__ = [
     "gather_texts",
     "group_timeout",
     "is_initialized",
+    "peer_json",
     "max_over_ranks",
     "ranks_per_node",
     "rank_of",
@@ -51,6 +54,9 @@ __all__ = [
 # Most bytes one rank's message may hold: settings, a book listing, an error. A peer
 # announcing more is refused before anything is allocated for it.
 MAX_MESSAGE_BYTES = 1 << 20
+# What parsing one peer's message may hold (core._json.estimate): 1 MiB of "[{},{},...]"
+# is ~80 MB of objects, a real message a few kB.
+_MAX_PEER_PARSE = 128 << 20
 
 
 def is_initialized() -> bool:
@@ -188,10 +194,10 @@ def check_same_settings(owner: str, settings: dict, group=None, device=None) -> 
     mine = json.dumps({"settings": settings, "host": socket.gethostname()}, sort_keys=True)
     seen = []
     for r, text in enumerate(gather_texts(mine, group, device)):
-        try:
-            seen.append(json.loads(text))
-        except ValueError:
-            raise RuntimeError(f"comm_codec agreement: rank {r} sent settings that are not JSON") from None
+        entry = peer_json(text, f"comm_codec agreement: rank {r} sent settings that are not JSON")
+        if not isinstance(entry, dict) or not isinstance(entry.get("settings", {}), dict):
+            raise CollectiveError(f"comm_codec agreement: rank {r} sent settings that are not a JSON object")
+        seen.append(entry)
     first = seen[0].get("settings", {})
     for rank, entry in enumerate(seen):
         theirs = entry.get("settings", {})
@@ -201,6 +207,24 @@ def check_same_settings(owner: str, settings: dict, group=None, device=None) -> 
                     f"{owner} differs across ranks: {name} is {first.get(name)!r} on rank 0 but "
                     f"{theirs.get(name)!r} on rank {rank}; give every rank the same settings")
     return [str(entry.get("host", "")) for entry in seen]
+
+
+def peer_json(text: str, what: str):
+    """Parse JSON a peer sent, sized before parsing (:func:`comm_codec.core._json.loads`).
+
+    Args:
+        text: the message, as :func:`gather_texts` returned it.
+        what: the error's first words ("rank 1 sent settings that are not JSON").
+
+    Returns:
+        The parsed value (its type is the caller's to check).
+
+    Raises:
+        CollectiveError: ``"<what> (<reason>)"``: malformed, nested too deeply, or too
+            large to parse.
+    """
+    return json_loads(text, limit=_MAX_PEER_PARSE,
+                       error=lambda reason: CollectiveError(f"{what} ({reason})"))
 
 
 def ranks_per_node(hosts: list[str]) -> int:

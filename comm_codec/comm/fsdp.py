@@ -151,7 +151,8 @@ class FSDPState(CodingEngine):
         union = set()
         for rank, text in enumerate(seen):
             try:
-                union |= {tuple(int(r) for r in ranks) for ranks in json.loads(text)}
+                union |= {tuple(int(r) for r in ranks)
+                          for ranks in agreement.peer_json(text, f"comm_codec.fsdp: rank {rank} sent a group list that is not JSON")}
             except (ValueError, TypeError):
                 raise RuntimeError(f"comm_codec.fsdp: rank {rank} sent a group list that is not JSON") from None
         for ranks in sorted(union):

@@ -41,6 +41,7 @@ from importlib import resources
 
 import numpy as np
 
+from ._json import loads as json_loads
 from .atomic import atomic_write
 from .huffman import Codebook, CodebookError
 from .quoting import printable, shown
@@ -68,6 +69,8 @@ MAX_FILE_BYTES = 64 << 20
 # Integers a codebook file holds are small (streams, lengths, counts): more digits than
 # this is no codebook file, and int() of thousands of digits is slow or refused.
 _MAX_DIGITS = 30
+# What parsing a codebook file may hold (core._json.estimate): the shipped 1 MB set needs ~40 MB.
+_MAX_PARSE_BYTES = 256 << 20
 _default_cache: "CodebookSet | None" = None
 
 
@@ -452,13 +455,10 @@ class CodebookSet:
         path = os.fspath(path)
         raw = _read_book_file(path)
         try:
-            data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_int=_small_int)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CodebookError(f"{path}: not a valid codebook file (bad JSON: {exc})") from None
+            data = json_loads(raw, limit=_MAX_PARSE_BYTES, parse_constant=_no_constant, parse_int=_small_int,
+                               error=CodebookError)
         except CodebookError as exc:
             raise CodebookError(f"{path}: not a valid codebook file ({exc})") from None
-        except RecursionError:  # a few hundred kB of "[[[[..." exhausts the parser's stack
-            raise CodebookError(f"{path}: not a valid codebook file (nested too deeply to be one)") from None
         return cls.from_dict(data, source=path)
 
     @classmethod

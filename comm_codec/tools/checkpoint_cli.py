@@ -279,7 +279,9 @@ def _decompress_one(args, src: str, dst: str) -> None:
             from ..checkpoint import lossy
 
             with _local_output(dst) as out:
-                summary = lossy.decompress_file(path, out, base=args.base, threads=threads)
+                # A stream has no directory: its base is looked for in the working directory.
+                summary = lossy.decompress_file(path, out, base=args.base, threads=threads,
+                                                beside=os.getcwd() if src == "-" else None)
         elif dst == "-":
             # Streamed: the bytes reach stdout as they are decoded, in order.
             summary = checkpoint.decompress_file(path, sys.stdout.buffer, base=args.base, threads=threads,
@@ -305,7 +307,8 @@ def _cmd_verify(args) -> int:
             if _is_lossy(path):
                 from ..checkpoint import lossy
 
-                _say(args, lossy.verify_file(path, base=args.base, threads=_used_threads(args)).line())
+                _say(args, lossy.verify_file(path, base=args.base, threads=_used_threads(args),
+                                             beside=os.getcwd() if file == "-" else None).line())
                 continue
             summary = checkpoint.verify_file(path, base=args.base, threads=_used_threads(args),
                                              progress=_progress(args))

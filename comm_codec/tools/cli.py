@@ -52,7 +52,7 @@ def _cmd_inspect(args) -> int:
         data = _frame_head(fh, args.file, HEADER_BYTES, header_size)
     p = get_frame_parameters(data)
     raw = p.numel * p.spec.itemsize
-    print(f"file        {args.file}")
+    print(f"file        {printable(args.file, 4096)}")
     print(f"frame       comm_codec v{p.version}, {p.frame_bytes} bytes, header {p.header_bytes}")
     print(f"tensor      {p.spec.name}, {p.numel} elements ({raw} bytes raw), ratio {raw / max(1, p.frame_bytes):.3f}")
     print(f"chunks      {p.nchunks} x {p.chunk_elems} elements, checksums {'on' if p.checksums else 'off'}")

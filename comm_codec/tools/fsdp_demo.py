@@ -135,9 +135,11 @@ def _same_full_parameters(model: torch.nn.Module, group) -> tuple[bool, str]:
     h = hashlib.sha256()
     for p in model.parameters():
         h.update(p.full_tensor().detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    seen = [None] * dist.get_world_size(group)
-    dist.all_gather_object(seen, h.hexdigest(), group=group)
-    return len(set(seen)) == 1, h.hexdigest()
+    # The digests travel as bytes in a tensor: all_gather_object would unpickle what each peer sends.
+    mine = torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8)
+    seen = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(seen, mine, group=group)
+    return all(torch.equal(s, mine) for s in seen), h.hexdigest()
 
 
 def _print_summary(s: dict) -> None:

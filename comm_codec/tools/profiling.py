@@ -14,11 +14,13 @@ The command itself is :mod:`comm_codec.tools.profile_cli`.
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch
 
 from ..core.codebooks import CodebookSet
+from ..core.quoting import printable
 from ..books.profiler import WarmupProfiler, book_cost, stream_counts
 from ..core.streams import SUPPORTED_DTYPES, spec_for
 
@@ -133,7 +135,7 @@ def plot_books(books: CodebookSet, path: str, prof: WarmupProfiler | None = None
     axes[-1, 0].set_xlabel("symbol (stream 0: exponent relative to the chunk reference)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    log.info("wrote %s", path)
+    log.info("wrote %s", printable(os.fspath(path), 4096))
 
 
 def checkpoint_tensors(path: str):
@@ -189,5 +191,5 @@ def profile_checkpoint(path: str, prof: WarmupProfiler | None = None) -> WarmupP
             continue
         prof.observe(tensor, kind)
         n += 1
-    log.info("observed %d tensors of %s", n, path)
+    log.info("observed %d tensors of %s", n, printable(os.fspath(path), 4096))
     return prof
