@@ -6,6 +6,12 @@ alternately A, B, A, B in one run. zipnn gets the whole file padded to whole ele
 (zipnn 0.5.4 aborts otherwise) and a fresh copy per call (it rewrites its input).
 
     python launch_scripts/bench_formats.py FILE... [--dtype float32] [--repeat 5] [--json out.json]
+
+Directory deltas (``--delta PREV NEXT``): the total ratio of ``compress NEXT OUT --base
+PREV`` against each file compressed alone with ``compress_file(base=)``, and against
+XOR with the partner file then zstd -3. Loading (``--hf-load PLAIN PACKED``):
+``from_pretrained`` of a compressed HF directory against ``AutoModel.from_pretrained`` of
+the plain one, alternately.
 """
 
 from __future__ import annotations
@@ -74,15 +80,85 @@ def bench(path: str, dtype: str, repeat: int, work: str) -> dict:
     return row
 
 
+def delta(prev: str, nxt: str, work: str) -> None:
+    import zstandard
+
+    from comm_codec.checkpoint import directory
+
+    out = os.path.join(work, "delta")
+    t0 = time.perf_counter()
+    summary = directory.compress_dir(nxt, out, base=prev, threads=1)
+    seconds = time.perf_counter() - t0
+    orig = stored = xz = per_file = 0
+    zc = zstandard.ZstdCompressor(level=3)
+    for f in summary.files:
+        a, b = os.path.join(prev, f.path), os.path.join(nxt, f.path)
+        data = open(b, "rb").read()
+        orig += len(data)
+        stored += f.stored_bytes
+        if f.action == "compressed":
+            one = os.path.join(work, "one.cckp")
+            per_file += ck.compress_file(b, one, base=a, threads=1, progress=False).compressed_bytes
+            os.unlink(one)
+            base = open(a, "rb").read()
+            if len(base) == len(data):
+                import numpy as np
+
+                x = np.frombuffer(data, np.uint8) ^ np.frombuffer(base, np.uint8)
+                xz += len(zc.compress(x.tobytes()))
+            else:
+                xz += len(zc.compress(data))
+        else:
+            per_file += len(data)
+            xz += len(data)
+    print(f"directory delta {nxt} against {prev}: {orig / 1e6:.1f} MB")
+    print(f"  compress DIR --base PREV   ratio {orig / stored:.4f} ({seconds:.2f} s, 1 thread)")
+    print(f"  compress_file per file     ratio {orig / per_file:.4f}")
+    print(f"  XOR + zstd -3 per file     ratio {orig / xz:.4f}")
+    import shutil
+
+    shutil.rmtree(out)
+
+
+def hf_load(plain: str, packed: str, repeat: int) -> None:
+    import torch
+
+    from transformers import AutoModel
+
+    from comm_codec.integrations.hf import from_pretrained
+
+    def a():
+        return AutoModel.from_pretrained(plain)
+
+    def b():
+        return from_pretrained(AutoModel, packed)
+
+    sa, sb = a().state_dict(), b().state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    best = _best({"plain": a, "cc": b}, repeat)
+    print(f"from_pretrained: plain directory {best['plain']:.3f} s, compressed {best['cc']:.3f} s "
+          f"({best['cc'] / best['plain']:.2f}x), parameters equal; best of {repeat}, alternated")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("files", nargs="+")
+    ap.add_argument("files", nargs="*")
+    ap.add_argument("--delta", nargs=2, metavar=("PREV", "NEXT"))
+    ap.add_argument("--hf-load", nargs=2, metavar=("PLAIN", "PACKED"))
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json")
     args = ap.parse_args()
     work = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     print(f"load before: {os.getloadavg()[0]:.2f}")
+    if args.delta:
+        delta(*args.delta, work)
+    if args.hf_load:
+        hf_load(*args.hf_load, args.repeat)
+    if not args.files:
+        print(f"load after: {os.getloadavg()[0]:.2f}")
+        os.rmdir(work)
+        return
     print(f"{'file':<28} {'format':<13} {'MB':>7} {'tensors':>9} {'ratio cc':>8} {'zipnn':>7} {'r/zn':>6} "
           f"{'enc cc':>7} {'zn':>6} {'x':>5} {'dec cc':>7} {'zn':>6} {'x':>5} exact")
     rows = []

@@ -311,7 +311,7 @@ class _CompressedBase:
         except BaseException:
             self._m.close()
             raise
-        _attach_codecs(index["tensors"], index.pop("_books"))
+        attach_codecs(index["tensors"], index.pop("_books"))
         self._index = index
         self.size = index["source"]["size"]
         self._starts = [seg[0] for seg in index["segments"]]
@@ -517,7 +517,7 @@ def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str
                     raise CheckpointError(
                         f"wrong base: {base} has {name} {base_sha(name)[:16]}... ({bm.size} bytes), but {path} was "
                         f"compressed against {printable(need['name'])} with {name} {want[:16]}... ({need['size']} bytes)")
-            _attach_codecs(tensors, books)
+            attach_codecs(tensors, books)
             checked = bm is not None or need is None
             size = index["source"]["size"]
             label = "decompressing" if sink is not None else "verifying"
@@ -534,8 +534,14 @@ def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str
                    digest=f"{h.name}:{index['source'][h.name]}" if checked else None)
 
 
-def _attach_codecs(tensors: list, books: dict) -> None:
-    """Give every frame-coded tensor record the codec that decodes it (under ``"_codec"``)."""
+def attach_codecs(tensors: list, books: dict) -> None:
+    """Give every frame-coded tensor record the codec that decodes it (under ``"_codec"``).
+
+    Args:
+        tensors: the index's tensor records (changed in place).
+        books: ``{id: Codebook | CodebookGroup}``, as :func:`~.exact_index.load_index` returns
+            them under ``"_books"``.
+    """
     codecs = {}
     for t in tensors:
         if t["coding"] == "frame":

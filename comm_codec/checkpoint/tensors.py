@@ -67,14 +67,13 @@ def load_file(path, device: str = "cpu") -> dict:
         CheckpointError: corrupted, a delta (it needs its base: use decompress_file), or
             the original is neither safetensors nor a torch.save file.
     """
-    from .exact import _restore, _threads, _size
-
+    from .exact import decompress_file
     from .exact_index import read_index
 
     path = os.fspath(path)
     source = read_index(path)["source"]
     sink = _Memory(source["size"])
-    _restore(path, sink, None, _threads(None, _size(path)), False, "decompress")
+    decompress_file(path, sink, progress=False)  # streamed in order; the digest checked after the last byte
     data = sink.array()
     fmt = source["format"]
     if fmt in ("torch_zip", "torch_legacy"):
@@ -91,7 +90,7 @@ def load_file(path, device: str = "cpu") -> dict:
 
 
 class _Memory:
-    """A sink for :func:`~.exact._restore`: the restored bytes, appended in order."""
+    """A binary "file" for :func:`~.exact.decompress_file`: the restored bytes, in order, in one array."""
 
     def __init__(self, size: int):
         self._buf, self._pos = np.empty(size, dtype=np.uint8), 0
@@ -167,7 +166,7 @@ class CompressedTensors:
     def __init__(self, path, framework: str = "pt", device: str = "cpu"):
         if framework not in ("pt", "torch"):
             raise ValueError(f"framework must be 'pt', got {framework!r}")
-        from .exact import _attach_codecs
+        from .exact import attach_codecs
 
         self.path, self.device = os.fspath(path), device
         self._m = FileMap(self.path)
@@ -181,7 +180,7 @@ class CompressedTensors:
                 raise CheckpointError(f"{self.path} holds a {index['source']['format']} file, not safetensors; "
                                       "load_file reads torch.save files whole")
             self._tensors = index["tensors"]
-            _attach_codecs(self._tensors, books)
+            attach_codecs(self._tensors, books)
             self._segments = index["segments"]
             self._starts = [s[0] for s in self._segments]
             self._size = index["source"]["size"]
