@@ -351,3 +351,20 @@ def test_directory_delta_pairs_files_by_relative_path(hf_steps, tmp_path, capsys
         assert _tree_bytes(tmp_path / "back2") == _tree_bytes(b)
     finally:
         os.unlink(extra)
+
+
+def test_crafted_headers_cannot_make_the_walk_read_a_file_over_and_over(tmp_path):
+    # Local headers whose data descriptors never come: each one would search to the end.
+    blob = (b"PK\x03\x04" + b"\x00\x00\x08\x00" + b"\x00" * 18 + b"\x08\x00\x00\x00" + b"data.pkl") * 200
+    src = tmp_path / "many.distcp"
+    src.write_bytes(blob + os.urandom(4 << 20))
+    m = FileMap(str(src))
+    from comm_codec.checkpoint import formats
+
+    reads = []
+    real = m.u8
+    m.u8 = lambda offset, length, keep=False: (reads.append(length), real(offset, length, keep))[1]
+    fmt, tensors, _ = find_tensors_noted(m)
+    m.close()
+    assert fmt == "distcp" and tensors == []
+    assert sum(reads) < 3 * m.size + (64 << 20) + 300 * formats._SEARCH_STEP

@@ -297,6 +297,9 @@ class _Reader:
     def __init__(self, m: FileMap, block: int = 64 << 10):
         self.m, self.size, self._block, self._at, self._buf = m, m.size, block, 0, b""
         self._scanned: dict = {}
+        # Bytes searches may still read: crafted headers cannot make the walk read the file
+        # over and over (a search past the budget finds nothing).
+        self.search_budget = 2 * m.size + (64 << 20)
 
     def scan(self, offset: int, size: int) -> dict:
         """scan_torch_pickle's answer for the pickle at offset (sizes by _layout_itemsize);
@@ -330,6 +333,9 @@ def _find(r: _Reader, sig: bytes, start: int, stop: int) -> int:
     pos, step = start, 4096  # most searches end within a few hundred bytes: read little first
     while pos < stop:
         n, step = min(step, stop - pos), min(2 * step, _SEARCH_STEP)
+        if r.search_budget < n:
+            return -1
+        r.search_budget -= n
         at = r.get(pos, n).find(sig)
         if at >= 0 and pos + at + len(sig) <= stop:
             return pos + at
