@@ -93,14 +93,16 @@ def delta(prev: str, nxt: str, work: str) -> None:
     zc = zstandard.ZstdCompressor(level=3)
     for f in summary.files:
         a, b = os.path.join(prev, f.path), os.path.join(nxt, f.path)
-        data = open(b, "rb").read()
+        with open(b, "rb") as fh:
+            data = fh.read()
         orig += len(data)
         stored += f.stored_bytes
         if f.action == "compressed":
             one = os.path.join(work, "one.cckp")
             per_file += ck.compress_file(b, one, base=a, threads=1, progress=False).compressed_bytes
             os.unlink(one)
-            base = open(a, "rb").read()
+            with open(a, "rb") as fh:
+                base = fh.read()
             if len(base) == len(data):
                 import numpy as np
 

@@ -26,7 +26,8 @@ def _roundtrip(src, tmp_path, name="x"):
     packed, out = tmp_path / f"{name}.cckp", tmp_path / f"{name}.out"
     s = checkpoint.compress_file(src, packed, progress=False)
     checkpoint.decompress_file(packed, out, progress=False)
-    assert out.read_bytes() == open(src, "rb").read()
+    with open(src, "rb") as fh:
+        assert out.read_bytes() == fh.read()
     checkpoint.verify_file(packed)
     return s, exact.read_index(packed)
 
@@ -107,7 +108,7 @@ def test_distcp_of_a_real_model_and_adamw_on_two_ranks(minilm_dcp, tmp_path):
     found = 0
     for f in files:
         s, index = _roundtrip(f, tmp_path, f.stem)
-        assert s.format == "distcp", name
+        assert s.format == "distcp", f.name
         _all_coded(index)
         assert s.ratio > 1.3  # fp32 weights + AdamW moments; zstd alone gets ~1.08
         found += len(index["tensors"])
@@ -318,7 +319,8 @@ def _tree_bytes(root) -> dict:
     for folder, _, files in os.walk(root):
         for f in files:
             p = os.path.join(folder, f)
-            out[os.path.relpath(p, root)] = open(p, "rb").read()
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, root)] = fh.read()
     return out
 
 
@@ -336,7 +338,7 @@ def test_directory_delta_pairs_files_by_relative_path(hf_steps, tmp_path, capsys
         lines = capsys.readouterr().out.splitlines()
         assert any("only_here.safetensors" in ln and "no partner in the base directory" in ln for ln in lines)
         assert sum("as deltas" in ln for ln in lines) == 3  # the three shards
-        size = lambda d: sum(len(v) for v in _tree_bytes(d).values())  # noqa: E731
+        size = lambda d: sum(len(v) for v in _tree_bytes(d).values())
         assert size(delta) < size(full)
         # Restored with the same base, byte for byte; refused without it.
         assert cli.main(["decompress", str(delta), str(tmp_path / "back"), "--base", a]) == 0

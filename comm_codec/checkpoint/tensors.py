@@ -211,7 +211,7 @@ class CompressedTensors:
         out = np.empty(b - a, dtype=np.uint8)
         k = max(0, bisect.bisect_right(self._starts, a) - 1)
         while a < b and k < len(self._segments):
-            src_off, src_len, off, length, method, crc, ti = self._segments[k]
+            src_off, src_len, _, _, method, _, _ = self._segments[k]
             lo, hi = max(a, src_off), min(b, src_off + src_len)
             if hi > lo:
                 dst = out[lo - a:hi - a]
@@ -227,7 +227,7 @@ class CompressedTensors:
     def _segment(self, k: int) -> np.ndarray:
         got = self._kept.get(k)
         if got is None:
-            src_off, src_len, off, length, method, crc, ti = self._segments[k]
+            src_off, src_len, off, length, method, crc, _ = self._segments[k]
             if method == "frame":
                 got = self._decode_frame(k, np.empty(src_len, dtype=np.uint8))
             else:
@@ -245,7 +245,7 @@ class CompressedTensors:
         return got
 
     def _decode_frame(self, k: int, out: np.ndarray) -> np.ndarray:
-        src_off, src_len, off, length, method, crc, ti = self._segments[k]
+        src_off, src_len, off, length, _, _, ti = self._segments[k]
         t = self._tensors[ti]
         try:
             return t["_codec"].decode_into(self._m.u8(off, length), out, max_output_bytes=src_len)
@@ -288,4 +288,4 @@ def safe_open(path, framework: str = "pt", device: str = "cpu") -> CompressedTen
     return CompressedTensors(path, framework, device)
 
 
-open = safe_open  # noqa: A001 - the safetensors-style name, as comm_codec.checkpoint.tensors.open
+open = safe_open  # the safetensors-style name: comm_codec.checkpoint.tensors.open
