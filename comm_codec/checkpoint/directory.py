@@ -549,7 +549,10 @@ def describe_dir(src) -> str:
                 orig = index["source"]["size"]
                 n = len(index["tensors"])
                 rows.append((printable(rel[:-len(SUFFIX)]), "compressed", human_bytes(orig), human_bytes(size),
-                             f"{orig / max(1, size):.3f}", f"{index['source']['format']}, {n} tensors"))
+                             f"{orig / max(1, size):.3f}", f"{index['source']['format']}, {n} tensors, "
+                             f"{sum(t['coding'] == 'frame' for t in index['tensors'])} coded"
+                             + (f"; note: {printable(index['source']['note'], 400)}" if index["source"].get("note")
+                                else "")))
             else:
                 orig = size
                 rows.append((printable(rel), "copied", human_bytes(size), human_bytes(size), "1.000", ""))
