@@ -72,21 +72,23 @@ def load_file(path, device: str = "cpu") -> dict:
 
     path = os.fspath(path)
     source = read_index(path)["source"]
+    fmt = source["format"]
+    if fmt == "safetensors":
+        # Every segment decoded in order straight into one buffer (no pipeline, no copy),
+        # then the buffer's digest checked: the tensors are views of it.
+        with CompressedTensors(path, device=device) as f:
+            return f.load_all()
     sink = _Memory(source["size"])
     decompress_file(path, sink, progress=False)  # streamed in order; the digest checked after the last byte
     data = sink.array()
-    fmt = source["format"]
     if fmt in ("torch_zip", "torch_legacy"):
         import io
 
         import torch
 
         return torch.load(io.BytesIO(data), map_location=device, weights_only=True)
-    if fmt != "safetensors":
-        raise CheckpointError(f"{path} holds a {fmt} file, not safetensors or a torch.save file; "
-                              "restore it with decompress_file")
-    header, start = _header(lambda a, b: data[a:b], data.size, path)
-    return {name: _tensor(data[start + a:start + b], dtype, shape, device) for name, (dtype, shape, a, b) in header}
+    raise CheckpointError(f"{path} holds a {fmt} file, not safetensors or a torch.save file; "
+                          "restore it with decompress_file")
 
 
 class _Memory:
@@ -184,6 +186,7 @@ class CompressedTensors:
             self._segments = index["segments"]
             self._starts = [s[0] for s in self._segments]
             self._size = index["source"]["size"]
+            self._source = index["source"]
             self._kept: dict = {}
             entries, self._start = _header(self._read, self._size, self.path)
             self._entries = dict(entries)
@@ -252,6 +255,29 @@ class CompressedTensors:
         except (FrameError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{self.path}: tensor {printable(t['name'])!r}, segment at source bytes "
                                   f"{src_off}..{src_off + src_len}: {exc}") from None
+
+    def load_all(self) -> dict:
+        """Decode the whole original into one buffer, check its digest, and return every
+        tensor (views of that buffer), as :func:`load_file` does.
+
+        Raises:
+            CheckpointError: corrupted (a segment, a frame, or the digest of the whole).
+        """
+        from .files import new_hasher, recorded_digest
+
+        data = self._read(0, self._size)
+        algo, want = recorded_digest(self._source)
+        h = new_hasher(algo)
+        if algo == "blake3" and data.size >= 1 << 20:
+            import blake3  # one buffer, hashed on every core
+
+            h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        h.update(data)
+        if h.hexdigest() != want:
+            raise CheckpointError(f"{self.path}: restored bytes have {algo} {h.hexdigest()[:16]}..., the original "
+                                  f"had {want[:16]}...: corrupted")
+        return {name: _tensor(data[self._start + a:self._start + b], dtype, shape, self.device)
+                for name, (dtype, shape, a, b) in self._entries.items()}
 
     def metadata(self) -> dict | None:
         """Return the header's ``__metadata__`` (str -> str), or None."""
