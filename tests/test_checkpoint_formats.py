@@ -370,3 +370,13 @@ def test_crafted_headers_cannot_make_the_walk_read_a_file_over_and_over(tmp_path
     m.close()
     assert fmt == "distcp" and tensors == []
     assert sum(reads) < 3 * m.size + (64 << 20) + 300 * formats._SEARCH_STEP
+
+
+def test_a_dcp_data_file_by_another_name_is_still_read_record_by_record(small_dcp, tmp_path):
+    src = tmp_path / "renamed.bin"
+    src.write_bytes((small_dcp / "__0_0.distcp").read_bytes())
+    s, index = _roundtrip(src, tmp_path)
+    assert s.format == "distcp" and any(t["coding"] == "frame" for t in index["tensors"])
+    torch.save({"w": torch.randn(64, 64)}, tmp_path / "one.pt")  # one zip: still torch_zip
+    s, _ = _roundtrip(tmp_path / "one.pt", tmp_path, "one")
+    assert s.format == "torch_zip" and s.coded == 1

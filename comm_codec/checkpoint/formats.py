@@ -124,10 +124,9 @@ def find_tensors_noted(m: FileMap) -> tuple[str, list[FileTensor], str | None]:
         if len(head) >= 9 and head[8:9] == b"{":
             found, fmt = _safetensors_tensors(m), "safetensors"
         elif head[:4] == b"PK\x03\x04" and not m.path.endswith(".distcp"):
-            end = _record_end(m, 0)
-            if end is None or end == m.size:
-                found, fmt = _torch_zip_tensors(m), "torch_zip"
-            else:
+            try:
+                found, fmt = _torch_zip_tensors(m, whole=True), "torch_zip"
+            except _NotOneZip:  # records one after another: a DCP data file by another name
                 found, fmt = _record_tensors(m), "distcp"
         elif _is_legacy(head):
             found, fmt = _legacy_tensors(m), "torch_legacy"
@@ -234,12 +233,23 @@ class _Window(io.RawIOBase):
         return n
 
 
-def _torch_zip_tensors(m: FileMap, start: int = 0, end: int | None = None) -> list[FileTensor]:
+class _NotOneZip(ValueError):
+    """The file's last zip does not start at its first byte: zip records one after another."""
+
+
+def _torch_zip_tensors(m: FileMap, start: int = 0, end: int | None = None, whole: bool = False) -> list[FileTensor]:
     """Find the storages of a ``torch.save`` zip (the file, or its bytes start..end) from
-    its layout and its pickle's opcodes."""
+    its layout and its pickle's opcodes.
+
+    Raises:
+        _NotOneZip: with ``whole``, the zip that ends the file starts past its first byte
+            (zipfile reads the last one; a DCP data file is several).
+    """
     end = m.size if end is None else end
     with _Window(m, start, end) as fh, zipfile.ZipFile(fh) as zf:
         infos = zf.infolist()
+        if whole and infos and min(i.header_offset for i in infos) > 0:
+            raise _NotOneZip("zip records one after another")
         pickles = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
         if len(pickles) != 1:
             raise ValueError(f"{len(pickles)} data.pkl entries, expected 1")
@@ -294,7 +304,7 @@ class _Reader:
     """Small reads of a FileMap served from one block read ahead (a record's headers lie
     together: one read instead of dozens)."""
 
-    def __init__(self, m: FileMap, block: int = 64 << 10):
+    def __init__(self, m: FileMap, block: int = 4 << 10):
         self.m, self.size, self._block, self._at, self._buf = m, m.size, block, 0, b""
         self._scanned: dict = {}
         # Bytes searches may still read: crafted headers cannot make the walk read the file
