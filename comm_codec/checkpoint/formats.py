@@ -3,7 +3,10 @@
 Used by the exact and lossy formats. safetensors headers are parsed as JSON; torch
 ``.pt``/``.bin`` zip files are read from their zip layout, and their ``data.pkl`` is
 *scanned* opcode by opcode (:mod:`.pickle_scan`; nothing is imported or called) to learn
-each storage's dtype and the tensor names that point into it. Whatever is not understood
+each storage's dtype and the tensor names that point into it. A DCP data file
+(``.distcp``, torch's ``FileSystemWriter``) is a sequence of such zip records and raw
+bytes: each record is read from its own headers. A legacy ``torch.save`` file is a row of
+pickles (scanned the same way) followed by its storages. Whatever is not understood
 is left to the caller as opaque bytes. :func:`zip_crc_fields` says where a zip record's
 CRC-32 is stored, for writers that replace a record's bytes; :func:`storage_keys` which
 record holds which storage.
