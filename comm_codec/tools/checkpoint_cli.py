@@ -223,12 +223,13 @@ def _compress_one(args, src: str, dst: str, books) -> None:
     if src != "-" and os.path.isdir(src):
         from ..checkpoint import directory
 
-        if args.lossy is not None or args.base is not None or dst == "-":
-            raise ValueError(f"{src} is a directory: it compresses into a directory, exactly, without --base "
-                             "(--lossy, --base and - apply to single files)")
+        if args.lossy is not None or dst == "-":
+            raise ValueError(f"{src} is a directory: it compresses into a directory, exactly "
+                             "(--lossy and - apply to single files; --base takes the previous directory)")
         _refuse_existing(dst, args.force)
         summary = directory.compress_dir(src, dst, threads=_used_threads(args), force=args.force,
-                                         progress=_progress(args), on_file=_print_file(args), codebooks=books)
+                                         progress=_progress(args), on_file=_print_file(args), codebooks=books,
+                                         base=args.base)
         _say(args, summary.line())
         return
     _refuse_existing(dst, args.force)
@@ -248,6 +249,8 @@ def _compress_one(args, src: str, dst: str, books) -> None:
                 keep_bits=args.keep_bits, threads=_used_threads(args))
     # lossy notes (keyframe, fallbacks) were logged by comm_codec.checkpoint.lossy
     _say(args, summary.line(), to_stderr=dst == "-")
+    if getattr(summary, "note", None):
+        _say(args, f"note: {summary.note}", to_stderr=dst == "-")
 
 
 def _cmd_decompress(args) -> int:
@@ -262,11 +265,11 @@ def _decompress_one(args, src: str, dst: str) -> None:
     if src != "-" and os.path.isdir(src):
         from ..checkpoint import directory
 
-        if args.base is not None or dst == "-":
-            raise ValueError(f"{src} is a directory: it decompresses into a directory, without --base")
+        if dst == "-":
+            raise ValueError(f"{src} is a directory: it decompresses into a directory, not to stdout")
         _refuse_existing(dst, args.force)
         summary = directory.decompress_dir(src, dst, threads=_used_threads(args), force=args.force,
-                                           progress=_progress(args), on_file=_print_file(args))
+                                           progress=_progress(args), on_file=_print_file(args), base=args.base)
         _say(args, summary.line())
         return
     _refuse_existing(dst, args.force)
