@@ -87,6 +87,7 @@ TIERS = {
     "test_netns.py": "unit",  # real network namespaces where the process may make them
     "test_lossy.py": ("unit", {"test_metadata_round_trip_and_inspect": "cli",
                                "test_cli_round_trip_and_errors": "cli"}),
+    "test_lossy_golden.py": "unit",
     "test_plane.py": "unit",
     "test_profiler.py": "unit",
     "test_streams.py": "unit",
