@@ -76,6 +76,8 @@ __all__ = [
     "clear_cache",
     "MODES",
     "VERSION",
+    "DEFAULT_MAX_ERROR",
+    "DEFAULT_MOMENT_BITS",
     "DEFAULT_BITS",
     "DEFAULT_ALPHA",
     "DEFAULT_BETA",
@@ -92,6 +94,8 @@ DEFAULT_BITS = 4
 # The default keeps the 1 % resume target with a margin.
 DEFAULT_ALPHA = 5e-4
 DEFAULT_BETA = 2.0
+DEFAULT_MAX_ERROR = 1e-3
+DEFAULT_MOMENT_BITS = 4
 
 
 # -- results --------------------------------------------------------------------------------
@@ -143,8 +147,8 @@ class LossySummary:
 
 
 # -- compress -------------------------------------------------------------------------------
-def compress_file(src, dst, mode: str = "excp", base=None, bits: int = DEFAULT_BITS, alpha: float = DEFAULT_ALPHA,
-                  beta: float = DEFAULT_BETA, keep_bits: int | None = None,
+def compress_file(src, dst, mode: str = "excp", base=None, max_error: float | None = None, bits: int | None = None,
+                  alpha: float | None = None, beta: float = DEFAULT_BETA, keep_bits: int | None = None,
                   threads: int | None = None) -> LossySummary:
     """Compress a checkpoint lossily (an explicit opt-in; :func:`checkpoint.compress_file` is exact).
 
@@ -154,8 +158,16 @@ def compress_file(src, dst, mode: str = "excp", base=None, bits: int = DEFAULT_B
         mode: "excp" (pruned residuals and moments, quantized) or "precision"
             (mantissa rounding).
         base: excp only: the previous checkpoint's *lossy* file; None makes a keyframe.
-        bits: excp: quantization bits (1..8): ``2**bits - 1`` centroids plus zero.
-        alpha: excp: weight pruning strength, relative to sqrt(mean exp_avg_sq).
+        max_error: excp: the relative RMS error ‖Ŵ−W‖/‖W‖ every weight tensor of a delta
+            may have (default :data:`DEFAULT_MAX_ERROR` unless ``alpha`` is given). Each
+            weight gets the pruning threshold and bits that code it in the fewest bytes
+            within it (a weight no choice fits is stored exactly); the file records the
+            budget, what was chosen and the error achieved per tensor.
+        bits: excp: quantization bits (1..8: ``2**bits - 1`` centroids plus zero) of the
+            moments, and with ``alpha`` of the residuals too (default
+            :data:`DEFAULT_MOMENT_BITS`, with ``alpha`` :data:`DEFAULT_BITS`).
+        alpha: excp: ExCP's rule instead of a budget: weight pruning strength, relative
+            to sqrt(mean exp_avg_sq).
         beta: excp: moment pruning threshold, in units of mean |exp_avg|.
         keep_bits: precision: mantissa bits kept (0..23; dtypes with fewer keep all).
         threads: numba threads for coding (default: numba's setting).
@@ -172,7 +184,7 @@ def compress_file(src, dst, mode: str = "excp", base=None, bits: int = DEFAULT_B
     """
     started = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
-    params = _check_params(mode, base, bits, alpha, beta, keep_bits)
+    params = _check_params(mode, base, max_error, bits, alpha, beta, keep_bits)
     check_paths(src, dst, None if base is None else os.fspath(base))
     base_rec, base_weights = None, None
     if base is not None:
@@ -292,7 +304,7 @@ def compress_file(src, dst, mode: str = "excp", base=None, bits: int = DEFAULT_B
     return summary
 
 
-def _check_params(mode, base, bits, alpha, beta, keep_bits) -> dict:
+def _check_params(mode, base, max_error, bits, alpha, beta, keep_bits) -> dict:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "precision":
@@ -300,15 +312,26 @@ def _check_params(mode, base, bits, alpha, beta, keep_bits) -> dict:
             raise ValueError("precision mode codes single checkpoints; --base is for --lossy excp")
         if not (isinstance(keep_bits, int) and not isinstance(keep_bits, bool) and 0 <= keep_bits <= 23):
             raise ValueError(f"precision mode needs keep_bits, the mantissa bits to keep (0..23), got {keep_bits!r}")
+        if max_error is not None or alpha is not None or bits is not None:
+            raise ValueError("max_error, bits and alpha apply to excp mode; precision takes keep_bits")
         return {"keep_bits": keep_bits}
     if keep_bits is not None:
         raise ValueError("keep_bits applies to precision mode, not excp")
-    if not (isinstance(bits, int) and 1 <= bits <= 8):
+    if max_error is not None and alpha is not None:
+        raise ValueError("give max_error (an error budget) or alpha (ExCP's pruning rule), not both")
+    if bits is None:
+        bits = DEFAULT_BITS if alpha is not None else DEFAULT_MOMENT_BITS
+    if not (isinstance(bits, int) and not isinstance(bits, bool) and 1 <= bits <= 8):
         raise ValueError(f"bits must be an integer from 1 to 8, got {bits!r}")
-    for name, value in (("alpha", alpha), ("beta", beta)):
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+    if alpha is None and max_error is None:
+        max_error = DEFAULT_MAX_ERROR
+    for name, value in (("max_error", max_error), ("alpha", alpha), ("beta", beta)):
+        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                      and math.isfinite(value) and value >= 0):
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return {"bits": bits, "alpha": float(alpha), "beta": float(beta)}
+    if alpha is not None:
+        return {"bits": bits, "alpha": float(alpha), "beta": float(beta)}
+    return {"max_error": float(max_error), "bits": bits, "beta": float(beta)}
 
 
 def _check_same_run(base: str, base_weights: dict, params: list[FileTensor]) -> None:
