@@ -88,6 +88,7 @@ TIERS = {
     "test_lossy.py": ("unit", {"test_metadata_round_trip_and_inspect": "cli",
                                "test_cli_round_trip_and_errors": "cli"}),
     "test_lossy_golden.py": "unit",
+    "test_lossy_budget.py": ("unit", {"test_cli_max_error_round_trip_and_inspect": "cli"}),
     "test_plane.py": "unit",
     "test_profiler.py": "unit",
     "test_streams.py": "unit",

@@ -25,7 +25,7 @@ import numpy as np
 __all__ = ["Choice", "choose", "estimate", "BITS", "SEARCH_STEPS"]
 
 # The quantization bits a weight's residual may get (2**bits - 1 centroids plus zero).
-BITS = (2, 3, 4, 5)
+BITS = (2, 3, 4, 5, 6, 7, 8)
 # Bisection steps on the threshold per candidate bits (the threshold is found to within
 # a factor 1.4 of the largest feasible one, on a log scale over ten decades).
 SEARCH_STEPS = 12
@@ -160,6 +160,7 @@ def choose(x: np.ndarray, norm: float, budget: float, prune: bool = True, bits=B
                 else:
                     c, hi = math.log(mid), mid
         cost = estimate(z.n, lo_cnt)
-        if best is None or cost < best.est_bytes:
-            best = Choice(lo, b, cost, math.sqrt(lo_sse) / norm if norm else 0.0)
+        if best is not None and cost >= best.est_bytes:
+            break  # the cost in bits is unimodal: more bits only cost more from here
+        best = Choice(lo, b, cost, math.sqrt(lo_sse) / norm if norm else 0.0)
     return best

@@ -119,7 +119,8 @@ class Encoder:
             kept = np.ones(n, bool)
         else:
             B = base.float().numpy().reshape(-1)
-            R = W - B
+            with np.errstate(invalid="ignore", over="ignore"):  # Inf - Inf: such weights are kept exact
+                R = W - B
             coded = self._residual(w, m2, W, B, R, p)
             if coded is None:  # no choice meets the budget: the weight is stored exactly
                 self.exact(w, "weight")
@@ -146,7 +147,8 @@ class Encoder:
             vals = np.full(n, dequantize(np.zeros(1, np.uint8), np.zeros(0, np.float32), domain, fill)[0])
             vals[mask] = dequantize(sym, cents, domain)
             recon_u8 = _cast(vals, mt.dtype)
-            stats = {"threshold": threshold if role == "exp_avg" else None, **error_stats(_back(recon_u8, mt.dtype), x)}
+            stats = {"threshold": threshold if role == "exp_avg" else None, "bits": p["bits"],
+                     **error_stats(_back(recon_u8, mt.dtype), x)}
             self.streams[f"{role}_index"].append(sym)
             self.add(_record(mt, role, "value", param=w.name, centroids=cents.tolist(), domain=domain,
                              kept=int(mask.sum()), fill=fill, stats=stats), recon_u8)
@@ -174,6 +176,8 @@ class Encoder:
             tries = [(float(np.median(absR)) * factor if n else 0.0, p["bits"])]
             extra = {"factor": factor}
         else:
+            if not (np.isfinite(W).all() and np.isfinite(R).all()):
+                return None  # a relative error of a tensor holding Inf or NaN is not defined
             norm = float(np.sqrt(np.sum(W.astype(np.float64) ** 2)))
             choice = choose(R, norm, budget, prunable(w))
             if choice is None:
