@@ -162,7 +162,8 @@ def _resume(run: _Run, state: dict) -> tuple[float, float]:
 def _cli(*argv) -> float:
     """Run ``comm-codec ARGV`` in a fresh process; return its wall time."""
     t = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "comm_codec", *map(str, argv), "-q"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "comm_codec", *map(str, argv), "-q"], capture_output=True, text=True,
+                       check=False)
     if r.returncode:
         raise SystemExit(f"comm-codec {' '.join(map(str, argv))} failed: {r.stderr.strip()}")
     return time.perf_counter() - t

@@ -14,13 +14,16 @@ Example::
     >>> from comm_codec.checkpoint import lossy
     >>> lossy.compress_file("step00060.pt", "step00060.ccl")                    # doctest: +SKIP
     >>> s = lossy.compress_file("step00070.pt", "step00070.ccl", base="step00060.ccl")  # doctest: +SKIP
+    >>> s = lossy.compress_file("step00080.pt", "step00080.ccl", base="step00070.ccl", max_error=1e-3)  # doctest: +SKIP
     >>> lossy.decompress_file("step00070.ccl", "step00070.recon.pt")           # doctest: +SKIP
     >>> lossy.compress_file("w.safetensors", "w.ccl", mode="precision", keep_bits=7)  # doctest: +SKIP
 
 ``excp`` (a checkpoint holding weights and AdamW state) codes each weight's residual
 against the *reconstructed* previous checkpoint (closed loop: a chain never drifts),
-prunes residuals and moments by ExCP's per-tensor rules and quantizes what survives with
-1-D k-means; the first file of a series (no base) is a *keyframe* whose weights are kept
+prunes residuals and moments and quantizes what survives with 1-D k-means; one knob,
+``max_error`` (the relative RMS error every weight tensor may have), decides how hard
+each weight is pruned and with how many bits (:mod:`.lossy_budget`), or ExCP's own rule
+(``alpha``) does; the first file of a series (no base) is a *keyframe* whose weights are kept
 exactly. Decompressing the n-th file needs files 0..n-1, looked for beside it.
 ``precision`` rounds every float tensor of 4 kB or more to ``keep_bits`` mantissa bits
 and codes it losslessly. Tensors neither mode rewrites pass through exactly.
@@ -29,8 +32,9 @@ The format (container, index, streams, what each mode stores and why) is specifi
 ``comm_codec/checkpoint/lossy_format.md``. This module is the public face; the work is
 done by :mod:`.lossy_index` (reading and checking the index), :mod:`.lossy_blobs` (frames
 with the file's own books, the skeleton of untouched bytes), :mod:`.lossy_tensors` (each
-tensor coded and decoded), :mod:`.lossy_chain` (bases and the cache of reconstructions)
-and :mod:`.lossy_transforms` (quantization, pruning rules, mantissa rounding).
+tensor coded and decoded), :mod:`.lossy_chain` (bases and the cache of reconstructions),
+:mod:`.lossy_transforms` (quantization, pruning rules, mantissa rounding) and
+:mod:`.lossy_budget` (thresholds and bits from an error budget).
 """
 
 from __future__ import annotations
@@ -591,9 +595,9 @@ def describe(path) -> str:
                      "normal) for subnormal x, whose relative error can reach 1")
     names = [printable(r["name"]) for r in index["tensors"]]
     width = max([len(n) for n in names] + [6])
-    lines.append(f"{'tensor':<{width}}  {'role':<10} {'dtype':<9} {'coding':<9} {'kept':>7} {'max|err|':>9} "
-                 f"{'relRMS':>9} {'bound':>9}" + (f" {'subn.abs':>9}" if precision else "")
-                 + (f" {'bits':>4} {'threshold':>9}" if budget is not None else ""))
+    lines.append(f"{'tensor':<{width}}  {'role':<10} {'dtype':<9} {'coding':<9} {'kept':>7} "
+                 + (f"{'bits':>4} {'threshold':>9} " if budget is not None else "")
+                 + f"{'max|err|':>9} {'relRMS':>9} {'bound':>9}" + (f" {'subn.abs':>9}" if precision else ""))
     for name, r in zip(names, index["tensors"]):
         s = r["stats"]
         kept = "-"
@@ -606,13 +610,13 @@ def describe(path) -> str:
         # bounds are printed rounded up: what is printed must still hold (they are tight)
         text = [format(v, "9.2e") if k < 2 else _ceil_e(v) for k, v in enumerate(cells) if v is not None]
         text = ["-" if v is None else text.pop(0) for v in cells]
-        line = (f"{name:<{width}}  {r['role']:<10} {printable(r['dtype'], 64):<9} {r['coding']:<9} {kept:>7} "
-                + " ".join(f"{t:>9}" for t in text))
-        if budget is not None:
+        chosen = ""
+        if budget is not None:  # what the budget made the search choose
             bits, threshold = s.get("bits"), s.get("threshold")
-            line += (f" {'-' if bits is None else format(bits, 'g'):>4}"
-                     f" {'-' if threshold is None or r['role'] != 'weight' else format(threshold, '9.2e'):>9}")
-        lines.append(line)
+            chosen = (f"{'-' if bits is None else format(bits, 'g'):>4} "
+                      f"{'-' if threshold is None or r['role'] != 'weight' else format(threshold, '9.2e'):>9} ")
+        lines.append(f"{name:<{width}}  {r['role']:<10} {printable(r['dtype'], 64):<9} {r['coding']:<9} {kept:>7} "
+                     + chosen + " ".join(f"{t:>9}" for t in text))
     return "\n".join(lines)
 
 

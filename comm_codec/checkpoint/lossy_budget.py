@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-__all__ = ["Choice", "choose", "estimate", "BITS", "SEARCH_STEPS"]
+__all__ = ["BITS", "SEARCH_STEPS", "Choice", "choose", "estimate"]
 
 # The quantization bits a weight's residual may get (2**bits - 1 centroids plus zero).
 BITS = (2, 3, 4, 5, 6, 7, 8)
@@ -146,8 +146,7 @@ def choose(x: np.ndarray, norm: float, budget: float, prune: bool = True, bits=B
         sse, cnt = _lloyd(z, *z.split(0.0), k)
         if sse > allowed:
             continue
-        lo, hi = 0.0, top  # lo feasible, hi not (everything pruned is over budget)
-        lo_cnt, lo_sse = cnt, sse
+        lo, lo_cnt, lo_sse = 0.0, cnt, sse  # the largest threshold known to fit
         if prune:
             a, c = math.log(top) - 10 * math.log(10), math.log(top)
             for _ in range(SEARCH_STEPS):
@@ -158,7 +157,7 @@ def choose(x: np.ndarray, norm: float, budget: float, prune: bool = True, bits=B
                 if sse <= allowed:
                     a, lo, lo_cnt, lo_sse = math.log(mid), mid, cnt, sse
                 else:
-                    c, hi = math.log(mid), mid
+                    c = math.log(mid)
         cost = estimate(z.n, lo_cnt)
         if best is not None and cost >= best.est_bytes:
             break  # the cost in bits is unimodal: more bits only cost more from here
