@@ -138,16 +138,19 @@ def test_search_matches_kmeans_on_the_kept_values():
         i, j = z.split(t)
         kept = x[np.abs(x) > t]
         assert j - i == x.size - kept.size
-        sse, counts = _lloyd(z, i, j, 7, steps=300)
+        sse, counts, cents_search = _lloyd(z, i, j, 7, steps=300)
         sym, cents = quantize(kept, 7)
         ref = float(np.sum((kept - cents[sym - 1].astype(np.float64)) ** 2))
         assert sse == pytest.approx(ref, rel=1e-3)
-        assert sorted(counts.tolist()) == sorted(np.bincount(sym)[1:].tolist())
+        assert sorted(counts[counts > 0].tolist()) == sorted(np.bincount(sym)[1:].tolist())
+        used = cents[np.bincount(sym, minlength=cents.size + 1)[1:] > 0]  # centroids that hold values
+        assert np.allclose(np.sort(cents_search), np.sort(used), rtol=1e-5)
+    x = rng.normal(0, 1, 20000)
     norm = float(np.linalg.norm(x))
     c = choose(x, norm, 0.05)
-    assert c is not None and c.est_error <= 0.05
+    assert c is not None and c.est_error <= 0.05 and c.centroids.size <= (1 << c.bits) - 1
     assert estimate(x.size, np.array([x.size])) == 0.0  # one symbol, everything kept: nothing to code
-    assert choose(x, norm, 1.0).est_bytes == 0.0  # everything pruned fits: nothing is kept
+    assert choose(x, norm, 1.01).est_bytes == 0.0  # everything pruned fits: nothing is kept
 
 
 def test_cli_max_error_round_trip_and_inspect(tmp_path):

@@ -41,19 +41,22 @@ class Choice:
         bits: quantization bits of what is kept.
         est_bytes: estimated coded size (mask and indices).
         est_error: estimated relative RMS error.
+        centroids: the k-means centroids of what the threshold keeps (ascending), or None.
     """
 
     threshold: float
     bits: int
     est_bytes: float
     est_error: float
+    centroids: np.ndarray | None = None
 
 
 class _Sorted:
     """A residual sorted once, with prefix sums of its values and squares."""
 
     def __init__(self, x: np.ndarray):
-        self.s = np.sort(x.astype(np.float64).reshape(-1))
+        # sorted in float32 (the residual's own precision, half the time of float64)
+        self.s = np.sort(x.astype(np.float32).reshape(-1)).astype(np.float64)
         self.n = self.s.size
         self.c1 = np.concatenate(([0.0], np.cumsum(self.s)))
         self.c2 = np.concatenate(([0.0], np.cumsum(self.s * self.s)))
@@ -65,15 +68,15 @@ class _Sorted:
         return int(np.searchsorted(self.s, -t, "left")), int(np.searchsorted(self.s, t, "right"))
 
 
-def _lloyd(z: _Sorted, i: int, j: int, k: int, steps: int = _LLOYD_STEPS) -> tuple[float, np.ndarray]:
-    """k-means of the kept values (sorted indices outside [i, j)): (squared error, counts per cluster).
+def _lloyd(z: _Sorted, i: int, j: int, k: int, steps: int = _LLOYD_STEPS) -> tuple[float, np.ndarray, np.ndarray]:
+    """k-means of the kept values (sorted indices outside [i, j)): (squared error, counts, centroids).
 
     Positions are counted in the *virtual* array of kept values (the sorted array with the
     pruned run cut out); its prefix sums are the full array's minus the run's.
     """
     gap, m = j - i, z.n - (j - i)
     if m == 0:
-        return 0.0, np.zeros(0, np.int64)
+        return 0.0, np.zeros(0, np.int64), np.zeros(0)
     run1, run2 = z.c1[j] - z.c1[i], z.c2[j] - z.c2[i]
 
     def vsum(c, run, v):
@@ -98,7 +101,7 @@ def _lloyd(z: _Sorted, i: int, j: int, k: int, steps: int = _LLOYD_STEPS) -> tup
     s1 = vsum(z.c1, run1, e[1:]) - vsum(z.c1, run1, e[:-1])
     s2 = vsum(z.c2, run2, e[1:]) - vsum(z.c2, run2, e[:-1])
     sse = float(np.sum(np.where(cnt > 0, s2 - s1 * s1 / np.maximum(cnt, 1), 0.0)))
-    return max(sse, 0.0), cnt
+    return max(sse, 0.0), cnt, c[cnt > 0]
 
 
 def _h2(p: float) -> float:
@@ -143,7 +146,7 @@ def choose(x: np.ndarray, norm: float, budget: float, prune: bool = True, bits=B
     best = None
     for b in bits:
         k = (1 << b) - 1
-        sse, cnt = _lloyd(z, *z.split(0.0), k)
+        sse, cnt, _ = _lloyd(z, *z.split(0.0), k)
         if sse > allowed:
             continue
         lo, lo_cnt, lo_sse = 0.0, cnt, sse  # the largest threshold known to fit
@@ -152,7 +155,7 @@ def choose(x: np.ndarray, norm: float, budget: float, prune: bool = True, bits=B
             for _ in range(SEARCH_STEPS):
                 mid = math.exp((a + c) / 2)
                 i, j = z.split(mid)
-                sse, cnt = _lloyd(z, i, j, k)
+                sse, cnt, _ = _lloyd(z, i, j, k)
                 sse += z.c2[j] - z.c2[i]
                 if sse <= allowed:
                     a, lo, lo_cnt, lo_sse = math.log(mid), mid, cnt, sse
@@ -162,4 +165,9 @@ def choose(x: np.ndarray, norm: float, budget: float, prune: bool = True, bits=B
         if best is not None and cost >= best.est_bytes:
             break  # the cost in bits is unimodal: more bits only cost more from here
         best = Choice(lo, b, cost, math.sqrt(lo_sse) / norm if norm else 0.0)
+    if best is not None:
+        # Lloyd run to convergence for the choice: the encoder quantizes on these
+        # centroids and never sorts the kept values again.
+        best.centroids = np.unique(_lloyd(z, *z.split(best.threshold), (1 << best.bits) - 1, steps=300)[2]
+                                   .astype(np.float32))
     return best

@@ -27,7 +27,7 @@ from .lossy_blobs import CHUNK, PIECE, FileBooks, SkeletonReader
 from .lossy_budget import choose
 from .lossy_index import STREAMS
 from .lossy_transforms import (LOSSY_DTYPES, MANTISSA, PACKED, dequantize, error_stats, fill_value, prunable,
-                               quantize, round_mantissa)
+                               quantize, quantize_with, round_mantissa)
 
 __all__ = ["Encoder", "Decoder", "check_expansion", "WEIGHTS_ONLY_FACTOR", "MAX_EXPANSION"]
 
@@ -185,10 +185,14 @@ class Encoder:
             # The estimate can miss (k-means run shorter, the cast to the weight's dtype):
             # each retry halves the threshold and adds a bit.
             tries = [(choice.threshold / 2 ** a, min(8, choice.bits + a)) for a in range(_RETRIES)]
+            first = choice.centroids
             extra = {"budget": budget, "bits": None, "est_error": choice.est_error}
-        for threshold, bits in tries:
+        for a, (threshold, bits) in enumerate(tries):
             kept = absR > threshold
-            sym, cents = quantize(R[kept], (1 << bits) - 1)
+            if a == 0 and budget is not None and first is not None:
+                sym, cents = quantize_with(R[kept], first)
+            else:
+                sym, cents = quantize(R[kept], (1 << bits) - 1)
             deq = np.zeros(n, np.float32)
             deq[kept] = dequantize(sym, cents, "value")
             recon_u8 = _cast(B + deq, w.dtype)

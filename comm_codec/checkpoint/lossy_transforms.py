@@ -16,7 +16,7 @@ import numpy as np
 
 from .formats import FileTensor, storage_keys
 
-__all__ = ["LOSSY_DTYPES", "MANTISSA", "PACKED", "pair_moments", "quantize", "dequantize", "fill_value", "error_stats",
+__all__ = ["LOSSY_DTYPES", "MANTISSA", "PACKED", "pair_moments", "quantize", "quantize_with", "dequantize", "fill_value", "error_stats",
            "prunable", "round_mantissa"]
 
 log = logging.getLogger("comm_codec.checkpoint.lossy")
@@ -122,7 +122,13 @@ def quantize(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """
     if x.size == 0:
         return np.zeros(0, np.uint8), np.zeros(0, np.float32)
-    c = _kmeans_1d(x, k)
+    return quantize_with(x, _kmeans_1d(x, k))
+
+
+def quantize_with(x: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Return (symbols, centroids) for x on the given ascending float32 centroids, as :func:`quantize`."""
+    if x.size == 0:
+        return np.zeros(0, np.uint8), np.zeros(0, np.float32)
     mids = (c[1:].astype(np.float64) + c[:-1]) / 2
     nearest = np.searchsorted(mids, x.astype(np.float64), side="left")
     order = np.argsort(-np.bincount(nearest, minlength=c.size), kind="stable")
