@@ -100,10 +100,12 @@ DEFAULT_ALPHA = 5e-4
 DEFAULT_BETA = 2.0
 # The error budget of every weight tensor of a delta, ‖Ŵ−W‖/‖W‖. Measured on
 # all-MiniLM-L6-v2 fine-tuned with AdamW (masked-token loss, lr 5e-5, 5 checkpoints 10
-# steps apart, 10 resumed steps; launch_scripts/bench_lossy.py --model minilm): 1e-3 ->
-# 30x on the deltas, held-out loss after resuming +0.33 %; 3e-3 -> 63x, +0.80 %; 1e-2 ->
-# 161x, +4.5 %. The default keeps the 1 % target.
-DEFAULT_MAX_ERROR = 3e-3
+# steps apart, 10 resumed steps; launch_scripts/bench_lossy.py): 1e-3 -> 30x on the
+# deltas, held-out loss after resuming +0.33 %; 3e-3 -> 63x, +0.80 %; 3.5e-3 -> 70x,
+# +0.97 %; 4e-3 -> 76x, +1.17 %; 1e-2 -> 161x, +4.5 %. The default is the loosest that
+# kept the 1 % target there (with no margin: a run that must stay well inside 1 % wants
+# 3e-3 or less).
+DEFAULT_MAX_ERROR = 3.5e-3
 # Moments lose nothing measurable at 3 bits against 4 (same resumed loss, 3 % smaller).
 DEFAULT_MOMENT_BITS = 3
 

@@ -413,7 +413,7 @@ def register(subparsers) -> None:
                             "pruned and quantized; first file without --base); precision: round mantissas")
     lossy.add_argument("--max-error", type=_nonneg, default=None, metavar="E",
                        help="excp: the relative RMS error ||W'-W||/||W|| each weight tensor of a delta may have; "
-                            "thresholds and bits are chosen per tensor to fit it (default 3e-3)")
+                            "thresholds and bits are chosen per tensor to fit it (default 3.5e-3)")
     lossy.add_argument("--bits", type=_int_in("--bits", 1, 8), default=None, metavar="B",
                        help="excp: quantization bits of the moments (and with --alpha of the residuals), "
                             "2^B-1 centroids plus zero (default 3; with --alpha 4)")
