@@ -26,10 +26,12 @@ __all__ = ["BITS", "SEARCH_STEPS", "Choice", "choose", "estimate"]
 
 # The quantization bits a weight's residual may get (2**bits - 1 centroids plus zero).
 BITS = (2, 3, 4, 5, 6, 7, 8)
-# Bisection steps on the threshold per candidate bits (the threshold is found to within
-# a factor 1.4 of the largest feasible one, on a log scale over ten decades).
-SEARCH_STEPS = 12
-_LLOYD_STEPS = 40  # during the search; the final quantization runs Lloyd to convergence
+# Bisection steps on the threshold per candidate bits, on a log scale over the _DECADES
+# below the largest |residual|: the threshold is found to within 4 % of the largest
+# feasible one.
+SEARCH_STEPS = 8
+_DECADES = 4
+_LLOYD_STEPS = 25  # during the search; the chosen threshold's centroids run to convergence
 
 
 @dataclasses.dataclass
@@ -151,7 +153,7 @@ def choose(x: np.ndarray, norm: float, budget: float, prune: bool = True, bits=B
             continue
         lo, lo_cnt, lo_sse = 0.0, cnt, sse  # the largest threshold known to fit
         if prune:
-            a, c = math.log(top) - 10 * math.log(10), math.log(top)
+            a, c = math.log(top) - _DECADES * math.log(10), math.log(top)
             for _ in range(SEARCH_STEPS):
                 mid = math.exp((a + c) / 2)
                 i, j = z.split(mid)

@@ -161,10 +161,12 @@ def dequantize(symbols: np.ndarray, centroids: np.ndarray, domain: str, fill: fl
 
 def error_stats(recon: np.ndarray, orig: np.ndarray) -> dict:
     """Return the max |error|, the relative RMS error and the norm of orig (for summing errors)."""
-    err = recon.astype(np.float64) - orig.astype(np.float64)
-    norm = float(np.sqrt(np.sum(orig.astype(np.float64) ** 2)))
+    # one pass each, no float64 copies of both inputs (this runs on every tensor of a checkpoint)
+    err = np.subtract(recon.ravel(), orig.ravel(), dtype=np.float64)
+    wide = orig.ravel().astype(np.float64)
+    norm = float(np.sqrt(np.dot(wide, wide)))
     return {"max_abs_error": float(np.max(np.abs(err))) if err.size else 0.0,
-            "rel_rms_error": float(np.sqrt(np.sum(err * err)) / norm) if norm else 0.0, "norm": norm}
+            "rel_rms_error": float(np.sqrt(np.dot(err, err)) / norm) if norm else 0.0, "norm": norm}
 
 
 def prunable(w: FileTensor) -> bool:
