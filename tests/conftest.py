@@ -59,7 +59,7 @@ TIERS = {
     "test_checkpoint_restore.py": "unit",
     "test_cli.py": "cli",
     "test_cli_conventions.py": "unit",  # the command line in-process (cli.main), real pipes and a pty
-    "test_codec.py": ("unit", {"test_first_use_of_the_serial_*": "cli"}),  # that one: a fresh interpreter
+    "test_codec.py": "unit",
     "test_encode_kernels.py": "unit",
     "test_checkpoint_plan_kernels.py": "unit",
     "test_collectives.py": ("dist", {"test_engine_precompiles_the_coded_dtype_before_a_coded_call": "unit",
@@ -88,6 +88,7 @@ TIERS = {
     "test_lossy.py": ("unit", {"test_metadata_round_trip_and_inspect": "cli",
                                "test_cli_round_trip_and_errors": "cli"}),
     "test_plane.py": "unit",
+    "test_precompile.py": ("cli", {"test_no_kernel_is_compiled_with_numba_parallel": "unit"}),  # fresh interpreters, empty caches
     "test_profiler.py": "unit",
     "test_streams.py": "unit",
     "test_zero3.py": "dist",
@@ -141,6 +142,7 @@ SLOW: dict[str, tuple[str, ...]] = {
                      "test_a_stalled_rank_fails_the_other_within_the_users_timeout"),
     "test_integrations.py": ("*",),
     "test_lossy.py": ("test_cli_round_trip_and_errors",),
+    "test_precompile.py": ("test_after_precompile_no_public_path_compiles", "test_a_first_compile_is_said_*"),
     "test_untrusted_names.py": "cli",
     "test_untrusted_lossy.py": ("test_a_gigabyte_claim_is_streamed_in_bounded_memory",),
     "test_zero3.py": ("test_zero3_world4_bit_identical_to_rank_order_reference",

@@ -65,6 +65,14 @@ def _sample(dtype) -> "torch.Tensor":
     return x
 
 
+def _threads_for_ranges() -> int:
+    """Two threads where numba allows them: the threaded paths' kernels (their argument
+    types do not depend on the count)."""
+    import numba
+
+    return min(2, numba.config.NUMBA_NUM_THREADS)
+
+
 def cache_location() -> str:
     """Return the directory where numba caches the codec's compiled kernels."""
     return _jit.cache_location()
@@ -152,16 +160,19 @@ def precompile(codec, dtypes=None, profiler: bool = False) -> dict:
                     frame = codec.encode(x, "gradient")
                     out = codec.decode(frame)
                     # A tensor of one chunk (or any small one, with one thread) is coded by
-                    # one kernel, larger ones by the planner and the packer: load both
-                    # (chunks of 1024 make four here; without threads=1 they take the latter).
-                    chunked = type(codec)(codec.codebooks, chunk_elems=1024)
-                    out_chunked = codec.decode(chunked.encode(x, "gradient"))
+                    # one kernel, larger ones on threads by the planner and the packer (and
+                    # decoded on threads in the book order): load both, whatever the
+                    # codec's own thread count (chunks of 1024 make four here).
+                    chunked = type(codec)(codec.codebooks, chunk_elems=1024, threads=_threads_for_ranges())
+                    single = type(codec)(codec.codebooks, chunk_elems=1024, threads=1)
+                    out_chunked = chunked.decode(chunked.encode(x, "gradient"))
+                    out_single = single.decode(single.encode(x, "gradient"))
                 except ValueError as exc:  # a codebook set without books for this dtype
                     log.debug("precompile: %s skipped (%s)", spec.name, exc)
                     spent[spec.name] = 0.0
                     continue
                 want = x.reshape(-1).view(torch.uint8)
-                if not (torch.equal(out.view(torch.uint8), want) and torch.equal(out_chunked.view(torch.uint8), want)):
+                if not all(torch.equal(o.view(torch.uint8), want) for o in (out, out_chunked, out_single)):
                     raise RuntimeError(f"precompile round trip of {spec.name} is not bit-exact")  # pragma: no cover
                 if is_accumulable(spec):  # the all-reduce's decode-and-add
                     codec.decode_accumulate(frame, torch.zeros(x.numel(), dtype=torch.float32))
