@@ -74,6 +74,18 @@ _NO_ORDER = np.zeros(0, dtype=np.int64)  # decode_range: order the chunks itself
 _NO_ACC = np.zeros(0, dtype=np.uint32)  # decode_range: into the output, not added
 
 
+# Tensors smaller than this are coded on the calling thread: handing ranges to the pool
+# and waiting for them costs tens of microseconds, what a thread codes 32 KiB in.
+_THREADS_MIN_BYTES = 1 << 18
+
+
+def _threads_for(nchunks: int, nbytes: int, threads: int | None) -> int:
+    """Threads to share a frame of ``nchunks`` chunks and ``nbytes`` elements' bytes among."""
+    if nchunks <= 1 or nbytes < _THREADS_MIN_BYTES:
+        return 1
+    return thread_count(threads)
+
+
 def _chunk_order(books: np.ndarray) -> np.ndarray:
     """Chunks in the order the decode kernel takes them by itself: by stream 0's book, in
     chunk order within a book (its counting sort, as a stable sort), for threads to split."""
@@ -255,7 +267,7 @@ class Codec:
         books = np.zeros(nchunks, dtype=np.uint16)
         sizes = np.zeros((nchunks, ns), dtype=np.uint32)
         args = (self.chunk_elems, spec.exp_shift, tables.split)
-        threads = thread_count(self.threads)
+        threads = _threads_for(nchunks, numel * spec.itemsize, self.threads)
         with _precompile.first_use("encode", spec):
             if nchunks:
                 run_ranges(plan_range, nchunks, threads, lambda lo, hi: (
@@ -402,7 +414,7 @@ class Codec:
     def _decode_bits(self, buf: np.ndarray, params, tables: KernelTables, bits: np.ndarray) -> None:
         status = np.zeros(params.nchunks, dtype=np.int32)
         args = self._kernel_args(buf, params, tables)
-        threads = 1 if params.nchunks == 1 else thread_count(self.threads)
+        threads = _threads_for(params.nchunks, params.numel * params.spec.itemsize, self.threads)
         # One thread: the kernel orders the chunks itself (no host work for a small frame).
         order = _chunk_order(args[10]) if threads > 1 else _NO_ORDER
         with _precompile.first_use("decode", params.spec):
@@ -471,7 +483,7 @@ class Codec:
         args = self._kernel_args(buf, params, tables)
         proto = np.empty(0, dtype=spec.bits_dtype)
         half = spec.dtype == torch.float16
-        threads = 1 if params.nchunks == 1 else thread_count(self.threads)
+        threads = _threads_for(params.nchunks, params.numel * spec.itemsize, self.threads)
         order = _chunk_order(args[10]) if threads > 1 else _NO_ORDER
         with _precompile.first_use("decode_accumulate", spec):
             run_ranges(decode_range, params.nchunks, threads,
