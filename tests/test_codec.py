@@ -534,7 +534,7 @@ def test_precompile_loads_kernels_and_reports_per_dtype(caplog):
         for _ in range(2):
             with precompile.first_use("test decode", spec_for(torch.bfloat16)):
                 codec.decode(frame)
-    said = [r.getMessage() for r in caplog.records]
+    said = [r.getMessage() for r in caplog.records if r.name == "comm_codec.core.precompile"]
     assert len(said) == 1 and said[0].startswith("test decode of bf16 ") and "2-byte float kernels" in said[0], said
 
 
@@ -819,9 +819,9 @@ def test_equal_books_share_decode_tables_across_codecs(tmp_path):
 
 
 def test_one_thread_threads_and_decode_add_share_one_decode_kernel():
-    # A one-chunk frame, a many-chunk frame on threads and a decode-and-add run the same
-    # compiled decode kernel: a process that used one waits for no other, and precompile
-    # has one specialization per element type to cache.
+    # A one-chunk frame, a many-chunk frame on threads, a frame in read-only bytes and a
+    # decode-and-add run the same compiled decode kernel: a process that used one waits
+    # for no other, and precompile has one specialization per element type to cache.
     from comm_codec.kernels.decode import decode_range
 
     for n in (100, 40000):
@@ -829,8 +829,9 @@ def test_one_thread_threads_and_decode_add_share_one_decode_kernel():
         x = torch.randn(n).to(torch.bfloat16)
         frame = codec.encode(x)
         assert torch.equal(codec.decode(frame).view(torch.int16), x.view(torch.int16))
+        assert torch.equal(codec.decode(frame.numpy().tobytes()).view(torch.int16), x.view(torch.int16))
         acc = torch.zeros(n)
         codec.decode_accumulate(frame, acc)
         assert torch.equal(acc, x.float())
     uint16 = [sig for sig in decode_range.signatures if str(sig[15].dtype) == "uint16"]
-    assert len(uint16) == 1, decode_range.signatures
+    assert len(uint16) == 1 and not uint16[0][0].mutable, decode_range.signatures

@@ -496,6 +496,11 @@ class Codec:
         """The frame and chunk-table arguments that the decode kernels share."""
         if buf.ctypes.data % 8:
             buf = buf.copy()  # a frame sliced out of a larger buffer; kernels read words
+        if buf.flags.writeable:
+            # Always read-only: numba compiles a kernel again for a read-only array (a frame
+            # from bytes or a mapped file), and decoding never writes the frame.
+            buf = buf.view()
+            buf.flags.writeable = False
         table = params.table
         ns = params.spec.nstreams
         return (

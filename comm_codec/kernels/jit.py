@@ -19,19 +19,12 @@ The entry points (the kernels that the layer above calls) are registered here, s
 :func:`compile_counts` can tell a compile from a cache load, and :func:`cache_location`
 where numba keeps them.
 
-A compile is a wait the caller did not ask for: when one of this package's kernels is
-still compiling :data:`NOTICE_AFTER` seconds after it started, one WARNING line (logger
-``comm_codec.compile``, which a default Python setup prints to stderr) says what compiles,
-why, how long it usually takes and how to avoid it, once per element type and process;
-every path (codec, command line, hooks, DeepSpeed, DCP) gets it, because it listens to
-numba's own compile events rather than wrapping call sites.
+A compile is a wait the caller did not ask for: :mod:`comm_codec.core.precompile` says so
+before it waits (numba's compile events).
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
 
 try:
     import numba
@@ -39,12 +32,7 @@ except ValueError as _exc:  # numba's own check of its environment, e.g. NUMBA_N
     raise ValueError(f"numba cannot start: {_exc} (check the NUMBA_* environment variables: "
                      "NUMBA_NUM_THREADS must be a positive integer, or unset)") from None
 
-from numba.core import event as _event
-
-__all__ = ["FLAGS", "OVERLOAD_OPTIONS", "CACHING", "NOTICE_AFTER", "jit", "inline", "entry", "compile_counts",
-           "cache_location"]
-
-_log = logging.getLogger("comm_codec.compile")
+__all__ = ["FLAGS", "OVERLOAD_OPTIONS", "CACHING", "jit", "inline", "entry", "compile_counts", "cache_location"]
 
 def _caching_works() -> bool:
     """Whether numba can cache functions of this package (a writable cache location exists).
@@ -109,82 +97,3 @@ def cache_location() -> str:
         except AttributeError:  # pragma: no cover - a numba without this attribute
             break
     return "(numba's cache directory)"
-
-
-# A compile still running after this many seconds gets its line (see the module's docstring).
-NOTICE_AFTER = 1.0
-# Compiles closer than this to the previous one's end belong to the same wait (one first
-# use compiles several kernels one after the other): no second line for them.
-_SAME_WAIT = 20.0
-# What a first use of one element type compiles (encode and decode), measured with an
-# empty cache on a loaded 2-core machine: the line's "usually".
-USUAL_SECONDS = "10-30 s"
-_PACKAGE = __name__.split(".")[0] + "."
-_ELEMENTS = {"uint16": "bf16/fp16", "uint32": "fp32", "uint8": "fp8", "int8": "int8/uint8"}
-
-
-def _element_type(args) -> str:
-    """The element type a compile is for, as the notice names it: its first element array's."""
-    for a in args:
-        dtype = getattr(a, "dtype", None)
-        if dtype is not None and getattr(a, "ndim", 0) == 1 and str(dtype) in _ELEMENTS:
-            return _ELEMENTS[str(dtype)]
-    return "codebook tables"
-
-
-class _CompileNotice(_event.Listener):
-    """numba's compile events -> one WARNING line for a wait on compiles (see the module's docstring)."""
-
-    def __init__(self):
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._said_at = None  # monotonic time of the last line
-        self._last_end = float("-inf")  # monotonic time the last compile of ours ended
-
-    def on_start(self, ev):
-        depth = getattr(self._local, "depth", 0)
-        self._local.depth = depth + 1
-        if depth:
-            return  # a helper compiled on the way: the outermost compile's timer covers it
-        self._local.timer = None
-        disp = ev.data.get("dispatcher")
-        module = getattr(getattr(disp, "py_func", None), "__module__", "") or ""
-        self._local.ours = module.startswith(_PACKAGE)
-        if not self._local.ours:
-            return
-        with self._lock:
-            if self._said_at is not None and time.monotonic() - self._last_end < _SAME_WAIT:
-                return  # the wait already said
-        timer = threading.Timer(NOTICE_AFTER, self._say, (disp.py_func.__name__, _element_type(ev.data["args"])))
-        timer.daemon = True
-        self._local.timer = timer
-        timer.start()
-
-    def on_end(self, ev):
-        self._local.depth = getattr(self._local, "depth", 1) - 1
-        if self._local.depth:
-            return
-        timer = getattr(self._local, "timer", None)
-        if timer is not None:
-            timer.cancel()
-            self._local.timer = None
-        if getattr(self._local, "ours", False):
-            with self._lock:
-                self._last_end = time.monotonic()
-
-    def _say(self, name: str, what: str) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if self._said_at is not None and now - self._last_end < _SAME_WAIT + NOTICE_AFTER:
-                return
-            self._said_at = now
-        if CACHING:
-            why, after = "first use on this machine (not in numba's cache)", f"then cached in {cache_location()}"
-        else:
-            why, after = "no writable cache (set NUMBA_CACHE_DIR)", "compiled again by every process"
-        _log.warning("comm_codec is compiling its numba kernels (%s for %s), %s: usually %s per element type on "
-                     "2 cores, %s; run `comm-codec precompile` once after installing (or Codec.precompile()) to do "
-                     "this ahead of time", name, what, why, USUAL_SECONDS, after)
-
-
-_event.register("numba:compile", _CompileNotice())
