@@ -31,7 +31,7 @@ import tempfile
 import time
 
 _IMPORTS = ("import comm_codec.tools.cli as c, comm_codec.core.precompile; c._numba_without_blas(); "
-            "import comm_codec.checkpoint.exact")
+            "c._numba_without_extensions(); import comm_codec.checkpoint.exact")
 _LOADS = _IMPORTS + """
 import sys, time
 from comm_codec.checkpoint import exact
