@@ -86,6 +86,17 @@ def _threads_for(nchunks: int, nbytes: int, threads: int | None) -> int:
     return thread_count(threads)
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """``a`` as a read-only view: numba compiles a kernel again for each mix of read-only
+    and writable arrays (a frame from bytes or a mapped file is read-only), and decoding
+    writes none of the frame's arrays, so they are always passed read-only."""
+    if not a.flags.writeable:
+        return a
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
 def _chunk_order(books: np.ndarray) -> np.ndarray:
     """Chunks in the order the decode kernel takes them by itself: by stream 0's book, in
     chunk order within a book (its counting sort, as a stable sort), for threads to split."""
@@ -496,19 +507,14 @@ class Codec:
         """The frame and chunk-table arguments that the decode kernels share."""
         if buf.ctypes.data % 8:
             buf = buf.copy()  # a frame sliced out of a larger buffer; kernels read words
-        if buf.flags.writeable:
-            # Always read-only: numba compiles a kernel again for a read-only array (a frame
-            # from bytes or a mapped file), and decoding never writes the frame.
-            buf = buf.view()
-            buf.flags.writeable = False
         table = params.table
         ns = params.spec.nstreams
-        return (
+        return tuple(_read_only(a) if isinstance(a, np.ndarray) else a for a in (
             buf, buf.view(np.uint64), params.numel, params.chunk_elems, params.spec.exp_shift, params.split, tables.dec,
             tables.multi, np.ascontiguousarray(table["cflags"]), np.ascontiguousarray(table["ref"]),
             np.ascontiguousarray(table["books"]), np.ascontiguousarray(table["sizes"]).reshape(params.nchunks, ns),
             params.offsets, np.ascontiguousarray(table["checksum"]), params.checksums,
-        )
+        ))
 
     # -- ahead of time ---------------------------------------------------------------------
     def precompile(self, dtypes=None) -> dict:
