@@ -109,13 +109,12 @@ def test_after_precompile_no_public_path_compiles(tmp_path):
 
 
 def test_a_first_compile_is_said_before_it_is_waited_for(tmp_path):
-    # An empty cache: the first encode compiles. The line must come within about a second
-    # of the compile's start (its timer), long before the compile ends, and only once
-    # per element type, on stderr through the logging module's last-resort handler.
+    # An empty cache: the first encode compiles. The line must come a second into the
+    # compile (its timer), long before the wait ends, once for the whole wait, on stderr
+    # through the logging module's last-resort handler.
     script = textwrap.dedent("""
         import sys, time, threading, torch
         import comm_codec as cc
-        t0 = time.perf_counter()
         said = []
 
         class Stderr:
@@ -129,6 +128,7 @@ def test_a_first_compile_is_said_before_it_is_waited_for(tmp_path):
                 self.inner.flush()
 
         sys.stderr = Stderr(sys.stderr)
+        t0 = time.perf_counter()  # the wait: from the first use, imports done
         x = torch.randn(1000).to(torch.bfloat16)
         codec = cc.Codec(threads=1)
         assert torch.equal(codec.decode(codec.encode(x)).view(torch.int16), x.view(torch.int16))
@@ -140,7 +140,9 @@ def test_a_first_compile_is_said_before_it_is_waited_for(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     _, count, first, total = run.stdout.split()[-4:]
     assert int(count) == 1, run.stderr
-    assert float(first) < 3.0 and float(first) < float(total) / 2, run.stdout
+    # The line comes NOTICE_AFTER (1 s) into the first compile; numba's own set-up before
+    # it (its target context, ~1-2.5 s on a loaded 2-core box) is not a compile event.
+    assert float(first) < float(total) / 4, run.stdout
     assert "`comm-codec precompile`" in run.stderr
 
 
