@@ -1,4 +1,4 @@
-"""Checkpoint benchmark: comm_codec.checkpoint beside zstd -3, bz2 -9, lzma and zipnn.
+"""Checkpoint benchmark: comm_codec.checkpoint beside zstd -3, bz2 -9, lzma, zipnn and OpenZL.
 
 One run prints (and with ``--json PATH`` writes) four tables:
 
@@ -146,6 +146,24 @@ class _ZipNN:
     def decode(self, blob, threads):
         z = self.zipnn.ZipNN(input_format="byte", bytearray_dtype=self.dtype, threads=threads)
         return bytes(z.decompress(blob))
+
+
+class _OpenZL:
+    """OpenZL's float graph for the file's dtype (comm_codec.tools.openzl_graph), in memory, 1 thread."""
+
+    enc_threads = dec_threads = (1,)
+
+    def __init__(self, dtype):
+        from comm_codec.tools.openzl_graph import OpenZL
+
+        self.graph = OpenZL({"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype))
+        self.name = f"openzl-{self.graph.version}"
+
+    def encode(self, data, threads):
+        return self.graph.compress(data)
+
+    def decode(self, blob, threads):
+        return self.graph.decompress(blob)
 
 
 def _atomic_write(path: Path, data) -> None:
@@ -595,6 +613,13 @@ def _print_cpu(results: list) -> None:
                   f"{_fmt(c2e and c2e[1], 2):>16} {_fmt(c2d and c2d[1], 2):>15}")
 
 
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def _row(results, dataset, codec_prefix, suffix=""):
     """The row of ``dataset`` whose codec starts with ``codec_prefix`` and ends with
     ``suffix`` ("": the plain row, not " f2f")."""
@@ -620,8 +645,18 @@ def _targets(results: list, kinds: dict, rss: dict | None, xor: dict) -> list:
         cc = _row(results, ds, "comm_codec")
         zn = _row(results, ds, "zipnn", " f2f")
         zm = _row(results, ds, "zipnn")
+        oz = _row(results, ds, "openzl")
         if ds.startswith("delta"):
             continue
+        if oz:
+            # OpenZL runs in memory: our file-to-file row against it counts our file I/O too.
+            v = cc["ratio"] / oz["ratio"]
+            add(f"{ds}: ratio vs OpenZL (same bytes)", f"{v:.4f}x ({cc['ratio']:.4f} vs {oz['ratio']:.4f})",
+                ">= 1.000x", v >= 1.0)
+            for key, label in (("enc", "compress"), ("dec", "decompress")):
+                v = cc[key][1] / oz[key][1]
+                add(f"{ds}: {label} 1T (file to file) vs OpenZL 1T (in memory)",
+                    f"{v:.2f}x ({cc[key][1]:.3f} vs {oz[key][1]:.3f} GB/s)", ">= 1.5x", v >= 1.5)
         if zm:
             v = cc["ratio"] / zm["ratio"]
             add(f"{ds}: ratio vs zipnn (same bytes)", f"{v:.4f}x ({cc['ratio']:.4f} vs {zm['ratio']:.4f})",
@@ -727,12 +762,16 @@ def main(argv=None) -> int:
                 comps.append(_ZipNN(dtype))
             except ImportError as exc:
                 log.warning("zipnn missing (%s): pip install comm_codec[bench]", exc)
+            try:
+                comps.append(_OpenZL(dtype))
+            except ImportError as exc:
+                log.warning("openzl missing (%s): pip install comm_codec[bench]", exc)
             for comp in comps:
                 sample = isinstance(comp, (_Bz2, _Lzma))
                 chunk = data[:_SAMPLE] if sample and (args.quick or len(data) > 64 << 20) else data
                 note = "first 4 MiB" if chunk is not data else ""
                 note += ("; " if note else "") + ("no delta mode: standalone" if base is not None else "")
-                if isinstance(comp, _ZipNN):
+                if isinstance(comp, (_ZipNN, _OpenZL)):
                     note += ("; " if note else "") + "in memory"
                 rows.append(_run_comparator(comp, chunk, 1 if sample else args.repeat, note.strip("; ")))
             for row in rows:
@@ -762,7 +801,7 @@ def main(argv=None) -> int:
 
     print("# comm_codec checkpoint benchmark")
     print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, "
-          + ", ".join(f"{m} {importlib.metadata.version(m)}" for m in ("torch", "numba", "zstandard", "zipnn")))
+          + ", ".join(f"{m} {_version(m)}" for m in ("torch", "numba", "zstandard", "zipnn", "openzl")))
     print(f"data: {args.data} ({meta.get('params', 0) / 1e6:.2f} M parameters, checkpoints {meta['checkpoints']}); "
           f"repeat {args.repeat}{', QUICK' if args.quick else ''}")
     print("load average at the end: " + ", ".join(f"{x:.1f}" for x in os.getloadavg()))

@@ -178,8 +178,13 @@ def test_weights_only_checkpoint_falls_back_and_says_so(tmp_path, caplog):
     save_file({"w": w0, "ids": torch.arange(10)}, tmp_path / "a.safetensors")
     save_file({"w": w0 + 1e-3 * torch.randn(64, 64, generator=g), "ids": torch.arange(10)}, tmp_path / "b.safetensors")
     lossy.compress_file(tmp_path / "a.safetensors", tmp_path / "a.ccl")
+    # under the default error budget, no Adam state is needed: the budget holds
+    s = lossy.compress_file(tmp_path / "b.safetensors", tmp_path / "budget.ccl", base=tmp_path / "a.ccl")
+    assert any("weights-only" in n and "error budget" in n for n in s.notes)
+    assert s.errors["weight"] <= lossy.DEFAULT_MAX_ERROR
     with caplog.at_level("WARNING", logger="comm_codec.checkpoint.lossy"):
-        s = lossy.compress_file(tmp_path / "b.safetensors", tmp_path / "b.ccl", base=tmp_path / "a.ccl")
+        s = lossy.compress_file(tmp_path / "b.safetensors", tmp_path / "b.ccl", base=tmp_path / "a.ccl",
+                                alpha=lossy.DEFAULT_ALPHA)
     assert any("weights-only" in n for n in s.notes) and "weights-only" in caplog.text
     assert any("weights-only" in n for n in lossy.read_index(tmp_path / "b.ccl")["notes"])
     lossy.decompress_file(tmp_path / "b.ccl", tmp_path / "b.out")

@@ -70,8 +70,8 @@ import numpy as np
 from ..core.codebooks import CodebookGroup, CodebookSet, as_codebook_set, check_kind
 from ..core.codec import DEFAULT_CHUNK_ELEMS
 from ..core.huffman import Codebook, entropy_bits, optimal_lengths
-from ..core.memory import torch_threads_kept
-from ..kernels.histogram import chunk_histograms, huffman_costs
+from ..core.parallel import run_ranges, thread_count
+from ..kernels.histogram import chunk_histograms_range, huffman_costs
 from ..core.streams import as_bits, spec_for
 
 if typing.TYPE_CHECKING:
@@ -133,8 +133,8 @@ def chunk_counts(tensor: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     counts = np.empty((nchunks, chosen.size, 256), dtype=np.int64)
     zeros = np.empty(nchunks, dtype=np.int64)
     if nchunks:
-        with torch_threads_kept():
-            chunk_histograms(bits, chunk_elems, spec.exp_shift, chosen, counts, zeros)
+        run_ranges(chunk_histograms_range, nchunks, thread_count(None),
+                   lambda lo, hi: (bits, chunk_elems, spec.exp_shift, chosen, counts, zeros, lo, hi))
     return counts, zeros
 
 

@@ -21,12 +21,14 @@ The package, one concept per module (each imports only those listed before it):
 - :mod:`.report`: what a call returns (:class:`Summary`), sizes as printed, the progress line.
 - :mod:`.schema`: the checks a JSON index is held to.
 - :mod:`.container`: header, index and trailer shared by both formats; magics.
-- :mod:`.pickle_scan`, :mod:`.formats`: finding tensors in safetensors and torch zips.
+- :mod:`.pickle_scan`, :mod:`.formats`: finding tensors in safetensors, torch zips, DCP data
+  files and legacy torch.save files.
 - :mod:`.plan`: transforms and book choice per tensor.
 - :mod:`.exact_index`, :mod:`.exact`: the lossless format (this package's face re-exports it).
 - :mod:`.lossy_transforms`, :mod:`.lossy_index`, :mod:`.lossy_blobs`, :mod:`.lossy_tensors`,
   :mod:`.lossy_chain`, :mod:`.lossy`: the ExCP-style and precision-cut format
   (``lossy_format.md``).
+- :mod:`.tensors`: tensors straight out of a compressed file (``load_file``, a lazy ``safe_open``).
 - :mod:`.directory`: a tree of checkpoint files (sharded safetensors, DCP, any tree)
   compressed into a mirror and back (``compress_dir`` / ``decompress_dir`` / ``verify_dir``).
 

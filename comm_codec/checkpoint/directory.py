@@ -286,7 +286,7 @@ def _finish(op: str, started: float, at_once: int, results: list, skipped: list)
 
 # -- the three operations -------------------------------------------------------------------
 def compress_dir(src, dst, *, threads: int | None = None, force: bool = False, progress: bool | None = None,
-                 on_file: Callable[[FileResult], None] | None = None, codebooks=None) -> DirSummary:
+                 on_file: Callable[[FileResult], None] | None = None, codebooks=None, base=None) -> DirSummary:
     """Compress every checkpoint file of a tree into a mirror of it; copy every other file.
 
     Args:
@@ -299,12 +299,16 @@ def compress_dir(src, dst, *, threads: int | None = None, force: bool = False, p
         progress: each file's progress line on stderr (None: only on a terminal).
         on_file: called with each file's :class:`FileResult` as it finishes (one at a time).
         codebooks: a :class:`~comm_codec.CodebookSet` to weigh against per-tensor books.
+        base: the previous checkpoint's directory (original, or its compressed mirror):
+            each checkpoint file is coded as a delta against the file of the same
+            relative path there (``compress_file(base=...)``); a file with no partner,
+            or none that shares a tensor, is coded standalone and its line says so.
 
     Returns:
         A :class:`DirSummary`.
 
     Raises:
-        NotADirectoryError: src is not a directory.
+        NotADirectoryError: src (or base) is not a directory.
         FileExistsError: dst exists and force is False.
         CheckpointError: dst inside src (or src inside dst), a ``.cckp`` file in src, or
             a file failed (the files and directories this call made are removed).
@@ -313,6 +317,7 @@ def compress_dir(src, dst, *, threads: int | None = None, force: bool = False, p
     from .files import pinned
 
     src, dst = os.fspath(src), os.fspath(dst)
+    base = _base_dir(base)
     started = time.perf_counter()
     _check_trees(src, dst, force)
     tree, entries = _entries(src)
@@ -334,15 +339,59 @@ def compress_dir(src, dst, *, threads: int | None = None, force: bool = False, p
                         return _copied(rel, fh, os.path.join(dst, rel), force, made, "copied (not a checkpoint file)")
                     out = os.path.join(dst, rel + SUFFIX)
                     existed = os.path.lexists(out)
+                    partner = _partner(base, rel)
                     with pinned(path, fh):
-                        s = compress_file(path, out, threads=per_file, codebooks=codebooks,
-                                          progress=_meter(progress, at_once), force=force)
+                        s, note = _compress_against(compress_file, path, out, partner, per_file, codebooks,
+                                                    _meter(progress, at_once), force)
                 made.file(out, existed)
-                return FileResult(rel, "compressed", s.original_bytes, s.compressed_bytes)
+                if base is not None and partner is None:
+                    note = "; no partner in the base directory: coded standalone"
+                return FileResult(rel, "compressed", s.original_bytes, s.compressed_bytes,
+                                  note + (f"; note: {s.note}" if s.note else ""))
             return job
 
         outputs = [os.path.join(dst, rel + tail) for rel in files for tail in ("", SUFFIX)]
         return _run_tree("compress", src, dst, entries, outputs, made, make_job, at_once, on_file, started)
+
+
+def _base_dir(base) -> str | None:
+    if base is None:
+        return None
+    base = os.fspath(base)
+    if not os.path.isdir(base):
+        raise NotADirectoryError(20, "Not a directory (a directory's base is a directory)", base)
+    return base
+
+
+def _partner(base: str | None, rel: str, compressed_ok: bool = True) -> str | None:
+    """The file of the same relative path in the base directory (its original, else its
+    compressed mirror), or None. ``rel`` comes from the walk of our own tree (no ``..``);
+    the partner must be a regular file reached through no symlink, inside ``base``."""
+    if base is None:
+        return None
+    root = os.path.realpath(base)
+    for candidate in (rel, rel + SUFFIX) if compressed_ok else (rel,):
+        path = os.path.join(base, candidate)
+        real = os.path.realpath(path)
+        if real == os.path.join(root, candidate) and os.path.isfile(real):
+            return path
+    return None
+
+
+def _compress_against(compress_file, path, out, partner, threads, codebooks, progress, force):
+    """Compress one file against its partner; standalone when there is none or it shares no
+    tensor with the file. Return (summary, what the file's line adds)."""
+    if partner is not None:
+        try:
+            s = compress_file(path, out, base=partner, threads=threads, codebooks=codebooks, progress=progress,
+                              force=force)
+            return s, (f", {s.delta} tensors as deltas" if s.delta else "; no tensor coded as a delta")
+        except CheckpointError as exc:
+            if "shares no tensor" not in str(exc):
+                raise
+            s = compress_file(path, out, threads=threads, codebooks=codebooks, progress=progress, force=force)
+            return s, "; shares no tensor with its partner in the base directory: coded standalone"
+    return compress_file(path, out, threads=threads, codebooks=codebooks, progress=progress, force=force), ""
 
 
 def _copied(rel: str, fh, out: str, force: bool, made, note: str = "") -> FileResult:
@@ -376,22 +425,28 @@ def _run_tree(op: str, src: str, dst: str, entries: list, outputs: list, made, m
 
 
 def decompress_dir(src, dst, *, threads: int | None = None, force: bool = False, progress: bool | None = None,
-                   on_file: Callable[[FileResult], None] | None = None) -> DirSummary:
+                   on_file: Callable[[FileResult], None] | None = None, base=None) -> DirSummary:
     """Restore a tree written by :func:`compress_dir`, byte for byte.
 
     Every ``F.cckp`` is decompressed into ``F`` (its digest checked before it appears);
     every other file is copied. Arguments, results and errors as :func:`compress_dir`;
-    a ``.cckp`` file that is not a comm_codec checkpoint fails with its name.
+    a ``.cckp`` file that is not a comm_codec checkpoint fails with its name, and a tree
+    with no ``.cckp`` file is refused (CheckpointError) before anything is written.
+    ``base``: the directory the mirror's deltas were taken against (as given to
+    :func:`compress_dir`, or its own compressed mirror); each delta file gets the file of
+    the same relative path there.
     """
-    from .exact import decompress_file
+    from .exact import decompress_file, read_index
     from .files import pinned
 
     src, dst = os.fspath(src), os.fspath(dst)
+    base = _base_dir(base)
     started = time.perf_counter()
     _check_trees(src, dst, force)
     tree, entries = _entries(src)
     with tree:
         files = [e.rel for e in entries if e.kind == "file"]
+        _refuse_uncompressed(src, files, "decompress")
         at_once, per_file = _pool_size(threads, len(files))
         made = _Made()
 
@@ -404,14 +459,25 @@ def decompress_dir(src, dst, *, threads: int | None = None, force: bool = False,
                     out = os.path.join(dst, rel[:-len(SUFFIX)])
                     existed = os.path.lexists(out)
                     with pinned(path, fh):
-                        s = decompress_file(path, out, threads=per_file, progress=_meter(progress, at_once),
-                                            force=force)
+                        # Only a delta gets its partner (a standalone file given one warns).
+                        partner = (_partner(base, rel[:-len(SUFFIX)])
+                                   if base is not None and read_index(path)["base"] is not None else None)
+                        s = decompress_file(path, out, base=partner, threads=per_file,
+                                            progress=_meter(progress, at_once), force=force)
                 made.file(out, existed)
                 return FileResult(rel, "decompressed", s.original_bytes, s.compressed_bytes)
             return job
 
         outputs = [os.path.join(dst, rel[:-len(SUFFIX)] if rel.endswith(SUFFIX) else rel) for rel in files]
         return _run_tree("decompress", src, dst, entries, outputs, made, make_job, at_once, on_file, started)
+
+
+def _refuse_uncompressed(src: str, files: list, op: str) -> None:
+    """Refuse a tree with no compressed file: there would be nothing to check or restore,
+    and a command that did nothing must not look like one that succeeded."""
+    if not any(rel.endswith(SUFFIX) for rel in files):
+        raise CheckpointError(f"{src} holds no compressed file ({SUFFIX}), so there is nothing to {op} "
+                              f"({len(files)} other files); give a directory written by 'comm-codec compress DIR OUT'")
 
 
 def verify_dir(src, *, threads: int | None = None, progress: bool | None = None,
@@ -422,7 +488,8 @@ def verify_dir(src, *, threads: int | None = None, progress: bool | None = None,
         A :class:`DirSummary` (other files are listed as copied: there is nothing to check).
 
     Raises:
-        CheckpointError: a compressed file is corrupted (named in the message).
+        CheckpointError: a compressed file is corrupted (named in the message), or the
+            tree holds no ``.cckp`` file (nothing would be checked).
     """
     from .exact import verify_file
     from .files import pinned
@@ -433,6 +500,7 @@ def verify_dir(src, *, threads: int | None = None, progress: bool | None = None,
     started = time.perf_counter()
     tree, entries = _entries(src)
     with tree:
+        _refuse_uncompressed(src, [e.rel for e in entries if e.kind == "file"], "verify")
         at_once, per_file = _pool_size(threads, sum(e.kind == "file" for e in entries))
 
         def make_job(entry):
@@ -479,7 +547,10 @@ def describe_dir(src) -> str:
                 orig = index["source"]["size"]
                 n = len(index["tensors"])
                 rows.append((printable(rel[:-len(SUFFIX)]), "compressed", human_bytes(orig), human_bytes(size),
-                             f"{orig / max(1, size):.3f}", f"{index['source']['format']}, {n} tensors"))
+                             f"{orig / max(1, size):.3f}", f"{index['source']['format']}, {n} tensors, "
+                             f"{sum(t['coding'] == 'frame' for t in index['tensors'])} coded"
+                             + (f"; note: {printable(index['source']['note'], 400)}" if index["source"].get("note")
+                                else "")))
             else:
                 orig = size
                 rows.append((printable(rel), "copied", human_bytes(size), human_bytes(size), "1.000", ""))

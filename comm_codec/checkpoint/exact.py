@@ -71,7 +71,7 @@ from .errors import CheckpointError
 from .exact_index import INDEX_FORMAT, VERSION, is_checkpoint, load_index, read_index
 from .files import (WRITE_DIGEST, AtomicFile, DigestStream, FileMap, atomic_output, check_paths, file_digest,
                     new_hasher, recorded_digest, stat_of, track_temp, untrack_temp)
-from .formats import FileTensor, find_tensors
+from .formats import FileTensor, find_tensors, find_tensors_noted
 from .pipeline import Budget, Buffers, batched, ordered_map, unbatched
 from .plan import CHUNK_SIZES, TRANSFORMS, BookChooser, make_codec, plan_tensor
 from .report import Progress, Summary, human_bytes
@@ -311,7 +311,7 @@ class _CompressedBase:
         except BaseException:
             self._m.close()
             raise
-        _attach_codecs(index["tensors"], index.pop("_books"))
+        attach_codecs(index["tensors"], index.pop("_books"))
         self._index = index
         self.size = index["source"]["size"]
         self._starts = [seg[0] for seg in index["segments"]]
@@ -384,8 +384,8 @@ def compress_file(src, dst, *, base=None, threads: int | None = None, codebooks=
     """Compress a checkpoint file losslessly.
 
     Args:
-        src: the checkpoint: safetensors, a ``torch.save`` zip, or any file (coded as
-            opaque bytes). It is only read.
+        src: the checkpoint: safetensors, a ``torch.save`` file (zip or legacy), a DCP
+            data file (``.distcp``), or any file (coded as opaque bytes). It is only read.
         dst: the compressed file, written atomically (temp file, fsync, rename).
         base: the *original* file of a previous checkpoint (or a standalone compressed
             one): tensors with the same name, dtype and size are coded as the XOR with
@@ -423,7 +423,7 @@ def compress_file(src, dst, *, base=None, threads: int | None = None, codebooks=
             raise CheckpointError(f"{src} is already a {'lossy ' if kind == 'lossy' else ''}comm_codec checkpoint; "
                                   "compressing it again would only make it larger (decompress it first)")
         with _base_file(base, os.path.dirname(os.path.abspath(dst)), threads) as (bm, base_sha):
-            fmt, tensors = find_tensors(m)
+            fmt, tensors, note = find_tensors_noted(m)
             matches = _base_matches(tensors, bm)
             if bm is not None and not matches:
                 raise CheckpointError(
@@ -459,7 +459,8 @@ def compress_file(src, dst, *, base=None, threads: int | None = None, codebooks=
                 index = {
                     "format": INDEX_FORMAT, "version": VERSION,
                     "created_by": created_by(),
-                    "source": {"name": os.path.basename(src), "size": m.size, h.name: h.hexdigest(), "format": fmt},
+                    "source": {"name": os.path.basename(src), "size": m.size, h.name: h.hexdigest(), "format": fmt,
+                               **({"note": note} if note else {})},
                     # A base no tensor was coded against is not recorded: the file stands alone.
                     "base": None if not any(t.transform != "none" for t in tensors) else {
                         "name": os.path.basename(os.fspath(base)), "size": bm.size, WRITE_DIGEST: base_sha()},
@@ -481,7 +482,7 @@ def compress_file(src, dst, *, base=None, threads: int | None = None, codebooks=
         m.close()
     summary = Summary("compress", m.size, total, time.perf_counter() - started, threads, fmt, len(tensors),
                       sum(t.coding == "frame" for t in tensors), sum(t.transform != "none" for t in tensors),
-                      digest=f"{h.name}:{index['source'][h.name]}")
+                      digest=f"{h.name}:{index['source'][h.name]}", note=note)
     log.debug("%s: %s", src, summary.line())
     return summary
 
@@ -516,7 +517,7 @@ def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str
                     raise CheckpointError(
                         f"wrong base: {base} has {name} {base_sha(name)[:16]}... ({bm.size} bytes), but {path} was "
                         f"compressed against {printable(need['name'])} with {name} {want[:16]}... ({need['size']} bytes)")
-            _attach_codecs(tensors, books)
+            attach_codecs(tensors, books)
             checked = bm is not None or need is None
             size = index["source"]["size"]
             label = "decompressing" if sink is not None else "verifying"
@@ -533,8 +534,14 @@ def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str
                    digest=f"{h.name}:{index['source'][h.name]}" if checked else None)
 
 
-def _attach_codecs(tensors: list, books: dict) -> None:
-    """Give every frame-coded tensor record the codec that decodes it (under ``"_codec"``)."""
+def attach_codecs(tensors: list, books: dict) -> None:
+    """Give every frame-coded tensor record the codec that decodes it (under ``"_codec"``).
+
+    Args:
+        tensors: the index's tensor records (changed in place).
+        books: ``{id: Codebook | CodebookGroup}``, as :func:`~.exact_index.load_index` returns
+            them under ``"_books"``.
+    """
     codecs = {}
     for t in tensors:
         if t["coding"] == "frame":
@@ -736,6 +743,8 @@ def describe(path) -> str:
         f"{len(index['tensors'])} tensors, {sum(t['coding'] == 'frame' for t in index['tensors'])} coded, "
         f"{sum(t['transform'] != 'none' for t in index['tensors'])} as deltas",
     ]
+    if src.get("note"):
+        lines.append(f"note      {printable(src['note'], 400)}")
     nentries = sum(len(t.get("entries") or [None]) for t in index["tensors"])
     if nentries != len(index["tensors"]):
         lines.append(f"entries   {nentries} entries on {len(index['tensors'])} storages "
@@ -828,7 +837,7 @@ def load(path, *, base=None, threads: int | None = None, map_location="cpu"):
         from safetensors.torch import load as st_load
 
         return st_load(buf.getvalue())
-    if fmt != "torch_zip":
+    if fmt not in ("torch_zip", "torch_legacy"):
         raise CheckpointError(f"{path} holds a {fmt} file, not a torch or safetensors checkpoint; "
                               "use decompress_file")
     import torch

@@ -3,7 +3,8 @@
 The container around it (header, trailer, the zstd-compressed JSON) is
 :mod:`.container`'s. The index (``"format": "comm_codec.checkpoint"``, version 1)::
 
-    source    {name, size, blake3 | sha256, format: "safetensors" | "torch_zip" | "generic"}
+    source    {name, size, blake3 | sha256, format: "safetensors" | "torch_zip" | "distcp" |
+              "torch_legacy" | "generic", note (optional): why its tensors stay opaque}
     base      null, or {name, size, blake3 | sha256} of the file deltas were taken against
     books     {id: {origin, book}}: every codebook a frame uses, per-tensor and shipped
               alike (a file never depends on the installed default books)
@@ -41,7 +42,7 @@ from . import schema
 from .container import HEADER, MAGIC, NOT_OURS, identify, index_file, read_container_index
 from .errors import fail
 from .files import FileMap, open_regular
-from .formats import CODABLE_NAMES
+from .formats import CODABLE_NAMES, FORMATS
 from .pickle_scan import MAX_ENTRIES
 from .plan import CHUNK_SIZES, TRANSFORMS
 from .schema import Anything, Int, ListOf, MapOf, Nullable, OneOf, Record, Row, Str
@@ -126,7 +127,7 @@ _BOOK_ID = Str(length=16)
 _INDEX = Record({
     "format": OneOf(INDEX_FORMAT), "version": OneOf(VERSION), "created_by": Str(),
     "source": Record({"name": Str(), "size": Int(), "blake3": _SHA, "sha256": _SHA,
-                      "format": OneOf("safetensors", "torch_zip", "generic")}, optional=("blake3", "sha256")),
+                      "format": OneOf(*FORMATS), "note": Str(1024)}, optional=("blake3", "sha256", "note")),
     "base": Nullable(Record({"name": Str(), "size": Int(), "blake3": _SHA, "sha256": _SHA},
                             optional=("blake3", "sha256"))),
     "books": MapOf(_BOOK_ID, Record({"origin": Str(), "book": Anything(dict)})),

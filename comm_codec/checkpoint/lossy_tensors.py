@@ -24,13 +24,15 @@ from .exact import MIN_CODED_BYTES
 from .files import FileMap
 from .formats import CODABLE, FileTensor
 from .lossy_blobs import CHUNK, PIECE, FileBooks, SkeletonReader
+from .lossy_budget import choose
 from .lossy_index import STREAMS
 from .lossy_transforms import (LOSSY_DTYPES, MANTISSA, PACKED, dequantize, error_stats, fill_value, prunable,
-                               quantize, round_mantissa)
+                               quantize, quantize_with, round_mantissa)
 
 __all__ = ["Encoder", "Decoder", "check_expansion", "WEIGHTS_ONLY_FACTOR", "MAX_EXPANSION"]
 
 _MAX_FACTOR = 2.5  # ExCP caps f: beyond it pruning removes residuals that matter
+_RETRIES = 4  # budgeted residuals: tightenings tried before a weight is stored exactly
 WEIGHTS_ONLY_FACTOR = 1.0  # no v to scale by: prune the smaller half of the residual
 # Most bytes a lossy file may restore per byte it holds. A frame chunk of zeros costs a
 # 16- or 24-byte table entry whatever its size, so only a checkpoint of whole chunks of
@@ -117,28 +119,19 @@ class Encoder:
             kept = np.ones(n, bool)
         else:
             B = base.float().numpy().reshape(-1)
-            R = W - B
-            if m2 is not None:
-                v_mean = float(np.mean(_floats(m2, self.m), dtype=np.float64))
-                factor = min(_MAX_FACTOR, p["alpha"] / math.sqrt(v_mean)) if v_mean > 0 else _MAX_FACTOR
+            with np.errstate(invalid="ignore", over="ignore"):  # Inf - Inf: such weights are kept exact
+                R = W - B
+            coded = self._residual(w, m2, W, B, R, p)
+            if coded is None:  # no choice meets the budget: the weight is stored exactly
+                self.exact(w, "weight")
+                recon_u8 = self.m.u8(w.offset, w.nbytes).copy()
+                kept = np.ones(n, bool)
             else:
-                factor = WEIGHTS_ONLY_FACTOR
-            if not prunable(w):
-                factor = 0.0
-            absR = np.abs(R)
-            threshold = float(np.median(absR)) * factor if n else 0.0
-            kept = absR > threshold
-            sym, cents = quantize(R[kept], k)
-            deq = np.zeros(n, np.float32)
-            deq[kept] = dequantize(sym, cents, "value")
-            recon_u8 = _cast(B + deq, w.dtype)
-            qerr = float(np.max(np.abs(R[kept] - deq[kept]))) if sym.size else 0.0
-            stats = {"factor": factor, "threshold": threshold, "bound": max(threshold, qerr),
-                     **error_stats(_back(recon_u8, w.dtype), W)}
-            self.streams["weight_mask"].append(np.packbits(kept, bitorder="little"))
-            self.streams["weight_index"].append(sym)
-            self.add(_record(w, "weight", "residual", centroids=cents.tolist(), domain="value",
-                             kept=int(kept.sum()), stats=stats), recon_u8)
+                kept, sym, cents, recon_u8, stats = coded
+                self.streams["weight_mask"].append(np.packbits(kept, bitorder="little"))
+                self.streams["weight_index"].append(sym)
+                self.add(_record(w, "weight", "residual", centroids=cents.tolist(), domain="value",
+                                 kept=int(kept.sum()), stats=stats), recon_u8)
         self.weights[w.name] = _as_weight(recon_u8, w.dtype, w.shape)
         if m1 is None:
             return
@@ -154,10 +147,63 @@ class Encoder:
             vals = np.full(n, dequantize(np.zeros(1, np.uint8), np.zeros(0, np.float32), domain, fill)[0])
             vals[mask] = dequantize(sym, cents, domain)
             recon_u8 = _cast(vals, mt.dtype)
-            stats = {"threshold": threshold if role == "exp_avg" else None, **error_stats(_back(recon_u8, mt.dtype), x)}
+            stats = {"threshold": threshold if role == "exp_avg" else None, "bits": p["bits"],
+                     **error_stats(_back(recon_u8, mt.dtype), x)}
             self.streams[f"{role}_index"].append(sym)
             self.add(_record(mt, role, "value", param=w.name, centroids=cents.tolist(), domain=domain,
                              kept=int(mask.sum()), fill=fill, stats=stats), recon_u8)
+
+    def _residual(self, w: FileTensor, m2: FileTensor | None, W: np.ndarray, B: np.ndarray, R: np.ndarray,
+                  p: dict):
+        """Prune and quantize a weight's residual: (kept, symbols, centroids, reconstruction, stats).
+
+        With ``p["max_error"]`` the threshold and bits come from :func:`.lossy_budget.choose`
+        and are tightened until the achieved relative RMS error is within the budget
+        (None when no choice gets there: the caller stores the weight exactly); without it,
+        from ExCP's rule (``alpha``, ``bits``).
+        """
+        n = W.size
+        absR = np.abs(R)
+        budget = p.get("max_error")
+        if budget is None:
+            if m2 is not None:
+                v_mean = float(np.mean(_floats(m2, self.m), dtype=np.float64))
+                factor = min(_MAX_FACTOR, p["alpha"] / math.sqrt(v_mean)) if v_mean > 0 else _MAX_FACTOR
+            else:
+                factor = WEIGHTS_ONLY_FACTOR
+            if not prunable(w):
+                factor = 0.0
+            tries = [(float(np.median(absR)) * factor if n else 0.0, p["bits"])]
+            extra = {"factor": factor}
+        else:
+            if not (np.isfinite(W).all() and np.isfinite(R).all()):
+                return None  # a relative error of a tensor holding Inf or NaN is not defined
+            norm = float(np.sqrt(np.sum(W.astype(np.float64) ** 2)))
+            choice = choose(R, norm, budget, prunable(w))
+            if choice is None:
+                return None
+            # The estimate can miss (k-means run shorter, the cast to the weight's dtype):
+            # each retry halves the threshold and adds a bit.
+            tries = [(choice.threshold / 2 ** a, min(8, choice.bits + a)) for a in range(_RETRIES)]
+            first = choice.centroids
+            extra = {"budget": budget, "bits": None, "est_error": choice.est_error}
+        for a, (threshold, bits) in enumerate(tries):
+            kept = absR > threshold
+            if a == 0 and budget is not None and first is not None:
+                sym, cents = quantize_with(R[kept], first)
+            else:
+                sym, cents = quantize(R[kept], (1 << bits) - 1)
+            deq = np.zeros(n, np.float32)
+            deq[kept] = dequantize(sym, cents, "value")
+            recon_u8 = _cast(B + deq, w.dtype)
+            qerr = float(np.max(np.abs(R[kept] - deq[kept]))) if sym.size else 0.0
+            stats = {**extra, "threshold": threshold, "bound": max(threshold, qerr),
+                     **error_stats(_back(recon_u8, w.dtype), W)}
+            if budget is None or stats["rel_rms_error"] <= budget:
+                if budget is not None:
+                    stats["bits"] = bits
+                return kept, sym, cents, recon_u8, stats
+        return None
 
     def precision(self, t: FileTensor, keep_bits: int) -> None:
         """Round a float tensor's mantissas to keep_bits and code it losslessly."""

@@ -16,7 +16,7 @@ import numpy as np
 
 from .formats import FileTensor, storage_keys
 
-__all__ = ["LOSSY_DTYPES", "MANTISSA", "PACKED", "pair_moments", "quantize", "dequantize", "fill_value", "error_stats",
+__all__ = ["LOSSY_DTYPES", "MANTISSA", "PACKED", "pair_moments", "quantize", "quantize_with", "dequantize", "fill_value", "error_stats",
            "prunable", "round_mantissa"]
 
 log = logging.getLogger("comm_codec.checkpoint.lossy")
@@ -122,7 +122,13 @@ def quantize(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """
     if x.size == 0:
         return np.zeros(0, np.uint8), np.zeros(0, np.float32)
-    c = _kmeans_1d(x, k)
+    return quantize_with(x, _kmeans_1d(x, k))
+
+
+def quantize_with(x: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Return (symbols, centroids) for x on the given ascending float32 centroids, as :func:`quantize`."""
+    if x.size == 0:
+        return np.zeros(0, np.uint8), np.zeros(0, np.float32)
     mids = (c[1:].astype(np.float64) + c[:-1]) / 2
     nearest = np.searchsorted(mids, x.astype(np.float64), side="left")
     order = np.argsort(-np.bincount(nearest, minlength=c.size), kind="stable")
@@ -155,10 +161,12 @@ def dequantize(symbols: np.ndarray, centroids: np.ndarray, domain: str, fill: fl
 
 def error_stats(recon: np.ndarray, orig: np.ndarray) -> dict:
     """Return the max |error|, the relative RMS error and the norm of orig (for summing errors)."""
-    err = recon.astype(np.float64) - orig.astype(np.float64)
-    norm = float(np.sqrt(np.sum(orig.astype(np.float64) ** 2)))
+    # one pass each, no float64 copies of both inputs (this runs on every tensor of a checkpoint)
+    err = np.subtract(recon.ravel(), orig.ravel(), dtype=np.float64)
+    wide = orig.ravel().astype(np.float64)
+    norm = float(np.sqrt(np.dot(wide, wide)))
     return {"max_abs_error": float(np.max(np.abs(err))) if err.size else 0.0,
-            "rel_rms_error": float(np.sqrt(np.sum(err * err)) / norm) if norm else 0.0, "norm": norm}
+            "rel_rms_error": float(np.sqrt(np.dot(err, err)) / norm) if norm else 0.0, "norm": norm}
 
 
 def prunable(w: FileTensor) -> bool:

@@ -1,7 +1,8 @@
 """Read a torch pickle without running it: which storage holds which dtype, under which name.
 
 ``torch.save`` writes a zip whose ``data.pkl`` describes the object tree and points at
-storages (``data/<key>`` records) by persistent id. :func:`scan_torch_pickle` parses the
+storages (``data/<key>`` records) by persistent id; a legacy (non-zip) ``torch.save``
+file's object pickle does the same, its storages following the pickles. :func:`scan_torch_pickle` parses the
 opcodes with :mod:`pickletools` and runs a *symbolic* stack machine over them: strings,
 numbers, tuples, dicts and global *names* are tracked; nothing is imported or called.
 """
@@ -216,8 +217,10 @@ def scan_torch_pickle(data: bytes, itemsize) -> dict:
 
 
 def _persistent(pid, storages):
-    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _G)
-            and isinstance(pid[2], str) and isinstance(pid[4], int)):
+    # (storage, class, key, location, numel); a legacy file adds view metadata (None
+    # unless the tensor is a view of a storage view, which has no layout this reads).
+    if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage" and isinstance(pid[1], _G)
+            and isinstance(pid[2], str) and isinstance(pid[4], int) and (len(pid) == 5 or pid[5] is None)):
         return _UNKNOWN
     s = storages.get(pid[2])
     if s is None:

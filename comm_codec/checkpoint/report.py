@@ -24,8 +24,10 @@ class Summary:
         compressed_bytes: size of the compressed file.
         seconds: wall time of the call.
         threads: worker threads used.
-        format: the source's format ("safetensors", "torch_zip", "generic").
+        format: the source's format ("safetensors", "torch_zip", "distcp", "torch_legacy", "generic").
         tensors: tensors found; coded: those coded with frames; delta: those XOR-coded.
+        note: for a compress whose tensors all stay opaque, one line: why, and what
+            would help (None otherwise).
         digest: ``"blake3:<hex>"`` (``"sha256:<hex>"`` for a file that records sha256) of
             the original checkpoint, as checked; None when verify could not check it.
     """
@@ -40,6 +42,7 @@ class Summary:
     coded: int = 0
     delta: int = 0
     digest: str | None = None
+    note: str | None = None
 
     @property
     def sha256(self) -> str | None:

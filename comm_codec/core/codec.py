@@ -34,7 +34,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 
@@ -42,14 +41,15 @@ import numpy as np
 
 # kernels.jit imports numba first and turns a bad numba setting (NUMBA_NUM_THREADS) into one clear error
 from ..kernels import jit  # noqa: F401  (isort: skip)
-from ..kernels.decode import decode_accumulate_chunks, decode_chunks, decode_chunks_serial
-from ..kernels.encode import encode_chunks, encode_frame, encode_frame_into, frame_room, plan_chunks
+from ..kernels.decode import decode_range
+from ..kernels.encode import encode_frame, encode_frame_into, encode_range, frame_room, plan_range
 from ..kernels.layout import STATUS_MESSAGES
 from . import frame as _frame
 from . import precompile as _precompile
 from .codebooks import CodebookSet, as_codebook_set
 from .frame import FrameError
-from .memory import POOL_MIN_BYTES, empty_bytes, empty_output, front, torch_threads_kept
+from .memory import POOL_MIN_BYTES, empty_bytes, empty_output, front
+from .parallel import run_ranges, thread_count
 from .streams import StreamSpec, as_bits, is_accumulable, spec_for
 from .tables import KernelTables, TablesCache, encode_tables
 
@@ -68,6 +68,39 @@ DEFAULT_CHUNK_ELEMS = 1 << 14
 
 # Decode tables kept per codec, by the frame's tuple of book ids (see TablesCache).
 DECODE_CACHE_SIZE = 32
+
+
+_NO_ORDER = np.zeros(0, dtype=np.int64)  # decode_range: order the chunks itself
+_NO_ACC = np.zeros(0, dtype=np.uint32)  # decode_range: into the output, not added
+
+
+# Tensors smaller than this are coded on the calling thread: handing ranges to the pool
+# and waiting for them costs tens of microseconds, what a thread codes 32 KiB in.
+_THREADS_MIN_BYTES = 1 << 18
+
+
+def _threads_for(nchunks: int, nbytes: int, threads: int | None) -> int:
+    """Threads to share a frame of ``nchunks`` chunks and ``nbytes`` elements' bytes among."""
+    if nchunks <= 1 or nbytes < _THREADS_MIN_BYTES:
+        return 1
+    return thread_count(threads)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """``a`` as a read-only view: numba compiles a kernel again for each mix of read-only
+    and writable arrays (a frame from bytes or a mapped file is read-only), and decoding
+    writes none of the frame's arrays, so they are always passed read-only."""
+    if not a.flags.writeable:
+        return a
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+def _chunk_order(books: np.ndarray) -> np.ndarray:
+    """Chunks in the order the decode kernel takes them by itself: by stream 0's book, in
+    chunk order within a book (its counting sort, as a stable sort), for threads to split."""
+    return np.argsort(books & 15, kind="stable").astype(np.int64)
 
 
 def _raise_on_status(status: np.ndarray, nchunks: int) -> None:
@@ -245,21 +278,23 @@ class Codec:
         books = np.zeros(nchunks, dtype=np.uint16)
         sizes = np.zeros((nchunks, ns), dtype=np.uint32)
         args = (self.chunk_elems, spec.exp_shift, tables.split)
-        with self._threads(), _precompile.first_use("encode", spec):
+        threads = _threads_for(nchunks, numel * spec.itemsize, self.threads)
+        with _precompile.first_use("encode", spec):
             if nchunks:
-                plan_chunks(bits, *args, tables.enc_len, tables.nbooks, tables.raw, cflags, refs, books, sizes)
+                run_ranges(plan_range, nchunks, threads, lambda lo, hi: (
+                    bits, *args, tables.enc_len, tables.nbooks, tables.raw, cflags, refs, books, sizes, lo, hi))
             counts = _frame.chunk_counts(numel, self.chunk_elems, nchunks)
             lengths = _frame.payload_bytes(cflags.astype(np.int64), sizes, counts)
             hsize = _frame.header_size(ns, nchunks)
             offsets = (hsize + np.concatenate(([0], np.cumsum(lengths)[:-1]))).astype(np.int64)
             total = int(hsize + lengths.sum())
             out8 = empty_bytes(total)
+            out64 = out8.view(np.uint64)
             checksums = np.zeros(nchunks, dtype=np.uint32)
             if nchunks:
-                encode_chunks(
+                run_ranges(encode_range, nchunks, threads, lambda lo, hi: (
                     bits, *args, tables.enc_code, tables.enc_len, *tables.pairs, cflags, refs, books, sizes,
-                    offsets, out8, out8.view(np.uint64), checksums, self.checksum,
-                )
+                    offsets, out8, out64, checksums, self.checksum, lo, hi))
         table = np.zeros(nchunks, dtype=_frame.table_dtype(ns))
         table["cflags"], table["ref"], table["books"], table["checksum"] = cflags, refs, books, checksums
         table["sizes"] = sizes
@@ -390,14 +425,12 @@ class Codec:
     def _decode_bits(self, buf: np.ndarray, params, tables: KernelTables, bits: np.ndarray) -> None:
         status = np.zeros(params.nchunks, dtype=np.int32)
         args = self._kernel_args(buf, params, tables)
-        if params.nchunks == 1 or self.threads == 1:
-            # Nothing for threads to share: the serial kernel, without the parallel
-            # launch and the thread-count switches that cost more than a small frame's host work.
-            with _precompile.first_use("one-thread decode", params.spec):
-                decode_chunks_serial(*args, bits, status)
-        else:
-            with self._threads(), _precompile.first_use("decode", params.spec):
-                decode_chunks(*args, bits, status)
+        threads = _threads_for(params.nchunks, params.numel * params.spec.itemsize, self.threads)
+        # One thread: the kernel orders the chunks itself (no host work for a small frame).
+        order = _chunk_order(args[10]) if threads > 1 else _NO_ORDER
+        with _precompile.first_use("decode", params.spec):
+            run_ranges(decode_range, params.nchunks, threads,
+                       lambda lo, hi: (*args, bits, status, order, lo, hi, _NO_ACC, False, False))
         if status.any():
             _raise_on_status(status, params.nchunks)
 
@@ -458,11 +491,14 @@ class Codec:
         spec = params.spec
         status = np.zeros(params.nchunks, dtype=np.int32)
         accu = acc.detach().view(-1).view(torch.int32).numpy().view(np.uint32)
-        with self._threads(), _precompile.first_use("decode_accumulate", spec):
-            decode_accumulate_chunks(
-                *self._kernel_args(buf, params, tables), np.empty(0, dtype=spec.bits_dtype),
-                spec.dtype == torch.float16, accu, bool(add), status,
-            )
+        args = self._kernel_args(buf, params, tables)
+        proto = np.empty(0, dtype=spec.bits_dtype)
+        half = spec.dtype == torch.float16
+        threads = _threads_for(params.nchunks, params.numel * spec.itemsize, self.threads)
+        order = _chunk_order(args[10]) if threads > 1 else _NO_ORDER
+        with _precompile.first_use("decode_accumulate", spec):
+            run_ranges(decode_range, params.nchunks, threads,
+                       lambda lo, hi: (*args, proto, status, order, lo, hi, accu, half, bool(add)))
         _raise_on_status(status, params.nchunks)
         return acc
 
@@ -473,12 +509,12 @@ class Codec:
             buf = buf.copy()  # a frame sliced out of a larger buffer; kernels read words
         table = params.table
         ns = params.spec.nstreams
-        return (
+        return tuple(_read_only(a) if isinstance(a, np.ndarray) else a for a in (
             buf, buf.view(np.uint64), params.numel, params.chunk_elems, params.spec.exp_shift, params.split, tables.dec,
             tables.multi, np.ascontiguousarray(table["cflags"]), np.ascontiguousarray(table["ref"]),
             np.ascontiguousarray(table["books"]), np.ascontiguousarray(table["sizes"]).reshape(params.nchunks, ns),
             params.offsets, np.ascontiguousarray(table["checksum"]), params.checksums,
-        )
+        ))
 
     # -- ahead of time ---------------------------------------------------------------------
     def precompile(self, dtypes=None) -> dict:
@@ -661,21 +697,6 @@ class Codec:
         if dev is None:
             dev = tables.on_device[device] = _gpu.DeviceTables(_gpu.Launch(device), tables)
         return dev
-
-    @contextlib.contextmanager
-    def _threads(self):
-        previous = numba.get_num_threads()  # per calling thread; restored for the caller
-        # Set only when it differs: a checkpoint codes hundreds of small frames a second
-        # on worker threads already at the codec's count.
-        change = self.threads is not None and self.threads != previous
-        if change:
-            numba.set_num_threads(self.threads)
-        try:
-            with torch_threads_kept():
-                yield
-        finally:
-            if change:
-                numba.set_num_threads(previous)
 
     def __repr__(self) -> str:
         return (f"Codec(codebooks={self.codebooks!r}, threads={self.threads}, chunk_elems={self.chunk_elems}, "

@@ -12,7 +12,13 @@ fraction of a second. So:
 * :meth:`comm_codec.Codec.precompile` does the same inside a process, for the dtypes
   it will code, so that a caller can keep compile or cache-load time out of its first
   measured encode and decode (the DDP hook's ``encode_seconds``);
-* whichever call compiles first logs it once, with its duration (:func:`first_use`).
+* whichever call compiles first logs it once, with its duration (:func:`first_use`);
+* and before that, a compile is said while it starts: when one of this package's kernels
+  is still compiling :data:`NOTICE_AFTER` seconds after it started, one WARNING line
+  (logger ``comm_codec.compile``, which a default Python setup prints to stderr) says
+  what compiles, why, how long it usually takes and how to avoid it, once per wait.
+  Every path (codec, command line, hooks, DeepSpeed, DCP, the demo) gets it, since it
+  listens to numba's own compile events instead of wrapping call sites.
 
 Where the cache goes: numba writes beside the package (``__pycache__``) when it can, and
 otherwise (a read-only site-packages) under the user's cache directory; set
@@ -30,14 +36,17 @@ import time
 
 import numpy as np
 
-from ..kernels import jit as _jit
+from ..kernels import jit as _jit  # first: it names a bad NUMBA_* setting in its error
 from ..kernels.histogram import chunk_histograms, huffman_costs
 from .huffman import Codebook
 from .streams import SUPPORTED_NAMES, as_bits, is_accumulable, spec_for
 
-__all__ = ["precompile", "is_precompiled", "first_use", "cache_location"]
+from numba.core import event as _event  # noqa: E402 - after kernels.jit (see above)
+
+__all__ = ["precompile", "is_precompiled", "first_use", "cache_location", "NOTICE_AFTER"]
 
 log = logging.getLogger(__name__)
+_notice_log = logging.getLogger("comm_codec.compile")
 
 _lock = threading.Lock()
 _done: set = set()  # (bits dtype, profiler) that precompile() has run in this process
@@ -63,6 +72,14 @@ def _sample(dtype) -> "torch.Tensor":
     x[1024:2048] = 0
     x[2048:2048 + 1024:3] = 0
     return x
+
+
+def _threads_for_ranges() -> int:
+    """Two threads where numba allows them: the threaded paths' kernels (their argument
+    types do not depend on the count)."""
+    import numba
+
+    return min(2, numba.config.NUMBA_NUM_THREADS)
 
 
 def cache_location() -> str:
@@ -152,16 +169,19 @@ def precompile(codec, dtypes=None, profiler: bool = False) -> dict:
                     frame = codec.encode(x, "gradient")
                     out = codec.decode(frame)
                     # A tensor of one chunk (or any small one, with one thread) is coded by
-                    # one kernel, larger ones by the planner and the packer: load both
-                    # (chunks of 1024 make four here; without threads=1 they take the latter).
-                    chunked = type(codec)(codec.codebooks, chunk_elems=1024)
-                    out_chunked = codec.decode(chunked.encode(x, "gradient"))
+                    # one kernel, larger ones on threads by the planner and the packer (and
+                    # decoded on threads in the book order): load both, whatever the
+                    # codec's own thread count (chunks of 1024 make four here).
+                    chunked = type(codec)(codec.codebooks, chunk_elems=1024, threads=_threads_for_ranges())
+                    single = type(codec)(codec.codebooks, chunk_elems=1024, threads=1)
+                    out_chunked = chunked.decode(chunked.encode(x, "gradient"))
+                    out_single = single.decode(single.encode(x, "gradient"))
                 except ValueError as exc:  # a codebook set without books for this dtype
                     log.debug("precompile: %s skipped (%s)", spec.name, exc)
                     spent[spec.name] = 0.0
                     continue
                 want = x.reshape(-1).view(torch.uint8)
-                if not (torch.equal(out.view(torch.uint8), want) and torch.equal(out_chunked.view(torch.uint8), want)):
+                if not all(torch.equal(o.view(torch.uint8), want) for o in (out, out_chunked, out_single)):
                     raise RuntimeError(f"precompile round trip of {spec.name} is not bit-exact")  # pragma: no cover
                 if is_accumulable(spec):  # the all-reduce's decode-and-add
                     codec.decode_accumulate(frame, torch.zeros(x.numel(), dtype=torch.float32))
@@ -185,3 +205,82 @@ def is_precompiled(dtype, profiler: bool = False) -> bool:
     """
     bits = spec_for(dtype).bits_dtype
     return (bits, True) in _done or (not profiler and (bits, False) in _done)
+
+
+# A compile still running after this many seconds gets its line (see the module's docstring).
+NOTICE_AFTER = 1.0
+# Compiles closer than this to the previous one's end belong to the same wait (one first
+# use compiles several kernels one after the other): no second line for them.
+_SAME_WAIT = 20.0
+# What a first use of one element type compiles (encode and decode), measured with an
+# empty cache on a loaded 2-core machine: the line's "usually".
+USUAL_SECONDS = "10-30 s"
+_PACKAGE = __name__.split(".")[0] + "."
+_ELEMENTS = {"uint16": "bf16/fp16", "uint32": "fp32", "uint8": "fp8", "int8": "int8/uint8"}
+
+
+def _element_type(args) -> str:
+    """The element type a compile is for, as the notice names it: its first element array's."""
+    for a in args:
+        dtype = getattr(a, "dtype", None)
+        if dtype is not None and getattr(a, "ndim", 0) == 1 and str(dtype) in _ELEMENTS:
+            return _ELEMENTS[str(dtype)]
+    return "codebook tables"
+
+
+class _CompileNotice(_event.Listener):
+    """numba's compile events -> one WARNING line for a wait on compiles (see the module's docstring)."""
+
+    def __init__(self):
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._said_at = None  # monotonic time of the last line
+        self._last_end = float("-inf")  # monotonic time the last compile of ours ended
+
+    def on_start(self, ev):
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        if depth:
+            return  # a helper compiled on the way: the outermost compile's timer covers it
+        self._local.timer = None
+        disp = ev.data.get("dispatcher")
+        module = getattr(getattr(disp, "py_func", None), "__module__", "") or ""
+        self._local.ours = module.startswith(_PACKAGE)
+        if not self._local.ours:
+            return
+        with self._lock:
+            if self._said_at is not None and time.monotonic() - self._last_end < _SAME_WAIT:
+                return  # the wait already said
+        timer = threading.Timer(NOTICE_AFTER, self._say, (disp.py_func.__name__, _element_type(ev.data["args"])))
+        timer.daemon = True
+        self._local.timer = timer
+        timer.start()
+
+    def on_end(self, ev):
+        self._local.depth = getattr(self._local, "depth", 1) - 1
+        if self._local.depth:
+            return
+        timer = getattr(self._local, "timer", None)
+        if timer is not None:
+            timer.cancel()
+            self._local.timer = None
+        if getattr(self._local, "ours", False):
+            with self._lock:
+                self._last_end = time.monotonic()
+
+    def _say(self, name: str, what: str) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if self._said_at is not None and now - self._last_end < _SAME_WAIT + NOTICE_AFTER:
+                return
+            self._said_at = now
+        if _jit.CACHING:
+            why, after = "first use on this machine (not in numba's cache)", f"then cached in {_jit.cache_location()}"
+        else:
+            why, after = "no writable cache (set NUMBA_CACHE_DIR)", "compiled again by every process"
+        _notice_log.warning("comm_codec is compiling its numba kernels (%s for %s), %s: usually %s per element type on "
+                     "2 cores, %s; run `comm-codec precompile` once after installing (or Codec.precompile()) to do "
+                     "this ahead of time", name, what, why, USUAL_SECONDS, after)
+
+
+_event.register("numba:compile", _CompileNotice())

@@ -29,8 +29,9 @@ from transformers import TrainerCallback
 
 from ..comm.stats import LOGGED
 from . import register as register_state
+from ._hf_load import from_pretrained, load_state_dict
 
-__all__ = ["CommCodecCallback"]
+__all__ = ["CommCodecCallback", "from_pretrained", "load_state_dict"]
 
 log = logging.getLogger(__name__)
 

@@ -8,20 +8,22 @@ whole output reaches :data:`~comm_codec.kernels.assemble.STREAM_MIN_BYTES`.
 A chunk of a 1-byte integer type has one stream whose bytes are the elements: its lanes
 are decoded straight into the output.
 
-:func:`decode_accumulate_chunks` decodes each chunk into cache-resident scratch and adds
-it, widened to float32, into an accumulator: bit for bit what torch's CPU ``add_`` gives,
-NaNs included (:func:`_add_f32`).
+One kernel, :func:`decode_range`, does every decode: a range of chunks into the output,
+or each chunk into cache-resident scratch and added, widened to float32, into an
+accumulator: bit for bit what torch's CPU ``add_`` gives, NaNs included
+(:func:`_add_f32`). Threads share a frame by calling it on ranges of chunks; numba's
+``parallel=True`` is not used, because its compile cost more than the kernel's own
+(one copy of the decode code per element type, not three).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
 
 # As for lanes.py below: assemble.py's code is compiled into the kernels here.
 from .assemble import LINE_BYTES, STREAM_MIN_BYTES, assemble, assemble_masked
 from .intrinsics import address, as_f32, f32_bits
-from .jit import entry, inline, jit, parallel_entry
+from .jit import entry, inline, jit
 # numba's on-disk cache keys the kernels below on this file alone, and they hold their
 # own compiled copy of decode_lanes: any change to lanes.py (its code, not only its
 # table layout) must come with a change to this file, or a cached decode_chunks goes on
@@ -34,7 +36,7 @@ from .layout import (CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, HASH_STATE, LANE_HEADER
 from .plane import or_plane, plane_bytes
 from .symbols import element_layout, hash_finish, hash_start
 
-__all__ = ["decode_chunks", "decode_chunks_serial", "decode_accumulate_chunks"]
+__all__ = ["decode_range", "decode_chunks", "decode_chunks_serial", "decode_accumulate_chunks"]
 
 
 @jit
@@ -181,20 +183,16 @@ def _chunk_order(books, n):
     return order
 
 
-@inline
-def _chunk_out(out, c, chunk_elems, numel):
-    """The slice of out that chunk c decodes into."""
-    lo = c * chunk_elems
-    return out[lo:min(numel, lo + chunk_elems)]
+@entry
+def decode_range(frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs, books, sizes,
+                 offsets, checksums, do_checksum, out, status, order, i0, i1, acc, half, add):
+    """Decode chunks order[i0:i1] into out, or add them into acc; status[c] gets a code per chunk (0 = ok).
 
-
-@parallel_entry
-def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs, books, sizes,
-                  offsets, checksums, do_checksum, out, status):
-    """Decode every chunk into out; status[c] gets a code per chunk (0 = ok).
-
-    Chunks are taken by stream 0's book (:func:`_chunk_order`), so that a book's tables
-    stay in cache from one chunk to the next.
+    The one decode kernel: every decode (one thread or many, plain or added into
+    float32) runs it, so that its code is compiled and cached once per element type.
+    Threads each take a range of ``order`` (the Python layer's pool calls this kernel,
+    which releases the GIL, on each). Chunks are taken by stream 0's book
+    (:func:`_chunk_order`), so that a book's tables stay in cache from one chunk to the next.
 
     Args:
         frame8, frame64: the frame as uint8 and uint64 (same memory, 8-byte aligned).
@@ -210,34 +208,54 @@ def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tab
             by the Python layer).
         do_checksum: verify checksums.
         out: element bits output, typed as ``bits`` in
-            :func:`comm_codec.kernels.encode.plan_chunks`.
+            :func:`comm_codec.kernels.encode.plan_chunks`; with acc, only its type counts.
         status: int32[nchunks] output.
+        order: int64[], chunk indices (:func:`_chunk_order`'s order); empty: that order, computed
+            here, and the whole of it (i0 and i1 are then ignored).
+        i0, i1: the range of ``order`` to decode.
+        acc: uint32[numel], a float32 accumulator's bits, or empty (decode into out). Each
+            chunk is then decoded into a scratch chunk (it stays in L1/L2) and added from
+            there, so that the decoded tensor never exists in memory; a chunk whose status
+            is not 0 leaves its part of acc untouched.
+        half: the frame holds fp16 (its uint16 bits widen differently from bf16's).
+        add: True: acc += value; False: acc = value.
     """
-    order = _chunk_order(books, cflags.size)
+    if order.size == 0:
+        order = _chunk_order(books, cflags.size)
+        i0 = 0
+        i1 = cflags.size
     streaming = out.size * out.itemsize >= STREAM_MIN_BYTES
-    for i in prange(cflags.size):
+    plain = acc.size == 0
+    for i in range(i0, i1):
         c = order[i]
-        status[c] = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags,
-                                refs, books, sizes, offsets, checksums, do_checksum,
-                                _chunk_out(out, c, chunk_elems, numel), streaming)
+        lo = c * chunk_elems
+        hi = min(numel, lo + chunk_elems)
+        # One call of the chunk decoder, for both uses: each call site with other argument
+        # types (a literal False) would compile all of it again.
+        dst = out[lo:hi] if plain else np.empty(hi - lo, dtype=out.dtype)
+        st = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs,
+                         books, sizes, offsets, checksums, do_checksum, dst, streaming and plain)
+        status[c] = st
+        if not plain and st == STATUS_OK and hi <= acc.size:
+            _accumulate(dst, acc[lo:hi], half, add)
 
 
-@entry
-def decode_chunks_serial(frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs, books,
-                         sizes, offsets, checksums, do_checksum, out, status):
-    """:func:`decode_chunks` on the calling thread alone (same arguments, same results).
+_NO_ORDER = np.zeros(0, dtype=np.int64)
+_NO_ACC = np.zeros(0, dtype=np.uint32)
 
-    For frames that threads would not speed up (one chunk, or a codec of one thread): a
-    parallel kernel's launch and numba's thread-count switch around it cost more than
-    decoding a 64 Ki-element chunk's host work.
+
+def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs, books, sizes,
+                  offsets, checksums, do_checksum, out, status):
+    """Decode every chunk into out on the calling thread; status[c] gets a code per chunk (0 = ok).
+
+    :func:`decode_range` over all chunks (arguments as there); the Python layer shares
+    the chunks among threads by calling that kernel on ranges.
     """
-    order = _chunk_order(books, cflags.size)
-    streaming = out.size * out.itemsize >= STREAM_MIN_BYTES
-    for i in range(cflags.size):
-        c = order[i]
-        status[c] = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags,
-                                refs, books, sizes, offsets, checksums, do_checksum,
-                                _chunk_out(out, c, chunk_elems, numel), streaming)
+    decode_range(frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs, books, sizes,
+                 offsets, checksums, do_checksum, out, status, _NO_ORDER, 0, 0, _NO_ACC, False, False)
+
+
+decode_chunks_serial = decode_chunks
 
 
 # -- decode and accumulate into float32 ------------------------------------------------------
@@ -311,32 +329,12 @@ def _accumulate(bits, acc, half, add):
                 acc[i] = np.uint32(bits[i]) << np.uint32(16)
 
 
-@parallel_entry
 def decode_accumulate_chunks(frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs,
                              books, sizes, offsets, checksums, do_checksum, proto, half, acc, add, status):
     """Decode every chunk and add its elements, widened to float32, into acc (or assign them).
 
-    Each chunk is decoded into a scratch chunk (it stays in L1/L2) and then added, so the
-    decoded tensor never exists in memory: one pass over acc instead of a decode, a
-    widening copy and an add. A chunk whose status is not 0 leaves its part of acc
-    untouched.
-
-    Args:
-        frame8 ... do_checksum: as for :func:`decode_chunks`.
-        proto: an empty array of the element bits' type (uint16 or uint32).
-        half: the frame holds fp16 (its uint16 bits widen differently from bf16's).
-        acc: uint32[numel], the float32 accumulator's bits (updated in place).
-        add: True: acc += value; False: acc = value.
-        status: int32[nchunks] output.
+    :func:`decode_range` over all chunks, with ``proto`` (an empty array of the element
+    bits' type, uint16 or uint32) for its ``out``.
     """
-    order = _chunk_order(books, cflags.size)
-    for i in prange(cflags.size):
-        c = order[i]
-        lo = c * chunk_elems
-        hi = min(numel, lo + chunk_elems)
-        scratch = np.empty(hi - lo, dtype=proto.dtype)
-        st = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs,
-                         books, sizes, offsets, checksums, do_checksum, scratch, False)
-        status[c] = st
-        if st == STATUS_OK and hi <= acc.size:
-            _accumulate(scratch, acc[lo:hi], half, add)
+    decode_range(frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs, books, sizes,
+                 offsets, checksums, do_checksum, proto, status, _NO_ORDER, 0, 0, acc, half, add)

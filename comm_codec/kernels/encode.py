@@ -1,9 +1,9 @@
 """Encode kernels: plan every chunk (reference, zero mask, books, raw fallbacks, sizes), then write it.
 
 Encoding over threads is two passes so that the frame is allocated once, at its exact
-size: :func:`plan_chunks` sizes every chunk's streams, the Python layer lays out the
-header and offsets, and :func:`encode_chunks` writes the payloads (and their checksums)
-in parallel over chunks. A chunk is a few hundred KiB at most, so its working set stays
+size: :func:`plan_range` sizes chunks' streams, the Python layer lays out the
+header and offsets, and :func:`encode_range` writes the payloads (and their checksums);
+threads each take a range of chunks (:mod:`comm_codec.core.parallel`). A chunk is a few hundred KiB at most, so its working set stays
 in L2 while its streams are coded one by one. Where no threads would help (one chunk,
 or a codec of one thread) :func:`encode_frame` does all of it, header and chunk table
 included, in one call (for small tensors the host code between three calls cost more
@@ -39,19 +39,22 @@ count of zeros is left out (it cost 1.5 ms of 13 planning MiniLM's bf16 weights)
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
 from numba.extending import overload
 
 from .histogram import lane_histograms
 from .intrinsics import address, load16, prefetch, store64
-from .jit import OVERLOAD_OPTIONS, entry, inline, jit, parallel_entry
+from .jit import OVERLOAD_OPTIONS, entry, inline, jit
 from .layout import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, LANE_HEADER, LANES, MIN_SAVING_SHIFT
 from .plane import plane_bytes, write_plane
 from .symbols import chunk_ref, count_zeros, element_layout, hash_words, stream_params, symbol, symbols0
 
-__all__ = ["plan_chunks", "encode_chunks", "encode_frame", "encode_frame_into", "frame_room", "pair_tables", "PAIR_ENTRIES", "PAIR_SLOW"]
+__all__ = ["plan_range", "encode_range", "plan_chunks", "encode_chunks", "encode_frame", "encode_frame_into", "frame_room", "pair_tables", "PAIR_ENTRIES", "PAIR_SLOW"]
 
 _U64_0 = np.uint64(0)
+# Flags passed to helpers as typed values, not literals: numba compiles a helper again
+# for every literal argument value it is called with.
+_YES = np.bool_(True)
+_NO = np.bool_(False)
 
 # Stream 0's pair tables: entry a | b << 8 holds the codes of symbol a then symbol b, joined.
 PAIR_ENTRIES = 1 << 16
@@ -255,9 +258,9 @@ def _plan_chunk(bits, lo, hi, c, exp_shift, split, enc_len, nbooks, raw_stream, 
     books[c] = chosen
 
 
-@parallel_entry
-def plan_chunks(bits, chunk_elems, exp_shift, split, enc_len, nbooks, raw_stream, cflags, refs, books, sizes):
-    """Choose each chunk's reference, zero handling, books and raw fallbacks; size its streams.
+@entry
+def plan_range(bits, chunk_elems, exp_shift, split, enc_len, nbooks, raw_stream, cflags, refs, books, sizes, c0, c1):
+    """Choose chunk c0..c1-1's's reference, zero handling, books and raw fallbacks; size its streams.
 
     Args:
         bits: element bits (typed as :mod:`comm_codec.kernels.layout` describes).
@@ -273,12 +276,19 @@ def plan_chunks(bits, chunk_elems, exp_shift, split, enc_len, nbooks, raw_stream
         raw_stream: bool[nstreams], streams whose book is raw.
         cflags, refs, books, sizes: outputs, uint8[nchunks], uint8[nchunks],
             uint16[nchunks] (book of stream s in bits 4s..4s+3), uint32[nchunks, ns].
+        c0, c1: the chunks to plan (threads each plan a range).
     """
     n = bits.size
-    for c in prange(cflags.size):
+    for c in range(max(0, c0), min(c1, cflags.size)):
         lo = c * chunk_elems
         _plan_chunk(bits, lo, min(n, lo + chunk_elems), c, exp_shift, split, enc_len, nbooks, raw_stream, cflags, refs,
                     books, sizes)
+
+
+def plan_chunks(bits, chunk_elems, exp_shift, split, enc_len, nbooks, raw_stream, cflags, refs, books, sizes):
+    """Plan every chunk on the calling thread: :func:`plan_range` over all of them."""
+    plan_range(bits, chunk_elems, exp_shift, split, enc_len, nbooks, raw_stream, cflags, refs, books, sizes, 0,
+               cflags.size)
 
 
 @inline
@@ -388,7 +398,7 @@ def _pack_tail(sym, j0, n, codes, lens, out8, p, acc, nb, pos, tail):
     remaining bytes are copied out, so nothing past the lane is written (the next
     chunk's payload may be another thread's).
     """
-    t, acc, nb = _pack_singles(sym, j0, n, codes, lens, tail, 0, acc, nb)
+    t, acc, nb = _pack_singles(sym, j0, n, codes, lens, tail, np.int64(0), acc, nb)
     bits = 8 * (p - pos + t) + nb
     if nb > 0:
         store64(tail, t, acc)
@@ -442,7 +452,7 @@ def _pack_pairs(sym, n, codes, lens, pair_code, pair_len, out8, pos, tail, limit
     return _pack_tail(sym, 6 * steps, n, codes, lens, out8, p, acc, nb, pos, tail)
 
 
-@jit
+@inline
 def _put_u32(out8, pos, value):
     for k in range(4):
         out8[pos + k] = (value >> (8 * k)) & 255
@@ -636,15 +646,15 @@ def _encode_chunk(src, c, flags, ref, chosen, sizes, pos, exp_shift, split, enc_
             k = (chosen >> (4 * s)) & 15
             kp = k if s == 0 else 0  # pair tables are stream 0's
             _write_segment(src, s, exp_shift, split, ref, enc_code[s, k], enc_len[s, k], pair_code[kp], pair_len[kp],
-                           out8, out64, pos, pos + size, False)
+                           out8, out64, pos, pos + size, _NO)
         pos += (size + 7) & ~7
     return pos
 
 
-@parallel_entry
-def encode_chunks(bits, chunk_elems, exp_shift, split, enc_code, enc_len, pair_code, pair_len, cflags, refs, books,
-                  sizes, offsets, out8, out64, checksums, do_checksum):
-    """Write every chunk's payload at its offset (as planned by :func:`plan_chunks`).
+@entry
+def encode_range(bits, chunk_elems, exp_shift, split, enc_code, enc_len, pair_code, pair_len, cflags, refs, books,
+                 sizes, offsets, out8, out64, checksums, do_checksum, c0, c1):
+    """Write chunk c0..c1-1's payload at its offset (as planned by :func:`plan_chunks`).
 
     Args:
         bits, chunk_elems, exp_shift, split: as for :func:`plan_chunks`.
@@ -656,15 +666,23 @@ def encode_chunks(bits, chunk_elems, exp_shift, split, enc_code, enc_len, pair_c
         out8, out64: the frame as uint8 and as uint64 (same memory).
         checksums: uint32[nchunks] output.
         do_checksum: whether to compute checksums (0 is stored otherwise).
+        c0, c1: the chunks to write (threads each write a range).
     """
     n = bits.size
-    for c in prange(cflags.size):
+    for c in range(max(0, c0), min(c1, cflags.size)):
         lo = c * chunk_elems
         hi = min(n, lo + chunk_elems)
         end = _encode_chunk(bits[lo:hi], c, cflags[c], np.int64(refs[c]), np.int64(books[c]), sizes,
                             offsets[c], exp_shift, split, enc_code, enc_len, pair_code, pair_len, out8, out64)
         start = offsets[c] // 8
         checksums[c] = hash_words(out64, start, end // 8 - start, c) if do_checksum else 0
+
+
+def encode_chunks(bits, chunk_elems, exp_shift, split, enc_code, enc_len, pair_code, pair_len, cflags, refs, books,
+                  sizes, offsets, out8, out64, checksums, do_checksum):
+    """Write every chunk's payload on the calling thread: :func:`encode_range` over all of them."""
+    encode_range(bits, chunk_elems, exp_shift, split, enc_code, enc_len, pair_code, pair_len, cflags, refs, books, sizes,
+                 offsets, out8, out64, checksums, do_checksum, 0, cflags.size)
 
 
 def _crc_table() -> np.ndarray:
@@ -728,7 +746,7 @@ def _write_chunk(bits, lo, hi, c, exp_shift, split, enc_code, enc_len, nbooks, r
         direct = 4 * sz * zero_cost <= 3 * sn
     if direct:
         seg0, byte0 = _write_segment(src, 0, exp_shift, split, ref, enc_code[0, 0], enc_len[0, 0], pair_code[0],
-                                     pair_len[0], out8, out64, pos, pos + count, True)
+                                     pair_len[0], out8, out64, pos, pos + count, _YES)
         width, _, _ = element_layout(src)
         if seg0 >= 0 and (byte0 == 0 or width == 1):
             zeros = byte0  # an all-zero element's bytes are all 0 (and it is that byte alone)
@@ -748,7 +766,7 @@ def _write_chunk(bits, lo, hi, c, exp_shift, split, enc_code, enc_len, nbooks, r
             seg = -1
         elif s > 0:
             seg, _ = _write_segment(src, s, exp_shift, split, ref, enc_code[s, 0], enc_len[s, 0], pair_code[0],
-                                    pair_len[0], out8, out64, pos, pos + count, False)
+                                    pair_len[0], out8, out64, pos, pos + count, _NO)
         if seg < 0 or seg > count - _min_saving(s, count):
             flags |= CHUNK_RAW0 << s
             seg = count
@@ -773,12 +791,12 @@ def frame_room(n, chunk_elems, ns, head_bytes):
     return room
 
 
-@entry
 def encode_frame(bits, chunk_elems, exp_shift, split, enc_code, enc_len, nbooks, raw_stream, pair_code, pair_len, head,
                  version_books, do_checksum):
     """Plan and write a whole frame in one call, without threads; return it.
 
-    :func:`encode_frame_into` into an array of its own.
+    :func:`encode_frame_into` into an array of its own (a Python function: a kernel of
+    its own would compile the whole encoder again, for a call it does not speed up).
 
     Returns:
         The frame, uint8[]: the front of an array with room for the largest frame of
@@ -786,7 +804,7 @@ def encode_frame(bits, chunk_elems, exp_shift, split, enc_code, enc_len, nbooks,
         frame never holds more than twice its size).
     """
     room = frame_room(bits.size, chunk_elems, enc_len.shape[0], head.size)
-    out8 = np.empty(room, dtype=np.uint8)
+    out8 = np.empty((room + 7) // 8, dtype=np.uint64).view(np.uint8)[:room]  # 8-byte aligned
     pos = encode_frame_into(bits, chunk_elems, exp_shift, split, enc_code, enc_len, nbooks, raw_stream, pair_code,
                             pair_len, head, version_books, do_checksum, out8)
     # The frame is the front of the room; a frame under half of it (zeros) gets an array

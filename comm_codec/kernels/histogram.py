@@ -11,14 +11,13 @@
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
 
 from .intrinsics import prefetch
-from .jit import entry, inline, jit, parallel_entry
+from .jit import entry, inline, jit
 from .layout import LANES
 from .symbols import chunk_ref, count_zeros, element_layout, stream_params, symbol, symbol0
 
-__all__ = ["lane_histograms", "chunk_histograms", "huffman_costs", "package_merge"]
+__all__ = ["lane_histograms", "chunk_histograms_range", "chunk_histograms", "huffman_costs", "package_merge"]
 
 
 @inline
@@ -115,9 +114,11 @@ def lane_histograms(src, lo, hi, s, hist):
         _hist4(src, lo, a1, a2, a3, n, sh, top, ra, mask, hist)
 
 
-@parallel_entry
-def chunk_histograms(bits, chunk_elems, exp_shift, streams, local, zeros):
+@entry
+def chunk_histograms_range(bits, chunk_elems, exp_shift, streams, local, zeros, c0, c1):
     """Fill local[c, j] with the symbol counts of stream streams[j] in chunk c, zeros[c] with its zeros.
+
+    Chunks c0..c1-1 only: threads each take a range (:mod:`comm_codec.core.parallel`).
 
     Symbols are formed exactly as the encoder forms them: per-chunk reference exponent
     for stream 0. Exact zeros are counted where the encoder will code them, in chunks
@@ -131,10 +132,11 @@ def chunk_histograms(bits, chunk_elems, exp_shift, streams, local, zeros):
         streams: int64[k], the streams to count (each in 0..nstreams-1; others are skipped).
         local: int64[nchunks, k, 256] output (overwritten).
         zeros: int64[nchunks] output.
+        c0, c1: the chunks to count.
     """
     n = bits.size
     width, _, _ = element_layout(bits)
-    for c in prange(local.shape[0]):
+    for c in range(max(0, c0), min(c1, local.shape[0])):
         lo = c * chunk_elems
         hi = min(n, lo + chunk_elems)
         ref = chunk_ref(bits, lo, hi, exp_shift)
@@ -172,6 +174,11 @@ def chunk_histograms(bits, chunk_elems, exp_shift, streams, local, zeros):
                 if 0 <= s < width:
                     sh, sub, top, ra, mask = stream_params(bits, s, exp_shift, ref)
                     local[c, j, symbol(0, sh, sub, top, ra, mask)] -= z
+
+
+def chunk_histograms(bits, chunk_elems, exp_shift, streams, local, zeros):
+    """:func:`chunk_histograms_range` over every chunk, on the calling thread."""
+    chunk_histograms_range(bits, chunk_elems, exp_shift, streams, local, zeros, 0, local.shape[0])
 
 
 @entry

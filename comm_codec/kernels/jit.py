@@ -1,10 +1,14 @@
 """How the CPU kernels are compiled: numba's flags in one place, and what was compiled.
 
-Every CPU kernel is decorated with one of the four decorators below, so that the flags
+Every CPU kernel is decorated with one of the three decorators below, so that the flags
 are the same everywhere: machine code is cached on disk across processes
 (``cache=True``), kernels release the GIL (``nogil``), and ``fastmath`` stays off (the
-kernels do integer work, and bit-exactness is the point). Only the entry points whose
-outer loop is a ``prange`` over chunks are compiled with ``parallel=True``.
+kernels do integer work, and bit-exactness is the point). None is compiled with
+``parallel=True``: the kernels that threads share take a range of chunks, and the
+Python layer runs ranges on its own threads (:mod:`comm_codec.core.parallel`), so that
+one compiled copy serves one thread and many. numba compiles each entry point with
+every helper it calls linked in and optimized again, so the entry points are few: one
+decode kernel, the one-call frame encoder, and the threaded encoder's two passes.
 
 Without a writable cache (a read-only install, HOME not writable, a bad
 ``NUMBA_CACHE_DIR``) numba refuses ``cache=True`` outright; then :data:`CACHING` is False,
@@ -14,9 +18,13 @@ says so once).
 The entry points (the kernels that the layer above calls) are registered here, so that
 :func:`compile_counts` can tell a compile from a cache load, and :func:`cache_location`
 where numba keeps them.
+
+A compile is a wait the caller did not ask for: :mod:`comm_codec.core.precompile` says so
+before it waits (numba's compile events).
 """
 
 from __future__ import annotations
+
 
 try:
     import numba
@@ -24,8 +32,7 @@ except ValueError as _exc:  # numba's own check of its environment, e.g. NUMBA_N
     raise ValueError(f"numba cannot start: {_exc} (check the NUMBA_* environment variables: "
                      "NUMBA_NUM_THREADS must be a positive integer, or unset)") from None
 
-__all__ = ["FLAGS", "OVERLOAD_OPTIONS", "CACHING", "jit", "inline", "entry", "parallel_entry", "compile_counts",
-           "cache_location"]
+__all__ = ["FLAGS", "OVERLOAD_OPTIONS", "CACHING", "jit", "inline", "entry", "compile_counts", "cache_location"]
 
 def _caching_works() -> bool:
     """Whether numba can cache functions of this package (a writable cache location exists).
@@ -66,13 +73,6 @@ def inline(fn):
 def entry(fn):
     """Compile a kernel that the Python layer calls, and register it."""
     dispatcher = numba.njit(**FLAGS)(fn)
-    _ENTRY_POINTS[fn.__name__] = dispatcher
-    return dispatcher
-
-
-def parallel_entry(fn):
-    """:func:`entry` for a kernel whose outer loop is a ``prange`` (numba's threads)."""
-    dispatcher = numba.njit(parallel=True, **FLAGS)(fn)
     _ENTRY_POINTS[fn.__name__] = dispatcher
     return dispatcher
 

@@ -1,4 +1,4 @@
-"""Codec benchmark: ratio, bounds and throughput of comm_codec beside zstd, bz2 and zipnn.
+"""Codec benchmark: ratio, bounds and throughput of comm_codec beside zstd, bz2, zipnn and OpenZL.
 
 Run it as ``comm-codec bench`` or ``python launch_scripts/bench_codec.py``; ``--quick`` is
 a smoke run (< 1 minute), ``--json PATH`` writes every row. It prints a table to stdout
@@ -105,7 +105,7 @@ def _environment() -> dict:
         "cpu_count": os.cpu_count(),
         "numba_num_threads": numba.config.NUMBA_NUM_THREADS,
         "loadavg_at_start": _loadavg(),
-        **{name: version(name) for name in ("torch", "numba", "numpy", "zstandard", "zipnn", "comm_codec")},
+        **{name: version(name) for name in ("torch", "numba", "numpy", "zstandard", "zipnn", "openzl", "comm_codec")},
     }
 
 

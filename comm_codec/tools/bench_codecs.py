@@ -1,4 +1,4 @@
-"""The codecs under test: comm_codec (profiled, single-book and shipped books), zstd, bz2, zipnn.
+"""The codecs under test: comm_codec (profiled, single-book and shipped books), zstd, bz2, zipnn, OpenZL.
 
 Every comparator has the same small interface (:class:`Comparator`): a per-dataset
 ``setup``, an untimed ``prepare`` of the input, ``encode`` and ``decode`` with a thread
@@ -173,6 +173,30 @@ class ZipNN(Comparator):
         return self.dec[threads].decompress(payload)
 
 
+class OpenZL(Comparator):
+    """OpenZL's float graph (:mod:`comm_codec.tools.openzl_graph`); one thread only."""
+
+    name = "openzl"
+
+    def __init__(self):
+        from .openzl_graph import OpenZL as _Graph  # fails early, before any timing, if openzl is missing
+
+        self.graph_type = _Graph
+        self.version = importlib.metadata.version("openzl")
+        self.note = "float graph: exponent Fse, sign+fraction Entropy"
+
+    def setup(self, ds):
+        if ds.spec_name not in ("bf16", "fp16", "fp32"):
+            raise Unsupported(f"openzl {self.version}: no float graph for {ds.spec_name}")
+        self.graph = self.graph_type(ds.spec_name)
+
+    def encode(self, x, threads):
+        return self.graph.compress(x)
+
+    def decode(self, payload, threads):
+        return self.graph.decompress(payload)
+
+
 def threads_available() -> tuple:
     return (1, 2) if numba.config.NUMBA_NUM_THREADS >= 2 else (1,)
 
@@ -185,4 +209,8 @@ def comparators(chunk_elems: int, bz2_mb: float) -> list:
         found.append(ZipNN())
     except ImportError as exc:
         log.warning("zipnn not importable (%s); its rows are left out (pip install comm_codec[bench])", exc)
+    try:
+        found.append(OpenZL())
+    except ImportError as exc:
+        log.warning("openzl not importable (%s); its rows are left out (pip install comm_codec[bench])", exc)
     return found

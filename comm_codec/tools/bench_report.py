@@ -26,19 +26,23 @@ EXPONENTS = "comm_codec:exponents"  # the codec on the same stream alone: the li
 
 def format_table(rows: list) -> str:
     """The rows as a text table; xzn-* are a row's ratio and 1-thread speeds over zipnn's,
+    xoz-* the same over OpenZL's (its float graph, :mod:`comm_codec.tools.openzl_graph`),
     xh0-e/xh0-d its 1-thread speeds over huff0's on the exponent stream alone (both in
     bytes of the whole tensor per second; for the :data:`EXPONENTS` row, which codes
     that stream alone too, symbol for symbol)."""
     head = (f"{'dataset':<24} {'dtype':<8} {'MB':>6}  {'codec':<19} {'ratio':>6} {'exact':>5} "
             f"{'enc1T':>6} {'enc2T':>6} {'dec1T':>6} {'dec2T':>6} {'xzn-r':>6} {'xzn-e':>6} {'xzn-d':>6} "
+            f"{'xoz-r':>6} {'xoz-e':>6} {'xoz-d':>6} "
             f"{'xh0-e':>6} {'xh0-d':>6}  notes")
     lines = [head, "-" * len(head)]
-    bounds, zipnn, huff = {}, {}, {}
+    bounds, zipnn, openzl, huff = {}, {}, {}, {}
     for r in rows:
         if r["codec"].startswith("bound:"):
             bounds[(r["dataset"], r["dtype"], r["codec"])] = r["ratio"]
         if r["codec"] == "zipnn":
             zipnn[(r["dataset"], r["dtype"])] = r
+        if r["codec"] == "openzl":
+            openzl[(r["dataset"], r["dtype"])] = r
         if r["codec"] == HUFF0:
             huff[(r["dataset"], r["dtype"])] = r
     last = None
@@ -62,15 +66,8 @@ def format_table(rows: list) -> str:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
         rate = (lambda x: "") if r["codec"].startswith("bound:") else _fmt_rate
         mb = f"{r['eval_bytes'] / 1e6:.1f}" if first and r.get("eval_bytes") else ""
-        zn = zipnn.get(key)
-        times = ["", "", ""]
         coded_whole = not r["codec"].startswith("bound:") and r["codec"] not in (HUFF0, EXPONENTS)
-        if zn is not None and r is not zn and coded_whole:
-            pairs = ((r["ratio"], zn["ratio"]), (r["enc_gbps"].get("1"), zn["enc_gbps"].get("1")),
-                     (r["dec_gbps"].get("1"), zn["dec_gbps"].get("1")))
-            times = [f"{a / b:.2f}" if a and b else "" for a, b in pairs]
-            if pairs[0][0] and pairs[0][1]:
-                times[0] = f"{pairs[0][0] / pairs[0][1]:.3f}"
+        times = _over(r, zipnn.get(key), coded_whole) + _over(r, openzl.get(key), coded_whole)
         h0 = huff.get(key)
         vs_huff = ["", ""]
         if h0 is not None and r["codec"].startswith("comm_codec"):
@@ -82,13 +79,25 @@ def format_table(rows: list) -> str:
             f"{r['codec']:<19} {ratio:>6} {exact:>5} "
             f"{rate(r['enc_gbps'].get('1')):>6} {rate(r['enc_gbps'].get('2')):>6} "
             f"{rate(r['dec_gbps'].get('1')):>6} {rate(r['dec_gbps'].get('2')):>6} "
-            f"{times[0]:>6} {times[1]:>6} {times[2]:>6} {vs_huff[0]:>6} {vs_huff[1]:>6}  "
+            + "".join(f"{t:>6} " for t in times) + f"{vs_huff[0]:>6} {vs_huff[1]:>6}  "
             + "; ".join(notes)
         ).rstrip())
     if rows and not huff:
         lines.append("(no huff0 column: python launch_scripts/bench_codec.py adds it where "
                      "launch_scripts/build_huff0.sh has built the library)")
     return "\n".join(lines)
+
+
+def _over(r: dict, other: dict | None, coded_whole: bool) -> list:
+    """A row's ratio, 1-thread encode and decode speed over another codec's row (or blanks)."""
+    if other is None or r is other or not coded_whole:
+        return ["", "", ""]
+    pairs = ((r["ratio"], other["ratio"]), (r["enc_gbps"].get("1"), other["enc_gbps"].get("1")),
+             (r["dec_gbps"].get("1"), other["dec_gbps"].get("1")))
+    out = [f"{a / b:.2f}" if a and b else "" for a, b in pairs]
+    if pairs[0][0] and pairs[0][1]:
+        out[0] = f"{pairs[0][0] / pairs[0][1]:.3f}"
+    return out
 
 
 def evaluate_targets(rows: list) -> list:

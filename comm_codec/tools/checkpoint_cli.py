@@ -186,7 +186,7 @@ def _print_file(args):
 # -- the commands ---------------------------------------------------------------------------
 def _cmd_compress(args) -> int:
     if args.lossy is None:
-        used = [f"--{n.replace('_', '-')}" for n in ("bits", "alpha", "beta", "keep_bits")
+        used = [f"--{n.replace('_', '-')}" for n in ("max_error", "bits", "alpha", "beta", "keep_bits")
                 if getattr(args, n) is not None]
         if used:
             raise ValueError(f"{', '.join(used)} only apply to lossy compression; add --lossy excp "
@@ -199,9 +199,13 @@ def _cmd_compress(args) -> int:
         if args.codebooks is not None:
             raise ValueError("--codebooks applies to exact compression; the lossy modes use the shipped books")
         if args.lossy == "excp" and args.keep_bits is not None:
-            raise ValueError("--keep-bits applies to --lossy precision; excp takes --bits, --alpha and --beta")
+            raise ValueError("--keep-bits applies to --lossy precision; excp takes --max-error (or --alpha), "
+                             "--bits and --beta")
+        if args.max_error is not None and args.alpha is not None:
+            raise ValueError("give --max-error (an error budget) or --alpha (ExCP's pruning rule), not both")
         if args.lossy == "precision":
-            extra = [f"--{n}" for n in ("bits", "alpha", "beta") if getattr(args, n) is not None]
+            extra = [f"--{n.replace('_', '-')}" for n in ("max_error", "bits", "alpha", "beta")
+                     if getattr(args, n) is not None]
             if extra:
                 raise ValueError(f"{', '.join(extra)} apply to --lossy excp; precision takes --keep-bits")
             if args.keep_bits is None:
@@ -223,12 +227,13 @@ def _compress_one(args, src: str, dst: str, books) -> None:
     if src != "-" and os.path.isdir(src):
         from ..checkpoint import directory
 
-        if args.lossy is not None or args.base is not None or dst == "-":
-            raise ValueError(f"{src} is a directory: it compresses into a directory, exactly, without --base "
-                             "(--lossy, --base and - apply to single files)")
+        if args.lossy is not None or dst == "-":
+            raise ValueError(f"{src} is a directory: it compresses into a directory, exactly "
+                             "(--lossy and - apply to single files; --base takes the previous directory)")
         _refuse_existing(dst, args.force)
         summary = directory.compress_dir(src, dst, threads=_used_threads(args), force=args.force,
-                                         progress=_progress(args), on_file=_print_file(args), codebooks=books)
+                                         progress=_progress(args), on_file=_print_file(args), codebooks=books,
+                                         base=args.base)
         _say(args, summary.line())
         return
     _refuse_existing(dst, args.force)
@@ -241,13 +246,13 @@ def _compress_one(args, src: str, dst: str, books) -> None:
             from ..checkpoint import lossy
 
             summary = lossy.compress_file(
-                path, out, mode=args.lossy, base=args.base,
-                bits=lossy.DEFAULT_BITS if args.bits is None else args.bits,
-                alpha=lossy.DEFAULT_ALPHA if args.alpha is None else args.alpha,
-                beta=lossy.DEFAULT_BETA if args.beta is None else args.beta,
+                path, out, mode=args.lossy, base=args.base, max_error=args.max_error, bits=args.bits,
+                alpha=args.alpha, beta=lossy.DEFAULT_BETA if args.beta is None else args.beta,
                 keep_bits=args.keep_bits, threads=_used_threads(args))
     # lossy notes (keyframe, fallbacks) were logged by comm_codec.checkpoint.lossy
     _say(args, summary.line(), to_stderr=dst == "-")
+    if getattr(summary, "note", None):
+        _say(args, f"note: {summary.note}", to_stderr=dst == "-")
 
 
 def _cmd_decompress(args) -> int:
@@ -262,11 +267,11 @@ def _decompress_one(args, src: str, dst: str) -> None:
     if src != "-" and os.path.isdir(src):
         from ..checkpoint import directory
 
-        if args.base is not None or dst == "-":
-            raise ValueError(f"{src} is a directory: it decompresses into a directory, without --base")
+        if dst == "-":
+            raise ValueError(f"{src} is a directory: it decompresses into a directory, not to stdout")
         _refuse_existing(dst, args.force)
         summary = directory.decompress_dir(src, dst, threads=_used_threads(args), force=args.force,
-                                           progress=_progress(args), on_file=_print_file(args))
+                                           progress=_progress(args), on_file=_print_file(args), base=args.base)
         _say(args, summary.line())
         return
     _refuse_existing(dst, args.force)
@@ -421,10 +426,15 @@ def register(subparsers) -> None:
     lossy.add_argument("--lossy", choices=("excp", "precision"), default=None,
                        help="excp: a checkpoint series with Adam state, ExCP-style (residuals and moments "
                             "pruned and quantized; first file without --base); precision: round mantissas")
+    lossy.add_argument("--max-error", type=_nonneg, default=None, metavar="E",
+                       help="excp: the relative RMS error ||W'-W||/||W|| each weight tensor of a delta may have; "
+                            "thresholds and bits are chosen per tensor to fit it (default 3.5e-3)")
     lossy.add_argument("--bits", type=_int_in("--bits", 1, 8), default=None, metavar="B",
-                       help="excp: quantization bits, 2^B-1 centroids plus zero (default 4)")
+                       help="excp: quantization bits of the moments (and with --alpha of the residuals), "
+                            "2^B-1 centroids plus zero (default 3; with --alpha 4)")
     lossy.add_argument("--alpha", type=_nonneg, default=None, metavar="A",
-                       help="excp: weight pruning strength, relative to sqrt(mean exp_avg_sq) (default 5e-4)")
+                       help="excp: ExCP's pruning rule instead of --max-error: weight pruning strength, "
+                            "relative to sqrt(mean exp_avg_sq) (e.g. 5e-4)")
     lossy.add_argument("--beta", type=_nonneg, default=None, metavar="B",
                        help="excp: moment pruning threshold in units of mean |exp_avg| (default 2)")
     lossy.add_argument("--keep-bits", type=_int_in("--keep-bits", 0, 23), default=None, metavar="K",

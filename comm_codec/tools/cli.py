@@ -178,6 +178,7 @@ def main(argv=None) -> int:
         from ..core import precompile  # noqa: F401
 
         _numba_without_blas()
+        _numba_without_extensions()
 
         return int(args.func(args) or 0)
     except BrokenPipeError:
@@ -231,6 +232,21 @@ def _numba_without_blas() -> None:
         pass  # numba itself broken or missing: the command's own import says so
     finally:
         sys.meta_path.remove(refuse)
+
+
+def _numba_without_extensions() -> None:
+    """Skip numba's search for third-party extensions (``numba_extensions`` entry points).
+
+    numba runs it at the first kernel a process loads: it reads the entry points of every
+    installed distribution, ~0.1 s of a ``compress`` in an environment of ML packages, and
+    the command's kernels use no extension. Only this process's command line skips it;
+    importing comm_codec changes nothing.
+    """
+    try:
+        from numba.core import entrypoints
+    except ImportError:  # pragma: no cover - numba itself broken: the command's own import says so
+        return
+    entrypoints._already_initialized = True  # numba keeps no public switch for it
 
 
 def _on_termination() -> dict:
