@@ -124,7 +124,6 @@ def delta(prev: str, nxt: str, work: str) -> None:
 
 def hf_load(plain: str, packed: str, repeat: int) -> None:
     import torch
-
     from transformers import AutoModel
 
     from comm_codec.integrations.hf import from_pretrained

@@ -60,7 +60,6 @@ def main(argv=None) -> int:
     times: dict = {}
     cpu: dict = {}
     t0, c0 = time.perf_counter(), time.process_time()
-    import numpy as np
     import torch
 
     import comm_codec as cc
@@ -132,7 +131,7 @@ def main(argv=None) -> int:
     for k, v in times.items():
         print(f"{k:<12} {v:8.2f} {cpu[k]:8.2f}")
     by_kernel: dict = {}
-    for (name, sig), (inc, own) in rows.items():
+    for (name, _sig), (inc, own) in rows.items():
         r = by_kernel.setdefault(name, [0.0, 0.0, 0])
         r[0] += inc
         r[1] += own

@@ -9,6 +9,7 @@ import io
 import os
 import warnings
 
+import ckpt_formats_data as data
 import pytest
 import torch
 
@@ -17,8 +18,6 @@ from comm_codec.checkpoint import exact
 from comm_codec.checkpoint.files import FileMap
 from comm_codec.checkpoint.formats import find_tensors_noted
 from comm_codec.tools import cli
-
-import ckpt_formats_data as data
 
 pytestmark = pytest.mark.unit
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import shutil
 
-import dist_utils
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -32,6 +31,8 @@ import comm_codec.dcp as ccd
 from comm_codec import checkpoint
 from comm_codec.core import codebooks as codebooks_module
 from comm_codec.core.errors import CheckpointError
+
+import dist_utils
 
 pytestmark = [pytest.mark.unit, pytest.mark.filterwarnings("ignore:.*torch.distributed.*:UserWarning")]
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 import comm_codec as cc
+
 import dist_utils
 from helpers import error_text, join_deepspeed
 

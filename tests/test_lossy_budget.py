@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from comm_codec.checkpoint import lossy
 from comm_codec.checkpoint.lossy_budget import _lloyd, _Sorted, choose, estimate
 from comm_codec.checkpoint.lossy_transforms import quantize
+
 from helpers import run_cli
 
 pytestmark = pytest.mark.unit

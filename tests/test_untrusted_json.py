@@ -15,10 +15,8 @@ import threading
 import time
 import tracemalloc
 
-import crafted
 import pytest
 import torch
-from helpers import run_crafted
 from safetensors.torch import save_file
 
 import comm_codec as cc
@@ -27,6 +25,9 @@ from comm_codec.checkpoint import lossy
 from comm_codec.checkpoint.container import parse_json
 from comm_codec.comm import agreement
 from comm_codec.core import _json
+
+import crafted
+from helpers import run_crafted
 
 pytestmark = pytest.mark.unit
 

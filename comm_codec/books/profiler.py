@@ -71,8 +71,8 @@ from ..core.codebooks import CodebookGroup, CodebookSet, as_codebook_set, check_
 from ..core.codec import DEFAULT_CHUNK_ELEMS
 from ..core.huffman import Codebook, entropy_bits, optimal_lengths
 from ..core.parallel import run_ranges, thread_count
-from ..kernels.histogram import chunk_histograms_range, huffman_costs
 from ..core.streams import as_bits, spec_for
+from ..kernels.histogram import chunk_histograms_range, huffman_costs
 
 if typing.TYPE_CHECKING:
     import torch
@@ -336,7 +336,7 @@ class WarmupProfiler:
         """Return the (kind, dtype) pairs observed so far."""
         return sorted(self._acc)
 
-    def statistics(self) -> "ProfileStatistics":
+    def statistics(self) -> ProfileStatistics:
         """Return this process's statistics as plain arrays, ready to be summed over ranks.
 
         :func:`comm_codec.comm.agreement.sum_statistics` sums them over a process group;
@@ -350,7 +350,7 @@ class WarmupProfiler:
         sums = {k: (self._acc[k][0].copy(), float(self._acc[k][1]), self._acc[k][2].copy()) for k in keys}
         return ProfileStatistics(sums, rows, self.max_rows, self.max_books > 1, 1)
 
-    def build(self, meta: dict | None = None, statistics: "ProfileStatistics | None" = None) -> CodebookSet:
+    def build(self, meta: dict | None = None, statistics: ProfileStatistics | None = None) -> CodebookSet:
         """Build a :class:`CodebookSet` from the averaged distributions.
 
         Args:

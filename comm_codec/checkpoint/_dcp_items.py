@@ -81,7 +81,7 @@ def load_checked(raw: bytes, max_pickle: int, what: str):
     check_torch_zip(raw, max_pickle, what)
     try:
         return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch.load raises many types on foreign bytes
+    except Exception as exc:  # noqa: BLE001 - torch.load raises many types on foreign bytes
         raise CheckpointError(f"{what}: weights-only loading refuses it ({type(exc).__name__}: "
                               f"{printable(str(exc), 120)})") from None
 

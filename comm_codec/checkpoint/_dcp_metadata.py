@@ -173,7 +173,7 @@ def read_metadata(directory) -> Metadata:
         raise CheckpointError(f"{path}: larger than {MAX_METADATA_BYTES} bytes: not DCP metadata")
     try:
         md = _MetadataUnpickler(io.BytesIO(raw)).load()
-    except Exception as exc:  # a crafted pickle raises whatever its opcodes provoke
+    except Exception as exc:  # noqa: BLE001 - a crafted pickle raises whatever its opcodes provoke
         raise CheckpointError(f"{path}: not DCP metadata, or truncated or tampered "
                               f"({type(exc).__name__}: {printable(str(exc), 160)})") from None
     check_metadata(md, path)

@@ -39,7 +39,7 @@ import os
 import stat
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ..core.quoting import printable
 from .errors import CheckpointError
@@ -521,10 +521,9 @@ def verify_dir(src, *, threads: int | None = None, progress: bool | None = None,
 def describe_dir(src) -> str:
     """Return a table of a tree written by :func:`compress_dir`: per file, how it is stored,
     its original and stored sizes and ratio (from each index; nothing is decoded)."""
-    from .report import human_bytes
     from .exact_index import read_index
-
     from .files import pinned
+    from .report import human_bytes
 
     src = os.fspath(src)
     if not os.path.isdir(src):

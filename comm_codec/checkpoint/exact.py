@@ -69,8 +69,20 @@ from ..core.streams import spec_for
 from .container import HEADER, MAGIC, created_by, encode_index, identify, zstd_bounded
 from .errors import CheckpointError
 from .exact_index import INDEX_FORMAT, VERSION, is_checkpoint, load_index, read_index
-from .files import (WRITE_DIGEST, AtomicFile, DigestStream, FileMap, atomic_output, check_paths, file_digest,
-                    new_hasher, recorded_digest, stat_of, track_temp, untrack_temp)
+from .files import (
+    WRITE_DIGEST,
+    AtomicFile,
+    DigestStream,
+    FileMap,
+    atomic_output,
+    check_paths,
+    file_digest,
+    new_hasher,
+    recorded_digest,
+    stat_of,
+    track_temp,
+    untrack_temp,
+)
 from .formats import FileTensor, find_tensors, find_tensors_noted
 from .pipeline import Budget, Buffers, batched, ordered_map, unbatched
 from .plan import CHUNK_SIZES, TRANSFORMS, BookChooser, make_codec, plan_tensor
@@ -729,7 +741,7 @@ def describe(path) -> str:
     size = os.path.getsize(path)
     src, base = index["source"], index["base"]
     coded = collections.Counter()
-    for s_off, s_len, off, length, method, crc, ti in index["segments"]:
+    for _s_off, _s_len, _off, length, _method, _crc, ti in index["segments"]:
         coded[ti] += length
     # Every string below comes from the file or the user: printable() escapes what could
     # drive the terminal or start a line of its own.

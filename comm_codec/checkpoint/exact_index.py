@@ -104,7 +104,7 @@ def _check_claims(m: FileMap, index: dict) -> None:
     zstd's largest ratio. So the total a file declares is bounded by its own size.
     """
     path, tensors = m.path, index["tensors"]
-    for k, (src_off, src_len, off, length, method, crc, ti) in enumerate(index["segments"]):
+    for k, (_src_off, src_len, off, length, method, _crc, ti) in enumerate(index["segments"]):
         if method == "zstd" and src_len > length * _ZSTD_MAX_RATIO:
             fail(path, f"index: segment {k} claims {src_len} bytes from {length} zstd bytes, more than zstd "
                        "can restore: corrupted")

@@ -22,7 +22,6 @@ import pickletools
 import re
 import struct
 import zipfile
-
 from typing import TYPE_CHECKING
 
 from ..core.streams import SUPPORTED_NAMES, spec_for

@@ -58,7 +58,6 @@ from ..core.quoting import printable, shown
 from ..core.streams import spec_for
 from .container import HEADER, LOSSY_MAGIC, created_by, encode_index
 from .errors import ChainError, CheckpointError, fail
-from .report import human_bytes
 from .files import FileMap, atomic_output, check_paths
 from .formats import CODABLE, FileTensor, find_tensors, zip_crc_fields
 from .lossy_blobs import FileBooks, SkeletonReader, cut_skeleton, lay_out, skeleton_offsets
@@ -66,6 +65,7 @@ from .lossy_chain import chain_files, chain_weights, clear_cache, file_sha256, f
 from .lossy_index import INDEX_FORMAT, MODES, STREAMS, VERSION, is_lossy, load_index, read_index
 from .lossy_tensors import WEIGHTS_ONLY_FACTOR, Decoder, Encoder
 from .lossy_transforms import pair_moments
+from .report import human_bytes
 
 __all__ = [
     "ChainError",

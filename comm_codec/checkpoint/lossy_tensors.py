@@ -26,8 +26,18 @@ from .formats import CODABLE, FileTensor
 from .lossy_blobs import CHUNK, PIECE, FileBooks, SkeletonReader
 from .lossy_budget import choose
 from .lossy_index import STREAMS
-from .lossy_transforms import (LOSSY_DTYPES, MANTISSA, PACKED, dequantize, error_stats, fill_value, prunable,
-                               quantize, quantize_with, round_mantissa)
+from .lossy_transforms import (
+    LOSSY_DTYPES,
+    MANTISSA,
+    PACKED,
+    dequantize,
+    error_stats,
+    fill_value,
+    prunable,
+    quantize,
+    quantize_with,
+    round_mantissa,
+)
 
 __all__ = ["Encoder", "Decoder", "check_expansion", "WEIGHTS_ONLY_FACTOR", "MAX_EXPANSION"]
 

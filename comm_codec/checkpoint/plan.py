@@ -143,7 +143,7 @@ class Sample:
     every: int = 1
     whole: bool = True
 
-    def xor(self, other: "Sample", spec) -> "Sample":
+    def xor(self, other: Sample, spec) -> Sample:
         """The same chunks XORed with another tensor's (its base), as one contiguous copy."""
         ints = np.dtype(f"u{spec.itemsize}")
         parts = [np.bitwise_xor(self.bits[a:a + n].view(ints), other.bits[b:b + n].view(ints))
@@ -166,7 +166,7 @@ class BookChooser:
         self._shipped: dict = {}  # (kind, dtype, stream) -> (group, its symbol bits, cut-down groups)
         self._lock = threading.Lock()
 
-    def sample(self, data, spec, offset: int = 0, nbytes: int | None = None, sparse: bool = True) -> "Sample":
+    def sample(self, data, spec, offset: int = 0, nbytes: int | None = None, sparse: bool = True) -> Sample:
         """Return whole chunks spread evenly over a tensor's bytes (all of them for a small one).
 
         Whole chunks, aligned as the encoder cuts them, so each sampled chunk gets the
@@ -217,7 +217,7 @@ class BookChooser:
             starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
         return Sample(bits, starts, lengths, numel / max(1, counted), at, every, take == nchunks)
 
-    def counts(self, sample: "Sample", spec) -> dict:
+    def counts(self, sample: Sample, spec) -> dict:
         """Return, per chunk size in CHUNK_SIZES, the sampled chunks' symbol counts.
 
         One pass over the sampled 64 Ki pieces (:mod:`comm_codec.kernels.plan`) gives the

@@ -51,12 +51,12 @@ import torch.distributed as dist
 from ..core.codec import Codec
 from ..core.errors import CollectiveError
 from ..core.frame import FrameError
+from ..core.streams import ACCUMULABLE_DTYPES
 from .agreement import gather_texts
 from .framing import add_into, check_flat, decode_add, decode_part, encode_part, frame_bound, round_into
 from .p2p import recv, reduce, send
 from .stats import CommStats
 from .workspace import Workspace
-from ..core.streams import ACCUMULABLE_DTYPES
 
 # The user's names; the engine's helpers here (pieces, plain_wire_bytes, on_cuda_worker,
 # the piece sizes) are importable but not part of the public surface.

@@ -85,7 +85,7 @@ class CollectiveStats(_Record):
     comm_seconds: float = 0.0
 
     @classmethod
-    def of(cls, counts: dict) -> "CollectiveStats":
+    def of(cls, counts: dict) -> CollectiveStats:
         """Make the record from :class:`CommStats` counters (the totals and ratios derived)."""
         d = CommStats._derived({name: counts[name] for name in CommStats._FIELDS})
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(CollectiveStats)})
@@ -194,7 +194,7 @@ class CommStats:
         def __exit__(self, *exc):
             self.stats.add(**{self.field: time.perf_counter() - self.start})
 
-    def timer(self, field: str) -> "CommStats._Timer":
+    def timer(self, field: str) -> CommStats._Timer:
         """Return a context manager that adds its elapsed seconds to ``field``."""
         return CommStats._Timer(self, field)
 

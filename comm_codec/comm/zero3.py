@@ -110,9 +110,9 @@ def install_dispatchers() -> None:
             return
         pp = importlib.import_module("deepspeed.runtime.zero.partition_parameters")
         s3 = importlib.import_module("deepspeed.runtime.zero.stage3")
-        _original["all_gather"] = getattr(pp, "_dist_allgather_fn")
+        _original["all_gather"] = pp._dist_allgather_fn
         _original["reduce_scatter"] = s3.reduce_scatter_coalesced
-        setattr(pp, "_dist_allgather_fn", _dispatch_all_gather)
+        pp._dist_allgather_fn = _dispatch_all_gather
         s3.reduce_scatter_coalesced = _dispatch_reduce_scatter
 
 

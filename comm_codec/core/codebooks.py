@@ -71,10 +71,10 @@ MAX_FILE_BYTES = 64 << 20
 _MAX_DIGITS = 30
 # What parsing a codebook file may hold (core._json.estimate): the shipped 1 MB set needs ~40 MB.
 _MAX_PARSE_BYTES = 256 << 20
-_default_cache: "CodebookSet | None" = None
+_default_cache: CodebookSet | None = None
 
 
-def as_codebook_set(books) -> "CodebookSet":
+def as_codebook_set(books) -> CodebookSet:
     """Return books as a :class:`CodebookSet`: a set itself, a path to a saved one, or None.
 
     Every API that takes books (the codec, the hooks, the cost functions) accepts the
@@ -200,7 +200,7 @@ class CodebookGroup:
         return {"group": self.id, "books": [b.to_dict() for b in self.books]}
 
     @classmethod
-    def from_dict(cls, entry: dict) -> "CodebookGroup":
+    def from_dict(cls, entry: dict) -> CodebookGroup:
         """Rebuild a group from :meth:`to_dict` output (checks the group id).
 
         Raises:
@@ -343,7 +343,7 @@ class CodebookSet:
             h.update(("%s/%s/%d=%s;" % (*key, self._groups[key].id)).encode())
         return h.hexdigest()
 
-    def __or__(self, other: "CodebookSet") -> "CodebookSet":
+    def __or__(self, other: CodebookSet) -> CodebookSet:
         """Return a set with other's books added, other winning where both have a key."""
         if not isinstance(other, CodebookSet):
             return NotImplemented
@@ -389,7 +389,7 @@ class CodebookSet:
         atomic_write(os.fspath(path), json.dumps(self.to_dict(), indent=1, sort_keys=False, allow_nan=False) + "\n")
 
     @classmethod
-    def from_dict(cls, data: dict, source: str = "<dict>") -> "CodebookSet":
+    def from_dict(cls, data: dict, source: str = "<dict>") -> CodebookSet:
         """Rebuild a set from :meth:`to_dict` output.
 
         Args:
@@ -440,7 +440,7 @@ class CodebookSet:
             raise CodebookError(f"{source}: {exc}") from None
 
     @classmethod
-    def load(cls, path) -> "CodebookSet":
+    def load(cls, path) -> CodebookSet:
         """Read a set written by :meth:`save`.
 
         Args:
@@ -464,7 +464,7 @@ class CodebookSet:
         return cls.from_dict(data, source=path)
 
     @classmethod
-    def default(cls) -> "CodebookSet":
+    def default(cls) -> CodebookSet:
         """Return the books shipped with the package (``codebooks/default.json``).
 
         Returns:

@@ -36,11 +36,14 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 # kernels.jit imports numba first and turns a bad numba setting (NUMBA_NUM_THREADS) into one clear error
 from ..kernels import jit  # noqa: F401  (isort: skip)
+import numba  # noqa: E402 - after the kernels: see above
+
 from ..kernels.decode import decode_range
 from ..kernels.encode import encode_frame, encode_frame_into, encode_range, frame_room, plan_range
 from ..kernels.layout import STATUS_MESSAGES
@@ -53,7 +56,8 @@ from .parallel import run_ranges, thread_count
 from .streams import StreamSpec, as_bits, is_accumulable, spec_for
 from .tables import KernelTables, TablesCache, encode_tables
 
-import numba  # noqa: E402 - after the kernels: see above
+if TYPE_CHECKING:  # annotations only: torch is imported where a tensor is first used
+    import torch
 
 __all__ = ["Codec", "DEFAULT_CHUNK_ELEMS", "DECODE_CACHE_SIZE"]
 
@@ -205,7 +209,7 @@ class Codec:
         self.decode_cache = TablesCache(DECODE_CACHE_SIZE)
 
     # -- encode -------------------------------------------------------------------------
-    def encode(self, tensor, kind: str = "gradient") -> "torch.Tensor":
+    def encode(self, tensor, kind: str = "gradient") -> torch.Tensor:
         """Encode a tensor into a frame.
 
         Args:
@@ -342,7 +346,7 @@ class Codec:
         return front(out8, pos) if 2 * pos >= room else out8[:pos].copy()
 
     # -- decode -------------------------------------------------------------------------
-    def decode(self, frame, out=None, max_output_bytes: int | None = None) -> "torch.Tensor":
+    def decode(self, frame, out=None, max_output_bytes: int | None = None) -> torch.Tensor:
         """Decode a frame back into the elements of the tensor it was made from, bit for bit.
 
         A frame records the dtype and the number of elements, not the shape: the result
@@ -434,7 +438,7 @@ class Codec:
         if status.any():
             _raise_on_status(status, params.nchunks)
 
-    def decode_accumulate(self, frame, acc, *, add: bool = True) -> "torch.Tensor":
+    def decode_accumulate(self, frame, acc, *, add: bool = True) -> torch.Tensor:
         """Decode a frame and add its values into a float32 tensor, in one pass.
 
         ``acc[i] += float32(decoded[i])`` element by element (``add=False``: ``acc[i] =
@@ -610,7 +614,7 @@ class Codec:
             ) from None
 
     @staticmethod
-    def _check_out(out, params, device) -> "torch.Tensor":
+    def _check_out(out, params, device) -> torch.Tensor:
         import torch
 
         if not isinstance(out, torch.Tensor):
@@ -632,7 +636,7 @@ class Codec:
         return out
 
     # -- GPU ------------------------------------------------------------------------------
-    def encode_cuda(self, tensor, kind: str = "gradient") -> "torch.Tensor":
+    def encode_cuda(self, tensor, kind: str = "gradient") -> torch.Tensor:
         """Encode with the numba.cuda kernels: a CUDA tensor, or a CPU one under the simulator.
 
         The frame's bytes equal :meth:`encode`'s on the CPU. :meth:`encode` calls this
@@ -663,7 +667,7 @@ class Codec:
         return _gpu.encode_frame(tensor, spec, tables, self._device_tables(tables, tensor.device),
                                   self.chunk_elems, self.checksum)
 
-    def decode_cuda(self, frame, out=None, max_output_bytes: int | None = None) -> "torch.Tensor":
+    def decode_cuda(self, frame, out=None, max_output_bytes: int | None = None) -> torch.Tensor:
         """Decode with the numba.cuda kernels: a frame on a CUDA device, or a CPU one under the simulator.
 
         :meth:`decode` calls this for CUDA frames; see :meth:`encode_cuda` for the

@@ -92,7 +92,7 @@ def pad8(n):
     return (n + 7) & ~7
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def table_dtype(nstreams: int) -> np.dtype:
     """Return the numpy structured dtype of one chunk-table entry."""
     return np.dtype(

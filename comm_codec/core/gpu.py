@@ -34,10 +34,20 @@ import numpy as np
 import torch
 from numba import cuda
 
-from . import frame as _frame
-from ..kernels.cuda import (CRC_SEGMENT, DECODE_THREADS, MAX_STREAMS, PLAN_THREADS, SIMULATOR, crc_combine,
-                            crc_segments, decode_kernel, encode_kernel, plan_kernel)
+from ..kernels.cuda import (
+    CRC_SEGMENT,
+    DECODE_THREADS,
+    MAX_STREAMS,
+    PLAN_THREADS,
+    SIMULATOR,
+    crc_combine,
+    crc_segments,
+    decode_kernel,
+    encode_kernel,
+    plan_kernel,
+)
 from ..kernels.layout import UNSIGNED_BITS
+from . import frame as _frame
 
 __all__ = ["Launch", "DeviceTables", "encode_frame", "decode_frame", "header_crc", "read_header", "frame_parameters"]
 

@@ -156,7 +156,7 @@ class Codebook:
 
     # -- construction -------------------------------------------------------------
     @classmethod
-    def from_counts(cls, counts, raw_threshold: float | None = RAW_THRESHOLD_BITS) -> "Codebook":
+    def from_counts(cls, counts, raw_threshold: float | None = RAW_THRESHOLD_BITS) -> Codebook:
         """Build the optimal length-limited book for a symbol distribution.
 
         Args:
@@ -192,7 +192,7 @@ class Codebook:
         return book
 
     @classmethod
-    def raw_book(cls) -> "Codebook":
+    def raw_book(cls) -> Codebook:
         """Return the book that stores its stream uncoded (8 bits per symbol)."""
         return cls(None, raw=True)
 
@@ -278,7 +278,7 @@ class Codebook:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Codebook":
+    def from_dict(cls, data: dict) -> Codebook:
         """Rebuild a book from :meth:`to_dict` output, checking format, Kraft and id.
 
         Args:

@@ -12,8 +12,12 @@ import os
 import sys
 import threading
 import weakref
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # annotations only: torch is imported where a tensor is first used
+    import torch
 
 __all__ = ["torch_threads_kept", "OutputPool", "output_pool", "empty_output", "empty_bytes", "front", "POOL_MIN_BYTES"]
 

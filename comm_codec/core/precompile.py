@@ -33,15 +33,18 @@ import contextlib
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
+from numba.core import event as _event  # noqa: E402 - after kernels.jit (see above)
 
 from ..kernels import jit as _jit  # first: it names a bad NUMBA_* setting in its error
 from ..kernels.histogram import chunk_histograms, huffman_costs
 from .huffman import Codebook
 from .streams import SUPPORTED_NAMES, as_bits, is_accumulable, spec_for
 
-from numba.core import event as _event  # noqa: E402 - after kernels.jit (see above)
+if TYPE_CHECKING:  # annotations only: torch is imported where a tensor is first used
+    import torch
 
 __all__ = ["precompile", "is_precompiled", "first_use", "cache_location", "NOTICE_AFTER"]
 
@@ -58,7 +61,7 @@ if not _jit.CACHING:
                 "directory to cache them")
 
 
-def _sample(dtype) -> "torch.Tensor":
+def _sample(dtype) -> torch.Tensor:
     """A small tensor that takes every planning path: dense, masked and all-zero chunks."""
     import torch
 

@@ -36,10 +36,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..kernels.layout import bits_dtype
+
+if TYPE_CHECKING:  # annotations only: torch is imported where a tensor is first used
+    import torch
 
 __all__ = [
     "ACCUMULABLE_DTYPES",
@@ -233,7 +237,7 @@ def split(tensor) -> list[np.ndarray]:
     ]
 
 
-def join(streams: list[np.ndarray], dtype) -> "torch.Tensor":
+def join(streams: list[np.ndarray], dtype) -> torch.Tensor:
     """Join byte streams made by :func:`split` back into a 1-D tensor.
 
     Args:

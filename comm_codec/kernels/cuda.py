@@ -49,9 +49,25 @@ from numba import cuda, int32, int64, uint16, uint64
 
 # The CPU kernels' constants: the same statuses (the codec maps both through
 # layout.STATUS_MESSAGES), chunk flags, lane layout and checksum chains, by construction.
-from .layout import (CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, DEC_ENTRIES, HASH_MUL, HASH_SEED, LANE_HEADER, LANES,
-                     MAX_STREAMS, MIN_SAVING_SHIFT, STATUS_BAD_CODE, STATUS_BOOK, STATUS_CHECKSUM, STATUS_MASK_COUNT,
-                     STATUS_OK, STATUS_OVERRUN, STATUS_SIZE)
+from .layout import (
+    CHUNK_MASK,
+    CHUNK_RAW0,
+    CHUNK_ZERO,
+    DEC_ENTRIES,
+    HASH_MUL,
+    HASH_SEED,
+    LANE_HEADER,
+    LANES,
+    MAX_STREAMS,
+    MIN_SAVING_SHIFT,
+    STATUS_BAD_CODE,
+    STATUS_BOOK,
+    STATUS_CHECKSUM,
+    STATUS_MASK_COUNT,
+    STATUS_OK,
+    STATUS_OVERRUN,
+    STATUS_SIZE,
+)
 
 __all__ = ["SIMULATOR", "PLAN_THREADS", "DECODE_THREADS", "CRC_SEGMENT", "MAX_STREAMS", "plan_kernel",
            "encode_kernel", "crc_segments", "crc_combine", "decode_kernel"]

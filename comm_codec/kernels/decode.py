@@ -24,14 +24,26 @@ import numpy as np
 from .assemble import LINE_BYTES, STREAM_MIN_BYTES, assemble, assemble_masked
 from .intrinsics import address, as_f32, f32_bits
 from .jit import entry, inline, jit
+
 # numba's on-disk cache keys the kernels below on this file alone, and they hold their
 # own compiled copy of decode_lanes: any change to lanes.py (its code, not only its
 # table layout) must come with a change to this file, or a cached decode_chunks goes on
 # running the old lanes (with new tables, reading them the old way). So a cached
 # decode kernel is only as new as this file.
 from .lanes import decode_lanes
-from .layout import (CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, HASH_STATE, LANE_HEADER, STATUS_BOOK, STATUS_CHECKSUM,
-                     STATUS_MASK_COUNT, STATUS_OK, STATUS_SIZE)
+from .layout import (
+    CHUNK_MASK,
+    CHUNK_RAW0,
+    CHUNK_ZERO,
+    HASH_STATE,
+    LANE_HEADER,
+    STATUS_BOOK,
+    STATUS_CHECKSUM,
+    STATUS_MASK_COUNT,
+    STATUS_OK,
+    STATUS_SIZE,
+)
+
 # As for lanes.py: plane.py's code is compiled into the kernels below, keyed on this file.
 from .plane import or_plane, plane_bytes
 from .symbols import element_layout, hash_finish, hash_start

@@ -25,7 +25,6 @@ before it waits (numba's compile events).
 
 from __future__ import annotations
 
-
 try:
     import numba
 except ValueError as _exc:  # numba's own check of its environment, e.g. NUMBA_NUM_THREADS=0

@@ -30,8 +30,17 @@ from numba.cpython.unsafe.numbers import leading_zeros
 
 from .intrinsics import address, load16, load64, prefetch_at, store8_at, store64_at
 from .jit import entry, inline, jit
-from .layout import (DEC_ENTRIES, HASH_MUL, LANE_HEADER, LANES, STATUS_BAD_CODE, STATUS_BOOK, STATUS_OK,
-                     STATUS_OVERRUN, STATUS_SIZE)
+from .layout import (
+    DEC_ENTRIES,
+    HASH_MUL,
+    LANE_HEADER,
+    LANES,
+    STATUS_BAD_CODE,
+    STATUS_BOOK,
+    STATUS_OK,
+    STATUS_OVERRUN,
+    STATUS_SIZE,
+)
 
 __all__ = ["MULTI_BITS", "multi_tables", "decode_lanes"]
 
@@ -126,7 +135,7 @@ def _lane_rest(wa, nwords, pos, mt, dt, d, i, end):
     """
     while i + 20 <= end:  # 3 steps of up to 6 symbols, each writing 8 bytes
         b = _peek_at(wa, nwords, pos)
-        for r in range(3):
+        for _r in range(3):
             e = load64(mt + 8 * np.int64(b & _MULTI_MASK))
             n = np.int64(1)
             if e != _U64_0:

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import os
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

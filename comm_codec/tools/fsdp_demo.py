@@ -27,8 +27,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .train_config import LEARNING_RATE, TrainConfig, add_training_arguments
 from .procs import spawn_ranks
+from .train_config import LEARNING_RATE, TrainConfig, add_training_arguments
 
 __all__ = ["train_fsdp", "add_arguments", "run", "main"]
 

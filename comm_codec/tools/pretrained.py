@@ -84,7 +84,7 @@ def load_weights(path: str) -> dict:
     if head[8:9] != b"{":  # not safetensors (u64 header length, then JSON): a torch file, zip or legacy
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch raises many types for foreign files
+        except Exception as exc:  # noqa: BLE001 - torch raises many types for foreign files
             raise ValueError(f"{path}: not a loadable torch file ({exc})") from None
         if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
             state = state["state_dict"]
@@ -96,7 +96,7 @@ def load_weights(path: str) -> dict:
 
         try:
             tensors = load_file(path)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - safetensors raises many types for foreign files
             raise ValueError(f"{path}: neither a torch zip file nor a safetensors file ({exc})") from None
     return {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
 

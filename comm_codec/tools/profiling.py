@@ -19,9 +19,9 @@ import os
 import numpy as np
 import torch
 
+from ..books.profiler import WarmupProfiler, book_cost, stream_counts
 from ..core.codebooks import CodebookSet
 from ..core.quoting import printable
-from ..books.profiler import WarmupProfiler, book_cost, stream_counts
 from ..core.streams import SUPPORTED_DTYPES, spec_for
 
 __all__ = ["SteppedProfiler", "report", "checkpoint_tensors", "profile_checkpoint", "plot_books"]
@@ -186,7 +186,7 @@ def profile_checkpoint(path: str, prof: WarmupProfiler | None = None) -> WarmupP
     """
     prof = prof or WarmupProfiler()
     n = 0
-    for name, kind, tensor in checkpoint_tensors(path):
+    for _name, kind, tensor in checkpoint_tensors(path):
         if tensor.dtype not in SUPPORTED_DTYPES or tensor.numel() == 0:
             continue
         prof.observe(tensor, kind)

@@ -31,8 +31,8 @@ import logging
 import math
 import os
 import sysconfig
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +58,7 @@ _INIT_STD = 0.02
 # ---------------------------------------------------------------------------
 
 
-def _stdlib_sources(root: Path) -> List[Path]:
+def _stdlib_sources(root: Path) -> list[Path]:
     """Return the stdlib ``.py`` files under ``root``, sorted by relative POSIX path."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -296,7 +296,7 @@ def batches(
     seed: int = 0,
     rank: int = 0,
     world_size: int = 1,
-) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield an endless stream of ``(inputs, targets)`` byte windows from ``corpus``.
 
     Each epoch the corpus is cut into non-overlapping windows of
@@ -345,7 +345,7 @@ def batches(
 
 def _batch_stream(
     corpus: bytes, batch_size: int, span: int, n_windows: int, seed: int, rank: int, world_size: int
-) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
     gen = torch.Generator().manual_seed(seed)
     within = torch.arange(span)
@@ -364,10 +364,10 @@ def _batch_stream(
 def train_steps(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    data_iter: Iterator[Tuple[torch.Tensor, torch.Tensor]],
+    data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]],
     steps: int,
-    on_step: Optional[Callable[[int, nn.Module, torch.optim.Optimizer, float], None]] = None,
-) -> List[float]:
+    on_step: Callable[[int, nn.Module, torch.optim.Optimizer, float], None] | None = None,
+) -> list[float]:
     """Run ``steps`` optimisation steps, calling ``on_step`` while gradients are live.
 
     Each step does ``zero_grad``, ``model.loss(x, y)``, ``backward``, then

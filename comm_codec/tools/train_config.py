@@ -78,7 +78,7 @@ class TrainConfig:
         return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.dtype]
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, **overrides) -> "TrainConfig":
+    def from_args(cls, args: argparse.Namespace, **overrides) -> TrainConfig:
         """Build a config from the options :func:`add_training_arguments` defines."""
         fields = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in vars(args).items() if k in fields}
