@@ -95,13 +95,13 @@ def as_codebook_set(books) -> CodebookSet:
         return CodebookSet.default()
     if isinstance(books, (str, os.PathLike)):
         if not os.path.isfile(books):
-            raise CodebookError(f"codebooks={os.fspath(books)!r}: no such file; allowed: a CodebookSet, the path "
-                                "of a file saved by CodebookSet.save, or None")
+            raise CodebookError(
+                f"codebooks={os.fspath(books)!r}: no such file; allowed: a CodebookSet, the path "
+                "of a file saved by CodebookSet.save, or None"
+            )
         return CodebookSet.load(books)
     if not isinstance(books, CodebookSet):
-        raise TypeError(
-            f"codebooks must be a CodebookSet, a path to a saved one, or None, got {type(books).__name__}"
-        )
+        raise TypeError(f"codebooks must be a CodebookSet, a path to a saved one, or None, got {type(books).__name__}")
     return books
 
 
@@ -425,11 +425,13 @@ class CodebookSet:
                 if "books" in entry and data["version"] < 2:
                     raise CodebookError("groups of books need codebook file version 2")
                 books[key] = CodebookGroup.from_dict(entry)
-                stats[key] = {k: v for k, v in entry.items()
-                              if k not in ("kind", "dtype", "stream", "book", "books", "group")}
+                stats[key] = {
+                    k: v for k, v in entry.items() if k not in ("kind", "dtype", "stream", "book", "books", "group")
+                }
             except (KeyError, TypeError, AttributeError) as exc:
-                raise CodebookError(f"{source}: book entry {i} is malformed ({type(exc).__name__}: "
-                                    f"{printable(str(exc), 80)})") from None
+                raise CodebookError(
+                    f"{source}: book entry {i} is malformed ({type(exc).__name__}: {printable(str(exc), 80)})"
+                ) from None
             except CodebookError as exc:
                 where = "/".join(printable(entry.get(k), 20) for k in ("kind", "dtype", "stream"))
                 raise CodebookError(f"{source}: book entry {i} ({where}): {exc}") from None
@@ -457,8 +459,9 @@ class CodebookSet:
         path = os.fspath(path)
         raw = _read_book_file(path)
         try:
-            data = json_loads(raw, limit=_MAX_PARSE_BYTES, parse_constant=_no_constant, parse_int=_small_int,
-                               error=CodebookError)
+            data = json_loads(
+                raw, limit=_MAX_PARSE_BYTES, parse_constant=_no_constant, parse_int=_small_int, error=CodebookError
+            )
         except CodebookError as exc:
             raise CodebookError(f"{path}: not a valid codebook file ({exc})") from None
         return cls.from_dict(data, source=path)

@@ -163,9 +163,7 @@ def spec_for(dtype) -> StreamSpec:
     else:
         spec = None
     if spec is None:
-        raise TypeError(
-            f"comm_codec cannot code dtype {dtype}; supported dtypes are {_supported_names()}"
-        )
+        raise TypeError(f"comm_codec cannot code dtype {dtype}; supported dtypes are {_supported_names()}")
     return spec
 
 
@@ -231,10 +229,7 @@ def split(tensor) -> list[np.ndarray]:
     bits = bits.view(np.dtype(f"u{spec.itemsize}"))
     width = 8 * spec.itemsize
     rot = _rotl(bits, width) if spec.rotate else bits
-    return [
-        ((rot >> (8 * (spec.itemsize - 1 - s))) & 0xFF).astype(np.uint8)
-        for s in range(spec.nstreams)
-    ]
+    return [((rot >> (8 * (spec.itemsize - 1 - s))) & 0xFF).astype(np.uint8) for s in range(spec.nstreams)]
 
 
 def join(streams: list[np.ndarray], dtype) -> torch.Tensor:

@@ -45,9 +45,7 @@ _log = logging.getLogger(__name__)
 # Directory names pruned from the stdlib walk: third-party code varies between
 # machines, and test suites are large, repetitive and sometimes absent in slim
 # Python builds -- either would break byte-identical corpora.
-_EXCLUDED_DIRS = frozenset(
-    {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
-)
+_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"})
 
 # Standard deviation of the GPT-2 weight initialisation (Radford et al., 2019).
 _INIT_STD = 0.02
@@ -137,9 +135,7 @@ class _CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(c, dim=2)
         # [b, t, c] -> [b, heads, t, head_dim]
         q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -216,9 +212,7 @@ class TinyLM(nn.Module):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if d_model % n_heads:
-            raise ValueError(
-                f"n_heads={n_heads} must divide d_model={d_model} so every head has the same width"
-            )
+            raise ValueError(f"n_heads={n_heads} must divide d_model={d_model} so every head has the same width")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
 
