@@ -119,8 +119,15 @@ def prepare(args) -> int:
     torch.set_num_threads(os.cpu_count() or 1)
     corpus = load_corpus()
     prof = WarmupProfiler()
-    meta = {"model": dict(_MODEL), "bucket_bytes": args.bucket_bytes, "ranks": args.ranks,
-            "warmup_steps": args.warmup, "gap_steps": args.gap, "batch": args.batch, "dtypes": {}}
+    meta = {
+        "model": dict(_MODEL),
+        "bucket_bytes": args.bucket_bytes,
+        "ranks": args.ranks,
+        "warmup_steps": args.warmup,
+        "gap_steps": args.gap,
+        "batch": args.batch,
+        "dtypes": {},
+    }
     for name, dtype in _DTYPES.items():
         t0 = time.perf_counter()
         torch.manual_seed(args.seed)
@@ -139,24 +146,37 @@ def prepare(args) -> int:
                     prof.observe(b, "gradient")
                 prof.observe(torch.stack([b.float() for b in buckets]).mean(0).to(dtype), "reduced_gradient")
             opt.step()
-        streams = [batches(corpus, args.batch, model.seq_len, seed=args.seed + 1, rank=r, world_size=args.ranks)
-                   for r in range(args.ranks)]
+        streams = [
+            batches(corpus, args.batch, model.seq_len, seed=args.seed + 1, rank=r, world_size=args.ranks)
+            for r in range(args.ranks)
+        ]
         buckets, loss = _rank_gradients(model, streams, numel)
         losses.append(loss)
         for r, b in enumerate(buckets):
             torch.save(b, os.path.join(args.out, f"grad_{name}_r{r}.pt"))
-        meta["dtypes"][name] = {"numel": numel, "losses": [round(v, 4) for v in losses],
-                                "seconds": round(time.perf_counter() - t0, 1)}
-        log.info("%s: %d elements per bucket, losses %s, %.1f s", name, numel,
-                 " ".join(f"{v:.3f}" for v in losses), time.perf_counter() - t0)
-    books = prof.build(meta={"source": "launch_scripts/bench_allreduce.py prepare", **_MODEL,
-                             "warmup_steps": args.warmup})
+        meta["dtypes"][name] = {
+            "numel": numel,
+            "losses": [round(v, 4) for v in losses],
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+        log.info(
+            "%s: %d elements per bucket, losses %s, %.1f s",
+            name,
+            numel,
+            " ".join(f"{v:.3f}" for v in losses),
+            time.perf_counter() - t0,
+        )
+    books = prof.build(
+        meta={"source": "launch_scripts/bench_allreduce.py prepare", **_MODEL, "warmup_steps": args.warmup}
+    )
     books.save(os.path.join(args.out, "books.json"))
     meta["books"] = books.digest
     with open(os.path.join(args.out, "meta.json"), "w") as fh:
         json.dump(meta, fh, indent=1)
-    print(f"prepared {args.out}: books {books.digest[:12]}, buckets of {args.bucket_bytes / _MB:.1f} MB "
-          f"for {args.ranks} ranks in {', '.join(_DTYPES)}")
+    print(
+        f"prepared {args.out}: books {books.digest[:12]}, buckets of {args.bucket_bytes / _MB:.1f} MB "
+        f"for {args.ranks} ranks in {', '.join(_DTYPES)}"
+    )
     return 0
 
 
@@ -172,13 +192,21 @@ def _op_cast(dtype):
         compressed = buf.to(dtype).div_(world)
         dist.all_reduce(compressed)
         buf.copy_(compressed)
+
     return op
 
 
 def _op_huffman(cast):
     def op(buf, world, ctx):
-        collectives.all_reduce(buf, ctx["codec"], average=True, cast=cast, stats=ctx["stats"],
-                               workspace=ctx.setdefault("workspace", collectives.Workspace()))
+        collectives.all_reduce(
+            buf,
+            ctx["codec"],
+            average=True,
+            cast=cast,
+            stats=ctx["stats"],
+            workspace=ctx.setdefault("workspace", collectives.Workspace()),
+        )
+
     return op
 
 
@@ -186,8 +214,10 @@ def _op_huffman(cast):
 def _methods(dtype_name: str):
     rows = [("default hook", _op_default, 1.0, False, False, None)]
     if dtype_name == "fp32":
-        rows += [("fp16_compress_hook", _op_cast(torch.float16), 0.5, True, False, None),
-                 ("bf16 cast, uncoded *", _op_cast(torch.bfloat16), 0.5, True, False, None)]
+        rows += [
+            ("fp16_compress_hook", _op_cast(torch.float16), 0.5, True, False, None),
+            ("bf16 cast, uncoded *", _op_cast(torch.bfloat16), 0.5, True, False, None),
+        ]
     rows.append(("huffman_hook", _op_huffman(None), None, False, True, None))
     if dtype_name == "fp32":
         rows.append(("huffman_hook cast=bf16", _op_huffman(torch.bfloat16), None, True, True, torch.bfloat16))
@@ -279,13 +309,21 @@ def _bench_dtype(name, args, rank, world, codec, threads):
         times, lo_bytes, waited = _time_method(op, src, buf, world, args.reps, args.warm, ctx)
         d = stats.as_dict()
         calls = max(1, d["calls"])
-        per_rank = _gather([d["bytes_in"] / calls, d["bytes_out"] / calls,
-                            (d["encode_seconds"] + d["decode_seconds"]) / calls, waited] + times)
+        per_rank = _gather(
+            [d["bytes_in"] / calls, d["bytes_out"] / calls, (d["encode_seconds"] + d["decode_seconds"]) / calls, waited]
+            + times
+        )
         slowest = per_rank[:, 4:].max(0).values.tolist()
-        row = {"dtype": name, "method": label, "lossy": lossy, "coded": coded,
-               "ms": statistics.median(slowest) * 1e3, "ms_reps": [round(t * 1e3, 2) for t in slowest],
-               "lo_bytes_per_rank": lo_bytes / args.reps / world,
-               "cpu_wait_ms": per_rank[:, 3].mean().item() * 1e3}
+        row = {
+            "dtype": name,
+            "method": label,
+            "lossy": lossy,
+            "coded": coded,
+            "ms": statistics.median(slowest) * 1e3,
+            "ms_reps": [round(t * 1e3, 2) for t in slowest],
+            "lo_bytes_per_rank": lo_bytes / args.reps / world,
+            "cpu_wait_ms": per_rank[:, 3].mean().item() * 1e3,
+        }
         if coded:
             row["wire_bytes_per_rank"] = per_rank[:, 1].mean().item()
             row["ratio"] = per_rank[:, 0].sum().item() / per_rank[:, 1].sum().item()
@@ -326,8 +364,9 @@ def _e2e(args, rank, world, threads):
         ddp = DistributedDataParallel(model)
         state = None
         if label == "huffman_hook":
-            state = HuffmanState(codebooks=os.path.join(args.data, "books.json"), threads=threads, log_every=0,
-                                 mode="always")
+            state = HuffmanState(
+                codebooks=os.path.join(args.data, "books.json"), threads=threads, log_every=0, mode="always"
+            )
             ddp.register_comm_hook(state, huffman_hook)
         opt = torch.optim.AdamW(ddp.parameters(), lr=_LR)
         data = batches(corpus, 8, model.seq_len, seed=args.seed, rank=rank, world_size=world)
@@ -359,13 +398,13 @@ def _e2e(args, rank, world, threads):
     base = rows[1]["ms"]
     for row in rows:
         row["speedup"] = base / row["ms"]
-    return {"params": sum(p.numel() for p in TinyLM(**_MODEL).parameters()), "steps": args.e2e_steps,
-            "rows": rows}
+    return {"params": sum(p.numel() for p in TinyLM(**_MODEL).parameters()), "steps": args.e2e_steps, "rows": rows}
 
 
 def _worker(rank, world, port, args):
-    logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank {rank} %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.WARNING, format=f"%(levelname)s rank {rank} %(name)s: %(message)s", stream=sys.stderr
+    )
     cores = os.cpu_count() or 1
     threads = max(1, cores // world)
     torch.set_num_threads(threads)
@@ -374,11 +413,19 @@ def _worker(rank, world, port, args):
         codec = Codec(CodebookSet.load(os.path.join(args.data, "books.json")), threads=threads)
         codec.decode(codec.encode(torch.zeros(1 << 16)))  # start numba's threads, then check
         if torch.get_num_threads() != threads:
-            log.warning("torch threads %d after the first codec call, expected %d: resetting",
-                        torch.get_num_threads(), threads)
+            log.warning(
+                "torch threads %d after the first codec call, expected %d: resetting", torch.get_num_threads(), threads
+            )
             torch.set_num_threads(threads)
-        result = {"network": args.network, "rate_gbit": args.rate_gbit, "world_size": world, "cores": cores,
-                  "threads_per_rank": threads, "reps": args.reps, "dtypes": []}
+        result = {
+            "network": args.network,
+            "rate_gbit": args.rate_gbit,
+            "world_size": world,
+            "cores": cores,
+            "threads_per_rank": threads,
+            "reps": args.reps,
+            "dtypes": [],
+        }
         for name in args.dtypes.split(","):
             result["dtypes"].append(_bench_dtype(name, args, rank, world, codec, threads))
             if rank == 0:
@@ -417,8 +464,10 @@ def run(args) -> int:
         mp.spawn(_worker, args=(args.world_size, args.port or free_port(), args), nprocs=args.world_size)
     except mp.ProcessRaisedException as exc:
         lines = [line for line in exc.msg.strip().splitlines() if line.strip()]
-        print(f"bench_allreduce.py: rank {exc.error_index} failed: {lines[-1] if lines else '?'}\n{exc.msg}",
-              file=sys.stderr)
+        print(
+            f"bench_allreduce.py: rank {exc.error_index} failed: {lines[-1] if lines else '?'}\n{exc.msg}",
+            file=sys.stderr,
+        )
         return 1
     print(f"({time.perf_counter() - t0:.0f} s)\n")
     return 0
@@ -427,38 +476,54 @@ def run(args) -> int:
 # -- printing -----------------------------------------------------------------------------------
 def _print_run_header(args) -> None:
     cores = os.cpu_count() or 1
-    print(f"== {args.network}: {args.world_size} ranks, gloo on 127.0.0.1, real TinyLM gradient buckets, "
-          f"median of {args.reps} (slowest rank each) ==")
+    print(
+        f"== {args.network}: {args.world_size} ranks, gloo on 127.0.0.1, real TinyLM gradient buckets, "
+        f"median of {args.reps} (slowest rank each) =="
+    )
     if args.rate_gbit:
-        print(f"   the loopback's {args.rate_gbit:g} Gbit/s is shared by all ranks: a wire-bound all-reduce takes "
-              "(all ranks' bytes) / rate")
+        print(
+            f"   the loopback's {args.rate_gbit:g} Gbit/s is shared by all ranks: a wire-bound all-reduce takes "
+            "(all ranks' bytes) / rate"
+        )
     if args.world_size > cores:
-        print(f"   {args.world_size} ranks on {cores} cores: ranks share CPUs, so the codec and gloo's own copies "
-              "run slower than on one core each: these timings are partly CPU-bound, not only wire-bound")
+        print(
+            f"   {args.world_size} ranks on {cores} cores: ranks share CPUs, so the codec and gloo's own copies "
+            "run slower than on one core each: these timings are partly CPU-bound, not only wire-bound"
+        )
     sys.stdout.flush()
 
 
 def _print_dtype(result: dict, block: dict) -> None:
     world = result["world_size"]
-    print(f"\n{block['dtype']} bucket: {block['bucket_bytes'] / _MB:.1f} MB ({block['numel']} elements); "
-          f"ring all-reduce sends {block['ring_bytes_per_rank'] / _MB:.1f} MB per rank")
-    print(f"  {'method':<24}{'ms/all-reduce':>14}{'speedup':>9}{'wire MB/rank':>13}{'ratio':>7}"
-          f"{'lo MB/rank':>11}{'lo Gbit/s':>10}{'codec ms':>9}{'cpu wait':>9}  {'rel. error':<11}check")
+    print(
+        f"\n{block['dtype']} bucket: {block['bucket_bytes'] / _MB:.1f} MB ({block['numel']} elements); "
+        f"ring all-reduce sends {block['ring_bytes_per_rank'] / _MB:.1f} MB per rank"
+    )
+    print(
+        f"  {'method':<24}{'ms/all-reduce':>14}{'speedup':>9}{'wire MB/rank':>13}{'ratio':>7}"
+        f"{'lo MB/rank':>11}{'lo Gbit/s':>10}{'codec ms':>9}{'cpu wait':>9}  {'rel. error':<11}check"
+    )
     for row in block["rows"]:
         gbit = row["lo_bytes_per_rank"] * world * 8 / (row["ms"] / 1e3) / 1e9
         codec = f"{row['codec_ms']:.0f}" if row["coded"] else "-"
         err = f"{row['rel_err']:.1e}" if "rel_err" in row else "?"
         lossy = " (lossy)" if row["lossy"] else ""
-        print(f"  {row['method']:<24}{row['ms']:>14.1f}{row['speedup']:>8.2f}x{row['wire_bytes_per_rank'] / _MB:>13.2f}"
-              f"{row['ratio']:>7.2f}{row['lo_bytes_per_rank'] / _MB:>11.2f}{gbit:>10.2f}{codec:>9}"
-              f"{row['cpu_wait_ms']:>9.0f}  "
-              f"{err:<11}{row['check']}{lossy}")
-    print("  wire MB/rank: ring all-reduce 2(W-1)/W x bucket (plain) or CommStats (coded); lo: bytes the loopback "
-          "carried; cpu wait: ms per all-reduce the calling thread\n  waited for a CPU "
-          "(taken by other processes: large values mean the timing measured contention)")
+        print(
+            f"  {row['method']:<24}{row['ms']:>14.1f}{row['speedup']:>8.2f}x{row['wire_bytes_per_rank'] / _MB:>13.2f}"
+            f"{row['ratio']:>7.2f}{row['lo_bytes_per_rank'] / _MB:>11.2f}{gbit:>10.2f}{codec:>9}"
+            f"{row['cpu_wait_ms']:>9.0f}  "
+            f"{err:<11}{row['check']}{lossy}"
+        )
+    print(
+        "  wire MB/rank: ring all-reduce 2(W-1)/W x bucket (plain) or CommStats (coded); lo: bytes the loopback "
+        "carried; cpu wait: ms per all-reduce the calling thread\n  waited for a CPU "
+        "(taken by other processes: large values mean the timing measured contention)"
+    )
     if block["dtype"] == "fp32":
-        print("  * bf16_compress_hook's operations run by hand: PyTorch's hook refuses gloo. fp16_compress_hook is "
-              "PyTorch's lossy hook that runs on CPU.")
+        print(
+            "  * bf16_compress_hook's operations run by hand: PyTorch's hook refuses gloo. fp16_compress_hook is "
+            "PyTorch's lossy hook that runs on CPU."
+        )
     _print_analysis(result, block)
     sys.stdout.flush()
 
@@ -480,35 +545,44 @@ def _print_analysis(result: dict, block: dict) -> None:
         wire_how = "the default's time / ratio"
     other = huff["ms"] - huff["codec_ms"] - wire_huff
     speed = coded_bytes / (huff["codec_ms"] / 1e3) / 1e9 if huff["codec_ms"] else float("inf")
-    print(f"  default hook: {default['ms']:.0f} ms, the wire needs {wire_default:.0f} of them"
-          + (f" ({100 * wire_default / default['ms']:.0f} % link use)" if rate else ""))
-    print(f"  huffman_hook: {huff['ms']:.0f} ms = codec {huff['codec_ms']:.0f} (encodes {n / _MB:.1f} MB, decodes "
-          f"{decoded / _MB:.1f} MB per rank: {speed:.2f} GB/s, {result['threads_per_rank']} thread(s)) + wire "
-          f"{wire_huff:.0f} ({wire_how}) + {other:.0f} other (fp32 summing, padding, copies, sync; the link "
-          "idles while ranks compute)")
+    print(
+        f"  default hook: {default['ms']:.0f} ms, the wire needs {wire_default:.0f} of them"
+        + (f" ({100 * wire_default / default['ms']:.0f} % link use)" if rate else "")
+    )
+    print(
+        f"  huffman_hook: {huff['ms']:.0f} ms = codec {huff['codec_ms']:.0f} (encodes {n / _MB:.1f} MB, decodes "
+        f"{decoded / _MB:.1f} MB per rank: {speed:.2f} GB/s, {result['threads_per_rank']} thread(s)) + wire "
+        f"{wire_huff:.0f} ({wire_how}) + {other:.0f} other (fp32 summing, padding, copies, sync; the link "
+        "idles while ranks compute)"
+    )
     # The link rate below which the coded all-reduce wins, its codec and other costs fixed:
     # default bytes / R > coded bytes / R + overhead.
     overhead = (huff["codec_ms"] + max(other, 0.0)) / 1e3
     bits_default = default["lo_bytes_per_rank"] * world * 8
     bits_huff = huff["lo_bytes_per_rank"] * world * 8
     if overhead > 0 and bits_default > bits_huff:
-        line = (f"  with codec + other fixed at {overhead * 1e3:.0f} ms, coding wins on links below "
-                f"{(bits_default - bits_huff) / overhead / 1e9:.2f} Gbit/s")
+        line = (
+            f"  with codec + other fixed at {overhead * 1e3:.0f} ms, coding wins on links below "
+            f"{(bits_default - bits_huff) / overhead / 1e9:.2f} Gbit/s"
+        )
         if 0.8 * bits_default > bits_huff:
             line += f" and reaches 0.8x below {(0.8 * bits_default - bits_huff) / overhead / 1e9:.2f} Gbit/s"
         print(line + f" (all {world} ranks sharing the link)")
     budget = default["ms"] - wire_huff - max(other, 0.0)
     target = 0.8 * default["ms"] - wire_huff - max(other, 0.0)
     if budget <= 0:
-        print(f"  even a free codec would not break even: wire {wire_huff:.0f} ms + other {max(other, 0):.0f} ms "
-              f">= the default's {default['ms']:.0f} ms")
+        print(
+            f"  even a free codec would not break even: wire {wire_huff:.0f} ms + other {max(other, 0):.0f} ms "
+            f">= the default's {default['ms']:.0f} ms"
+        )
         return
     need = coded_bytes / (budget / 1e3) / 1e9
     verdict = "the codec is the bottleneck" if huff["codec_ms"] > budget else "the codec fits"
     line = f"  {verdict}: to break even it must take <= {budget:.0f} ms ({need:.2f} GB/s per rank)"
     if target > 0:
-        line += (f"; for 0.8x <= {target:.0f} ms ({coded_bytes / (target / 1e3) / 1e9:.2f} GB/s), "
-                 "other costs as measured")
+        line += (
+            f"; for 0.8x <= {target:.0f} ms ({coded_bytes / (target / 1e3) / 1e9:.2f} GB/s), other costs as measured"
+        )
     else:
         line += "; 0.8x is out of reach even with a free codec unless the other costs shrink"
     print(line)
@@ -516,8 +590,10 @@ def _print_analysis(result: dict, block: dict) -> None:
 
 def _print_e2e(result: dict) -> None:
     e = result["e2e"]
-    print(f"\nend to end: DDP training step of TinyLM {_MODEL} ({e['params'] / 1e6:.1f} M parameters, bf16, "
-          f"batch 8 x 128 per rank), median of {e['steps']} steps")
+    print(
+        f"\nend to end: DDP training step of TinyLM {_MODEL} ({e['params'] / 1e6:.1f} M parameters, bf16, "
+        f"batch 8 x 128 per rank), median of {e['steps']} steps"
+    )
     print(f"  {'':<30}{'ms/step':>9}{'speedup':>9}{'ratio':>7}{'codec ms/step':>15}")
     for row in e["rows"]:
         ratio = f"{row['ratio']:.2f}" if "ratio" in row else "-"
@@ -536,23 +612,29 @@ def summarize(args) -> int:
         print("no results")
         return 1
     print("all-reduce of one 25 MB bucket of real gradients; speedup = default hook's time / this time")
-    print(f"{'network':<10}{'ranks':>6}  {'dtype':<6}{'method':<24}{'ms':>9}{'speedup':>9}{'ratio':>7}"
-          f"{'codec ms':>9}{'cpu wait':>9}  check")
+    print(
+        f"{'network':<10}{'ranks':>6}  {'dtype':<6}{'method':<24}{'ms':>9}{'speedup':>9}{'ratio':>7}"
+        f"{'codec ms':>9}{'cpu wait':>9}  check"
+    )
     for res in results:
         for block in res["dtypes"]:
             for row in block["rows"]:
                 codec = f"{row['codec_ms']:.0f}" if row["coded"] else "-"
                 lossy = " (lossy)" if row["lossy"] else ""
-                print(f"{res['network']:<10}{res['world_size']:>6}  {block['dtype']:<6}{row['method']:<24}"
-                      f"{row['ms']:>9.1f}{row['speedup']:>8.2f}x{row['ratio']:>7.2f}{codec:>9}"
-                      f"{row.get('cpu_wait_ms', 0):>9.0f}  {row.get('check', '')}{lossy}")
+                print(
+                    f"{res['network']:<10}{res['world_size']:>6}  {block['dtype']:<6}{row['method']:<24}"
+                    f"{row['ms']:>9.1f}{row['speedup']:>8.2f}x{row['ratio']:>7.2f}{codec:>9}"
+                    f"{row.get('cpu_wait_ms', 0):>9.0f}  {row.get('check', '')}{lossy}"
+                )
     e2e = [r for r in results if "e2e" in r]
     if e2e:
         print(f"\n{'network':<10}{'ranks':>6}  {'end-to-end DDP step':<30}{'ms/step':>9}{'speedup':>9}")
         for res in e2e:
             for row in res["e2e"]["rows"]:
-                print(f"{res['network']:<10}{res['world_size']:>6}  {row['method']:<30}{row['ms']:>9.0f}"
-                      f"{row['speedup']:>8.2f}x")
+                print(
+                    f"{res['network']:<10}{res['world_size']:>6}  {row['method']:<30}{row['ms']:>9.0f}"
+                    f"{row['speedup']:>8.2f}x"
+                )
     print("\ntarget: at 1 Gbit/s, bf16 gradients, huffman_hook's all-reduce time <= 0.8x the default hook's")
     if not any(res.get("rate_gbit") == 1 for res in results):
         print("  (no 1 Gbit/s run among these)")
@@ -564,8 +646,10 @@ def summarize(args) -> int:
                 continue
             rows = {r["method"]: r for r in block["rows"]}
             x = rows["huffman_hook"]["ms"] / rows["default hook"]["ms"]
-            print(f"  {res['world_size']} ranks: {x:.2f}x the default's time ({'met' if x <= 0.8 else 'missed'}; "
-                  f"ideal 1/ratio = {1 / rows['huffman_hook']['ratio']:.2f}x)")
+            print(
+                f"  {res['world_size']} ranks: {x:.2f}x the default's time ({'met' if x <= 0.8 else 'missed'}; "
+                f"ideal 1/ratio = {1 / rows['huffman_hook']['ratio']:.2f}x)"
+            )
     return 0
 
 

@@ -201,8 +201,15 @@ def _best(fn, repeat, cpu=None):
 
 
 def _run_comparator(comp, data: bytes, repeat: int, note: str) -> dict:
-    row = {"codec": comp.name, "ratio": None, "enc": {}, "dec": {}, "exact": None, "notes": [note] if note else [],
-           "cpu": {}}
+    row = {
+        "codec": comp.name,
+        "ratio": None,
+        "enc": {},
+        "dec": {},
+        "exact": None,
+        "notes": [note] if note else [],
+        "cpu": {},
+    }
     blob = None
     for th in comp.enc_threads:
         prepared = [getattr(comp, "prepare", lambda d: d)(data) for _ in range(max(1, repeat))]
@@ -293,23 +300,41 @@ def _run_file_to_file(src: Path, base: Path | None, work: Path, dtype: str, repe
     enc = _alternate(fns, repeat)
     fns = {}
     for th in (1, 2):
-        fns[("cc", "dec", th)] = lambda th=th: ck.decompress_file(packed, restored, base=base, threads=th,
-                                                                 progress=False)
+        fns[("cc", "dec", th)] = lambda th=th: ck.decompress_file(
+            packed, restored, base=base, threads=th, progress=False
+        )
     if zn is not None:
         for th in zn.dec_threads:
             fns[("zn", "dec", th)] = lambda th=th: _atomic_write(zrestored, zn.decode(zpacked.read_bytes(), th))
     dec = _alternate(fns, repeat)
     size = src.stat().st_size
-    cc = {"codec": "comm_codec", "ratio": size / packed.stat().st_size, "enc": {}, "dec": {}, "cpu": {},
-          "median": {}, "exact": _sha(restored) == _sha(src), "index": ck.read_index(packed),
-          "notes": [f"file to file: pread, BLAKE3, CRCs, temp file+fsync+rename (tmpfs); best of {repeat}"]
-          + ([f"delta against {base.name}"] if base is not None else [])}
+    cc = {
+        "codec": "comm_codec",
+        "ratio": size / packed.stat().st_size,
+        "enc": {},
+        "dec": {},
+        "cpu": {},
+        "median": {},
+        "exact": _sha(restored) == _sha(src),
+        "index": ck.read_index(packed),
+        "notes": [f"file to file: pread, BLAKE3, CRCs, temp file+fsync+rename (tmpfs); best of {repeat}"]
+        + ([f"delta against {base.name}"] if base is not None else []),
+    }
     rows = [cc]
     if zn is not None:
-        rows.append({"codec": f"{zn.name} f2f", "ratio": size / zpacked.stat().st_size, "enc": {}, "dec": {},
-                     "cpu": {}, "median": {}, "exact": _sha(zrestored) == _sha(src),
-                     "notes": ["file to file: read, compress, temp file+fsync+rename (tmpfs); no hash"]
-                     + (["no delta mode: standalone"] if base is not None else [])})
+        rows.append(
+            {
+                "codec": f"{zn.name} f2f",
+                "ratio": size / zpacked.stat().st_size,
+                "enc": {},
+                "dec": {},
+                "cpu": {},
+                "median": {},
+                "exact": _sha(zrestored) == _sha(src),
+                "notes": ["file to file: read, compress, temp file+fsync+rename (tmpfs); no hash"]
+                + (["no delta mode: standalone"] if base is not None else []),
+            }
+        )
     for timing in (enc, dec):
         for (who, key, th), (best, median, cpu) in timing.items():
             row = rows[0] if who == "cc" else rows[1]
@@ -338,12 +363,19 @@ def _run_frames(data: bytes, dtype: str, repeat: int) -> dict:
     from comm_codec import Codec
 
     (hlen,) = np.frombuffer(data[:8], "<u8")
-    body = np.frombuffer(data, np.uint8)[8 + int(hlen):]
+    body = np.frombuffer(data, np.uint8)[8 + int(hlen) :]
     width = {"bfloat16": 2, "float32": 4}[dtype]
     body = body[: body.size - body.size % width].copy()
     t = torch.from_numpy(body.view({2: np.int16, 4: np.int32}[width])).view(getattr(torch, dtype))
-    row = {"codec": "codec frames", "ratio": None, "enc": {}, "dec": {}, "exact": True, "cpu": {},
-           "notes": ["Codec(threads=N).encode/decode in memory, shipped books, no container/sha256/IO"]}
+    row = {
+        "codec": "codec frames",
+        "ratio": None,
+        "enc": {},
+        "dec": {},
+        "exact": True,
+        "cpu": {},
+        "notes": ["Codec(threads=N).encode/decode in memory, shipped books, no container/sha256/IO"],
+    }
     for th in (1, 2):
         codec = Codec(threads=th)
         codec.decode(codec.encode(t, kind="weight"))
@@ -378,8 +410,14 @@ def _xor_zstd(src: Path, base: Path, repeat: int) -> dict | None:
         return np.bitwise_xor(x, np.frombuffer(b, np.uint8)).tobytes()
 
     dseconds, out = _best(dec, repeat)
-    return {"codec": "xor+zstd-3", "ratio": len(a) / len(blob), "enc": {1: len(a) / seconds / 1e9},
-            "dec": {1: len(a) / dseconds / 1e9}, "exact": out == a, "notes": ["whole-file XOR with the base"]}
+    return {
+        "codec": "xor+zstd-3",
+        "ratio": len(a) / len(blob),
+        "enc": {1: len(a) / seconds / 1e9},
+        "dec": {1: len(a) / dseconds / 1e9},
+        "exact": out == a,
+        "notes": ["whole-file XOR with the base"],
+    }
 
 
 # -- datasets -----------------------------------------------------------------------------
@@ -482,8 +520,11 @@ def _peak_rss(big: Path, repeat: int) -> dict:
         runs = {1: [], 2: []}
         for _ in range(max(1, repeat)):
             for threads in (1, 2):
-                r = subprocess.run([sys.executable, "-c", _RSS_CHILD, op, str(src), str(dst), str(threads)],
-                                   capture_output=True, text=True)
+                r = subprocess.run(
+                    [sys.executable, "-c", _RSS_CHILD, op, str(src), str(dst), str(threads)],
+                    capture_output=True,
+                    text=True,
+                )
                 if r.returncode:
                     raise RuntimeError(f"{op} of {src} failed: {r.stderr.strip()}")
                 runs[threads].append(json.loads(r.stdout.strip().splitlines()[-1]))
@@ -559,9 +600,11 @@ def _write_scaling(folder: Path, total: int = 512 << 20) -> dict:
         paths = [folder / f"bench_checkpoint.{os.getpid()}.write{k}" for k in range(files)]
         fds = [os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) for p in paths]
         try:
+
             def work(k):
                 for i in range(k, total // seg, threads):
                     os.pwrite(fds[k % files], data, (i // files) * seg)
+
             start = time.perf_counter()
             workers = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
             for w in workers:
@@ -588,29 +631,39 @@ def _fmt(x, digits=3):
 
 def _print_files(results: list) -> None:
     print("\n## Files (GB/s of uncompressed bytes; 1T / 2T)\n")
-    print(f"{'dataset':<22} {'MB':>6}  {'codec':<17} {'ratio':>6}  {'comp 1T':>8} {'comp 2T':>8}  "
-          f"{'dec 1T':>8} {'dec 2T':>8}  exact  notes")
+    print(
+        f"{'dataset':<22} {'MB':>6}  {'codec':<17} {'ratio':>6}  {'comp 1T':>8} {'comp 2T':>8}  "
+        f"{'dec 1T':>8} {'dec 2T':>8}  exact  notes"
+    )
     for res in results:
         for i, row in enumerate(res["rows"]):
             head = f"{res['name']:<22} {res['bytes'] / 1e6:>6.1f}" if i == 0 else f"{'':<22} {'':>6}"
-            print(f"{head}  {row['codec']:<17} {_fmt(row['ratio']):>6}  {_fmt(row['enc'].get(1)):>8} "
-                  f"{_fmt(row['enc'].get(2)):>8}  {_fmt(row['dec'].get(1)):>8} {_fmt(row['dec'].get(2)):>8}  "
-                  f"{'yes' if row['exact'] else 'NO':<5}  {'; '.join(row['notes'])}")
+            print(
+                f"{head}  {row['codec']:<17} {_fmt(row['ratio']):>6}  {_fmt(row['enc'].get(1)):>8} "
+                f"{_fmt(row['enc'].get(2)):>8}  {_fmt(row['dec'].get(1)):>8} {_fmt(row['dec'].get(2)):>8}  "
+                f"{'yes' if row['exact'] else 'NO':<5}  {'; '.join(row['notes'])}"
+            )
 
 
 def _print_cpu(results: list) -> None:
-    print("\n## CPU use (load-independent view; GB per CPU-second of the process at 1 thread, and how many "
-          "cores the 2-thread runs actually got)\n")
-    print(f"{'dataset':<22} {'codec':<17} {'comp GB/cpu-s':>13} {'dec GB/cpu-s':>13}  {'2T comp cpu/wall':>16} "
-          f"{'2T dec cpu/wall':>15}")
+    print(
+        "\n## CPU use (load-independent view; GB per CPU-second of the process at 1 thread, and how many "
+        "cores the 2-thread runs actually got)\n"
+    )
+    print(
+        f"{'dataset':<22} {'codec':<17} {'comp GB/cpu-s':>13} {'dec GB/cpu-s':>13}  {'2T comp cpu/wall':>16} "
+        f"{'2T dec cpu/wall':>15}"
+    )
     for res in results:
         for row in res["rows"]:
             cpu = row.get("cpu") or {}
             if ("enc", 1) not in cpu:
                 continue
             c2e, c2d = cpu.get(("enc", 2)), cpu.get(("dec", 2))
-            print(f"{res['name']:<22} {row['codec']:<17} {cpu[('enc', 1)][0]:>13.3f} {cpu[('dec', 1)][0]:>13.3f}  "
-                  f"{_fmt(c2e and c2e[1], 2):>16} {_fmt(c2d and c2d[1], 2):>15}")
+            print(
+                f"{res['name']:<22} {row['codec']:<17} {cpu[('enc', 1)][0]:>13.3f} {cpu[('dec', 1)][0]:>13.3f}  "
+                f"{_fmt(c2e and c2e[1], 2):>16} {_fmt(c2d and c2d[1], 2):>15}"
+            )
 
 
 def _version(name: str) -> str:
@@ -627,8 +680,11 @@ def _row(results, dataset, codec_prefix, suffix=""):
         if res["name"] == dataset:
             for row in res["rows"]:
                 name = row["codec"]
-                if (name.startswith(codec_prefix) and name != "codec frames"
-                        and (name.endswith(suffix) if suffix else not name.endswith(" f2f"))):
+                if (
+                    name.startswith(codec_prefix)
+                    and name != "codec frames"
+                    and (name.endswith(suffix) if suffix else not name.endswith(" f2f"))
+                ):
                     return row
     return None
 
@@ -651,31 +707,52 @@ def _targets(results: list, kinds: dict, rss: dict | None, xor: dict) -> list:
         if oz:
             # OpenZL runs in memory: our file-to-file row against it counts our file I/O too.
             v = cc["ratio"] / oz["ratio"]
-            add(f"{ds}: ratio vs OpenZL (same bytes)", f"{v:.4f}x ({cc['ratio']:.4f} vs {oz['ratio']:.4f})",
-                ">= 1.000x", v >= 1.0)
+            add(
+                f"{ds}: ratio vs OpenZL (same bytes)",
+                f"{v:.4f}x ({cc['ratio']:.4f} vs {oz['ratio']:.4f})",
+                ">= 1.000x",
+                v >= 1.0,
+            )
             for key, label in (("enc", "compress"), ("dec", "decompress")):
                 v = cc[key][1] / oz[key][1]
-                add(f"{ds}: {label} 1T (file to file) vs OpenZL 1T (in memory)",
-                    f"{v:.2f}x ({cc[key][1]:.3f} vs {oz[key][1]:.3f} GB/s)", ">= 1.5x", v >= 1.5)
+                add(
+                    f"{ds}: {label} 1T (file to file) vs OpenZL 1T (in memory)",
+                    f"{v:.2f}x ({cc[key][1]:.3f} vs {oz[key][1]:.3f} GB/s)",
+                    ">= 1.5x",
+                    v >= 1.5,
+                )
         if zm:
             v = cc["ratio"] / zm["ratio"]
-            add(f"{ds}: ratio vs zipnn (same bytes)", f"{v:.4f}x ({cc['ratio']:.4f} vs {zm['ratio']:.4f})",
-                ">= 1.005x", v >= 1.005)
+            add(
+                f"{ds}: ratio vs zipnn (same bytes)",
+                f"{v:.4f}x ({cc['ratio']:.4f} vs {zm['ratio']:.4f})",
+                ">= 1.005x",
+                v >= 1.005,
+            )
         if zn:
             # Every file at least zipnn's speed; files over 40 MB (where fixed costs no
             # longer decide) 1.3x.
             need = 1.3 if res["bytes"] > 40e6 else 1.0
             for key, label in (("enc", "compress"), ("dec", "decompress")):
                 v = cc[key][1] / zn[key][1]
-                add(f"{ds}: {label} 1T vs zipnn 1T, both file to file", f"{v:.2f}x ({cc[key][1]:.3f} vs "
+                add(
+                    f"{ds}: {label} 1T vs zipnn 1T, both file to file",
+                    f"{v:.2f}x ({cc[key][1]:.3f} vs "
                     f"{zn[key][1]:.3f} GB/s; 1T cores got {cc['cpu'][(key, 1)][1]:.2f} / "
-                    f"{zn['cpu'][(key, 1)][1]:.2f})", f">= {need}x", v >= need)
+                    f"{zn['cpu'][(key, 1)][1]:.2f})",
+                    f">= {need}x",
+                    v >= need,
+                )
     if rss:
         for op in ("compress", "decompress"):
             bt = rss[op]["by_threads"]
             v = bt[1]["seconds"] / bt[2]["seconds"]
-            add(f"big file {rss['file_bytes'] / 1e9:.2f} GB: {op} 2T vs 1T", f"{v:.2f}x (the 2T run got "
-                f"{bt[2]['cores']:.2f} cores)", ">= 1.7x", v >= 1.7)
+            add(
+                f"big file {rss['file_bytes'] / 1e9:.2f} GB: {op} 2T vs 1T",
+                f"{v:.2f}x (the 2T run got {bt[2]['cores']:.2f} cores)",
+                ">= 1.7x",
+                v >= 1.7,
+            )
     for pair in kinds:
         cc = _row(results, f"delta {pair}", "comm_codec")
         xz = xor.get(pair)
@@ -691,26 +768,35 @@ def _targets(results: list, kinds: dict, rss: dict | None, xor: dict) -> list:
         for op in ("compress", "decompress"):
             r = rss[op]
             extra = (r["peak_kb"] - r["idle_kb"]) * 1024
-            add(f"peak RSS {op}, multi-GB checkpoint",
+            add(
+                f"peak RSS {op}, multi-GB checkpoint",
                 f"{r['peak_kb'] / 1024:.0f} MiB ({extra / 2**20:.0f} MiB above the {r['idle_kb'] / 1024:.0f} MiB "
                 f"after imports) for a {rss['file_bytes'] / 1e9:.2f} GB file",
                 "<= 256 MiB above imports and <= 10% of the file",
-                extra <= min(256 << 20, 0.1 * rss["file_bytes"]) and rss["exact"])
+                extra <= min(256 << 20, 0.1 * rss["file_bytes"]) and rss["exact"],
+            )
     return lines
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", type=Path, default=Path("/tmp/comm_codec_ckpts"),
-                   help="checkpoints from make_checkpoints.py (made here if missing)")
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=Path("/tmp/comm_codec_ckpts"),
+        help="checkpoints from make_checkpoints.py (made here if missing)",
+    )
     p.add_argument("--quick", action="store_true", help="< 60 s: 2 timed calls, samples for bz2/lzma, no big file")
     p.add_argument("--repeat", type=int, default=3, help="timed calls per measurement, best kept (default 3)")
     p.add_argument("--big-gb", type=float, default=4.0, help="size of the peak-memory checkpoint (0: skip)")
     p.add_argument("--json", type=Path, help="write every number here")
     p.add_argument("--big-only", action="store_true", help="only the big file (peak memory, 2T vs 1T)")
-    p.add_argument("--big-dir", default="auto",
-                   help="where the big file is coded (a copy, removed after): 'auto' = /dev/shm when it has room "
-                        "(disk speed does not count, as for the files above), else --data")
+    p.add_argument(
+        "--big-dir",
+        default="auto",
+        help="where the big file is coded (a copy, removed after): 'auto' = /dev/shm when it has room "
+        "(disk speed does not count, as for the files above), else --data",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.quick:
@@ -718,26 +804,42 @@ def main(argv=None) -> int:
     import numba
 
     if numba.config.NUMBA_NUM_THREADS < 2:  # the 2-thread rows would fail half way through
-        print(f"bench_checkpoint.py: it times 1 and 2 threads, and NUMBA_NUM_THREADS is "
-              f"{numba.config.NUMBA_NUM_THREADS}; unset it (or set it to 2 or more)", file=sys.stderr)
+        print(
+            f"bench_checkpoint.py: it times 1 and 2 threads, and NUMBA_NUM_THREADS is "
+            f"{numba.config.NUMBA_NUM_THREADS}; unset it (or set it to 2 or more)",
+            file=sys.stderr,
+        )
         return 2
     meta_path = args.data / "meta.json"
     if not meta_path.exists():
         log.info("making checkpoints in %s", args.data)
-        subprocess.run([sys.executable, str(_HERE / "make_checkpoints.py"), "--out", str(args.data)]
-                       + (["--quick"] if args.quick else []), check=True)
+        subprocess.run(
+            [sys.executable, str(_HERE / "make_checkpoints.py"), "--out", str(args.data)]
+            + (["--quick"] if args.quick else []),
+            check=True,
+        )
     meta = json.loads(meta_path.read_text())
     big = args.data / "big_bf16.safetensors"
     if args.big_gb > 0 and (not big.exists() or big.stat().st_size < args.big_gb * 1e9 * 0.95):
         log.info("making a %.1f GB checkpoint in %s", args.big_gb, big)
-        subprocess.run([sys.executable, str(_HERE / "make_checkpoints.py"), "--out", str(args.data),
-                        "--big-only", "--big-gb", str(args.big_gb)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(_HERE / "make_checkpoints.py"),
+                "--out",
+                str(args.data),
+                "--big-only",
+                "--big-gb",
+                str(args.big_gb),
+            ],
+            check=True,
+        )
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
     work = shm / f"bench_checkpoint.{os.getpid()}"
     work.mkdir()
     results, kinds = [], {}
     try:
-        for name, src, base, dtype in ([] if args.big_only else _datasets(args.data, meta)):
+        for name, src, base, dtype in [] if args.big_only else _datasets(args.data, meta):
             log.info("%s: %s", name, src.name)
             local = work / src.name
             shutil.copyfile(src, local)
@@ -752,8 +854,10 @@ def main(argv=None) -> int:
             if base is not None:
                 alone = _run_comm_codec(local, None, work, 1)
                 rows[0]["notes"].append(f"standalone ratio {alone['ratio']:.3f}")
-                kinds[name.replace("delta ", "")] = {"standalone": _ratio_by_kind(alone["index"]),
-                                                     "delta": _ratio_by_kind(rows[0]["index"])}
+                kinds[name.replace("delta ", "")] = {
+                    "standalone": _ratio_by_kind(alone["index"]),
+                    "delta": _ratio_by_kind(rows[0]["index"]),
+                }
                 xz = _xor_zstd(local, local_base, args.repeat)
                 if xz:
                     rows.append(xz)
@@ -800,10 +904,14 @@ def main(argv=None) -> int:
                 local.unlink(missing_ok=True)
 
     print("# comm_codec checkpoint benchmark")
-    print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, "
-          + ", ".join(f"{m} {_version(m)}" for m in ("torch", "numba", "zstandard", "zipnn", "openzl")))
-    print(f"data: {args.data} ({meta.get('params', 0) / 1e6:.2f} M parameters, checkpoints {meta['checkpoints']}); "
-          f"repeat {args.repeat}{', QUICK' if args.quick else ''}")
+    print(
+        f"python {platform.python_version()}, {os.cpu_count()} CPUs, "
+        + ", ".join(f"{m} {_version(m)}" for m in ("torch", "numba", "zstandard", "zipnn", "openzl"))
+    )
+    print(
+        f"data: {args.data} ({meta.get('params', 0) / 1e6:.2f} M parameters, checkpoints {meta['checkpoints']}); "
+        f"repeat {args.repeat}{', QUICK' if args.quick else ''}"
+    )
     print("load average at the end: " + ", ".join(f"{x:.1f}" for x in os.getloadavg()))
     _print_files(results)
     _print_cpu(results)
@@ -813,25 +921,39 @@ def main(argv=None) -> int:
         for kind in ("weight", "exp_avg", "exp_avg_sq", "other bytes"):
             if kind in by_kind["delta"]:
                 mb = by_kind["delta"][kind][0] / 1e6
-                print(f"{pair:<20} {kind:<12} {mb:>7.2f} {by_kind['standalone'][kind][1]:>11.3f} "
-                      f"{by_kind['delta'][kind][1]:>8.3f}")
+                print(
+                    f"{pair:<20} {kind:<12} {mb:>7.2f} {by_kind['standalone'][kind][1]:>11.3f} "
+                    f"{by_kind['delta'][kind][1]:>8.3f}"
+                )
     if rss:
-        print(f"\n## Big file: peak memory and threads (fresh processes, files in {rss['where']}, 1T and 2T "
-              "alternated)\n")
+        print(
+            f"\n## Big file: peak memory and threads (fresh processes, files in {rss['where']}, 1T and 2T alternated)\n"
+        )
         for op in ("compress", "decompress"):
             r = rss[op]
-            speeds = ", ".join(f"{t}T {b['bytes'] / b['seconds'] / 1e9:.3f} GB/s ({b['cores']:.2f} cores)"
-                               for t, b in r["by_threads"].items())
-            print(f"{op:<11} {rss['file_bytes'] / 1e9:.2f} GB: peak RSS {r['peak_kb'] / 1024:.0f} MiB "
-                  f"(idle after imports {r['idle_kb'] / 1024:.0f} MiB, {r['warm_kb'] / 1024:.0f} MiB once the kernels "
-                  f"are loaded); {speeds}; ratio {r['ratio']:.3f}")
+            speeds = ", ".join(
+                f"{t}T {b['bytes'] / b['seconds'] / 1e9:.3f} GB/s ({b['cores']:.2f} cores)"
+                for t, b in r["by_threads"].items()
+            )
+            print(
+                f"{op:<11} {rss['file_bytes'] / 1e9:.2f} GB: peak RSS {r['peak_kb'] / 1024:.0f} MiB "
+                f"(idle after imports {r['idle_kb'] / 1024:.0f} MiB, {r['warm_kb'] / 1024:.0f} MiB once the kernels "
+                f"are loaded); {speeds}; ratio {r['ratio']:.3f}"
+            )
         print(f"round trip exact: {'yes' if rss['exact'] else 'NO'}")
-        print("pure compute, 2 threads / 1 thread (CRC-32 in L2; 2.00 = two whole cores), before / after: "
-              + " / ".join(f"{c['x2']:.2f} (steal {100 * c['steal']:.1f} %)" for c in rss["cores"].values()))
-        print(f"writes into {rss['where']} (4 MiB pwrites, GB/s): "
-              + ", ".join(f"{k} {v:.2f}" for k, v in rss["writes"].items()))
-    xor = {res["name"].replace("delta ", ""): _row(results, res["name"], "xor+zstd")["ratio"]
-           for res in results if res["name"].startswith("delta") and _row(results, res["name"], "xor+zstd")}
+        print(
+            "pure compute, 2 threads / 1 thread (CRC-32 in L2; 2.00 = two whole cores), before / after: "
+            + " / ".join(f"{c['x2']:.2f} (steal {100 * c['steal']:.1f} %)" for c in rss["cores"].values())
+        )
+        print(
+            f"writes into {rss['where']} (4 MiB pwrites, GB/s): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in rss["writes"].items())
+        )
+    xor = {
+        res["name"].replace("delta ", ""): _row(results, res["name"], "xor+zstd")["ratio"]
+        for res in results
+        if res["name"].startswith("delta") and _row(results, res["name"], "xor+zstd")
+    }
     lines = _targets(results, kinds, rss, xor)
     print("\n## Targets\n")
     for what, value, need, verdict in lines:
@@ -841,8 +963,12 @@ def main(argv=None) -> int:
             for row in res["rows"]:
                 for field in ("cpu", "median"):
                     row[field] = {f"{k[0]}{k[1]}T": v for k, v in (row.get(field) or {}).items()}
-        args.json.write_text(json.dumps({"results": results, "delta_by_kind": kinds, "peak_rss": rss,
-                                         "targets": lines}, indent=1, default=str) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {"results": results, "delta_by_kind": kinds, "peak_rss": rss, "targets": lines}, indent=1, default=str
+            )
+            + "\n"
+        )
     return 0
 
 

@@ -30,9 +30,13 @@ import sys
 import tempfile
 import time
 
-_IMPORTS = ("import comm_codec.tools.cli as c, comm_codec.core.precompile; c._numba_without_blas(); "
-            "c._numba_without_extensions(); import comm_codec.checkpoint.exact")
-_LOADS = _IMPORTS + """
+_IMPORTS = (
+    "import comm_codec.tools.cli as c, comm_codec.core.precompile; c._numba_without_blas(); "
+    "c._numba_without_extensions(); import comm_codec.checkpoint.exact"
+)
+_LOADS = (
+    _IMPORTS
+    + """
 import sys, time
 from comm_codec.checkpoint import exact
 t = time.perf_counter(); exact.compress_file(sys.argv[1], sys.argv[2], threads=1, progress=False)
@@ -40,6 +44,7 @@ first = time.perf_counter() - t
 t = time.perf_counter(); exact.compress_file(sys.argv[1], sys.argv[2], threads=1, progress=False)
 print(first, time.perf_counter() - t)
 """
+)
 
 
 def _run(cmd: list) -> tuple[float, float, str]:
@@ -56,8 +61,11 @@ def _make(path: str, mb: float) -> None:
 
     g = torch.Generator().manual_seed(0)
     n = int(mb * 1e6 / 2 * 0.7)
-    sd = {"embed.weight": (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16),
-          "norm.weight": torch.ones(int(mb * 1e6 * 0.3 / 4)), "step": torch.tensor(10)}
+    sd = {
+        "embed.weight": (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16),
+        "norm.weight": torch.ones(int(mb * 1e6 * 0.3 / 4)),
+        "step": torch.tensor(10),
+    }
     torch.save(sd, path)
 
 
@@ -95,13 +103,17 @@ def main(argv=None) -> int:
                 if name == "loads":
                     first, second = map(float, out.split())
                     inside = [min(inside[0], first), min(inside[1], second)]
-        print(f"file {src}: {os.path.getsize(src)} bytes; {os.cpu_count()} CPUs; load {os.getloadavg()[0]:.1f} "
-              f"(after); best of {args.rounds}")
+        print(
+            f"file {src}: {os.path.getsize(src)} bytes; {os.cpu_count()} CPUs; load {os.getloadavg()[0]:.1f} "
+            f"(after); best of {args.rounds}"
+        )
         print(f"{'part':<10} {'wall s':>7} {'cpu s':>7}")
         for name, (wall, cpu) in best.items():
             print(f"{name:<10} {wall:7.3f} {cpu:7.3f}")
-        print(f"in process: first compress_file {inside[0]:.3f} s (kernel cache loads and first uses), "
-              f"second {inside[1]:.3f} s")
+        print(
+            f"in process: first compress_file {inside[0]:.3f} s (kernel cache loads and first uses), "
+            f"second {inside[1]:.3f} s"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -74,8 +74,9 @@ def _state(dtype: torch.dtype) -> dict:
 def _shard(tree, mesh):
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    return {k: _shard(v, mesh) if isinstance(v, dict) else distribute_tensor(v, mesh, [Shard(0)])
-            for k, v in tree.items()}
+    return {
+        k: _shard(v, mesh) if isinstance(v, dict) else distribute_tensor(v, mesh, [Shard(0)]) for k, v in tree.items()
+    }
 
 
 def _skeleton_from_rank0(tree):
@@ -83,8 +84,10 @@ def _skeleton_from_rank0(tree):
     from comm_codec.comm import agreement
 
     def skeleton(t):
-        return {k: skeleton(v) if isinstance(v, dict) else [list(v.shape), str(v.dtype).removeprefix("torch.")]
-                for k, v in t.items()}
+        return {
+            k: skeleton(v) if isinstance(v, dict) else [list(v.shape), str(v.dtype).removeprefix("torch.")]
+            for k, v in t.items()
+        }
 
     texts = agreement.gather_texts(json.dumps(skeleton(tree)) if tree is not None else "")
     return agreement.peer_json(texts[0], "rank 0 sent a state skeleton that is not JSON")
@@ -98,8 +101,9 @@ def _from_skeleton(tree):
             out[k] = _from_skeleton(v)
             continue
         shape, dtype = v
-        if not isinstance(getattr(torch, str(dtype), None), torch.dtype) or \
-                not all(isinstance(d, int) and 0 <= d < 1 << 40 for d in shape):
+        if not isinstance(getattr(torch, str(dtype), None), torch.dtype) or not all(
+            isinstance(d, int) and 0 <= d < 1 << 40 for d in shape
+        ):
             raise ValueError(f"rank 0 sent a malformed entry for {k!r}")
         out[k] = torch.empty(shape, dtype=getattr(torch, dtype))
     return out
@@ -151,8 +155,13 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=600),
+    )
     mesh = init_device_mesh("cpu", (world,))
     rows = []
     cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -187,8 +196,20 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
                 async_s = time.perf_counter() - t0
                 dist.barrier()
                 if rep:
-                    rows.append({"dtype": name, "arm": arm, "rep": rep, "raw": raw, "bytes": size, "save": save_s,
-                                 "load": load_s, "async_thread": on_thread, "async_total": async_s, "ok": ok})
+                    rows.append(
+                        {
+                            "dtype": name,
+                            "arm": arm,
+                            "rep": rep,
+                            "raw": raw,
+                            "bytes": size,
+                            "save": save_s,
+                            "load": load_s,
+                            "async_thread": on_thread,
+                            "async_total": async_s,
+                            "ok": ok,
+                        }
+                    )
                 if rank == 0:
                     shutil.rmtree(path, ignore_errors=True)
     share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
@@ -198,9 +219,11 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
 
 
 def _table(rows: list, shares: list) -> str:
-    lines = ["| dtype | storage | MB raw | MB on disk | ratio | × zstd bytes | save s (min) | load s (min) | "
-             "async: on thread s | async: total s | exact |",
-             "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | --- |"]
+    lines = [
+        "| dtype | storage | MB raw | MB on disk | ratio | × zstd bytes | save s (min) | load s (min) | "
+        "async: on thread s | async: total s | exact |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | --- |",
+    ]
     by = {}
     for r in rows:
         by.setdefault((r["dtype"], r["arm"]), []).append(r)
@@ -210,12 +233,16 @@ def _table(rows: list, shares: list) -> str:
         low = {k: min(r[k] for r in rs) for k in ("save", "load")}
         size = rs[0]["bytes"]
         rel = f"{zstd[0]['bytes'] / size:.3f}" if zstd else "-"
-        lines.append(f"| {name} | {arm} | {rs[0]['raw'] / 1e6:.1f} | {size / 1e6:.2f} | {rs[0]['raw'] / size:.4f} | "
-                     f"{rel} | {med['save']:.3f} ({low['save']:.3f}) | {med['load']:.3f} ({low['load']:.3f}) | "
-                     f"{med['async_thread']:.3f} | {med['async_total']:.3f} | {all(r['ok'] for r in rs)} |")
+        lines.append(
+            f"| {name} | {arm} | {rs[0]['raw'] / 1e6:.1f} | {size / 1e6:.2f} | {rs[0]['raw'] / size:.4f} | "
+            f"{rel} | {med['save']:.3f} ({low['save']:.3f}) | {med['load']:.3f} ({low['load']:.3f}) | "
+            f"{med['async_thread']:.3f} | {med['async_total']:.3f} | {all(r['ok'] for r in rs)} |"
+        )
     lines.append("")
-    lines.append(f"cores allowed: {len(os.sched_getaffinity(0))}; each rank's CPU time / wall time over the run: "
-                 + ", ".join(f"{s:.2f}" for s in shares))
+    lines.append(
+        f"cores allowed: {len(os.sched_getaffinity(0))}; each rank's CPU time / wall time over the run: "
+        + ", ".join(f"{s:.2f}" for s in shares)
+    )
     return "\n".join(lines)
 
 
@@ -254,9 +281,14 @@ def main(argv=None) -> int:
     # the slowest rank's seconds: a save is done when both are
     rows = []
     for a, b in zip(results[0][1], results[1][1]):
-        rows.append({**a, "bytes": a["bytes"],
-                     **{k: max(a[k], b[k]) for k in ("save", "load", "async_thread", "async_total")},
-                     "ok": a["ok"] and b["ok"]})
+        rows.append(
+            {
+                **a,
+                "bytes": a["bytes"],
+                **{k: max(a[k], b[k]) for k in ("save", "load", "async_thread", "async_total")},
+                "ok": a["ok"] and b["ok"],
+            }
+        )
     print(_table(rows, [r[2] for r in results]))
     if args.json:
         with open(args.json, "w") as fh:

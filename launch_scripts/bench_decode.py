@@ -59,8 +59,11 @@ def datasets(grads: bool) -> list:
     weights = load_weights(model_path("minilm"))
     flat = torch.cat([w.reshape(-1).float() for w in weights.values()])
     emb = next(w for k, w in weights.items() if "word_embeddings" in k)
-    out = [("minilm bf16", flat.to(torch.bfloat16)), ("minilm fp32", flat),
-           (f"minilm emb {tuple(emb.shape)} fp16", emb.reshape(-1).to(torch.float16))]
+    out = [
+        ("minilm bf16", flat.to(torch.bfloat16)),
+        ("minilm fp32", flat),
+        (f"minilm emb {tuple(emb.shape)} fp16", emb.reshape(-1).to(torch.float16)),
+    ]
     if grads:
         step = minilm_gradients(1)[0]
         dense = torch.cat([g.reshape(-1) for k, g in step.items() if "word_embeddings" not in k])
@@ -133,15 +136,21 @@ def measure(name, tensor, zipnn, huff, args, clock) -> dict:
     if args.ceiling:
         src = tensor.contiguous().view(torch.uint8).numpy()
         copied = np.empty_like(src)
-        words = frame.numpy()[:frame.numel() // 8 * 8].view(np.uint64)
-        out_words = given.view(torch.uint8).numpy()[:nbytes // 8 * 8].view(np.uint64)
+        words = frame.numpy()[: frame.numel() // 8 * 8].view(np.uint64)
+        out_words = given.view(torch.uint8).numpy()[: nbytes // 8 * 8].view(np.uint64)
         move = _stream_kernel()
         move(words, out_words)
         fns["copy"] = lambda: np.copyto(copied, src)
         fns["stream"] = lambda: move(words, out_words)
     t = best_of(fns, args.repeat, clock)
-    row = {"name": name, "bytes": nbytes, "numel": tensor.numel(), "ratio": nbytes / frame.numel(),
-           "times_s": t, "gbps": {k: nbytes / v / 1e9 for k, v in t.items() if k not in _EXP_KEYS}}
+    row = {
+        "name": name,
+        "bytes": nbytes,
+        "numel": tensor.numel(),
+        "ratio": nbytes / frame.numel(),
+        "times_s": t,
+        "gbps": {k: nbytes / v / 1e9 for k, v in t.items() if k not in _EXP_KEYS},
+    }
     row["exp_msym_s"] = {k: stream.size / t[k] / 1e6 for k in _EXP_KEYS if k in t}
     return row
 
@@ -149,12 +158,19 @@ def measure(name, tensor, zipnn, huff, args, clock) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=15, help="alternating rounds, best kept (15)")
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="wall: perf_counter; cpu: process CPU time (the work alone on a loaded machine)")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: perf_counter; cpu: process CPU time (the work alone on a loaded machine)",
+    )
     parser.add_argument("--only", default="", help="comma-separated substrings: datasets whose name holds one")
     parser.add_argument("--grads", action="store_true", help="also MiniLM's dense bf16 gradients (one step)")
-    parser.add_argument("--ceiling", action="store_true",
-                        help="also time a copy of the tensor's bytes and a frame-in, tensor-out streaming loop")
+    parser.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="also time a copy of the tensor's bytes and a frame-in, tensor-out streaming loop",
+    )
     parser.add_argument("--json", default=None, help="also write the rows as JSON")
     args = parser.parse_args(argv)
     import numba
@@ -177,8 +193,10 @@ def main(argv=None) -> int:
     cpu0, wall0 = time.process_time(), time.perf_counter()
     only = [s for s in args.only.split(",") if s]
     rows = []
-    print(f"{'data':<34} {'MB':>6} {'ratio':>6}  {'GB/s decode / out= / no-ck / zipnn':>36}  {'x zipnn':>7}  "
-          f"{'exp Msym/s cc / cc16K / huff0':>30}  {'x huff0':>7}")
+    print(
+        f"{'data':<34} {'MB':>6} {'ratio':>6}  {'GB/s decode / out= / no-ck / zipnn':>36}  {'x zipnn':>7}  "
+        f"{'exp Msym/s cc / cc16K / huff0':>30}  {'x huff0':>7}"
+    )
     for name, tensor in datasets(args.grads):
         if only and not any(s in name for s in only):
             continue
@@ -187,19 +205,34 @@ def main(argv=None) -> int:
         g, e = r["gbps"], r["exp_msym_s"]
         zn = g.get("zipnn", float("nan"))
         h0 = e.get("huff0", float("nan"))
-        print(f"{name:<34} {r['bytes'] / 1e6:>6.1f} {r['ratio']:>6.3f}  {g['decode']:>8.2f} / {g['out=']:>5.2f} / "
-              f"{g['no-ck']:>5.2f} / {zn:>5.2f}  {g['decode'] / zn:>7.2f}  {e['exp']:>10.0f} / "
-              f"{e['exp16K']:>6.0f} / {h0:>7.0f}  {e['exp'] / h0:>7.2f}")
+        print(
+            f"{name:<34} {r['bytes'] / 1e6:>6.1f} {r['ratio']:>6.3f}  {g['decode']:>8.2f} / {g['out=']:>5.2f} / "
+            f"{g['no-ck']:>5.2f} / {zn:>5.2f}  {g['decode'] / zn:>7.2f}  {e['exp']:>10.0f} / "
+            f"{e['exp16K']:>6.0f} / {h0:>7.0f}  {e['exp'] / h0:>7.2f}"
+        )
         if args.ceiling:
-            print(f"{'':<34} ceiling GB/s: copy {g['copy']:.2f}, stream {g['stream']:.2f}; decode / stream "
-                  f"{g['decode'] / g['stream']:.2f}, no-ck / stream {g['no-ck'] / g['stream']:.2f}")
+            print(
+                f"{'':<34} ceiling GB/s: copy {g['copy']:.2f}, stream {g['stream']:.2f}; decode / stream "
+                f"{g['decode'] / g['stream']:.2f}, no-ck / stream {g['no-ck'] / g['stream']:.2f}"
+            )
     share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
-    print(f"clock {args.clock}, best of {args.repeat} alternating rounds, 1 thread; cores {cores}; load average "
-          f"{load0} at start, {os.getloadavg()} at end; CPU time / wall {share:.2f}")
+    print(
+        f"clock {args.clock}, best of {args.repeat} alternating rounds, 1 thread; cores {cores}; load average "
+        f"{load0} at start, {os.getloadavg()} at end; CPU time / wall {share:.2f}"
+    )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump({"clock": args.clock, "repeat": args.repeat, "cores": cores, "load": [load0, os.getloadavg()],
-                       "rows": rows}, fh, indent=1)
+            json.dump(
+                {
+                    "clock": args.clock,
+                    "repeat": args.repeat,
+                    "cores": cores,
+                    "load": [load0, os.getloadavg()],
+                    "rows": rows,
+                },
+                fh,
+                indent=1,
+            )
             fh.write("\n")
     return 0
 

@@ -61,10 +61,18 @@ ROWS = ("zero3", "always", "auto", "zero++")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--links", default="1,10,0", help="Gbit/s, comma-separated; 0 = unshaped (default: 1,10,0)")
-    p.add_argument("--warm", type=int, default=None,
-                   help="untimed steps per row (default: enough for warmup and auto's first probe)")
-    p.add_argument("--probe-steps", type=int, default=4,
-                   help="auto's steps timed per mode in a probe (default 4, the engine's default)")
+    p.add_argument(
+        "--warm",
+        type=int,
+        default=None,
+        help="untimed steps per row (default: enough for warmup and auto's first probe)",
+    )
+    p.add_argument(
+        "--probe-steps",
+        type=int,
+        default=4,
+        help="auto's steps timed per mode in a probe (default 4, the engine's default)",
+    )
     p.add_argument("--rounds", type=int, default=3, help="rounds of timed steps (default 3)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per row and round (default 2)")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank and step (default 4)")
@@ -110,13 +118,23 @@ _WARMUP_STEPS = 2
 
 def _config(row: str, batch: int, probe_steps: int) -> dict:
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
-    config = {"train_micro_batch_size_per_gpu": batch, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}},
-              "bf16": {"enabled": True}, "zero_optimization": zero}
+    config = {
+        "train_micro_batch_size_per_gpu": batch,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}},
+        "bf16": {"enabled": True},
+        "zero_optimization": zero,
+    }
     if row in ("always", "auto"):
-        config["comm_codec"] = {"enabled": True, "mode": row, "warmup_steps": _WARMUP_STEPS,
-                                "probe_steps": probe_steps,
-                                "recheck_every": 10 ** 6, "log_every": 0}
+        config["comm_codec"] = {
+            "enabled": True,
+            "mode": row,
+            "warmup_steps": _WARMUP_STEPS,
+            "probe_steps": probe_steps,
+            "recheck_every": 10**6,
+            "log_every": 0,
+        }
     if row == "zero++":
         zero.update(zero_quantized_weights=True, zero_quantized_gradients=True)
     return config
@@ -124,8 +142,14 @@ def _config(row: str, batch: int, probe_steps: int) -> dict:
 
 # -- the ranks --------------------------------------------------------------------------------
 def _rank(rank, world, port, args, out_path):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     import deepspeed
 
@@ -139,8 +163,9 @@ def _rank(rank, world, port, args, out_path):
     for row in ROWS:
         fresh, _ = minilm_masked_lm(torch.bfloat16) if row != ROWS[0] else (model, None)
         try:
-            engines[row] = ccds.initialize(model=fresh, model_parameters=fresh.parameters(),
-                                           config=_config(row, args.batch, args.probe_steps))[0]
+            engines[row] = ccds.initialize(
+                model=fresh, model_parameters=fresh.parameters(), config=_config(row, args.batch, args.probe_steps)
+            )[0]
         except Exception as exc:  # noqa: BLE001 - ZeRO++ on CPU: DeepSpeed's own error, printed in the table
             errors[row] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     rows = [r for r in ROWS if r in engines]
@@ -169,17 +194,21 @@ def _rank(rank, world, port, args, out_path):
             bytes_at[row] = (ccds.stats(engines[row])["bytes_in"], ccds.stats(engines[row])["bytes_out"])
     cpu0, wall0 = time.process_time(), time.perf_counter()
     for k in range(args.rounds):
-        order = rows[k % len(rows):] + rows[:k % len(rows)]
+        order = rows[k % len(rows) :] + rows[: k % len(rows)]
         for row in order:
             for _ in range(args.steps):
                 times[row].append(step(row))
     cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     timed = args.rounds * args.steps
-    result = {"rank": rank, "cores": sorted(os.sched_getaffinity(0)), "cpu_per_wall": cpu_share, "rows": {},
-              "errors": errors}
+    result = {
+        "rank": rank,
+        "cores": sorted(os.sched_getaffinity(0)),
+        "cpu_per_wall": cpu_share,
+        "rows": {},
+        "errors": errors,
+    }
     for row in rows:
-        entry = {"median_ms": 1e3 * statistics.median(times[row]), "min_ms": 1e3 * min(times[row]),
-                 "loss": losses[row]}
+        entry = {"median_ms": 1e3 * statistics.median(times[row]), "min_ms": 1e3 * min(times[row]), "loss": losses[row]}
         if row in bytes_at:
             st = ccds.stats(engines[row])
             entry["bytes_out"] = (st["bytes_out"] - bytes_at[row][1]) / timed
@@ -213,8 +242,10 @@ def _inside(args) -> int:
 def _report(gbit: float, results: list) -> None:
     r0 = results[0]
     link = f"{gbit:g} Gbit/s (tbf)" if gbit else "unshaped loopback"
-    print(f"\n## {link}: 2 ranks; " + "; ".join(
-        f"rank {r['rank']}: cores {r['cores']}, CPU/wall {r['cpu_per_wall']:.2f}" for r in results))
+    print(
+        f"\n## {link}: 2 ranks; "
+        + "; ".join(f"rank {r['rank']}: cores {r['cores']}, CPU/wall {r['cpu_per_wall']:.2f}" for r in results)
+    )
     rows = r0["rows"]
     plain = rows["zero3"]
     plain_bytes = rows.get("always", {}).get("bytes_in")
@@ -233,8 +264,10 @@ def _report(gbit: float, results: list) -> None:
             if row == "auto":
                 note += f"; {'coding' if e['coding'] else 'plain'}: {e['decision']}"
         same = "= plain" if e["loss"] == plain["loss"] else f"({e['loss'] - plain['loss']:+.2e})"
-        print(f"| {row} | {e['median_ms']:.0f} | {e['min_ms']:.0f} | {e['median_ms'] / plain['median_ms']:.3f}x "
-              f"| {mb} | {e['loss']:.5f} {same} | {note} |")
+        print(
+            f"| {row} | {e['median_ms']:.0f} | {e['min_ms']:.0f} | {e['median_ms'] / plain['median_ms']:.3f}x "
+            f"| {mb} | {e['loss']:.5f} {same} | {note} |"
+        )
 
 
 def main(argv=None) -> int:
@@ -243,9 +276,11 @@ def main(argv=None) -> int:
     if args.inside:
         return _inside(args)
     links = [float(x) for x in args.links.split(",")]
-    print(f"all-MiniLM-L6-v2 bf16, ZeRO-3, 2 gloo ranks; {args.warm} untimed + {args.rounds} x {args.steps} timed "
-          f"steps per row, {args.batch} x {args.seq} tokens per rank and step; this process may run on "
-          f"{len(os.sched_getaffinity(0))} cores")
+    print(
+        f"all-MiniLM-L6-v2 bf16, ZeRO-3, 2 gloo ranks; {args.warm} untimed + {args.rounds} x {args.steps} timed "
+        f"steps per row, {args.batch} x {args.seq} tokens per rank and step; this process may run on "
+        f"{len(os.sched_getaffinity(0))} cores"
+    )
     everything = {}
     for gbit in links:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:

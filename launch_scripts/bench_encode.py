@@ -49,8 +49,11 @@ def datasets():
     weights = load_weights(model_path("minilm"))
     flat = torch.cat([w.reshape(-1).float() for w in weights.values()])
     emb = next(w for k, w in weights.items() if "word_embeddings" in k)
-    return [("minilm bf16", flat.to(torch.bfloat16)), ("minilm fp32", flat),
-            (f"minilm emb {tuple(emb.shape)} fp16", emb.reshape(-1).to(torch.float16))]
+    return [
+        ("minilm bf16", flat.to(torch.bfloat16)),
+        ("minilm fp32", flat),
+        (f"minilm emb {tuple(emb.shape)} fp16", emb.reshape(-1).to(torch.float16)),
+    ]
 
 
 def kernels(codec: Codec, tensor: torch.Tensor, kind: str, streams: int | None = None):
@@ -83,8 +86,23 @@ def kernels(codec: Codec, tensor: torch.Tensor, kind: str, streams: int | None =
         plan_chunks(bits, ce, *layout, enc_len, nbooks, raw, cflags, refs, books, sizes)
 
     def pack():
-        encode_chunks(bits, ce, *layout, enc_code, enc_len, *extra, cflags, refs, books, sizes, offsets,
-                      out, out.view(np.uint64), checksums, True)
+        encode_chunks(
+            bits,
+            ce,
+            *layout,
+            enc_code,
+            enc_len,
+            *extra,
+            cflags,
+            refs,
+            books,
+            sizes,
+            offsets,
+            out,
+            out.view(np.uint64),
+            checksums,
+            True,
+        )
 
     return plan, pack
 
@@ -98,8 +116,12 @@ def measure(codec, zn_module, huff, huff0, name, tensor, args) -> dict:
     zpayload = zn.compress(bytearray(raw))
     plan, pack = kernels(codec, tensor, args.kind)
     plan0, pack0 = kernels(codec, tensor, args.kind, streams=1)
-    fns = {"plan": plan, "pack": pack, "encode": lambda: codec.encode(tensor, args.kind),
-           "s0": lambda: (plan0(), pack0())}
+    fns = {
+        "plan": plan,
+        "pack": pack,
+        "encode": lambda: codec.encode(tensor, args.kind),
+        "s0": lambda: (plan0(), pack0()),
+    }
     copies = []
     fns["zn prep"] = lambda: copies.append(bytearray(raw))  # zipnn rewrites its input: fresh copies
     fns["zipnn"] = lambda: zn.compress(copies.pop())
@@ -110,13 +132,21 @@ def measure(codec, zn_module, huff, huff0, name, tensor, args) -> dict:
     ms = {k: 1e3 * v for k, v in t.items()}
     msym = tensor.numel() / 1e6
     h0 = f"{msym / t['huff0']:7.0f}" if huff else "    n/a"
-    print(f"{name:<30} {nbytes / 1e6:6.1f} {ms['plan']:7.2f} {ms['pack']:7.2f} {ms['encode']:7.2f} "
-          f"{nbytes / t['encode'] / 1e9:6.2f} {msym / t['encode']:7.0f} {ms['zipnn']:7.2f} "
-          f"{ms['zipnn'] / ms['encode']:5.2f} {msym / t['s0']:7.0f} {h0} {nbytes / frame.numel():6.3f} "
-          f"{nbytes / len(zpayload):6.3f}")
-    return {"data": name, "bytes": nbytes, "ms": ms, "ratio": nbytes / frame.numel(),
-            "zipnn_ratio": nbytes / len(zpayload), "stream0_msym_s": msym / t["s0"],
-            "huff0_msym_s": msym / t["huff0"] if huff else None}
+    print(
+        f"{name:<30} {nbytes / 1e6:6.1f} {ms['plan']:7.2f} {ms['pack']:7.2f} {ms['encode']:7.2f} "
+        f"{nbytes / t['encode'] / 1e9:6.2f} {msym / t['encode']:7.0f} {ms['zipnn']:7.2f} "
+        f"{ms['zipnn'] / ms['encode']:5.2f} {msym / t['s0']:7.0f} {h0} {nbytes / frame.numel():6.3f} "
+        f"{nbytes / len(zpayload):6.3f}"
+    )
+    return {
+        "data": name,
+        "bytes": nbytes,
+        "ms": ms,
+        "ratio": nbytes / frame.numel(),
+        "zipnn_ratio": nbytes / len(zpayload),
+        "stream0_msym_s": msym / t["s0"],
+        "huff0_msym_s": msym / t["huff0"] if huff else None,
+    }
 
 
 def small_calls(codec, tensor, args) -> dict:
@@ -124,7 +154,7 @@ def small_calls(codec, tensor, args) -> dict:
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     row = {}
     for n in SMALL:
-        bits, spec = as_bits(tensor[1_000_000:1_000_000 + n].contiguous())
+        bits, spec = as_bits(tensor[1_000_000 : 1_000_000 + n].contiguous())
         codec.encode_array(bits, spec, args.kind)
         calls = 200_000 // max(n // 64, 50)
         best = float("inf")
@@ -143,8 +173,12 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--kind", default="weight")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="wall time, or the process's CPU time (one thread: the work alone, for a loaded machine)")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall time, or the process's CPU time (one thread: the work alone, for a loaded machine)",
+    )
     args = parser.parse_args(argv)
     numba.set_num_threads(1)
     torch.set_num_threads(1)
@@ -159,10 +193,14 @@ def main(argv=None) -> int:
         huff = None
     codec = Codec(threads=1)
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    print(f"ms ({args.clock} clock), 1 thread, best of {args.repeat} alternated rounds; x zn = zipnn time / encode "
-          "time; s0 = the codec's planner and packer on the exponent stream alone, huff0 = huff0 on it, Msym/s")
-    print(f"{'data':<30} {'MB':>6} {'plan':>7} {'pack':>7} {'encode':>7} {'GB/s':>6} {'Melem/s':>7} {'zipnn':>7} "
-          f"{'x zn':>5} {'s0 Msym':>7} {'huff0':>7} {'ratio':>6} {'zn rt':>6}")
+    print(
+        f"ms ({args.clock} clock), 1 thread, best of {args.repeat} alternated rounds; x zn = zipnn time / encode "
+        "time; s0 = the codec's planner and packer on the exponent stream alone, huff0 = huff0 on it, Msym/s"
+    )
+    print(
+        f"{'data':<30} {'MB':>6} {'plan':>7} {'pack':>7} {'encode':>7} {'GB/s':>6} {'Melem/s':>7} {'zipnn':>7} "
+        f"{'x zn':>5} {'s0 Msym':>7} {'huff0':>7} {'ratio':>6} {'zn rt':>6}"
+    )
     rows = []
     small = {}
     for name, tensor in datasets():
@@ -170,8 +208,10 @@ def main(argv=None) -> int:
         if tensor.dtype in (torch.bfloat16, torch.float32) and "emb" not in name:
             small[str(tensor.dtype)] = small_calls(codec, tensor, args)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-    print(f"cores: {len(os.sched_getaffinity(0))} in affinity, process CPU/wall {cpu / wall:.2f}, "
-          f"load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"cores: {len(os.sched_getaffinity(0))} in affinity, process CPU/wall {cpu / wall:.2f}, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"rows": rows, "small_us": small}, fh, indent=1)

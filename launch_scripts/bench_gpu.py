@@ -44,8 +44,13 @@ MAX_MIB = 1024
 
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sizes-mib", type=int, nargs="+", default=[64, 256, 1024],
-                   help=f"input sizes in MiB of bf16 (each at most {MAX_MIB})")
+    p.add_argument(
+        "--sizes-mib",
+        type=int,
+        nargs="+",
+        default=[64, 256, 1024],
+        help=f"input sizes in MiB of bf16 (each at most {MAX_MIB})",
+    )
     p.add_argument("--repeat", type=int, default=5, help="timed runs per measurement (median)")
     p.add_argument("--chunk-elems", type=int, default=None, help="codec chunk size (default: the codec's)")
     p.add_argument("--budget", type=float, default=200.0, help="start no new size after this many seconds")
@@ -60,8 +65,11 @@ def _parse(argv):
 
 
 def _no_gpu(reason: str) -> None:
-    print(f"bench_gpu: no CUDA GPU to benchmark ({reason}). This benchmark needs one; "
-          "CPU numbers come from launch_scripts/bench_codec.py.", file=sys.stderr)
+    print(
+        f"bench_gpu: no CUDA GPU to benchmark ({reason}). This benchmark needs one; "
+        "CPU numbers come from launch_scripts/bench_codec.py.",
+        file=sys.stderr,
+    )
     sys.exit(2)
 
 
@@ -128,9 +136,15 @@ def _measure(torch, codec, encode, decode, timer, device, nbytes: int, k: int, r
     t_copy = timer(lambda: out.copy_(x), repeat)
     src32 = x.float()
     t_cast = timer(lambda: src32.to(torch.bfloat16), repeat)
-    row = {"mib": nbytes / 2**20, "ratio": nbytes / frame.numel(), "encode_gbs": nbytes / t_enc / 1e9,
-           "decode_gbs": nbytes / t_dec / 1e9, "copy_gbs": nbytes / t_copy / 1e9,
-           "cast_bf16_gbs": nbytes / t_cast / 1e9, "correct": True}
+    row = {
+        "mib": nbytes / 2**20,
+        "ratio": nbytes / frame.numel(),
+        "encode_gbs": nbytes / t_enc / 1e9,
+        "decode_gbs": nbytes / t_dec / 1e9,
+        "copy_gbs": nbytes / t_copy / 1e9,
+        "cast_bf16_gbs": nbytes / t_cast / 1e9,
+        "correct": True,
+    }
     row["encode_vs_copy"] = row["encode_gbs"] / row["copy_gbs"]
     row["decode_vs_copy"] = row["decode_gbs"] / row["copy_gbs"]
     return row
@@ -165,8 +179,13 @@ def main(argv=None) -> int:
     decode = codec.decode if gpu else codec.decode_cuda
     timer = _Timer(torch, gpu)
     name = torch.cuda.get_device_name(device) if gpu else "numba CUDA simulator (timings meaningless)"
-    log.info("bench_gpu on %s: sizes %s MiB, repeat %d, chunk_elems %d", name,
-             [round(s / 2**20, 3) for s in sizes], args.repeat, codec.chunk_elems)
+    log.info(
+        "bench_gpu on %s: sizes %s MiB, repeat %d, chunk_elems %d",
+        name,
+        [round(s / 2**20, 3) for s in sizes],
+        args.repeat,
+        codec.chunk_elems,
+    )
     t_start = time.perf_counter()
     rows = []
     for k, nbytes in enumerate(sizes):
@@ -178,8 +197,13 @@ def main(argv=None) -> int:
             log.error("bench_gpu: size %.4g MiB: GPU round trip or CPU agreement FAILED", nbytes / 2**20)
             return 1
         rows.append(row)
-        log.info("%8.4g MiB: ok, ratio %.3f, encode %.2f GB/s, decode %.2f GB/s", row["mib"], row["ratio"],
-                 row["encode_gbs"], row["decode_gbs"])
+        log.info(
+            "%8.4g MiB: ok, ratio %.3f, encode %.2f GB/s, decode %.2f GB/s",
+            row["mib"],
+            row["ratio"],
+            row["encode_gbs"],
+            row["decode_gbs"],
+        )
         if gpu:
             torch.cuda.empty_cache()
     if args.json:
@@ -190,9 +214,16 @@ def main(argv=None) -> int:
     print(f"comm_codec GPU codec on {name} (bf16 gradient-like data, bit-exact round trips checked)")
     print(" | ".join(f"{h:>14}" for h in head))
     for r in rows:
-        cells = (f"{r['mib']:.4g}", f"{r['ratio']:.3f}", f"{r['encode_gbs']:.2f}", f"{r['decode_gbs']:.2f}",
-                 f"{r['copy_gbs']:.2f}", f"{r['cast_bf16_gbs']:.2f}", f"{r['encode_vs_copy']:.4f}",
-                 f"{r['decode_vs_copy']:.4f}")
+        cells = (
+            f"{r['mib']:.4g}",
+            f"{r['ratio']:.3f}",
+            f"{r['encode_gbs']:.2f}",
+            f"{r['decode_gbs']:.2f}",
+            f"{r['copy_gbs']:.2f}",
+            f"{r['cast_bf16_gbs']:.2f}",
+            f"{r['encode_vs_copy']:.4f}",
+            f"{r['decode_vs_copy']:.4f}",
+        )
         print(" | ".join(f"{c:>14}" for c in cells))
     print("GB = 1e9 bytes of uncoded bf16 input (for the cast: of bf16 output); ratio = input / frame bytes.")
     return 0

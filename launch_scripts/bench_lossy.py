@@ -58,9 +58,12 @@ PARTS = ("weight_mask", "weight_index", "exp_avg_mask", "exp_avg_index", "exp_av
 def _parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=("minilm", "tinylm"), default="minilm")
-    p.add_argument("--sweep", default="1e-3,3e-3,1e-2",
-                   help="comma-separated --max-error values; 'lossless' for the exact delta, 'default' for "
-                        "the CLI's default (default: %(default)s)")
+    p.add_argument(
+        "--sweep",
+        default="1e-3,3e-3,1e-2",
+        help="comma-separated --max-error values; 'lossless' for the exact delta, 'default' for "
+        "the CLI's default (default: %(default)s)",
+    )
     p.add_argument("--count", type=int, default=5, help="checkpoints in the series")
     p.add_argument("--warmup", type=int, default=10, help="steps before the first checkpoint")
     p.add_argument("--every", type=int, default=10, help="steps between checkpoints")
@@ -107,7 +110,7 @@ class _Run:
         g = torch.Generator().manual_seed(seed)
         n, s = self.args.batch, self.args.seq_len
         starts = torch.randint(0, ids.numel() - s, (count, n), generator=g)
-        return [torch.stack([ids[i:i + s] for i in row.tolist()]) for row in starts]
+        return [torch.stack([ids[i : i + s] for i in row.tolist()]) for row in starts]
 
     def model(self):
         torch.manual_seed(self.args.seed)
@@ -162,8 +165,9 @@ def _resume(run: _Run, state: dict) -> tuple[float, float]:
 def _cli(*argv) -> float:
     """Run ``comm-codec ARGV`` in a fresh process; return its wall time."""
     t = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "comm_codec", *map(str, argv), "-q"], capture_output=True, text=True,
-                       check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "comm_codec", *map(str, argv), "-q"], capture_output=True, text=True, check=False
+    )
     if r.returncode:
         raise SystemExit(f"comm-codec {' '.join(map(str, argv))} failed: {r.stderr.strip()}")
     return time.perf_counter() - t
@@ -189,8 +193,9 @@ def _compress(files: list[Path], setting: str, folder: Path) -> dict:
         else:
             dst = folder / f"{src.stem}.{setting}.ccl"
             knob = () if setting == "default" else ("--max-error", setting)
-            times.append(_cli("compress", src, dst, "--force", "--lossy", "excp", *knob,
-                              *(("--base", prev) if k else ())))
+            times.append(
+                _cli("compress", src, dst, "--force", "--lossy", "excp", *knob, *(("--base", prev) if k else ()))
+            )
             if k:
                 for part, n in _breakdown(dst).items():
                     parts[part] += n
@@ -215,14 +220,23 @@ def main(argv=None) -> int:
         run = _Run(args)
         files = _train_series(run, folder)
         raw = [f.stat().st_size for f in files]
-        log.info("%s: %d checkpoints of %.1f MB in %.0f s", args.model, len(files), raw[0] / 1e6,
-                 time.perf_counter() - started)
+        log.info(
+            "%s: %d checkpoints of %.1f MB in %.0f s",
+            args.model,
+            len(files),
+            raw[0] / 1e6,
+            time.perf_counter() - started,
+        )
         base = _resume(run, torch.load(files[-1], weights_only=True))
         lossless_time = None
-        print(f"\n{args.model}: {len(files)} checkpoints {args.every} steps apart ({raw[0] / 1e6:.1f} MB each), "
-              f"resumed {args.resume_steps} steps; uptime: {os.getloadavg()[0]:.1f} load")
-        print(f"{'setting':>10} {'deltas x':>9} {'total x':>8} {'train dloss':>12} {'held-out dloss':>15} "
-              f"{'s/delta':>8} {'vs lossless':>11}   deltas' bytes: " + " ".join(f"{p}" for p in PARTS))
+        print(
+            f"\n{args.model}: {len(files)} checkpoints {args.every} steps apart ({raw[0] / 1e6:.1f} MB each), "
+            f"resumed {args.resume_steps} steps; uptime: {os.getloadavg()[0]:.1f} load"
+        )
+        print(
+            f"{'setting':>10} {'deltas x':>9} {'total x':>8} {'train dloss':>12} {'held-out dloss':>15} "
+            f"{'s/delta':>8} {'vs lossless':>11}   deltas' bytes: " + " ".join(f"{p}" for p in PARTS)
+        )
         for setting in ["lossless"] + [s for s in settings if s != "lossless"]:
             c = _compress(files, setting, folder)
             t_delta = sum(c["times"][1:]) / (len(files) - 1)
@@ -237,12 +251,24 @@ def main(argv=None) -> int:
             total = sum(raw) / sum(c["sizes"])
             n = max(1, sum(c["parts"].values()))
             split = " ".join(f"{100 * c['parts'][p] / n:.0f}%" for p in PARTS) if setting != "lossless" else "-"
-            print(f"{setting:>10} {deltas:9.1f} {total:8.2f} {100 * train:+11.3f}% {100 * held:+14.3f}% "
-                  f"{t_delta:8.2f} {t_delta / lossless_time:10.2f}x   {split}", flush=True)
-            results["rows"].append({"setting": setting, "deltas_ratio": deltas, "total_ratio": total,
-                                    "train_loss_change": train, "held_out_loss_change": held,
-                                    "seconds_per_delta": t_delta, "parts": c["parts"], "sizes": c["sizes"],
-                                    "raw": raw})
+            print(
+                f"{setting:>10} {deltas:9.1f} {total:8.2f} {100 * train:+11.3f}% {100 * held:+14.3f}% "
+                f"{t_delta:8.2f} {t_delta / lossless_time:10.2f}x   {split}",
+                flush=True,
+            )
+            results["rows"].append(
+                {
+                    "setting": setting,
+                    "deltas_ratio": deltas,
+                    "total_ratio": total,
+                    "train_loss_change": train,
+                    "held_out_loss_change": held,
+                    "seconds_per_delta": t_delta,
+                    "parts": c["parts"],
+                    "sizes": c["sizes"],
+                    "raw": raw,
+                }
+            )
         print(f"ExCP (Pythia-410M, published): ~{EXCP_RATIO:.0f}x on a series at a negligible loss change")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")

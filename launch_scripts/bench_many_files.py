@@ -67,24 +67,29 @@ def main(argv=None) -> int:
                 for d in ("out", "back"):
                     shutil.rmtree(os.path.join(work, d), ignore_errors=True)
                 comp[tree].append(_timed(cli + ["compress", "-q", src, os.path.join(work, "out")], env))
-                dec[tree].append(_timed(cli + ["decompress", "-q", os.path.join(work, "out"),
-                                               os.path.join(work, "back")], env))
+                dec[tree].append(
+                    _timed(cli + ["decompress", "-q", os.path.join(work, "out"), os.path.join(work, "back")], env)
+                )
                 if not _same(src, os.path.join(work, "back")):
                     raise SystemExit(f"bench_many_files.py: {tree}: the restored tree differs from the input")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     load = os.getloadavg()
-    print(f"{args.files} files of {args.size} bytes in one directory, {args.reps} alternating reps, "
-          f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, load {load[0]:.2f} {load[1]:.2f} "
-          f"{load[2]:.2f}, {args.dir}")
+    print(
+        f"{args.files} files of {args.size} bytes in one directory, {args.reps} alternating reps, "
+        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, load {load[0]:.2f} {load[1]:.2f} "
+        f"{load[2]:.2f}, {args.dir}"
+    )
     print(f"{'what':<36} {'median s':>9} {'min s':>8}")
     print(f"{'cp -r':<36} {statistics.median(cp):9.2f} {min(cp):8.2f}")
     for tree in trees:
         both = [c + d for c, d in zip(comp[tree], dec[tree])]
         for name, xs in (("compress", comp[tree]), ("decompress", dec[tree]), ("compress + decompress", both)):
             print(f"{tree + ': ' + name:<36} {statistics.median(xs):9.2f} {min(xs):8.2f}")
-        print(f"{tree}: (compress + decompress) / cp -r: {statistics.median(both) / statistics.median(cp):.1f}x "
-              f"(median), {min(both) / min(cp):.1f}x (min)")
+        print(
+            f"{tree}: (compress + decompress) / cp -r: {statistics.median(both) / statistics.median(cp):.1f}x "
+            f"(median), {min(both) / min(cp):.1f}x (min)"
+        )
     return 0
 
 

@@ -60,8 +60,7 @@ def collect(dtype, steps, corpus, seed=0):
         opt.zero_grad(set_to_none=True)
         loss = model.loss(x, y)
         loss.backward()
-        out.append({"gradient": [p.grad.detach().clone() for p in model.parameters()],
-                    "activation": list(acts)})
+        out.append({"gradient": [p.grad.detach().clone() for p in model.parameters()], "activation": list(acts)})
         opt.step()
         if step % 10 == 0:
             log.info("%s step %d loss %.3f", str(dtype).replace("torch.", ""), step, loss.item())
@@ -103,11 +102,22 @@ def quality(args, corpus, rows):
                 refreshed = build(data, step - args.warmup_refresh, step, shared=False)
             for kind in KINDS:
                 counts = step_counts(data[step][kind])
-                for label, books, k in (("per-kind", per_kind, kind), ("shared", shared, "gradient"),
-                                        ("refreshed", refreshed, kind)):
+                for label, books, k in (
+                    ("per-kind", per_kind, kind),
+                    ("shared", shared, "gradient"),
+                    ("refreshed", refreshed, kind),
+                ):
                     fixed, opt, sh = book_cost(books, k, name, counts)
-                    rows.append({"dtype": name, "kind": kind, "books": label, "step": step,
-                                 "vs_optimal": fixed / opt - 1, "vs_shannon": fixed / sh - 1})
+                    rows.append(
+                        {
+                            "dtype": name,
+                            "kind": kind,
+                            "books": label,
+                            "step": step,
+                            "vs_optimal": fixed / opt - 1,
+                            "vs_shannon": fixed / sh - 1,
+                        }
+                    )
 
 
 def overhead(args, corpus, rows):
@@ -122,7 +132,7 @@ def overhead(args, corpus, rows):
         buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype)
         offset = 0
         for p in params:
-            p.grad = buffer[offset: offset + p.numel()].view_as(p)
+            p.grad = buffer[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
         prof = WarmupProfiler()
         times = {"plain": [], "profiled": []}
@@ -138,8 +148,14 @@ def overhead(args, corpus, rows):
                 if rep:  # first round compiles and warms caches
                     times[mode].append(time.perf_counter() - t0)
         plain, prof_t = statistics.median(times["plain"]), statistics.median(times["profiled"])
-        rows.append({"dtype": "bf16" if dtype == torch.bfloat16 else "fp32", "plain_ms": 1e3 * plain,
-                     "profiled_ms": 1e3 * prof_t, "overhead": prof_t / plain - 1})
+        rows.append(
+            {
+                "dtype": "bf16" if dtype == torch.bfloat16 else "fp32",
+                "plain_ms": 1e3 * plain,
+                "profiled_ms": 1e3 * prof_t,
+                "overhead": prof_t / plain - 1,
+            }
+        )
 
 
 def main(argv=None) -> int:
@@ -161,8 +177,10 @@ def main(argv=None) -> int:
     quality(args, corpus, q)
     overhead(args, corpus, o)
 
-    print(f"Fixed books from steps 0..{args.warmup - 1}, applied to steps {args.warmup}..{args.steps - 1} "
-          "(TinyLM on stdlib text)")
+    print(
+        f"Fixed books from steps 0..{args.warmup - 1}, applied to steps {args.warmup}..{args.steps - 1} "
+        "(TinyLM on stdlib text)"
+    )
     print(f"{'dtype':<6}{'kind':<12}{'books':<11}{'mean vs per-step opt':>22}{'worst':>9}{'mean vs Shannon':>17}")
     summary = {}
     for dtype in ("bf16", "fp32"):
@@ -174,30 +192,42 @@ def main(argv=None) -> int:
                 worst = max(r["vs_optimal"] for r in sel)
                 summary[(dtype, kind, label)] = (mo, ms)
                 print(f"{dtype:<6}{kind:<12}{label:<11}{100 * mo:>21.2f}%{100 * worst:>8.2f}%{100 * ms:>16.2f}%")
-    print("\nGap to per-step optimal over training (per-kind books; without / with refresh every "
-          f"{args.refresh_every} steps):")
+    print(
+        "\nGap to per-step optimal over training (per-kind books; without / with refresh every "
+        f"{args.refresh_every} steps):"
+    )
     for dtype in ("bf16", "fp32"):
         for kind in KINDS:
             line = []
             for step in range(args.warmup, args.steps, max(1, (args.steps - args.warmup) // 8)):
-                a = next(r for r in q if (r["dtype"], r["kind"], r["books"], r["step"]) == (dtype, kind, "per-kind", step))
-                b = next(r for r in q if (r["dtype"], r["kind"], r["books"], r["step"]) == (dtype, kind, "refreshed", step))
+                a = next(
+                    r for r in q if (r["dtype"], r["kind"], r["books"], r["step"]) == (dtype, kind, "per-kind", step)
+                )
+                b = next(
+                    r for r in q if (r["dtype"], r["kind"], r["books"], r["step"]) == (dtype, kind, "refreshed", step)
+                )
                 line.append(f"{step}:{100 * a['vs_optimal']:.1f}/{100 * b['vs_optimal']:.1f}")
             print(f"  {dtype} {kind:<10} " + "  ".join(line))
     print("\nProfiling overhead (observe the gradient bucket, as the DDP warmup hook does; median ms/step):")
     for r in o:
-        print(f"  {r['dtype']}: plain {r['plain_ms']:.1f} ms, profiled {r['profiled_ms']:.1f} ms, "
-              f"overhead {100 * r['overhead']:+.1f}%")
+        print(
+            f"  {r['dtype']}: plain {r['plain_ms']:.1f} ms, profiled {r['profiled_ms']:.1f} ms, "
+            f"overhead {100 * r['overhead']:+.1f}%"
+        )
     print("\nTargets:")
     for dtype in ("bf16", "fp32"):
         for kind in KINDS:
             mo, ms = summary[(dtype, kind, "per-kind")]
             ok = mo <= 0.01 and ms <= 0.02
-            print(f"  {dtype} {kind:<10} <=1% vs per-step optimal, <=2% vs Shannon: "
-                  f"{100 * mo:.2f}% / {100 * ms:.2f}%  {'PASS' if ok else 'MISS'}")
+            print(
+                f"  {dtype} {kind:<10} <=1% vs per-step optimal, <=2% vs Shannon: "
+                f"{100 * mo:.2f}% / {100 * ms:.2f}%  {'PASS' if ok else 'MISS'}"
+            )
     for r in o:
-        print(f"  profiling overhead {r['dtype']} <= 5%: {100 * r['overhead']:+.1f}%  "
-              f"{'PASS' if r['overhead'] <= 0.05 else 'MISS'}")
+        print(
+            f"  profiling overhead {r['dtype']} <= 5%: {100 * r['overhead']:+.1f}%  "
+            f"{'PASS' if r['overhead'] <= 0.05 else 'MISS'}"
+        )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"quality": q, "overhead": o}, fh, indent=1)

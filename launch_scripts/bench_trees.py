@@ -44,8 +44,12 @@ def _tensors() -> dict:
     g = torch.Generator().manual_seed(0)
     grad = (torch.randn(16 << 20, generator=g) * 1e-3).bfloat16()
     grad[torch.rand(grad.numel(), generator=g) < 0.5] = 0
-    return {"MiniLM weight fp32": flat, "MiniLM weight bf16": flat.bfloat16(), "MiniLM weight fp16": flat.half(),
-            "synthetic half-zero gradient bf16": grad}
+    return {
+        "MiniLM weight fp32": flat,
+        "MiniLM weight bf16": flat.bfloat16(),
+        "MiniLM weight fp16": flat.half(),
+        "synthetic half-zero gradient bf16": grad,
+    }
 
 
 def _time(fn, *args) -> float:
@@ -68,8 +72,9 @@ def main(argv=None) -> int:
         for_dtypes = [torch.float32, torch.bfloat16, torch.float16]
         (getattr(codec, "precompile", None) or codec.warmup)(for_dtypes)
     cores = len(os.sched_getaffinity(0))
-    print(f"{'data':<36}{'MB':>7}{'enc GB/s ours':>15}{'base':>7}{'x':>7}{'dec GB/s ours':>15}{'base':>7}{'x':>7}"
-          f"  frames")
+    print(
+        f"{'data':<36}{'MB':>7}{'enc GB/s ours':>15}{'base':>7}{'x':>7}{'dec GB/s ours':>15}{'base':>7}{'x':>7}  frames"
+    )
     for label, x in _tensors().items():
         kind = "gradient" if "gradient" in label else "weight"
         frames = {name: c.encode(x, kind) for name, c in codecs.items()}
@@ -85,12 +90,16 @@ def main(argv=None) -> int:
         mb = x.numel() * x.element_size() / 1e6
         e = {n: mb / 1e3 / statistics.median(v) for n, v in enc.items()}
         d = {n: mb / 1e3 / statistics.median(v) for n, v in dec.items()}
-        print(f"{label:<36}{mb:>7.1f}{e['this tree']:>15.2f}{e['baseline']:>7.2f}{e['this tree'] / e['baseline']:>7.3f}"
-              f"{d['this tree']:>15.2f}{d['baseline']:>7.2f}{d['this tree'] / d['baseline']:>7.3f}"
-              f"  {'identical' if same else 'DIFFER'}")
+        print(
+            f"{label:<36}{mb:>7.1f}{e['this tree']:>15.2f}{e['baseline']:>7.2f}{e['this tree'] / e['baseline']:>7.3f}"
+            f"{d['this tree']:>15.2f}{d['baseline']:>7.2f}{d['this tree'] / d['baseline']:>7.3f}"
+            f"  {'identical' if same else 'DIFFER'}"
+        )
         sys.stdout.flush()
-    print(f"median of {args.repeat} alternating calls per tree, 1 codec thread, {cores} cores allowed, "
-          f"load {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    print(
+        f"median of {args.repeat} alternating calls per tree, 1 codec thread, {cores} cores allowed, "
+        f"load {' '.join(f'{v:.2f}' for v in os.getloadavg())}"
+    )
     return 0
 
 

@@ -67,8 +67,10 @@ class ByKind:
 
     def build(self, meta: dict):
         books = self.others.build(meta=meta) | self.weights.build(meta=meta)
-        books.meta["method"] += (f"; weight books: groups of up to {_WEIGHT_PROFILER['max_books']} books, "
-                                 f"min gain {_WEIGHT_PROFILER['min_gain']}, {_WEIGHT_PROFILER['max_rows']} chunk rows")
+        books.meta["method"] += (
+            f"; weight books: groups of up to {_WEIGHT_PROFILER['max_books']} books, "
+            f"min gain {_WEIGHT_PROFILER['min_gain']}, {_WEIGHT_PROFILER['max_rows']} chunk rows"
+        )
         return books
 
 
@@ -150,9 +152,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="codebooks/default.json")
     parser.add_argument("--steps", type=int, default=20, help="warmup steps per model dtype")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--pretrained", default="minilm,efficientnet",
-                        help="packaged pretrained models whose weights the weight books also see (comma-separated; "
-                             "'none' for TinyLM alone)")
+    parser.add_argument(
+        "--pretrained",
+        default="minilm,efficientnet",
+        help="packaged pretrained models whose weights the weight books also see (comma-separated; "
+        "'none' for TinyLM alone)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(2)
@@ -163,20 +168,32 @@ def main(argv=None) -> int:
     models = [] if args.pretrained.strip() == "none" else [n.strip() for n in args.pretrained.split(",") if n.strip()]
     for name in models:
         profile_pretrained(prof, name)
-    books = prof.build(meta={
-        "source": "comm_codec.tools.tinylm TinyLM on Python stdlib source (launch_scripts/build_default_codebooks.py)"
-                  + "".join(f"; weights of pretrained {name} ({pretrained.MODELS[name][1]})" for name in models),
-        "steps": args.steps,
-        "seed": args.seed,
-        "torch": torch.__version__,
-    })
+    books = prof.build(
+        meta={
+            "source": "comm_codec.tools.tinylm TinyLM on Python stdlib source (launch_scripts/build_default_codebooks.py)"
+            + "".join(f"; weights of pretrained {name} ({pretrained.MODELS[name][1]})" for name in models),
+            "steps": args.steps,
+            "seed": args.seed,
+            "torch": torch.__version__,
+        }
+    )
     books.save(args.out)
     for key, book in books.items():
         st = books.stats(key)
-        log.info("%-16s %-8s s%d  H=%.3f  L=%.3f  %s", *key, st["entropy_bits"], st["expected_bits"],
-                 "raw" if book.raw else book.id)
-    log.info("wrote %s (%d keys, %d books, digest %s)", args.out, len(books), sum(len(g) for _, g in books.groups()),
-             books.digest)
+        log.info(
+            "%-16s %-8s s%d  H=%.3f  L=%.3f  %s",
+            *key,
+            st["entropy_bits"],
+            st["expected_bits"],
+            "raw" if book.raw else book.id,
+        )
+    log.info(
+        "wrote %s (%d keys, %d books, digest %s)",
+        args.out,
+        len(books),
+        sum(len(g) for _, g in books.groups()),
+        books.digest,
+    )
     return 0
 
 

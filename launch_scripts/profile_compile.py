@@ -60,10 +60,10 @@ def main(argv=None) -> int:
     times: dict = {}
     cpu: dict = {}
     t0, c0 = time.perf_counter(), time.process_time()
-    import numpy as np
     import torch
 
     import comm_codec as cc
+
     times["import"] = time.perf_counter() - t0
     cpu["import"] = time.process_time() - c0
     dtypes = [x for x in args.dtypes.split(",") if x]
@@ -71,6 +71,7 @@ def main(argv=None) -> int:
 
     def sample(dtype, n=1 << 16):
         from comm_codec.core.precompile import _sample
+
         x = _sample(spec_for(dtype).dtype)
         return x.repeat(n // x.numel())
 
@@ -101,16 +102,22 @@ def main(argv=None) -> int:
 
     def _checkpoint():
         from comm_codec import checkpoint
+
         d = tempfile.mkdtemp()
         g = torch.Generator().manual_seed(0)
-        sd = {"w": torch.randn(512, 512, generator=g).to(torch.bfloat16), "h": torch.randn(300, 300, generator=g).half(),
-              "f": torch.randn(700, 300, generator=g), "i": torch.arange(1000)}
+        sd = {
+            "w": torch.randn(512, 512, generator=g).to(torch.bfloat16),
+            "h": torch.randn(300, 300, generator=g).half(),
+            "f": torch.randn(700, 300, generator=g),
+            "i": torch.arange(1000),
+        }
         torch.save(sd, f"{d}/a.pt")
         checkpoint.compress_file(f"{d}/a.pt", f"{d}/a.cc")
         checkpoint.decompress_file(f"{d}/a.cc", f"{d}/b.pt")
 
     def _lossy():
         from comm_codec.checkpoint import lossy
+
         d = tempfile.mkdtemp()
         g = torch.Generator().manual_seed(0)
         torch.save({"w": torch.randn(512, 512, generator=g).to(torch.bfloat16)}, f"{d}/a.pt")
@@ -132,7 +139,7 @@ def main(argv=None) -> int:
     for k, v in times.items():
         print(f"{k:<12} {v:8.2f} {cpu[k]:8.2f}")
     by_kernel: dict = {}
-    for (name, sig), (inc, own) in rows.items():
+    for (name, _sig), (inc, own) in rows.items():
         r = by_kernel.setdefault(name, [0.0, 0.0, 0])
         r[0] += inc
         r[1] += own
@@ -140,12 +147,20 @@ def main(argv=None) -> int:
     total_self = sum(r[1] for r in by_kernel.values())
     print(f"\ncompiled: {len(rows)} signatures of {len(by_kernel)} functions, {total_self:.1f} CPU s")
     print(f"{'function':<40} {'sigs':>4} {'self s':>7} {'incl s':>7}  (CPU seconds)")
-    for name, (inc, own, n) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:args.top]:
+    for name, (inc, own, n) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[: args.top]:
         print(f"{name:<40} {n:4d} {own:7.2f} {inc:7.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"phases": times, "cpu": cpu, "kernels": {k: v for k, v in by_kernel.items()},
-                       "signatures": [[n, s, i, o] for (n, s), (i, o) in rows.items()]}, f, indent=1)
+            json.dump(
+                {
+                    "phases": times,
+                    "cpu": cpu,
+                    "kernels": {k: v for k, v in by_kernel.items()},
+                    "signatures": [[n, s, i, o] for (n, s), (i, o) in rows.items()],
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -49,8 +49,8 @@ def worker(rank: int, world: int, port: int, steps: int) -> None:
     fc, proj = reference_mlp(0)
     shard = D_HIDDEN // world
     # Column-parallel fc (rows of its weight), row-parallel proj (columns of its weight).
-    w1 = torch.nn.Parameter(fc.weight.detach()[rank * shard:(rank + 1) * shard].clone())
-    w2 = torch.nn.Parameter(proj.weight.detach()[:, rank * shard:(rank + 1) * shard].clone())
+    w1 = torch.nn.Parameter(fc.weight.detach()[rank * shard : (rank + 1) * shard].clone())
+    w2 = torch.nn.Parameter(proj.weight.detach()[:, rank * shard : (rank + 1) * shard].clone())
     codec = Codec(CodebookSet.default())
     stats = CommStats()
     worst = 0.0
@@ -67,14 +67,16 @@ def worker(rank: int, world: int, port: int, steps: int) -> None:
         ref_y = ref_proj(torch.nn.functional.gelu(ref_fc(x)))
         ref_y.square().mean().backward()
         worst = max(worst, (y - ref_y).abs().max().item())
-        grad_ref = ref_proj.weight.grad[:, rank * shard:(rank + 1) * shard]
+        grad_ref = ref_proj.weight.grad[:, rank * shard : (rank + 1) * shard]
         torch.testing.assert_close(w2.grad, grad_ref, rtol=1e-4, atol=1e-6)
         w1.grad = w2.grad = None
     if rank == 0:
         d = stats.as_dict()
-        print(f"{steps} steps, {world} ranks: max |y - reference| = {worst:.2e}; "
-              f"activation all-reduce ratio {d['ratio']:.3f}, {d['bytes_saved'] / 1e6:.2f} MB saved "
-              f"(fp32 activations, 'activation' books)")
+        print(
+            f"{steps} steps, {world} ranks: max |y - reference| = {worst:.2e}; "
+            f"activation all-reduce ratio {d['ratio']:.3f}, {d['bytes_saved'] / 1e6:.2f} MB saved "
+            f"(fp32 activations, 'activation' books)"
+        )
     dist.destroy_process_group()
 
 

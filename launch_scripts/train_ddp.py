@@ -29,8 +29,14 @@ from comm_codec.tools.procs import torchrun_main  # noqa: E402
 def main(argv=None) -> int:
     from comm_codec.tools.demo import train
 
-    return torchrun_main(train, argv, description=__doc__.split("\n\n")[0], prog="train_ddp.py",
-                         launcher="launch_scripts/run_ddp.sh", never='plain all-reduce')
+    return torchrun_main(
+        train,
+        argv,
+        description=__doc__.split("\n\n")[0],
+        prog="train_ddp.py",
+        launcher="launch_scripts/run_ddp.sh",
+        never="plain all-reduce",
+    )
 
 
 if __name__ == "__main__":

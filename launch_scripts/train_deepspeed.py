@@ -51,32 +51,56 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--deepspeed_config", "--deepspeed-config", default=os.path.join(HERE, "ds_config.json"),
-                   help="DeepSpeed config with a comm_codec section (default: %(default)s)")
+    p.add_argument(
+        "--deepspeed_config",
+        "--deepspeed-config",
+        default=os.path.join(HERE, "ds_config.json"),
+        help="DeepSpeed config with a comm_codec section (default: %(default)s)",
+    )
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--zero-stage", "--stage", dest="stage", type=int, choices=(0, 1, 2, 3),
-                   help="ZeRO stage 0-3: overrides zero_optimization.stage of the config (ds_config.json: 2)")
-    p.add_argument("--offload", action="store_true",
-                   help="offload the optimizer to the CPU (zero_optimization.offload_optimizer; stage 2 or 3)")
+    p.add_argument(
+        "--zero-stage",
+        "--stage",
+        dest="stage",
+        type=int,
+        choices=(0, 1, 2, 3),
+        help="ZeRO stage 0-3: overrides zero_optimization.stage of the config (ds_config.json: 2)",
+    )
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="offload the optimizer to the CPU (zero_optimization.offload_optimizer; stage 2 or 3)",
+    )
     p.add_argument("--dtype", choices=("fp32", "bf16"), help="override the bf16 section")
     p.add_argument("--no-plugin", action="store_true", help="plain deepspeed.initialize (comm_codec off)")
-    p.add_argument("--matrix", action="store_true",
-                   help="run ZeRO 0,1,2 x fp32,bf16, each with and without the plugin; print a table")
+    p.add_argument(
+        "--matrix",
+        action="store_true",
+        help="run ZeRO 0,1,2 x fp32,bf16, each with and without the plugin; print a table",
+    )
     p.add_argument("--stages", default="0,1,2,3", help="stages for --matrix (default: %(default)s)")
     p.add_argument("--dtypes", default="fp32,bf16", help="dtypes for --matrix (default: %(default)s)")
     p.add_argument("--codebooks", help='override comm_codec.codebooks ("default", "online" or a path)')
     p.add_argument("--warmup-steps", type=int, help="override comm_codec.warmup_steps")
     p.add_argument("--mode", choices=("auto", "always", "never"), help="override comm_codec.mode")
     p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=256,
-                   help="embedding/output rows (default 256: bytes); a BERT-like 30522 makes the "
-                        "embedding gradient mostly exact zeros, as in real LMs")
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=256,
+        help="embedding/output rows (default 256: bytes); a BERT-like 30522 makes the "
+        "embedding gradient mostly exact zeros, as in real LMs",
+    )
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, help="override train_micro_batch_size_per_gpu")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch and codec (numba) threads per process (default: cores / local processes)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch and codec (numba) threads per process (default: cores / local processes)",
+    )
     p.add_argument("--json", metavar="PATH", help="rank 0 writes the results here")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true", help="DeepSpeed and comm_codec info logs")
@@ -103,8 +127,14 @@ def train(cfg: dict, args, rank: int, world: int) -> dict:
     torch.manual_seed(args.seed)
     model = TinyLM(vocab=args.vocab, d_model=args.d_model, n_layers=args.layers, seq_len=args.seq_len)
     engine, *_ = ccds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    data = batches(load_corpus(), engine.train_micro_batch_size_per_gpu(), args.seq_len,
-                   seed=args.seed, rank=rank, world_size=world)
+    data = batches(
+        load_corpus(),
+        engine.train_micro_batch_size_per_gpu(),
+        args.seq_len,
+        seed=args.seed,
+        rank=rank,
+        world_size=world,
+    )
     losses, times = [], []
     for step in range(args.steps):
         dist.barrier()  # time the steps, not the stragglers of the previous one
@@ -128,9 +158,13 @@ def train(cfg: dict, args, rank: int, world: int) -> dict:
         stats["world_bytes_in"], stats["world_bytes_out"] = int(total[0]), int(total[1])
         stats["world_ratio"] = stats["world_bytes_in"] / max(1, stats["world_bytes_out"])
     warm = cfg.get("comm_codec", {}).get("warmup_steps", 0) if plugin else 0
-    timed = times[max(2, warm):] or times
-    return {"losses": losses, "ms_per_step": 1e3 * statistics.median(timed), "stats": stats,
-            "params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())}  # ZeRO-3: partitioned
+    timed = times[max(2, warm) :] or times
+    return {
+        "losses": losses,
+        "ms_per_step": 1e3 * statistics.median(timed),
+        "stats": stats,
+        "params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
+    }  # ZeRO-3: partitioned
 
 
 def _compare(a: list, b: list) -> tuple[float, bool]:
@@ -141,13 +175,19 @@ def _compare(a: list, b: list) -> tuple[float, bool]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if "RANK" not in os.environ:
-        print("train_deepspeed.py: RANK is not set; start it with torchrun or the deepspeed launcher "
-              "(see launch_scripts/run_deepspeed.sh)", file=sys.stderr)
+        print(
+            "train_deepspeed.py: RANK is not set; start it with torchrun or the deepspeed launcher "
+            "(see launch_scripts/run_deepspeed.sh)",
+            file=sys.stderr,
+        )
         return 2
     rank = int(os.environ["RANK"])
     os.environ.setdefault("LOCAL_RANK", str(args.local_rank if args.local_rank is not None else 0))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"%(levelname)s rank {rank} %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(levelname)s rank {rank} %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
     threads = args.threads or max(1, (os.cpu_count() or 1) // local)
     torch.set_num_threads(threads)
@@ -181,12 +221,17 @@ def main(argv=None) -> int:
         result = train(cfg, args, rank, world)
         if rank == 0:
             st = result["stats"]
-            print(f"{world} ranks, ZeRO {cfg['zero_optimization'].get('stage', 0)}, "
-                  f"{'bf16' if cfg.get('bf16', {}).get('enabled') else 'fp32'}, {result['params']:,} params: "
-                  f"final loss {result['losses'][-1]:.4f}, {result['ms_per_step']:.0f} ms/step"
-                  + (f", wire ratio {st['world_ratio']:.3f} ({st['world_bytes_in'] / 1e6:.1f} -> "
-                     f"{st['world_bytes_out'] / 1e6:.1f} MB, all ranks)"
-                     if st else " (no plugin)"))
+            print(
+                f"{world} ranks, ZeRO {cfg['zero_optimization'].get('stage', 0)}, "
+                f"{'bf16' if cfg.get('bf16', {}).get('enabled') else 'fp32'}, {result['params']:,} params: "
+                f"final loss {result['losses'][-1]:.4f}, {result['ms_per_step']:.0f} ms/step"
+                + (
+                    f", wire ratio {st['world_ratio']:.3f} ({st['world_bytes_in'] / 1e6:.1f} -> "
+                    f"{st['world_bytes_out'] / 1e6:.1f} MB, all ranks)"
+                    if st
+                    else " (no plugin)"
+                )
+            )
             _write_json(args.json, {"config": cfg, "world": world, **result})
         return 0
 
@@ -206,27 +251,47 @@ def main(argv=None) -> int:
             dist.all_gather(parts, mine)
             worst = [(float(t[0]), bool(t[1])) for t in parts]
             st = on["stats"]
-            rows.append({"stage": stage, "dtype": dtype, "steps": args.steps,
-                         "max_rel_loss_diff": max(d for d, _ in worst), "bit_equal": all(e for _, e in worst),
-                         "loss_first": off["losses"][0], "loss_last_off": off["losses"][-1],
-                         "loss_last_on": on["losses"][-1], "ratio": st["world_ratio"],
-                         "bytes_in": st["world_bytes_in"], "bytes_out": st["world_bytes_out"],
-                         "rank0_ratio": st["ratio"], "ms_off": off["ms_per_step"], "ms_on": on["ms_per_step"],
-                         "encode_s": st["encode_seconds"], "decode_s": st["decode_seconds"],
-                         "coded_calls": st["calls"], "raw_calls": st["raw_calls"]})
+            rows.append(
+                {
+                    "stage": stage,
+                    "dtype": dtype,
+                    "steps": args.steps,
+                    "max_rel_loss_diff": max(d for d, _ in worst),
+                    "bit_equal": all(e for _, e in worst),
+                    "loss_first": off["losses"][0],
+                    "loss_last_off": off["losses"][-1],
+                    "loss_last_on": on["losses"][-1],
+                    "ratio": st["world_ratio"],
+                    "bytes_in": st["world_bytes_in"],
+                    "bytes_out": st["world_bytes_out"],
+                    "rank0_ratio": st["ratio"],
+                    "ms_off": off["ms_per_step"],
+                    "ms_on": on["ms_per_step"],
+                    "encode_s": st["encode_seconds"],
+                    "decode_s": st["decode_seconds"],
+                    "coded_calls": st["calls"],
+                    "raw_calls": st["raw_calls"],
+                }
+            )
             if rank == 0:
                 log.info("ZeRO %d %s done: wire ratio %.3f", stage, dtype, st["world_ratio"])
     if rank == 0:
-        print(f"\n{world} ranks, TinyLM {off['params']:,} params, {args.steps} steps, "
-              f"comm_codec section: {json.dumps(base.get('comm_codec', {}))}")
-        print("| ZeRO | dtype | loss step 1 | last loss, off | last loss, on | max rel. loss diff | bit-equal "
-              "| wire ratio | MB in -> out, all ranks | ms/step off | ms/step on |")
+        print(
+            f"\n{world} ranks, TinyLM {off['params']:,} params, {args.steps} steps, "
+            f"comm_codec section: {json.dumps(base.get('comm_codec', {}))}"
+        )
+        print(
+            "| ZeRO | dtype | loss step 1 | last loss, off | last loss, on | max rel. loss diff | bit-equal "
+            "| wire ratio | MB in -> out, all ranks | ms/step off | ms/step on |"
+        )
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in rows:
-            print(f"| {r['stage']} | {r['dtype']} | {r['loss_first']:.4f} | {r['loss_last_off']:.6f} | "
-                  f"{r['loss_last_on']:.6f} | {r['max_rel_loss_diff']:.1e} | {'yes' if r['bit_equal'] else 'no'} | "
-                  f"{r['ratio']:.3f} | {r['bytes_in'] / 1e6:.1f} -> {r['bytes_out'] / 1e6:.1f} | "
-                  f"{r['ms_off']:.0f} | {r['ms_on']:.0f} |")
+            print(
+                f"| {r['stage']} | {r['dtype']} | {r['loss_first']:.4f} | {r['loss_last_off']:.6f} | "
+                f"{r['loss_last_on']:.6f} | {r['max_rel_loss_diff']:.1e} | {'yes' if r['bit_equal'] else 'no'} | "
+                f"{r['ratio']:.3f} | {r['bytes_in'] / 1e6:.1f} -> {r['bytes_out'] / 1e6:.1f} | "
+                f"{r['ms_off']:.0f} | {r['ms_on']:.0f} |"
+            )
         _write_json(args.json, {"world": world, "base_config": base, "rows": rows})
     return 0
 

@@ -28,8 +28,14 @@ from comm_codec.tools.procs import torchrun_main  # noqa: E402
 def main(argv=None) -> int:
     from comm_codec.tools.fsdp_demo import train_fsdp
 
-    return torchrun_main(train_fsdp, argv, description=__doc__.split("\n\n")[0], prog="train_fsdp.py",
-                         launcher="launch_scripts/run_fsdp.sh", never="FSDP2's own collectives")
+    return torchrun_main(
+        train_fsdp,
+        argv,
+        description=__doc__.split("\n\n")[0],
+        prog="train_fsdp.py",
+        launcher="launch_scripts/run_fsdp.sh",
+        never="FSDP2's own collectives",
+    )
 
 
 if __name__ == "__main__":

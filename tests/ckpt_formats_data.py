@@ -53,8 +53,7 @@ def dcp_rank(rank: int, world_size: int, path: str, steps: int = 1) -> list:
     model = minilm()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     train_steps(model, opt, steps)
-    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
-             storage_writer=dcp.FileSystemWriter(path))
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, storage_writer=dcp.FileSystemWriter(path))
     return sorted(os.listdir(path))
 
 

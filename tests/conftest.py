@@ -68,7 +68,8 @@ def pytest_collection_modifyitems(config, items):
     if untiered:
         raise pytest.UsageError(
             f"no test tier in {', '.join(sorted(set(untiered)))}: add `pytestmark = pytest.mark.unit` "
-            f"(or dist, cli) after the imports, and @pytest.mark.slow on tests the quick tier cannot afford")
+            f"(or dist, cli) after the imports, and @pytest.mark.slow on tests the quick tier cannot afford"
+        )
 
 
 class _SimulatorRun:

@@ -28,8 +28,8 @@ class Container:
     """A comm_codec container (exact or lossy) opened for editing: payload bytes and index."""
 
     def __init__(self, data: bytes):
-        off, length, _crc, self.version, self.flags, self.magic = TRAILER.unpack(data[-TRAILER.size:])
-        blob = data[off:off + length]
+        off, length, _crc, self.version, self.flags, self.magic = TRAILER.unpack(data[-TRAILER.size :])
+        blob = data[off : off + length]
         if self.flags & 1:
             blob = zstandard.ZstdDecompressor().decompressobj().decompress(blob)
         self.index = json.loads(blob)
@@ -44,8 +44,11 @@ class Container:
         """Return the file: body, index (this JSON, or raw ``index_bytes``), fresh CRC and trailer."""
         text = json.dumps(self.index, separators=(",", ":")).encode() if index_bytes is None else index_bytes
         blob = zstandard.ZstdCompressor(level=3).compress(text)
-        return bytes(self.body) + blob + TRAILER.pack(len(self.body), len(blob), zlib.crc32(blob), self.version,
-                                                      1, self.magic)
+        return (
+            bytes(self.body)
+            + blob
+            + TRAILER.pack(len(self.body), len(blob), zlib.crc32(blob), self.version, 1, self.magic)
+        )
 
     def write(self, path, **kw) -> None:
         with open(path, "wb") as fh:
@@ -56,7 +59,7 @@ class Container:
         seg = self.index["segments"][k]
         off, length = seg[2], seg[3]
         assert len(payload) == length, (len(payload), length)
-        self.body[off:off + length] = payload
+        self.body[off : off + length] = payload
         if seg[4] != "frame":
             seg[5] = zlib.crc32(payload)
 
@@ -73,22 +76,32 @@ def zstd_with_claimed_size(data: bytes, claimed: int) -> bytes:
     wd_len = 0 if single else 1
     start = 5 + wd_len + did_len
     new_fhd = (fhd & 0x3F) | (3 << 6)
-    return bytes(frame[:4]) + bytes([new_fhd]) + bytes(frame[5:start]) + struct.pack("<Q", claimed) + \
-        bytes(frame[start + fcs_len:])
+    return (
+        bytes(frame[:4])
+        + bytes([new_fhd])
+        + bytes(frame[5:start])
+        + struct.pack("<Q", claimed)
+        + bytes(frame[start + fcs_len :])
+    )
 
 
-def torch_zip(pickle_bytes: bytes, records: dict | None = None, compress_pickle: bool = False,
-              extra: dict | None = None) -> bytes:
+def torch_zip(
+    pickle_bytes: bytes, records: dict | None = None, compress_pickle: bool = False, extra: dict | None = None
+) -> bytes:
     """A torch.save-like zip: archive/data.pkl (deflated if asked), archive/data/<key> stored."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as zf:
-        zf.writestr(zipfile.ZipInfo("archive/data.pkl"), pickle_bytes,
-                    compress_type=zipfile.ZIP_DEFLATED if compress_pickle else zipfile.ZIP_STORED)
+        zf.writestr(
+            zipfile.ZipInfo("archive/data.pkl"),
+            pickle_bytes,
+            compress_type=zipfile.ZIP_DEFLATED if compress_pickle else zipfile.ZIP_STORED,
+        )
         for key, data in (records or {}).items():
             zf.writestr(f"archive/data/{key}", data)
         for name, (data, deflate) in (extra or {}).items():
-            zf.writestr(zipfile.ZipInfo(name), data,
-                        compress_type=zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED)
+            zf.writestr(
+                zipfile.ZipInfo(name), data, compress_type=zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED
+            )
     return buf.getvalue()
 
 
@@ -118,7 +131,7 @@ def padded_index(data: bytes, chars: int, astral: bool = True) -> bytes:
     a few kB of zstd that parse into GBs unless the reader sizes the text first.
     """
     c = Container(data)
-    c.index["pad"] = ("\U0001F600" if astral else "a") + "a" * (chars - 1)
+    c.index["pad"] = ("\U0001f600" if astral else "a") + "a" * (chars - 1)
     return c.seal(index_bytes=json.dumps(c.index, separators=(",", ":"), ensure_ascii=False).encode())
 
 
@@ -190,10 +203,23 @@ def run_cases(cases: list, allowed_roots: list) -> list:
                 rc = -1
         seconds = time.perf_counter() - start
         named = {os.path.abspath(a) for a in argv if os.path.sep in a}
-        foreign = sorted({p for p in map(os.path.abspath, opened)
-                          if p not in named and not any(p.startswith(r) for r in allowed_roots)})
-        results.append({"argv": argv, "rc": rc, "stderr": sink.target.getvalue(), "seconds": seconds,
-                        "rss_mb": _hwm_kb() / 1024, "foreign": foreign})
+        foreign = sorted(
+            {
+                p
+                for p in map(os.path.abspath, opened)
+                if p not in named and not any(p.startswith(r) for r in allowed_roots)
+            }
+        )
+        results.append(
+            {
+                "argv": argv,
+                "rc": rc,
+                "stderr": sink.target.getvalue(),
+                "seconds": seconds,
+                "rss_mb": _hwm_kb() / 1024,
+                "foreign": foreign,
+            }
+        )
     return results
 
 

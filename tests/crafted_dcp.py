@@ -94,5 +94,13 @@ def point_value_at(path, fqn: str, record: bytes) -> None:
     write_metadata(path, md)
 
 
-__all__ = ["copying_pickle", "deflated_torch_record", "doubling_pickle", "point_value_at", "read_metadata",
-           "slow_pickle", "stored_torch_record", "write_metadata"]
+__all__ = [
+    "copying_pickle",
+    "deflated_torch_record",
+    "doubling_pickle",
+    "point_value_at",
+    "read_metadata",
+    "slow_pickle",
+    "stored_torch_record",
+    "write_metadata",
+]

@@ -75,7 +75,10 @@ def _worker_main(rank: int, world: int, port: int, conn, pg_timeout: float) -> N
     try:
         torch.set_num_threads(1)
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
         conn.send(("ready", None))
@@ -116,8 +119,12 @@ class WorkerGroup:
         with _child_env(env):
             for rank in range(world_size):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_worker_main, args=(rank, world_size, port, child, pg_timeout),
-                                   name=f"gloo-rank{rank}", daemon=True)
+                proc = ctx.Process(
+                    target=_worker_main,
+                    args=(rank, world_size, port, child, pg_timeout),
+                    name=f"gloo-rank{rank}",
+                    daemon=True,
+                )
                 proc.start()
                 child.close()
                 self._conns.append(parent)
@@ -175,8 +182,11 @@ class WorkerGroup:
         for rank in range(self.world_size):
             if rank in replies:
                 status, payload, when = replies[rank]
-                out.append({"status": "ok", "value": pickle.loads(payload), "seconds": when} if status == "ok"
-                           else {"status": "error", "traceback": payload, "seconds": when})
+                out.append(
+                    {"status": "ok", "value": pickle.loads(payload), "seconds": when}
+                    if status == "ok"
+                    else {"status": "error", "traceback": payload, "seconds": when}
+                )
             elif rank in dead:
                 out.append({"status": "died", "exitcode": dead[rank][0], "seconds": dead[rank][1]})
             else:
@@ -276,8 +286,15 @@ def run(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) 
     return _group(world_size).run(fn, *args, timeout=timeout, **kwargs)
 
 
-def run_fresh(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, env: dict | None = None,
-              pg_timeout: float = _PG_TIMEOUT, **kwargs) -> list:
+def run_fresh(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = DEFAULT_TIMEOUT,
+    env: dict | None = None,
+    pg_timeout: float = _PG_TIMEOUT,
+    **kwargs,
+) -> list:
     """Like :func:`run`, on ranks started for this call alone, which must then exit.
 
     Raises:
@@ -296,8 +313,15 @@ def run_fresh(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, env:
     return results
 
 
-def run_outcomes(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, env: dict | None = None,
-                 pg_timeout: float = _PG_TIMEOUT, **kwargs) -> list[dict]:
+def run_outcomes(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = DEFAULT_TIMEOUT,
+    env: dict | None = None,
+    pg_timeout: float = _PG_TIMEOUT,
+    **kwargs,
+) -> list[dict]:
     """Run fn on ranks started for this call; return every rank's outcome, never raise for it.
 
     For fault tests: a rank may be meant to die, stall or raise. Ranks still running at

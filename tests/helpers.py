@@ -77,8 +77,9 @@ def low_byte_tensor(chunk_elems: int, kinds, seed: int, skew: float = 0.36) -> t
         exp = rng.integers(120, 124, chunk_elems).astype(np.uint32)
         hi = rng.integers(0, 1 << 16, chunk_elems).astype(np.uint32)
         if k == 0:
-            low = np.where(rng.random(chunk_elems) < skew, rng.integers(0, 32, chunk_elems),
-                           rng.integers(0, 128, chunk_elems))
+            low = np.where(
+                rng.random(chunk_elems) < skew, rng.integers(0, 32, chunk_elems), rng.integers(0, 128, chunk_elems)
+            )
         else:
             low = rng.integers(0, 24, chunk_elems)
         sign = rng.integers(0, 2, chunk_elems).astype(np.uint32)
@@ -104,11 +105,11 @@ def low_byte_segments(x: torch.Tensor, book: cc.Codebook, chunk_elems: int) -> n
     bits = book.symbol_bits().astype(np.int64)
     sizes = []
     for lo in range(0, u.size, chunk_elems):
-        chunk = sym[lo: lo + chunk_elems]
+        chunk = sym[lo : lo + chunk_elems]
         n = chunk.size
         size = 4 * 4
         for k in range(4):
-            lane = int(bits[chunk[k * n // 4: (k + 1) * n // 4]].sum())
+            lane = int(bits[chunk[k * n // 4 : (k + 1) * n // 4]].sum())
             size += ((lane + 7) // 8 + 7) // 8 * 8
         sizes.append(size)
     return np.array(sizes, dtype=np.int64)
@@ -152,9 +153,9 @@ def reseal(data) -> bytes:
         table_at = _frame.HEADER_BYTES + 8 * ns
         ends = list(params.offsets[1:]) + [params.frame_bytes]
         for c, (start, end) in enumerate(zip(params.offsets, ends)):
-            value = naive.payload_hash(bytes(buf[int(start):int(end)]), c)
+            value = naive.payload_hash(bytes(buf[int(start) : int(end)]), c)
             at = table_at + c * entry + 4
-            buf[at:at + 4] = value.to_bytes(4, "little")
+            buf[at : at + 4] = value.to_bytes(4, "little")
     return fix_header_crc(bytes(buf))
 
 
@@ -179,8 +180,9 @@ def _cli_command(args, limit_bytes: int | None, limit_memory: int | None) -> lis
         limits.append(f"resource.setrlimit(resource.RLIMIT_FSIZE, ({int(limit_bytes)}, {int(limit_bytes)}))")
     if limit_memory is not None:
         limits.append(f"resource.setrlimit(resource.RLIMIT_AS, ({int(limit_memory)}, {int(limit_memory)}))")
-    code = "; ".join(["import resource, runpy", *limits,
-                      "runpy.run_module('comm_codec', run_name='__main__', alter_sys=True)"])
+    code = "; ".join(
+        ["import resource, runpy", *limits, "runpy.run_module('comm_codec', run_name='__main__', alter_sys=True)"]
+    )
     return [sys.executable, "-c", code, *args]
 
 
@@ -198,8 +200,15 @@ def _cli_env(env: dict | None) -> dict:
     return out
 
 
-def run_cli(*args, cwd=None, env: dict | None = None, timeout: float | None = 120, input: str | None = None,
-            limit_bytes: int | None = None, limit_memory: int | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args,
+    cwd=None,
+    env: dict | None = None,
+    timeout: float | None = 120,
+    input: str | None = None,
+    limit_bytes: int | None = None,
+    limit_memory: int | None = None,
+) -> subprocess.CompletedProcess:
     """Run ``python -m comm_codec ARGS`` (the ``comm-codec`` command) and return its outcome.
 
     Args:
@@ -215,20 +224,34 @@ def run_cli(*args, cwd=None, env: dict | None = None, timeout: float | None = 12
     Returns:
         The completed process, with ``returncode``, and ``stdout`` and ``stderr`` as text.
     """
-    return subprocess.run(_cli_command(args, limit_bytes, limit_memory), cwd=REPO if cwd is None else cwd,
-                          env=_cli_env(env), input=input, stdin=None if input is not None else subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        _cli_command(args, limit_bytes, limit_memory),
+        cwd=REPO if cwd is None else cwd,
+        env=_cli_env(env),
+        input=input,
+        stdin=None if input is not None else subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-def start_cli(*args, cwd=None, env: dict | None = None, limit_bytes: int | None = None,
-              limit_memory: int | None = None) -> subprocess.Popen:
+def start_cli(
+    *args, cwd=None, env: dict | None = None, limit_bytes: int | None = None, limit_memory: int | None = None
+) -> subprocess.Popen:
     """Start ``python -m comm_codec ARGS`` without waiting (to signal it, or watch its files).
 
     Arguments as for :func:`run_cli`; stdout and stderr are text pipes, stdin is closed.
     """
-    return subprocess.Popen(_cli_command(args, limit_bytes, limit_memory), cwd=REPO if cwd is None else cwd,
-                            env=_cli_env(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        _cli_command(args, limit_bytes, limit_memory),
+        cwd=REPO if cwd is None else cwd,
+        env=_cli_env(env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def run_crafted(cases: list, work, allowed: list[str], timeout: float = 300) -> list[dict]:
@@ -249,8 +272,13 @@ def run_crafted(cases: list, work, allowed: list[str], timeout: float = 300) -> 
     with open(spec, "w", encoding="utf-8") as fh:
         json.dump({"cases": cases, "allowed": allowed}, fh)
     results = os.path.join(work, "r.json")
-    r = subprocess.run([sys.executable, os.path.join(REPO, "tests", "crafted.py"), spec, results],
-                       capture_output=True, text=True, timeout=timeout, cwd=work)
+    r = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tests", "crafted.py"), spec, results],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=work,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     with open(results, encoding="utf-8") as fh:
         return json.load(fh)
@@ -269,8 +297,9 @@ def join_deepspeed(rank: int, world: int) -> None:
     """Hand DeepSpeed the gloo group a dist_utils rank has already joined (it wants the variables set)."""
     import deepspeed
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT="1")
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1"
+    )
     deepspeed.init_distributed(dist_backend="gloo")
 
 

@@ -54,13 +54,20 @@ def make_input(name: str):
     else:
         x = torch.from_numpy((rng.standard_normal(n) * 1e-2).astype(np.float32)).to(dtype)
     x = x.clone()
-    x[n // 4: n // 2] = 0  # an exact-zero run: all-zero and masked chunks
+    x[n // 4 : n // 2] = 0  # an exact-zero run: all-zero and masked chunks
     # special bit patterns: NaN, +-Inf, -0.0, the smallest subnormal, random bits
     ints = x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[width])
     raw = rng.integers(0, 1 << (8 * width), size=64, dtype=np.uint64)
     for i, v in enumerate(raw):
-        ints[7 + i * 13] = int(np.array(v).astype({1: np.uint8, 2: np.uint16, 4: np.uint32}[width]).view(
-            {1: np.int8, 2: np.int16, 4: np.int32}[width])) if width > 1 else int(v) & 0xFF
+        ints[7 + i * 13] = (
+            int(
+                np.array(v)
+                .astype({1: np.uint8, 2: np.uint16, 4: np.uint32}[width])
+                .view({1: np.int8, 2: np.int16, 4: np.int32}[width])
+            )
+            if width > 1
+            else int(v) & 0xFF
+        )
     if dtype.is_floating_point and width > 1:
         for i, v in enumerate((float("nan"), float("inf"), float("-inf"), -0.0)):
             x[3 + i] = v

@@ -35,10 +35,16 @@ def state_dict() -> dict:
         return torch.from_numpy((rng.standard_normal(n) * scale).astype(np.float32)).to(torch.bfloat16)
 
     big = bf16(128 * 160, 0.02).view(128, 160)  # planned: books of its own
-    big.view(-1).view(torch.int16)[:4] = torch.tensor([0x7FC0, 0x7F80, -32768, 1], dtype=torch.int16)  # NaN, Inf, -0, subnormal
+    big.view(-1).view(torch.int16)[:4] = torch.tensor(
+        [0x7FC0, 0x7F80, -32768, 1], dtype=torch.int16
+    )  # NaN, Inf, -0, subnormal
     return {
-        "model": {"layer.0.weight": big, "layer.0.bias": bf16(160, 0.01), "norm.weight": bf16(160, 1.0) + 1,
-                  "scale": torch.from_numpy(rng.standard_normal(50).astype(np.float32))},
+        "model": {
+            "layer.0.weight": big,
+            "layer.0.bias": bf16(160, 0.01),
+            "norm.weight": bf16(160, 1.0) + 1,
+            "scale": torch.from_numpy(rng.standard_normal(50).astype(np.float32)),
+        },
         "optim": {"state": {"0.exp_avg": bf16(160, 1e-4), "0.step": torch.tensor(12.0)}},
         "counts": torch.from_numpy(rng.integers(-5, 5, size=33).astype(np.int64)),
         "mask": torch.from_numpy(rng.integers(0, 2, size=17).astype(bool)),

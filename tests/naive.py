@@ -328,8 +328,16 @@ def parse_frame(data: bytes) -> NaiveFrame:
         assert any(any(t[4]) for t in table), "version 2 only when some chunk names a book"
     if version == 3:
         assert dtype in SPLIT_BITS, "split exponents only where bits lie under the exponent"
-    return NaiveFrame(dtype=dtype, numel=numel, chunk_elems=chunk_elems, nchunks=nchunks,
-                      flags=flags, ids=ids, table=table, header_bytes=pos)
+    return NaiveFrame(
+        dtype=dtype,
+        numel=numel,
+        chunk_elems=chunk_elems,
+        nchunks=nchunks,
+        flags=flags,
+        ids=ids,
+        table=table,
+        header_bytes=pos,
+    )
 
 
 def decode_lanes(segment: bytes, count: int, lengths, escape_length: int) -> list[int]:
@@ -402,8 +410,8 @@ def decode_frame(data: bytes, books: dict[str, list[tuple[list[int], int]]]) -> 
                 exps = decode_lanes(seg[: sizes[s] - plane_size], n, *group[chosen[s]])
                 costs = [len(encode_bits(exps, ln, e)) for ln, e in group]
                 assert costs.index(min(costs)) == chosen[s], ("not the cheapest book", c, s, costs)
-                plane = bytes_to_bits(seg[sizes[s] - plane_size:])
-                assert not any(plane[split * n:]), "nonzero bits after the plane's last symbol"
+                plane = bytes_to_bits(seg[sizes[s] - plane_size :])
+                assert not any(plane[split * n :]), "nonzero bits after the plane's last symbol"
                 low = [sum(plane[split * j + b] << b for b in range(split)) for j in range(n)]
                 streams.append([(x << split) | m for x, m in zip(exps, low)])
             else:

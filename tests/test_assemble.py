@@ -44,11 +44,11 @@ def test_streaming_and_plain_stores_give_the_join(dtype, present, offset):
     for streaming in (False, True):
         raw = np.full(present * width + 128 + 64, 0xEE, dtype=np.uint8)
         start = -raw.ctypes.data % 64 + offset * width
-        dst = raw[start:start + present * width].view(dtype)
+        dst = raw[start : start + present * width].view(dtype)
         _run(v[0], v[1], v[2], v[3], present, 37, dst, streaming)
         mask = (1 << (8 * width)) - 1
         assert np.array_equal(dst.astype(np.uint64) & mask, want & mask), (streaming, offset)
-        assert (raw[:start] == 0xEE).all() and (raw[start + present * width:] == 0xEE).all()
+        assert (raw[:start] == 0xEE).all() and (raw[start + present * width :] == 0xEE).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=str)
@@ -60,7 +60,7 @@ def test_outputs_past_the_streaming_size_decode_bit_exactly(dtype):
     itemsize = torch.empty(0, dtype=dtype).element_size()
     n = STREAM_MIN_BYTES // itemsize + 1000 + 13
     x = (torch.randn(n, generator=g) * 0.1).to(dtype)
-    x[5000:5000 + 4096] = random_bits(4096, dtype, g)
+    x[5000 : 5000 + 4096] = random_bits(4096, dtype, g)
     x[70000:90000] = 0  # a masked chunk and an all-zero one (not streamed)
     codec = cc.Codec(threads=1)
     frame = codec.encode(x)
@@ -68,7 +68,7 @@ def test_outputs_past_the_streaming_size_decode_bit_exactly(dtype):
     backing = torch.empty(n + 64, dtype=dtype)
     lead = (-backing.data_ptr() % 64) // itemsize
     for skip in (lead, lead + 1):
-        out = backing[skip:skip + n]
+        out = backing[skip : skip + n]
         assert (out.data_ptr() % 64 == 0) == (skip == lead)
         bits_equal(codec.decode(frame, out=out), x)
     bits_equal(cc.Codec(threads=2).decode(frame), x)

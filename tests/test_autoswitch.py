@@ -34,16 +34,19 @@ class _Steps:
         return self.modes
 
 
-@pytest.mark.parametrize("incumbent, plain, coded, expected", [
-    (None, 100.0, 90.0, True),    # 10 % faster: worth the CPU
-    (None, 100.0, 96.0, False),   # 4 % is within the 5 % hysteresis: plain stays
-    (None, 100.0, 95.0, False),   # exactly the threshold does not switch
-    (False, 100.0, 120.0, False),
-    (True, 100.0, 102.0, True),   # coding stays unless plain is > 5 % faster
-    (True, 95.5, 100.0, True),
-    (True, 94.9, 100.0, False),
-    (True, 50.0, 100.0, False),
-])
+@pytest.mark.parametrize(
+    "incumbent, plain, coded, expected",
+    [
+        (None, 100.0, 90.0, True),  # 10 % faster: worth the CPU
+        (None, 100.0, 96.0, False),  # 4 % is within the 5 % hysteresis: plain stays
+        (None, 100.0, 95.0, False),  # exactly the threshold does not switch
+        (False, 100.0, 120.0, False),
+        (True, 100.0, 102.0, True),  # coding stays unless plain is > 5 % faster
+        (True, 95.5, 100.0, True),
+        (True, 94.9, 100.0, False),
+        (True, 50.0, 100.0, False),
+    ],
+)
 def test_decide_with_hysteresis(incumbent, plain, coded, expected):
     assert decide(incumbent, plain, coded, 0.05) is expected
 
@@ -113,8 +116,11 @@ def test_invalid_mode_names_the_allowed_ones():
 def test_rows_from_ranks_out_of_step_or_with_broken_figures_are_refused():
     good = [3.0, 2, 0.1, 2, 0.2]
     autoswitch.check_rows([good, list(good)], 3)
-    with pytest.raises(RuntimeError, match=r"ranks reached the decision at different steps \(rank 0 at step 3, "
-                                           r"rank 1 at step 4\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"ranks reached the decision at different steps \(rank 0 at step 3, "
+        r"rank 1 at step 4\)",
+    ):
         autoswitch.check_rows([good, [4.0, 2, 0.1, 2, 0.2]], 3)
     with pytest.raises(RuntimeError, match="rank 1 measured no valid step times at step 3"):
         autoswitch.check_rows([good, [3.0, 2, math.nan, 2, 0.2]], 3)

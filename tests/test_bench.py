@@ -18,11 +18,27 @@ def test_bench_model_file_rows_and_zipnn_columns(tmp_path, capsys):
 
     g = torch.Generator().manual_seed(0)
     path = tmp_path / "tiny.safetensors"
-    save_file({"a.weight": torch.randn(300, 400, generator=g) * 0.02, "a.bias": torch.zeros(400),
-               "ids": torch.arange(10)}, str(path))
+    save_file(
+        {"a.weight": torch.randn(300, 400, generator=g) * 0.02, "a.bias": torch.zeros(400), "ids": torch.arange(10)},
+        str(path),
+    )
     out_json = tmp_path / "rows.json"
-    assert bench.run(["--quick", "--skip-real", "--skip-synthetic", "--model", str(path), "--bulk-mb", "0.5",
-                      "--json", str(out_json)]) == 0
+    assert (
+        bench.run(
+            [
+                "--quick",
+                "--skip-real",
+                "--skip-synthetic",
+                "--model",
+                str(path),
+                "--bulk-mb",
+                "0.5",
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "xzn-r" in text and "xzn-e" in text and "xzn-d" in text
     assert "xoz-r" in text and "xoz-e" in text and "xoz-d" in text

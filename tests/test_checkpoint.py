@@ -63,15 +63,26 @@ def _state_dict(step: int = 0) -> dict:
     w = torch.randn(64, 128, generator=g) * 0.02
     w = w + step * 1e-4 * torch.randn(64, 128, generator=torch.Generator().manual_seed(100 + step))
     return {
-        "model": {"w": w, "w_bf16": w.to(torch.bfloat16), "w_fp16": w.to(torch.float16),
-                  "bias": torch.zeros(128), "ids": torch.arange(2000), "mask": torch.ones(3000, dtype=torch.bool),
-                  "q8": torch.randint(-128, 127, (5000,), dtype=torch.int8, generator=g),
-                  "f8": w.to(torch.float8_e4m3fn), "f64": w.double(),
-                  "col": w[:, 3], "view": w.view(-1)[100:200]},
-        "optimizer": {"state": {0: {"step": torch.tensor(float(step)), "exp_avg": w * 0.1,
-                                    "exp_avg_sq": w * w}},
-                      "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0]}]},
-        "step": step, "note": "checkpoint", "nested": [1, 2.5, None, ("a", b"bytes")],
+        "model": {
+            "w": w,
+            "w_bf16": w.to(torch.bfloat16),
+            "w_fp16": w.to(torch.float16),
+            "bias": torch.zeros(128),
+            "ids": torch.arange(2000),
+            "mask": torch.ones(3000, dtype=torch.bool),
+            "q8": torch.randint(-128, 127, (5000,), dtype=torch.int8, generator=g),
+            "f8": w.to(torch.float8_e4m3fn),
+            "f64": w.double(),
+            "col": w[:, 3],
+            "view": w.view(-1)[100:200],
+        },
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(float(step)), "exp_avg": w * 0.1, "exp_avg_sq": w * w}},
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0]}],
+        },
+        "step": step,
+        "note": "checkpoint",
+        "nested": [1, 2.5, None, ("a", b"bytes")],
     }
 
 
@@ -79,10 +90,20 @@ def _state_dict(step: int = 0) -> dict:
 @pytest.mark.slow
 def test_safetensors_round_trip_all_dtypes(tmp_path):
     w = _weights(64, 128)
-    tensors = {"w_fp32": w, "w_bf16": w.bfloat16(), "w_fp16": w.half(), "w_f8": w.to(torch.float8_e5m2),
-               "f64": w.double(), "i64": torch.arange(4096), "i32": torch.arange(4096, dtype=torch.int32),
-               "b": torch.ones(5000, dtype=torch.bool), "u8": torch.randint(0, 255, (8192,), dtype=torch.uint8),
-               "tiny": torch.ones(3), "empty": torch.zeros(0), "scalar": torch.tensor(2.0)}
+    tensors = {
+        "w_fp32": w,
+        "w_bf16": w.bfloat16(),
+        "w_fp16": w.half(),
+        "w_f8": w.to(torch.float8_e5m2),
+        "f64": w.double(),
+        "i64": torch.arange(4096),
+        "i32": torch.arange(4096, dtype=torch.int32),
+        "b": torch.ones(5000, dtype=torch.bool),
+        "u8": torch.randint(0, 255, (8192,), dtype=torch.uint8),
+        "tiny": torch.ones(3),
+        "empty": torch.zeros(0),
+        "scalar": torch.tensor(2.0),
+    }
     save_file(tensors, tmp_path / "m.safetensors", metadata={"format": "pt"})
     for threads in (1, 2):
         summary, packed = _round_trip(tmp_path / "m.safetensors", tmp_path, threads=threads)
@@ -119,8 +140,10 @@ def test_torch_zip_round_trip_finds_storages_by_name(tmp_path):
 def test_storage_claimed_with_two_dtypes_is_opaque(tmp_path):
     """torch refuses to save this; a crafted file can claim it. The storage stays opaque."""
     torch.save({"a": _weights(4096), "b": torch.arange(4096, dtype=torch.int32)}, tmp_path / "two.pt")
-    with zipfile.ZipFile(tmp_path / "two.pt") as src, \
-            zipfile.ZipFile(tmp_path / "v.pt", "w", zipfile.ZIP_STORED) as dst:
+    with (
+        zipfile.ZipFile(tmp_path / "two.pt") as src,
+        zipfile.ZipFile(tmp_path / "v.pt", "w", zipfile.ZIP_STORED) as dst,
+    ):
         for info in src.infolist():
             data = src.read(info)
             if info.filename.endswith("data.pkl"):
@@ -132,9 +155,15 @@ def test_storage_claimed_with_two_dtypes_is_opaque(tmp_path):
 
 
 @settings(max_examples=25)
-@given(data=st.one_of(st.binary(max_size=3000), st.binary(min_size=5000, max_size=20000),
-                      st.sampled_from([b"", b"\x00" * 70000, b"PK\x03\x04" + b"\x00" * 100,
-                                       b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}\x00\x00"])))
+@given(
+    data=st.one_of(
+        st.binary(max_size=3000),
+        st.binary(min_size=5000, max_size=20000),
+        st.sampled_from(
+            [b"", b"\x00" * 70000, b"PK\x03\x04" + b"\x00" * 100, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}\x00\x00"]
+        ),
+    )
+)
 def test_generic_round_trip(tmp_path_factory, data):
     folder = tmp_path_factory.mktemp("gen")
     (folder / "f.bin").write_bytes(data)
@@ -199,9 +228,13 @@ def test_default_threads_follow_the_file_size(tmp_path, monkeypatch):
     large = ck.compress_file(small, tmp_path / "large.cckp")
     monkeypatch.setattr(exact, "SMALL_FILE_BYTES", small.stat().st_size + 1)
     packed = tmp_path / "small.cckp"
-    summaries = [ck.compress_file(small, packed), ck.compress_file(small, packed, threads=2),
-                 ck.decompress_file(packed, tmp_path / "small.out"),
-                 ck.decompress_file(packed, tmp_path / "small.out", threads=2), ck.verify_file(packed)]
+    summaries = [
+        ck.compress_file(small, packed),
+        ck.compress_file(small, packed, threads=2),
+        ck.decompress_file(packed, tmp_path / "small.out"),
+        ck.decompress_file(packed, tmp_path / "small.out", threads=2),
+        ck.verify_file(packed),
+    ]
     assert large.threads == 2
     assert [s.threads for s in summaries] == [1, 2, 1, 2, 1]
     assert (tmp_path / "small.out").read_bytes() == small.read_bytes()
@@ -276,8 +309,9 @@ def test_big_tensor_is_cut_into_pieces(tmp_path, monkeypatch):
 def test_nonzero_padding_after_a_segment_is_corruption(tmp_path):
     """The zeros that pad a segment to 8 bytes are covered by no CRC: a restore checks
     them, and names the segment."""
-    save_file({"w": _weights(5003, dtype=torch.bfloat16), "b": torch.arange(7, dtype=torch.int8)},
-              tmp_path / "p.safetensors")
+    save_file(
+        {"w": _weights(5003, dtype=torch.bfloat16), "b": torch.arange(7, dtype=torch.int8)}, tmp_path / "p.safetensors"
+    )
     packed = tmp_path / "p.cckp"
     ck.compress_file(tmp_path / "p.safetensors", packed)
     seg = next(s for s in ck.read_index(packed)["segments"] if s[3] % 8)
@@ -285,7 +319,9 @@ def test_nonzero_padding_after_a_segment_is_corruption(tmp_path):
     data[seg[2] + seg[3]] = 1  # the first padding byte after its payload
     packed.write_bytes(bytes(data))
     for op in (lambda: ck.decompress_file(packed, tmp_path / "p.out"), lambda: ck.verify_file(packed)):
-        with pytest.raises(ck.CheckpointError, match=f"padding after the segment at source bytes {seg[0]}\\.\\..* is corrupted"):
+        with pytest.raises(
+            ck.CheckpointError, match=f"padding after the segment at source bytes {seg[0]}\\.\\..* is corrupted"
+        ):
             op()
     assert not (tmp_path / "p.out").exists()
 
@@ -356,15 +392,19 @@ def test_missing_and_wrong_base_refused(tmp_path):
     assert _leftovers(tmp_path) == []
     # verify without the base checks every checksum, but cannot check the digest of the original
     assert ck.verify_file(tmp_path / "b.cckp").digest is None
-    assert ck.verify_file(tmp_path / "b.cckp", base=tmp_path / "a.pt").digest == "blake3:" + blake3.blake3(
-        (tmp_path / "b.pt").read_bytes()).hexdigest()
+    assert (
+        ck.verify_file(tmp_path / "b.cckp", base=tmp_path / "a.pt").digest
+        == "blake3:" + blake3.blake3((tmp_path / "b.pt").read_bytes()).hexdigest()
+    )
 
 
 # -- bad input ---------------------------------------------------------------------------
 @pytest.fixture()
 def packed(tmp_path):
-    save_file({"w": _weights(128, 128, dtype=torch.bfloat16), "f": _weights(64, 64),
-               "i": torch.arange(3000)}, tmp_path / "m.safetensors")
+    save_file(
+        {"w": _weights(128, 128, dtype=torch.bfloat16), "f": _weights(64, 64), "i": torch.arange(3000)},
+        tmp_path / "m.safetensors",
+    )
     ck.compress_file(tmp_path / "m.safetensors", tmp_path / "m.cckp")
     return tmp_path / "m.cckp"
 
@@ -392,8 +432,11 @@ def test_bit_flips_are_detected(packed):
 @pytest.mark.parametrize("keep", [0, 5, 16, 100, -33, -32, -1])
 def test_truncation_is_detected(packed, keep):
     data = packed.read_bytes()
-    _expect_refused(data[:keep] if keep >= 0 else data[:len(data) + keep], packed.parent,
-                    match="truncated|not a comm_codec checkpoint")
+    _expect_refused(
+        data[:keep] if keep >= 0 else data[: len(data) + keep],
+        packed.parent,
+        match="truncated|not a comm_codec checkpoint",
+    )
 
 
 def test_trailing_garbage_is_detected(packed):
@@ -452,8 +495,15 @@ def test_output_writes_large_and_small_land_in_order(tmp_path, monkeypatch):
 
     g = np.random.default_rng(3)
     big = g.integers(0, 256, 3 * files.DIRECT_WRITE_BYTES + 5, dtype=np.uint8)
-    parts = [b"head", big, b"\0" * 3, memoryview(bytes(range(200))), big[: files.DIRECT_WRITE_BYTES], b"z",
-             bytearray(b"tail")]
+    parts = [
+        b"head",
+        big,
+        b"\0" * 3,
+        memoryview(bytes(range(200))),
+        big[: files.DIRECT_WRITE_BYTES],
+        b"z",
+        bytearray(b"tail"),
+    ]
     out = tmp_path / "o.bin"
     with files.atomic_output(str(out)) as f:
         for part in parts:
@@ -736,8 +786,9 @@ def test_alike_chunks_are_priced_at_the_large_chunk_size_alone(tmp_path, monkeyp
 
     priced, counted = [], []
     real, real_counts = BookChooser.choose, BookChooser.counts
-    monkeypatch.setattr(BookChooser, "choose", lambda self, rows, *a, **k: priced.append(len(rows)) or
-                        real(self, rows, *a, **k))
+    monkeypatch.setattr(
+        BookChooser, "choose", lambda self, rows, *a, **k: priced.append(len(rows)) or real(self, rows, *a, **k)
+    )
     monkeypatch.setattr(BookChooser, "counts", lambda self, *a: counted.append(1) or real_counts(self, *a))
     gen = torch.Generator().manual_seed(12)
     alike = torch.randn(4 << 16, generator=gen) * 0.02
@@ -775,12 +826,12 @@ def test_planning_counts_are_the_encoders_counts(dtype):
         else:
             t = x.to(dtype)
             if dtype == torch.float32:
-                t[n // 3: n // 2] = t[n // 3: n // 2].half().float()  # low mantissa bytes zero: counted
+                t[n // 3 : n // 2] = t[n // 3 : n // 2].half().float()  # low mantissa bytes zero: counted
         sample = chooser.sample(t.view(torch.uint8).numpy(), spec)
         assert sample.whole == (n <= 4 << 16)  # up to four chunks, or 16 of eight or more
         assert sample.every == (1 if n in (5000, 2_500_001) else 4)  # too few elements; fitting a group
         every = sample.every
-        laid = torch.cat([t[a:a + k:every] for a, k in zip(sample.at.tolist(), sample.lengths.tolist())])
+        laid = torch.cat([t[a : a + k : every] for a, k in zip(sample.at.tolist(), sample.lengths.tolist())])
         assert sample.scale == n / len(laid)
         counts = chooser.counts(sample, spec)
         for chunk_elems in CHUNK_SIZES:
@@ -806,8 +857,18 @@ def test_planning_kernels_refuse_bad_arguments_with_a_status():
     coded = np.zeros(2, dtype=np.bool_)
     one = np.ones(1, dtype=np.int64)
     for start, length, step, streams in ((990, 20, 1, 2), (-1, 5, 1, 2), (0, 10, 1, 3), (0, 10, 0, 2)):
-        status = kp.count_pieces(bits, np.array([start]), np.array([length]), 1, step, 1 << 15, 7.8,
-                                 np.zeros((1, streams, 256), dtype=np.int64), zeros, np.zeros(streams, np.bool_))
+        status = kp.count_pieces(
+            bits,
+            np.array([start]),
+            np.array([length]),
+            1,
+            step,
+            1 << 15,
+            7.8,
+            np.zeros((1, streams, 256), dtype=np.int64),
+            zeros,
+            np.zeros(streams, np.bool_),
+        )
         assert status == kp.STATUS_BAD_ARGS and not zeros.any()
     assert kp.count_pieces(bits, np.array([0]), np.array([10]), 1, 1, 1 << 15, 7.8, hist, zeros, coded) == kp.STATUS_OK
     hist = np.zeros((1, 1, 256), dtype=np.int64)
@@ -841,9 +902,11 @@ def test_many_pieces_through_reused_buffers(tmp_path, monkeypatch):
             return self.h.hexdigest()
 
     monkeypatch.setattr(files, "new_hasher", _Slow)
-    sd = {f"w{i}": _weights(300_000 + 999 * i, dtype=dtype) for i, dtype in
-          enumerate((torch.bfloat16, torch.float32, torch.float16))}
-    sd["noise"] = torch.randint(-2**62, 2**62, (40_000,), generator=_GEN)  # opaque and incompressible: stored
+    sd = {
+        f"w{i}": _weights(300_000 + 999 * i, dtype=dtype)
+        for i, dtype in enumerate((torch.bfloat16, torch.float32, torch.float16))
+    }
+    sd["noise"] = torch.randint(-(2**62), 2**62, (40_000,), generator=_GEN)  # opaque and incompressible: stored
     save_file(sd, tmp_path / "m.safetensors")
     for threads in (1, 3):
         _, packed = _round_trip(tmp_path / "m.safetensors", tmp_path, threads=threads, name=f"t{threads}")
@@ -852,19 +915,23 @@ def test_many_pieces_through_reused_buffers(tmp_path, monkeypatch):
         assert all(torch.equal(loaded[k].view(torch.uint8), sd[k].view(torch.uint8)) for k in sd)
 
 
-@pytest.mark.parametrize("value, message", [
-    ({"a": [[1, "x"], [2, 3]], "m": {}}, "f.cckp: index.a[1][1]: expected a string, got 3"),
-    ({"a": [[1]], "m": {}}, "f.cckp: index.a[0]: expected a list of 2 items, got [1]"),
-    ({"a": [], "m": {"ab": {}}}, "f.cckp: index.m['ab']: field 'x' is missing"),
-    ({"a": [], "m": {"abc": {"x": 1}}}, "f.cckp: index.m key: expected a string of 2 characters, got 'abc'"),
-    ({"a": [], "m": {"ab": {"x": True}}}, "f.cckp: index.m['ab'].x: expected an integer from 0 to 9, got True"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({"a": [[1, "x"], [2, 3]], "m": {}}, "f.cckp: index.a[1][1]: expected a string, got 3"),
+        ({"a": [[1]], "m": {}}, "f.cckp: index.a[0]: expected a list of 2 items, got [1]"),
+        ({"a": [], "m": {"ab": {}}}, "f.cckp: index.m['ab']: field 'x' is missing"),
+        ({"a": [], "m": {"abc": {"x": 1}}}, "f.cckp: index.m key: expected a string of 2 characters, got 'abc'"),
+        ({"a": [], "m": {"ab": {"x": True}}}, "f.cckp: index.m['ab'].x: expected an integer from 0 to 9, got True"),
+    ],
+)
 def test_index_schema_names_the_bad_field(value, message):
     """A malformed index names the first bad field by its full path (built only on failure)."""
     from comm_codec.checkpoint import schema as S
 
-    spec = S.Record({"a": S.ListOf(S.Row(S.Int(), S.Str())),
-                     "m": S.MapOf(S.Str(length=2), S.Record({"x": S.Int(0, 9)}))})
+    spec = S.Record(
+        {"a": S.ListOf(S.Row(S.Int(), S.Str())), "m": S.MapOf(S.Str(length=2), S.Record({"x": S.Int(0, 9)}))}
+    )
     with pytest.raises(ck.CheckpointError) as info:
         S.check(value, spec, "f.cckp")
     assert str(info.value) == message
@@ -887,11 +954,15 @@ def test_plan_bytes_chooses_what_plan_tensor_chooses_for_the_same_bytes(tmp_path
         plan_tensor(in_file, m, None, None, BookChooser(CodebookSet.default()))
         data = w.view(torch.int16).numpy().view(np.uint8)
         plan_bytes(in_memory, data, BookChooser(CodebookSet.default()))
-        assert (in_memory.chunk_elems, in_memory.books, in_memory.transform) == \
-            (in_file.chunk_elems, in_file.books, in_file.transform)
+        assert (in_memory.chunk_elems, in_memory.books, in_memory.transform) == (
+            in_file.chunk_elems,
+            in_file.books,
+            in_file.transform,
+        )
         frame = in_memory.codec.encode_array(data, in_memory.spec, kind="weight")
-        assert bytes(frame) == bytes(in_file.codec.encode_array(m.u8(in_file.offset, in_file.nbytes),
-                                                                in_file.spec, kind="weight"))
+        assert bytes(frame) == bytes(
+            in_file.codec.encode_array(m.u8(in_file.offset, in_file.nbytes), in_file.spec, kind="weight")
+        )
         with pytest.raises(ValueError, match="needs the tensor's 524288 bytes"):
             plan_bytes(in_memory, data[:-2], BookChooser(CodebookSet.default()))
     finally:
@@ -954,8 +1025,9 @@ def test_a_tensor_with_a_base_is_counted_on_every_element(tmp_path, monkeypatch)
 
     seen = []
     real = plan.BookChooser.counts
-    monkeypatch.setattr(plan.BookChooser, "counts", lambda self, sample, spec: seen.append(sample.every) or
-                        real(self, sample, spec))
+    monkeypatch.setattr(
+        plan.BookChooser, "counts", lambda self, sample, spec: seen.append(sample.every) or real(self, sample, spec)
+    )
     w = _weights(4 << 16, dtype=torch.bfloat16)
     w2 = w.clone()
     w2[::3] = _weights(len(w2[::3]), dtype=torch.bfloat16)

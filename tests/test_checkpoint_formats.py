@@ -9,6 +9,7 @@ import io
 import os
 import warnings
 
+import ckpt_formats_data as data
 import pytest
 import torch
 
@@ -17,8 +18,6 @@ from comm_codec.checkpoint import exact
 from comm_codec.checkpoint.files import FileMap
 from comm_codec.checkpoint.formats import find_tensors_noted
 from comm_codec.tools import cli
-
-import ckpt_formats_data as data
 
 pytestmark = pytest.mark.unit
 
@@ -54,8 +53,12 @@ def small_dcp(tmp_path_factory):
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(8, 128)).sum().backward()
     opt.step()
-    sd = {"model": model.state_dict(), "optim": opt.state_dict(),
-          "blob": io.BytesIO(b"PK\x03\x04 not a record PK\x05\x06" * 50), "step": 7}
+    sd = {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "blob": io.BytesIO(b"PK\x03\x04 not a record PK\x05\x06" * 50),
+        "step": 7,
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # no process group: one process, as meant
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(root)))
@@ -165,7 +168,7 @@ def test_legacy_file_whose_element_count_lies_keeps_the_rest_opaque(tmp_path):
     torch.save({"a": torch.randn(16384), "b": torch.randn(16384)}, full, _use_new_zipfile_serialization=False)
     raw = bytearray(full.read_bytes())
     first = len(raw) - 2 * (8 + 65536)
-    raw[first:first + 8] = (1 << 60).to_bytes(8, "little")
+    raw[first : first + 8] = (1 << 60).to_bytes(8, "little")
     src = tmp_path / "lie.pt"
     src.write_bytes(raw)
     s, index = _roundtrip(src, tmp_path)
@@ -291,7 +294,7 @@ def test_loaders_refuse_crafted_inputs(hf_model, tmp_path):
     save_file({"w": torch.randn(64, 64)}, st)
     raw = bytearray(st.read_bytes())
     at = raw.index(b"[64,64]")
-    raw[at:at + 7] = b"[65,64]"
+    raw[at : at + 7] = b"[65,64]"
     st.write_bytes(raw)
     checkpoint.compress_file(st, tmp_path / "lie.cckp")
     with pytest.raises(checkpoint.CheckpointError, match="malformed safetensors entry"):

@@ -49,8 +49,13 @@ def _files(tmp_path):
     st = tmp_path / "m.safetensors"
     save_file({"w32": w32, "small": w32[:100].copy()}, str(st))
     pt = tmp_path / "m.pt"
-    torch.save({"model": {"w32": torch.from_numpy(w32), "w16": torch.from_numpy(w16.view(np.int16)).view(
-        torch.bfloat16)}, "step": 3}, pt)
+    torch.save(
+        {
+            "model": {"w32": torch.from_numpy(w32), "w16": torch.from_numpy(w16.view(np.int16)).view(torch.bfloat16)},
+            "step": 3,
+        },
+        pt,
+    )
     return {"safetensors": st, "torch_zip": pt}
 
 
@@ -58,8 +63,9 @@ def _files(tmp_path):
 def test_checkpoint_calls_do_not_import_torch(tmp_path, fmt):
     src = _files(tmp_path)[fmt]
     # one fresh interpreter runs every call in turn (each interpreter start imports numba)
-    r = subprocess.run([sys.executable, "-c", _CHILD, str(src), str(tmp_path)], cwd=REPO,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(src), str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr
     seen = json.loads(r.stdout.strip().splitlines()[-1])
     assert not any(seen.values()), f"these calls on a {fmt} file imported torch: {seen}"
@@ -71,12 +77,23 @@ def test_checkpoint_commands_do_not_import_torch(tmp_path):
     # The command line as a user runs it; -X importtime lists every module each command loads.
     src = _files(tmp_path)["safetensors"]
     cckp, out = tmp_path / "c.cckp", tmp_path / "c.out"
-    for args in (["compress", "-q", src, cckp], ["decompress", "-q", cckp, out], ["verify", cckp], ["ls", cckp],
-                 ["inspect", cckp]):
-        r = subprocess.run([sys.executable, "-X", "importtime", "-m", "comm_codec", *map(str, args)], cwd=REPO,
-                           capture_output=True, text=True, timeout=300)
+    for args in (
+        ["compress", "-q", src, cckp],
+        ["decompress", "-q", cckp, out],
+        ["verify", cckp],
+        ["ls", cckp],
+        ["inspect", cckp],
+    ):
+        r = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "comm_codec", *map(str, args)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0, (args[0], r.stderr[-2000:])
-        imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines()
-                    if line.startswith("import time:")}
+        imported = {
+            line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")
+        }
         assert "torch" not in imported, f"comm-codec {args[0]} imported torch"
     assert out.read_bytes() == src.read_bytes()

@@ -78,11 +78,14 @@ def test_price_stream_refuses_bad_arguments():
     colsum, out = np.zeros(256, dtype=np.int64), np.zeros(5)
     ok = kp.STATUS_OK
     assert kp.price_stream(rows, 1, books, True, colsum, out) == ok
-    for args in ((rows, 2, books, True, colsum, out), (rows, -1, books, True, colsum, out),
-                 (rows, 0, np.zeros((1, 255), dtype=np.int64), True, colsum, out),
-                 (rows, 0, np.zeros((63, 256), dtype=np.int64), True, colsum, out),
-                 (rows, 0, books, True, np.zeros(255, dtype=np.int64), out),
-                 (rows, 0, books, True, colsum, np.zeros(4))):
+    for args in (
+        (rows, 2, books, True, colsum, out),
+        (rows, -1, books, True, colsum, out),
+        (rows, 0, np.zeros((1, 255), dtype=np.int64), True, colsum, out),
+        (rows, 0, np.zeros((63, 256), dtype=np.int64), True, colsum, out),
+        (rows, 0, books, True, np.zeros(255, dtype=np.int64), out),
+        (rows, 0, books, True, colsum, np.zeros(4)),
+    ):
         assert kp.price_stream(*args) == kp.STATUS_BAD_ARGS
 
 
@@ -114,7 +117,7 @@ def test_count_pieces_counts_zeros_and_stream_0_as_numpy(dtype, zeros, every):
     coded = np.empty(width, dtype=np.bool_)
     assert kp.count_pieces(ints, starts, lengths, every, 1, 1 << 15, 7.8, hist, got_zeros, coded) == kp.STATUS_OK
     for k in range(3):
-        piece = ints[starts[k]:starts[k] + lengths[k]:every]
+        piece = ints[starts[k] : starts[k] + lengths[k] : every]
         assert got_zeros[k] == int((piece == 0).sum())
         assert np.array_equal(hist[k, 0], np.bincount(_stream0(piece), minlength=256))
         for s in range(1, width):  # step 1: every stream counted on the same elements
@@ -134,7 +137,7 @@ def test_count_pieces_counts_a_coded_later_stream_on_the_counted_elements():
     assert kp.count_pieces(ints, starts, lengths, 4, 16, 1 << 15, 7.8, hist, got_zeros, coded) == kp.STATUS_OK
     assert coded.tolist() == [True, True]
     for k in range(2):
-        piece = ints[starts[k]:starts[k] + lengths[k]:4].astype(np.int64)
+        piece = ints[starts[k] : starts[k] + lengths[k] : 4].astype(np.int64)
         assert np.array_equal(hist[k, 1], np.bincount(((piece << 1) | (piece >> 15)) & 255, minlength=256))
         assert hist[k, 0].sum() == hist[k, 1].sum() == piece.size
 
@@ -142,8 +145,9 @@ def test_count_pieces_counts_a_coded_later_stream_on_the_counted_elements():
 def test_count_pieces_refuses_a_stride_under_one():
     bits = np.zeros(100, dtype=np.uint16)
     hist, zeros = np.zeros((1, 2, 256), dtype=np.int64), np.full(1, -1, dtype=np.int64)
-    status = kp.count_pieces(bits, np.array([0]), np.array([100]), 0, 1, 1 << 15, 7.8, hist, zeros,
-                             np.zeros(2, np.bool_))
+    status = kp.count_pieces(
+        bits, np.array([0]), np.array([100]), 0, 1, 1 << 15, 7.8, hist, zeros, np.zeros(2, np.bool_)
+    )
     assert status == kp.STATUS_BAD_ARGS and zeros[0] == -1
 
 
@@ -184,12 +188,15 @@ def test_count_chunks_is_the_three_planning_kernels_in_one_call(every, npieces):
         want.append(rows)
     got_zeros, got_coded = np.empty(npieces, np.int64), np.empty(ns, np.bool_)
     rows, rows_large = np.empty_like(want[0]), np.empty_like(want[1])
-    assert kp.count_chunks(bits, starts, lengths, every, 16, 1 << 15, 7.8, 7, 4, got_zeros, got_coded, rows,
-                           rows_large) == kp.STATUS_OK
+    assert (
+        kp.count_chunks(bits, starts, lengths, every, 16, 1 << 15, 7.8, 7, 4, got_zeros, got_coded, rows, rows_large)
+        == kp.STATUS_OK
+    )
     assert np.array_equal(got_zeros, zeros) and np.array_equal(got_coded, coded) and not coded[3]
     assert np.array_equal(rows, want[0]) and np.array_equal(rows_large, want[1])
-    assert kp.count_chunks(bits, starts, lengths, every, 16, 1 << 15, 7.8, 7, 2, got_zeros, got_coded, rows,
-                           rows_large) == (kp.STATUS_OK if npieces == 1 else kp.STATUS_BAD_ARGS)  # wrong shape
+    assert kp.count_chunks(
+        bits, starts, lengths, every, 16, 1 << 15, 7.8, 7, 2, got_zeros, got_coded, rows, rows_large
+    ) == (kp.STATUS_OK if npieces == 1 else kp.STATUS_BAD_ARGS)  # wrong shape
 
 
 def _alike_reference(rows, rows_large, per, spread):

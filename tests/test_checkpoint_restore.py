@@ -31,8 +31,10 @@ def test_restored_segments_are_written_in_order_by_one_thread(tmp_path, monkeypa
     """At 2 threads every segment is written by the caller's thread, at offsets that follow
     each other, while one worker decodes; the output is byte-exact."""
     monkeypatch.setattr(exact, "PIECE_BYTES", 64 << 10)
-    sd = {f"w{i}": _weights(1_000_000 + 999 * i, dtype) for i, dtype in
-          enumerate((torch.bfloat16, torch.float32, torch.float16))}
+    sd = {
+        f"w{i}": _weights(1_000_000 + 999 * i, dtype)
+        for i, dtype in enumerate((torch.bfloat16, torch.float32, torch.float16))
+    }
     src, packed, out = tmp_path / "m.safetensors", tmp_path / "m.cckp", tmp_path / "r.safetensors"
     save_file(sd, src)
     ck.compress_file(src, packed, threads=2, progress=False)
@@ -77,8 +79,11 @@ def test_zstd_bytes_decode_within_their_bound_whatever_their_frames_declare():
         with pytest.raises(ck.CheckpointError, match="more than the"):
             zstd_bounded(blob, len(want) - 1, "f.cckp", "segment")
     assert len(zstd_bounded(sized[:-3], len(data), "f.cckp", "segment")) < len(data)
-    for bad in (sized + b"junk", crafted.zstd_with_claimed_size(data, 1 << 40),
-                crafted.zstd_with_claimed_size(data, 100)):
+    for bad in (
+        sized + b"junk",
+        crafted.zstd_with_claimed_size(data, 1 << 40),
+        crafted.zstd_with_claimed_size(data, 100),
+    ):
         with pytest.raises(ck.CheckpointError, match="f.cckp: segment"):
             zstd_bounded(bad, len(data), "f.cckp", "segment")
 
@@ -162,6 +167,7 @@ def test_ordered_map_does_idle_work_while_the_next_result_is_not_ready():
             gate.set()  # the first result is held back until idle work has run three times
         return len(calls) < 6
 
-    assert list(ordered_map(fn, range(5), 2, Budget(100), lambda job: 1, inline=False, idle=idle)) == \
-        [(j, 2 * j) for j in range(5)]
+    assert list(ordered_map(fn, range(5), 2, Budget(100), lambda job: 1, inline=False, idle=idle)) == [
+        (j, 2 * j) for j in range(5)
+    ]
     assert 3 <= len(calls) <= 6

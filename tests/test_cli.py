@@ -24,17 +24,33 @@ def test_version_and_help():
     assert r.returncode == 0 and "comm_codec" in r.stdout
     r = run_cli("--help")
     assert r.returncode == 0
-    for command in ("inspect", "bench", "profile", "demo", "compress", "decompress", "verify", "ls", "precompile",
-                    "warmup"):
+    for command in (
+        "inspect",
+        "bench",
+        "profile",
+        "demo",
+        "compress",
+        "decompress",
+        "verify",
+        "ls",
+        "precompile",
+        "warmup",
+    ):
         assert command in r.stdout
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args", [["--help"], ["--version"], ["no-such-command"], ["demo", "--bogus"],
-                                  ["precompile", "--help"]])
+@pytest.mark.parametrize(
+    "args", [["--help"], ["--version"], ["no-such-command"], ["demo", "--bogus"], ["precompile", "--help"]]
+)
 def test_help_version_and_usage_errors_import_neither_torch_nor_numba(args):
-    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "comm_codec", *args], capture_output=True,
-                       text=True, cwd=REPO, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "comm_codec", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert r.returncode in (0, 2), r.stderr[-2000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
     assert not imported & {"torch", "numba"}
@@ -92,8 +108,9 @@ def test_profile_checkpoint(tmp_path):
     from safetensors.torch import save_file
 
     src = tmp_path / "w.safetensors"
-    save_file({"a.weight": torch.randn(20000, dtype=torch.bfloat16) * 0.02,
-               "b.weight": torch.randn(300, 40) * 0.02}, str(src))
+    save_file(
+        {"a.weight": torch.randn(20000, dtype=torch.bfloat16) * 0.02, "b.weight": torch.randn(300, 40) * 0.02}, str(src)
+    )
     out = tmp_path / "books.json"
     r = run_cli("profile", "--checkpoint", str(src), "--out", str(out))
     assert r.returncode == 0, r.stderr
@@ -110,30 +127,36 @@ def test_profile_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_profile_entry_with_holdout(tmp_path):
-    (tmp_path / "my_entry.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_entry.py").write_text(
+        textwrap.dedent("""
         import torch
         def train(prof, steps):
             torch.manual_seed(0)
             for step in range(steps):
                 prof.observe(torch.randn(30000, dtype=torch.bfloat16) * 1e-3, "gradient")
                 prof.step()
-    """))
+    """)
+    )
     out = tmp_path / "books.json"
-    r = run_cli("profile", "--entry", "my_entry:train", "--steps", "2", "--holdout", "2", "--out", str(out),
-            cwd=str(tmp_path))
+    r = run_cli(
+        "profile", "--entry", "my_entry:train", "--steps", "2", "--holdout", "2", "--out", str(out), cwd=str(tmp_path)
+    )
     assert r.returncode == 0, r.stderr
     assert "held-out steps" in r.stdout and "vs per-step opt" in r.stdout
     assert ("gradient", "bf16", 0) in cc.CodebookSet.load(out)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args, message", [
-    (["profile"], "give exactly one of --entry module:function or --checkpoint FILE"),
-    (["profile", "--entry", "nomodule_xyz:f"], "cannot import 'nomodule_xyz'"),
-    (["profile", "--entry", "badformat"], "--entry must be module:function"),
-    (["profile", "--checkpoint", "/nonexistent/file.safetensors"], "No such file or directory"),
-    (["profile", "--checkpoint", "x.safetensors", "--max-books", "0"], "max_books must be in 1..16, got 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["profile"], "give exactly one of --entry module:function or --checkpoint FILE"),
+        (["profile", "--entry", "nomodule_xyz:f"], "cannot import 'nomodule_xyz'"),
+        (["profile", "--entry", "badformat"], "--entry must be module:function"),
+        (["profile", "--checkpoint", "/nonexistent/file.safetensors"], "No such file or directory"),
+        (["profile", "--checkpoint", "x.safetensors", "--max-books", "0"], "max_books must be in 1..16, got 0"),
+    ],
+)
 def test_profile_errors(args, message):
     r = run_cli(*args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
@@ -152,8 +175,14 @@ def test_inspect_lists_a_compressed_checkpoint_and_survives_a_closed_pipe(tmp_pa
     assert r.returncode == 0, r.stderr
     assert "layer0.weight" in r.stdout and "layer39.weight" in r.stdout
     # A reader that stops early (| head) must not produce a traceback.
-    p = subprocess.run(f"{sys.executable} -m comm_codec inspect {dst} | head -1", shell=True, cwd=REPO,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        f"{sys.executable} -m comm_codec inspect {dst} | head -1",
+        shell=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "Traceback" not in p.stderr and p.stdout.count("\n") == 1
 
 
@@ -185,8 +214,10 @@ def test_a_file_that_is_neither_gets_one_message_from_every_command(tmp_path):
         r = run_cli(*argv)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         errors.add(r.stderr.strip())
-    assert errors == {f"comm-codec: error: {src}: not a comm_codec checkpoint or frame (bad magic): give a file "
-                      "written by `comm-codec compress` (or a codec frame, for inspect)"}
+    assert errors == {
+        f"comm-codec: error: {src}: not a comm_codec checkpoint or frame (bad magic): give a file "
+        "written by `comm-codec compress` (or a codec frame, for inspect)"
+    }
     assert not (tmp_path / "o").exists()
 
 
@@ -211,9 +242,15 @@ def test_existing_output_needs_force_and_a_compressed_input_is_refused(tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command,words", [("inspect", "Describe a comm_codec file"),
-                                           ("verify", "check every checksum"), ("ls", "Print FILE's index"),
-                                           ("compress", "keeps the source's permission bits")])
+@pytest.mark.parametrize(
+    "command,words",
+    [
+        ("inspect", "Describe a comm_codec file"),
+        ("verify", "check every checksum"),
+        ("ls", "Print FILE's index"),
+        ("compress", "keeps the source's permission bits"),
+    ],
+)
 def test_checkpoint_commands_have_help_text(command, words):
     r = run_cli(command, "--help")
     assert r.returncode == 0 and words in " ".join(r.stdout.split()), r.stdout
@@ -231,12 +268,22 @@ def test_a_sharded_directory_round_trips_through_the_command(tmp_path):
         save_file({f"l{i}.weight": torch.randn(128, 128).bfloat16()}, src / f"model-0000{i}-of-00002.safetensors")
     (src / "model.safetensors.index.json").write_text('{"weight_map": {"l1.weight": "model-00001-of-00002"}}')
     out, back = tmp_path / "hf.cckp", tmp_path / "back"
-    r = subprocess.run(f"{sys.executable} -m comm_codec compress {src} --threads 2 && "
-                       f"{sys.executable} -m comm_codec decompress {out} {back} -q", shell=True, cwd=REPO,
-                       env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        f"{sys.executable} -m comm_codec compress {src} --threads 2 && "
+        f"{sys.executable} -m comm_codec decompress {out} {back} -q",
+        shell=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 4 and lines[-1].startswith("compressed a directory of 3 files: 2 compressed, 1 copied")
-    assert sorted(os.listdir(out)) == ["model-00001-of-00002.safetensors.cckp", "model-00002-of-00002.safetensors.cckp",
-                                       "model.safetensors.index.json"]
+    assert sorted(os.listdir(out)) == [
+        "model-00001-of-00002.safetensors.cckp",
+        "model-00002-of-00002.safetensors.cckp",
+        "model.safetensors.index.json",
+    ]
     assert {p.name: p.read_bytes() for p in back.iterdir()} == {p.name: p.read_bytes() for p in src.iterdir()}

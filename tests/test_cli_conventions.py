@@ -29,12 +29,18 @@ def files(tmp_path, monkeypatch):
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(5)
-    save_file({"w": (torch.randn(1 << 20, generator=g) * 0.02).bfloat16(), "b": torch.randn(3000, generator=g)},
-              tmp_path / "a.safetensors")
-    torch.save({"model_state_dict": {"l.weight": torch.randn(200, 200, generator=g)},
-                "state_dict": {"lightning.weight": torch.randn(200, 100, generator=g).half()},
-                "optimizer_state_dict": {"state": {0: {"exp_avg": torch.randn(200, 200, generator=g)}}}},
-               tmp_path / "b.pt")
+    save_file(
+        {"w": (torch.randn(1 << 20, generator=g) * 0.02).bfloat16(), "b": torch.randn(3000, generator=g)},
+        tmp_path / "a.safetensors",
+    )
+    torch.save(
+        {
+            "model_state_dict": {"l.weight": torch.randn(200, 200, generator=g)},
+            "state_dict": {"lightning.weight": torch.randn(200, 100, generator=g).half()},
+            "optimizer_state_dict": {"state": {0: {"exp_avg": torch.randn(200, 200, generator=g)}}},
+        },
+        tmp_path / "b.pt",
+    )
     (tmp_path / "empty").write_bytes(b"")
     monkeypatch.chdir(tmp_path)
     return tmp_path
@@ -101,8 +107,13 @@ def test_codebooks_base_of_a_compressed_file_usage_errors_and_sizes(files, capsy
     assert exc.value.code == 2 and err.startswith("usage: comm-codec compress")
     assert "comm-codec compress: error: unrecognized arguments: --frobnicate" in err
     # One convention: decimal units, one decimal.
-    assert [human_bytes(n) for n in (14_000_000, 30_700_000, 999, 1500, 2 * 10 ** 9)] == [
-        "14.0 MB", "30.7 MB", "999 B", "1.5 kB", "2.0 GB"]
+    assert [human_bytes(n) for n in (14_000_000, 30_700_000, 999, 1500, 2 * 10**9)] == [
+        "14.0 MB",
+        "30.7 MB",
+        "999 B",
+        "1.5 kB",
+        "2.0 GB",
+    ]
 
 
 def test_the_api_refuses_an_existing_output_when_force_is_false(files):
@@ -127,15 +138,22 @@ def test_profile_bench_and_compress_see_the_same_tensors_and_kinds(files):
     recorded = {t["name"]: t["kind"] for t in ck.read_index("b.cckp")["tensors"] if t["coding"] == "frame"}
     found = {name: kind for name, kind, _ in profiling.checkpoint_tensors("b.pt")}
     assert found == recorded
-    assert found == {"model_state_dict.l.weight": "weight", "state_dict.lightning.weight": "weight",
-                     "optimizer_state_dict.state.0.exp_avg": "optimizer_state"}
+    assert found == {
+        "model_state_dict.l.weight": "weight",
+        "state_dict.lightning.weight": "weight",
+        "optimizer_state_dict.state.0.exp_avg": "optimizer_state",
+    }
     books = profiling.profile_checkpoint("b.pt").build()
     assert ("weight", "fp16", 0) in books and ("optimizer_state", "fp32", 0) in books
     args = argparse.Namespace(pretrained=[], model=["b.pt"], bulk_mb=0.25)
     rows = {(d.name, d.spec_name) for d in bench_data.pretrained_datasets(args)}
     # The file's own dtypes (fp16 rows included), then its weights cast to bf16.
-    assert rows == {("file:b/weight", "fp16"), ("file:b/weight", "fp32"), ("file:b/optimizer_state", "fp32"),
-                    ("file:b/weight", "bf16")}
+    assert rows == {
+        ("file:b/weight", "fp16"),
+        ("file:b/weight", "fp32"),
+        ("file:b/optimizer_state", "fp32"),
+        ("file:b/weight", "bf16"),
+    }
 
 
 def _pipe_in(data: bytes):
@@ -167,6 +185,7 @@ def _pipe_out():
         out.close()
         done.wait(60)
         return got[0]
+
     return out, result
 
 
@@ -178,7 +197,7 @@ def test_streams_through_real_pipes_and_a_terminal_is_refused(files, monkeypatch
     monkeypatch.setattr(sys, "stdout", out)
     assert cli.main(["compress", "-", "-"]) == 0
     compressed = packed()
-    assert compressed[:len(ck.MAGIC)] == ck.MAGIC
+    assert compressed[: len(ck.MAGIC)] == ck.MAGIC
     with open("s.cckp", "wb") as fh:
         fh.write(compressed)
     out, restored = _pipe_out()
@@ -206,9 +225,13 @@ def test_ls_lists_every_entry_and_which_share_a_storage(tmp_path, capsys):
     # An LSTM's weights and views of them: five state-dict entries on two storages.
     g = torch.Generator().manual_seed(9)
     flat = torch.randn(4 * 64 * 32, generator=g)
-    sd = {"lstm.weight_ih_l0": flat.view(4 * 64, 32), "lstm.gates.i": flat[: 64 * 32].view(64, 32),
-          "lstm.gates.f": flat[64 * 32: 2 * 64 * 32].view(64, 32), "lstm.flat": flat,
-          "bias": torch.randn(256, generator=g)}
+    sd = {
+        "lstm.weight_ih_l0": flat.view(4 * 64, 32),
+        "lstm.gates.i": flat[: 64 * 32].view(64, 32),
+        "lstm.gates.f": flat[64 * 32 : 2 * 64 * 32].view(64, 32),
+        "lstm.flat": flat,
+        "bias": torch.randn(256, generator=g),
+    }
     torch.save(sd, tmp_path / "lstm.pt")
     assert cli.main(["compress", "-q", str(tmp_path / "lstm.pt"), str(tmp_path / "lstm.cckp")]) == 0
     capsys.readouterr()

@@ -23,8 +23,7 @@ _CODECS: dict = {}
 def make_codec(chunk_elems: int, checksum: bool, threads: int) -> cc.Codec:
     key = (chunk_elems, checksum, threads)
     if key not in _CODECS:
-        _CODECS[key] = cc.Codec(cc.CodebookSet.default(), threads=threads,
-                                chunk_elems=chunk_elems, checksum=checksum)
+        _CODECS[key] = cc.Codec(cc.CodebookSet.default(), threads=threads, chunk_elems=chunk_elems, checksum=checksum)
     return _CODECS[key]
 
 
@@ -68,12 +67,35 @@ def make_tensor(dtype, n, dist, seed, scale=1.0) -> torch.Tensor:
 def special_bits(dtype) -> list[int]:
     """Bit patterns of NaNs (with payloads), ±Inf, -0.0, the smallest/largest subnormals, ±max."""
     return {
-        torch.float32: [0x7FC00000, 0x7F800001, 0xFFC00123, 0x7FBFFFFF, 0x7F800000, 0xFF800000,
-                        0x80000000, 0x00000001, 0x80000001, 0x007FFFFF, 0x7F7FFFFF, 0xFF7FFFFF],
-        torch.bfloat16: [0x7FC0, 0x7F81, 0xFFC1, 0x7FFF, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x8001,
-                         0x007F, 0x7F7F, 0xFF7F],
-        torch.float16: [0x7E00, 0x7C01, 0xFE3F, 0x7FFF, 0x7C00, 0xFC00, 0x8000, 0x0001, 0x8001,
-                        0x03FF, 0x7BFF, 0xFBFF],
+        torch.float32: [
+            0x7FC00000,
+            0x7F800001,
+            0xFFC00123,
+            0x7FBFFFFF,
+            0x7F800000,
+            0xFF800000,
+            0x80000000,
+            0x00000001,
+            0x80000001,
+            0x007FFFFF,
+            0x7F7FFFFF,
+            0xFF7FFFFF,
+        ],
+        torch.bfloat16: [
+            0x7FC0,
+            0x7F81,
+            0xFFC1,
+            0x7FFF,
+            0x7F80,
+            0xFF80,
+            0x8000,
+            0x0001,
+            0x8001,
+            0x007F,
+            0x7F7F,
+            0xFF7F,
+        ],
+        torch.float16: [0x7E00, 0x7C01, 0xFE3F, 0x7FFF, 0x7C00, 0xFC00, 0x8000, 0x0001, 0x8001, 0x03FF, 0x7BFF, 0xFBFF],
         torch.float8_e4m3fn: [0x7F, 0xFF, 0x80, 0x01, 0x81, 0x07, 0x7E, 0xFE],
         torch.float8_e5m2: [0x7D, 0x7E, 0xFF, 0x7C, 0xFC, 0x80, 0x01, 0x81, 0x03, 0x7B, 0xFB],
         torch.int8: [0x80, 0x7F, 0xFF, 0x01],
@@ -140,8 +162,12 @@ def test_frames_never_grow_much_beyond_raw(dtype, n, seed, chunk_elems, checksum
 
 
 @settings(max_examples=30)
-@given(dtype=st.sampled_from(cc.SUPPORTED_DTYPES), n=st.integers(1, 3000), seed=st.integers(0, 2**31),
-       dist=st.sampled_from(["normal", "mostly_zeros", "bits"]))
+@given(
+    dtype=st.sampled_from(cc.SUPPORTED_DTYPES),
+    n=st.integers(1, 3000),
+    seed=st.integers(0, 2**31),
+    dist=st.sampled_from(["normal", "mostly_zeros", "bits"]),
+)
 def test_frames_are_deterministic_across_threads_and_calls(dtype, n, seed, dist):
     # Same input, same books -> same bytes, whatever the thread count (design principle 5).
     x = make_tensor(dtype, n, dist, seed, scale=1e-2)
@@ -161,8 +187,11 @@ def test_compresses_typical_bf16_gradients(codec):
     assert len(codec.encode(z)) < 0.1 * z.numel() * 2
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16,
-                                   torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8], ids=str)
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8],
+    ids=str,
+)
 @pytest.mark.parametrize("zeros", [0, 50, 2000])
 def test_special_values_round_trip(small_codec, codec, dtype, zeros):
     # NaN payloads, ±Inf, -0.0 and subnormals among many +0.0 (masked chunks) and alone.
@@ -302,8 +331,11 @@ def test_wrong_codebook_raises_frame_error_naming_the_id():
 
 
 def test_unknown_kind_raises_value_error(codec):
-    with pytest.raises(ValueError, match="unknown tensor kind 'gradients'; expected one of gradient, "
-                                          "reduced_gradient, activation, weight, optimizer_state"):
+    with pytest.raises(
+        ValueError,
+        match="unknown tensor kind 'gradients'; expected one of gradient, "
+        "reduced_gradient, activation, weight, optimizer_state",
+    ):
         codec.encode(torch.zeros(4), kind="gradients")
 
 
@@ -410,8 +442,13 @@ def test_large_round_trip_through_huge_page_outputs():
 def _empty_frame(ids: tuple[int, int], numel: int = 0, chunk_elems: int = 64) -> bytes:
     """A bf16 frame with the given stream ids whose chunks (if any) are all flagged ZERO."""
     nchunks = -(-numel // chunk_elems) if numel else 0
-    head = bytearray(b"CCFR" + bytes([1, 1, 2, 0]) + numel.to_bytes(8, "little")
-                     + chunk_elems.to_bytes(4, "little") + nchunks.to_bytes(4, "little"))
+    head = bytearray(
+        b"CCFR"
+        + bytes([1, 1, 2, 0])
+        + numel.to_bytes(8, "little")
+        + chunk_elems.to_bytes(4, "little")
+        + nchunks.to_bytes(4, "little")
+    )
     head += b"".join(i.to_bytes(8, "little") for i in ids)
     head += bytes([_frame.CHUNK_ZERO] + [0] * 15) * nchunks  # entry: 8 + 2 x 4 bytes
     return fix_header_crc(bytes(head) + bytes(8))
@@ -440,8 +477,11 @@ def test_frame_claiming_more_memory_than_exists_is_a_frame_error():
     codec = cc.Codec()
     # 2^40 bf16 elements in 2^14 all-zero chunks of 2^26: a 128 KiB frame asking for 2 TiB.
     frame = _empty_frame((0, 0), numel=1 << 40, chunk_elems=1 << 26)
-    with pytest.raises(cc.FrameError, match=r"frame decodes to 2199023255552 bytes .* cannot be allocated"
-                                            r".*max_output_bytes"):
+    with pytest.raises(
+        cc.FrameError,
+        match=r"frame decodes to 2199023255552 bytes .* cannot be allocated"
+        r".*max_output_bytes",
+    ):
         codec.decode(frame)
     with pytest.raises(cc.FrameError, match="more than max_output_bytes=1000"):
         codec.decode(frame, max_output_bytes=1000)
@@ -503,7 +543,8 @@ def test_kernels_import_only_numpy_numba_and_each_other():
             if isinstance(node, ast.ImportFrom):
                 inside = node.level == 1 or (node.module or "").startswith("comm_codec.kernels")
                 assert inside or (not node.level and node.module.split(".")[0] in allowed), (
-                    f"{path.name} imports {'.' * node.level}{node.module}")
+                    f"{path.name} imports {'.' * node.level}{node.module}"
+                )
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     assert alias.name.split(".")[0] in allowed, f"{path.name} imports {alias.name}"
@@ -647,12 +688,60 @@ def test_pooled_outputs_of_codec_round_trips_are_independent(threads):
 
 
 # -- decode and accumulate (the compressed all-reduce's rank-order sum) ------------------------
-_F32_SPECIAL = [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001, 0xFFA00003,
-                0x00000001, 0x807FFFFF, 0x00800000, 0x3F800000, 0xBF800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x33800000]
-_BF16_SPECIAL = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7F81, 0xFFA3, 0x0001, 0x807F, 0x0080, 0x3F80,
-                 0xBF80, 0x7F7F, 0xFF7F, 0x3380]
-_F16_SPECIAL = [0x0000, 0x8000, 0x7C00, 0xFC00, 0x7E00, 0xFE01, 0x7C01, 0xFD03, 0x0001, 0x83FF, 0x0400, 0x3C00,
-                0xBC00, 0x7BFF, 0xFBFF, 0x1400]
+_F32_SPECIAL = [
+    0x00000000,
+    0x80000000,
+    0x7F800000,
+    0xFF800000,
+    0x7FC00000,
+    0xFFC00001,
+    0x7F800001,
+    0xFFA00003,
+    0x00000001,
+    0x807FFFFF,
+    0x00800000,
+    0x3F800000,
+    0xBF800000,
+    0x7F7FFFFF,
+    0xFF7FFFFF,
+    0x33800000,
+]
+_BF16_SPECIAL = [
+    0x0000,
+    0x8000,
+    0x7F80,
+    0xFF80,
+    0x7FC0,
+    0xFFC1,
+    0x7F81,
+    0xFFA3,
+    0x0001,
+    0x807F,
+    0x0080,
+    0x3F80,
+    0xBF80,
+    0x7F7F,
+    0xFF7F,
+    0x3380,
+]
+_F16_SPECIAL = [
+    0x0000,
+    0x8000,
+    0x7C00,
+    0xFC00,
+    0x7E00,
+    0xFE01,
+    0x7C01,
+    0xFD03,
+    0x0001,
+    0x83FF,
+    0x0400,
+    0x3C00,
+    0xBC00,
+    0x7BFF,
+    0xFBFF,
+    0x1400,
+]
 
 
 def _special_pairs(dtype: torch.dtype, n: int, seed: int):
@@ -669,8 +758,12 @@ def _special_pairs(dtype: torch.dtype, n: int, seed: int):
     dense[: dense.numel() // 3] = 0  # masked and all-zero chunks
     idt = {16: np.uint16, 32: np.uint32}[width]
     x = torch.cat([torch.from_numpy(xbits.astype(idt).view({16: np.int16, 32: np.int32}[width])).view(dtype), dense])
-    acc = torch.cat([torch.from_numpy(abits.astype(np.uint32).view(np.int32)).view(torch.float32),
-                     torch.randn(n - abits.size, generator=g)])
+    acc = torch.cat(
+        [
+            torch.from_numpy(abits.astype(np.uint32).view(np.int32)).view(torch.float32),
+            torch.randn(n - abits.size, generator=g),
+        ]
+    )
     return x, acc
 
 
@@ -693,7 +786,7 @@ def test_decode_accumulate_equals_decode_then_add_bit_for_bit(dtype, chunk_elems
 
 def test_decode_accumulate_sums_shards_in_rank_order_like_the_all_reduce():
     g = torch.Generator().manual_seed(11)
-    parts = [(torch.randn(30_000, generator=g) * 10.0 ** -k).to(torch.bfloat16) for k in range(4)]
+    parts = [(torch.randn(30_000, generator=g) * 10.0**-k).to(torch.bfloat16) for k in range(4)]
     codec = cc.Codec()
     frames = [codec.encode(p) for p in parts]
     expect = torch.empty(30_000).copy_(parts[0])
@@ -743,8 +836,12 @@ def _naive_layout(params) -> tuple[list, int]:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int8])
 def test_frame_layout_kernel_matches_a_naive_reference(dtype):
     # Dense, masked (half zeros), all-zero and random-bits (raw streams) chunks, a short last one.
-    parts = [make_tensor(dtype, 3000, "normal", 1), torch.zeros(2048, dtype=dtype),
-             make_tensor(dtype, 2500, "bits", 2), make_tensor(dtype, 1700, "normal", 3)]
+    parts = [
+        make_tensor(dtype, 3000, "normal", 1),
+        torch.zeros(2048, dtype=dtype),
+        make_tensor(dtype, 2500, "bits", 2),
+        make_tensor(dtype, 1700, "normal", 3),
+    ]
     parts[3][::2] = 0
     f = make_codec(1024, True, 1).encode(torch.cat(parts), kind="weight")
     p = cc.get_frame_parameters(f)
@@ -760,7 +857,7 @@ def test_frame_layout_reports_the_first_failed_check_in_order():
     f = make_codec(64, True, 1).encode(make_tensor(torch.bfloat16, 256, "normal", 0), kind="weight")
     buf = bytearray(f.numpy().tobytes())
     entry = lambda c: 40 + 16 * c  # noqa: E731  (bf16: 24-byte header, 2 book ids, 16-byte entries)
-    buf[entry(1) + 8:entry(1) + 12] = (10_000).to_bytes(4, "little")
+    buf[entry(1) + 8 : entry(1) + 12] = (10_000).to_bytes(4, "little")
     with pytest.raises(cc.FrameError, match="chunk 1 stream 0 size 10000 is impossible for 64 elements"):
         cc.get_frame_parameters(fix_header_crc(bytes(buf)))
     buf[entry(2)] = 0x40
@@ -801,8 +898,10 @@ def test_book_beyond_its_group_is_refused_for_any_number_of_chunks(nchunks):
         bad = field.copy()
         bad[-1] = (int(bad[-1]) & (0xFFFF ^ (15 << (4 * s)))) | (n << (4 * s))
         if n < 16:
-            with pytest.raises(cc.FrameError, match=f"chunk {nchunks - 1} says stream {s} was coded with book {n} "
-                                                    f"of its group, which holds {n}"):
+            with pytest.raises(
+                cc.FrameError,
+                match=f"chunk {nchunks - 1} says stream {s} was coded with book {n} of its group, which holds {n}",
+            ):
                 tables.check_books(bad)
 
 

@@ -26,8 +26,7 @@ pytestmark = pytest.mark.dist
 WORLDS = [2, pytest.param(3, marks=pytest.mark.slow)]  # the quick tier runs 2 ranks
 WORLD_IDS = ["world2", "world3"]
 FLOATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-ALL_DTYPES = dict(FLOATS, fp8_e4m3=torch.float8_e4m3fn, fp8_e5m2=torch.float8_e5m2,
-                  int8=torch.int8, uint8=torch.uint8)
+ALL_DTYPES = dict(FLOATS, fp8_e4m3=torch.float8_e4m3fn, fp8_e5m2=torch.float8_e5m2, int8=torch.int8, uint8=torch.uint8)
 
 
 # ----------------------------------------------------------------------------------------
@@ -84,8 +83,10 @@ def _assert_bits(got, expected, what):
         width = got.element_size()
         bad = (a != b).nonzero().reshape(-1)
         i = int(bad[0]) // width
-        raise AssertionError(f"{what}: {bad.numel()} bytes differ; first in element {i}: got "
-                             f"{got.reshape(-1)[i].item()!r}, expected {expected.reshape(-1)[i].item()!r}")
+        raise AssertionError(
+            f"{what}: {bad.numel()} bytes differ; first in element {i}: got "
+            f"{got.reshape(-1)[i].item()!r}, expected {expected.reshape(-1)[i].item()!r}"
+        )
 
 
 def _digest(t):
@@ -114,8 +115,15 @@ def _w_all_reduce(rank, world, dtype_name, average):
     return out
 
 
-@pytest.mark.parametrize("average,dtype_name,world", slow_but(
-    {"sum-bf16-world2", "average-fp32-world2"}, [(False, "sum"), (True, "average")], [(d, d) for d in FLOATS], [(w, f"world{w}") for w in (2, 3)]))
+@pytest.mark.parametrize(
+    "average,dtype_name,world",
+    slow_but(
+        {"sum-bf16-world2", "average-fp32-world2"},
+        [(False, "sum"), (True, "average")],
+        [(d, d) for d in FLOATS],
+        [(w, f"world{w}") for w in (2, 3)],
+    ),
+)
 def test_all_reduce_bit_exact_rank_order(world, dtype_name, average):
     results = dist_utils.run(_w_all_reduce, world, dtype_name, average)
     itemsize = FLOATS[dtype_name].itemsize
@@ -178,8 +186,9 @@ def _w_all_reduce_subgroups(rank, world):
     out = {}
     if rank >= world - 2:
         x = _float_input(rank, 777, torch.bfloat16)
-        expected = _rank_order([_float_input(r, 777, torch.bfloat16) for r in (world - 2, world - 1)],
-                               torch.bfloat16, True)
+        expected = _rank_order(
+            [_float_input(r, 777, torch.bfloat16) for r in (world - 2, world - 1)], torch.bfloat16, True
+        )
         collectives.all_reduce(x, group=pair, average=True)
         _assert_bits(x, expected, f"rank {rank}: sub-group all_reduce")
         out["pair"] = _digest(x)
@@ -212,8 +221,9 @@ def _w_all_gather(rank, world):
             calls += 1
             assert result is outputs
             for r in range(world):
-                _assert_bits(outputs[r], _random_bits(r, n, dtype, salt=3),
-                             f"rank {rank}: all_gather {name} n={n}, slot {r}")
+                _assert_bits(
+                    outputs[r], _random_bits(r, n, dtype, salt=3), f"rank {rank}: all_gather {name} n={n}, slot {r}"
+                )
         # Realistic floats too (coded, not just raw-stored random bits), 2-D outputs.
         if dtype.is_floating_point and dtype.itemsize >= 2:
             x = _float_input(rank, 4096, dtype).view(64, 64)
@@ -246,8 +256,15 @@ def _w_reduce_scatter(rank, world, dtype_name, average):
     return stats.as_dict()
 
 
-@pytest.mark.parametrize("average,dtype_name,world", slow_but(
-    {"average-bf16-world2"}, [(False, "sum"), (True, "average")], [(d, d) for d in FLOATS], [(w, f"world{w}") for w in (2, 3)]))
+@pytest.mark.parametrize(
+    "average,dtype_name,world",
+    slow_but(
+        {"average-bf16-world2"},
+        [(False, "sum"), (True, "average")],
+        [(d, d) for d in FLOATS],
+        [(w, f"world{w}") for w in (2, 3)],
+    ),
+)
 def test_reduce_scatter_bit_exact_rank_order(world, dtype_name, average):
     for s in dist_utils.run(_w_reduce_scatter, world, dtype_name, average):
         assert s["calls"] == 4 and s["bytes_in"] > 0
@@ -265,7 +282,9 @@ def _w_pipelined(rank, world):
                 inputs = [_float_input(rank, n, dtype, salt=200 + j) for j in range(world)]
                 before = [x.clone() for x in inputs]
                 output = torch.empty(n, dtype=dtype)
-                collectives.reduce_scatter(output, inputs, average=True, kind="gradient", cast=cast, workspace=workspace)
+                collectives.reduce_scatter(
+                    output, inputs, average=True, kind="gradient", cast=cast, workspace=workspace
+                )
                 theirs = [_float_input(r, n, dtype, salt=200 + rank) for r in range(world)]
                 if cast is not None:
                     theirs = [t.to(cast) for t in theirs]
@@ -322,8 +341,11 @@ def _w_peer_frames(rank, world):
 
         flipper.encode = flip_second
         inputs = [_float_input(rank, 5003, torch.bfloat16, salt=j) for j in range(world)]
-        out["piece"] = _catch(lambda: collectives.reduce_scatter(torch.empty(5003, dtype=torch.bfloat16), inputs,
-                                                                 flipper if rank == 0 else honest))
+        out["piece"] = _catch(
+            lambda: collectives.reduce_scatter(
+                torch.empty(5003, dtype=torch.bfloat16), inputs, flipper if rank == 0 else honest
+            )
+        )
 
         # (2) Rank 0 sends a frame of 16 Mi zeros (a few hundred bytes) where 1000 elements
         #     are expected: decoding it would allocate 32 MB; the header check refuses it.
@@ -352,15 +374,18 @@ def _w_peer_frames(rank, world):
 def test_frames_from_peers_are_checked_against_the_expected_size():
     results = dist_utils.run(_w_peer_frames, 2, timeout=45)
     for r in results:
-        assert r["piece"] is not None and r["piece"].startswith("compressed collective failed: rank 1: shard 1 "
-                                                                "from rank 0: "), r["piece"]
-        assert r["zeros"] == ("compressed collective failed: rank 1: frame from rank 0: frame holds 16777216 "
-                              "elements, expected 1000"), r["zeros"]
+        assert r["piece"] is not None and r["piece"].startswith(
+            "compressed collective failed: rank 1: shard 1 from rank 0: "
+        ), r["piece"]
+        assert r["zeros"] == (
+            "compressed collective failed: rank 1: frame from rank 0: frame holds 16777216 elements, expected 1000"
+        ), r["zeros"]
         assert r["zeros_frame"] < (1 << 25) // 1000  # what the peer sent: a thousandth of what it claims
         assert r["after"] == 3.0
     assert results[0]["piece"] == results[1]["piece"]
-    assert results[1]["recv"].startswith("peer 0 announced a frame of 549755813888 bytes; a frame of 100 "
-                                         "torch.float32 elements takes 1..")
+    assert results[1]["recv"].startswith(
+        "peer 0 announced a frame of 549755813888 bytes; a frame of 100 torch.float32 elements takes 1.."
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -461,8 +486,9 @@ def _w_row_parallel(rank, world):
     assert y.requires_grad and y.shape == partial.shape
     (y * upstream).sum().backward()
     _assert_bits(partial.grad, upstream, f"rank {rank}: gradient through the all-reduce")
-    partials = [(x[:, a:b] @ weight[:, a:b].T) for a, b in
-                ((r * 24 // world, (r + 1) * 24 // world) for r in range(world))]
+    partials = [
+        (x[:, a:b] @ weight[:, a:b].T) for a, b in ((r * 24 // world, (r + 1) * 24 // world) for r in range(world))
+    ]
     _assert_bits(y.detach(), _rank_order(partials, torch.float32, False), f"rank {rank}: forward sum")
     assert not torch.equal(partial.detach(), y.detach())  # it did communicate
 
@@ -514,10 +540,12 @@ def _w_errors(rank, world):
 
     # (1) Phase 1: rank 0's shards for its peers are corrupted after encoding.
     flipper = cc.Codec()
-    flipper.encode = lambda tensor, kind="gradient": (_flip_payload_byte(codec.encode(tensor, kind))
-                                                      if kind == "gradient" else codec.encode(tensor, kind))
-    out["phase1"] = _catch(lambda: collectives.all_reduce(_float_input(rank, n, torch.bfloat16),
-                                                          flipper if rank == 0 else codec))
+    flipper.encode = lambda tensor, kind="gradient": (
+        _flip_payload_byte(codec.encode(tensor, kind)) if kind == "gradient" else codec.encode(tensor, kind)
+    )
+    out["phase1"] = _catch(
+        lambda: collectives.all_reduce(_float_input(rank, n, torch.bfloat16), flipper if rank == 0 else codec)
+    )
 
     # (2) Phase 2: rank 0's reduced shard is corrupted after encoding.
     bad = cc.Codec()
@@ -585,6 +613,7 @@ def test_engine_precompiles_the_coded_dtype_before_a_coded_call():
     engine.precompile_for(torch.zeros(8, dtype=torch.float32))
     engine.precompile_for(torch.zeros(8, dtype=torch.float16))
     assert asked == [[torch.bfloat16], [torch.float16]]
+
 
 def _w_peer_announces(rank, world, claim):
     """Rank 2 answers a stage's size exchange with ``claim`` bytes to rank 0 (and nothing to rank 1)."""

@@ -18,9 +18,19 @@ try:
 except ImportError:  # pragma: no cover - the deepspeed extra is part of CI
     ccds = None
 
-OPTIONS = {"warmup_steps": 4, "mode": "always", "min_bytes": 1024, "threads": 1, "log_every": 7,
-           "drift_every": 3, "refresh_threshold": 0.02, "refresh_steps": 2, "recheck_every": 50,
-           "probe_steps": 2, "hysteresis": 0.1}
+OPTIONS = {
+    "warmup_steps": 4,
+    "mode": "always",
+    "min_bytes": 1024,
+    "threads": 1,
+    "log_every": 7,
+    "drift_every": 3,
+    "refresh_threshold": 0.02,
+    "refresh_steps": 2,
+    "recheck_every": 50,
+    "probe_steps": 2,
+    "hysteresis": 0.1,
+}
 
 
 def test_the_same_options_configure_ddp_fsdp2_and_the_deepspeed_section_alike():
@@ -42,14 +52,22 @@ def test_the_deepspeed_section_allows_the_config_fields_and_its_documented_own_k
     assert allowed == [*CommConfig.fields(), *ccds.DEEPSPEED_ONLY]
 
 
-@pytest.mark.parametrize("key, value, allowed", [
-    ("warmup_steps", -1, "an integer >= 0"), ("warmup_steps", True, "an integer >= 0"),
-    ("mode", "fast", "'auto', 'always', 'never'"), ("cast", "fp8", "None (lossless) or 'bf16'"),
-    ("min_bytes", 1.5, "an integer >= 0"), ("log_every", -1, "an integer >= 0"),
-    ("hysteresis", 1.0, "a fraction in [0, 1)"), ("probe_steps", 0, "an integer >= 1"),
-    ("recheck_every", 0, "an integer >= 1"), ("refresh_steps", 0, "an integer >= 1"),
-    ("refresh_threshold", 0.0, "None or a fraction > 0"),
-])
+@pytest.mark.parametrize(
+    "key, value, allowed",
+    [
+        ("warmup_steps", -1, "an integer >= 0"),
+        ("warmup_steps", True, "an integer >= 0"),
+        ("mode", "fast", "'auto', 'always', 'never'"),
+        ("cast", "fp8", "None (lossless) or 'bf16'"),
+        ("min_bytes", 1.5, "an integer >= 0"),
+        ("log_every", -1, "an integer >= 0"),
+        ("hysteresis", 1.0, "a fraction in [0, 1)"),
+        ("probe_steps", 0, "an integer >= 1"),
+        ("recheck_every", 0, "an integer >= 1"),
+        ("refresh_steps", 0, "an integer >= 1"),
+        ("refresh_threshold", 0.0, "None or a fraction > 0"),
+    ],
+)
 def test_a_bad_value_names_the_key_the_value_and_what_is_allowed(key, value, allowed):
     with pytest.raises(cc.ConfigError) as info:
         CommConfig(**{key: value})
@@ -69,9 +87,12 @@ def test_config_is_frozen_keyword_only_and_unknown_options_are_named():
 
 def test_a_missing_codebook_file_is_a_codebook_error_everywhere(tmp_path):
     missing = tmp_path / "missing.json"
-    for make in (lambda: CommConfig(codebooks=missing), lambda: HuffmanState(codebooks=str(missing)),
-                 lambda: FSDPState(codebooks=missing),
-                 lambda: ccds.parse_config({"comm_codec": {"codebooks": str(missing)}})):
+    for make in (
+        lambda: CommConfig(codebooks=missing),
+        lambda: HuffmanState(codebooks=str(missing)),
+        lambda: FSDPState(codebooks=missing),
+        lambda: ccds.parse_config({"comm_codec": {"codebooks": str(missing)}}),
+    ):
         with pytest.raises(cc.CodebookError, match="no such file"):
             make()
 

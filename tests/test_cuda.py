@@ -65,8 +65,7 @@ RUN_HERE = SIM or GPU  # where the kernel tests run in this process
 DEV = torch.device("cuda") if GPU else torch.device("cpu")
 CHUNK = 192
 ROOT = Path(__file__).resolve().parent.parent
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2,
-          torch.int8, torch.uint8]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8]
 
 _CODECS: dict = {}
 
@@ -74,8 +73,9 @@ _CODECS: dict = {}
 def make_codec(chunk_elems: int = CHUNK, checksum: bool = True, split: bool = True) -> cc.Codec:
     key = (chunk_elems, checksum, split)
     if key not in _CODECS:
-        _CODECS[key] = cc.Codec(cc.CodebookSet.default(), chunk_elems=chunk_elems, checksum=checksum,
-                                split_exponent=split)
+        _CODECS[key] = cc.Codec(
+            cc.CodebookSet.default(), chunk_elems=chunk_elems, checksum=checksum, split_exponent=split
+        )
     return _CODECS[key]
 
 
@@ -100,7 +100,7 @@ def mixed_tensor(dtype, seed: int) -> torch.Tensor:
     if dtype.is_floating_point:
         scale = 1.0 if dtype.itemsize == 1 else 1e-2
         x = (torch.randn(n, generator=g) * scale).to(dtype)
-        x[2 * CHUNK: 3 * CHUNK] = (torch.randn(CHUNK, generator=g) * 1e3 * scale).to(dtype)
+        x[2 * CHUNK : 3 * CHUNK] = (torch.randn(CHUNK, generator=g) * 1e3 * scale).to(dtype)
         # Chunk 0: ±scale/2, ±scale, ±2 scale: few symbols, so that stream 0 codes.
         e = torch.randint(-1, 2, (CHUNK,), generator=g).float()
         x[:CHUNK] = (torch.exp2(e) * scale * (torch.randint(0, 2, (CHUNK,), generator=g) * 2 - 1)).to(dtype)
@@ -108,11 +108,11 @@ def mixed_tensor(dtype, seed: int) -> torch.Tensor:
         v = (torch.randn(n, generator=g) * 3).round().clamp(-128, 127).to(torch.int8)
         x = v.view(torch.uint8).clone() if dtype == torch.uint8 else v
     iv = int_view(x)
-    iv[CHUNK: 2 * CHUNK] = 0
-    iv[2 * CHUNK: 3 * CHUNK][torch.rand(CHUNK, generator=g) < 0.3] = 0
-    x[3 * CHUNK: 4 * CHUNK] = random_bits(CHUNK, dtype, g)
+    iv[CHUNK : 2 * CHUNK] = 0
+    iv[2 * CHUNK : 3 * CHUNK][torch.rand(CHUNK, generator=g) < 0.3] = 0
+    x[3 * CHUNK : 4 * CHUNK] = random_bits(CHUNK, dtype, g)
     specials = int_view(tensor_of_bits(special_bits(dtype), dtype))
-    iv[40: 40 + specials.numel()] = specials
+    iv[40 : 40 + specials.numel()] = specials
     iv[4 * CHUNK + 3] = specials[0]
     return x
 
@@ -124,8 +124,10 @@ def assert_same_frames(codec, x, kind="gradient") -> torch.Tensor:
     assert f_gpu.dtype == torch.uint8 and f_gpu.dim() == 1
     if not torch.equal(f_cpu, f_gpu):
         diff = (f_cpu != f_gpu).nonzero().reshape(-1) if f_cpu.numel() == f_gpu.numel() else None
-        raise AssertionError(f"GPU frame ({f_gpu.numel()} bytes) differs from the CPU's ({f_cpu.numel()} bytes)"
-                             + (f"; first differing bytes at {diff[:8].tolist()}" if diff is not None else ""))
+        raise AssertionError(
+            f"GPU frame ({f_gpu.numel()} bytes) differs from the CPU's ({f_cpu.numel()} bytes)"
+            + (f"; first differing bytes at {diff[:8].tolist()}" if diff is not None else "")
+        )
     bits_equal(codec.decode(f_gpu), x.reshape(-1))
     bits_equal(gpu_decode(codec, f_cpu), x.reshape(-1))
     return f_cpu
@@ -252,7 +254,7 @@ def test_long_chunk_table_crc_and_header_read():
 def test_zero_heavy_runs_and_negative_zero():
     x = torch.zeros(3 * CHUNK, dtype=torch.float32)
     x[5::9] = 1.5
-    x[CHUNK: 2 * CHUNK: 7] = -0.0  # -0.0 is not a zero for the mask
+    x[CHUNK : 2 * CHUNK : 7] = -0.0  # -0.0 is not a zero for the mask
     f = assert_same_frames(make_codec(), x)
     cflags = _frame.get_frame_parameters(f).table["cflags"]
     assert not (cflags & _frame.CHUNK_ZERO).any()
@@ -341,7 +343,7 @@ def _flips_fail_alike(codec, data: bytes, trials: int, position, rng) -> None:
 def test_truncated_frames_raise(cut):
     codec = make_codec()
     data = codec.encode(mixed_tensor(torch.bfloat16, seed=4)).numpy().tobytes()
-    short = data[:cut] if cut >= 0 else data[:len(data) + cut]
+    short = data[:cut] if cut >= 0 else data[: len(data) + cut]
     if len(short) == 0:
         with pytest.raises((cc.FrameError, ValueError)):
             gpu_decode(codec, torch.zeros(0, dtype=torch.uint8))
@@ -392,10 +394,13 @@ def two_part_tensor(dtype, seed: int, n: int = 5 * GCHUNK + 37) -> tuple[torch.T
         if dtype == torch.uint8:
             return narrow.view(torch.uint8).clone(), wide.view(torch.uint8).clone()
         return narrow, wide
-    scale = 1.0 if dtype.itemsize == 1 else 2.0 ** -4
+    scale = 1.0 if dtype.itemsize == 1 else 2.0**-4
     sign = torch.randint(0, 2, (n,), generator=g) * 2.0 - 1
-    narrow = sign * (1 + torch.randint(0, 8, (n,), generator=g) / 8) * torch.exp2(
-        torch.randint(-1, 1, (n,), generator=g).float())
+    narrow = (
+        sign
+        * (1 + torch.randint(0, 8, (n,), generator=g) / 8)
+        * torch.exp2(torch.randint(-1, 1, (n,), generator=g).float())
+    )
     mant = 1 + torch.randint(0, 4, (n,), generator=g) / 4 + torch.randint(0, 4, (n,), generator=g) / 256
     wide = sign * mant * torch.exp2(torch.randint(-6, 7, (n,), generator=g).float())
     return (narrow * scale).to(dtype), (wide * scale).to(dtype)
@@ -406,13 +411,13 @@ def grouped_tensor(dtype, seed: int) -> torch.Tensor:
     all +0.0; then a narrow 37-element tail."""
     narrow, wide = two_part_tensor(dtype, seed)
     x = narrow.clone()
-    x[GCHUNK: 2 * GCHUNK] = wide[GCHUNK: 2 * GCHUNK]
-    x[3 * GCHUNK: 4 * GCHUNK] = wide[3 * GCHUNK: 4 * GCHUNK]
+    x[GCHUNK : 2 * GCHUNK] = wide[GCHUNK : 2 * GCHUNK]
+    x[3 * GCHUNK : 4 * GCHUNK] = wide[3 * GCHUNK : 4 * GCHUNK]
     iv = int_view(x)
     specials = int_view(tensor_of_bits(special_bits(dtype), dtype))
-    iv[2 * GCHUNK + 5: 2 * GCHUNK + 5 + specials.numel()] = specials
-    iv[3 * GCHUNK: 4 * GCHUNK][torch.rand(GCHUNK, generator=torch.Generator().manual_seed(seed)) < 0.4] = 0
-    iv[4 * GCHUNK: 5 * GCHUNK] = 0
+    iv[2 * GCHUNK + 5 : 2 * GCHUNK + 5 + specials.numel()] = specials
+    iv[3 * GCHUNK : 4 * GCHUNK][torch.rand(GCHUNK, generator=torch.Generator().manual_seed(seed)) < 0.4] = 0
+    iv[4 * GCHUNK : 5 * GCHUNK] = 0
     return x
 
 
@@ -450,8 +455,9 @@ def group_codec(chunk_elems: int = GCHUNK, checksum: bool = True, split: bool = 
         books = {}
         for dtype in DTYPES:
             books.update(_group_books(dtype))
-        _GROUP_CODECS[key] = cc.Codec(cc.CodebookSet(books), chunk_elems=chunk_elems, checksum=checksum,
-                                      split_exponent=split)
+        _GROUP_CODECS[key] = cc.Codec(
+            cc.CodebookSet(books), chunk_elems=chunk_elems, checksum=checksum, split_exponent=split
+        )
     return _GROUP_CODECS[key]
 
 
@@ -485,9 +491,9 @@ def test_grouped_split_e4m3_at_chunks_that_code():
     chunk = 1024
     narrow, wide = two_part_tensor(torch.float8_e4m3fn, seed=41, n=3 * chunk)
     x = narrow.clone()
-    x[chunk: chunk + chunk // 4] = wide[chunk: chunk + chunk // 4]
+    x[chunk : chunk + chunk // 4] = wide[chunk : chunk + chunk // 4]
     specials = int_view(tensor_of_bits(special_bits(torch.float8_e4m3fn), torch.float8_e4m3fn))
-    int_view(x)[2 * chunk + 3: 2 * chunk + 3 + specials.numel()] = specials
+    int_view(x)[2 * chunk + 3 : 2 * chunk + 3 + specials.numel()] = specials
     f = assert_same_frames(group_codec(chunk, split=True), x)
     params = _frame.get_frame_parameters(f)
     assert params.version == 3 and params.split == spec_for(torch.float8_e4m3fn).split_bits
@@ -577,7 +583,7 @@ def _with_book_index(data: bytes, chunk: int, s: int, k: int) -> bytes:
     table["books"][chunk] = (books & ~(15 << (4 * s))) | (k << (4 * s))
     buf = bytearray(data)
     start = _frame.HEADER_BYTES + 8 * params.spec.nstreams
-    buf[start: start + table.nbytes] = table.tobytes()
+    buf[start : start + table.nbytes] = table.tobytes()
     return fix_header_crc(bytes(buf))
 
 
@@ -687,11 +693,25 @@ def start_simulator_run() -> None:
     if _sim_run:
         return
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    cmd = [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider",
-           "--durations=5", "-W", "ignore::pytest.PytestUnraisableExceptionWarning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(Path(__file__)),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--durations=5",
+        "-W",
+        "ignore::pytest.PytestUnraisableExceptionWarning",
+    ]
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-    _sim_run.update(proc=subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True),
-                    out=out, err=err, started=time.monotonic())
+    _sim_run.update(
+        proc=subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True),
+        out=out,
+        err=err,
+        started=time.monotonic(),
+    )
 
 
 def stop_simulator_run() -> None:
@@ -724,8 +744,14 @@ def test_bench_gpu_says_clearly_when_there_is_no_gpu():
         pytest.skip("a GPU is present: the benchmark would run")
     env = dict(os.environ)
     env.pop("NUMBA_ENABLE_CUDASIM", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "launch_scripts" / "bench_gpu.py")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch_scripts" / "bench_gpu.py")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "no CUDA GPU" in proc.stderr
 

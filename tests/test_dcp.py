@@ -36,14 +36,19 @@ from helpers import bits_equal, random_bits
 
 UNCODED = (torch.int64, torch.int32, torch.int16, torch.bool, torch.float64, torch.complex64)
 # DCP warns that it loads in one process when no process group exists: that is the point here.
-pytestmark = [pytest.mark.unit,
-              pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning",
-                                         "ignore:.*torch.distributed.*:UserWarning")]
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.filterwarnings(
+        "ignore:torch.distributed is disabled:UserWarning", "ignore:.*torch.distributed.*:UserWarning"
+    ),
+]
 
 
 def _zeros_like(sd):
-    return {k: _zeros_like(v) if isinstance(v, dict) else torch.zeros_like(v) if isinstance(v, torch.Tensor) else None
-            for k, v in sd.items()}
+    return {
+        k: _zeros_like(v) if isinstance(v, dict) else torch.zeros_like(v) if isinstance(v, torch.Tensor) else None
+        for k, v in sd.items()
+    }
 
 
 def _assert_same(got, want, where=""):
@@ -143,9 +148,11 @@ def _frame_of(path, fqn):
 
 def test_small_tensors_share_one_frame_per_dtype_and_kind(tmp_path):
     g = torch.Generator().manual_seed(3)
-    model = {f"layer.{i}.{n}": (torch.randn(size, generator=g) * 0.02).to(dtype)
-             for i in range(12) for n, size, dtype in (("bias", 384, torch.bfloat16), ("scale", 96, torch.float32),
-                                                      ("gain", 7, torch.float16))}
+    model = {
+        f"layer.{i}.{n}": (torch.randn(size, generator=g) * 0.02).to(dtype)
+        for i in range(12)
+        for n, size, dtype in (("bias", 384, torch.bfloat16), ("scale", 96, torch.float32), ("gain", 7, torch.float16))
+    }
     model["scalar"] = torch.tensor(1.5, dtype=torch.bfloat16)
     model["empty"] = torch.zeros(0, 4, dtype=torch.bfloat16)
     state = {f"{i}.exp_avg": (torch.randn(384, generator=g) * 1e-4).to(torch.bfloat16) for i in range(12)}
@@ -183,6 +190,7 @@ def test_a_full_pack_is_written_and_the_next_one_started(tmp_path):
         packs[info.offset] = params.numel
     assert len(packs) == 2 and all(n <= 1 << 20 for n in packs.values()) and sum(packs.values()) == 80 * 16000
 
+
 def test_a_layer_plan_is_reused_by_its_siblings_unless_it_misfits(tmp_path):
     g = torch.Generator().manual_seed(4)
     sd = {f"enc.layer.{i}.w": (torch.randn(300, 200, generator=g) * 0.02).to(torch.bfloat16) for i in range(4)}
@@ -215,8 +223,11 @@ class _Unsafe:
 def good_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("good") / "ckpt"
     g = torch.Generator().manual_seed(2)
-    sd = {"w": (torch.randn(256, 256, generator=g) * 0.05).to(torch.bfloat16),
-          "b": torch.randn(100, generator=g), "step": 5}
+    sd = {
+        "w": (torch.randn(256, 256, generator=g) * 0.05).to(torch.bfloat16),
+        "b": torch.randn(100, generator=g),
+        "step": 5,
+    }
     dcp.save(sd, storage_writer=ccd.Writer(path))
     return path, sd
 
@@ -304,6 +315,7 @@ def _bad_huge_length_claim(d):
     def edit(md):
         _, index = _frame_record(d)
         md.storage_data[index].length = 1 << 40
+
     _rewrite_metadata(d, edit)
     return "__0_0.distcp"
 
@@ -311,6 +323,7 @@ def _bad_huge_length_claim(d):
 def _bad_chunk_claim(d):
     def edit(md):  # a chunk bigger than its tensor
         md.state_dict_metadata["w"].chunks[0].sizes = torch.Size([1 << 20, 256])
+
     _rewrite_metadata(d, edit)
     return ".metadata"
 
@@ -318,6 +331,7 @@ def _bad_chunk_claim(d):
 def _bad_frame_of_other_size(d):
     def edit(md):  # "b"'s record pointing at "w"'s frame: 65536 bf16 elements where 100 fp32 are known
         md.storage_data[_frame_record(d, "b")[1]] = md.storage_data[_frame_record(d, "w")[1]]
+
     _rewrite_metadata(d, edit)
     return "__0_0.distcp"
 
@@ -326,14 +340,15 @@ def _bad_path_outside(d):
     def edit(md):
         _, index = _frame_record(d)
         md.storage_data[index].relative_path = "../../etc/passwd"
+
     _rewrite_metadata(d, edit)
     return ".metadata"
-
 
 
 def _edit_pack(d, descriptor):
     def edit(md):
         md.storage_data[_frame_record(d, "b")[1]].transform_descriptors = [ccd.PACK_DESCRIPTOR, descriptor]
+
     _rewrite_metadata(d, edit)
     return "__0_0.distcp"
 
@@ -355,14 +370,33 @@ def _bad_pack_pointing_at_a_big_frame(d):
         w = md.storage_data[_frame_record(d, "w")[1]]
         info = md.storage_data[_frame_record(d, "b")[1]]
         info.offset, info.length = w.offset, w.length
+
     _rewrite_metadata(d, edit)
     return "__0_0.distcp"
 
-BAD = {f.__name__[5:]: f for f in (
-    _bad_no_metadata, _bad_foreign_metadata, _bad_pickle_runs_code, _bad_truncated_metadata, _bad_truncated_data,
-    _bad_missing_data, _bad_frame_byte, _bad_frame_header, _bad_book_table, _bad_huge_length_claim,
-    _bad_chunk_claim, _bad_frame_of_other_size, _bad_path_outside, _bad_pack_range_outside, _bad_pack_count,
-    _bad_pack_descriptor, _bad_pack_pointing_at_a_big_frame)}
+
+BAD = {
+    f.__name__[5:]: f
+    for f in (
+        _bad_no_metadata,
+        _bad_foreign_metadata,
+        _bad_pickle_runs_code,
+        _bad_truncated_metadata,
+        _bad_truncated_data,
+        _bad_missing_data,
+        _bad_frame_byte,
+        _bad_frame_header,
+        _bad_book_table,
+        _bad_huge_length_claim,
+        _bad_chunk_claim,
+        _bad_frame_of_other_size,
+        _bad_path_outside,
+        _bad_pack_range_outside,
+        _bad_pack_count,
+        _bad_pack_descriptor,
+        _bad_pack_pointing_at_a_big_frame,
+    )
+}
 
 
 @pytest.mark.parametrize("case", sorted(BAD))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import shutil
 
-import dist_utils
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -33,13 +32,17 @@ from comm_codec import checkpoint
 from comm_codec.core import codebooks as codebooks_module
 from comm_codec.core.errors import CheckpointError
 
+import dist_utils
+
 pytestmark = [pytest.mark.unit, pytest.mark.filterwarnings("ignore:.*torch.distributed.*:UserWarning")]
 
 
 def _empty_like(sd):
     """A load target: zeros for tensors, placeholders for values."""
-    return {k: _empty_like(v) if isinstance(v, dict) else torch.zeros_like(v) if isinstance(v, torch.Tensor)
-            else type(v)() for k, v in sd.items()}
+    return {
+        k: _empty_like(v) if isinstance(v, dict) else torch.zeros_like(v) if isinstance(v, torch.Tensor) else type(v)()
+        for k, v in sd.items()
+    }
 
 
 @pytest.fixture
@@ -92,9 +95,12 @@ def test_golden_v2_data_file_is_what_todays_writer_writes(tmp_path):
 
 def test_a_directory_saved_now_loads_bit_exact_after_the_default_books_change(tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(11)
-    sd = {"w": (torch.randn(300, 200, generator=g) * 0.02).to(torch.bfloat16),  # planned
-          "b": (torch.randn(300, generator=g) * 0.01).to(torch.bfloat16),  # packed: the shipped books
-          "s": torch.randn(1000, generator=g), "n": torch.arange(7)}
+    sd = {
+        "w": (torch.randn(300, 200, generator=g) * 0.02).to(torch.bfloat16),  # planned
+        "b": (torch.randn(300, generator=g) * 0.01).to(torch.bfloat16),  # packed: the shipped books
+        "s": torch.randn(1000, generator=g),
+        "n": torch.arange(7),
+    }
     dcp.save(sd, storage_writer=ccd.Writer(tmp_path))
     monkeypatch.setattr(codebooks_module, "_default_cache", cc.CodebookSet.load(BOOKS))
     out = _empty_like(sd)
@@ -157,8 +163,17 @@ def test_writer_takes_filesystemwriters_options(tmp_path):
     sd = _model_and_adam()
     sd["big"] = (torch.randn(400, 300) * 0.02).to(torch.bfloat16)
     dcp.save(sd, storage_writer=ccd.Writer(tmp_path / "one", thread_count=1))
-    dcp.save(sd, storage_writer=ccd.Writer(tmp_path / "two", thread_count=2, sync_files=False, overwrite=True,
-                                           per_thread_copy_ahead=1 << 20, cache_staged_state_dict=False))
+    dcp.save(
+        sd,
+        storage_writer=ccd.Writer(
+            tmp_path / "two",
+            thread_count=2,
+            sync_files=False,
+            overwrite=True,
+            per_thread_copy_ahead=1 << 20,
+            cache_staged_state_dict=False,
+        ),
+    )
     assert (tmp_path / "one" / "__0_0.distcp").read_bytes() == (tmp_path / "two" / "__0_0.distcp").read_bytes()
     with pytest.raises(ValueError, match="extensions"):
         ccd.Writer(tmp_path / "x", _extensions=[ZStandard()])

@@ -56,8 +56,12 @@ def plain_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ours_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("ours") / "ckpt"
-    sd = {"w": (torch.randn(200, 100) * 0.02).to(torch.bfloat16), "n": torch.arange(1000),
-          "mask": torch.arange(50) % 3 == 0, "meta": "a value"}
+    sd = {
+        "w": (torch.randn(200, 100) * 0.02).to(torch.bfloat16),
+        "n": torch.arange(1000),
+        "mask": torch.arange(50) % 3 == 0,
+        "meta": "a value",
+    }
     dcp.save(sd, storage_writer=ccd.Writer(path))
     return path, sd
 
@@ -137,12 +141,16 @@ def test_overlapping_short_and_many_distinct_overlapping_chunks_are_refused(tmp_
     size = torch.Size
     cases = [
         # rows 0..40 and 24..48 of 64: the element counts add up, rows 24..40 twice, 48..64 never
-        ("two chunks overlap", [ChunkStorageMetadata(size([0, 0]), size([40, 32])),
-                                ChunkStorageMetadata(size([24, 0]), size([24, 32]))]),
+        (
+            "two chunks overlap",
+            [ChunkStorageMetadata(size([0, 0]), size([40, 32])), ChunkStorageMetadata(size([24, 0]), size([24, 32]))],
+        ),
         ("do not add up", [ChunkStorageMetadata(size([0, 0]), size([32, 32]))]),
         # 1,024 distinct chunks, 16 per row each 2 wide starting one column apart: counts add up
-        ("two chunks overlap", [ChunkStorageMetadata(size([r, c]), size([1, 2])) for r in range(64)
-                                for c in range(16)]),
+        (
+            "two chunks overlap",
+            [ChunkStorageMetadata(size([r, c]), size([1, 2])) for r in range(64) for c in range(16)],
+        ),
     ]
     for match, chunks in cases:
         _chunks(d, chunks)
@@ -256,8 +264,9 @@ def test_a_fifo_planted_at_the_data_file_does_not_block_the_save(tmp_path):
     d.mkdir()
     os.mkfifo(d / "__0_0.distcp")
     done = []
-    t = threading.Thread(target=lambda: done.append(dcp.save({"w": torch.randn(10)}, storage_writer=ccd.Writer(d))),
-                         daemon=True)
+    t = threading.Thread(
+        target=lambda: done.append(dcp.save({"w": torch.randn(10)}, storage_writer=ccd.Writer(d))), daemon=True
+    )
     t.start()
     t.join(60)
     assert done, "dcp.save blocked on a FIFO"
@@ -286,7 +295,9 @@ def test_pickle_of_metadata_is_what_dcp_writes(tmp_path):
     sd = {"a": torch.randn(5), "b": {"c": 1}}
     dcp.save(sd, storage_writer=FileSystemWriter(tmp_path))
     raw = (tmp_path / ".metadata").read_bytes()
-    assert pickle.loads(raw).state_dict_metadata.keys() == _dcp_metadata.read_metadata(tmp_path).state_dict_metadata.keys()
+    assert (
+        pickle.loads(raw).state_dict_metadata.keys() == _dcp_metadata.read_metadata(tmp_path).state_dict_metadata.keys()
+    )
 
 
 def test_metadata_without_an_entry_the_state_dict_asks_for_is_a_checkpoint_error(tmp_path, plain_dir):
@@ -296,6 +307,7 @@ def test_metadata_without_an_entry_the_state_dict_asks_for_is_a_checkpoint_error
     def drop(md):
         md.state_dict_metadata.pop("w")
         md.storage_data = {i: r for i, r in md.storage_data.items() if i.fqn != "w"}
+
     _edit(d, drop)
     msg = _fails_fast(lambda: ccd.load(_target(plain_dir[1]), d), "Missing key")
     assert str(d / ".metadata") in msg

@@ -83,8 +83,7 @@ def _loss(out, y):
 
 
 def _flat_grads(model):
-    parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
-             for p in model.parameters()]
+    parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1) for p in model.parameters()]
     return torch.cat(parts)
 
 
@@ -188,8 +187,13 @@ def _w_exact(rank, world, dtype_name, steps, warmup, model_kw=None, ddp_kw=None,
         bucket_numels.append(list(rec.numels))
         opt.step()
     stats = state.stats()
-    return {"digests": digests, "buckets": bucket_numels, "step": state.step, "stats": stats,
-            "books": state.codebooks.digest if state.codebooks is not None else None}
+    return {
+        "digests": digests,
+        "buckets": bucket_numels,
+        "step": state.step,
+        "stats": stats,
+        "books": state.codebooks.digest if state.codebooks is not None else None,
+    }
 
 
 def _check_exact_report(results, steps, warmup):
@@ -208,13 +212,18 @@ def _check_exact_report(results, steps, warmup):
 # ----------------------------------------------------------------------------------------
 # 1. Lossless: bit-exact rank-order average, every step
 # ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("warmup,dtype_name,world", slow_but(
-    {"warmup2-bf16-world2"}, [(w, f"warmup{w}") for w in (0, 2)], [(d, d) for d in DTYPES],
-    [(w, f"world{w}") for w in (2, 3)]))
+@pytest.mark.parametrize(
+    "warmup,dtype_name,world",
+    slow_but(
+        {"warmup2-bf16-world2"},
+        [(w, f"warmup{w}") for w in (0, 2)],
+        [(d, d) for d in DTYPES],
+        [(w, f"world{w}") for w in (2, 3)],
+    ),
+)
 def test_ddp_gradients_bit_exact_rank_order_average(world, dtype_name, warmup):
     steps = 5
-    results = dist_utils.run(_w_exact, world, dtype_name, steps, warmup,
-                             ddp_kw={"bucket_cap_mb": 0.01})
+    results = dist_utils.run(_w_exact, world, dtype_name, steps, warmup, ddp_kw={"bucket_cap_mb": 0.01})
     _check_exact_report(results, steps, warmup)
     # Several buckets once DDP has rebuilt them after step 0 (the first bucket is 1 MB).
     assert all(len(b) >= 2 for b in results[0]["buckets"][1:]), results[0]["buckets"]
@@ -235,8 +244,10 @@ ROBUST = {
 }
 
 
-@pytest.mark.parametrize("case,world", slow_but({"static_graph_unused_branch-world2"}, [(c, c) for c in ROBUST],
-                                                [(w, f"world{w}") for w in (2, 3)]))
+@pytest.mark.parametrize(
+    "case,world",
+    slow_but({"static_graph_unused_branch-world2"}, [(c, c) for c in ROBUST], [(w, f"world{w}") for w in (2, 3)]),
+)
 def test_ddp_robust_configurations_stay_bit_exact(world, case):
     model_kw, ddp_kw = ROBUST[case]
     steps = 4  # DDP rebuilds its buckets after step 0; steps 1+ run on the rebuilt ones
@@ -252,8 +263,9 @@ def test_ddp_robust_configurations_stay_bit_exact(world, case):
 @pytest.mark.slow
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
 def test_ddp_exact_with_bf16_model_and_tiny_buckets(world):
-    results = dist_utils.run(_w_exact, world, "bf16", 3, 0, model_kw={"tiny": True, "empty": True},
-                             ddp_kw={"bucket_cap_mb": 0.0003})
+    results = dist_utils.run(
+        _w_exact, world, "bf16", 3, 0, model_kw={"tiny": True, "empty": True}, ddp_kw={"bucket_cap_mb": 0.0003}
+    )
     _check_exact_report(results, 3, 0)
 
 
@@ -293,8 +305,7 @@ def _w_train(rank, world, steps):
         ddp = DDP(model, process_group=group, bucket_cap_mb=0.05)
         state = None
         if mode != "plain":
-            state = HuffmanState(process_group=group, cast="bf16" if mode == "huffman_bf16" else None,
-                                 mode="always")
+            state = HuffmanState(process_group=group, cast="bf16" if mode == "huffman_bf16" else None, mode="always")
             ddp.register_comm_hook(state, huffman_hook)
         opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
         data = batches(corpus, batch_size=4, seq_len=32, seed=1, rank=rank, world_size=world)
@@ -307,9 +318,12 @@ def _w_train(rank, world, steps):
             loss.backward()
             opt.step()
             losses.append(loss.item())
-        out[mode] = {"losses": losses, "stats": state.stats() if state else None,
-                     "step": state.step if state else None,
-                     "weights": _digest(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))}
+        out[mode] = {
+            "losses": losses,
+            "stats": state.stats() if state else None,
+            "step": state.step if state else None,
+            "weights": _digest(torch.cat([p.detach().reshape(-1) for p in model.parameters()])),
+        }
     return out
 
 
@@ -383,8 +397,10 @@ def _w_pickle(rank, world):
         out[label] = {
             "books": state.codebooks.digest,
             "clone_books": clone.codebooks.digest if clone.codebooks is not None else None,
-            "step": state.step, "clone_step": clone.step,
-            "stats": state.stats(), "clone_stats": clone.stats(),
+            "step": state.step,
+            "clone_step": clone.step,
+            "stats": state.stats(),
+            "clone_stats": clone.stats(),
             "clone_group_is_none": clone.process_group is None,
             "clone_warming_up": clone.warming_up,
         }
@@ -468,15 +484,18 @@ def test_hook_annotations_are_the_types_ddp_checks():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("kwargs, phrase", [
-    ({"warmup_steps": -1}, "warmup_steps=-1; allowed: an integer >= 0"),
-    ({"warmup_steps": 1.5}, "warmup_steps=1.5; allowed: an integer >= 0"),
-    ({"cast": "fp8"}, "cast='fp8'; allowed: None (lossless) or 'bf16'"),
-    ({"codebooks": "BOOKS", "warmup_steps": 3}, "give either codebooks (fixed books) or warmup_steps > 0"),
-    ({"min_bytes": -1}, "min_bytes=-1; allowed: an integer >= 0"),
-    ({"mode": "sometimes"}, "mode='sometimes'; allowed: 'auto', 'always', 'never'"),
-    ({"threads": 0}, "threads=0; allowed: None or an integer in 1.."),
-])
+@pytest.mark.parametrize(
+    "kwargs, phrase",
+    [
+        ({"warmup_steps": -1}, "warmup_steps=-1; allowed: an integer >= 0"),
+        ({"warmup_steps": 1.5}, "warmup_steps=1.5; allowed: an integer >= 0"),
+        ({"cast": "fp8"}, "cast='fp8'; allowed: None (lossless) or 'bf16'"),
+        ({"codebooks": "BOOKS", "warmup_steps": 3}, "give either codebooks (fixed books) or warmup_steps > 0"),
+        ({"min_bytes": -1}, "min_bytes=-1; allowed: an integer >= 0"),
+        ({"mode": "sometimes"}, "mode='sometimes'; allowed: 'auto', 'always', 'never'"),
+        ({"threads": 0}, "threads=0; allowed: None or an integer in 1.."),
+    ],
+)
 def test_huffman_state_rejects_bad_arguments(kwargs, phrase):
     if kwargs.get("codebooks") == "BOOKS":
         kwargs = dict(kwargs, codebooks=cc.CodebookSet.default())
@@ -510,8 +529,11 @@ def _one_backward(ddp, rank, step=0):
     try:
         _loss(ddp(x), y).backward()
     except Exception as exc:  # noqa: BLE001 - the test inspects what surfaced
-        return {"type": type(exc).__name__, "message": str(exc),
-                "is_collective_error": isinstance(exc, collectives.CollectiveError)}
+        return {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "is_collective_error": isinstance(exc, collectives.CollectiveError),
+        }
     return None
 
 
@@ -654,9 +676,17 @@ def _w_auto(rank, world, steps, state_kw):
         opt.step()
     s = state.stats()
     params = _digest(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
-    return {"modes": modes, "decision": s["decision"], "switches": s["switches"], "probes": s["probes"],
-            "refreshes": s["refreshes"], "books": books, "params": params, "calls": s["calls"],
-            "raw_calls": s["raw_calls"]}
+    return {
+        "modes": modes,
+        "decision": s["decision"],
+        "switches": s["switches"],
+        "probes": s["probes"],
+        "refreshes": s["refreshes"],
+        "books": books,
+        "params": params,
+        "calls": s["calls"],
+        "raw_calls": s["raw_calls"],
+    }
 
 
 @pytest.mark.parametrize("refresh", [False, True], ids=["plain", "with_refreshes"])
@@ -679,8 +709,10 @@ def test_auto_mode_switches_mid_run_on_every_rank_at_the_same_step(refresh):
     # The slowest rank per mode: plain 1.0 s (rank 0), coded 1.5 s (rank 1).
     assert d["plain_ms"] == pytest.approx(1000.0) and d["coded_ms"] == pytest.approx(1500.0)
     assert d["per_rank_ms"] == [pytest.approx([1000.0, 800.0]), pytest.approx([500.0, 1500.0])]
-    assert d["reason"] == "switched: plain all-reduce is faster here: 1000 vs 1500 ms/step compressed; " \
-                          "re-checking every 3 steps"
+    assert (
+        d["reason"] == "switched: plain all-reduce is faster here: 1000 vs 1500 ms/step compressed; "
+        "re-checking every 3 steps"
+    )
     if refresh:
         assert results[0]["refreshes"] >= 3
         assert len(set(results[0]["books"])) >= 3
@@ -694,11 +726,13 @@ def _w_different_settings(rank, world, settings):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, settings, phrase", [
-    ("min_bytes", [{"min_bytes": 4096}, {"min_bytes": 0}],
-     "min_bytes is 4096 on rank 0 but 0 on rank 1"),
-    ("warmup_steps", [{"warmup_steps": 2}, {"warmup_steps": 3}], "warmup_steps is 2 on rank 0 but 3 on rank 1"),
-])
+@pytest.mark.parametrize(
+    "name, settings, phrase",
+    [
+        ("min_bytes", [{"min_bytes": 4096}, {"min_bytes": 0}], "min_bytes is 4096 on rank 0 but 0 on rank 1"),
+        ("warmup_steps", [{"warmup_steps": 2}, {"warmup_steps": 3}], "warmup_steps is 2 on rank 0 but 3 on rank 1"),
+    ],
+)
 def test_ranks_configured_differently_raise_on_every_rank_at_the_first_step(name, settings, phrase):
     results = dist_utils.run_fresh(_w_different_settings, 2, settings, timeout=30)
     for r in results:
@@ -800,8 +834,9 @@ def _w_stalled_peer(rank, world, sleep_s):
 def test_stalled_peer_raises_within_the_users_timeout():
     """The hook's own group takes the user's timeout, not torch's 30-minute default for new
     groups: with init_process_group(timeout=5 s), rank 0 must raise within seconds."""
-    outcomes = dist_utils.run_outcomes(_w_stalled_peer, 2, 3 * STALL_TIMEOUT, timeout=60 + 6 * STALL_TIMEOUT,
-                                       pg_timeout=STALL_TIMEOUT)
+    outcomes = dist_utils.run_outcomes(
+        _w_stalled_peer, 2, 3 * STALL_TIMEOUT, timeout=60 + 6 * STALL_TIMEOUT, pg_timeout=STALL_TIMEOUT
+    )
     assert outcomes[0]["status"] == "ok", outcomes[0]
     waited = outcomes[0]["value"]
     assert waited["step"] == 2, f"rank 0 did not fail at the stalled step: {waited}"
@@ -849,8 +884,11 @@ def _w_pickle_at_end_of_warmup(rank, world):
     # Errors are returned, not raised, so a failure here does not cost a restart of the
     # worker group (the hook fails the same way on every rank, before communicating).
     error = _one_backward(ddp2, rank, step=2)
-    return {"error": error, "step": clone.step,
-            "books": clone.codebooks.digest if clone.codebooks is not None else None}
+    return {
+        "error": error,
+        "step": clone.step,
+        "books": clone.codebooks.digest if clone.codebooks is not None else None,
+    }
 
 
 def test_state_pickled_at_end_of_warmup_resumes():
@@ -873,8 +911,7 @@ def test_ddp_find_unused_parameters_stays_bit_exact(world):
     (at step 2 here; at step 0 when the model has no unused branch at all).
     """
     ddp_kw = {"find_unused_parameters": True, "bucket_cap_mb": 0.01}
-    results = dist_utils.run(_w_exact, world, "fp32", 4, 0, model_kw={"unused": True}, ddp_kw=ddp_kw,
-                             timeout=15)
+    results = dist_utils.run(_w_exact, world, "fp32", 4, 0, model_kw={"unused": True}, ddp_kw=ddp_kw, timeout=15)
     _check_exact_report(results, 4, 0)
 
 

@@ -37,7 +37,7 @@ def _codec_and_frame(n: int, escapes: float = 0.01):
 def _lane_starts(f: np.ndarray, p) -> list:
     """Byte offsets in the frame of the chunk's four lanes (the lane header holds their byte lengths)."""
     pos = p.header_bytes
-    lens = f[pos:pos + 16].view("<u4").astype(np.int64)
+    lens = f[pos : pos + 16].view("<u4").astype(np.int64)
     starts, at = [], pos + 16
     for lb in lens:
         starts.append(at)
@@ -54,14 +54,14 @@ def test_every_lane_on_a_bad_code_is_reported(where):
     rng = np.random.default_rng(1)
     for s in starts:
         at = s if where == "start" else s + (starts[1] - starts[0]) // 2
-        bad[at:at + 48] = 0xFF  # all ones: the 7/8 code's missing pattern, again and again
+        bad[at : at + 48] = 0xFF  # all ones: the 7/8 code's missing pattern, again and again
     with pytest.raises(cc.FrameError, match="chunk 0 of 1 is bad: bit pattern that is no code"):
         codec.decode(bad)
     for seed in range(20):  # one lane at a time, random bytes at a random place
         bad = f.numpy().copy()
         k = seed % 4
         at = starts[k] + int(rng.integers(0, 300))
-        bad[at:at + 8] = 0xFF
+        bad[at : at + 8] = 0xFF
         with pytest.raises(cc.FrameError, match="chunk 0 of 1 is bad"):
             codec.decode(bad)
 
@@ -75,8 +75,8 @@ def test_masked_chunks_round_trip_bit_exact(dtype):
     n = 3 * 1021 + 5  # three full chunks and a short fourth
     x = torch.randn(n, generator=gen) * 0.02
     x[torch.rand(n, generator=gen) < 0.45] = 0  # scattered zeros
-    x[1024:1024 + 200] = 0  # a run of zero bytes in the mask
-    x[2048:2048 + 1024:2] = 0
+    x[1024 : 1024 + 200] = 0  # a run of zero bytes in the mask
+    x[2048 : 2048 + 1024 : 2] = 0
     if dtype == torch.int8:
         x = torch.round(x * 3000).clamp(-128, 127).to(dtype)
     else:
@@ -125,8 +125,8 @@ def test_escapes_anywhere_round_trip(n, layout, masked):
         where = torch.zeros(n, dtype=torch.bool)
         for k in range(4):
             lo, hi = k * n // 4, (k + 1) * n // 4
-            where[lo:min(hi, lo + 2)] = True
-            where[max(lo, hi - 2):hi] = True
+            where[lo : min(hi, lo + 2)] = True
+            where[max(lo, hi - 2) : hi] = True
     else:
         where = torch.rand(n, generator=gen) < 0.1
     x[where] = escaped[where]
@@ -148,10 +148,9 @@ def test_a_bad_code_deep_in_a_lane_is_reported(escapes):
     for k in range(4):
         bad = f.numpy().copy()
         at = starts[k] + (starts[1] - starts[0]) // 3
-        bad[at:at + 16] = 0xFF
+        bad[at : at + 16] = 0xFF
         with pytest.raises(cc.FrameError, match="chunk 0 of 1 is bad: bit pattern that is no code"):
             codec.decode(bad)
-
 
 
 def _uneven_lanes(n: int, gen) -> torch.Tensor:
@@ -159,11 +158,11 @@ def _uneven_lanes(n: int, gen) -> torch.Tensor:
     # escapes: the lockstep rounds stop when lane 0 nears its end, with most of the
     # other lanes' symbols still to decode, each lane alone.
     x = torch.randint(5, 12, (n,), generator=gen, dtype=torch.uint8)
-    x[:n // 4] = 1
+    x[: n // 4] = 1
     where = torch.rand(n, generator=gen) < 0.05
     x[where] = torch.randint(12, 256, (n,), generator=gen, dtype=torch.uint8)[where]
-    x[n // 4:n // 4 + 3] = 200  # escapes where the other lanes start
-    x[n - 3:] = 201  # and where the last one ends
+    x[n // 4 : n // 4 + 3] = 200  # escapes where the other lanes start
+    x[n - 3 :] = 201  # and where the last one ends
     return x
 
 
@@ -191,15 +190,15 @@ def test_a_bad_code_where_a_lane_goes_on_alone_is_reported(lane):
     codec = cc.Codec(cc.CodebookSet({("gradient", "uint8", 0): book}), chunk_elems=n, checksum=False)
     gen = torch.Generator().manual_seed(lane)
     x = torch.randint(2, 6, (n,), generator=gen, dtype=torch.uint8)
-    x[:n // 4] = 1
+    x[: n // 4] = 1
     f = codec.encode(x)
     p = cc.get_frame_parameters(f)
     bits_equal(codec.decode(f), x)
     starts = _lane_starts(f.numpy(), p)
-    nbytes = int(f.numpy()[p.header_bytes + 4 * lane:p.header_bytes + 4 * lane + 4].view("<u4")[0])
+    nbytes = int(f.numpy()[p.header_bytes + 4 * lane : p.header_bytes + 4 * lane + 4].view("<u4")[0])
     bad = f.numpy().copy()
     at = starts[lane] + 9 * nbytes // 10
-    bad[at:at + 16] = 0xFF
+    bad[at : at + 16] = 0xFF
     with pytest.raises(cc.FrameError, match="chunk 0 of 1 is bad: bit pattern that is no code"):
         codec.decode(bad)
 
@@ -223,7 +222,7 @@ def _interleaved_books(chunk: int, nchunks: int) -> torch.Tensor:
     pattern = [1, 0, 0, 1, 1, 1, 0, 1, 0]  # chunks of book 1 among book 0's, out of order
     for c in range(nchunks):
         if pattern[c % len(pattern)]:
-            x[c * chunk:(c + 1) * chunk] = 2
+            x[c * chunk : (c + 1) * chunk] = 2
     x[torch.rand(x.numel(), generator=gen) < 0.2] = 3
     return x
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 import comm_codec as cc
+
 import dist_utils
 from helpers import error_text, join_deepspeed
 
@@ -59,9 +60,12 @@ def torch_extensions_env():
     other rank and eat the per-call timeout. Later loads come from the cache. A lock left
     by a killed build is removed once it is older than any build takes.
     """
-    env = {"TORCH_EXTENSIONS_DIR": str(EXTENSIONS_DIR), "DS_ACCELERATOR": "cpu",
-           # Two numba threads: numba's OpenMP layer would reset torch's thread count to 2.
-           "NUMBA_NUM_THREADS": "2"}
+    env = {
+        "TORCH_EXTENSIONS_DIR": str(EXTENSIONS_DIR),
+        "DS_ACCELERATOR": "cpu",
+        # Two numba threads: numba's OpenMP layer would reset torch's thread count to 2.
+        "NUMBA_NUM_THREADS": "2",
+    }
     saved = os.environ.get("TORCH_EXTENSIONS_DIR")
     os.environ["TORCH_EXTENSIONS_DIR"] = str(EXTENSIONS_DIR)
     try:
@@ -79,9 +83,21 @@ def torch_extensions_env():
         else:
             os.environ["TORCH_EXTENSIONS_DIR"] = saved
 
+
 STEPS = 3
-STATS_KEYS = ("bytes_in", "bytes_out", "ratio", "bytes_saved", "encode_seconds", "decode_seconds", "steps",
-              "calls", "raw_calls", "warming_up", "books")
+STATS_KEYS = (
+    "bytes_in",
+    "bytes_out",
+    "ratio",
+    "bytes_saved",
+    "encode_seconds",
+    "decode_seconds",
+    "steps",
+    "calls",
+    "raw_calls",
+    "warming_up",
+    "books",
+)
 # (name, ZeRO stage, dtype, "comm_codec" section, zero_optimization extras)
 CASES = [(f"zero{stage}-{dtype}", stage, dtype, {}, {}) for stage in (0, 1, 2) for dtype in ("fp32", "bf16")] + [
     # ZeRO 1/2 with each bucket slice reduced to its owner: the coded reduce.
@@ -104,10 +120,14 @@ def _model():
 
 
 def _ds_config(stage, dtype, section, zero_extra, top=None):
-    config = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10_000, "wall_clock_breakdown": False,
-              "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-              "zero_optimization": dict({"stage": stage}, **zero_extra),
-              "comm_codec": section}
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "steps_per_print": 10_000,
+        "wall_clock_breakdown": False,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": dict({"stage": stage}, **zero_extra),
+        "comm_codec": section,
+    }
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     config.update(top or {})
@@ -120,8 +140,9 @@ def _train(rank, stage, dtype, section, zero_extra, steps, top=None):
     from comm_codec.comm import collectives
 
     model = _model()
-    engine, *_ = ccds.initialize(model=model, model_parameters=model.parameters(),
-                                 config=_ds_config(stage, dtype, section, zero_extra, top))
+    engine, *_ = ccds.initialize(
+        model=model, model_parameters=model.parameters(), config=_ds_config(stage, dtype, section, zero_extra, top)
+    )
     digests = []
     real_all_reduce = collectives.all_reduce
 
@@ -155,10 +176,17 @@ def _w_deepspeed(rank, world, bad_books_path, monitor_dir):
     out = {}
     for name, stage, dtype, section, zero_extra in CASES:
         base, no_stats, _ = _train(rank, stage, dtype, {"enabled": False}, zero_extra, STEPS)
-        losses, stats, digests = _train(rank, stage, dtype, dict({"enabled": True, "mode": "always"}, **section),
-                                        zero_extra, STEPS)
-        out[name] = {"base": base, "plugin": losses, "stats": stats, "digests": digests, "no_stats": no_stats,
-                     "torch_threads": torch.get_num_threads()}  # dist_utils pins 1; coding must not move it
+        losses, stats, digests = _train(
+            rank, stage, dtype, dict({"enabled": True, "mode": "always"}, **section), zero_extra, STEPS
+        )
+        out[name] = {
+            "base": base,
+            "plugin": losses,
+            "stats": stats,
+            "digests": digests,
+            "no_stats": no_stats,
+            "torch_threads": torch.get_num_threads(),
+        }  # dist_utils pins 1; coding must not move it
     name, stage, dtype, section, zero_extra = WARMUP
     base, _, _ = _train(rank, stage, dtype, {"enabled": False}, zero_extra, 4)
     monitor = {"csv_monitor": {"enabled": True, "output_path": monitor_dir, "job_name": "ccds"}}
@@ -172,16 +200,17 @@ def _w_deepspeed(rank, world, bad_books_path, monitor_dir):
     # Failures at initialize that need a process group.
     model = _model()
     config = _ds_config(0, "fp32", {"codebooks": bad_books_path}, {})
-    out["bad_books"] = error_text(lambda: ccds.initialize(model=model, model_parameters=model.parameters(),
-                                                      config=config))
+    out["bad_books"] = error_text(
+        lambda: ccds.initialize(model=model, model_parameters=model.parameters(), config=config)
+    )
     from deepspeed.pipe import PipelineModule
 
     pipe = PipelineModule(layers=[nn.Linear(8, 8), nn.Linear(8, 8)], num_stages=1)
-    out["pipeline"] = error_text(lambda: ccds.initialize(model=pipe, model_parameters=pipe.parameters(),
-                                                     config=_ds_config(0, "fp32", {}, {})))
+    out["pipeline"] = error_text(
+        lambda: ccds.initialize(model=pipe, model_parameters=pipe.parameters(), config=_ds_config(0, "fp32", {}, {}))
+    )
     model = _model()
-    engine, *_ = ccds.initialize(model=model, model_parameters=model.parameters(),
-                                 config=_ds_config(0, "fp32", {}, {}))
+    engine, *_ = ccds.initialize(model=model, model_parameters=model.parameters(), config=_ds_config(0, "fp32", {}, {}))
     out["twice"] = error_text(lambda: ccds.install(engine))
     out["register"] = _register_and_detach(rank)
     return out
@@ -211,9 +240,14 @@ def _register_and_detach(rank):
     state.detach()
     step()
     after = state.stats()
-    return {"type": type(state).__name__, "calls": coded["calls"], "ratio": coded["ratio"],
-            "calls_after_detach": after["calls"] + after["raw_calls"] - coded["calls"] - coded["raw_calls"],
-            "same_record": type(coded).__name__, "restored": "allreduce_bucket" not in vars(engine)}
+    return {
+        "type": type(state).__name__,
+        "calls": coded["calls"],
+        "ratio": coded["ratio"],
+        "calls_after_detach": after["calls"] + after["raw_calls"] - coded["calls"] - coded["raw_calls"],
+        "same_record": type(coded).__name__,
+        "restored": "allreduce_bucket" not in vars(engine),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -340,24 +374,30 @@ def test_coding_leaves_torch_thread_count_alone(ds_results):
 # Configuration and scope, checked before any engine exists
 # ----------------------------------------------------------------------------------------
 @needs_deepspeed
-@pytest.mark.parametrize("section, phrase", [
-    ({"compresion": True}, "comm_codec.compresion: unknown key; allowed keys: codebooks, warmup_steps"),
-    ({"cast": "fp8"}, "comm_codec.cast: \"fp8\"; allowed: None (lossless) or 'bf16'"),
-    ({"warmup_steps": -1, "codebooks": "online"}, "comm_codec.warmup_steps: -1; allowed: an integer >= 0"),
-    ({"warmup_steps": "5", "codebooks": "online"}, "comm_codec.warmup_steps: \"5\"; allowed: an integer >= 0"),
-    ({"enabled": "yes"}, "comm_codec.enabled: \"yes\"; allowed: true or false"),
-    ({"codebooks": "online"}, "comm_codec: codebooks \"online\" needs warmup_steps >= 1"),
-    ({"warmup_steps": 3, "codebooks": "default"}, "warmup_steps builds the books online, but codebooks is 'default'"),
-    ({"mode": "sometimes"}, "comm_codec.mode: \"sometimes\"; allowed: 'auto', 'always', 'never'"),
-    ({"hysteresis": 1.5}, "comm_codec.hysteresis: 1.5; allowed: a fraction in [0, 1)"),
-    ({"kinds": ["activation"]}, "comm_codec.kinds: 'activation' is not coded by the DeepSpeed plugin"),
-    ({"kinds": ["bogus"]}, "comm_codec.kinds: 'bogus' is an unknown tensor kind; allowed: ['gradient', 'weight']"),
-    ({"kinds": []}, "comm_codec.kinds: []; allowed: a non-empty list of ['gradient', 'weight']"),
-    ({"log_every": -5}, "comm_codec.log_every: -5; allowed: an integer >= 0"),
-    ({"refresh_threshold": 0.05}, "refresh_threshold needs drift_every > 0"),
-])
+@pytest.mark.parametrize(
+    "section, phrase",
+    [
+        ({"compresion": True}, "comm_codec.compresion: unknown key; allowed keys: codebooks, warmup_steps"),
+        ({"cast": "fp8"}, "comm_codec.cast: \"fp8\"; allowed: None (lossless) or 'bf16'"),
+        ({"warmup_steps": -1, "codebooks": "online"}, "comm_codec.warmup_steps: -1; allowed: an integer >= 0"),
+        ({"warmup_steps": "5", "codebooks": "online"}, 'comm_codec.warmup_steps: "5"; allowed: an integer >= 0'),
+        ({"enabled": "yes"}, 'comm_codec.enabled: "yes"; allowed: true or false'),
+        ({"codebooks": "online"}, 'comm_codec: codebooks "online" needs warmup_steps >= 1'),
+        (
+            {"warmup_steps": 3, "codebooks": "default"},
+            "warmup_steps builds the books online, but codebooks is 'default'",
+        ),
+        ({"mode": "sometimes"}, "comm_codec.mode: \"sometimes\"; allowed: 'auto', 'always', 'never'"),
+        ({"hysteresis": 1.5}, "comm_codec.hysteresis: 1.5; allowed: a fraction in [0, 1)"),
+        ({"kinds": ["activation"]}, "comm_codec.kinds: 'activation' is not coded by the DeepSpeed plugin"),
+        ({"kinds": ["bogus"]}, "comm_codec.kinds: 'bogus' is an unknown tensor kind; allowed: ['gradient', 'weight']"),
+        ({"kinds": []}, "comm_codec.kinds: []; allowed: a non-empty list of ['gradient', 'weight']"),
+        ({"log_every": -5}, "comm_codec.log_every: -5; allowed: an integer >= 0"),
+        ({"refresh_threshold": 0.05}, "refresh_threshold needs drift_every > 0"),
+    ],
+)
 def test_bad_config_values_name_the_key(section, phrase):
-    with pytest.raises(cc.ConfigError, match="invalid \"comm_codec\" section in the DeepSpeed config") as info:
+    with pytest.raises(cc.ConfigError, match='invalid "comm_codec" section in the DeepSpeed config') as info:
         ccds.parse_config({"comm_codec": section})
     assert phrase in str(info.value)
 
@@ -395,29 +435,41 @@ def _initialize_error(config, model=None):
 
 
 @needs_deepspeed
-@pytest.mark.parametrize("zero, phrase", [
-    ({"stage": 4}, "does not support ZeRO stage 4 (zero_optimization.stage; allowed: 0, 1, 2, 3)"),
-    ({"stage": 3, "zero_quantized_gradients": True},
-     "ZeRO++ quantized gradients (a lossy all-to-all reduction) (zero_optimization.zero_quantized_gradients: True; "
-     "allowed with comm_codec: false)"),
-    ({"stage": 3, "zero_hpz_partition_size": 2}, "(zero_optimization.zero_hpz_partition_size: 2; allowed with "
-                                                 "comm_codec: 1)"),
-    ({"stage": 3, "reduce_scatter": False}, "(zero_optimization.reduce_scatter: false; allowed at stage 3: true)"),
-    ({"stage": 2, "offload_optimizer": {"device": "nvme"}},
-     "offload to 'nvme' (zero_optimization.offload_optimizer.device; allowed: \"cpu\", \"none\")"),
-])
+@pytest.mark.parametrize(
+    "zero, phrase",
+    [
+        ({"stage": 4}, "does not support ZeRO stage 4 (zero_optimization.stage; allowed: 0, 1, 2, 3)"),
+        (
+            {"stage": 3, "zero_quantized_gradients": True},
+            "ZeRO++ quantized gradients (a lossy all-to-all reduction) (zero_optimization.zero_quantized_gradients: True; "
+            "allowed with comm_codec: false)",
+        ),
+        (
+            {"stage": 3, "zero_hpz_partition_size": 2},
+            "(zero_optimization.zero_hpz_partition_size: 2; allowed with comm_codec: 1)",
+        ),
+        ({"stage": 3, "reduce_scatter": False}, "(zero_optimization.reduce_scatter: false; allowed at stage 3: true)"),
+        (
+            {"stage": 2, "offload_optimizer": {"device": "nvme"}},
+            'offload to \'nvme\' (zero_optimization.offload_optimizer.device; allowed: "cpu", "none")',
+        ),
+    ],
+)
 def test_zero_settings_not_covered_rejected_at_initialize(zero, phrase):
     msg = _initialize_error({"train_batch_size": 2, "zero_optimization": zero, "comm_codec": {}})
     assert msg.startswith("comm_codec.deepspeed does not support") and phrase in msg, msg
-    assert "\"comm_codec\": {\"enabled\": false}" in msg
+    assert '"comm_codec": {"enabled": false}' in msg
 
 
 @needs_deepspeed
 def test_weight_kind_below_stage_3_rejected_at_initialize():
-    msg = _initialize_error({"train_batch_size": 2, "zero_optimization": {"stage": 2},
-                             "comm_codec": {"kinds": ["weight"]}})
-    assert "comm_codec.kinds: 'weight' (parameter all-gathers) is coded at ZeRO stage 3 only; allowed at stage 2: " \
-           "['gradient']" in msg, msg
+    msg = _initialize_error(
+        {"train_batch_size": 2, "zero_optimization": {"stage": 2}, "comm_codec": {"kinds": ["weight"]}}
+    )
+    assert (
+        "comm_codec.kinds: 'weight' (parameter all-gathers) is coded at ZeRO stage 3 only; allowed at stage 2: "
+        "['gradient']" in msg
+    ), msg
 
 
 @needs_deepspeed
@@ -449,9 +501,11 @@ def test_stats_of_an_engine_without_plugin():
 
 
 def test_without_deepspeed_comm_codec_imports_and_the_plugin_says_how_to_install():
-    code = ("import sys; sys.modules['deepspeed'] = None\n"
-            "import comm_codec, comm_codec.ddp, comm_codec.collectives\n"
-            "try:\n    import comm_codec.deepspeed\nexcept ImportError as exc:\n    print(exc)\n")
+    code = (
+        "import sys; sys.modules['deepspeed'] = None\n"
+        "import comm_codec, comm_codec.ddp, comm_codec.collectives\n"
+        "try:\n    import comm_codec.deepspeed\nexcept ImportError as exc:\n    print(exc)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "pip install 'comm_codec[deepspeed]'" in out.stdout

@@ -38,24 +38,33 @@ def tree(tmp_path_factory):
     src = root / "model"
     src.mkdir()
     g = torch.Generator().manual_seed(3)
-    save_file({"a.weight": (torch.randn(256, 256, generator=g) * 0.02).bfloat16()},
-              src / "model-00001-of-00002.safetensors")
-    save_file({"b.weight": torch.randn(128, 256, generator=g) * 0.02, "b.bias": torch.zeros(256)},
-              src / "model-00002-of-00002.safetensors")
+    save_file(
+        {"a.weight": (torch.randn(256, 256, generator=g) * 0.02).bfloat16()}, src / "model-00001-of-00002.safetensors"
+    )
+    save_file(
+        {"b.weight": torch.randn(128, 256, generator=g) * 0.02, "b.bias": torch.zeros(256)},
+        src / "model-00002-of-00002.safetensors",
+    )
     (src / "model.safetensors.index.json").write_text(
         '{"metadata": {}, "weight_map": {"a.weight": "model-00001-of-00002.safetensors", '
-        '"b.weight": "model-00002-of-00002.safetensors", "b.bias": "model-00002-of-00002.safetensors"}}')
+        '"b.weight": "model-00002-of-00002.safetensors", "b.bias": "model-00002-of-00002.safetensors"}}'
+    )
     (src / "empty.txt").write_bytes(b"")
     (src / "nothing").mkdir()
     # A torch.distributed.checkpoint directory, saved in one process (no process group).
     with warnings.catch_warnings():  # "no process group: saving in a single process", as meant
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save({"w": torch.randn(64, 512, generator=g) * 0.02, "step": torch.tensor(7)},
-                 checkpoint_id=str(src / "dcp"))
+        dcp.save(
+            {"w": torch.randn(64, 512, generator=g) * 0.02, "step": torch.tensor(7)}, checkpoint_id=str(src / "dcp")
+        )
     (src / "runs" / "0").mkdir(parents=True)
-    torch.save({"model_state_dict": {"l.weight": torch.randn(96, 96, generator=g)},
-                "optimizer_state_dict": {"state": {0: {"exp_avg": torch.randn(96, 96, generator=g)}}}},
-               src / "runs" / "0" / "ckpt.pt")
+    torch.save(
+        {
+            "model_state_dict": {"l.weight": torch.randn(96, 96, generator=g)},
+            "optimizer_state_dict": {"state": {0: {"exp_avg": torch.randn(96, 96, generator=g)}}},
+        },
+        src / "runs" / "0" / "ckpt.pt",
+    )
     # Traps: links out of the tree (to a file and to a directory) and a FIFO.
     secret = root / "outside.txt"
     secret.write_text("never read through a link")
@@ -133,8 +142,7 @@ def test_the_command_line_takes_directories(tree, tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert any(line.startswith("compressed model-00001-of-00002.safetensors: ") for line in lines)
     assert any(line.startswith("copied (not a checkpoint file) model.safetensors.index.json") for line in lines)
-    assert lines[-1].startswith("compressed a directory of ") and len(lines) == 1 + sum(
-        1 for _ in _regular_files(src))
+    assert lines[-1].startswith("compressed a directory of ") and len(lines) == 1 + sum(1 for _ in _regular_files(src))
     assert cli.main(["compress", str(src)]) == 0  # the default name: DIR.cckp beside it
     assert os.path.isdir(f"{src}.cckp")
     assert cli.main(["ls", str(out)]) == 0

@@ -42,7 +42,8 @@ def _batches(rank, n=8):
 """
 
 PRELUDES = {
-    "ddp": _TRAIN + """
+    "ddp": _TRAIN
+    + """
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -52,7 +53,8 @@ ddp_model = DDP(model)
 optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.01)
 loader = _batches(dist.get_rank())
 """,
-    "fsdp": _TRAIN + """
+    "fsdp": _TRAIN
+    + """
 import torch.distributed as dist
 
 dist.init_process_group("gloo")
@@ -73,7 +75,8 @@ class Net(nn.Module):
 model = Net()
 loader = _batches(dist.get_rank())
 """,
-    "deepspeed": _TRAIN + """
+    "deepspeed": _TRAIN
+    + """
 import json
 
 import deepspeed
@@ -94,13 +97,15 @@ import torch.distributed as dist
 
 dist.init_process_group("gloo")
 """,
-    "accelerate": _TRAIN + """
+    "accelerate": _TRAIN
+    + """
 model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 8))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(256, 64), torch.randn(256, 8)),
                                      batch_size=16)
 """,
-    "hf": _TRAIN + """
+    "hf": _TRAIN
+    + """
 import tempfile
 
 from transformers import TrainingArguments
@@ -122,7 +127,8 @@ training_args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_trai
                                   report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
                                   ddp_backend="gloo", logging_steps=1)
 """,
-    "lightning": _TRAIN + """
+    "lightning": _TRAIN
+    + """
 import lightning as L
 
 
@@ -194,7 +200,7 @@ def _snippets() -> list:
             if not FENCE.match(line):
                 continue
             end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
-            code = "\n".join(lines[i + 1:end]) + "\n"
+            code = "\n".join(lines[i + 1 : end]) + "\n"
             above = lines[i - 1] if i else ""
             match = DIRECTIVE.match(above)
             options = dict(kv.split("=", 1) for kv in match.group(1).split() if "=" in kv) if match else {}
@@ -235,13 +241,33 @@ def torch_extensions(tmp_path_factory):
 def test_snippet_runs(code, ranks, prelude, tmp_path, torch_extensions):
     script = tmp_path / "snippet.py"
     script.write_text(textwrap.dedent(PRELUDES.get(prelude, "")) + "\n" + code, encoding="utf-8")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-               TORCH_EXTENSIONS_DIR=str(torch_extensions), PYTHONPATH=str(ROOT),
-               TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        DS_ACCELERATOR="cpu",
+        TORCH_EXTENSIONS_DIR=str(torch_extensions),
+        PYTHONPATH=str(ROOT),
+        TOKENIZERS_PARALLELISM="false",
+    )
     if ranks == 1:
         argv = [sys.executable, str(script)]
     else:
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
-                "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script)]
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            str(ranks),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            str(script),
+        ]
     proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    )

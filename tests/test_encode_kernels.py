@@ -55,7 +55,7 @@ def test_symbols0_is_the_byte_minus_the_reference_at_any_length_and_alignment(dt
     raw = rng.integers(info.min, info.max, 200, endpoint=True).astype(dtype)
     raw[:8] = [info.min, info.max, 0, 1, info.max - 1, info.min + 1, 0, info.max]
     for n in (0, 1, 3, 4, 5, 7, 8, 9, 31, 64, 150):
-        view = raw[offset:offset + n]
+        view = raw[offset : offset + n]
         for sub in (0, 1, 7, 128, 200, 255):
             out = np.full(n + 8, 0xAB, dtype=np.uint8)
             _symbols0(view, sub, out)
@@ -158,7 +158,7 @@ def test_serial_frame_equals_the_planned_path(dtype, n, seed, zeros, kind, check
     codec = cc.Codec(threads=1, chunk_elems=chunk_elems, checksum=checksum)
     x = _sample(n, dtype, seed, zeros)
     if zeros == 0.5 and n > 100:
-        x[n // 3: n // 3 + chunk_elems] = 0  # an all-zero chunk among the others
+        x[n // 3 : n // 3 + chunk_elems] = 0  # an all-zero chunk among the others
     bits, spec = as_bits(x)
     serial = codec._encode_serial(bits, spec, kind)
     planned = codec._encode_planned(bits, spec, kind)
@@ -171,8 +171,13 @@ def test_serial_frame_equals_the_planned_path(dtype, n, seed, zeros, kind, check
 def test_serial_path_is_taken_for_one_chunk_or_one_thread(monkeypatch):
     # One thread: always the single pass (a 1.2 MB frame too, written into a pooled
     # block); threads: only a tensor of one chunk.
-    for threads, n, serial in ((None, 1000, True), (None, 1001, False), (1, 5000, True), (1, 300_000, True),
-                               (None, 300_000, False)):
+    for threads, n, serial in (
+        (None, 1000, True),
+        (None, 1001, False),
+        (1, 5000, True),
+        (1, 300_000, True),
+        (None, 300_000, False),
+    ):
         codec = cc.Codec(threads=threads, chunk_elems=1000)
         taken = []
         real = codec._encode_serial
@@ -196,8 +201,20 @@ def test_encode_frame_into_refuses_a_block_short_of_its_room():
     want = codec.encode_array(bits, spec, "weight")
     tables = codec._encode_tables("weight", spec)
     head = codec._heads[("weight", spec.name)]  # what the codec hands the kernel (version 1, no counts)
-    args = (bits, 1000, spec.exp_shift, tables.split, tables.enc_code, tables.enc_len, tables.nbooks, tables.raw,
-            *tables.pairs, head, _frame.VERSION, codec.checksum)
+    args = (
+        bits,
+        1000,
+        spec.exp_shift,
+        tables.split,
+        tables.enc_code,
+        tables.enc_len,
+        tables.nbooks,
+        tables.raw,
+        *tables.pairs,
+        head,
+        _frame.VERSION,
+        codec.checksum,
+    )
     room = frame_room(bits.size, 1000, spec.nstreams, head.size)
     for size in (0, 64, room - 1):
         out8 = np.full(size, 7, dtype=np.uint8)
@@ -243,8 +260,7 @@ def _narrow_books(dtype, max_books: int):
     max_books=st.sampled_from([1, 4]),
     chunk_elems=st.sampled_from([8, 256, 1000, 4096]),
 )
-def test_serial_frame_equals_the_planned_path_where_streams_stop_paying(dtype, n, spread, seed, max_books,
-                                                                         chunk_elems):
+def test_serial_frame_equals_the_planned_path_where_streams_stop_paying(dtype, n, spread, seed, max_books, chunk_elems):
     # encode_frame writes coded streams without sizing them and falls back to raw once a
     # stream reaches its raw size, part way through any lane; groups of books are planned
     # first. Either way the bytes are the planned path's.

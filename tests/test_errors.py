@@ -11,11 +11,18 @@ from comm_codec import checkpoint
 pytestmark = pytest.mark.unit
 
 
-@pytest.mark.parametrize("name, builtin", [
-    ("FrameError", ValueError), ("CodebookError", ValueError), ("CheckpointError", ValueError),
-    ("ChainError", ValueError), ("CollectiveError", RuntimeError), ("AgreementError", RuntimeError),
-    ("ConfigError", ValueError),
-])
+@pytest.mark.parametrize(
+    "name, builtin",
+    [
+        ("FrameError", ValueError),
+        ("CodebookError", ValueError),
+        ("CheckpointError", ValueError),
+        ("ChainError", ValueError),
+        ("CollectiveError", RuntimeError),
+        ("AgreementError", RuntimeError),
+        ("ConfigError", ValueError),
+    ],
+)
 def test_every_error_is_a_comm_codec_error_and_keeps_its_builtin_base(name, builtin):
     cls = getattr(cc, name)
     assert name in cc.__all__

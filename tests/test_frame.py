@@ -24,11 +24,13 @@ def golden_books() -> cc.CodebookSet:
     exp[[0, 255, 254, 1, 253, 2, 252]] = [40, 25, 15, 10, 6, 3, 1]
     i8 = np.zeros(256)
     i8[[0, 1, 255, 2, 254, 3, 253]] = [30, 20, 20, 10, 10, 5, 5]
-    return cc.CodebookSet({
-        ("gradient", "bf16", 0): cc.Codebook.from_counts(exp),
-        ("gradient", "bf16", 1): cc.Codebook.from_counts(np.ones(256)),  # raw
-        ("gradient", "int8", 0): cc.Codebook.from_counts(i8),
-    })
+    return cc.CodebookSet(
+        {
+            ("gradient", "bf16", 0): cc.Codebook.from_counts(exp),
+            ("gradient", "bf16", 1): cc.Codebook.from_counts(np.ones(256)),  # raw
+            ("gradient", "int8", 0): cc.Codebook.from_counts(i8),
+        }
+    )
 
 
 def golden_bf16() -> torch.Tensor:
@@ -54,50 +56,57 @@ def golden_int8() -> torch.Tensor:
 
 # Pinned frames, one line per section. Generated once by Codec.encode, then checked by hand
 # against the documented layout (and by naive.decode_frame below).
-GOLDEN_BF16 = "".join([
-    # magic "CCFR", version 1, dtype 1 (bf16), 2 streams, flags 1 (checksums), numel 160,
-    # chunk_elems 64, nchunks 3
-    "4343465201010201" "a000000000000000" "40000000" "03000000",
-    # book ids: stream 0 ef91d20e5c0f5c91, stream 1 raw (0)
-    "915c0f5c0ed291ef" "0000000000000000",
-    # chunk table: cflags, ref, 0, checksum, size[0], size[1]
-    "20" "79" "0000" "7609c933" "30000000" "40000000",  # RAW1, ref 121 (2^-6), 48 + 64 bytes
-    "02" "00" "0000" "8b9710a6" "00000000" "00000000",  # ZERO
-    "31" "7f" "0000" "57b92315" "0c000000" "0c000000",  # MASK|RAW0|RAW1, ref 127, 12 + 12
-    # header CRC-32, zero
-    "f40f3252" "00000000",
-    # chunk 0 stream 0: four lane byte lengths, four lanes padded to 8 bytes
-    "05000000" "05000000" "05000000" "05000000",
-    "c0556f1f00000000" "b8eaed0300000000" "57bd7dc015000000" "bd7dc0556f000000",
-    # chunk 0 stream 1, raw: 64 bytes
-    "004b94df2873bc07509be42f78c30c57a0eb347fc8135ca7f03b84cf1863acf7",
-    "408bd41f68b3fc4790db246fb8034c97e02b74bf08539ce7307bc40f58a3ec37",
-    # chunk 2: 32-bit zero mask, stream 0 (12 bytes + pad), stream 1 (12 bytes + pad)
-    "4d92244900000000",
-    "01818000fffffdfeff000000" "00000000",
-    "01010041c1010100400060c0" "00000000",
-])
+GOLDEN_BF16 = "".join(
+    [
+        # magic "CCFR", version 1, dtype 1 (bf16), 2 streams, flags 1 (checksums), numel 160,
+        # chunk_elems 64, nchunks 3
+        "4343465201010201a0000000000000004000000003000000",
+        # book ids: stream 0 ef91d20e5c0f5c91, stream 1 raw (0)
+        "915c0f5c0ed291ef0000000000000000",
+        # chunk table: cflags, ref, 0, checksum, size[0], size[1]
+        "207900007609c9333000000040000000",  # RAW1, ref 121 (2^-6), 48 + 64 bytes
+        "020000008b9710a60000000000000000",  # ZERO
+        "317f000057b923150c0000000c000000",  # MASK|RAW0|RAW1, ref 127, 12 + 12
+        # header CRC-32, zero
+        "f40f325200000000",
+        # chunk 0 stream 0: four lane byte lengths, four lanes padded to 8 bytes
+        "05000000050000000500000005000000",
+        "c0556f1f00000000b8eaed030000000057bd7dc015000000bd7dc0556f000000",
+        # chunk 0 stream 1, raw: 64 bytes
+        "004b94df2873bc07509be42f78c30c57a0eb347fc8135ca7f03b84cf1863acf7",
+        "408bd41f68b3fc4790db246fb8034c97e02b74bf08539ce7307bc40f58a3ec37",
+        # chunk 2: 32-bit zero mask, stream 0 (12 bytes + pad), stream 1 (12 bytes + pad)
+        "4d92244900000000",
+        "01818000fffffdfeff00000000000000",
+        "01010041c1010100400060c000000000",
+    ]
+)
 
-GOLDEN_INT8 = "".join([
-    # magic, version 1, dtype 6 (int8), 1 stream, flags 0 (no checksums), numel 84, 64, 2 chunks
-    "4343465201060100" "5400000000000000" "40000000" "02000000",
-    "ac70c2ed041cfd65",  # book id 65fd1c04edc270ac
-    "00" "00" "0000" "00000000" "30000000" "00000000",  # coded, 48 bytes (entry padded to 16)
-    "10" "00" "0000" "00000000" "14000000" "00000000",  # RAW0, 20 bytes
-    "bd02515f" "00000000",
-    "07000000" "07000000" "07000000" "07000000",
-    "57f6e295bd780500" "ecc52b7bf1ca0000" "2f5ed98b57f60200" "5ed98b57f6e20100",
-    "809dbad7f4112e4b6885a2bfdcf91633506d8aa7" "00000000",
-])
+GOLDEN_INT8 = "".join(
+    [
+        # magic, version 1, dtype 6 (int8), 1 stream, flags 0 (no checksums), numel 84, 64, 2 chunks
+        "434346520106010054000000000000004000000002000000",
+        "ac70c2ed041cfd65",  # book id 65fd1c04edc270ac
+        "00000000000000003000000000000000",  # coded, 48 bytes (entry padded to 16)
+        "10000000000000001400000000000000",  # RAW0, 20 bytes
+        "bd02515f00000000",
+        "07000000070000000700000007000000",
+        "57f6e295bd780500ecc52b7bf1ca00002f5ed98b57f602005ed98b57f6e20100",
+        "809dbad7f4112e4b6885a2bfdcf91633506d8aa700000000",
+    ]
+)
+
 
 def golden_group_books() -> cc.CodebookSet:
     """golden_books, with bf16 stream 0 a group: the narrow book, then a wide one."""
     narrow = golden_books().get("gradient", "bf16", 0)
     wide = np.zeros(256)
     wide[[0, 255, 1, 254, 2, 253, 3, 252, 4, 251, 5]] = [12, 12, 11, 11, 10, 9, 9, 8, 8, 7, 7]
-    return golden_books() | cc.CodebookSet({
-        ("gradient", "bf16", 0): cc.CodebookGroup([narrow, cc.Codebook.from_counts(wide)]),
-    })
+    return golden_books() | cc.CodebookSet(
+        {
+            ("gradient", "bf16", 0): cc.CodebookGroup([narrow, cc.Codebook.from_counts(wide)]),
+        }
+    )
 
 
 def golden_bf16_spread() -> torch.Tensor:
@@ -108,26 +117,28 @@ def golden_bf16_spread() -> torch.Tensor:
     return torch.tensor(near + spread, dtype=torch.float32).to(torch.bfloat16)
 
 
-GOLDEN_BF16_GROUP = "".join([
-    # magic, version 2 (a chunk names a book), bf16, 2 streams, checksums, numel 128, 64, 2 chunks
-    "4343465202010201" "8000000000000000" "40000000" "02000000",
-    # stream 0: the group's id e526973b2c04a70d (not a book's), stream 1 raw
-    "0da7042c3b9726e5" "0000000000000000",
-    # chunk table: cflags, ref, books (stream 0 in bits 0-3), checksum, sizes
-    "20" "79" "0000" "3b51b25c" "30000000" "40000000",  # RAW1, ref 121, book 0
-    "20" "79" "0100" "888aa018" "30000000" "40000000",  # RAW1, ref 121, book 1 (wide)
-    "591521cd" "00000000",
-    # chunk 0: stream 0 coded with the narrow book (lane lengths, lanes), stream 1 raw
-    "04000000" "04000000" "04000000" "04000000",
-    "b213d90900000000" "b213d90900000000" "b213d90900000000" "b213d90900000000",
-    "0020406080002040608000204060800020406080002040608000204060800020",
-    "4060800020406080002040608000204060800020406080002040608000204060",
-    # chunk 1: stream 0 with the wide book, stream 1 raw
-    "07000000" "07000000" "08000000" "08000000",
-    "6020a3aef70d1800" "9051d7fb060c6400" "a8eb7d030632ea00" "bd6fc040465def03",
-    "0041800140810041800140810041800140810041800140810041800140810041",
-    "8001408100418001408100418001408100418001408100418001408100418001",
-])
+GOLDEN_BF16_GROUP = "".join(
+    [
+        # magic, version 2 (a chunk names a book), bf16, 2 streams, checksums, numel 128, 64, 2 chunks
+        "434346520201020180000000000000004000000002000000",
+        # stream 0: the group's id e526973b2c04a70d (not a book's), stream 1 raw
+        "0da7042c3b9726e50000000000000000",
+        # chunk table: cflags, ref, books (stream 0 in bits 0-3), checksum, sizes
+        "207900003b51b25c3000000040000000",  # RAW1, ref 121, book 0
+        "20790100888aa0183000000040000000",  # RAW1, ref 121, book 1 (wide)
+        "591521cd00000000",
+        # chunk 0: stream 0 coded with the narrow book (lane lengths, lanes), stream 1 raw
+        "04000000040000000400000004000000",
+        "b213d90900000000b213d90900000000b213d90900000000b213d90900000000",
+        "0020406080002040608000204060800020406080002040608000204060800020",
+        "4060800020406080002040608000204060800020406080002040608000204060",
+        # chunk 1: stream 0 with the wide book, stream 1 raw
+        "07000000070000000800000008000000",
+        "6020a3aef70d18009051d7fb060c6400a8eb7d030632ea00bd6fc040465def03",
+        "0041800140810041800140810041800140810041800140810041800140810041",
+        "8001408100418001408100418001408100418001408100418001408100418001",
+    ]
+)
 
 GOLDEN = {
     "bf16": (golden_bf16, True, GOLDEN_BF16),
@@ -147,8 +158,9 @@ def _books_for(name):
 
 def _encode(books, name):
     make, checksum, _ = GOLDEN[name]
-    return cc.Codec(_books_for(name) if name.endswith("-group") else books, chunk_elems=64,
-                    checksum=checksum).encode(make())
+    return cc.Codec(_books_for(name) if name.endswith("-group") else books, chunk_elems=64, checksum=checksum).encode(
+        make()
+    )
 
 
 def test_golden_books_are_the_expected_ones(books):
@@ -237,8 +249,9 @@ def test_single_chunk_single_stream_lanes_match_naive_coder(dtype):
     counts = np.zeros(256)
     syms = naive.split(vals)[0]
     # A book from this data's symbols (relative to the reference the kernel will pick).
-    p0 = cc.get_frame_parameters(cc.Codec(cc.CodebookSet({("gradient", dtype, 0): cc.Codebook.raw_book()}),
-                                          chunk_elems=256).encode(vals))
+    p0 = cc.get_frame_parameters(
+        cc.Codec(cc.CodebookSet({("gradient", dtype, 0): cc.Codebook.raw_book()}), chunk_elems=256).encode(vals)
+    )
     ref = int(p0.table["ref"][0])
     shift = naive.LAYOUT[dtype][2]
     rel = [(b - (ref << shift)) & 0xFF if shift is not None else b for b in syms]
@@ -247,12 +260,13 @@ def test_single_chunk_single_stream_lanes_match_naive_coder(dtype):
     counts[rel[5 if dtype == torch.int8 else 9]] = 0  # leave one symbol to the escape
     book = cc.Codebook.from_counts(counts)
     assert not book.raw and book.escape_length
-    codec = cc.Codec(cc.CodebookSet({("gradient", dtype, 0): book}), chunk_elems=256, checksum=False,
-                     split_exponent=False)
+    codec = cc.Codec(
+        cc.CodebookSet({("gradient", dtype, 0): book}), chunk_elems=256, checksum=False, split_exponent=False
+    )
     f = codec.encode(vals)
     p = cc.get_frame_parameters(f)
     assert p.nchunks == 1 and p.table["cflags"][0] == 0 and int(p.table["ref"][0]) == ref and p.split == 0
-    seg = f.numpy().tobytes()[p.header_bytes:]
+    seg = f.numpy().tobytes()[p.header_bytes :]
     assert len(seg) == int(p.table["sizes"][0][0])
     _check_lanes(seg, rel, book.lengths, book.escape_length)
     bits_equal(naive.decode_frame(f.numpy().tobytes(), naive.frame_books(codec.codebooks)), vals)
@@ -263,14 +277,14 @@ def test_single_chunk_single_stream_lanes_match_naive_coder(dtype):
         f = cc.Codec(cc.CodebookSet({("gradient", dtype, 0): book}), chunk_elems=256, checksum=False).encode(vals)
         p = cc.get_frame_parameters(f)
         assert (p.version, p.split, int(p.table["cflags"][0]), int(p.table["ref"][0])) == (3, 3, 0, ref)
-        seg = f.numpy().tobytes()[p.header_bytes:]
+        seg = f.numpy().tobytes()[p.header_bytes :]
         size = int(p.table["sizes"][0][0])
         plane = 3 * ((n + 7) // 8)
         lengths = naive.exponent_lengths([int(x) for x in book.lengths], book.escape_length, 3)
         _check_lanes(seg[: size - plane], [r >> 3 for r in rel], lengths + [0] * (256 - len(lengths)), 0)
         low = naive.bytes_to_bits(seg[size - plane : size])
         assert [sum(low[3 * j + b] << b for b in range(3)) for j in range(n)] == [r & 7 for r in rel]
-        assert not any(low[3 * n:])
+        assert not any(low[3 * n :])
         bits_equal(naive.decode_frame(f.numpy().tobytes(), naive.frame_books(codec.codebooks)), vals)
 
 
@@ -340,8 +354,10 @@ def test_bad_magic(books, small_frame):
 def test_wrong_version(books, small_frame):
     with pytest.raises(cc.FrameError, match="unsupported frame version 4; this build reads versions 1, 2, 3"):
         cc.Codec(books).decode(_edit(small_frame, 4, 4))
-    with pytest.raises(cc.FrameError, match="frame version 3 without the split-exponent flag: version 3 frames, "
-                                            "and only they, split exponents"):
+    with pytest.raises(
+        cc.FrameError,
+        match="frame version 3 without the split-exponent flag: version 3 frames, and only they, split exponents",
+    ):
         cc.Codec(books).decode(_edit(small_frame, 4, 3))
     with pytest.raises(cc.FrameError, match="unsupported frame version 0"):
         cc.Codec(books).decode(_edit(small_frame, 4, 0))
@@ -352,8 +368,9 @@ def test_wrong_version(books, small_frame):
 
 def test_split_exponent_flag_is_checked_against_version_and_dtype(books, small_frame):
     # bf16's stream 0 is its exponent alone: nothing to split.
-    with pytest.raises(cc.FrameError, match="frame says its bf16 exponents are split, but bf16 has no bits under its "
-                                            "exponent"):
+    with pytest.raises(
+        cc.FrameError, match="frame says its bf16 exponents are split, but bf16 has no bits under its exponent"
+    ):
         cc.get_frame_parameters(_edit(_edit(small_frame, 7, 0x03), 4, 3))
     split = cc.Codec().encode(torch.linspace(-3, 3, 5000, dtype=torch.float16), kind="gradient")
     data = split.numpy().tobytes()

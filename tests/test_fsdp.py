@@ -199,11 +199,18 @@ def _lossless(rank, world, config):
     plain_losses = _train(_model(config), rank) if _CONFIGS[config][2] is None else None
     differ = [n for n in coded_bits if not torch.equal(coded_bits[n], ref_bits[n])]
     return {
-        "differ": differ, "same_full": _same_everywhere(coded_digest), "full_equals_ref": coded_digest == ref_digest,
-        "coded_losses": coded_losses, "plain_losses": plain_losses, "dtype": str(dtype),
-        "rs_ratio": stats["reduce_scatter"]["ratio"], "ag_ratio": stats["all_gather"]["ratio"],
-        "rs_calls": stats["reduce_scatter"]["calls"], "ag_calls": stats["all_gather"]["calls"],
-        "steps": stats["steps"], "warming_up": stats["warming_up"],
+        "differ": differ,
+        "same_full": _same_everywhere(coded_digest),
+        "full_equals_ref": coded_digest == ref_digest,
+        "coded_losses": coded_losses,
+        "plain_losses": plain_losses,
+        "dtype": str(dtype),
+        "rs_ratio": stats["reduce_scatter"]["ratio"],
+        "ag_ratio": stats["all_gather"]["ratio"],
+        "rs_calls": stats["reduce_scatter"]["calls"],
+        "ag_calls": stats["all_gather"]["calls"],
+        "steps": stats["steps"],
+        "warming_up": stats["warming_up"],
     }
 
 
@@ -216,8 +223,14 @@ def _w_never(rank, world):
     plain_losses = _train(plain, rank)
     plain_bits = _local_bits(plain)
     d = state.stats()
-    return {"same": all(torch.equal(bits[n], plain_bits[n]) for n in bits), "losses": losses == plain_losses,
-            "calls": d["calls"], "raw_calls": d["raw_calls"], "books": d["books"], "steps": d["steps"]}
+    return {
+        "same": all(torch.equal(bits[n], plain_bits[n]) for n in bits),
+        "losses": losses == plain_losses,
+        "calls": d["calls"],
+        "raw_calls": d["raw_calls"],
+        "books": d["books"],
+        "steps": d["steps"],
+    }
 
 
 def _w_async_unshard(rank, world):
@@ -253,11 +266,14 @@ def _w_async_unshard(rank, world):
     state.overlap = False
     sync_out = torch.empty_like(out)
     returned = gather(sync_out, shard, dist.group.WORLD)
-    return {"sync": returned is None and torch.equal(sync_out.view(torch.int16), expect.view(torch.int16)),
-            "same": all(torch.equal(bits[n], sync_bits[n]) for n in bits) and losses == sync_losses,
-            "handles": sum(h is not None for h in works), "is_work": is_work,
-            "direct": torch.equal(out.view(torch.int16), expect.view(torch.int16)),
-            "calls": state.stats()["all_gather"]["calls"]}
+    return {
+        "sync": returned is None and torch.equal(sync_out.view(torch.int16), expect.view(torch.int16)),
+        "same": all(torch.equal(bits[n], sync_bits[n]) for n in bits) and losses == sync_losses,
+        "handles": sum(h is not None for h in works),
+        "is_work": is_work,
+        "direct": torch.equal(out.view(torch.int16), expect.view(torch.int16)),
+        "calls": state.stats()["all_gather"]["calls"],
+    }
 
 
 def _w_corrupt_frame(rank, world, collective):
@@ -277,11 +293,12 @@ def _w_corrupt_frame(rank, world, collective):
         state.codec.encode = corrupted
     try:
         if collective == "all_gather":
-            work = ccf.HuffmanAllGather(state, "layer")(data, data[rank * n:(rank + 1) * n].clone(), dist.group.WORLD)
+            work = ccf.HuffmanAllGather(state, "layer")(data, data[rank * n : (rank + 1) * n].clone(), dist.group.WORLD)
             work.wait()  # (overlap: a Work even for a synchronous call)
         else:
-            ccf.HuffmanReduceScatter(state, "layer")(torch.empty(n, dtype=torch.bfloat16), data, dist.group.WORLD,
-                                                     dist.ReduceOp.AVG)
+            ccf.HuffmanReduceScatter(state, "layer")(
+                torch.empty(n, dtype=torch.bfloat16), data, dist.group.WORLD, dist.ReduceOp.AVG
+            )
     except collectives.CollectiveError as exc:
         return str(exc)
     return "no error"
@@ -300,8 +317,13 @@ def _w_frozen_mixed(rank, world):
     plain.layers[1].register_parameter("scale", nn.Parameter(torch.full((64,), 1.25), requires_grad=False))
     plain = _shard(plain)
     plain_losses = _train(plain, rank, steps=3)
-    return {"same_full": _same_everywhere(_full_digest(net)), "losses": losses, "plain": plain_losses,
-            "raw_gathers": state.stats()["all_gather"]["raw_calls"], "coded": state.stats()["reduce_scatter"]["calls"]}
+    return {
+        "same_full": _same_everywhere(_full_digest(net)),
+        "losses": losses,
+        "plain": plain_losses,
+        "raw_gathers": state.stats()["all_gather"]["raw_calls"],
+        "coded": state.stats()["reduce_scatter"]["calls"],
+    }
 
 
 def _errors_of(fn) -> str:
@@ -319,9 +341,11 @@ def _w_bad_models(rank, world):
     from torch.distributed.tensor import Shard
     from torch.nn.parallel import DistributedDataParallel
 
-    out = {"plain": _errors_of(lambda: ccf.compress(nn.Linear(4, 4))),
-           "not_module": _errors_of(lambda: ccf.compress("model")),
-           "mode": _errors_of(lambda: ccf.compress(_model("bf16"), mode="sometimes"))}
+    out = {
+        "plain": _errors_of(lambda: ccf.compress(nn.Linear(4, 4))),
+        "not_module": _errors_of(lambda: ccf.compress("model")),
+        "mode": _errors_of(lambda: ccf.compress(_model("bf16"), mode="sometimes")),
+    }
     wrapped = nn.Sequential(nn.Linear(4, 4), FullyShardedDataParallel(nn.Linear(4, 4), device_id=torch.device("cpu")))
     out["fsdp1"] = _errors_of(lambda: ccf.compress(wrapped))
     out["ddp"] = _errors_of(lambda: ccf.compress(DistributedDataParallel(nn.Linear(4, 4))))
@@ -377,8 +401,13 @@ def _w_auto(rank, world, state_kw):
         arms.append(state.coding)  # this step's mode, decided where the last backward ended
         books.append(state.stats()["books"])
 
-    _train(net, rank, steps=len(AUTO_ARMS), before_forward=record,
-           after_step=lambda net: (digests.append(_full_digest(net)), bits.append(_local_bits(net))))
+    _train(
+        net,
+        rank,
+        steps=len(AUTO_ARMS),
+        before_forward=record,
+        after_step=lambda net: (digests.append(_full_digest(net)), bits.append(_local_bits(net))),
+    )
     d = state.stats()
     # The reference: FSDP's own reduce-scatter on the plain steps, the uncoded rank-order
     # sum on the coded ones.
@@ -392,30 +421,48 @@ def _w_auto(rank, world, state_kw):
     def follow(net):
         reference.plain = not arms[len(ref_bits)]
 
-    _train(ref, rank, steps=len(AUTO_ARMS), before_forward=follow, after_step=lambda net: ref_bits.append(_local_bits(net)))
+    _train(
+        ref, rank, steps=len(AUTO_ARMS), before_forward=follow, after_step=lambda net: ref_bits.append(_local_bits(net))
+    )
     differ = [step for step, (a, b) in enumerate(zip(bits, ref_bits)) if any(not torch.equal(a[n], b[n]) for n in a)]
-    return {"arms": arms, "decision": d["decision"], "switches": d["switches"], "probes": d["probes"],
-            "refreshes": d["refreshes"], "books": books, "digests": digests, "differ": differ,
-            "calls": d["calls"], "raw_calls": d["raw_calls"], "steps": d["steps"],
-            "keys": sorted(k for k in d if k in ("mode", "coding", "decision", "switches", "probes"))}
+    return {
+        "arms": arms,
+        "decision": d["decision"],
+        "switches": d["switches"],
+        "probes": d["probes"],
+        "refreshes": d["refreshes"],
+        "books": books,
+        "digests": digests,
+        "differ": differ,
+        "calls": d["calls"],
+        "raw_calls": d["raw_calls"],
+        "steps": d["steps"],
+        "keys": sorted(k for k in d if k in ("mode", "coding", "decision", "switches", "probes")),
+    }
 
 
 def _w_refresh(rank, world):
     net = _model("bf16")
-    state = ccf.compress(net, warmup_steps=1, mode="always", min_bytes=0, drift_every=1, refresh_threshold=1e-9,
-                         refresh_steps=1)
+    state = ccf.compress(
+        net, warmup_steps=1, mode="always", min_bytes=0, drift_every=1, refresh_threshold=1e-9, refresh_steps=1
+    )
     _train(net, rank)
     d = state.stats()
-    return {"refreshes": d["refreshes"], "drift": d["drift"], "same_books": _same_everywhere(d["books"]),
-            "same_full": _same_everywhere(_full_digest(net))}
+    return {
+        "refreshes": d["refreshes"],
+        "drift": d["drift"],
+        "same_books": _same_everywhere(d["books"]),
+        "same_full": _same_everywhere(_full_digest(net)),
+    }
 
 
 # ----------------------------------------------------------------------------------------
 # Tests
 # ----------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("world,config,min_piece", [(2, "bf16", None), (2, "fp32-mp", 64), (2, "bf16-divide3", None),
-                                                    (4, "bf16", 64)])
+@pytest.mark.parametrize(
+    "world,config,min_piece", [(2, "bf16", None), (2, "fp32-mp", 64), (2, "bf16-divide3", None), (4, "bf16", 64)]
+)
 def test_bit_identical_to_rank_order_reference(world, config, min_piece):
     results = dist_utils.run(_w_lossless, world, config, min_piece, timeout=180)
     for rank, r in enumerate(results):
@@ -428,7 +475,7 @@ def test_bit_identical_to_rank_order_reference(world, config, min_piece):
         if r["plain_losses"] is None:
             continue
         # Coding changes the sum's order only against gloo's own reduction: losses track plain FSDP2.
-        assert r["coded_losses"][:WARMUP + 1] == r["plain_losses"][:WARMUP + 1]
+        assert r["coded_losses"][: WARMUP + 1] == r["plain_losses"][: WARMUP + 1]
         for a, b in zip(r["coded_losses"], r["plain_losses"]):
             assert abs(a - b) <= 2e-2 * abs(b) + 1e-3
     assert len({tuple(r["coded_losses"]) for r in results}) == world  # rank-specific batches
@@ -473,8 +520,9 @@ def test_bad_models_name_the_module():
         assert r["fsdp1"].startswith("TypeError: module '1' is an FSDP1 FullyShardedDataParallel")
         assert r["ddp"].startswith("TypeError: module '<root>' is a DistributedDataParallel")
         assert r["groups"].startswith("ValueError: module '<root>' holds 2 FSDP parameter groups")
-        assert r["mixed"].startswith("ValueError: module '0' has trainable parameters of mixed dtypes "
-                                     "(float32, float64)")
+        assert r["mixed"].startswith(
+            "ValueError: module '0' has trainable parameters of mixed dtypes (float32, float64)"
+        )
 
 
 def test_different_books_fail_on_every_rank():
@@ -482,8 +530,11 @@ def test_different_books_fail_on_every_rank():
         assert r.startswith("AgreementError: codebooks differ across ranks"), r
 
 
-@pytest.mark.parametrize("world,refresh", [(2, False), (2, True), pytest.param(4, False, marks=pytest.mark.slow)],
-                         ids=["world2", "world2-with_refreshes", "world4"])
+@pytest.mark.parametrize(
+    "world,refresh",
+    [(2, False), (2, True), pytest.param(4, False, marks=pytest.mark.slow)],
+    ids=["world2", "world2-with_refreshes", "world4"],
+)
 def test_auto_mode_switches_mid_run_on_every_rank_at_the_same_step(world, refresh):
     """The DDP hook's AutoSwitch decides for FSDP2 too: coding wins the first measurement
     and loses the second (the odd ranks' figures); every rank codes and switches at the
@@ -508,8 +559,10 @@ def test_auto_mode_switches_mid_run_on_every_rank_at_the_same_step(world, refres
     assert d["coded"] is False and d["step"] == 10
     assert d["plain_ms"] == pytest.approx(1000.0) and d["coded_ms"] == pytest.approx(1500.0)
     assert d["per_rank_ms"] == [pytest.approx([1000.0, 800.0]), pytest.approx([500.0, 1500.0])] * (world // 2)
-    assert d["reason"] == ("switched: plain reduce-scatter/all-gather is faster here: 1000 vs 1500 ms/step "
-                           "compressed; re-checking every 3 steps")
+    assert d["reason"] == (
+        "switched: plain reduce-scatter/all-gather is faster here: 1000 vs 1500 ms/step "
+        "compressed; re-checking every 3 steps"
+    )
     if refresh:
         assert results[0]["refreshes"] >= 3
         assert len(set(results[0]["books"])) >= 3
@@ -577,8 +630,9 @@ def test_comm_codec_demo_fsdp_runs_and_prints_the_bytes_saved():
     # Bad options: one line, status 2, nothing spawned.
     bad = run_cli("demo", "--fsdp", "--world-size", "1", timeout=60)
     assert bad.returncode == 2
-    assert bad.stderr.strip().splitlines() == ["comm-codec demo --fsdp: error: --world-size must be >= 2 (a "
-                                               "data-parallel run needs peers), got 1"]
+    assert bad.stderr.strip().splitlines() == [
+        "comm-codec demo --fsdp: error: --world-size must be >= 2 (a data-parallel run needs peers), got 1"
+    ]
 
 
 @pytest.mark.unit
@@ -619,8 +673,9 @@ def _w_stalled_rank(rank, world, sleep_s):
 @pytest.mark.slow
 def test_a_stalled_rank_fails_the_other_within_the_users_timeout():
     """Every group comm_codec.fsdp makes takes the user's timeout (torch gives new groups 30 minutes)."""
-    outcomes = dist_utils.run_outcomes(_w_stalled_rank, 2, 3 * STALL_TIMEOUT, timeout=60 + 6 * STALL_TIMEOUT,
-                                       pg_timeout=STALL_TIMEOUT)
+    outcomes = dist_utils.run_outcomes(
+        _w_stalled_rank, 2, 3 * STALL_TIMEOUT, timeout=60 + 6 * STALL_TIMEOUT, pg_timeout=STALL_TIMEOUT
+    )
     assert outcomes[0]["status"] == "ok", outcomes[0]
     waited = outcomes[0]["value"]
     assert waited["step"] == 2, f"rank 0 did not fail at the stalled step: {waited}"

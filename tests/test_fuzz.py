@@ -31,13 +31,16 @@ def _inputs() -> list[tuple[torch.Tensor, dict]]:
 
     def tensor(dtype, chunk):
         n = 5 * chunk + 60
-        x = (torch.randn(n, generator=g) * 1e-2).to(dtype) if dtype != torch.int8 else \
-            (torch.randn(n, generator=g) * 3).round().to(torch.int8)
+        x = (
+            (torch.randn(n, generator=g) * 1e-2).to(dtype)
+            if dtype != torch.int8
+            else (torch.randn(n, generator=g) * 3).round().to(torch.int8)
+        )
         iv = x.view(torch.uint8 if x.element_size() == 1 else {2: torch.int16, 4: torch.int32}[x.element_size()])
-        iv[chunk:2 * chunk] = 0  # a ZERO chunk
-        masked = iv[2 * chunk + chunk // 3: 3 * chunk + chunk // 4]
+        iv[chunk : 2 * chunk] = 0  # a ZERO chunk
+        masked = iv[2 * chunk + chunk // 3 : 3 * chunk + chunk // 4]
         masked[torch.rand(masked.numel(), generator=g) < 0.8] = 0  # masked chunks
-        iv[n - 60:] = random_bits(60, dtype, g).view(iv.dtype)  # raw-ish tail
+        iv[n - 60 :] = random_bits(60, dtype, g).view(iv.dtype)  # raw-ish tail
         return x
 
     for dtype in (torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn, torch.int8):
@@ -53,7 +56,8 @@ INPUTS = [x for x, _ in CASES]
 CODECS = {ck: cc.Codec(cc.CodebookSet.default(), chunk_elems=128, checksum=ck) for ck in (True, False)}
 FRAMES = {
     (i, ck): cc.Codec(cc.CodebookSet.default(), checksum=ck, **kw).encode(x).numpy().tobytes()
-    for i, (x, kw) in enumerate(CASES) for ck in (True, False)
+    for i, (x, kw) in enumerate(CASES)
+    for ck in (True, False)
 }
 
 
@@ -64,8 +68,10 @@ def test_fuzz_inputs_cover_every_chunk_kind():
         for bit in (_frame.CHUNK_MASK, _frame.CHUNK_ZERO):
             assert (flags & bit).any(), (i, bit)
         seen |= int(np.bitwise_or.reduce(flags))
-        coded = [(flags[~(flags & _frame.CHUNK_ZERO).astype(bool)] & (_frame.CHUNK_RAW0 << s)) == 0
-                 for s in range(INPUTS[i].element_size())]
+        coded = [
+            (flags[~(flags & _frame.CHUNK_ZERO).astype(bool)] & (_frame.CHUNK_RAW0 << s)) == 0
+            for s in range(INPUTS[i].element_size())
+        ]
         assert any(c.any() for c in coded), i  # some stream of some chunk is coded
         bits_equal(CODECS[ck].decode(_writable(data)), INPUTS[i])
     assert seen & _frame.CHUNK_RAW0
@@ -244,8 +250,11 @@ def test_random_bytes(data):
     numel=st.integers(0, 400),
     chunk_elems=st.sampled_from([8, 16, 64, 512]),
     checksum=st.booleans(),
-    entries=st.lists(st.tuples(st.integers(0, 255), st.integers(0, 255),
-                               st.lists(st.integers(0, 120), min_size=4, max_size=4)), min_size=8, max_size=8),
+    entries=st.lists(
+        st.tuples(st.integers(0, 255), st.integers(0, 255), st.lists(st.integers(0, 120), min_size=4, max_size=4)),
+        min_size=8,
+        max_size=8,
+    ),
     ids=st.lists(st.integers(0, 3), min_size=4, max_size=4),
     seed=st.integers(0, 2**32 - 1),
     consistent=st.booleans(),
@@ -355,7 +364,7 @@ def _big_inputs() -> list[torch.Tensor]:
         n = 40_000
         # The last quarter is spread wider: chunks there pick the flatter book.
         wide = torch.ones(n)
-        wide[3 * n // 4:] = 6.0
+        wide[3 * n // 4 :] = 6.0
         if dtype == torch.int8:
             x = (torch.randn(n, generator=g) * 2 * wide).round().clamp(-128, 127).to(torch.int8)
         else:
@@ -385,7 +394,9 @@ def test_big_frames_code_every_stream_somewhere_with_both_books():
         table = cc.get_frame_parameters(data).table
         flags = table["cflags"]
         live = flags[(flags & _frame.CHUNK_ZERO) == 0]
-        coded |= {(x.element_size(), s) for s in range(x.element_size()) if ((live & (_frame.CHUNK_RAW0 << s)) == 0).any()}
+        coded |= {
+            (x.element_size(), s) for s in range(x.element_size()) if ((live & (_frame.CHUNK_RAW0 << s)) == 0).any()
+        }
         chosen |= {int(b) & 15 for b in table["books"]}
     # Coded later streams are OR-ed into place: the decoder's other path.
     assert {(2, 0), (2, 1), (4, 0), (4, 1), (4, 2), (4, 3), (1, 0)} <= coded

@@ -112,8 +112,9 @@ def test_book_index_beyond_the_group_is_refused(bf16_case):
     bad = bytearray(f.tobytes())
     bad[pos] = 15
     n = len(books.group("gradient", "bf16", 0))
-    with pytest.raises(cc.FrameError, match=f"chunk {c} says stream 0 was coded with book 15 of its group, "
-                                            f"which holds {n}"):
+    with pytest.raises(
+        cc.FrameError, match=f"chunk {c} says stream 0 was coded with book 15 of its group, which holds {n}"
+    ):
         codec.decode(fix_header_crc(bytes(bad)))
 
 
@@ -229,8 +230,9 @@ def test_profiler_argument_errors():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 10**6), min_size=256, max_size=256), min_size=1, max_size=4),
-       st.integers(0, 255))
+@given(
+    st.lists(st.lists(st.integers(0, 10**6), min_size=256, max_size=256), min_size=1, max_size=4), st.integers(0, 255)
+)
 def test_huffman_costs_match_the_textbook_code(rows, sparse):
     from comm_codec.kernels.histogram import huffman_costs
 
@@ -240,8 +242,13 @@ def test_huffman_costs_match_the_textbook_code(rows, sparse):
     huffman_costs(counts, out)
     for r, c in enumerate(counts):
         present = [int(x) for x in c if x]
-        want = 0 if not present else present[0] if len(present) == 1 else sum(
-            w * n for w, n in zip(present, naive.huffman_lengths(present)))
+        want = (
+            0
+            if not present
+            else present[0]
+            if len(present) == 1
+            else sum(w * n for w, n in zip(present, naive.huffman_lengths(present)))
+        )
         assert out[r] == want
 
 
@@ -262,10 +269,25 @@ def test_cpu_kernel_checks_book_indices_without_the_host(bf16_case):
     chosen[c] = 15
     out = np.zeros(p.numel, dtype=np.uint16)
     status = np.zeros(p.nchunks, dtype=np.int32)
-    decode_chunks(f, f.view(np.uint64), p.numel, p.chunk_elems, 0, 0, tables.dec, tables.multi,
-                      np.ascontiguousarray(t["cflags"]), np.ascontiguousarray(t["ref"]), chosen,
-                      np.ascontiguousarray(t["sizes"]), p.offsets, np.ascontiguousarray(t["checksum"]),
-                      False, out, status)
+    decode_chunks(
+        f,
+        f.view(np.uint64),
+        p.numel,
+        p.chunk_elems,
+        0,
+        0,
+        tables.dec,
+        tables.multi,
+        np.ascontiguousarray(t["cflags"]),
+        np.ascontiguousarray(t["ref"]),
+        chosen,
+        np.ascontiguousarray(t["sizes"]),
+        p.offsets,
+        np.ascontiguousarray(t["checksum"]),
+        False,
+        out,
+        status,
+    )
     assert STATUS_MESSAGES[int(status[c])].startswith("names a book that its stream's group does not hold")
     assert (np.delete(status, c) == 0).all()
 
@@ -322,13 +344,16 @@ def test_distributed_build_equals_one_process_over_all_ranks_data():
     assert distributed.digest == single.digest
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda e: 5, "'books' must be a list of books"),
-    (lambda e: [1, 2], "a codebook must be a JSON object, got int"),
-    (lambda e: [e[0], e[0]], "a codebook group holds the same book twice"),
-    (lambda e: [], "a codebook group holds 1..16 books, got 0"),
-    (lambda e: [e[0]] * 17, "a codebook group holds 1..16 books, got 17"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda e: 5, "'books' must be a list of books"),
+        (lambda e: [1, 2], "a codebook must be a JSON object, got int"),
+        (lambda e: [e[0], e[0]], "a codebook group holds the same book twice"),
+        (lambda e: [], "a codebook group holds 1..16 books, got 0"),
+        (lambda e: [e[0]] * 17, "a codebook group holds 1..16 books, got 17"),
+    ],
+)
 def test_malformed_groups_in_files_are_named(tmp_path, bf16_case, edit, message):
     _, books, _ = bf16_case
     data = books.to_dict()

@@ -23,8 +23,9 @@ pytestmark = pytest.mark.unit
 _SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -3.5, 65504.0]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn,
-                                   torch.float8_e5m2])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
+)
 def test_exponent_stream_is_the_codecs_stream_0(dtype):
     t = torch.cat([random_bits(3000, dtype, torch.Generator().manual_seed(1)), torch.tensor(_SPECIALS).to(dtype)])
     assert huff0.exponent_stream(t).tolist() == naive.split(t)[0]
@@ -54,9 +55,11 @@ def test_round_trip_through_the_built_library():
         pytest.skip(f"huff0 is not built here ({huff0.BUILD_HINT})")
     coder = huff0.Huff0()
     g = np.random.default_rng(0)
-    parts = [np.full(huff0.BLOCK, 7, np.uint8),  # one symbol: huff0 stores one byte
-             g.integers(0, 256, huff0.BLOCK, dtype=np.uint8),  # incompressible: stored raw
-             (120 + g.geometric(0.5, 3 * huff0.BLOCK + 123)).astype(np.uint8)]
+    parts = [
+        np.full(huff0.BLOCK, 7, np.uint8),  # one symbol: huff0 stores one byte
+        g.integers(0, 256, huff0.BLOCK, dtype=np.uint8),  # incompressible: stored raw
+        (120 + g.geometric(0.5, 3 * huff0.BLOCK + 123)).astype(np.uint8),
+    ]
     data = np.concatenate(parts)
     payload, sizes = coder.compress(data)
     assert sizes[0] == 1 and sizes[1] == huff0.BLOCK and payload.size < data.size
@@ -66,16 +69,32 @@ def test_round_trip_through_the_built_library():
 
 
 def _row(codec, enc, dec, ratio=1.5):
-    return {"dataset": "synth/normal", "dtype": "bf16", "kind": "gradient", "codec": codec, "ratio": ratio,
-            "exact": True, "enc_gbps": {"1": enc}, "dec_gbps": {"1": dec}, "eval_bytes": 1e6, "notes": [],
-            "error": None, "cpu_share_1t": 1.0, "cpu_share_2t": None}
+    return {
+        "dataset": "synth/normal",
+        "dtype": "bf16",
+        "kind": "gradient",
+        "codec": codec,
+        "ratio": ratio,
+        "exact": True,
+        "enc_gbps": {"1": enc},
+        "dec_gbps": {"1": dec},
+        "eval_bytes": 1e6,
+        "notes": [],
+        "error": None,
+        "cpu_share_1t": 1.0,
+        "cpu_share_2t": None,
+    }
 
 
 def test_report_puts_the_codec_beside_huff0():
     # The targets weigh the codec on the exponent stream alone against huff0 on the same
     # stream; the whole tensor's row only shows its speed over huff0's in the table.
-    rows = [_row("comm_codec:fixed", 1.2, 3.0), _row("zipnn", 0.6, 1.5), _row(EXPONENTS, 1.6, 1.8, ratio=2.9),
-            _row(HUFF0, 0.8, 2.0, ratio=3.0)]
+    rows = [
+        _row("comm_codec:fixed", 1.2, 3.0),
+        _row("zipnn", 0.6, 1.5),
+        _row(EXPONENTS, 1.6, 1.8, ratio=2.9),
+        _row(HUFF0, 0.8, 2.0, ratio=3.0),
+    ]
     text = format_table(rows)
     ours = next(line for line in text.splitlines() if "comm_codec:fixed" in line)
     assert "xh0-e" in text and ours.split()[-2:] == ["1.50", "1.50"]
@@ -89,9 +108,14 @@ def test_report_puts_the_codec_beside_huff0():
 
 
 def test_codec_on_the_exponent_stream_codes_that_stream_alone():
-    ds = Dataset(name="synth/normal", kind="weight", buckets=[torch.randn(50_000).to(torch.bfloat16) * 3e-2,
-                                                                torch.randn(20_000).to(torch.bfloat16)],
-                 books=None, book_note="", make_bulk=lambda: None)
+    ds = Dataset(
+        name="synth/normal",
+        kind="weight",
+        buckets=[torch.randn(50_000).to(torch.bfloat16) * 3e-2, torch.randn(20_000).to(torch.bfloat16)],
+        books=None,
+        book_note="",
+        make_bulk=lambda: None,
+    )
     comp = CodecExponents(4096)
     comp.setup(ds)
     x = ds.buckets[1]
@@ -100,5 +124,13 @@ def test_codec_on_the_exponent_stream_codes_that_stream_alone():
     assert np.array_equal(as_u8(back), comp.expected(x)) and np.array_equal(comp.expected(x), huff0.exponent_stream(x))
     assert comp.size(frame) < 0.7 * x.numel()  # the exponents of normal values: a few bits each
     with pytest.raises(Unsupported):
-        comp.setup(Dataset(name="q", kind="weight", buckets=[torch.zeros(8, dtype=torch.int8)], books=None,
-                           book_note="", make_bulk=lambda: None))
+        comp.setup(
+            Dataset(
+                name="q",
+                kind="weight",
+                buckets=[torch.zeros(8, dtype=torch.int8)],
+                books=None,
+                book_note="",
+                make_bulk=lambda: None,
+            )
+        )

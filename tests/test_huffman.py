@@ -204,8 +204,7 @@ def test_entropy_and_optimal_lengths_match_naive():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(1, 1 << 30) | st.integers(1, 4), min_size=1, max_size=257),
-       st.integers(9, 12))
+@given(st.lists(st.integers(1, 1 << 30) | st.integers(1, 4), min_size=1, max_size=257), st.integers(9, 12))
 def test_package_merge_kernel_matches_textbook_package_merge(weights, limit):
     # The kernel keeps only leaf/package flags per level; the reference carries every
     # item's leaves. Small weights force ties, where the tie-breaking must agree too.

@@ -40,8 +40,15 @@ def _batch(rank, step):
 
 def _launcher_env(rank, world, port):
     """What torchrun / accelerate launch would set (the process group already exists)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        NODE_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
 
 
 def _same_everywhere(model: nn.Module) -> bool:
@@ -70,8 +77,13 @@ def _w_accelerate(rank, world, port):
         opt.step()
         opt.zero_grad()
     d = state.stats()
-    return {"wrapper": type(model).__name__, "ratio": d["ratio"], "calls": d["calls"], "steps": d["steps"],
-            "same": _same_everywhere(model)}
+    return {
+        "wrapper": type(model).__name__,
+        "ratio": d["ratio"],
+        "calls": d["calls"],
+        "steps": d["steps"],
+        "same": _same_everywhere(model),
+    }
 
 
 class _Regressor(nn.Module):
@@ -98,17 +110,34 @@ def _w_hf_trainer(rank, world, port):
         data += [{"x": x[i], "labels": y[i]} for i in range(len(x))]
     callback = CommCodecCallback(warmup_steps=WARMUP)
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, per_device_train_batch_size=16, max_steps=STEPS, logging_steps=1,
-                                 learning_rate=0.05, report_to=[], use_cpu=True, save_strategy="no",
-                                 disable_tqdm=True, dataloader_num_workers=0, ddp_backend="gloo", seed=0)
+        args = TrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=16,
+            max_steps=STEPS,
+            logging_steps=1,
+            learning_rate=0.05,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            ddp_backend="gloo",
+            seed=0,
+        )
         model = _Regressor()
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
         trainer.train()
     logged = [h for h in trainer.state.log_history if "comm_codec/ratio" in h]
     d = callback.state.stats()
-    return {"world": args.world_size, "ratio": d["ratio"], "calls": d["calls"], "steps": d["steps"],
-            "logged": len(logged), "last_logged_ratio": logged[-1]["comm_codec/ratio"] if logged else None,
-            "same": _same_everywhere(model)}
+    return {
+        "world": args.world_size,
+        "ratio": d["ratio"],
+        "calls": d["calls"],
+        "steps": d["steps"],
+        "logged": len(logged),
+        "last_logged_ratio": logged[-1]["comm_codec/ratio"] if logged else None,
+        "same": _same_everywhere(model),
+    }
 
 
 def _w_lightning(rank, world, port):
@@ -134,8 +163,15 @@ def _w_lightning(rank, world, port):
 
     xs, ys = zip(*(_batch(0, step) for step in range(STEPS * world)))
     loader = DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=16)
-    quiet = dict(accelerator="cpu", devices=world, max_steps=STEPS, logger=False, enable_checkpointing=False,
-                 enable_progress_bar=False, enable_model_summary=False)
+    quiet = dict(
+        accelerator="cpu",
+        devices=world,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
 
     # Lightning's own recipe: on CPU the hook is never registered (Lightning registers on CUDA only).
     unused = HuffmanState(warmup_steps=WARMUP)
@@ -147,8 +183,14 @@ def _w_lightning(rank, world, port):
     trainer = L.Trainer(strategy="ddp", callbacks=[callback], **quiet)
     trainer.fit(module, loader)
     d = callback.state.stats()
-    return {"unused_calls": unused_calls, "ratio": d["ratio"], "calls": d["calls"], "steps": d["steps"],
-            "logged": float(trainer.callback_metrics.get("comm_codec/ratio", 0.0)), "same": _same_everywhere(module)}
+    return {
+        "unused_calls": unused_calls,
+        "ratio": d["ratio"],
+        "calls": d["calls"],
+        "steps": d["steps"],
+        "logged": float(trainer.callback_metrics.get("comm_codec/ratio", 0.0)),
+        "same": _same_everywhere(module),
+    }
 
 
 def _check(results, world=2):
@@ -182,8 +224,18 @@ def test_lightning_callback_on_cpu():
 
 
 # One keyword set for every adapter: the same settings attach DDP and FSDP2 alike.
-SHARED_SETTINGS = {"warmup_steps": 1, "mode": "always", "min_bytes": 0, "threads": 1, "log_every": 0,
-                   "drift_every": 1, "refresh_steps": 1, "recheck_every": 10, "probe_steps": 2, "hysteresis": 0.1}
+SHARED_SETTINGS = {
+    "warmup_steps": 1,
+    "mode": "always",
+    "min_bytes": 0,
+    "threads": 1,
+    "log_every": 0,
+    "drift_every": 1,
+    "refresh_steps": 1,
+    "recheck_every": 10,
+    "probe_steps": 2,
+    "hysteresis": 0.1,
+}
 
 
 def _w_attach_same_settings(rank, world):
@@ -210,8 +262,13 @@ def _w_attach_same_settings(rank, world):
             F.mse_loss(model(x), y).backward()
             opt.step()
         s = state.stats()
-        results[name] = {"type": type(state).__name__, "calls": s["calls"], "steps": s["steps"],
-                         "min_bytes": state.min_bytes, "warmup": state.warmup_steps}
+        results[name] = {
+            "type": type(state).__name__,
+            "calls": s["calls"],
+            "steps": s["steps"],
+            "min_bytes": state.min_bytes,
+            "warmup": state.warmup_steps,
+        }
     return results
 
 
@@ -235,18 +292,33 @@ def _w_hf_deepspeed(rank, world, port, stage, section):
     for step in range(STEPS * world):
         x, y = _batch(0, step)
         data += [{"x": x[i], "labels": y[i]} for i in range(len(x))]
-    ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                 "zero_optimization": {"stage": stage}, "steps_per_print": 10_000,
-                 "optimizer": {"type": "Adam", "params": {"lr": "auto", "torch_adam": True}}}
+    ds_config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10_000,
+        "optimizer": {"type": "Adam", "params": {"lr": "auto", "torch_adam": True}},
+    }
     callbacks = []
     if section is not None:
         ds_config["comm_codec"] = section
         callbacks.append(CommCodecCallback())
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, per_device_train_batch_size=16, max_steps=STEPS, logging_steps=1,
-                                 learning_rate=0.01, report_to=[], use_cpu=True, save_strategy="no",
-                                 disable_tqdm=True, dataloader_num_workers=0, ddp_backend="gloo", seed=0,
-                                 deepspeed=ds_config)
+        args = TrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=16,
+            max_steps=STEPS,
+            logging_steps=1,
+            learning_rate=0.01,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            ddp_backend="gloo",
+            seed=0,
+            deepspeed=ds_config,
+        )
         model = _Regressor()
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
         trainer.train()
@@ -255,8 +327,11 @@ def _w_hf_deepspeed(rank, world, port, stage, section):
     with __import__("deepspeed").zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
         for p in engine.module.parameters():
             h.update(p.detach().float().contiguous().view(torch.uint8).numpy().tobytes())
-    out = {"engine": type(engine).__name__, "digest": h.hexdigest(), "losses": [
-        x["loss"] for x in trainer.state.log_history if "loss" in x]}
+    out = {
+        "engine": type(engine).__name__,
+        "digest": h.hexdigest(),
+        "losses": [x["loss"] for x in trainer.state.log_history if "loss" in x],
+    }
     if callbacks:
         d = callbacks[0].state.stats()
         out["stats"] = {key: d[key] for key in ("calls", "raw_calls", "ratio", "bytes_saved", "steps")}
@@ -266,8 +341,11 @@ def _w_hf_deepspeed(rank, world, port, stage, section):
 
 def _run_deepspeed_ranks(fn, *args):
     # DeepSpeed's CPU accelerator and its shared-memory op, built once per machine.
-    env = {"DS_ACCELERATOR": "cpu", "NUMBA_NUM_THREADS": "2",
-           "TORCH_EXTENSIONS_DIR": os.path.join(tempfile.gettempdir(), f"comm_codec-tests-torch-extensions-{os.getuid()}")}
+    env = {
+        "DS_ACCELERATOR": "cpu",
+        "NUMBA_NUM_THREADS": "2",
+        "TORCH_EXTENSIONS_DIR": os.path.join(tempfile.gettempdir(), f"comm_codec-tests-torch-extensions-{os.getuid()}"),
+    }
     group = dist_utils.WorkerGroup(2, env=env)
     try:
         return group.run(fn, *args, timeout=900)
@@ -277,8 +355,7 @@ def _run_deepspeed_ranks(fn, *args):
 
 def test_hf_trainer_deepspeed_section_is_coded_and_bit_identical():
     for stage in (2, 3):
-        coded = _run_deepspeed_ranks(_w_hf_deepspeed, dist_utils.free_port(), stage, {"mode": "always",
-                                                                                      "min_bytes": 0})
+        coded = _run_deepspeed_ranks(_w_hf_deepspeed, dist_utils.free_port(), stage, {"mode": "always", "min_bytes": 0})
         plain = _run_deepspeed_ranks(_w_hf_deepspeed, dist_utils.free_port(), stage, None)
         for c, p in zip(coded, plain):
             assert c["engine"] == "DeepSpeedEngine"
@@ -295,8 +372,12 @@ def _w_accelerate_deepspeed(rank, world, port, stage, section):
 
     from comm_codec.integrations.accelerate import register
 
-    ds_config = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1,
-                 "zero_optimization": {"stage": stage}, "steps_per_print": 10_000}
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 16,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10_000,
+    }
     if section is not None:
         ds_config["comm_codec"] = section
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config))
@@ -327,8 +408,9 @@ def _w_accelerate_deepspeed(rank, world, port, stage, section):
 
 def test_accelerate_deepspeed_plugin_section_is_coded_and_bit_identical():
     for stage in (2, 3):
-        coded = _run_deepspeed_ranks(_w_accelerate_deepspeed, dist_utils.free_port(), stage,
-                                     {"mode": "always", "min_bytes": 0})
+        coded = _run_deepspeed_ranks(
+            _w_accelerate_deepspeed, dist_utils.free_port(), stage, {"mode": "always", "min_bytes": 0}
+        )
         plain = _run_deepspeed_ranks(_w_accelerate_deepspeed, dist_utils.free_port(), stage, None)
         for c, p in zip(coded, plain):
             assert c["engine"] == "DeepSpeedEngine" and c["state"] == "DeepSpeedState"

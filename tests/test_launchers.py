@@ -35,17 +35,40 @@ def env(tmp_path):
     shim.parent.mkdir()
     shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m torch.distributed.run "$@"\n')
     shim.chmod(0o755)
-    return dict(os.environ, PATH=f"{shim.parent}:{os.environ['PATH']}", OMP_NUM_THREADS="1",
-                DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"),
-                GLOO_SOCKET_IFNAME="lo")
+    return dict(
+        os.environ,
+        PATH=f"{shim.parent}:{os.environ['PATH']}",
+        OMP_NUM_THREADS="1",
+        DS_ACCELERATOR="cpu",
+        TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"),
+        GLOO_SOCKET_IFNAME="lo",
+    )
 
 
 def _two_nodes(script: str, rendezvous: list, extra: list, env: dict) -> list[str]:
     """Start the launcher once per "node" and return each node's output (both must exit 0)."""
-    procs = [subprocess.Popen(["bash", f"launch_scripts/{script}", "--nnodes", "2", "--node-rank", str(node),
-                               "--nproc-per-node", "1", *rendezvous, *extra], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for node in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                "bash",
+                f"launch_scripts/{script}",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "1",
+                *rendezvous,
+                *extra,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     outputs = []
     try:
         for proc in procs:
@@ -65,24 +88,32 @@ def test_run_ddp_on_two_nodes_with_a_c10d_rendezvous(env):
 
 
 def test_run_fsdp_on_two_nodes_with_a_static_master(env):
-    out = "".join(_two_nodes("run_fsdp.sh", ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())],
-                             TRAIN, env))
+    out = "".join(
+        _two_nodes("run_fsdp.sh", ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())], TRAIN, env)
+    )
     assert "2 processes" in out and "bit-identical" in out, out[-3000:]
 
 
 @pytest.mark.parametrize("stage", [3])
 def test_run_deepspeed_on_two_nodes(env, stage):
-    out = _two_nodes("run_deepspeed.sh", ["--rdzv-endpoint", f"127.0.0.1:{_free_port()}"],
-                     ["--steps", "3", "--zero-stage", str(stage), "--warmup-steps", "1", "--d-model", "64"], env)
+    out = _two_nodes(
+        "run_deepspeed.sh",
+        ["--rdzv-endpoint", f"127.0.0.1:{_free_port()}"],
+        ["--steps", "3", "--zero-stage", str(stage), "--warmup-steps", "1", "--d-model", "64"],
+        env,
+    )
     out = "".join(out)
     assert f"2 ranks, ZeRO {stage}" in out and "wire ratio" in out, out[-3000:]
 
 
 def test_launcher_options_are_checked_before_anything_starts():
-    for argv, message in ((["--nnodes", "2", "--node-rank", "0"], "needs --rdzv-endpoint HOST:PORT or --master-addr"),
-                          (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h"], "--node-rank 2 is not in 0..1"),
-                          (["--nnodes", "x"], "expected a number, got 'x'"),
-                          (["--rdzv-endpoint"], "--rdzv-endpoint needs a value")):
-        res = subprocess.run(["bash", "launch_scripts/run_ddp.sh", *argv], cwd=ROOT, capture_output=True, text=True,
-                             timeout=60)
+    for argv, message in (
+        (["--nnodes", "2", "--node-rank", "0"], "needs --rdzv-endpoint HOST:PORT or --master-addr"),
+        (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h"], "--node-rank 2 is not in 0..1"),
+        (["--nnodes", "x"], "expected a number, got 'x'"),
+        (["--rdzv-endpoint"], "--rdzv-endpoint needs a value"),
+    ):
+        res = subprocess.run(
+            ["bash", "launch_scripts/run_ddp.sh", *argv], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
         assert res.returncode == 2 and message in res.stderr, (argv, res.stderr)

@@ -63,15 +63,21 @@ LAYER_IMPORTS = {
 }
 FACADES = {"ddp", "fsdp", "deepspeed", "collectives", "dcp"}
 ROOT_EAGER = {f"{PACKAGE}.core.errors", f"{PACKAGE}.core.version", f"{PACKAGE}.core.logs"}  # what __init__ may import
-ISOLATED = {f"{PACKAGE}.core.errors", f"{PACKAGE}.core.version", f"{PACKAGE}.core.logs"}  # import nothing of the package
+ISOLATED = {
+    f"{PACKAGE}.core.errors",
+    f"{PACKAGE}.core.version",
+    f"{PACKAGE}.core.logs",
+}  # import nothing of the package
 # layer -> the only outside top-level packages it may import (absent: any)
 EXTERNAL_ALLOWED = {"kernels": set(sys.stdlib_module_names) | {"numpy", "numba", "llvmlite"}}
 # layer -> outside modules it must never import (the module or anything under it)
 EXTERNAL_FORBIDDEN = {"books": ("torch.distributed",), "checkpoint": ("torch.distributed",)}
 # module -> outside modules it may import although its layer forbids them: the DCP storage
 # subclasses torch.distributed.checkpoint's reader and writer (and nothing else of torch.distributed)
-EXTERNAL_EXEMPT = {f"{PACKAGE}.checkpoint.dcp": ("torch.distributed.checkpoint",),
-                   f"{PACKAGE}.checkpoint._dcp_metadata": ("torch.distributed.checkpoint",)}
+EXTERNAL_EXEMPT = {
+    f"{PACKAGE}.checkpoint.dcp": ("torch.distributed.checkpoint",),
+    f"{PACKAGE}.checkpoint._dcp_metadata": ("torch.distributed.checkpoint",),
+}
 # the public API of namedtuples, which is spelled with an underscore
 NAMEDTUPLE_API = {"_asdict", "_replace", "_fields", "_field_defaults", "_make"}
 
@@ -118,8 +124,9 @@ def load_package(root: Path, shown_from: Path | None = None) -> Package:
             parts.pop()
         text = path.read_text(encoding="utf-8")
         name = ".".join(parts)
-        pkg.modules[name] = Module(name, path, is_pkg, ast.parse(text, str(path)), len(text.splitlines()),
-                                   str(path.relative_to(base)))
+        pkg.modules[name] = Module(
+            name, path, is_pkg, ast.parse(text, str(path)), len(text.splitlines()), str(path.relative_to(base))
+        )
     return pkg
 
 
@@ -195,8 +202,12 @@ def layer_of(pkg: Package, name: str) -> str:
     first = parts[1]
     if first == "__main__":
         return "main"
-    if first in FACADES and len(parts) == 2 and f"{pkg.name}.{first}" in pkg.modules \
-            and not pkg.modules[f"{pkg.name}.{first}"].is_pkg:
+    if (
+        first in FACADES
+        and len(parts) == 2
+        and f"{pkg.name}.{first}" in pkg.modules
+        and not pkg.modules[f"{pkg.name}.{first}"].is_pkg
+    ):
         return "facade"
     if first in LAYER_IMPORTS:
         return first
@@ -222,8 +233,10 @@ def check_layers(pkg: Package) -> list[str]:
                 top = imp.target.split(".")[0]
                 allowed = EXTERNAL_ALLOWED.get(layer)
                 if allowed is not None and top not in allowed:
-                    bad.append(f"{where}: {layer} imports {imp.target} (a {layer} module may import only "
-                               f"the standard library and {', '.join(sorted(allowed - set(sys.stdlib_module_names)))})")
+                    bad.append(
+                        f"{where}: {layer} imports {imp.target} (a {layer} module may import only "
+                        f"the standard library and {', '.join(sorted(allowed - set(sys.stdlib_module_names)))})"
+                    )
                 full = imp.target if imp.name is None else f"{imp.target}.{imp.name}"
                 exempt = EXTERNAL_EXEMPT.get(mod.name, ())
                 for banned in EXTERNAL_FORBIDDEN.get(layer, ()):
@@ -244,8 +257,10 @@ def check_layers(pkg: Package) -> list[str]:
                 continue
             if layer == "root":
                 if dep not in ROOT_EAGER:
-                    bad.append(f"{where}: the package root imports {what} eagerly (only "
-                               f"{', '.join(sorted(ROOT_EAGER))}; load the rest lazily)")
+                    bad.append(
+                        f"{where}: the package root imports {what} eagerly (only "
+                        f"{', '.join(sorted(ROOT_EAGER))}; load the rest lazily)"
+                    )
                 continue
             dep_layer = layer_of(pkg, dep)
             if dep_layer == layer:
@@ -335,8 +350,12 @@ def private_definitions(mod: Module) -> set[str]:
                     for n in ast.walk(t):
                         if isinstance(n, ast.Name):
                             names.add(n.id)
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
-                and isinstance(node.value, ast.Name) and node.value.id == "self":
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        ):
             names.add(node.attr)
     return {n for n in names if _private(n)}
 
@@ -384,15 +403,21 @@ def check_private(pkg: Package) -> list[str]:
     for mod in pkg.modules.values():
         for imp in imports_of(pkg, mod):
             if imp.name is not None and _private(imp.name) and _is_package(pkg, imp.target):
-                bad.append(f"{mod.shown}:{imp.line}: from {imp.target} import {imp.name} (a private name of "
-                           f"another module)")
+                bad.append(
+                    f"{mod.shown}:{imp.line}: from {imp.target} import {imp.name} (a private name of another module)"
+                )
         bound = _module_bindings(pkg, mod)
         for node in ast.walk(mod.tree):
             if isinstance(node, ast.Attribute):
                 obj, attr = node.value, node.attr
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
-                    and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2 \
-                    and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+            ):
                 obj, attr = node.args[0], node.args[1].value
             else:
                 continue
@@ -416,8 +441,11 @@ def check_private(pkg: Package) -> list[str]:
 
 def check_sizes(pkg: Package, max_lines: int = MAX_LINES) -> list[str]:
     """Every module longer than ``max_lines`` lines."""
-    return [f"{mod.shown}: {mod.nlines} lines (at most {max_lines})"
-            for mod in pkg.modules.values() if mod.nlines > max_lines]
+    return [
+        f"{mod.shown}: {mod.nlines} lines (at most {max_lines})"
+        for mod in pkg.modules.values()
+        if mod.nlines > max_lines
+    ]
 
 
 # -- the real package ------------------------------------------------------------------------
@@ -439,8 +467,18 @@ def _fail_listing(title: str, bad: list[str]) -> None:
 
 def test_the_checker_sees_every_layer(package):
     layers = {layer_of(package, m) for m in package.modules}
-    assert {"kernels", "core", "books", "comm", "checkpoint", "integrations", "tools", "root", "facade",
-            "main"} <= layers, layers
+    assert {
+        "kernels",
+        "core",
+        "books",
+        "comm",
+        "checkpoint",
+        "integrations",
+        "tools",
+        "root",
+        "facade",
+        "main",
+    } <= layers, layers
     assert sum(len(imports_of(package, mod)) for mod in package.modules.values()) > 100
 
 
@@ -482,21 +520,21 @@ CLEAN = {
     "__main__.py": "from .tools.cli import main\n",
     "ddp.py": "from .comm.ddp import *\n",
     "kernels/cpu.py": "import numpy as np\nimport numba\nimport os\n\ndef _kernel(x):\n    return x\n\n"
-                      "def encode(x):\n    return _kernel(x)\n",
+    "def encode(x):\n    return _kernel(x)\n",
     "core/errors.py": "class FrameError(ValueError):\n    pass\n",
     "core/version.py": "__version__ = '0.1.0'\n",
     "core/frame.py": "import torch\nfrom ..kernels import cpu\nfrom .errors import FrameError\n\n"
-                     "class Frame:\n    _cache = None\n\n    def __init__(self):\n        self._n = 0\n\n"
-                     "    def _grow(self):\n        self._n += 1\n        return self.__class__, cpu.encode(1)\n",
+    "class Frame:\n    _cache = None\n\n    def __init__(self):\n        self._n = 0\n\n"
+    "    def _grow(self):\n        self._n += 1\n        return self.__class__, cpu.encode(1)\n",
     "books/profiler.py": "import torch\nfrom ..core.frame import Frame\n",
     "comm/engine.py": "import torch.distributed as dist\nfrom ..books import profiler\nfrom ..core import frame\n\n"
-                      "def step(f):\n    from ..kernels.cpu import encode\n    return f.__dict__, frame.Frame\n",
+    "def step(f):\n    from ..kernels.cpu import encode\n    return f.__dict__, frame.Frame\n",
     "comm/ddp.py": "from .engine import step\n__all__ = ['step']\n",
     "checkpoint/files.py": "import zlib\nfrom ..core.frame import Frame\nfrom collections import namedtuple\n\n"
-                           "def f(t):\n    return t._replace(a=1), t._asdict()\n",
+    "def f(t):\n    return t._replace(a=1), t._asdict()\n",
     "integrations/hf.py": "from ..comm.ddp import step\n",
     "tools/cli.py": "import importlib\nfrom ..checkpoint import files\nfrom ..comm import engine\n\n"
-                    "def main():\n    return importlib.import_module('comm_codec.integrations.hf')\n",
+    "def main():\n    return importlib.import_module('comm_codec.integrations.hf')\n",
 }
 
 
@@ -512,59 +550,113 @@ def test_checker_passes_a_clean_package(tmp_path):
 
 
 def test_relative_imports_resolve_in_packages_and_modules(tmp_path):
-    pkg = make_package(tmp_path, {**CLEAN, "core/__init__.py": "from .frame import Frame\nfrom .. import kernels\n",
-                                  "core/sub/deep.py": "from ...kernels.cpu import encode\nfrom .. import frame\n"})
-    assert {i.module for i in imports_of(pkg, pkg.modules["comm_codec.core"])} == {"comm_codec.core.frame",
-                                                                                  "comm_codec.kernels"}
+    pkg = make_package(
+        tmp_path,
+        {
+            **CLEAN,
+            "core/__init__.py": "from .frame import Frame\nfrom .. import kernels\n",
+            "core/sub/deep.py": "from ...kernels.cpu import encode\nfrom .. import frame\n",
+        },
+    )
+    assert {i.module for i in imports_of(pkg, pkg.modules["comm_codec.core"])} == {
+        "comm_codec.core.frame",
+        "comm_codec.kernels",
+    }
     assert {i.module for i in imports_of(pkg, pkg.modules["comm_codec.core.sub.deep"])} == {
-        "comm_codec.kernels.cpu", "comm_codec.core.frame"}
+        "comm_codec.kernels.cpu",
+        "comm_codec.core.frame",
+    }
 
 
 def test_checker_finds_a_two_module_cycle(tmp_path):
-    pkg = make_package(tmp_path, {**CLEAN, "core/a.py": "from . import b\n",
-                                  "core/b.py": "def f():\n    from .a import thing\n"})
+    pkg = make_package(
+        tmp_path, {**CLEAN, "core/a.py": "from . import b\n", "core/b.py": "def f():\n    from .a import thing\n"}
+    )
     assert find_cycles(pkg) == [["comm_codec.core.a", "comm_codec.core.b"]]
     (msg,) = check_cycles(pkg)
     assert "core/a.py:1 -> comm_codec.core.b" in msg and "core/b.py:2 -> comm_codec.core.a" in msg
 
 
 def test_checker_finds_a_longer_cycle_through_import_statements(tmp_path):
-    pkg = make_package(tmp_path, {**CLEAN, "comm/a.py": "import comm_codec.comm.b\n",
-                                  "comm/b.py": "from comm_codec.comm import c\n", "comm/c.py": "from .a import x\n"})
+    pkg = make_package(
+        tmp_path,
+        {
+            **CLEAN,
+            "comm/a.py": "import comm_codec.comm.b\n",
+            "comm/b.py": "from comm_codec.comm import c\n",
+            "comm/c.py": "from .a import x\n",
+        },
+    )
     assert find_cycles(pkg) == [["comm_codec.comm.a", "comm_codec.comm.b", "comm_codec.comm.c"]]
 
 
 def test_checker_finds_a_function_level_upward_import(tmp_path):
-    pkg = make_package(tmp_path, {**CLEAN, "core/codec.py": "def f():\n    if True:\n"
-                                  "        from ..comm.engine import step\n"})
-    assert check_layers(pkg) == ["comm_codec/core/codec.py:3: core imports from comm_codec.comm.engine import step (comm layer; "
-                                 "core may import kernels)"]
+    pkg = make_package(
+        tmp_path, {**CLEAN, "core/codec.py": "def f():\n    if True:\n        from ..comm.engine import step\n"}
+    )
+    assert check_layers(pkg) == [
+        "comm_codec/core/codec.py:3: core imports from comm_codec.comm.engine import step (comm layer; "
+        "core may import kernels)"
+    ]
 
 
-@pytest.mark.parametrize("where, source, expected", [
-    ("checkpoint/x.py", "from ..comm import engine\n", "checkpoint imports from comm_codec.comm import engine (comm layer"),
-    ("checkpoint/x.py", "import torch.distributed as dist\n", "never uses torch.distributed"),
-    ("checkpoint/x.py", "from torch.distributed import checkpoint\n", "never uses torch.distributed"),
-    ("books/x.py", "from torch import distributed\n", "never uses torch.distributed"),
-    ("kernels/x.py", "import torch\n", "kernels imports torch (a kernels module may import only"),
-    ("kernels/x.py", "from ..core.frame import Frame\n", "kernels imports from comm_codec.core.frame import Frame"),
-    ("core/errors.py", "from ..kernels import cpu\n", "comm_codec.core.errors imports from comm_codec.kernels import cpu"),
-    ("core/version.py", "from . import errors\n", "comm_codec.core.version imports from comm_codec.core import errors"),
-    ("comm/x.py", "from ..integrations.hf import y\n", "comm imports from comm_codec.integrations.hf import y"),
-    ("comm/x.py", "from ..checkpoint import files\n", "comm imports from comm_codec.checkpoint import files"),
-    ("integrations/x.py", "from ..tools.cli import main\n", "integrations imports from comm_codec.tools.cli import main"),
-    ("checkpoint/x.py", "def f():\n    from ..tools.cli import main\n", "nothing outside tools imports tools"),
-    ("comm/x.py", "import importlib\nimportlib.import_module('comm_codec.tools.cli')\n",
-     "nothing outside tools imports tools"),
-    ("core/x.py", "import importlib\nimportlib.import_module('..comm.engine', __package__)\n",
-     "core imports comm_codec.comm.engine (comm layer"),
-    ("__init__.py", "from .core.codec import Codec\n", "the package root imports from comm_codec.core.codec import Codec eagerly"),
-    ("fsdp.py", "from .core.frame import Frame\n", "facade imports from comm_codec.core.frame import Frame"),
-    ("core/x.py", "import comm_codec as cc\n", "imports the package root (comm_codec)"),
-    ("core/x.py", "from comm_codec import Codec\n", "imports the package root (from comm_codec import Codec)"),
-    ("tools/x.py", "def f():\n    from .. import Codec\n", "imports the package root (from comm_codec import Codec)"),
-    ("stray.py", "x = 1\n", "module comm_codec.stray is in no layer"),
-])
+@pytest.mark.parametrize(
+    "where, source, expected",
+    [
+        (
+            "checkpoint/x.py",
+            "from ..comm import engine\n",
+            "checkpoint imports from comm_codec.comm import engine (comm layer",
+        ),
+        ("checkpoint/x.py", "import torch.distributed as dist\n", "never uses torch.distributed"),
+        ("checkpoint/x.py", "from torch.distributed import checkpoint\n", "never uses torch.distributed"),
+        ("books/x.py", "from torch import distributed\n", "never uses torch.distributed"),
+        ("kernels/x.py", "import torch\n", "kernels imports torch (a kernels module may import only"),
+        ("kernels/x.py", "from ..core.frame import Frame\n", "kernels imports from comm_codec.core.frame import Frame"),
+        (
+            "core/errors.py",
+            "from ..kernels import cpu\n",
+            "comm_codec.core.errors imports from comm_codec.kernels import cpu",
+        ),
+        (
+            "core/version.py",
+            "from . import errors\n",
+            "comm_codec.core.version imports from comm_codec.core import errors",
+        ),
+        ("comm/x.py", "from ..integrations.hf import y\n", "comm imports from comm_codec.integrations.hf import y"),
+        ("comm/x.py", "from ..checkpoint import files\n", "comm imports from comm_codec.checkpoint import files"),
+        (
+            "integrations/x.py",
+            "from ..tools.cli import main\n",
+            "integrations imports from comm_codec.tools.cli import main",
+        ),
+        ("checkpoint/x.py", "def f():\n    from ..tools.cli import main\n", "nothing outside tools imports tools"),
+        (
+            "comm/x.py",
+            "import importlib\nimportlib.import_module('comm_codec.tools.cli')\n",
+            "nothing outside tools imports tools",
+        ),
+        (
+            "core/x.py",
+            "import importlib\nimportlib.import_module('..comm.engine', __package__)\n",
+            "core imports comm_codec.comm.engine (comm layer",
+        ),
+        (
+            "__init__.py",
+            "from .core.codec import Codec\n",
+            "the package root imports from comm_codec.core.codec import Codec eagerly",
+        ),
+        ("fsdp.py", "from .core.frame import Frame\n", "facade imports from comm_codec.core.frame import Frame"),
+        ("core/x.py", "import comm_codec as cc\n", "imports the package root (comm_codec)"),
+        ("core/x.py", "from comm_codec import Codec\n", "imports the package root (from comm_codec import Codec)"),
+        (
+            "tools/x.py",
+            "def f():\n    from .. import Codec\n",
+            "imports the package root (from comm_codec import Codec)",
+        ),
+        ("stray.py", "x = 1\n", "module comm_codec.stray is in no layer"),
+    ],
+)
 def test_checker_finds_layer_breaks(tmp_path, where, source, expected):
     pkg = make_package(tmp_path, {**CLEAN, where: source})
     bad = check_layers(pkg)
@@ -579,29 +671,42 @@ def test_checker_does_not_guess_an_anchor_it_cannot_read(tmp_path):
 
 
 def test_checker_lists_every_offender(tmp_path):
-    pkg = make_package(tmp_path, {**CLEAN, "kernels/x.py": "import torch\nimport scipy\n",
-                                  "core/x.py": "from ..comm import engine\n"})
+    pkg = make_package(
+        tmp_path, {**CLEAN, "kernels/x.py": "import torch\nimport scipy\n", "core/x.py": "from ..comm import engine\n"}
+    )
     assert len(check_layers(pkg)) == 3
 
 
 def test_checker_allows_submodule_imports_that_are_not_the_root(tmp_path):
-    pkg = make_package(tmp_path, {**CLEAN, "tools/x.py": "from .. import checkpoint, comm\nimport comm_codec.comm.ddp\n"})
+    pkg = make_package(
+        tmp_path, {**CLEAN, "tools/x.py": "from .. import checkpoint, comm\nimport comm_codec.comm.ddp\n"}
+    )
     assert check_layers(pkg) == []
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("from ..core.frame import _thing\n", "from comm_codec.core.frame import _thing"),
-    ("def f():\n    from ..core import _helpers\n", "from comm_codec.core import _helpers"),
-    ("from ..core import frame\nx = frame._anything\n", "frame._anything reaches into comm_codec.core.frame"),
-    ("import comm_codec.core.frame as fr\nx = fr._y\n", "fr._y reaches into comm_codec.core.frame"),
-    ("import comm_codec.core.frame\nx = comm_codec.core.frame._y\n",
-     "comm_codec.core.frame._y reaches into comm_codec.core.frame"),
-    ("def f(state):\n    return state.frame._grow()\n", "state.frame._grow uses a private member defined in "
-     "comm_codec.core.frame"),
-    ("def f(s):\n    s._n = 3\n", "s._n uses a private member defined in comm_codec.core.frame"),
-    ("def f(s):\n    return getattr(s, '_cache')\n", "s._cache uses a private member defined in comm_codec.core.frame"),
-    ("class B:\n    def f(self):\n        return super()._grow()\n", "super()._grow uses a private member"),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("from ..core.frame import _thing\n", "from comm_codec.core.frame import _thing"),
+        ("def f():\n    from ..core import _helpers\n", "from comm_codec.core import _helpers"),
+        ("from ..core import frame\nx = frame._anything\n", "frame._anything reaches into comm_codec.core.frame"),
+        ("import comm_codec.core.frame as fr\nx = fr._y\n", "fr._y reaches into comm_codec.core.frame"),
+        (
+            "import comm_codec.core.frame\nx = comm_codec.core.frame._y\n",
+            "comm_codec.core.frame._y reaches into comm_codec.core.frame",
+        ),
+        (
+            "def f(state):\n    return state.frame._grow()\n",
+            "state.frame._grow uses a private member defined in comm_codec.core.frame",
+        ),
+        ("def f(s):\n    s._n = 3\n", "s._n uses a private member defined in comm_codec.core.frame"),
+        (
+            "def f(s):\n    return getattr(s, '_cache')\n",
+            "s._cache uses a private member defined in comm_codec.core.frame",
+        ),
+        ("class B:\n    def f(self):\n        return super()._grow()\n", "super()._grow uses a private member"),
+    ],
+)
 def test_checker_finds_private_names_across_modules(tmp_path, source, expected):
     pkg = make_package(tmp_path, {**CLEAN, "comm/x.py": source})
     bad = check_private(pkg)
@@ -609,19 +714,23 @@ def test_checker_finds_private_names_across_modules(tmp_path, source, expected):
     assert bad[0].startswith("comm_codec/comm/x.py:")
 
 
-@pytest.mark.parametrize("source", [
-    "class A:\n    def __init__(self):\n        self._n = 1\n\n    def f(self, other):\n        return other._n\n",
-    "def f(x):\n    return x.__class__, x.__dict__\n",
-    "def f(t):\n    return t._replace(), t._fields\n",
-    "class A:\n    def f(self):\n        return self._grow(), type(self).__name__\n",
-    "import torch\nx = torch._C\n",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "class A:\n    def __init__(self):\n        self._n = 1\n\n    def f(self, other):\n        return other._n\n",
+        "def f(x):\n    return x.__class__, x.__dict__\n",
+        "def f(t):\n    return t._replace(), t._fields\n",
+        "class A:\n    def f(self):\n        return self._grow(), type(self).__name__\n",
+        "import torch\nx = torch._C\n",
+    ],
+)
 def test_checker_allows_own_and_dunder_and_outside_names(tmp_path, source):
     pkg = make_package(tmp_path, {**CLEAN, "comm/x.py": source})
     assert check_private(pkg) == []
 
 
 def test_checker_finds_long_files(tmp_path):
-    pkg = make_package(tmp_path, {**CLEAN, "core/big.py": "x = 1\n" * (MAX_LINES + 1),
-                                  "core/ok.py": "x = 1\n" * MAX_LINES})
+    pkg = make_package(
+        tmp_path, {**CLEAN, "core/big.py": "x = 1\n" * (MAX_LINES + 1), "core/ok.py": "x = 1\n" * MAX_LINES}
+    )
     assert check_sizes(pkg) == [f"comm_codec/core/big.py: {MAX_LINES + 1} lines (at most {MAX_LINES})"]

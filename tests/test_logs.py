@@ -38,8 +38,9 @@ def test_set_verbosity_shows_the_codec_is_on_and_none_takes_it_back(capsys, quie
 def test_the_environment_variable_switches_it_on_at_import():
     code = "import comm_codec.ddp as d; d.HuffmanState(mode='never')"
     env = {"COMM_CODEC_VERBOSITY": "info", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
-                         check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, check=False
+    )
     assert out.returncode == 0, out.stderr
     assert "[comm_codec INFO] HuffmanState: mode=never" in out.stderr
 

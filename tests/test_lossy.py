@@ -105,7 +105,7 @@ def test_torch_chain_reconstructs_within_recorded_bounds(series, tmp_path):
             if rec["coding"] == "residual":
                 # Pruned residuals are below the threshold, kept ones within the quantization
                 # error; the fp32 sum adds at most one rounding.
-                assert err <= rec["stats"]["bound"] * (1 + 1e-6) + 2 ** -23 * t.abs().max().item(), name
+                assert err <= rec["stats"]["bound"] * (1 + 1e-6) + 2**-23 * t.abs().max().item(), name
         index = lossy.read_index(ccl)
         assert index["reconstruction"]["sha256"] != index["source"]["sha256"]
 
@@ -183,8 +183,9 @@ def test_weights_only_checkpoint_falls_back_and_says_so(tmp_path, caplog):
     assert any("weights-only" in n and "error budget" in n for n in s.notes)
     assert s.errors["weight"] <= lossy.DEFAULT_MAX_ERROR
     with caplog.at_level("WARNING", logger="comm_codec.checkpoint.lossy"):
-        s = lossy.compress_file(tmp_path / "b.safetensors", tmp_path / "b.ccl", base=tmp_path / "a.ccl",
-                                alpha=lossy.DEFAULT_ALPHA)
+        s = lossy.compress_file(
+            tmp_path / "b.safetensors", tmp_path / "b.ccl", base=tmp_path / "a.ccl", alpha=lossy.DEFAULT_ALPHA
+        )
     assert any("weights-only" in n for n in s.notes) and "weights-only" in caplog.text
     assert any("weights-only" in n for n in lossy.read_index(tmp_path / "b.ccl")["notes"])
     lossy.decompress_file(tmp_path / "b.ccl", tmp_path / "b.out")
@@ -248,8 +249,13 @@ def test_precision_mode_bounds(tmp_path, keep):
     base = torch.randn(4096, generator=g) * torch.exp(torch.randn(4096, generator=g) * 3)
     special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-40, 3.4028235e38, -3.4e38, 0.0])
     f32 = torch.cat([base, special])
-    tensors = {"f32": f32, "bf16": f32.to(torch.bfloat16), "f16": (base * 1e-3).to(torch.float16),
-               "ids": torch.arange(3000), "small": torch.randn(10, generator=g)}
+    tensors = {
+        "f32": f32,
+        "bf16": f32.to(torch.bfloat16),
+        "f16": (base * 1e-3).to(torch.float16),
+        "ids": torch.arange(3000),
+        "small": torch.randn(10, generator=g),
+    }
     save_file(tensors, tmp_path / "p.safetensors")
     s = lossy.compress_file(tmp_path / "p.safetensors", tmp_path / "p.ccl", mode="precision", keep_bits=keep)
     lossy.decompress_file(tmp_path / "p.ccl", tmp_path / "p.out")

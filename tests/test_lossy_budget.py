@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from comm_codec.checkpoint import lossy
 from comm_codec.checkpoint.lossy_budget import _lloyd, _Sorted, choose, estimate
 from comm_codec.checkpoint.lossy_transforms import quantize
+
 from helpers import run_cli
 
 pytestmark = pytest.mark.unit
@@ -30,8 +31,12 @@ def _fresh_cache():
 def _series(count: int, seed: int = 0) -> list[dict]:
     """A made-up AdamW run: fp32, bf16 and fp16 weights (matrices and vectors) with their moments."""
     rng = np.random.default_rng(seed)
-    w = {"emb": rng.normal(0, 0.05, (200, 48)), "fc": rng.normal(0, 0.05, (48, 96)),
-         "half": rng.normal(0, 0.5, (64, 80)), "bias": rng.normal(0, 0.01, 4096)}
+    w = {
+        "emb": rng.normal(0, 0.05, (200, 48)),
+        "fc": rng.normal(0, 0.05, (48, 96)),
+        "half": rng.normal(0, 0.5, (64, 80)),
+        "bias": rng.normal(0, 0.01, 4096),
+    }
     dtypes = {"emb": torch.float32, "fc": torch.bfloat16, "half": torch.float16, "bias": torch.float32}
     out = []
     for _ in range(count):

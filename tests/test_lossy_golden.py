@@ -29,9 +29,11 @@ FILES = ("lossy_v1_key.ccl", "lossy_v1_delta.ccl")
 def series() -> list[dict]:
     """Two checkpoints of a made-up AdamW run: weights, exp_avg, exp_avg_sq (fp32 and bf16)."""
     rng = np.random.default_rng(50)
-    w = {"a.weight": rng.normal(0, 0.05, (64, 96)).astype(np.float32),
-         "b.weight": rng.normal(0, 0.05, (96, 64)).astype(np.float32),
-         "b.bias": rng.normal(0, 0.01, 4096).astype(np.float32)}
+    w = {
+        "a.weight": rng.normal(0, 0.05, (64, 96)).astype(np.float32),
+        "b.weight": rng.normal(0, 0.05, (96, 64)).astype(np.float32),
+        "b.bias": rng.normal(0, 0.01, 4096).astype(np.float32),
+    }
     out = []
     for _ in range(2):
         state = {}

@@ -35,8 +35,9 @@ def test_a_shaped_namespace_holds_only_loopback_and_is_deleted_after():
         assert ns in _listed()
         shown = netns.shape(ns, "2gbit")
         assert "tbf" in shown and "rate 2Gbit" in shown, shown
-        links = subprocess.run(netns.exec_argv(ns, ["ip", "-o", "link", "show"]), capture_output=True, text=True,
-                               check=True).stdout
+        links = subprocess.run(
+            netns.exec_argv(ns, ["ip", "-o", "link", "show"]), capture_output=True, text=True, check=True
+        ).stdout
         assert [line.split(":")[1].strip() for line in links.splitlines()] == ["lo"]
         probe = [sys.executable, "-c", "import os; print(os.environ['GLOO_SOCKET_IFNAME'])"]
         env = subprocess.run(netns.exec_argv(ns, probe), capture_output=True, text=True, check=True).stdout

@@ -53,7 +53,7 @@ def test_write_plane_is_the_naive_packing_and_stays_inside_its_end(k, n):
         out = np.full(size + 64, SENTINEL, dtype=np.uint8)
         _write(sym, n, k, out, end)
         assert out[:size].tobytes() == _naive_plane(sym[:n].tolist(), k)
-        assert (out[max(end, size):] == SENTINEL).all(), "written past the end"
+        assert (out[max(end, size) :] == SENTINEL).all(), "written past the end"
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
@@ -82,8 +82,13 @@ def test_plane_bytes():
 
 def _books():
     default = cc.CodebookSet.default()
-    out = [(b, dt) for dt in ("fp16", "fp8_e4m3", "fp8_e5m2") for kind in ("gradient", "weight")
-           for b in default.group(kind, dt, 0) if not b.raw]
+    out = [
+        (b, dt)
+        for dt in ("fp16", "fp8_e4m3", "fp8_e5m2")
+        for kind in ("gradient", "weight")
+        for b in default.group(kind, dt, 0)
+        if not b.raw
+    ]
     rng = np.random.default_rng(3)
     for _ in range(6):
         counts = rng.integers(0, 1000, 256) * (rng.random(256) < 0.4)

@@ -96,16 +96,23 @@ def _env(cache) -> dict:
 def test_after_precompile_no_public_path_compiles(tmp_path):
     cache = tmp_path / "numba"
     start = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "comm_codec", "precompile"], env=_env(cache), capture_output=True,
-                         text=True, timeout=1200, cwd=tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-m", "comm_codec", "precompile"],
+        env=_env(cache),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stderr
     seconds = time.perf_counter() - start
     assert "checkpoint" in run.stdout and "kernels ready" in run.stdout
     # The precompile itself says it is compiling, before it does, at WARNING.
     assert "comm_codec is compiling its numba kernels" in run.stderr
 
-    every = subprocess.run([sys.executable, "-c", _EVERY_PATH], env=_env(cache), capture_output=True, text=True,
-                           timeout=1200, cwd=tmp_path)
+    every = subprocess.run(
+        [sys.executable, "-c", _EVERY_PATH], env=_env(cache), capture_output=True, text=True, timeout=1200, cwd=tmp_path
+    )
     assert every.returncode == 0, every.stderr[-4000:]
     assert "COMPILED 0" in every.stdout, f"compiled after a precompile of {seconds:.0f} s:\n{every.stdout}"
     assert "comm_codec is compiling" not in every.stderr
@@ -139,8 +146,14 @@ def test_a_first_compile_is_said_before_it_is_waited_for(tmp_path):
         total = time.perf_counter() - t0
         print("SAID", len(said), said[0] if said else -1, total)
     """)
-    run = subprocess.run([sys.executable, "-c", script], env=_env(tmp_path / "numba"), capture_output=True, text=True,
-                         timeout=900, cwd=tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        env=_env(tmp_path / "numba"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     _, count, first, total = run.stdout.split()[-4:]
     assert int(count) == 1, run.stderr

@@ -330,7 +330,7 @@ def test_stream_counts_are_the_symbols_the_encoder_codes(dtype, numel):
     width, _, exp_shift, _ = naive.LAYOUT[dtype]
     want = np.zeros((width, 256), dtype=np.int64)
     for c, (_, ref, _, _, _) in enumerate(frame.table):
-        for s, stream in enumerate(naive.split(x[c * chunk:(c + 1) * chunk])):
+        for s, stream in enumerate(naive.split(x[c * chunk : (c + 1) * chunk])):
             sub = (ref << exp_shift) if (s == 0 and exp_shift is not None) else 0
             for sym in stream:
                 want[s, (sym - sub) % 256] += 1
@@ -353,9 +353,17 @@ def test_profile_help_states_the_entry_contract(capsys):
         main(["profile", "--help"])
     assert exc.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for needed in ("function(prof, steps)", "prof.step()", "steps = --steps + --holdout", "torchrun",
-                   "launch_scripts/profile_codebooks.py", "(default: 5)", "(default: 0)",
-                   "(default: codebooks.json)", "(default: 8)"):
+    for needed in (
+        "function(prof, steps)",
+        "prof.step()",
+        "steps = --steps + --holdout",
+        "torchrun",
+        "launch_scripts/profile_codebooks.py",
+        "(default: 5)",
+        "(default: 0)",
+        "(default: codebooks.json)",
+        "(default: 8)",
+    ):
         assert needed in text, needed
 
 
@@ -383,8 +391,11 @@ def _second_byte_saves_a_little(n=200_000):
     """fp32 whose second stream (the top mantissa byte) takes 200 of its 256 values: a
     book saves ~3.5 % of that stream's bits, with 7- and 8-bit codes."""
     g = torch.Generator().manual_seed(5)
-    bits = ((torch.randint(120, 124, (n,), generator=g) << 23) | (torch.randint(0, 200, (n,), generator=g) << 15)
-            | torch.randint(0, 1 << 15, (n,), generator=g))
+    bits = (
+        (torch.randint(120, 124, (n,), generator=g) << 23)
+        | (torch.randint(0, 200, (n,), generator=g) << 15)
+        | torch.randint(0, 1 << 15, (n,), generator=g)
+    )
     sign = 1 - 2 * torch.randint(0, 2, (n,), generator=g).float()
     return bits.to(torch.int32).view(torch.float32) * sign
 
@@ -392,8 +403,13 @@ def _second_byte_saves_a_little(n=200_000):
 @pytest.mark.parametrize("max_books", [1, 8])
 def test_wire_kinds_leave_a_stream_that_saves_little_raw(max_books):
     t = _second_byte_saves_a_little()
-    for kind, coded in (("gradient", False), ("reduced_gradient", False), ("activation", False),
-                        ("optimizer_state", True), ("weight", True)):
+    for kind, coded in (
+        ("gradient", False),
+        ("reduced_gradient", False),
+        ("activation", False),
+        ("optimizer_state", True),
+        ("weight", True),
+    ):
         prof = WarmupProfiler(max_books=max_books)
         prof.observe(t, kind=kind)
         books = prof.build()

@@ -17,19 +17,45 @@ from comm_codec.checkpoint.schema import Anything, Int, ListOf, MapOf, Nullable,
 
 pytestmark = pytest.mark.unit
 
-_SCALAR = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
-                    st.text(max_size=6), st.sampled_from(["frame", "stored", "a", "bb", 1, 2, 0, -1, True, 1.0]))
-_JSON = st.recursive(_SCALAR, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                     st.dictionaries(st.sampled_from(["a", "b", "c", "n"]), inner,
-                                                                     max_size=4)), max_leaves=12)
+_SCALAR = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True),
+    st.text(max_size=6),
+    st.sampled_from(["frame", "stored", "a", "bb", 1, 2, 0, -1, True, 1.0]),
+)
+_JSON = st.recursive(
+    _SCALAR,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(["a", "b", "c", "n"]), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
 
 _SPECS = [
-    Int(), Int(-1, 5), Num(), Num(finite=False), Num(lo=0.0), Str(), Str(2), Str(length=2),
-    OneOf("frame", "stored"), OneOf(1, 2), OneOf(True), ListOf(Int(), 3), ListOf(Str()), Row(Int(), Str()),
-    Row(Nullable(Int(0, 9)), OneOf("a", "bb")), MapOf(Str(1), Int()), Anything(dict), Anything(list),
+    Int(),
+    Int(-1, 5),
+    Num(),
+    Num(finite=False),
+    Num(lo=0.0),
+    Str(),
+    Str(2),
+    Str(length=2),
+    OneOf("frame", "stored"),
+    OneOf(1, 2),
+    OneOf(True),
+    ListOf(Int(), 3),
+    ListOf(Str()),
+    Row(Int(), Str()),
+    Row(Nullable(Int(0, 9)), OneOf("a", "bb")),
+    MapOf(Str(1), Int()),
+    Anything(dict),
+    Anything(list),
     Record({"a": Int(), "b": Nullable(Str())}, optional=("b",)),
     Record({"a": ListOf(Row(Int(), Num())), "n": Record({"c": OneOf(1)})}, optional=("n",)),
-    exact_index._INDEX, lossy_index._INDEX,
+    exact_index._INDEX,
+    lossy_index._INDEX,
 ]
 
 
@@ -49,13 +75,24 @@ def test_the_fast_walk_passes_nothing_the_naming_walk_refuses(value, k):
         spec.check(value, "index")  # must not raise
 
 
-@pytest.mark.parametrize("spec, good, bad", [
-    (Int(0, 3), 3, True), (Int(0, 3), 3, 4), (Num(), 1.5, math.inf), (Num(), 2, "2"), (Str(length=2), "ab", "a"),
-    (OneOf(1, 2), 2, 2.0), (OneOf("a"), "a", ["a"]), (ListOf(Int(), 2), [1, 2], [1, 2, 3]),
-    (Row(Int(), Str()), [1, "x"], [1, "x", 2]), (Row(Int(), Str()), [1, "x"], ["x", 1]),
-    (MapOf(Str(1), Int()), {"a": 1}, {"ab": 1}), (Nullable(Int()), None, -1),
-    (Record({"a": Int()}, optional=("b",)), {"a": 1, "z": "ignored"}, {"b": 1}),
-])
+@pytest.mark.parametrize(
+    "spec, good, bad",
+    [
+        (Int(0, 3), 3, True),
+        (Int(0, 3), 3, 4),
+        (Num(), 1.5, math.inf),
+        (Num(), 2, "2"),
+        (Str(length=2), "ab", "a"),
+        (OneOf(1, 2), 2, 2.0),
+        (OneOf("a"), "a", ["a"]),
+        (ListOf(Int(), 2), [1, 2], [1, 2, 3]),
+        (Row(Int(), Str()), [1, "x"], [1, "x", 2]),
+        (Row(Int(), Str()), [1, "x"], ["x", 1]),
+        (MapOf(Str(1), Int()), {"a": 1}, {"ab": 1}),
+        (Nullable(Int()), None, -1),
+        (Record({"a": Int()}, optional=("b",)), {"a": 1, "z": "ignored"}, {"b": 1}),
+    ],
+)
 def test_good_values_take_the_fast_walk_and_bad_ones_are_named(spec, good, bad):
     assert spec.ok(good) and _passes(spec, good)
     assert not spec.ok(bad)

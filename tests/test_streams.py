@@ -15,9 +15,7 @@ from helpers import bits_equal, random_bits
 pytestmark = pytest.mark.unit
 
 SIZES = [0, 1, 2, 7, 1000]
-SUPPORTED_MESSAGE = (
-    "supported dtypes are bfloat16, float16, float32, float8_e4m3fn, float8_e5m2, int8, uint8"
-)
+SUPPORTED_MESSAGE = "supported dtypes are bfloat16, float16, float32, float8_e4m3fn, float8_e5m2, int8, uint8"
 
 
 def _sample(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -62,13 +60,15 @@ def test_join_matches_naive_and_inverts_split(dtype, n):
     bits_equal(streams.join(streams.split(t), dtype), t)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32,
-                                   torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2], ids=str
+)
 def test_sign_is_the_last_bit_and_exponent_sits_at_exp_shift(dtype):
     # +x and -x differ only in the last stream's lowest bit; the exponent stream holds the
     # IEEE exponent field exp_shift bits up.
-    exp_bits = {torch.bfloat16: 8, torch.float16: 5, torch.float32: 8,
-                torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}[dtype]
+    exp_bits = {torch.bfloat16: 8, torch.float16: 5, torch.float32: 8, torch.float8_e4m3fn: 4, torch.float8_e5m2: 5}[
+        dtype
+    ]
     x32 = torch.tensor([1.0, 0.5, 2.0, 0.375, 3.0], dtype=torch.float32)
     x = x32.to(dtype)
     pos, neg = streams.split(x), streams.split((-x32).to(dtype))

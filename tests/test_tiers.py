@@ -15,7 +15,7 @@ pytestmark = pytest.mark.unit
 TESTS = Path(__file__).resolve().parent
 MARKERS = ["unit: u", "dist: d", "cli: c", "slow: s"]
 
-TIERED = '''
+TIERED = """
 import pytest
 
 pytestmark = pytest.mark.unit
@@ -42,14 +42,19 @@ def test_slow(request):
 @pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_cases(request, n):
     assert marks(request) == ({"unit"} if n == 1 else {"unit", "slow"})
-'''
+"""
 
 
 def _pytest(tree: Path, *args: str) -> subprocess.CompletedProcess:
     ini = "[pytest]\nmarkers =\n" + "".join(f"    {m}\n" for m in MARKERS)
     (tree / "pytest.ini").write_text(ini)
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--strict-markers",
-                           *args, str(tree)], cwd=tree, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--strict-markers", *args, str(tree)],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture

@@ -48,10 +48,16 @@ def corpus(tmp_path_factory):
     """Real files to start from: an exact and a lossy checkpoint of a small torch file."""
     d = tmp_path_factory.mktemp("corpus")
     w = _weights(40_000, torch.float32)
-    sd = {"model": {"w": w, "b": _weights(5000, torch.float32)},
-          "optimizer": {"state": {0: {"exp_avg": w * 0.1, "exp_avg_sq": w * w},
-                                  1: {"exp_avg": _weights(5000, torch.float32), "exp_avg_sq": _weights(5000, torch.float32) ** 2}},
-                        "param_groups": [{"params": [0, 1]}]}}
+    sd = {
+        "model": {"w": w, "b": _weights(5000, torch.float32)},
+        "optimizer": {
+            "state": {
+                0: {"exp_avg": w * 0.1, "exp_avg_sq": w * w},
+                1: {"exp_avg": _weights(5000, torch.float32), "exp_avg_sq": _weights(5000, torch.float32) ** 2},
+            },
+            "param_groups": [{"params": [0, 1]}],
+        },
+    }
     torch.save(sd, d / "a.pt")
     save_file({"w": _weights(50_000), "v": _weights(8000, torch.float32)}, d / "m.safetensors")
     ck.compress_file(d / "m.safetensors", d / "m.cckp")
@@ -64,6 +70,7 @@ def corpus(tmp_path_factory):
 
 def _cases(corpus, work):
     """Yield (label, argv, expected exit statuses) for every crafted input."""
+
     def path(name):
         return str(work / name)
 
@@ -77,8 +84,9 @@ def _cases(corpus, work):
     for _ in range(1536):
         parts.append(zeros.compress(block))
     parts.append(zeros.flush())
-    (work / "byteorder.pt").write_bytes(_zip_with_raw_deflate(crafted.torch_zip(b"\x80\x02N."), "archive/byteorder",
-                                                              b"".join(parts), 1536 * _MB))
+    (work / "byteorder.pt").write_bytes(
+        _zip_with_raw_deflate(crafted.torch_zip(b"\x80\x02N."), "archive/byteorder", b"".join(parts), 1536 * _MB)
+    )
     yield "1.5 GiB byteorder", ["compress", path("byteorder.pt"), path("byteorder.out")], (0,)
 
     # -- containers whose claimed sizes lie ----------------------------------------------
@@ -86,8 +94,11 @@ def _cases(corpus, work):
     text = json.dumps(exact.index, separators=(",", ":")).encode()
     claimed = crafted.Container.read(corpus / "m.cckp")
     blob = crafted.zstd_with_claimed_size(text, 1 << 40)
-    (work / "index_size.cckp").write_bytes(bytes(claimed.body) + blob + crafted.TRAILER.pack(
-        len(claimed.body), len(blob), zlib.crc32(blob), 1, 1, claimed.magic))
+    (work / "index_size.cckp").write_bytes(
+        bytes(claimed.body)
+        + blob
+        + crafted.TRAILER.pack(len(claimed.body), len(blob), zlib.crc32(blob), 1, 1, claimed.magic)
+    )
     for op in ("verify", "ls"):
         yield f"index claims 1 TiB ({op})", [op, path("index_size.cckp")], (2,)
     yield "index claims 1 TiB (decompress)", ["decompress", path("index_size.cckp"), path("index_size.out")], (2,)
@@ -95,7 +106,7 @@ def _cases(corpus, work):
     c = crafted.Container.read(corpus / "m.cckp")
     k = next(i for i, s in enumerate(c.index["segments"]) if s[4] == "zstd")
     seg = c.index["segments"][k]
-    payload = bytes(c.body[seg[2]:seg[2] + seg[3]])
+    payload = bytes(c.body[seg[2] : seg[2] + seg[3]])
     body = crafted.zstd_with_claimed_size(zstd_plain(payload), 1 << 41)
     _replace_segment(c, k, body)
     c.write(work / "seg_size.cckp")
@@ -128,19 +139,23 @@ def _cases(corpus, work):
     c = crafted.Container.read(corpus / "m.cckp")
     c.write(work / "deep.cckp", index_bytes=crafted.deep_json(100_000))
     yield "deeply nested JSON index", ["ls", path("deep.cckp")], (2,)
-    for label, edit in (("books origin", lambda ix: [e.pop("origin") for e in ix["books"].values()]),
-                        ("tensor kind", lambda ix: ix["tensors"][0].update(kind=5)),
-                        ("tensor shape", lambda ix: ix["tensors"][0].update(shape="x")),
-                        ("source format", lambda ix: ix["source"].update(format=[1]))):
+    for label, edit in (
+        ("books origin", lambda ix: [e.pop("origin") for e in ix["books"].values()]),
+        ("tensor kind", lambda ix: ix["tensors"][0].update(kind=5)),
+        ("tensor shape", lambda ix: ix["tensors"][0].update(shape="x")),
+        ("source format", lambda ix: ix["source"].update(format=[1])),
+    ):
         c = crafted.Container.read(corpus / "m.cckp")
         edit(c.index)
         name = label.replace(" ", "_") + ".cckp"
         c.write(work / name)
         for op in ("ls", "inspect"):
             yield f"bad {label} ({op})", [op, path(name)], (2,)
-    for label, edit in (("stats", lambda ix: ix["tensors"][0].update(stats=5)),
-                        ("params", lambda ix: ix.update(params=[1])),
-                        ("errors", lambda ix: ix.update(errors="x"))):
+    for label, edit in (
+        ("stats", lambda ix: ix["tensors"][0].update(stats=5)),
+        ("params", lambda ix: ix.update(params=[1])),
+        ("errors", lambda ix: ix.update(errors="x")),
+    ):
         c = crafted.Container.read(corpus / "a.ccl")
         edit(c.index)
         name = f"lossy_{label}.ccl"
@@ -159,18 +174,33 @@ def _cases(corpus, work):
 
     # -- non-regular inputs ---------------------------------------------------------------
     os.mkfifo(work / "fifo")
-    for argv in (["compress", path("fifo"), path("fifo.out")], ["decompress", path("fifo"), path("fifo.out")],
-                 ["verify", path("fifo")], ["ls", path("fifo")], ["inspect", path("fifo")]):
+    for argv in (
+        ["compress", path("fifo"), path("fifo.out")],
+        ["decompress", path("fifo"), path("fifo.out")],
+        ["verify", path("fifo")],
+        ["ls", path("fifo")],
+        ["inspect", path("fifo")],
+    ):
         yield f"FIFO ({argv[0]})", argv, (2,)
     yield "/dev/zero", ["compress", "/dev/zero", path("zero.out")], (2,)
     yield "/proc/self/status", ["compress", "/proc/self/status", path("proc.out")], (2,)
 
     # -- a shape whose element count wraps int64 ------------------------------------------
-    (work / "wrap.safetensors").write_bytes(_safetensors_raw(
-        {"w": ("BF16", [2**62 + 1, 65536], bytes(2 * 65536)), "exp_avg/w": ("BF16", [65536], bytes(2 * 65536)),
-         "exp_avg_sq/w": ("BF16", [65536], bytes(2 * 65536))}))
+    (work / "wrap.safetensors").write_bytes(
+        _safetensors_raw(
+            {
+                "w": ("BF16", [2**62 + 1, 65536], bytes(2 * 65536)),
+                "exp_avg/w": ("BF16", [65536], bytes(2 * 65536)),
+                "exp_avg_sq/w": ("BF16", [65536], bytes(2 * 65536)),
+            }
+        )
+    )
     yield "shape wraps int64 (exact)", ["compress", path("wrap.safetensors"), path("wrap.out")], (0,)
-    yield "shape wraps int64 (excp)", ["compress", path("wrap.safetensors"), path("wrap2.out"), "--lossy", "excp"], (0, 2)
+    yield (
+        "shape wraps int64 (excp)",
+        ["compress", path("wrap.safetensors"), path("wrap2.out"), "--lossy", "excp"],
+        (0, 2),
+    )
 
 
 def zstd_plain(payload: bytes) -> bytes:
@@ -184,10 +214,10 @@ def _replace_segment(c, k, payload: bytes) -> None:
     seg = c.index["segments"][k]
     old_end = seg[2] + seg[3] + (-seg[3] % 8)
     new = payload + bytes(-len(payload) % 8)
-    c.body[seg[2]:old_end] = new
+    c.body[seg[2] : old_end] = new
     shift = len(new) - (old_end - seg[2])
     seg[3], seg[5] = len(payload), zlib.crc32(payload)
-    for s in c.index["segments"][k + 1:]:
+    for s in c.index["segments"][k + 1 :]:
         s[2] += shift
 
 
@@ -206,18 +236,18 @@ def _one_frame_tensor(c, ti, frame: bytes, nbytes: int) -> None:
     t["shape"] = [nbytes // 2]
     t["dtype"] = "bfloat16"
     _rebuild_body(c, {first: frame})
-    for s in c.index["segments"][first + 1:]:
+    for s in c.index["segments"][first + 1 :]:
         s[0] += grow
-    for u in c.index["tensors"][ti + 1:]:
+    for u in c.index["tensors"][ti + 1 :]:
         u["offset"] += grow
     c.index["source"]["size"] += grow
 
 
 def _rebuild_body(c, replace: dict) -> None:
     """Lay every segment out again from the current body, with some payloads replaced."""
-    body = bytearray(c.body[:crafted.HEADER.size])
+    body = bytearray(c.body[: crafted.HEADER.size])
     for k, s in enumerate(c.index["segments"]):
-        payload = replace.get(k, bytes(c.body[s[2]:s[2] + s[3]]))
+        payload = replace.get(k, bytes(c.body[s[2] : s[2] + s[3]]))
         s[2], s[3] = len(body), len(payload)
         body += payload + bytes(-len(payload) % 8)
     c.body = body
@@ -238,8 +268,29 @@ def _zip_with_raw_deflate(zipped: bytes, name: str, raw_deflate: bytes, size: in
         off = len(out)
         out.extend(struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, method, 0, 0, crc, len(data), usize, len(fname), 0))
         out.extend(fname + data)
-        central.extend(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, method, 0, 0, crc, len(data), usize,
-                                   len(fname), 0, 0, 0, 0, 0, off) + fname)
+        central.extend(
+            struct.pack(
+                "<IHHHHHHIIIHHHHHII",
+                0x02014B50,
+                20,
+                20,
+                0,
+                method,
+                0,
+                0,
+                crc,
+                len(data),
+                usize,
+                len(fname),
+                0,
+                0,
+                0,
+                0,
+                0,
+                off,
+            )
+            + fname
+        )
 
     for i, data in entries:
         add(i.filename.encode(), 0, data, zlib.crc32(data), len(data))
@@ -264,8 +315,21 @@ def _safetensors_raw(tensors: dict) -> bytes:
 
 
 def _allowed_roots(work) -> list:
-    roots = {str(work), REPO, sys.prefix, sys.base_prefix, sysconfig.get_paths()["purelib"], "/proc/", "/sys/",
-             "/dev/null", "/dev/urandom", "/dev/shm", "/etc/localtime", "/usr/", "/lib"}
+    roots = {
+        str(work),
+        REPO,
+        sys.prefix,
+        sys.base_prefix,
+        sysconfig.get_paths()["purelib"],
+        "/proc/",
+        "/sys/",
+        "/dev/null",
+        "/dev/urandom",
+        "/dev/shm",
+        "/etc/localtime",
+        "/usr/",
+        "/lib",
+    }
     return sorted(r for r in roots if r)
 
 
@@ -291,8 +355,11 @@ def test_crafted_inputs_exit_cleanly_in_bounded_memory(corpus, tmp_path):
             bad.append(f"{label}: {'; '.join(problems)}")
     left = sorted(set(os.listdir(tmp_path)) - before - {"r.json", "cases.json"})
     # Outputs that succeeded are allowed (exit 0); temp files and failed outputs are not.
-    ok_outputs = {os.path.basename(argv[2]) for (_, argv, _), res in zip(cases, results)
-                  if res["rc"] == 0 and argv[0] in ("compress", "decompress")}
+    ok_outputs = {
+        os.path.basename(argv[2])
+        for (_, argv, _), res in zip(cases, results)
+        if res["rc"] == 0 and argv[0] in ("compress", "decompress")
+    }
     stray = [n for n in left if n not in ok_outputs]
     assert not bad and not stray, "\n".join(bad + [f"left behind: {stray}"])
 
@@ -341,8 +408,17 @@ def test_a_later_run_removes_stale_temp_files_of_dead_runs(tmp_path):
 # -- hypothesis: edits to a real index, resealed ------------------------------------------
 def _mutate(value, draw):
     kind = draw(st.sampled_from(["int", "neg", "huge", "str", "none", "list", "dict", "float", "bool"]))
-    return {"int": 7, "neg": -1, "huge": 1 << 70, "str": "x", "none": None, "list": [1, "a"], "dict": {"a": 1},
-            "float": 1.5, "bool": True}[kind]
+    return {
+        "int": 7,
+        "neg": -1,
+        "huge": 1 << 70,
+        "str": "x",
+        "none": None,
+        "list": [1, "a"],
+        "dict": {"a": 1},
+        "float": 1.5,
+        "bool": True,
+    }[kind]
 
 
 def _paths(obj, prefix=()):
@@ -355,8 +431,11 @@ def _paths(obj, prefix=()):
             yield from _paths(v, prefix + (i,))
 
 
-@settings(max_examples=int(os.environ.get("CC_HYP_EXAMPLES", "60")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+@settings(
+    max_examples=int(os.environ.get("CC_HYP_EXAMPLES", "60")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(data=st.data())
 def test_any_resealed_index_edit_is_refused_cleanly_or_restores_exactly(corpus, tmp_path_factory, data):
     work = tmp_path_factory.mktemp("hyp")
@@ -373,9 +452,13 @@ def test_any_resealed_index_edit_is_refused_cleanly_or_restores_exactly(corpus, 
         node[where[-1]] = _mutate(node[where[-1]], data.draw)
     c.write(work / name)
     reader = lossy if name.endswith(".ccl") else ck
-    for call in (lambda: reader.describe(work / name), lambda: reader.read_index(work / name),
-                 lambda: reader.verify_file(work / name) if reader is ck else reader.verify_file(work / name,
-                                                                                                   base=corpus / "a.ccl")):
+    for call in (
+        lambda: reader.describe(work / name),
+        lambda: reader.read_index(work / name),
+        lambda: (
+            reader.verify_file(work / name) if reader is ck else reader.verify_file(work / name, base=corpus / "a.ccl")
+        ),
+    ):
         try:
             call()
         except (ck.CheckpointError, OSError):

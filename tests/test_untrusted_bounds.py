@@ -93,35 +93,57 @@ def test_every_command_works_without_a_writable_numba_cache(tmp_path):
     """A copy of the package where no cache can be written, even by root: ``__pycache__`` is a
     file beside every module, HOME and NUMBA_CACHE_DIR lie under /dev/null."""
     copy = tmp_path / "ro"
-    shutil.copytree(os.path.join(REPO, "comm_codec"), copy / "comm_codec",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(os.path.join(REPO, "comm_codec"), copy / "comm_codec", ignore=shutil.ignore_patterns("__pycache__"))
     for folder, _, _ in os.walk(copy / "comm_codec"):
         open(os.path.join(folder, "__pycache__"), "w").close()
     env = {k: v for k, v in os.environ.items() if k not in ("XDG_CACHE_HOME", "PYTHONPATH")}
-    env.update(HOME="/dev/null", NUMBA_CACHE_DIR="/dev/null/numba", PYTHONPATH=f"{copy}{os.pathsep}{REPO}/tests",
-               PYTHONDONTWRITEBYTECODE="1")
+    env.update(
+        HOME="/dev/null",
+        NUMBA_CACHE_DIR="/dev/null/numba",
+        PYTHONPATH=f"{copy}{os.pathsep}{REPO}/tests",
+        PYTHONDONTWRITEBYTECODE="1",
+    )
     src = tmp_path / "w.bin"  # opaque bytes: no kernel to compile (that takes minutes in memory)
     src.write_bytes(os.urandom(50_000))
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "comm_codec", *map(str, args)], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=240)
+        return subprocess.run(
+            [sys.executable, "-m", "comm_codec", *map(str, args)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
 
     r = cli("--version")
     assert r.returncode == 0 and "comm_codec" in r.stdout, r.stderr[-2000:]
     r = cli("compress", src, tmp_path / "w.cckp", "--threads", "1")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stderr.count("numba has no writable cache directory") == 1 and "Traceback" not in r.stderr
-    for args in (("ls", tmp_path / "w.cckp"), ("verify", tmp_path / "w.cckp"),
-                 ("decompress", tmp_path / "w.cckp", tmp_path / "w.out")):
+    for args in (
+        ("ls", tmp_path / "w.cckp"),
+        ("verify", tmp_path / "w.cckp"),
+        ("decompress", tmp_path / "w.cckp", tmp_path / "w.out"),
+    ):
         r = cli(*args)
         assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r.stderr[-2000:])
     assert (tmp_path / "w.out").read_bytes() == src.read_bytes()
     # Every kernel module imports (each decorates its kernels), caching off.
-    r = subprocess.run([sys.executable, "-c", "import comm_codec.core.codec, comm_codec.kernels.plan, "
-                        "comm_codec.kernels.histogram; from comm_codec.kernels import jit; assert not jit.CACHING; "
-                        "print(jit.cache_location())"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=240)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import comm_codec.core.codec, comm_codec.kernels.plan, "
+            "comm_codec.kernels.histogram; from comm_codec.kernels import jit; assert not jit.CACHING; "
+            "print(jit.cache_location())",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0 and "NUMBA_CACHE_DIR" in r.stdout, r.stderr[-2000:]
     assert not any(os.path.isdir(os.path.join(f, "__pycache__")) for f, _, _ in os.walk(copy))
 
@@ -154,8 +176,9 @@ def _zero_segments_file(base, out, count: int, chunk_elems: int, seg_bytes: int 
     c = crafted.Container.read(base)
     ti = next(i for i, t in enumerate(c.index["tensors"]) if t["coding"] == "frame")
     t = c.index["tensors"][ti]
-    books = [Codebook.raw_book() if b == "0" * 16 else Codebook.from_dict(c.index["books"][b]["book"])
-             for b in t["books"]]
+    books = [
+        Codebook.raw_book() if b == "0" * 16 else Codebook.from_dict(c.index["books"][b]["book"]) for b in t["books"]
+    ]
     codec = make_codec(books, spec_for(torch.bfloat16), chunk_elems)
     frame = codec.encode(torch.zeros(seg_bytes // 2, dtype=torch.bfloat16), kind="weight").numpy().tobytes()
     segs = c.index["segments"]
@@ -166,10 +189,10 @@ def _zero_segments_file(base, out, count: int, chunk_elems: int, seg_bytes: int 
     new = [[t["offset"] + k * seg_bytes, seg_bytes, 0, 0, "frame", None, ti] for k in range(count)]
     for s in after:
         s[0] += grow
-    body = bytearray(c.body[:crafted.HEADER.size])
+    body = bytearray(c.body[: crafted.HEADER.size])
     old_body = bytes(c.body)
     for s in kept_before + new + after:
-        payload = frame if s in new else old_body[s[2]:s[2] + s[3]]
+        payload = frame if s in new else old_body[s[2] : s[2] + s[3]]
         s[2], s[3] = len(body), len(payload)
         body += payload + bytes(-len(payload) % 8)
     c.body = body
@@ -211,8 +234,12 @@ for threads in map(int, sys.argv[4:]):
 
 def _peak_mb(op, path, out, threads):
     """Peak RSS (MB) that each call of ``op`` adds, in a child that has loaded the kernels."""
-    r = subprocess.run([sys.executable, "-c", _PEAK, op, str(path), str(out), *map(str, threads)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", _PEAK, op, str(path), str(out), *map(str, threads)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line.split(" ", 3) for line in r.stdout.splitlines()]
     return {int(row[1]): (row[0], float(row[2]), row[3] if len(row) > 3 else "") for row in rows}
@@ -243,8 +270,10 @@ def test_a_bomb_fails_before_a_byte_is_written(tmp_path):
     # 32 Mi zeros: an 80-byte frame per 64 MiB): refused before any decoding, at once.
     _zero_segments_file(base, tmp_path / "big.cckp", 1024, 1 << 25)
     assert os.path.getsize(tmp_path / "big.cckp") < 200_000
-    for args in (("verify", tmp_path / "big.cckp", "--threads", "2"),
-                 ("decompress", tmp_path / "big.cckp", tmp_path / "big.out")):
+    for args in (
+        ("verify", tmp_path / "big.cckp", "--threads", "2"),
+        ("decompress", tmp_path / "big.cckp", tmp_path / "big.out"),
+    ):
         r = run_cli(*args, limit_bytes=64 << 10, timeout=60)
         assert "chunk" in _one_line_error(r)
     assert not os.path.exists(tmp_path / "big.out")
@@ -279,8 +308,12 @@ def test_verify_with_a_compressed_base_writes_nothing(tmp_path, threads):
     s = ck.compress_file(tmp_path / "b.safetensors", tmp_path / "b.cckp", base=tmp_path / "a.cckp")
     assert s.delta
     before = sorted(os.listdir(tmp_path))
-    r = subprocess.run([sys.executable, "-c", _WRITES, str(tmp_path / "b.cckp"), str(tmp_path / "a.cckp"),
-                        str(threads)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", _WRITES, str(tmp_path / "b.cckp"), str(tmp_path / "a.cckp"), str(threads)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     digest, written = r.stdout.splitlines()[-2:]
     assert digest == s.digest and written == "[]", r.stdout
@@ -302,17 +335,20 @@ def _bzip2_member_zip(name: str, inflated: bytes, claimed: int) -> bytes:
 
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as zf:
-        for member, data in (("archive/data.pkl", b"\x80\x02N."), ("archive/byteorder", b"little"),
-                             ("archive/data/0", bytes(8192))):
+        for member, data in (
+            ("archive/data.pkl", b"\x80\x02N."),
+            ("archive/byteorder", b"little"),
+            ("archive/data/0", bytes(8192)),
+        ):
             if member == name:
                 zf.writestr(zipfile.ZipInfo(member), inflated, compress_type=zipfile.ZIP_BZIP2)
             else:
                 zf.writestr(zipfile.ZipInfo(member), data)
     raw = bytearray(buf.getvalue())
     pos = raw.index(b"PK\x01\x02")
-    while raw[pos:pos + 4] == b"PK\x01\x02":
+    while raw[pos : pos + 4] == b"PK\x01\x02":
         nlen, xlen, clen = struct.unpack_from("<HHH", raw, pos + 28)
-        if raw[pos + 46:pos + 46 + nlen].decode() == name:
+        if raw[pos + 46 : pos + 46 + nlen].decode() == name:
             struct.pack_into("<I", raw, pos + 24, claimed)
         pos += 46 + nlen + xlen + clen
     return bytes(raw)
@@ -334,8 +370,10 @@ def test_members_and_headers_that_inflate_are_not_inflated(tmp_path):
     with open(tmp_path / "sparse.frame", "wb") as fh:
         fh.write(Codec(threads=1).encode(_weights(5000), kind="weight").numpy().tobytes())
         fh.truncate(3 << 30)
-    cases = [["compress", str(tmp_path / n), str(tmp_path / (n + ".cckp"))]
-             for n in ("pkl.pt", "order.pt", "lists.safetensors")] + [["inspect", str(tmp_path / "sparse.frame")]]
+    cases = [
+        ["compress", str(tmp_path / n), str(tmp_path / (n + ".cckp"))]
+        for n in ("pkl.pt", "order.pt", "lists.safetensors")
+    ] + [["inspect", str(tmp_path / "sparse.frame")]]
     results = run_crafted(cases, tmp_path, ["/"])
     for res in results:
         lines = [x for x in res["stderr"].splitlines() if x.strip() and not x.startswith("INFO ")]

@@ -15,10 +15,8 @@ import threading
 import time
 import tracemalloc
 
-import crafted
 import pytest
 import torch
-from helpers import run_crafted
 from safetensors.torch import save_file
 
 import comm_codec as cc
@@ -27,6 +25,9 @@ from comm_codec.checkpoint import lossy
 from comm_codec.checkpoint.container import parse_json
 from comm_codec.comm import agreement
 from comm_codec.core import _json
+
+import crafted
+from helpers import run_crafted
 
 pytestmark = pytest.mark.unit
 
@@ -38,13 +39,13 @@ _SHAPES = {
     "distinct keys": b"{" + b",".join(b'"%d":{}' % i for i in range(_N)) + b"}",
     "floats": b"[" + b",".join([b"0.5"] * _N) + b"]",
     "two-letter strings": b"[" + b",".join([b'"ab"'] * _N) + b"]",
-    "astral strings": b"[" + b",".join(['"\U0001F600"'.encode()] * _N) + b"]",
+    "astral strings": b"[" + b",".join(['"\U0001f600"'.encode()] * _N) + b"]",
     "escaped astral strings": b"[" + b",".join([b'"\\ud83d\\ude00"'] * _N) + b"]",
-    "one astral then ascii": ('"\U0001F600' + "a" * 2_000_000 + '"').encode(),
+    "one astral then ascii": ('"\U0001f600' + "a" * 2_000_000 + '"').encode(),
     "one escaped astral then ascii": ('"\\ud83d\\ude00' + "a" * 2_000_000 + '"').encode(),
     "bmp then ascii": ('"\u4e00' + "a" * 2_000_000 + '"').encode(),
-    "ascii then astral": ('"' + "a" * 2_000_000 + '\U0001F600"').encode(),
-    "an escape, ascii, then astral": ('"\\n' + "a" * 2_000_000 + '\U0001F600"').encode(),
+    "ascii then astral": ('"' + "a" * 2_000_000 + '\U0001f600"').encode(),
+    "an escape, ascii, then astral": ('"\\n' + "a" * 2_000_000 + '\U0001f600"').encode(),
 }
 
 
@@ -62,25 +63,30 @@ def test_the_estimate_bounds_what_the_parse_holds(shape):
 
 
 def test_an_astral_pad_is_refused_before_parsing():
-    text = ('{"pad":"\U0001F600' + "a" * (64 << 20) + '"}').encode()
+    text = ('{"pad":"\U0001f600' + "a" * (64 << 20) + '"}').encode()
     start = time.perf_counter()
     with pytest.raises(cc.CheckpointError, match=r"^f: index is malformed \(.*more than the 512 MiB allowed"):
         parse_json(text, "f")
     assert time.perf_counter() - start < 5
     # The same length of ASCII fits: it is the width that was missed.
-    assert len(parse_json(text.replace("\U0001F600".encode(), b"b"), "f")["pad"]) == (64 << 20) + 1
+    assert len(parse_json(text.replace("\U0001f600".encode(), b"b"), "f")["pad"]) == (64 << 20) + 1
 
 
-@pytest.mark.parametrize("text,reason", [
-    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
-    (b"{not json", "bad JSON: Expecting property name"),
-    (b"\xff\xfe", "not UTF-8 text"),
-    (b"[" + b"1" * 5000 + b"]", "bad JSON: Exceeds the limit"),
-])
+@pytest.mark.parametrize(
+    "text,reason",
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b"{not json", "bad JSON: Expecting property name"),
+        (b"\xff\xfe", "not UTF-8 text"),
+        (b"[" + b"1" * 5000 + b"]", "bad JSON: Exceeds the limit"),
+    ],
+)
 def test_malformed_text_is_the_callers_error(text, reason):
     with pytest.raises(cc.CollectiveError, match=f"^rank 1 sent settings that are not JSON \\({reason}"):
-        agreement.peer_json(text.decode("utf-8", "surrogateescape") if text[0] != 0xFF else text,
-                            "rank 1 sent settings that are not JSON")
+        agreement.peer_json(
+            text.decode("utf-8", "surrogateescape") if text[0] != 0xFF else text,
+            "rank 1 sent settings that are not JSON",
+        )
 
 
 def test_a_peers_deep_settings_are_a_collective_error_not_recursion():
@@ -163,10 +169,18 @@ def test_padded_indexes_exit_cleanly_in_bounded_memory(seeds, tmp_path):
     bad = []
     for (argv, statuses), res in zip(cases, results):
         lines = [x for x in res["stderr"].splitlines() if x.strip() and not x.startswith("INFO ")]
-        if res["rc"] not in statuses or len(lines) > 1 or any(len(x) > 1024 for x in lines) \
-                or res["rss_mb"] > 1024 or res["seconds"] > 40 or res["foreign"]:
-            bad.append(f"{argv[0]} {os.path.basename(argv[-1])}: rc {res['rc']} rss {res['rss_mb']:.0f} MB "
-                       f"{res['seconds']:.1f} s opened {res['foreign']} stderr {res['stderr'][-300:]!r}")
+        if (
+            res["rc"] not in statuses
+            or len(lines) > 1
+            or any(len(x) > 1024 for x in lines)
+            or res["rss_mb"] > 1024
+            or res["seconds"] > 40
+            or res["foreign"]
+        ):
+            bad.append(
+                f"{argv[0]} {os.path.basename(argv[-1])}: rc {res['rc']} rss {res['rss_mb']:.0f} MB "
+                f"{res['seconds']:.1f} s opened {res['foreign']} stderr {res['stderr'][-300:]!r}"
+            )
     assert not bad, "\n".join(bad)
     assert not os.path.exists(p("astral.out")) and not os.path.exists(p("astral.pt"))
 
@@ -175,13 +189,33 @@ def _roots() -> list:
     import sys
     import sysconfig
 
-    return sorted({os.path.dirname(os.path.dirname(os.path.abspath(__file__))), sys.prefix, sys.base_prefix,
-                   sysconfig.get_paths()["purelib"], "/proc/", "/sys/", "/dev/null", "/dev/urandom", "/dev/shm",
-                   "/etc/localtime", "/usr/", "/lib"})
+    return sorted(
+        {
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            sys.prefix,
+            sys.base_prefix,
+            sysconfig.get_paths()["purelib"],
+            "/proc/",
+            "/sys/",
+            "/dev/null",
+            "/dev/urandom",
+            "/dev/shm",
+            "/etc/localtime",
+            "/usr/",
+            "/lib",
+        }
+    )
 
 
-_PICKLING_COLLECTIVES = {"all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
-                         "send_object_list", "recv_object_list", "all_to_all_object"}
+_PICKLING_COLLECTIVES = {
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+    "all_to_all_object",
+}
 
 
 def test_nothing_between_ranks_is_a_pickle():
@@ -198,7 +232,11 @@ def test_nothing_between_ranks_is_a_pickle():
                     path = os.path.join(folder, name)
                     with open(path, encoding="utf-8") as fh:
                         tree = ast.parse(fh.read(), path)
-                    calls += [f"{os.path.relpath(path, repo)}:{node.lineno} {node.func.attr}"
-                              for node in ast.walk(tree) if isinstance(node, ast.Call)
-                              and isinstance(node.func, ast.Attribute) and node.func.attr in _PICKLING_COLLECTIVES]
+                    calls += [
+                        f"{os.path.relpath(path, repo)}:{node.lineno} {node.func.attr}"
+                        for node in ast.walk(tree)
+                        if isinstance(node, ast.Call)
+                        and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in _PICKLING_COLLECTIVES
+                    ]
     assert not calls, calls

@@ -44,8 +44,15 @@ def _zero_frame(numel: int) -> bytes:
     p = fr.get_frame_parameters(one)
     nchunks = -(-numel // CHUNK)
     buf = np.zeros(fr.header_size(p.spec.nstreams, nchunks), np.uint8)
-    fr.write_header(buf, spec_for(torch.float32), numel, CHUNK, 0, np.zeros(p.spec.nstreams, np.uint64),
-                    np.repeat(p.table[:1], nchunks))
+    fr.write_header(
+        buf,
+        spec_for(torch.float32),
+        numel,
+        CHUNK,
+        0,
+        np.zeros(p.spec.nstreams, np.uint64),
+        np.repeat(p.table[:1], nchunks),
+    )
     return buf.tobytes()
 
 
@@ -84,8 +91,8 @@ def _claim_zeros(src, ccl, dst, numel: int, reseal: bool) -> int:
         h = hashlib.sha256(data[:old_off])
         zeros = bytes(16 << 20)
         for k in range(0, numel * 4, len(zeros)):
-            h.update(zeros[:min(len(zeros), numel * 4 - k)])
-        h.update(data[old_off + old_nb:])
+            h.update(zeros[: min(len(zeros), numel * 4 - k)])
+        h.update(data[old_off + old_nb :])
         c.index["reconstruction"]["sha256"] = h.hexdigest()
     c.write(dst)
     return c.index["reconstruction"]["size"]
@@ -98,13 +105,18 @@ def test_a_gigabyte_claim_is_streamed_in_bounded_memory(precision_file, tmp_path
     bad = _claim_zeros(src, ccl, tmp_path / "bad.ccl", _GIB // 4, reseal=False)
     assert size == bad > _GIB and 300_000 < os.path.getsize(tmp_path / "g.ccl") < 600_000
     before = sorted(os.listdir(tmp_path))
-    cases = [["verify", str(tmp_path / "g.ccl"), "--threads", "8"],
-             ["decompress", str(tmp_path / "g.ccl"), str(tmp_path / "g.out"), "--threads", "2"],
-             ["decompress", str(tmp_path / "bad.ccl"), str(tmp_path / "bad.out"), "--threads", "8"]]
+    cases = [
+        ["verify", str(tmp_path / "g.ccl"), "--threads", "8"],
+        ["decompress", str(tmp_path / "g.ccl"), str(tmp_path / "g.out"), "--threads", "2"],
+        ["decompress", str(tmp_path / "bad.ccl"), str(tmp_path / "bad.out"), "--threads", "8"],
+    ]
     results = run_crafted(cases, tmp_path, ["/"])
     for res in results:
-        lines = [x for x in res["stderr"].splitlines() if x.strip() and not x.startswith("INFO ")
-                 and "cores this process may use" not in x]  # --threads 8 on a smaller machine says so
+        lines = [
+            x
+            for x in res["stderr"].splitlines()
+            if x.strip() and not x.startswith("INFO ") and "cores this process may use" not in x
+        ]  # --threads 8 on a smaller machine says so
         assert len(lines) <= 1 and all(len(x) < 1024 for x in lines) and "Traceback" not in res["stderr"], res
         assert res["rss_mb"] < 1024 and res["seconds"] < 30, res
     assert [res["rc"] for res in results] == [0, 0, 2], results
@@ -113,9 +125,9 @@ def test_a_gigabyte_claim_is_streamed_in_bounded_memory(precision_file, tmp_path
     with open(tmp_path / "g.out", "rb") as fh:
         data = src.read_bytes()
         r = next(r for r in lossy.read_index(ccl)["tensors"] if r["name"] == "w")
-        assert fh.read(r["offset"]) == data[:r["offset"]]
+        assert fh.read(r["offset"]) == data[: r["offset"]]
         fh.seek(size - (len(data) - r["offset"] - r["nbytes"]))
-        assert fh.read() == data[r["offset"] + r["nbytes"]:]
+        assert fh.read() == data[r["offset"] + r["nbytes"] :]
     os.unlink(tmp_path / "g.out")
     after = sorted(os.listdir(tmp_path))
     assert after == sorted(before + ["cases.json", "r.json"]), after  # no bad.out, no temp file
@@ -129,8 +141,10 @@ def test_claims_beyond_what_the_file_holds_fail_before_a_byte_is_written(precisi
         _claim_zeros(small.with_suffix(".safetensors"), small, tmp_path / name, numel, reseal=False)
     assert os.path.getsize(tmp_path / "1g.ccl") < 120_000 and os.path.getsize(tmp_path / "40g.ccl") < 4_500_000
     for name in ("1g.ccl", "40g.ccl"):
-        for args in (("verify", tmp_path / name, "--threads", "8"),
-                     ("decompress", tmp_path / name, tmp_path / "o.out", "--threads", "2")):
+        for args in (
+            ("verify", tmp_path / name, "--threads", "8"),
+            ("decompress", tmp_path / name, tmp_path / "o.out", "--threads", "2"),
+        ):
             # A written output byte would show as "File too large" (RLIMIT_FSIZE).
             r = run_cli(*args, limit_bytes=64 << 10, timeout=60)
             lines = [x for x in r.stderr.splitlines() if x.strip() and "cores this process may use" not in x]
@@ -154,7 +168,9 @@ def _subnormals(dtype: str) -> np.ndarray:
 
 
 def _values(bits: np.ndarray, dtype: str) -> np.ndarray:
-    return torch.from_numpy(bits.view(np.int32 if bits.itemsize == 4 else np.int16)).view(_TORCH[dtype]).double().numpy()
+    return (
+        torch.from_numpy(bits.view(np.int32 if bits.itemsize == 4 else np.int16)).view(_TORCH[dtype]).double().numpy()
+    )
 
 
 @pytest.mark.unit
@@ -163,7 +179,7 @@ def test_rounding_meets_the_subnormal_bound_for_every_pattern(dtype):
     bits = _subnormals(dtype)
     orig = _values(bits, dtype)
     tiny = float(torch.finfo(_TORCH[dtype]).tiny)
-    for keep in (range(MANTISSA[dtype] + 1) if dtype != "float32" else (0, 1, 5, 7, 12, 22, 23)):
+    for keep in range(MANTISSA[dtype] + 1) if dtype != "float32" else (0, 1, 5, 7, 12, 22, 23):
         drop = MANTISSA[dtype] - keep
         err = np.abs(_values(round_mantissa(bits, drop, dtype), dtype) - orig)
         bound = 2.0 ** -(keep + 1) * tiny if drop else 0.0
@@ -177,7 +193,7 @@ def _printed_bounds(text: str) -> dict:
     rows = {}
     header = next(line for line in text.splitlines() if line.startswith("tensor"))
     cols = header.split()
-    for line in text.splitlines()[text.splitlines().index(header) + 1:]:
+    for line in text.splitlines()[text.splitlines().index(header) + 1 :]:
         cells = dict(zip(cols, line.split()))
         rows[cells["tensor"]] = (float(cells["bound"]), float(cells["subn.abs"]))
     return rows

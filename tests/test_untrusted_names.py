@@ -45,15 +45,28 @@ def corpus(tmp_path_factory):
     """An exact file, a two-link excp chain and a precision file, all of small tensors."""
     d = tmp_path_factory.mktemp("corpus")
     w = _weights(8192)
-    sd = {"model": {"w": w, "b": _weights(64)},
-          "optimizer": {"state": {0: {"exp_avg": w * 0.1, "exp_avg_sq": w * w},
-                                  1: {"exp_avg": _weights(64), "exp_avg_sq": _weights(64) ** 2}},
-                        "param_groups": [{"params": [0, 1]}]}}
+    sd = {
+        "model": {"w": w, "b": _weights(64)},
+        "optimizer": {
+            "state": {
+                0: {"exp_avg": w * 0.1, "exp_avg_sq": w * w},
+                1: {"exp_avg": _weights(64), "exp_avg_sq": _weights(64) ** 2},
+            },
+            "param_groups": [{"params": [0, 1]}],
+        },
+    }
     torch.save(sd, d / "a.pt")
     sd["model"]["w"] = w + 1e-3
     torch.save(sd, d / "b.pt")
-    save_file({"w": _weights(8192), "u": torch.arange(8192, dtype=torch.uint8),
-               "h": _weights(8192, torch.bfloat16), "s": _weights(16)}, d / "m.safetensors")
+    save_file(
+        {
+            "w": _weights(8192),
+            "u": torch.arange(8192, dtype=torch.uint8),
+            "h": _weights(8192, torch.bfloat16),
+            "s": _weights(16),
+        },
+        d / "m.safetensors",
+    )
     ck.compress_file(d / "m.safetensors", d / "m.cckp")
     lossy.compress_file(d / "a.pt", d / "key0.ccl")
     lossy.compress_file(d / "b.pt", d / "link1.ccl", base=d / "key0.ccl")
@@ -170,8 +183,11 @@ def test_values_nested_near_the_parsers_limit_are_refused_in_one_line(corpus, tm
         for f in files:
             cases += [["ls", f], ["inspect", f], ["verify", f], ["decompress", f, f + ".out"]]
     results = run_crafted(cases, tmp_path, ["/"])
-    bad = [f"{r['argv'][:2]}: rc {r['rc']}, {r['stderr'][-300:]!r}" for r in results
-           if r["rc"] != 2 or "Traceback" in r["stderr"] or len(r["stderr"].strip().splitlines()) != 1]
+    bad = [
+        f"{r['argv'][:2]}: rc {r['rc']}, {r['stderr'][-300:]!r}"
+        for r in results
+        if r["rc"] != 2 or "Traceback" in r["stderr"] or len(r["stderr"].strip().splitlines()) != 1
+    ]
     assert not bad, "\n".join(bad[:5])
     assert not [n for n in os.listdir(tmp_path) if n.endswith((".out", ".tmp"))]
 
@@ -199,10 +215,12 @@ def _exp_avg_twice_the_elements(c):
     r["dtype"] = "bfloat16"  # same bytes, twice the elements of its float32 weight
 
 
-MISMATCHES = {"skeleton complex64": ("key0.ccl", _skeleton_complex),
-              "bf16 record, float32 frame": ("p.ccl", _bf16_record_f32_frame),
-              "uint8 record, bf16 frame": ("p.ccl", _uint8_record_bf16_frame),
-              "exp_avg of twice its weight's elements": ("key0.ccl", _exp_avg_twice_the_elements)}
+MISMATCHES = {
+    "skeleton complex64": ("key0.ccl", _skeleton_complex),
+    "bf16 record, float32 frame": ("p.ccl", _bf16_record_f32_frame),
+    "uint8 record, bf16 frame": ("p.ccl", _uint8_record_bf16_frame),
+    "exp_avg of twice its weight's elements": ("key0.ccl", _exp_avg_twice_the_elements),
+}
 
 
 @pytest.mark.parametrize("label", sorted(MISMATCHES))
@@ -244,8 +262,9 @@ def _zero_frame(numel: int, dtype=torch.float32) -> bytes:
     nchunks = -(-numel // CHUNK)
     table = np.repeat(p.table[:1], nchunks)
     buf = np.zeros(fr.header_size(p.spec.nstreams, nchunks), np.uint8)
-    fr.write_header(buf, spec_for(dtype), numel, CHUNK, int(one[7]),
-                    np.zeros(p.spec.nstreams, np.uint64), table)  # raw books: zero chunks have no payload
+    fr.write_header(
+        buf, spec_for(dtype), numel, CHUNK, int(one[7]), np.zeros(p.spec.nstreams, np.uint64), table
+    )  # raw books: zero chunks have no payload
     assert fr.get_frame_parameters(buf).numel == numel
     return buf.tobytes()
 
@@ -279,8 +298,11 @@ def test_a_tiny_lossy_file_claiming_gigabytes_fails_fast_and_small(corpus, tmp_p
     _claim_zeros(corpus / "p.ccl", path, 3 << 30 >> 2)  # 3 GiB of float32 zeros in ~300 kB
     assert path.stat().st_size < 400_000
     assert lossy.read_index(path)["reconstruction"]["size"] > 3 << 30
-    cases = [["verify", str(path)], ["decompress", str(path), str(tmp_path / "bomb.out")],
-             ["verify", str(path), "--threads", "2"]]
+    cases = [
+        ["verify", str(path)],
+        ["decompress", str(path), str(tmp_path / "bomb.out")],
+        ["verify", str(path), "--threads", "2"],
+    ]
     for res in run_crafted(cases, tmp_path, ["/"]):
         assert res["rc"] == 2 and len(res["stderr"].strip().splitlines()) == 1, res["stderr"][-600:]
         assert "decompression bomb" in res["stderr"]
@@ -301,7 +323,7 @@ def _book_file(tmp_path, edit=None, text=None) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("number", ["Infinity", "-Infinity", "NaN", "7" * 5000, "1.5", "true", "-1", "\"0\""])
+@pytest.mark.parametrize("number", ["Infinity", "-Infinity", "NaN", "7" * 5000, "1.5", "true", "-1", '"0"'])
 def test_codebook_numbers_must_be_small_ints(tmp_path, number):
     path = _book_file(tmp_path)
     text = re.sub(r'"stream": \d+', f'"stream": {number}', open(path).read(), count=1)
@@ -319,8 +341,12 @@ def test_a_huge_codebook_field_is_quoted_short(tmp_path, capsys):
     with pytest.raises(CodebookError) as info:
         CodebookSet.load(path)
     assert len(str(info.value)) < 400
-    deep = _book_file(tmp_path, text=json.dumps(CodebookSet.default().to_dict()).replace(
-        '"version": 2', '"version": ' + "[" * 900 + "]" * 900, 1))
+    deep = _book_file(
+        tmp_path,
+        text=json.dumps(CodebookSet.default().to_dict()).replace(
+            '"version": 2', '"version": ' + "[" * 900 + "]" * 900, 1
+        ),
+    )
     with pytest.raises(CodebookError) as info:
         CodebookSet.load(deep)
     assert len(str(info.value)) < 400
@@ -355,8 +381,11 @@ def test_decompress_never_overwrites_a_file_of_the_chain(corpus, tmp_path, capsy
         (tmp_path / name).write_bytes((corpus / name).read_bytes())
     before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
     link, key = tmp_path / "link1.ccl", tmp_path / "key0.ccl"
-    for argv in (["decompress", link, key, "--force"], ["decompress", link, link, "--force"],
-                 ["decompress", link, key, "--force", "--base", key]):
+    for argv in (
+        ["decompress", link, key, "--force"],
+        ["decompress", link, link, "--force"],
+        ["decompress", link, key, "--force", "--base", key],
+    ):
         rc, out, err = _cli(argv, capsys)
         assert rc == 2, (argv, out, err)
         assert "choose another output path" in _one_clean_line(err)

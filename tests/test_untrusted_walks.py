@@ -43,8 +43,9 @@ def tree(tmp_path):
     """A small tree (a checkpoint file and plain files, one level down) and a secret outside it."""
     src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)
-    save_file({"w": (torch.randn(4096, generator=torch.Generator().manual_seed(1)) * 0.02).bfloat16()},
-              src / "m.safetensors")
+    save_file(
+        {"w": (torch.randn(4096, generator=torch.Generator().manual_seed(1)) * 0.02).bfloat16()}, src / "m.safetensors"
+    )
     (src / "a.txt").write_bytes(b"plain a")
     (src / "sub" / "b.txt").write_bytes(b"plain b")
     secret = tmp_path / "outside"
@@ -57,6 +58,7 @@ def tree(tmp_path):
 @pytest.fixture
 def stop_at(monkeypatch):
     """Install a swap to run once, when the run is about to open ``rel``."""
+
     def install(rel, swap):
         done = []
 
@@ -64,16 +66,20 @@ def stop_at(monkeypatch):
             if seen == rel and not done:
                 done.append(seen)
                 swap()
+
         monkeypatch.setattr(walk, "before_open", hook)
         return done
+
     return install
 
 
 @pytest.fixture(autouse=True)
 def _alarm():
     """A hang fails the test instead of stopping the run (the FIFO case)."""
+
     def timeout(*_):
         raise TimeoutError("hung")
+
     old = signal.signal(signal.SIGALRM, timeout)
     signal.alarm(120)
     yield
@@ -85,6 +91,7 @@ def _swap_for_link(path, target):
     def swap():
         os.rename(path, str(path) + ".moved")
         os.symlink(target, path)
+
     return swap
 
 
@@ -92,6 +99,7 @@ def _swap_for_fifo(path):
     def swap():
         os.unlink(path)
         os.mkfifo(path)
+
     return swap
 
 
@@ -101,18 +109,41 @@ def _swap_for_copy(path):
         with open(str(path) + ".new", "wb") as fh:  # made while the old one exists: another inode
             fh.write(data)
         os.rename(str(path) + ".new", path)
+
     return swap
 
 
-@pytest.mark.parametrize("rel,make_swap,shows", [
-    ("sub/b.txt", lambda src, secret: _swap_for_link(src / "sub", secret), "sub changed while the directory was read"),
-    ("a.txt", lambda src, secret: _swap_for_link(src / "a.txt", secret / "key"), "a.txt changed"),
-    ("m.safetensors", lambda src, secret: _swap_for_link(src / "m.safetensors", secret / "key"), "m.safetensors changed"),
-    ("a.txt", lambda src, secret: _swap_for_fifo(src / "a.txt"), "a.txt changed while the directory was read: a FIFO"),
-    ("m.safetensors", lambda src, secret: _swap_for_fifo(src / "m.safetensors"), "a FIFO is there now"),
-    ("a.txt", lambda src, secret: _swap_for_copy(src / "a.txt"), "another file is there now"),
-], ids=["dir-for-symlink", "file-for-symlink", "checkpoint-for-symlink", "file-for-fifo", "checkpoint-for-fifo",
-        "file-for-another-file"])
+@pytest.mark.parametrize(
+    "rel,make_swap,shows",
+    [
+        (
+            "sub/b.txt",
+            lambda src, secret: _swap_for_link(src / "sub", secret),
+            "sub changed while the directory was read",
+        ),
+        ("a.txt", lambda src, secret: _swap_for_link(src / "a.txt", secret / "key"), "a.txt changed"),
+        (
+            "m.safetensors",
+            lambda src, secret: _swap_for_link(src / "m.safetensors", secret / "key"),
+            "m.safetensors changed",
+        ),
+        (
+            "a.txt",
+            lambda src, secret: _swap_for_fifo(src / "a.txt"),
+            "a.txt changed while the directory was read: a FIFO",
+        ),
+        ("m.safetensors", lambda src, secret: _swap_for_fifo(src / "m.safetensors"), "a FIFO is there now"),
+        ("a.txt", lambda src, secret: _swap_for_copy(src / "a.txt"), "another file is there now"),
+    ],
+    ids=[
+        "dir-for-symlink",
+        "file-for-symlink",
+        "checkpoint-for-symlink",
+        "file-for-fifo",
+        "checkpoint-for-fifo",
+        "file-for-another-file",
+    ],
+)
 def test_an_entry_swapped_after_the_walk_is_refused_not_followed(tree, tmp_path, stop_at, rel, make_swap, shows):
     src, secret = tree
     done = stop_at(rel, make_swap(src, secret))
@@ -129,11 +160,17 @@ def test_a_compressed_member_swapped_for_a_fifo_or_link_is_refused(tree, tmp_pat
     src, secret = tree
     mirror = tmp_path / "mirror"
     directory.compress_dir(src, mirror, threads=1)
-    stop_at("m.safetensors.cckp", _swap_for_fifo(mirror / "m.safetensors.cckp") if op != "ls"
-            else _swap_for_link(mirror / "m.safetensors.cckp", secret / "key"))
-    call = {"decompress": lambda: directory.decompress_dir(mirror, tmp_path / "back", threads=1),
-            "verify": lambda: directory.verify_dir(mirror, threads=1),
-            "ls": lambda: directory.describe_dir(mirror)}[op]
+    stop_at(
+        "m.safetensors.cckp",
+        _swap_for_fifo(mirror / "m.safetensors.cckp")
+        if op != "ls"
+        else _swap_for_link(mirror / "m.safetensors.cckp", secret / "key"),
+    )
+    call = {
+        "decompress": lambda: directory.decompress_dir(mirror, tmp_path / "back", threads=1),
+        "verify": lambda: directory.verify_dir(mirror, threads=1),
+        "ls": lambda: directory.describe_dir(mirror),
+    }[op]
     with pytest.raises(CheckpointError, match="m.safetensors.cckp changed while the directory was read"):
         call()
     assert not os.path.exists(tmp_path / "back")
@@ -151,6 +188,7 @@ def test_the_walk_reads_the_file_it_opened_not_the_name(tree, tmp_path, monkeypa
             _swap_for_link(src / "m.safetensors", secret / "key")()
             opened.append(entry.rel)
         return fh
+
     monkeypatch.setattr(walk.Tree, "open", open_then_swap)
     original = (src / "m.safetensors").read_bytes()
     directory.compress_dir(src, tmp_path / "out", threads=1)
@@ -171,8 +209,11 @@ def test_is_checkpoint_file_never_waits_on_a_fifo_nor_follows_a_link(tmp_path):
 
 # -- stale temp files: swept once per directory, never a name the run writes ---------------------
 def _dead_pid() -> int:
-    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                              check=True, capture_output=True, text=True).stdout)
+    return int(
+        subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], check=True, capture_output=True, text=True
+        ).stdout
+    )
 
 
 def test_a_file_named_like_a_dead_runs_temp_is_copied_and_restored(tree, tmp_path):
@@ -202,8 +243,9 @@ def test_real_stale_temps_in_the_output_are_swept_once_per_directory(tree, tmp_p
     (mirror / "sub" / stale).write_bytes(b"a dead run's leftover")
     sweeps = []
     real = files.sweep_stale_temps
-    monkeypatch.setattr(files, "sweep_stale_temps", lambda folder, keep=frozenset(): sweeps.append(folder) or
-                        real(folder, keep))
+    monkeypatch.setattr(
+        files, "sweep_stale_temps", lambda folder, keep=frozenset(): sweeps.append(folder) or real(folder, keep)
+    )
     directory.compress_dir(src, mirror, threads=2, force=True)
     assert sorted(sweeps) == sorted({str(mirror), str(mirror / "sub")}), sweeps
     assert not os.path.exists(mirror / "sub" / stale)
@@ -240,7 +282,8 @@ def test_ls_and_inspect_print_the_path_argument_escaped(tmp_path, kind, capsys):
 
 # -- a lossy delta read from stdin finds its base in the working directory ------------------------
 def test_decompress_of_a_lossy_delta_from_stdin_looks_for_its_base_in_the_working_directory(
-        tmp_path, monkeypatch, capsys):
+    tmp_path, monkeypatch, capsys
+):
     import io
 
     from comm_codec.checkpoint import lossy
@@ -257,6 +300,7 @@ def test_decompress_of_a_lossy_delta_from_stdin_looks_for_its_base_in_the_workin
     monkeypatch.setenv("TMPDIR", str(tmp_path / "spool"))
     (tmp_path / "spool").mkdir()
     import tempfile
+
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
     data = (tmp_path / "b.ccl").read_bytes()
     for argv in (["decompress", "-", "-"], ["verify", "-"]):

@@ -42,11 +42,15 @@ def _model():
 
 
 def _config(stage, section, zero_extra=None, dtype="bf16"):
-    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10_000, "wall_clock_breakdown": False,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-              "zero_optimization": dict({"stage": stage, "stage3_param_persistence_threshold": 0},
-                                        **(zero_extra or {})),
-              "zero_force_ds_cpu_optimizer": False, "comm_codec": section}
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "steps_per_print": 10_000,
+        "wall_clock_breakdown": False,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": dict({"stage": stage, "stage3_param_persistence_threshold": 0}, **(zero_extra or {})),
+        "zero_force_ds_cpu_optimizer": False,
+        "comm_codec": section,
+    }
     if stage < 3:
         del config["zero_optimization"]["stage3_param_persistence_threshold"]
     if dtype == "bf16":
@@ -70,8 +74,8 @@ def _reference_reduce_scatter(tensors, group=None):
     for t, size in zip(tensors, sizes):
         flat = t.reshape(-1)
         for r in range(world):
-            part = flat[r * size:(r + 1) * size]
-            rows[r, offset:offset + part.numel()] = part
+            part = flat[r * size : (r + 1) * size]
+            rows[r, offset : offset + part.numel()] = part
         offset += size
     everyone = [torch.empty_like(rows) for _ in range(world)]
     dist.all_gather(everyone, rows, group=group)
@@ -96,8 +100,9 @@ def _train(rank, stage, section, steps=STEPS, zero_extra=None, reference=False, 
     if reference:
         stage3.reduce_scatter_coalesced = _reference_reduce_scatter
     try:
-        engine, *_ = ccds.initialize(model=model, model_parameters=model.parameters(),
-                                     config=_config(stage, section, zero_extra))
+        engine, *_ = ccds.initialize(
+            model=model, model_parameters=model.parameters(), config=_config(stage, section, zero_extra)
+        )
         g = torch.Generator().manual_seed(1000 + rank)
         losses = []
         for _ in range(steps):
@@ -153,13 +158,15 @@ def _w_zero3(rank, world, books_fp32_path, cases):
             "quantized": _config(3, CODED, {"zero_quantized_weights": True}),
             "cast": _config(3, dict(CODED, cast="bf16")),
         }
-        out["errors"] = {name: error_text(lambda c=c: ccds.initialize(model=model, model_parameters=model.parameters(),
-                                                                  config=c))
-                         for name, c in bad.items()}
+        out["errors"] = {
+            name: error_text(lambda c=c: ccds.initialize(model=model, model_parameters=model.parameters(), config=c))
+            for name, c in bad.items()
+        }
     if "more" in cases:
         out["plain"] = _train(rank, 3, {"enabled": False}, steps=4)
-        out["warmup"] = _train(rank, 3, {"enabled": True, "warmup_steps": 2, "mode": "always", "min_bytes": 256},
-                               steps=4)
+        out["warmup"] = _train(
+            rank, 3, {"enabled": True, "warmup_steps": 2, "mode": "always", "min_bytes": 256}, steps=4
+        )
         offload = {"offload_optimizer": {"device": "cpu"}}
         out["offload3"] = _train(rank, 3, CODED, zero_extra=offload)
         out["offload3_reference"] = _train(rank, 3, {"enabled": False}, zero_extra=offload, reference=True)
@@ -276,12 +283,16 @@ def test_offload_at_stage_2_codes_gradients_and_trains_the_same(z3_more):
 def test_settings_not_covered_fail_on_every_rank_naming_key_and_values(z3):
     for res in z3:
         errors = res["errors"]
-        assert "comm_codec.codebooks: the books" in errors["books"] and "hold no 'gradient' book for bfloat16" \
-            in errors["books"], errors["books"]
-        assert "zero_optimization.zero_quantized_weights: True; allowed with comm_codec: false" \
-            in errors["quantized"], errors["quantized"]
-        assert "comm_codec.cast: 'bf16' at ZeRO stage 3" in errors["cast"] and "allowed at stage 3: null" \
-            in errors["cast"], errors["cast"]
+        assert (
+            "comm_codec.codebooks: the books" in errors["books"]
+            and "hold no 'gradient' book for bfloat16" in errors["books"]
+        ), errors["books"]
+        assert (
+            "zero_optimization.zero_quantized_weights: True; allowed with comm_codec: false" in errors["quantized"]
+        ), errors["quantized"]
+        assert (
+            "comm_codec.cast: 'bf16' at ZeRO stage 3" in errors["cast"] and "allowed at stage 3: null" in errors["cast"]
+        ), errors["cast"]
     assert z3[0]["errors"] == z3[1]["errors"]
 
 

@@ -71,14 +71,24 @@ from ..core.codebooks import CodebookGroup, CodebookSet, as_codebook_set, check_
 from ..core.codec import DEFAULT_CHUNK_ELEMS
 from ..core.huffman import Codebook, entropy_bits, optimal_lengths
 from ..core.parallel import run_ranges, thread_count
-from ..kernels.histogram import chunk_histograms_range, huffman_costs
 from ..core.streams import as_bits, spec_for
+from ..kernels.histogram import chunk_histograms_range, huffman_costs
 
 if typing.TYPE_CHECKING:
     import torch
 
-__all__ = ["WarmupProfiler", "ProfileStatistics", "STORED_KINDS", "WIRE_MIN_GAIN", "chunk_counts", "stream_counts", "coding_cost", "book_cost",
-           "grow_group", "merge_rows"]
+__all__ = [
+    "WarmupProfiler",
+    "ProfileStatistics",
+    "STORED_KINDS",
+    "WIRE_MIN_GAIN",
+    "chunk_counts",
+    "stream_counts",
+    "coding_cost",
+    "book_cost",
+    "grow_group",
+    "merge_rows",
+]
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +107,9 @@ STORED_KINDS = ("weight", "optimizer_state")
 WIRE_MIN_GAIN = 0.10
 
 
-def chunk_counts(tensor: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
-                 streams=None) -> tuple[np.ndarray, np.ndarray]:
+def chunk_counts(
+    tensor: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS, streams=None
+) -> tuple[np.ndarray, np.ndarray]:
     """Return the symbol counts of every chunk and stream, and each chunk's zero count.
 
     Args:
@@ -133,8 +144,12 @@ def chunk_counts(tensor: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     counts = np.empty((nchunks, chosen.size, 256), dtype=np.int64)
     zeros = np.empty(nchunks, dtype=np.int64)
     if nchunks:
-        run_ranges(chunk_histograms_range, nchunks, thread_count(None),
-                   lambda lo, hi: (bits, chunk_elems, spec.exp_shift, chosen, counts, zeros, lo, hi))
+        run_ranges(
+            chunk_histograms_range,
+            nchunks,
+            thread_count(None),
+            lambda lo, hi: (bits, chunk_elems, spec.exp_shift, chosen, counts, zeros, lo, hi),
+        )
     return counts, zeros
 
 
@@ -204,8 +219,14 @@ class WarmupProfiler:
         books = prof.build()
     """
 
-    def __init__(self, chunk_elems: int = DEFAULT_CHUNK_ELEMS, max_books: int = 8, min_gain: float = 0.001,
-                 max_rows: int = 2048, wire_min_gain: float = WIRE_MIN_GAIN):
+    def __init__(
+        self,
+        chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+        max_books: int = 8,
+        min_gain: float = 0.001,
+        max_rows: int = 2048,
+        wire_min_gain: float = WIRE_MIN_GAIN,
+    ):
         if not 1 <= int(max_books) <= CodebookGroup.MAX_BOOKS:
             raise ValueError(f"max_books must be in 1..{CodebookGroup.MAX_BOOKS}, got {max_books}")
         if not 0.0 <= float(min_gain) < 1.0:
@@ -336,7 +357,7 @@ class WarmupProfiler:
         """Return the (kind, dtype) pairs observed so far."""
         return sorted(self._acc)
 
-    def statistics(self) -> "ProfileStatistics":
+    def statistics(self) -> ProfileStatistics:
         """Return this process's statistics as plain arrays, ready to be summed over ranks.
 
         :func:`comm_codec.comm.agreement.sum_statistics` sums them over a process group;
@@ -350,7 +371,7 @@ class WarmupProfiler:
         sums = {k: (self._acc[k][0].copy(), float(self._acc[k][1]), self._acc[k][2].copy()) for k in keys}
         return ProfileStatistics(sums, rows, self.max_rows, self.max_books > 1, 1)
 
-    def build(self, meta: dict | None = None, statistics: "ProfileStatistics | None" = None) -> CodebookSet:
+    def build(self, meta: dict | None = None, statistics: ProfileStatistics | None = None) -> CodebookSet:
         """Build a :class:`CodebookSet` from the averaged distributions.
 
         Args:
@@ -368,7 +389,7 @@ class WarmupProfiler:
         summed = statistics if statistics is not None else self.statistics()
         keys, sums, rows, world = sorted(summed.sums), summed.sums, summed.rows, summed.world_size
         books, stats = {}, {}
-        for (kind, dtype) in keys:
+        for kind, dtype in keys:
             dist_sum, n_obs, raw = sums[(kind, dtype)]
             if n_obs == 0:
                 continue
@@ -377,8 +398,12 @@ class WarmupProfiler:
                 # What this stream must save to be coded at all (the module docs say why).
                 need = _RAW_MIN_GAIN if s == 0 or kind in STORED_KINDS else max(_RAW_MIN_GAIN, self.wire_min_gain)
                 book = Codebook.from_counts(avg[s])
-                if s > 0 and kind not in STORED_KINDS and not book.raw \
-                        and book.expected_bits(avg[s]) > (1.0 - self.wire_min_gain) * 8.0:
+                if (
+                    s > 0
+                    and kind not in STORED_KINDS
+                    and not book.raw
+                    and book.expected_bits(avg[s]) > (1.0 - self.wire_min_gain) * 8.0
+                ):
                     book = Codebook.raw_book()
                 group = CodebookGroup(book)
                 entry = {
@@ -399,22 +424,24 @@ class WarmupProfiler:
                 books[(kind, dtype, s)] = group
                 stats[(kind, dtype, s)] = entry
         if not books:
-            raise ValueError(
-                "cannot build codebooks from zero observations: call observe() on nonzero tensors first"
-            )
+            raise ValueError("cannot build codebooks from zero observations: call observe() on nonzero tensors first")
         info = {
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "observations": int(sum(v[1] for v in sums.values())),
             "world_size": world,
             "chunk_elems": self.chunk_elems,
             "method": "average of normalized per-observation distributions"
-                      + (f"; groups of up to {self.max_books} books fitted to chunk histograms"
-                         if self.max_books > 1 else ""),
+            + (f"; groups of up to {self.max_books} books fitted to chunk histograms" if self.max_books > 1 else ""),
         }
         info.update(meta or {})
         result = CodebookSet(books, info, stats)
-        log.info("built %d codebooks from %d observations (world size %d), digest %s",
-                 len(books), info["observations"], world, result.digest[:12])
+        log.info(
+            "built %d codebooks from %d observations (world size %d), digest %s",
+            len(books),
+            info["observations"],
+            world,
+            result.digest[:12],
+        )
         return result
 
 
@@ -449,8 +476,7 @@ def _costs(rows: np.ndarray, base: np.ndarray, books: list) -> np.ndarray:
     return cost
 
 
-def grow_group(rows: np.ndarray, first: Codebook | None, max_books: int, min_gain: float,
-               raw_gain: float = 0.0):
+def grow_group(rows: np.ndarray, first: Codebook | None, max_books: int, min_gain: float, raw_gain: float = 0.0):
     """Grow a group of books from a first book (or from raw storage) over per-chunk histograms.
 
     Each round adds a book fitted to the chunk that the current books code worst
@@ -514,8 +540,12 @@ def grow_group(rows: np.ndarray, first: Codebook | None, max_books: int, min_gai
         added, best, total = trial, trial_best, trial_total
     books = fixed + added
     denom = max(symbols, 1)
-    stats = {"group_size": len(books), "chunk_bits_one_book": round(alone / denom, 4),
-             "chunk_bits_group": round(total / denom, 4), "chunk_bits_optimal": round(int(own.sum()) / denom, 4)}
+    stats = {
+        "group_size": len(books),
+        "chunk_bits_one_book": round(alone / denom, 4),
+        "chunk_bits_group": round(total / denom, 4),
+        "chunk_bits_optimal": round(int(own.sum()) / denom, 4),
+    }
     return CodebookGroup(books if books else Codebook.raw_book()), stats
 
 
@@ -553,8 +583,9 @@ def book_cost(books: CodebookSet, kind: str, dtype, counts: np.ndarray) -> tuple
     return fixed, optimal, entropy
 
 
-def coding_cost(tensor: torch.Tensor, books: CodebookSet, kind: str = "gradient",
-                chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> tuple[float, float, float]:
+def coding_cost(
+    tensor: torch.Tensor, books: CodebookSet, kind: str = "gradient", chunk_elems: int = DEFAULT_CHUNK_ELEMS
+) -> tuple[float, float, float]:
     """Measure what fixed books cost on a tensor against the tensor's own optimum.
 
     Zeros count as :func:`stream_counts` counts them (where the codec codes them), so

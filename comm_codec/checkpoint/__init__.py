@@ -42,6 +42,7 @@ from .errors import CheckpointError
 from .exact import PIECE_BYTES, compress_file, decompress_file, describe, load, save, verify_file
 from .exact_index import VERSION, is_checkpoint, read_index
 from .report import Summary
+from .tensors import load_file, safe_open
 
 __all__ = [
     "CheckpointError",
@@ -52,6 +53,8 @@ __all__ = [
     "compress_dir",
     "decompress_dir",
     "verify_dir",
+    "load_file",
+    "safe_open",
     "read_index",
     "describe",
     "is_checkpoint",

@@ -33,8 +33,18 @@ from ..core.huffman import Codebook
 from ..core.quoting import printable
 from ._dcp_metadata import open_regular
 
-__all__ = ["BOOKS_FORMAT", "BOOKS_VERSION", "DATA_SUFFIX", "RAW_ID", "TRAILER", "TRAILER_MAGIC", "DataFile",
-           "book_table", "max_frame_bytes", "missing_book"]
+__all__ = [
+    "BOOKS_FORMAT",
+    "BOOKS_VERSION",
+    "DATA_SUFFIX",
+    "RAW_ID",
+    "TRAILER",
+    "TRAILER_MAGIC",
+    "DataFile",
+    "book_table",
+    "max_frame_bytes",
+    "missing_book",
+]
 
 DATA_SUFFIX = ".distcp"  # FileSystemWriter's suffix for data files
 BOOKS_FORMAT = "comm_codec.dcp.books"
@@ -84,8 +94,14 @@ def book_table(used_ids, own_books: dict, own_groups: dict, shipped: CodebookSet
             groups[book_id] = list(members)
         for member in members:
             book(member)
-    table = {"format": BOOKS_FORMAT, "version": BOOKS_VERSION, "shipped": shipped.digest, "books": books,
-             "groups": groups, "checksums": {str(k): list(v) for k, v in sorted(checksums.items())}}
+    table = {
+        "format": BOOKS_FORMAT,
+        "version": BOOKS_VERSION,
+        "shipped": shipped.digest,
+        "books": books,
+        "groups": groups,
+        "checksums": {str(k): list(v) for k, v in sorted(checksums.items())},
+    }
     return zlib.compress(json.dumps(table, separators=(",", ":"), allow_nan=False).encode(), 9)
 
 
@@ -100,10 +116,12 @@ def missing_book(path: str, book_id, version, written_with, shipped: CodebookSet
     """The error for a frame whose book neither the file nor the reader's shipped set holds."""
     msg = f"{path}: a frame needs codebook {printable(book_id, 20)}, which neither the file nor the shipped books hold"
     if version == 1 and written_with != shipped.digest:
-        msg += (f"; the file names shipped books by id only (written before data files stored every book) and "
-                f"was written with the book set of digest {printable(written_with, 40)}, this reader has "
-                f"{shipped.digest}: pass that set as codebooks= (Reader(path, codebooks=...) or "
-                "comm_codec.dcp.load(..., codebooks=...))")
+        msg += (
+            f"; the file names shipped books by id only (written before data files stored every book) and "
+            f"was written with the book set of digest {printable(written_with, 40)}, this reader has "
+            f"{shipped.digest}: pass that set as codebooks= (Reader(path, codebooks=...) or "
+            "comm_codec.dcp.load(..., codebooks=...))"
+        )
     elif written_with != shipped.digest:
         msg += f"; it was written with shipped books {printable(written_with, 40)}, this reader has {shipped.digest}"
     return msg
@@ -121,8 +139,9 @@ class DataFile:
 
     def read(self, offset: int, length: int, what: str) -> np.ndarray:
         if offset + length > self.size:
-            raise CheckpointError(f"{self.path}: truncated: {what} lies at bytes {offset}..{offset + length}, "
-                                  f"the file has {self.size}")
+            raise CheckpointError(
+                f"{self.path}: truncated: {what} lies at bytes {offset}..{offset + length}, the file has {self.size}"
+            )
         buf = np.empty(length, dtype=np.uint8)
         self.fh.seek(offset)
         view, got = memoryview(buf), 0
@@ -149,13 +168,16 @@ class DataFile:
         path = self.path
         if self.size < TRAILER.size:
             raise CheckpointError(f"{path}: truncated or not a comm_codec DCP data file (no book table)")
-        magic, offset, length, crc, zero = TRAILER.unpack(bytes(self.read(self.size - TRAILER.size, TRAILER.size,
-                                                                          "the trailer")))
+        magic, offset, length, crc, zero = TRAILER.unpack(
+            bytes(self.read(self.size - TRAILER.size, TRAILER.size, "the trailer"))
+        )
         if magic not in (TRAILER_MAGIC, _MAGIC_V1) or zero != 0:
             raise CheckpointError(f"{path}: truncated or not a comm_codec DCP data file (no book table at its end)")
         if length > MAX_BOOKS_BYTES or offset + length + TRAILER.size != self.size:
-            raise CheckpointError(f"{path}: the book table's place ({offset}, {length} bytes) is not before the "
-                                  "trailer: truncated or corrupted")
+            raise CheckpointError(
+                f"{path}: the book table's place ({offset}, {length} bytes) is not before the "
+                "trailer: truncated or corrupted"
+            )
         raw = bytes(self.read(offset, length, "the book table"))
         if zlib.crc32(raw) != crc:
             raise CheckpointError(f"{path}: the book table is corrupted (CRC-32 mismatch)")
@@ -171,12 +193,18 @@ class DataFile:
             table = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError):
             raise CheckpointError(f"{path}: the book table is not JSON") from None
-        if not isinstance(table, dict) or table.get("format") != BOOKS_FORMAT \
-                or table.get("version") != (2 if magic == TRAILER_MAGIC else 1) or not isinstance(table.get("books"), dict) \
-                or not isinstance(table.get("groups"), dict) \
-                or not isinstance(table.get("checksums", {}), dict):
-            raise CheckpointError(f"{path}: the book table is not a {BOOKS_FORMAT} table of a version this "
-                                  f"release reads ({', '.join(map(str, _READ_VERSIONS))})")
+        if (
+            not isinstance(table, dict)
+            or table.get("format") != BOOKS_FORMAT
+            or table.get("version") != (2 if magic == TRAILER_MAGIC else 1)
+            or not isinstance(table.get("books"), dict)
+            or not isinstance(table.get("groups"), dict)
+            or not isinstance(table.get("checksums", {}), dict)
+        ):
+            raise CheckpointError(
+                f"{path}: the book table is not a {BOOKS_FORMAT} table of a version this "
+                f"release reads ({', '.join(map(str, _READ_VERSIONS))})"
+            )
         table["data_end"] = offset
         return table
 
@@ -192,8 +220,10 @@ class DataFile:
         if table["version"] < 2:
             return None
         entry = table["checksums"].get(str(offset))
-        if not (isinstance(entry, list) and len(entry) == 2 and all(type(x) is int for x in entry)) \
-                or entry[0] != length:
+        if (
+            not (isinstance(entry, list) and len(entry) == 2 and all(type(x) is int for x in entry))
+            or entry[0] != length
+        ):
             raise CheckpointError(f"{self.path}: {what}: the book table records no checksum for it: tampered")
         return entry[1]
 

@@ -55,23 +55,33 @@ def check_torch_zip(raw: bytes, max_pickle: int, what: str) -> None:
     try:
         with zipfile.ZipFile(io.BytesIO(raw)) as zf:
             infos = zf.infolist()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError, NotImplementedError,
-            OverflowError) as exc:
+    except (
+        zipfile.BadZipFile,
+        zipfile.LargeZipFile,
+        ValueError,
+        OSError,
+        EOFError,
+        NotImplementedError,
+        OverflowError,
+    ) as exc:
         raise CheckpointError(f"{what}: not a torch.save record ({printable(str(exc), 80)})") from None
     pickles = 0
     for info in infos:
         name = printable(info.filename, 60)
         if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-            raise CheckpointError(f"{what}: member {name} is compressed; torch.save stores every member, and a "
-                                  "compressed one could inflate without bound")
+            raise CheckpointError(
+                f"{what}: member {name} is compressed; torch.save stores every member, and a "
+                "compressed one could inflate without bound"
+            )
         # the member's data follows its local header (30 bytes, name, extra field)
         if info.header_offset + 30 + len(info.filename.encode("utf-8", "replace")) + info.file_size > len(raw):
             raise CheckpointError(f"{what}: member {name} claims {info.file_size} bytes past the record's end")
         if info.filename.endswith("data.pkl"):
             pickles += 1
             if info.file_size > max_pickle:
-                raise CheckpointError(f"{what}: its pickle has {info.file_size} bytes, more than the {max_pickle} "
-                                      "this reader unpickles")
+                raise CheckpointError(
+                    f"{what}: its pickle has {info.file_size} bytes, more than the {max_pickle} this reader unpickles"
+                )
     if pickles != 1:
         raise CheckpointError(f"{what}: not a torch.save record ({pickles} data.pkl members)")
 
@@ -81,9 +91,10 @@ def load_checked(raw: bytes, max_pickle: int, what: str):
     check_torch_zip(raw, max_pickle, what)
     try:
         return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch.load raises many types on foreign bytes
-        raise CheckpointError(f"{what}: weights-only loading refuses it ({type(exc).__name__}: "
-                              f"{printable(str(exc), 120)})") from None
+    except Exception as exc:  # noqa: BLE001 - torch.load raises many types on foreign bytes
+        raise CheckpointError(
+            f"{what}: weights-only loading refuses it ({type(exc).__name__}: {printable(str(exc), 120)})"
+        ) from None
 
 
 def resave(value) -> io.BytesIO:
@@ -107,11 +118,11 @@ def zstd_decode(raw: bytes, limit: int, what: str) -> bytes:
     try:
         import zstandard
     except ImportError:
-        raise CheckpointError(f"{what}: written with DCP's ZStandard extension; install zstandard to read it") \
-            from None
+        raise CheckpointError(f"{what}: written with DCP's ZStandard extension; install zstandard to read it") from None
     try:
         reader = zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW).stream_reader(
-            io.BytesIO(raw), read_across_frames=True)
+            io.BytesIO(raw), read_across_frames=True
+        )
         out = io.BytesIO()
         while out.tell() <= limit:
             block = reader.read(min(1 << 20, limit + 1 - out.tell()) or 1)

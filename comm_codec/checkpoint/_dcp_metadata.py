@@ -57,16 +57,22 @@ _PAIR_BATCH = 1 << 20
 
 def _path(*parts) -> str:
     """``pathlib.PosixPath(*parts)`` as metadata pickles hold it: string parts only, joined."""
-    if not 1 <= len(parts) <= _MAX_PATH_CHARS or not all(type(p) is str for p in parts) \
-            or sum(map(len, parts)) > _MAX_PATH_CHARS:
+    if (
+        not 1 <= len(parts) <= _MAX_PATH_CHARS
+        or not all(type(p) is str for p in parts)
+        or sum(map(len, parts)) > _MAX_PATH_CHARS
+    ):
         raise pickle.UnpicklingError("a checkpoint path that is not a few strings")
     return os.path.join(*parts)
 
 
 def _size(dims=()) -> torch.Size:
     """``torch.Size(dims)`` for a tuple or list of at most MAX_DIMS non-negative ints."""
-    if type(dims) not in (tuple, list) or len(dims) > MAX_DIMS \
-            or not all(type(d) is int and 0 <= d < 1 << 62 for d in dims):
+    if (
+        type(dims) not in (tuple, list)
+        or len(dims) > MAX_DIMS
+        or not all(type(d) is int and 0 <= d < 1 << 62 for d in dims)
+    ):
         raise pickle.UnpicklingError("a tensor size that is not a few non-negative ints")
     return torch.Size(dims)
 
@@ -90,16 +96,29 @@ def _layout(name):
 
 
 _GLOBALS = {
-    **{("torch.distributed.checkpoint.metadata", c.__name__): c
-       for c in (Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata, TensorProperties,
-                 MetadataIndex, StorageMeta, _MEM_FORMAT_ENCODING)},
+    **{
+        ("torch.distributed.checkpoint.metadata", c.__name__): c
+        for c in (
+            Metadata,
+            TensorStorageMetadata,
+            BytesStorageMetadata,
+            ChunkStorageMetadata,
+            TensorProperties,
+            MetadataIndex,
+            StorageMeta,
+            _MEM_FORMAT_ENCODING,
+        )
+    },
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): _size,
     ("collections", "OrderedDict"): _ordered_dict,
     ("torch.serialization", "_get_layout"): _layout,
     # pathlib's classes as Python 3.11-3.12 (pathlib) and 3.13+ (pathlib._local) pickle them
-    **{(module, name): _path for module in ("pathlib", "pathlib._local")
-       for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")},
+    **{
+        (module, name): _path
+        for module in ("pathlib", "pathlib._local")
+        for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")
+    },
 }
 
 
@@ -119,8 +138,9 @@ class _MetadataUnpickler(pickle._Unpickler):  # pickle's pure-Python unpickler, 
             return found
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refers to {printable(module, 60)}.{printable(name, 60)}, which DCP "
-                                     "metadata never holds")
+        raise pickle.UnpicklingError(
+            f"refers to {printable(module, 60)}.{printable(name, 60)}, which DCP metadata never holds"
+        )
 
     def persistent_load(self, pid):
         raise pickle.UnpicklingError("holds a persistent id, which DCP metadata never holds")
@@ -141,8 +161,15 @@ def open_regular(path: str):
 
 def plain_name(name) -> bool:
     """Whether a recorded file name is one file inside the checkpoint directory."""
-    return (isinstance(name, str) and 0 < len(name) <= 255 and name not in (".", "..") and "/" not in name
-            and "\\" not in name and "\0" not in name and name != METADATA_NAME)
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 255
+        and name not in (".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+        and name != METADATA_NAME
+    )
 
 
 def read_metadata(directory) -> Metadata:
@@ -173,9 +200,10 @@ def read_metadata(directory) -> Metadata:
         raise CheckpointError(f"{path}: larger than {MAX_METADATA_BYTES} bytes: not DCP metadata")
     try:
         md = _MetadataUnpickler(io.BytesIO(raw)).load()
-    except Exception as exc:  # a crafted pickle raises whatever its opcodes provoke
-        raise CheckpointError(f"{path}: not DCP metadata, or truncated or tampered "
-                              f"({type(exc).__name__}: {printable(str(exc), 160)})") from None
+    except Exception as exc:  # noqa: BLE001 - a crafted pickle raises whatever its opcodes provoke
+        raise CheckpointError(
+            f"{path}: not DCP metadata, or truncated or tampered ({type(exc).__name__}: {printable(str(exc), 160)})"
+        ) from None
     check_metadata(md, path)
     if md.storage_meta is None:
         md.storage_meta = StorageMeta()
@@ -195,6 +223,7 @@ _MISSING = object()
 
 def check_metadata(md, path: str) -> None:
     """Check every field of unpickled metadata that reading relies on; CheckpointError if not."""
+
     def bad(what):
         raise CheckpointError(f"{path}: not a DCP checkpoint's metadata ({what})")
 
@@ -223,29 +252,47 @@ def check_metadata(md, path: str) -> None:
         if type(entry) is not TensorStorageMetadata:
             bad(f"entry {printable(fqn, 80)} is a {type(entry).__name__}")
         props, size, chunks = field(entry, "properties"), field(entry, "size"), field(entry, "chunks")
-        if type(props) is not TensorProperties or not isinstance(field(props, "dtype"), torch.dtype) \
-                or not _check_size(size) or type(chunks) is not list:
+        if (
+            type(props) is not TensorProperties
+            or not isinstance(field(props, "dtype"), torch.dtype)
+            or not _check_size(size)
+            or type(chunks) is not list
+        ):
             bad(f"entry {printable(fqn, 80)} is malformed")
         for chunk in chunks:
-            if type(chunk) is not ChunkStorageMetadata or not _check_size(field(chunk, "offsets"), len(size)) \
-                    or not _check_size(field(chunk, "sizes"), len(size)) \
-                    or any(o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, size)):
+            if (
+                type(chunk) is not ChunkStorageMetadata
+                or not _check_size(field(chunk, "offsets"), len(size))
+                or not _check_size(field(chunk, "sizes"), len(size))
+                or any(o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, size))
+            ):
                 bad(f"entry {printable(fqn, 80)} has a chunk outside its tensor {tuple(size)}")
         why = _tiling_problem(size, chunks)
         if why:
             bad(f"the chunks of entry {printable(fqn, 80)} do not tile its tensor {tuple(size)}: {why}")
     for index, info in records.items():
-        if type(index) is not MetadataIndex or type(field(index, "fqn")) is not str \
-                or index.fqn not in entries:
+        if type(index) is not MetadataIndex or type(field(index, "fqn")) is not str or index.fqn not in entries:
             bad("a storage record for no entry")
-        if type(info) is not _StorageInfo or not plain_name(field(info, "relative_path")) \
-                or not (_is_int(field(info, "offset")) and _is_int(field(info, "length"))
-                        and info.offset >= 0 and info.length >= 0):
-            bad(f"the storage record of {printable(index.fqn, 80)} is malformed (a file name must name a file "
-                "in the checkpoint directory)")
+        if (
+            type(info) is not _StorageInfo
+            or not plain_name(field(info, "relative_path"))
+            or not (
+                _is_int(field(info, "offset"))
+                and _is_int(field(info, "length"))
+                and info.offset >= 0
+                and info.length >= 0
+            )
+        ):
+            bad(
+                f"the storage record of {printable(index.fqn, 80)} is malformed (a file name must name a file "
+                "in the checkpoint directory)"
+            )
         descriptors = getattr(info, "transform_descriptors", None)
-        if descriptors is not None and not (type(descriptors) in (list, tuple) and len(descriptors) <= 8
-                                            and all(type(d) is str and len(d) <= 256 for d in descriptors)):
+        if descriptors is not None and not (
+            type(descriptors) in (list, tuple)
+            and len(descriptors) <= 8
+            and all(type(d) is str and len(d) <= 256 for d in descriptors)
+        ):
             bad(f"the storage record of {printable(index.fqn, 80)} has malformed transforms")
 
 
@@ -285,8 +332,9 @@ def _tiling_problem(size, chunks) -> str:
             last += 1
         i = np.repeat(np.arange(first, last), counts[first:last])
         if i.size:
-            within = np.arange(i.size) - np.repeat(np.cumsum(counts[first:last]) - counts[first:last],
-                                                   counts[first:last])
+            within = np.arange(i.size) - np.repeat(
+                np.cumsum(counts[first:last]) - counts[first:last], counts[first:last]
+            )
             j = i + 1 + within
             overlap = np.all(np.maximum(starts[i], starts[j]) < np.minimum(ends[i], ends[j]), axis=1)
             if overlap.any():

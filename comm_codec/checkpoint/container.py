@@ -54,8 +54,10 @@ HEADER = struct.Struct("<8sHHI")
 TRAILER = struct.Struct("<QQIHH8s")
 FLAG_INDEX_ZSTD = 0x1
 # What every reader says of a file that is no comm_codec file at all.
-NOT_OURS = ("not a comm_codec checkpoint or frame (bad magic): give a file written by "
-            "`comm-codec compress` (or a codec frame, for inspect)")
+NOT_OURS = (
+    "not a comm_codec checkpoint or frame (bad magic): give a file written by "
+    "`comm-codec compress` (or a codec frame, for inspect)"
+)
 # Largest index (JSON text) read: a checkpoint of 250 000 segments needs about 15 MB.
 _MAX_INDEX_BYTES = 128 << 20
 # What parsing an index may hold (comm_codec.core._json.estimate): a real index of 250 000
@@ -147,8 +149,9 @@ def parse_json(text: bytes, path, what: str = "index"):
     Raises:
         CheckpointError: too large, not UTF-8, not JSON, or nested too deeply.
     """
-    return json_loads(text, limit=_MAX_INDEX_MEMORY,
-                       error=lambda reason: CheckpointError(f"{path}: {what} is malformed ({reason})"))
+    return json_loads(
+        text, limit=_MAX_INDEX_MEMORY, error=lambda reason: CheckpointError(f"{path}: {what} is malformed ({reason})")
+    )
 
 
 def encode_index(index: dict, index_offset: int, version: int, magic: bytes) -> tuple[bytes, bytes]:
@@ -187,8 +190,11 @@ def read_container_index(m, magic: bytes, version_expected: int, check, kind: st
     if tversion != version_expected or flags & ~FLAG_INDEX_ZSTD or length > _MAX_INDEX_BYTES:
         fail(path, "trailer is corrupted")
     if off < HEADER.size or off + length + TRAILER.size != m.size:
-        fail(path, f"trailer says the index is at {off}..{off + length}, which does not end where the "
-                   f"trailer starts ({m.size - TRAILER.size}): truncated, extended or corrupted")
+        fail(
+            path,
+            f"trailer says the index is at {off}..{off + length}, which does not end where the "
+            f"trailer starts ({m.size - TRAILER.size}): truncated, extended or corrupted",
+        )
     blob = bytes(m.u8(off, length))
     if zlib.crc32(blob) != crc:
         fail(path, "index is corrupted (CRC-32 mismatch)")
@@ -201,8 +207,16 @@ def read_container_index(m, magic: bytes, version_expected: int, check, kind: st
         check(index, off, path)
     except CheckpointError:
         raise
-    except (zstandard.ZstdError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError,
-            IndexError, AttributeError) as exc:  # CodebookError is a ValueError
+    except (
+        zstandard.ZstdError,
+        UnicodeDecodeError,
+        json.JSONDecodeError,
+        KeyError,
+        TypeError,
+        ValueError,
+        IndexError,
+        AttributeError,
+    ) as exc:  # CodebookError is a ValueError
         fail(path, f"index is malformed ({type(exc).__name__}: {exc})")
     return index
 

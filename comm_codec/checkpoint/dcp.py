@@ -214,21 +214,42 @@ class Writer(FileSystemWriter):
         ValueError: ``thread_count`` under 1, extensions, another serialization format.
     """
 
-    def __init__(self, path, *, codebooks=None, kind=None, single_file_per_rank: bool = True,
-                 sync_files: bool = True, thread_count: int = 1, per_thread_copy_ahead: int = 10_000_000,
-                 cache_staged_state_dict: bool = False, overwrite: bool = True, _extensions=None,
-                 serialization_format=SerializationFormat.TORCH_SAVE):
+    def __init__(
+        self,
+        path,
+        *,
+        codebooks=None,
+        kind=None,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int = 1,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions=None,
+        serialization_format=SerializationFormat.TORCH_SAVE,
+    ):
         if _extensions:
-            raise ValueError("comm_codec.dcp.Writer takes no DCP stream extensions: its frames are compressed "
-                             "already, and an extension would see them as opaque bytes")
+            raise ValueError(
+                "comm_codec.dcp.Writer takes no DCP stream extensions: its frames are compressed "
+                "already, and an extension would see them as opaque bytes"
+            )
         if serialization_format != SerializationFormat.TORCH_SAVE:
-            raise ValueError(f"comm_codec.dcp.Writer stores items that are not frames with torch.save; "
-                             f"serialization_format={serialization_format!r} is not supported")
+            raise ValueError(
+                f"comm_codec.dcp.Writer stores items that are not frames with torch.save; "
+                f"serialization_format={serialization_format!r} is not supported"
+            )
         if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
-        super().__init__(path, single_file_per_rank=single_file_per_rank, sync_files=sync_files, thread_count=1,
-                         per_thread_copy_ahead=per_thread_copy_ahead, overwrite=overwrite,
-                         cache_staged_state_dict=cache_staged_state_dict)
+        super().__init__(
+            path,
+            single_file_per_rank=single_file_per_rank,
+            sync_files=sync_files,
+            thread_count=1,
+            per_thread_copy_ahead=per_thread_copy_ahead,
+            overwrite=overwrite,
+            cache_staged_state_dict=cache_staged_state_dict,
+        )
         self.codebooks = as_codebook_set(codebooks)
         self.kind = kind_of if kind is None else kind
         self.coding_threads = min(thread_count, numba.config.NUMBA_NUM_THREADS)
@@ -280,17 +301,31 @@ class Writer(FileSystemWriter):
                     self._pack(out, item, tensor)
                 else:
                     frame = self._encode(tensor, item.index.fqn, out)
-                    out.write(item, memoryview(frame.numpy()), [FRAME_DESCRIPTOR],
-                              tensor.numel() * tensor.element_size())
+                    out.write(
+                        item, memoryview(frame.numpy()), [FRAME_DESCRIPTOR], tensor.numel() * tensor.element_size()
+                    )
             for key in list(out.packs):
                 self._flush_pack(out, key)
-            table = book_table(out.used, {i: e["book"] for i, e in out.chooser.books.items()},
-                               out.chooser.groups, self.codebooks, out.checksums)
+            table = book_table(
+                out.used,
+                {i: e["book"] for i, e in out.chooser.books.items()},
+                out.chooser.groups,
+                self.codebooks,
+                out.checksums,
+            )
             fh.write(table)
             fh.write(TRAILER.pack(TRAILER_MAGIC, out.pos, len(table), zlib.crc32(table), 0))
             fh.commit()
-        log.info("%s: %d items, tensors of codec dtypes %d -> %d bytes (%d tensors planned, %d taking an earlier "
-                 "tensor's plan)", path, len(out.results), out.raw, out.coded, out.planned, out.reused)
+        log.info(
+            "%s: %d items, tensors of codec dtypes %d -> %d bytes (%d tensors planned, %d taking an earlier "
+            "tensor's plan)",
+            path,
+            len(out.results),
+            out.raw,
+            out.coded,
+            out.planned,
+            out.reused,
+        )
         return out.results
 
     def _pack(self, out: _FileOut, item, tensor: torch.Tensor) -> None:
@@ -308,8 +343,7 @@ class Writer(FileSystemWriter):
         del out.pack_elems[key]
         if self._shipped_codec is None:
             # A stored file: the ratio over split exponents' speed, as the other writers.
-            self._shipped_codec = Codec(self.codebooks, threads=1, chunk_elems=_PACK_CHUNK_ELEMS,
-                                        split_exponent=False)
+            self._shipped_codec = Codec(self.codebooks, threads=1, chunk_elems=_PACK_CHUNK_ELEMS, split_exponent=False)
         flat = torch.cat([t for _, t in members]) if len(members) > 1 else members[0][1].contiguous()
         frame = memoryview(self._shipped_codec.encode(flat, kind=kind).numpy())
         out.used.update(Codec.frame_parameters(frame).book_ids)
@@ -333,8 +367,15 @@ class Writer(FileSystemWriter):
                 return frame
         spec = spec_for(tensor.dtype)
         u8 = _as_u8(tensor)
-        planned = FileTensor(name=fqn, dtype=spec.name, shape=list(tensor.shape), offset=0, nbytes=u8.size,
-                             kind=self.kind(fqn), codable=True)
+        planned = FileTensor(
+            name=fqn,
+            dtype=spec.name,
+            shape=list(tensor.shape),
+            offset=0,
+            nbytes=u8.size,
+            kind=self.kind(fqn),
+            codable=True,
+        )
         plan_bytes(planned, u8, out.chooser)
         out.planned += 1
         frame = self._threads(planned.codec).encode(tensor, kind="weight")  # make_codec keys its books as "weight"
@@ -349,9 +390,15 @@ class Writer(FileSystemWriter):
             return codec
         found = self._threaded.get(id(codec))
         if found is None or found[0] is not codec:
-            found = self._threaded[id(codec)] = (codec, Codec(codec.codebooks, threads=self.coding_threads,
-                                                              chunk_elems=codec.chunk_elems,
-                                                              split_exponent=codec.split_exponent))
+            found = self._threaded[id(codec)] = (
+                codec,
+                Codec(
+                    codec.codebooks,
+                    threads=self.coding_threads,
+                    chunk_elems=codec.chunk_elems,
+                    split_exponent=codec.split_exponent,
+                ),
+            )
         return found[1]
 
 
@@ -372,9 +419,13 @@ class _FileOut:
         self.checksums: dict = {}  # offset -> (length, CRC-32) of items stored as DCP stores them
 
     def record(self, item, pos: int, length: int, descriptors) -> None:
-        self.results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                        storage_data=_StorageInfo(self.name, pos, length,
-                                                                  transform_descriptors=descriptors)))
+        self.results.append(
+            WriteResult(
+                index=item.index,
+                size_in_bytes=length,
+                storage_data=_StorageInfo(self.name, pos, length, transform_descriptors=descriptors),
+            )
+        )
 
     def write(self, item, payload, descriptors=None, raw: int = 0) -> None:
         """Append payload; record it for item (None: its records are made by the caller)."""
@@ -476,8 +527,10 @@ class Reader(FileSystemReader):
         for req in plan.items:
             info = self.storage_data.get(req.storage_index)
             if info is None:
-                raise CheckpointError(f"{os.path.join(os.fspath(self.path), METADATA_NAME)}: no storage record "
-                                      f"for {printable(req.storage_index.fqn, 80)}")
+                raise CheckpointError(
+                    f"{os.path.join(os.fspath(self.path), METADATA_NAME)}: no storage record "
+                    f"for {printable(req.storage_index.fqn, 80)}"
+                )
             per_file.setdefault(info.relative_path, []).append((req, info))
         for name, reqs in per_file.items():
             path = os.path.join(os.fspath(self.path), name)
@@ -493,10 +546,19 @@ class Reader(FileSystemReader):
                         self._read_item(data, req, info, planner)
                     except CheckpointError:
                         raise
-                    except (FrameError, CodebookError, OSError, RuntimeError, ValueError, TypeError, EOFError,
-                            pickle.UnpicklingError) as exc:
-                        raise CheckpointError(f"{path}: {printable(req.storage_index.fqn, 80)}: "
-                                              f"{printable(str(exc), 200)}") from None
+                    except (
+                        FrameError,
+                        CodebookError,
+                        OSError,
+                        RuntimeError,
+                        ValueError,
+                        TypeError,
+                        EOFError,
+                        pickle.UnpicklingError,
+                    ) as exc:
+                        raise CheckpointError(
+                            f"{path}: {printable(req.storage_index.fqn, 80)}: {printable(str(exc), 200)}"
+                        ) from None
             finally:
                 data.close()
                 self._last_pack = None
@@ -555,8 +617,10 @@ class Reader(FileSystemReader):
         descriptors = tuple(getattr(info, "transform_descriptors", None) or ())
         packed = len(descriptors) == 2 and descriptors[0] == PACK_DESCRIPTOR
         if descriptors not in ((), (FRAME_DESCRIPTOR,), (ZSTD_DESCRIPTOR,)) and not packed:
-            raise CheckpointError(f"{data.path}: {fqn} was written with DCP extension(s) "
-                                  f"{printable(', '.join(descriptors), 80)}, which this reader does not know")
+            raise CheckpointError(
+                f"{data.path}: {fqn} was written with DCP extension(s) "
+                f"{printable(', '.join(descriptors), 80)}, which this reader does not know"
+            )
         tensor = isinstance(entry, TensorStorageMetadata)
         if packed or descriptors == (FRAME_DESCRIPTOR,):
             if not tensor:
@@ -569,14 +633,18 @@ class Reader(FileSystemReader):
             if sizes is None:
                 raise CheckpointError(f"{data.path}: {fqn}: the metadata has no chunk at {tuple(index.offset or ())}")
             what = "pack frame" if packed else "frame"
-            buf, params = self._read_frame(data, info, dtype, _PACK_MAX_ELEMS if packed else math.prod(sizes),
-                                           not packed, what, fqn)
+            buf, params = self._read_frame(
+                data, info, dtype, _PACK_MAX_ELEMS if packed else math.prod(sizes), not packed, what, fqn
+            )
             self._codec(data, params).decode(buf, out=torch.empty(params.numel, dtype=dtype))
             counts["packs" if packed else "frames"] += 1
             return
         crc = data.checksum(info.offset, info.length, fqn)
-        limit = _MAX_VALUE_BYTES if not tensor else \
-            math.prod(entry.size) * torch.empty(0, dtype=entry.properties.dtype).element_size() + _TORCH_SAVE_SLACK
+        limit = (
+            _MAX_VALUE_BYTES
+            if not tensor
+            else math.prod(entry.size) * torch.empty(0, dtype=entry.properties.dtype).element_size() + _TORCH_SAVE_SLACK
+        )
         raw = self._plain_bytes(data, info, descriptors, limit, fqn)
         if crc is not None:
             counts["crc"] += 1
@@ -587,8 +655,9 @@ class Reader(FileSystemReader):
     def _plain_bytes(self, data: DataFile, info, descriptors, limit: int, fqn: str) -> bytes:
         """The bytes of an item stored as DCP stores it (decompressed if DCP's ZStandard wrote it), checked."""
         if info.length > limit:
-            raise CheckpointError(f"{data.path}: {fqn}: its record claims {info.length} bytes, more than the "
-                                  f"{limit} the item may take")
+            raise CheckpointError(
+                f"{data.path}: {fqn}: its record claims {info.length} bytes, more than the {limit} the item may take"
+            )
         raw = data.read(info.offset, info.length, fqn).tobytes()
         crc = data.checksum(info.offset, info.length, fqn)
         if crc is not None and zlib.crc32(raw) != crc:
@@ -602,8 +671,10 @@ class Reader(FileSystemReader):
         fqn = printable(req.storage_index.fqn, 80)
         packed = len(descriptors) == 2 and descriptors[0] == PACK_DESCRIPTOR
         if descriptors not in ((), (FRAME_DESCRIPTOR,), (ZSTD_DESCRIPTOR,)) and not packed:
-            raise CheckpointError(f"{data.path}: {fqn} was written with DCP extension(s) "
-                                  f"{printable(', '.join(descriptors), 80)}, which this reader does not know")
+            raise CheckpointError(
+                f"{data.path}: {fqn} was written with DCP extension(s) "
+                f"{printable(', '.join(descriptors), 80)}, which this reader does not know"
+            )
         if req.type == LoadItemType.BYTE_IO:
             if descriptors not in ((), (ZSTD_DESCRIPTOR,)):
                 raise CheckpointError(f"{data.path}: {fqn}: a non-tensor value recorded as a frame")
@@ -616,21 +687,25 @@ class Reader(FileSystemReader):
             except CheckpointError as exc:
                 raise CheckpointError(
                     f"{exc}; a non-tensor value that DCP's planner would unpickle with weights_only=False. "
-                    "If you trust this checkpoint, read it with Reader(path, trusted=True)") from None
+                    "If you trust this checkpoint, read it with Reader(path, trusted=True)"
+                ) from None
             planner.load_bytes(req, resave(value))
             return
         known = self._chunks.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
         if known is None:
-            raise CheckpointError(f"{data.path}: {fqn}: the metadata has no chunk at "
-                                  f"{tuple(req.storage_index.offset or ())}")
+            raise CheckpointError(
+                f"{data.path}: {fqn}: the metadata has no chunk at {tuple(req.storage_index.offset or ())}"
+            )
         dtype, sizes = known
         if len(req.storage_offsets) != len(sizes) or any(
-                o < 0 or n < 0 or o + n > s for o, n, s in zip(req.storage_offsets, req.lengths, sizes)):
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(req.storage_offsets, req.lengths, sizes)
+        ):
             raise CheckpointError(f"{data.path}: {fqn}: a read outside its stored chunk {sizes}")
         target = planner.resolve_tensor(req).detach()
         if tuple(target.shape) != tuple(req.lengths):
-            raise CheckpointError(f"{data.path}: {fqn}: the destination has shape {tuple(target.shape)}, the "
-                                  f"read {tuple(req.lengths)}")
+            raise CheckpointError(
+                f"{data.path}: {fqn}: the destination has shape {tuple(target.shape)}, the read {tuple(req.lengths)}"
+            )
         numel = math.prod(sizes)
         if packed:
             stored = self._unpack(data, info, dtype, sizes, numel, descriptors[1], fqn)
@@ -651,25 +726,34 @@ class Reader(FileSystemReader):
             (the frame's bytes, its parameters).
         """
         if dtype not in SUPPORTED_DTYPES:
-            raise CheckpointError(f"{data.path}: {fqn}: a {what} recorded for a {dtype} tensor, which the codec "
-                                  "does not code")
+            raise CheckpointError(
+                f"{data.path}: {fqn}: a {what} recorded for a {dtype} tensor, which the codec does not code"
+            )
         spec = spec_for(dtype)
         most = max_frame_bytes(numel, spec)
         if info.length > most:
-            raise CheckpointError(f"{data.path}: {fqn}: its record claims a {info.length}-byte {what}; one of "
-                                  f"{'' if exact else 'at most '}{numel} x {spec.name} takes at most {most}")
+            raise CheckpointError(
+                f"{data.path}: {fqn}: its record claims a {info.length}-byte {what}; one of "
+                f"{'' if exact else 'at most '}{numel} x {spec.name} takes at most {most}"
+            )
         buf = data.read(info.offset, info.length, fqn)
         params = Codec.frame_parameters(buf)
         if params.dtype != dtype or (params.numel != numel if exact else params.numel > numel):
-            raise CheckpointError(f"{data.path}: {fqn}: the {what} holds {params.numel} x {params.spec.name}, "
-                                  f"{'the metadata says' if exact else 'one holds at most'} {numel} x {spec.name}")
+            raise CheckpointError(
+                f"{data.path}: {fqn}: the {what} holds {params.numel} x {params.spec.name}, "
+                f"{'the metadata says' if exact else 'one holds at most'} {numel} x {spec.name}"
+            )
         return buf, params
 
     def _decode(self, data: DataFile, info, dtype, sizes, numel, target, fqn):
         """Decode a frame record: into target when it is the whole chunk, else into a new tensor."""
         buf, params = self._read_frame(data, info, dtype, numel, True, "frame", fqn)
-        whole = tuple(target.shape) == tuple(sizes) and target.dtype == dtype and target.is_contiguous() \
+        whole = (
+            tuple(target.shape) == tuple(sizes)
+            and target.dtype == dtype
+            and target.is_contiguous()
             and target.device.type == "cpu"
+        )
         out = target if whole else torch.empty(sizes, dtype=dtype)
         self._codec(data, params).decode(buf, out=out)
         return out
@@ -681,24 +765,29 @@ class Reader(FileSystemReader):
             raise CheckpointError(f"{data.path}: {fqn}: a malformed pack range {printable(where, 60)}")
         start, count = int(found.group(1)), int(found.group(2))
         if count != numel:
-            raise CheckpointError(f"{data.path}: {fqn}: its pack range holds {count} elements, the metadata "
-                                  f"says {numel}")
+            raise CheckpointError(
+                f"{data.path}: {fqn}: its pack range holds {count} elements, the metadata says {numel}"
+            )
         key = (data.path, info.offset, info.length)
         if self._last_pack is None or self._last_pack[0] != key:
             buf, params = self._read_frame(data, info, dtype, _PACK_MAX_ELEMS, False, "pack frame", fqn)
             self._last_pack = (key, self._codec(data, params).decode(buf, out=torch.empty(params.numel, dtype=dtype)))
         pack = self._last_pack[1]
         if start + count > pack.numel():
-            raise CheckpointError(f"{data.path}: {fqn}: its pack range {start}+{count} lies outside the pack frame "
-                                  f"of {pack.numel()} elements")
-        return pack[start:start + count].view(sizes)
+            raise CheckpointError(
+                f"{data.path}: {fqn}: its pack range {start}+{count} lies outside the pack frame "
+                f"of {pack.numel()} elements"
+            )
+        return pack[start : start + count].view(sizes)
 
     def _codec(self, data: DataFile, params) -> Codec:
         key = (params.spec.name, params.book_ids)
         codec = self._codecs.get(key)
         if codec is None:
-            groups = [Codebook.raw_book() if book_id == RAW_ID else data.lookup(book_id, self.codebooks)
-                      for book_id in params.book_ids]
+            groups = [
+                Codebook.raw_book() if book_id == RAW_ID else data.lookup(book_id, self.codebooks)
+                for book_id in params.book_ids
+            ]
             # Frames carry their chunk size; the codec's own is not used to decode.
             codec = self._codecs[key] = make_codec(groups, params.spec, CHUNK_SIZES[0])
         return codec
@@ -710,7 +799,9 @@ class Reader(FileSystemReader):
         check_torch_zip(raw, MAX_TENSOR_PICKLE, f"{data.path}: {fqn}")
         tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != tuple(sizes):
-            what = f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            what = (
+                f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            )
             raise CheckpointError(f"{data.path}: {fqn}: holds {what}, the metadata says {dtype} {tuple(sizes)}")
         return tensor
 
@@ -746,6 +837,7 @@ def load(state_dict: dict, path, *, process_group=None, planner=None, codebooks=
             error = exc.failures[rank][0]
             # DCP's planner: the state dict asks for an entry the metadata does not list
             if isinstance(error, RuntimeError) and str(error).startswith("Missing key in checkpoint"):
-                raise CheckpointError(f"{os.path.join(os.fspath(reader.path), METADATA_NAME)}: "
-                                      f"{printable(str(error), 200)}") from None
+                raise CheckpointError(
+                    f"{os.path.join(os.fspath(reader.path), METADATA_NAME)}: {printable(str(error), 200)}"
+                ) from None
         raise

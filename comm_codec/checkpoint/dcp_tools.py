@@ -103,9 +103,11 @@ def verify_dcp(path, codebooks=None) -> str:
     """
     path = os.fspath(path)
     counts = Reader(path, codebooks=codebooks).verify()
-    return (f"verified {printable(path)}: {counts['files']} data files, {counts['frames']} frames, {counts['packs']} "
-            f"pack frames, {counts['crc']} items by CRC-32, {counts['unchecked']} items with no checksum "
-            "(checked to be torch.save records torch reads in bounded time)")
+    return (
+        f"verified {printable(path)}: {counts['files']} data files, {counts['frames']} frames, {counts['packs']} "
+        f"pack frames, {counts['crc']} items by CRC-32, {counts['unchecked']} items with no checksum "
+        "(checked to be torch.save records torch reads in bounded time)"
+    )
 
 
 def describe_dcp(path) -> str:
@@ -134,8 +136,10 @@ def describe_dcp(path) -> str:
             stored = 0 if (kind == "pack" and (info.offset, info.length) in counted) else info.length
             counted.add((info.offset, info.length))
             total_raw, total_stored = total_raw + raw, total_stored + stored
-            lines.append(f"    {printable(index.fqn, 60):<60} {kind:<6} {what:<28} {raw:>12} -> {info.length:>12}"
-                         + (" (shared pack frame)" if kind == "pack" else ""))
+            lines.append(
+                f"    {printable(index.fqn, 60):<60} {kind:<6} {what:<28} {raw:>12} -> {info.length:>12}"
+                + (" (shared pack frame)" if kind == "pack" else "")
+            )
     lines.append(f"  total {total_raw} -> {total_stored} bytes of items, ratio {total_raw / max(1, total_stored):.3f}")
     return "\n".join(lines)
 
@@ -152,10 +156,12 @@ def describe_dcp_file(path) -> str:
         lines = [f"file        {printable(path)}", f"size        {data.size} bytes"]
         if data.has_trailer():
             table = data.table()
-            lines.append(f"format      comm_codec.dcp data file, book table version {table['version']} "
-                         f"({len(table['books'])} books, {len(table['groups'])} groups, "
-                         f"{len(table.get('checksums', {}))} item checksums; written with shipped books "
-                         f"{printable(str(table.get('shipped')), 40)})")
+            lines.append(
+                f"format      comm_codec.dcp data file, book table version {table['version']} "
+                f"({len(table['books'])} books, {len(table['groups'])} groups, "
+                f"{len(table.get('checksums', {}))} item checksums; written with shipped books "
+                f"{printable(str(table.get('shipped')), 40)})"
+            )
         else:
             lines.append("format      DCP data file of torch's FileSystemWriter (no comm_codec book table)")
     finally:

@@ -39,14 +39,22 @@ import os
 import stat
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ..core.quoting import printable
 from .errors import CheckpointError
 from .walk import Tree
 
-__all__ = ["SUFFIX", "DirSummary", "FileResult", "is_checkpoint_file", "compress_dir", "decompress_dir",
-           "verify_dir", "describe_dir"]
+__all__ = [
+    "SUFFIX",
+    "DirSummary",
+    "FileResult",
+    "is_checkpoint_file",
+    "compress_dir",
+    "decompress_dir",
+    "verify_dir",
+    "describe_dir",
+]
 
 log = logging.getLogger("comm_codec.checkpoint")
 
@@ -128,10 +136,12 @@ class DirSummary:
         if self.op == "verify":
             sizes = f"{b} ({a} original)"
         skipped = self._count("skipped")
-        return (f"{coded} a directory of {len(self.files) - skipped} files: {self._count(coded)} {coded}, "
-                f"{self._count('copied')} {'copied' if self.op != 'verify' else 'not compressed'}, "
-                f"{skipped} skipped; {sizes} (ratio {self.ratio:.3f}) in {self.seconds:.2f} s, "
-                f"{self.threads} at once")
+        return (
+            f"{coded} a directory of {len(self.files) - skipped} files: {self._count(coded)} {coded}, "
+            f"{self._count('copied')} {'copied' if self.op != 'verify' else 'not compressed'}, "
+            f"{skipped} skipped; {sizes} (ratio {self.ratio:.3f}) in {self.seconds:.2f} s, "
+            f"{self.threads} at once"
+        )
 
 
 def is_checkpoint_file(path: str) -> bool:
@@ -285,8 +295,17 @@ def _finish(op: str, started: float, at_once: int, results: list, skipped: list)
 
 
 # -- the three operations -------------------------------------------------------------------
-def compress_dir(src, dst, *, threads: int | None = None, force: bool = False, progress: bool | None = None,
-                 on_file: Callable[[FileResult], None] | None = None, codebooks=None, base=None) -> DirSummary:
+def compress_dir(
+    src,
+    dst,
+    *,
+    threads: int | None = None,
+    force: bool = False,
+    progress: bool | None = None,
+    on_file: Callable[[FileResult], None] | None = None,
+    codebooks=None,
+    base=None,
+) -> DirSummary:
     """Compress every checkpoint file of a tree into a mirror of it; copy every other file.
 
     Args:
@@ -325,9 +344,11 @@ def compress_dir(src, dst, *, threads: int | None = None, force: bool = False, p
         files = [e.rel for e in entries if e.kind == "file"]
         ours = [rel for rel in files if rel.endswith(SUFFIX)]
         if ours:
-            raise CheckpointError(f"{os.path.join(src, ours[0])}: the directory already holds {len(ours)} {SUFFIX} "
-                                  f"file(s); decompress or move them first (their names would be ambiguous when the "
-                                  "mirror is decompressed)")
+            raise CheckpointError(
+                f"{os.path.join(src, ours[0])}: the directory already holds {len(ours)} {SUFFIX} "
+                f"file(s); decompress or move them first (their names would be ambiguous when the "
+                "mirror is decompressed)"
+            )
         at_once, per_file = _pool_size(threads, len(files))
         made = _Made()
 
@@ -341,13 +362,20 @@ def compress_dir(src, dst, *, threads: int | None = None, force: bool = False, p
                     existed = os.path.lexists(out)
                     partner = _partner(base, rel)
                     with pinned(path, fh):
-                        s, note = _compress_against(compress_file, path, out, partner, per_file, codebooks,
-                                                    _meter(progress, at_once), force)
+                        s, note = _compress_against(
+                            compress_file, path, out, partner, per_file, codebooks, _meter(progress, at_once), force
+                        )
                 made.file(out, existed)
                 if base is not None and partner is None:
                     note = "; no partner in the base directory: coded standalone"
-                return FileResult(rel, "compressed", s.original_bytes, s.compressed_bytes,
-                                  note + (f"; note: {s.note}" if s.note else ""))
+                return FileResult(
+                    rel,
+                    "compressed",
+                    s.original_bytes,
+                    s.compressed_bytes,
+                    note + (f"; note: {s.note}" if s.note else ""),
+                )
+
             return job
 
         outputs = [os.path.join(dst, rel + tail) for rel in files for tail in ("", SUFFIX)]
@@ -383,8 +411,9 @@ def _compress_against(compress_file, path, out, partner, threads, codebooks, pro
     tensor with the file. Return (summary, what the file's line adds)."""
     if partner is not None:
         try:
-            s = compress_file(path, out, base=partner, threads=threads, codebooks=codebooks, progress=progress,
-                              force=force)
+            s = compress_file(
+                path, out, base=partner, threads=threads, codebooks=codebooks, progress=progress, force=force
+            )
             return s, (f", {s.delta} tensors as deltas" if s.delta else "; no tensor coded as a delta")
         except CheckpointError as exc:
             if "shares no tensor" not in str(exc):
@@ -403,8 +432,9 @@ def _copied(rel: str, fh, out: str, force: bool, made, note: str = "") -> FileRe
     return FileResult(rel, "copied", size, size, note)
 
 
-def _run_tree(op: str, src: str, dst: str, entries: list, outputs: list, made, make_job, at_once: int, on_file,
-              started: float) -> DirSummary:
+def _run_tree(
+    op: str, src: str, dst: str, entries: list, outputs: list, made, make_job, at_once: int, on_file, started: float
+) -> DirSummary:
     """Make the output tree, run every file's job, and undo what was made if any fails.
 
     Stale temp files of dead runs are swept once per output folder, never one of
@@ -424,8 +454,16 @@ def _run_tree(op: str, src: str, dst: str, entries: list, outputs: list, made, m
     return _finish(op, started, at_once, results, skipped)
 
 
-def decompress_dir(src, dst, *, threads: int | None = None, force: bool = False, progress: bool | None = None,
-                   on_file: Callable[[FileResult], None] | None = None, base=None) -> DirSummary:
+def decompress_dir(
+    src,
+    dst,
+    *,
+    threads: int | None = None,
+    force: bool = False,
+    progress: bool | None = None,
+    on_file: Callable[[FileResult], None] | None = None,
+    base=None,
+) -> DirSummary:
     """Restore a tree written by :func:`compress_dir`, byte for byte.
 
     Every ``F.cckp`` is decompressed into ``F`` (its digest checked before it appears);
@@ -456,19 +494,24 @@ def decompress_dir(src, dst, *, threads: int | None = None, force: bool = False,
                 with tree.open(entry) as fh:
                     if not rel.endswith(SUFFIX):
                         return _copied(rel, fh, os.path.join(dst, rel), force, made)
-                    out = os.path.join(dst, rel[:-len(SUFFIX)])
+                    out = os.path.join(dst, rel[: -len(SUFFIX)])
                     existed = os.path.lexists(out)
                     with pinned(path, fh):
                         # Only a delta gets its partner (a standalone file given one warns).
-                        partner = (_partner(base, rel[:-len(SUFFIX)])
-                                   if base is not None and read_index(path)["base"] is not None else None)
-                        s = decompress_file(path, out, base=partner, threads=per_file,
-                                            progress=_meter(progress, at_once), force=force)
+                        partner = (
+                            _partner(base, rel[: -len(SUFFIX)])
+                            if base is not None and read_index(path)["base"] is not None
+                            else None
+                        )
+                        s = decompress_file(
+                            path, out, base=partner, threads=per_file, progress=_meter(progress, at_once), force=force
+                        )
                 made.file(out, existed)
                 return FileResult(rel, "decompressed", s.original_bytes, s.compressed_bytes)
+
             return job
 
-        outputs = [os.path.join(dst, rel[:-len(SUFFIX)] if rel.endswith(SUFFIX) else rel) for rel in files]
+        outputs = [os.path.join(dst, rel[: -len(SUFFIX)] if rel.endswith(SUFFIX) else rel) for rel in files]
         return _run_tree("decompress", src, dst, entries, outputs, made, make_job, at_once, on_file, started)
 
 
@@ -476,12 +519,19 @@ def _refuse_uncompressed(src: str, files: list, op: str) -> None:
     """Refuse a tree with no compressed file: there would be nothing to check or restore,
     and a command that did nothing must not look like one that succeeded."""
     if not any(rel.endswith(SUFFIX) for rel in files):
-        raise CheckpointError(f"{src} holds no compressed file ({SUFFIX}), so there is nothing to {op} "
-                              f"({len(files)} other files); give a directory written by 'comm-codec compress DIR OUT'")
+        raise CheckpointError(
+            f"{src} holds no compressed file ({SUFFIX}), so there is nothing to {op} "
+            f"({len(files)} other files); give a directory written by 'comm-codec compress DIR OUT'"
+        )
 
 
-def verify_dir(src, *, threads: int | None = None, progress: bool | None = None,
-               on_file: Callable[[FileResult], None] | None = None) -> DirSummary:
+def verify_dir(
+    src,
+    *,
+    threads: int | None = None,
+    progress: bool | None = None,
+    on_file: Callable[[FileResult], None] | None = None,
+) -> DirSummary:
     """Check every ``.cckp`` file of a tree written by :func:`compress_dir`; write nothing.
 
     Returns:
@@ -512,6 +562,7 @@ def verify_dir(src, *, threads: int | None = None, progress: bool | None = None,
                     s = verify_file(path, threads=per_file, progress=_meter(progress, at_once))
                 checked = f", {s.digest.split(':')[0]} ok" if s.digest else ", digest NOT checked (a delta)"
                 return FileResult(rel, "verified", s.original_bytes, s.compressed_bytes, checked)
+
             return job
 
         jobs, skipped = _tree_jobs(src, entries, None, None, make_job)
@@ -521,10 +572,9 @@ def verify_dir(src, *, threads: int | None = None, progress: bool | None = None,
 def describe_dir(src) -> str:
     """Return a table of a tree written by :func:`compress_dir`: per file, how it is stored,
     its original and stored sizes and ratio (from each index; nothing is decoded)."""
-    from .report import human_bytes
     from .exact_index import read_index
-
     from .files import pinned
+    from .report import human_bytes
 
     src = os.fspath(src)
     if not os.path.isdir(src):
@@ -546,19 +596,28 @@ def describe_dir(src) -> str:
                     index = read_index(path)
                 orig = index["source"]["size"]
                 n = len(index["tensors"])
-                rows.append((printable(rel[:-len(SUFFIX)]), "compressed", human_bytes(orig), human_bytes(size),
-                             f"{orig / max(1, size):.3f}", f"{index['source']['format']}, {n} tensors, "
-                             f"{sum(t['coding'] == 'frame' for t in index['tensors'])} coded"
-                             + (f"; note: {printable(index['source']['note'], 400)}" if index["source"].get("note")
-                                else "")))
+                rows.append(
+                    (
+                        printable(rel[: -len(SUFFIX)]),
+                        "compressed",
+                        human_bytes(orig),
+                        human_bytes(size),
+                        f"{orig / max(1, size):.3f}",
+                        f"{index['source']['format']}, {n} tensors, "
+                        f"{sum(t['coding'] == 'frame' for t in index['tensors'])} coded"
+                        + (f"; note: {printable(index['source']['note'], 400)}" if index["source"].get("note") else ""),
+                    )
+                )
             else:
                 orig = size
                 rows.append((printable(rel), "copied", human_bytes(size), human_bytes(size), "1.000", ""))
             total_in, total_out = total_in + orig, total_out + size
     width = max([len(r[0]) for r in rows] + [4])
-    lines = [f"directory {printable(src)}: {sum(r[1] == 'compressed' for r in rows)} compressed, "
-             f"{sum(r[1] == 'copied' for r in rows)} copied, {sum(r[1] == 'skipped' for r in rows)} skipped; "
-             f"{human_bytes(total_in)} -> {human_bytes(total_out)} (ratio {total_in / max(1, total_out):.3f})",
-             f"{'file':<{width}}  {'stored as':<10} {'original':>10} {'stored':>10} {'ratio':>6}  what"]
+    lines = [
+        f"directory {printable(src)}: {sum(r[1] == 'compressed' for r in rows)} compressed, "
+        f"{sum(r[1] == 'copied' for r in rows)} copied, {sum(r[1] == 'skipped' for r in rows)} skipped; "
+        f"{human_bytes(total_in)} -> {human_bytes(total_out)} (ratio {total_in / max(1, total_out):.3f})",
+        f"{'file':<{width}}  {'stored as':<10} {'original':>10} {'stored':>10} {'ratio':>6}  what",
+    ]
     lines += [f"{r[0]:<{width}}  {r[1]:<10} {r[2]:>10} {r[3]:>10} {r[4]:>6}  {r[5]}" for r in rows]
     return "\n".join(lines)

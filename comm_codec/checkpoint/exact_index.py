@@ -85,8 +85,11 @@ def load_index(m: FileMap) -> dict:
     if m.size < len(MAGIC) or bytes(m.u8(0, len(MAGIC))) != MAGIC:
         kind = identify(bytes(m.u8(0, min(8, m.size))))
         if kind == "lossy":
-            fail(path, "is a lossy comm_codec checkpoint: it restores an approximation, not the original; "
-                       "use comm_codec.checkpoint.lossy.decompress_file (`comm-codec decompress` detects it)")
+            fail(
+                path,
+                "is a lossy comm_codec checkpoint: it restores an approximation, not the original; "
+                "use comm_codec.checkpoint.lossy.decompress_file (`comm-codec decompress` detects it)",
+            )
         if kind == "frame":
             fail(path, "is a comm_codec frame, not a checkpoint (use `comm-codec inspect`)")
         fail(path, NOT_OURS)
@@ -104,10 +107,13 @@ def _check_claims(m: FileMap, index: dict) -> None:
     zstd's largest ratio. So the total a file declares is bounded by its own size.
     """
     path, tensors = m.path, index["tensors"]
-    for k, (src_off, src_len, off, length, method, crc, ti) in enumerate(index["segments"]):
+    for k, (_src_off, src_len, off, length, method, _crc, ti) in enumerate(index["segments"]):
         if method == "zstd" and src_len > length * _ZSTD_MAX_RATIO:
-            fail(path, f"index: segment {k} claims {src_len} bytes from {length} zstd bytes, more than zstd "
-                       "can restore: corrupted")
+            fail(
+                path,
+                f"index: segment {k} claims {src_len} bytes from {length} zstd bytes, more than zstd "
+                "can restore: corrupted",
+            )
         if method != "frame":
             continue
         t = tensors[ti]
@@ -115,39 +121,86 @@ def _check_claims(m: FileMap, index: dict) -> None:
         if length < _FRAME_HEAD.size:
             fail(path, f"index: segment {k} is {length} bytes, too short for a frame: corrupted")
         _, _, _, ns, _, numel, chunk, nchunks = _FRAME_HEAD.unpack(bytes(m.u8(off, _FRAME_HEAD.size)))
-        if chunk != t["chunk_elems"] or numel * itemsize != src_len or nchunks != -(-numel // chunk) \
-                or header_size(ns, nchunks) > length:
-            fail(path, f"index: segment {k} of tensor {ti} holds a frame of {numel} elements in chunks of {chunk}, "
-                       f"but the index says {src_len // itemsize} elements in chunks of {t['chunk_elems']}: corrupted")
+        if (
+            chunk != t["chunk_elems"]
+            or numel * itemsize != src_len
+            or nchunks != -(-numel // chunk)
+            or header_size(ns, nchunks) > length
+        ):
+            fail(
+                path,
+                f"index: segment {k} of tensor {ti} holds a frame of {numel} elements in chunks of {chunk}, "
+                f"but the index says {src_len // itemsize} elements in chunks of {t['chunk_elems']}: corrupted",
+            )
 
 
 _SHA = Str(length=64)
 _BOOK_ID = Str(length=16)
 # The exact index (the module docstring), as read: every field the readers use.
-_INDEX = Record({
-    "format": OneOf(INDEX_FORMAT), "version": OneOf(VERSION), "created_by": Str(),
-    "source": Record({"name": Str(), "size": Int(), "blake3": _SHA, "sha256": _SHA,
-                      "format": OneOf(*FORMATS), "note": Str(1024)}, optional=("blake3", "sha256", "note")),
-    "base": Nullable(Record({"name": Str(), "size": Int(), "blake3": _SHA, "sha256": _SHA},
-                            optional=("blake3", "sha256"))),
-    "books": MapOf(_BOOK_ID, Record({"origin": Str(), "book": Anything(dict)})),
-    "groups": MapOf(_BOOK_ID, ListOf(_BOOK_ID, CodebookGroup.MAX_BOOKS)),
-    "tensors": ListOf(Record({
-        "name": Str(1 << 16), "dtype": Str(64), "shape": Nullable(ListOf(Int(), 64)), "offset": Int(),
-        "nbytes": Int(), "kind": Str(64), "coding": OneOf("frame", "opaque"), "transform": OneOf(*TRANSFORMS),
-        "base_offset": Nullable(Int()), "books": Nullable(ListOf(_BOOK_ID, 8)),
-        "chunk_elems": Nullable(OneOf(*CHUNK_SIZES)),
-        "entries": ListOf(Row(Str(1 << 16), Nullable(ListOf(Int(), 64))), MAX_ENTRIES)}, optional=("entries",))),
-    "segments": ListOf(Row(Int(), Int(1, MAX_SEGMENT_BYTES), Int(), Int(), OneOf(*METHODS),
-                           Nullable(Int(0, 0xFFFFFFFF)), Int(-1, 1 << 31))),
-}, optional=("created_by", "groups"))
+_INDEX = Record(
+    {
+        "format": OneOf(INDEX_FORMAT),
+        "version": OneOf(VERSION),
+        "created_by": Str(),
+        "source": Record(
+            {
+                "name": Str(),
+                "size": Int(),
+                "blake3": _SHA,
+                "sha256": _SHA,
+                "format": OneOf(*FORMATS),
+                "note": Str(1024),
+            },
+            optional=("blake3", "sha256", "note"),
+        ),
+        "base": Nullable(
+            Record({"name": Str(), "size": Int(), "blake3": _SHA, "sha256": _SHA}, optional=("blake3", "sha256"))
+        ),
+        "books": MapOf(_BOOK_ID, Record({"origin": Str(), "book": Anything(dict)})),
+        "groups": MapOf(_BOOK_ID, ListOf(_BOOK_ID, CodebookGroup.MAX_BOOKS)),
+        "tensors": ListOf(
+            Record(
+                {
+                    "name": Str(1 << 16),
+                    "dtype": Str(64),
+                    "shape": Nullable(ListOf(Int(), 64)),
+                    "offset": Int(),
+                    "nbytes": Int(),
+                    "kind": Str(64),
+                    "coding": OneOf("frame", "opaque"),
+                    "transform": OneOf(*TRANSFORMS),
+                    "base_offset": Nullable(Int()),
+                    "books": Nullable(ListOf(_BOOK_ID, 8)),
+                    "chunk_elems": Nullable(OneOf(*CHUNK_SIZES)),
+                    "entries": ListOf(Row(Str(1 << 16), Nullable(ListOf(Int(), 64))), MAX_ENTRIES),
+                },
+                optional=("entries",),
+            )
+        ),
+        "segments": ListOf(
+            Row(
+                Int(),
+                Int(1, MAX_SEGMENT_BYTES),
+                Int(),
+                Int(),
+                OneOf(*METHODS),
+                Nullable(Int(0, 0xFFFFFFFF)),
+                Int(-1, 1 << 31),
+            )
+        ),
+    },
+    optional=("created_by", "groups"),
+)
 
 
 def _check_index(index: dict, index_offset: int, path) -> None:
     """Check the whole index (schema, then layout); raise CheckpointError naming the first bad field."""
     if index.get("format") != INDEX_FORMAT or index.get("version") != VERSION:
-        fail(path, f"index format {shown(index.get('format'), 40)} version {shown(index.get('version'), 10)}, "
-                   f"expected {INDEX_FORMAT!r} version {VERSION}")
+        fail(
+            path,
+            f"index format {shown(index.get('format'), 40)} version {shown(index.get('version'), 10)}, "
+            f"expected {INDEX_FORMAT!r} version {VERSION}",
+        )
     schema.check(index, _INDEX, path)
     src, base = index["source"], index["base"]
     for what, rec in (("source", src), ("base", base)):
@@ -180,11 +233,16 @@ def _check_index(index: dict, index_offset: int, path) -> None:
             if t["dtype"] not in CODABLE_NAMES or t["transform"] not in TRANSFORMS:
                 fail(path, f"index: tensor {i} has dtype {t['dtype']!r} / transform {t['transform']!r}")
             spec = spec_for(t["dtype"])
-            if t["books"] is None or t["chunk_elems"] is None or len(t["books"]) != spec.nstreams or any(
-                    b != "0" * 16 and b not in books for b in t["books"]):
+            if (
+                t["books"] is None
+                or t["chunk_elems"] is None
+                or len(t["books"]) != spec.nstreams
+                or any(b != "0" * 16 and b not in books for b in t["books"])
+            ):
                 fail(path, f"index: tensor {i} ({printable(t['name'])}) names codebooks the file does not hold")
-            if t["transform"] != "none" and (base is None or t["base_offset"] is None
-                                             or t["base_offset"] + t["nbytes"] > base["size"]):
+            if t["transform"] != "none" and (
+                base is None or t["base_offset"] is None or t["base_offset"] + t["nbytes"] > base["size"]
+            ):
                 fail(path, f"index: tensor {i} ({printable(t['name'])}) has a bad base range")
     pos, at = 0, HEADER.size
     for k, seg in enumerate(index["segments"]):
@@ -195,9 +253,13 @@ def _check_index(index: dict, index_offset: int, path) -> None:
         at = off + length + (-length % 8)
         if method == "frame":
             t = index["tensors"][ti] if ti >= 0 else None
-            if t is None or t["coding"] != "frame" or not (t["offset"] <= src_off and src_off + src_len <= t["offset"] + t["nbytes"]) \
-                    or (src_off - t["offset"]) % spec_for(t["dtype"]).itemsize \
-                    or src_len % spec_for(t["dtype"]).itemsize:
+            if (
+                t is None
+                or t["coding"] != "frame"
+                or not (t["offset"] <= src_off and src_off + src_len <= t["offset"] + t["nbytes"])
+                or (src_off - t["offset"]) % spec_for(t["dtype"]).itemsize
+                or src_len % spec_for(t["dtype"]).itemsize
+            ):
                 fail(path, f"index: segment {k} is a frame outside any coded tensor")
         elif crc is None or (method == "stored" and length != src_len):
             fail(path, f"index: segment {k} is malformed")

@@ -24,10 +24,30 @@ import numpy as np
 from ..core.atomic import TEMP_MARK, create_temp, host_name, temp_prefix, umask
 from .errors import CheckpointError
 
-__all__ = ["FileMap", "AtomicFile", "DigestStream", "atomic_output", "check_paths", "file_digest", "new_hasher",
-           "recorded_digest", "KEEP_BYTES", "WRITE_DIGEST", "DIGESTS", "open_regular",
-           "is_regular", "temp_name", "sweep_stale_temps", "TEMP_MARK", "track_temp", "untrack_temp",
-           "remove_live_temps", "pinned", "stat_of", "sweep_scope"]
+__all__ = [
+    "FileMap",
+    "AtomicFile",
+    "DigestStream",
+    "atomic_output",
+    "check_paths",
+    "file_digest",
+    "new_hasher",
+    "recorded_digest",
+    "KEEP_BYTES",
+    "WRITE_DIGEST",
+    "DIGESTS",
+    "open_regular",
+    "is_regular",
+    "temp_name",
+    "sweep_stale_temps",
+    "TEMP_MARK",
+    "track_temp",
+    "untrack_temp",
+    "remove_live_temps",
+    "pinned",
+    "stat_of",
+    "sweep_scope",
+]
 
 # Buffers waiting for the background digest thread (DigestStream).
 _SHA_QUEUE = 8
@@ -42,8 +62,13 @@ DIRECT_WRITE_BYTES = 64 << 10
 _COPY_BLOCK = 8 << 20
 
 
-_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+)
 
 
 # -- files ----------------------------------------------------------------------------------
@@ -51,8 +76,9 @@ def _not_regular(path: str, st: os.stat_result) -> OSError:
     what = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
     if stat.S_ISDIR(st.st_mode):
         return IsADirectoryError(21, "Is a directory", path)
-    return CheckpointError(f"{path} is {what}, not a regular file; give a checkpoint file (copy a stream "
-                           "to a file first)")
+    return CheckpointError(
+        f"{path} is {what}, not a regular file; give a checkpoint file (copy a stream to a file first)"
+    )
 
 
 def is_regular(path: str) -> bool:
@@ -89,8 +115,9 @@ def open_regular(path: str):
         if not stat.S_ISREG(st.st_mode):
             raise _not_regular(path, st)
         if st.st_size == 0 and fh.read(1):
-            raise CheckpointError(f"{path} reports a size of 0 but has contents (a /proc or /sys file?); "
-                                  "copy it to a regular file first")
+            raise CheckpointError(
+                f"{path} reports a size of 0 but has contents (a /proc or /sys file?); copy it to a regular file first"
+            )
         fh.seek(0)
     except BaseException:
         fh.close()
@@ -216,8 +243,10 @@ class FileMap:
         while done < length:
             got = os.preadv(fd, [view[done:]], offset + done)
             if got == 0:
-                raise CheckpointError(f"{self.path} changed while it was being read: it is now shorter than the "
-                                      f"{self.size} bytes it had (read again once it is complete)")
+                raise CheckpointError(
+                    f"{self.path} changed while it was being read: it is now shorter than the "
+                    f"{self.size} bytes it had (read again once it is complete)"
+                )
             done += got
         return out
 
@@ -383,8 +412,11 @@ def _lower_priority(nice: int) -> None:
     """Lower the calling thread's scheduling priority by ``nice`` (Linux: nice is per thread)."""
     if sys.platform.startswith("linux") and hasattr(threading, "get_native_id"):
         with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
-                           os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + nice)
+            os.setpriority(
+                os.PRIO_PROCESS,
+                threading.get_native_id(),
+                os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + nice,
+            )
 
 
 class AtomicFile:
@@ -437,7 +469,7 @@ class AtomicFile:
                 self.fh.flush()
                 fd = self.fh.fileno()
                 while view.nbytes:
-                    view = view[os.write(fd, view):]
+                    view = view[os.write(fd, view) :]
         except OSError as exc:
             raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
         self.pos += n
@@ -462,7 +494,7 @@ class AtomicFile:
                     while block := os.pread(fd, _COPY_BLOCK, offset):
                         view = memoryview(block)
                         while view.nbytes:
-                            view = view[os.write(out, view):]
+                            view = view[os.write(out, view) :]
                         offset += len(block)
                     break
                 if n == 0:
@@ -490,8 +522,9 @@ class AtomicFile:
             return  # no figure to check against: the writes will tell
         free = st.f_bavail * st.f_frsize
         if size > free:
-            raise CheckpointError(f"cannot write {self.path}: No space left on device ({size} bytes to write, "
-                                  f"{free} free)")
+            raise CheckpointError(
+                f"cannot write {self.path}: No space left on device ({size} bytes to write, {free} free)"
+            )
 
     def pwrite(self, data, offset: int) -> None:
         """Write data at offset (thread-safe; for callers that never use :meth:`write`).
@@ -751,7 +784,6 @@ def check_paths(src: str, dst: str, base: str | None) -> None:
         raise IsADirectoryError(21, "Is a directory", dst)
     for other, what in ((src, "source"), (base, "base")):
         if other is not None and os.path.exists(dst) and os.path.samefile(other, dst):
-            raise CheckpointError(f"output {dst} is the {what} file; choose another output path "
-                                  "(the input is never modified)")
-
-
+            raise CheckpointError(
+                f"output {dst} is the {what} file; choose another output path (the input is never modified)"
+            )

@@ -22,7 +22,6 @@ import pickletools
 import re
 import struct
 import zipfile
-
 from typing import TYPE_CHECKING
 
 from ..core.streams import SUPPORTED_NAMES, spec_for
@@ -33,7 +32,18 @@ if TYPE_CHECKING:
     from ..core.codec import Codec
     from .files import FileMap
 
-__all__ = ["CODABLE", "CODABLE_NAMES", "FileTensor", "find_tensors", "find_tensors_noted", "FORMATS", "itemsize", "is_int", "zip_crc_fields", "storage_keys"]
+__all__ = [
+    "CODABLE",
+    "CODABLE_NAMES",
+    "FileTensor",
+    "find_tensors",
+    "find_tensors_noted",
+    "FORMATS",
+    "itemsize",
+    "is_int",
+    "zip_crc_fields",
+    "storage_keys",
+]
 
 log = logging.getLogger("comm_codec.checkpoint")
 
@@ -49,6 +59,8 @@ def __getattr__(name: str):
     if name == "CODABLE":
         return {n: spec_for(n).dtype for n in SUPPORTED_NAMES}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 _MAX_PICKLE_BYTES = 64 << 20  # torch.save writes ~100 bytes per tensor
 _MAX_BYTEORDER_BYTES = 16
 _MAX_NAME = 4096
@@ -91,10 +103,20 @@ class FileTensor:
         return spec_for(self.dtype)
 
     def record(self) -> dict:
-        return {"name": self.name, "dtype": self.dtype, "shape": self.shape, "offset": self.offset,
-                "nbytes": self.nbytes, "kind": self.kind, "coding": self.coding,
-                "transform": self.transform, "base_offset": self.base_offset, "books": self.books,
-                "chunk_elems": self.chunk_elems, **({"entries": self.entries} if self.entries else {})}
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": self.shape,
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "kind": self.kind,
+            "coding": self.coding,
+            "transform": self.transform,
+            "base_offset": self.base_offset,
+            "books": self.books,
+            "chunk_elems": self.chunk_elems,
+            **({"entries": self.entries} if self.entries else {}),
+        }
 
 
 _OPTIMIZER_NAME = re.compile(r"exp_avg|momentum|optim|(^|[./])state([./]|$)", re.IGNORECASE)
@@ -136,8 +158,7 @@ def find_tensors_noted(m: FileMap) -> tuple[str, list[FileTensor], str | None]:
         elif m.path.endswith(".distcp"):
             found, fmt = _record_tensors(m), "distcp"
     except Exception as exc:  # noqa: BLE001
-        log.debug("%s: not parsed as a checkpoint (%s: %s); coding it as opaque bytes",
-                  m.path, type(exc).__name__, exc)
+        log.debug("%s: not parsed as a checkpoint (%s: %s); coding it as opaque bytes", m.path, type(exc).__name__, exc)
         found, fmt = [], "torch_legacy" if _is_legacy(head) else "generic"
     kept, end = [], 0
     for t in sorted(found, key=lambda t: (t.offset, t.nbytes)):
@@ -161,20 +182,39 @@ def _opaque_note(fmt: str, tensors: list[FileTensor], size: int) -> str | None:
     if size < _NOTE_BYTES or any(t.codable for t in tensors):
         return None
     if fmt == "generic":
-        return ("no tensors found: not safetensors, a torch.save file (zip or legacy) or a DCP .distcp file, so "
-                "it is coded with zstd only; save it with safetensors or torch.save to have its tensors coded")
+        return (
+            "no tensors found: not safetensors, a torch.save file (zip or legacy) or a DCP .distcp file, so "
+            "it is coded with zstd only; save it with safetensors or torch.save to have its tensors coded"
+        )
     if not tensors:
-        return (f"a {fmt} file whose layout was not understood (comm-codec -v compress says why), so it "
-                "is coded with zstd only; re-saving it with torch.save (zip format) or safetensors would help")
+        return (
+            f"a {fmt} file whose layout was not understood (comm-codec -v compress says why), so it "
+            "is coded with zstd only; re-saving it with torch.save (zip format) or safetensors would help"
+        )
     kinds = sorted({t.dtype for t in tensors})[:4]
-    return (f"none of its {len(tensors)} tensors has a dtype the codec codes ({', '.join(kinds)}; it codes "
-            f"{', '.join(sorted(CODABLE_NAMES))}), so they are coded with zstd")
+    return (
+        f"none of its {len(tensors)} tensors has a dtype the codec codes ({', '.join(kinds)}; it codes "
+        f"{', '.join(sorted(CODABLE_NAMES))}), so they are coded with zstd"
+    )
 
 
-_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-              "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-              "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-              "U16": "uint16", "U32": "uint32", "U64": "uint64"}
+_ST_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+}
 
 
 def _safetensors_tensors(m: FileMap) -> list[FileTensor]:
@@ -192,8 +232,12 @@ def _safetensors_tensors(m: FileMap) -> list[FileTensor]:
             continue
         begin, end = info["data_offsets"]
         shape = info["shape"]
-        if not (isinstance(begin, int) and isinstance(end, int) and isinstance(shape, list)
-                and all(isinstance(d, int) and d >= 0 for d in shape)):
+        if not (
+            isinstance(begin, int)
+            and isinstance(end, int)
+            and isinstance(shape, list)
+            and all(isinstance(d, int) and d >= 0 for d in shape)
+        ):
             raise ValueError(f"tensor {name!r}: malformed entry")
         dtype = _ST_DTYPES.get(info["dtype"], str(info["dtype"]))
         # Exact integers: a shape whose product wraps int64 must not pass for the size. A
@@ -274,7 +318,7 @@ def _torch_zip_tensors(m: FileMap, start: int = 0, end: int | None = None, whole
             continue
         if info.flag_bits & 0x1:  # encrypted
             continue
-        key = info.filename[len(prefix + "data/"):]
+        key = info.filename[len(prefix + "data/") :]
         h = start + info.header_offset
         local = bytes(m.u8(h, 30)) if h + 30 <= end else b""
         if local[:4] != b"PK\x03\x04":
@@ -284,10 +328,11 @@ def _torch_zip_tensors(m: FileMap, start: int = 0, end: int | None = None, whole
         if offset + info.compress_size > end:
             continue
         dtype, name, nbytes, shape, entries = storages.get(key, (None, None, None, None, None))
-        t = FileTensor(name or f"storage/{key}", dtype or "unknown", shape, offset, info.compress_size,
-                       _guess_kind(name or ""))
+        t = FileTensor(
+            name or f"storage/{key}", dtype or "unknown", shape, offset, info.compress_size, _guess_kind(name or "")
+        )
         t.entries = entries
-        t.codable = (little and dtype in CODABLE_NAMES and info.compress_size == info.file_size == nbytes)
+        t.codable = little and dtype in CODABLE_NAMES and info.compress_size == info.file_size == nbytes
         out.append(t)
     return out
 
@@ -338,7 +383,7 @@ class _Reader:
         if not (self._at <= pos and pos + n <= self._at + len(self._buf)):
             self._at = pos
             self._buf = bytes(self.m.u8(pos, min(max(n, self._block), self.size - pos)))
-        return self._buf[pos - self._at:pos - self._at + n]
+        return self._buf[pos - self._at : pos - self._at + n]
 
 
 def _find(r: _Reader, sig: bytes, start: int, stop: int) -> int:
@@ -369,8 +414,8 @@ def _after_descriptor(r: _Reader, data: int, size: int) -> int | None:
             if len(desc) < n + 4 or (sig and desc[:4] != _DESCRIPTOR):
                 continue
             body = desc[4:] if sig else desc
-            csize = int.from_bytes(body[4:4 + width], "little")
-            if csize == size and desc[n:n + 4] in (_LOCAL, _CENTRAL):
+            csize = int.from_bytes(body[4 : 4 + width], "little")
+            if csize == size and desc[n : n + 4] in (_LOCAL, _CENTRAL):
                 return at + n
     return None
 
@@ -492,10 +537,11 @@ def _record_storages(rec: _Record, r: _Reader, prefix_name: str) -> list[FileTen
     for member, (offset, size) in rec.members.items():
         if not member.startswith(prefix + "data/"):
             continue
-        key = member[len(prefix + "data/"):]
+        key = member[len(prefix + "data/") :]
         dtype, name, nbytes, shape, entries = rec.storages.get(key, (None, None, None, None, None))
-        t = FileTensor(prefix_name + (name or f"storage/{key}"), dtype or "unknown", shape, offset, size,
-                       _guess_kind(name or ""))
+        t = FileTensor(
+            prefix_name + (name or f"storage/{key}"), dtype or "unknown", shape, offset, size, _guess_kind(name or "")
+        )
         t.entries = [[prefix_name + n, sh] for n, sh in entries] if entries else None
         t.codable = little and dtype in CODABLE_NAMES and size == nbytes
         out.append(t)
@@ -508,8 +554,18 @@ _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
 # Bytes per element of every storage class a legacy file can hold: storages lie back to
 # back, so one of unknown size ends the walk.
-_LAYOUT_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-                    "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+_LAYOUT_ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
 
 
 def _layout_itemsize(dtype: str) -> int | None:
@@ -554,8 +610,11 @@ def _legacy_tensors(m: FileMap) -> list[FileTensor]:
         raise ValueError("not protocol 1001")
     ops, pos = _pickle_ops(m, pos, 1 << 16)
     names = [(o, a) for o, a, _ in ops if o not in ("PROTO", "FRAME", "BINPUT", "PUT", "MEMOIZE", "MARK")]
-    little = any(a == "little_endian" and names[i + 1][0] == "NEWTRUE"
-                 for i, (o, a) in enumerate(names[:-1]) if o.endswith("UNICODE"))
+    little = any(
+        a == "little_endian" and names[i + 1][0] == "NEWTRUE"
+        for i, (o, a) in enumerate(names[:-1])
+        if o.endswith("UNICODE")
+    )
     start = pos
     _, pos = _pickle_ops(m, pos, _MAX_PICKLE_BYTES)
     storages = scan_torch_pickle(bytes(m.u8(start, pos - start)), _layout_itemsize)
@@ -615,7 +674,6 @@ def storage_keys(path: str) -> dict:
                 nlen, xlen = struct.unpack_from("<HH", local, 26)
                 keys[info.header_offset + 30 + nlen + xlen] = int(key)
     return keys
-
 
 
 def zip_crc_fields(path: str) -> dict:

@@ -58,7 +58,6 @@ from ..core.quoting import printable, shown
 from ..core.streams import spec_for
 from .container import HEADER, LOSSY_MAGIC, created_by, encode_index
 from .errors import ChainError, CheckpointError, fail
-from .report import human_bytes
 from .files import FileMap, atomic_output, check_paths
 from .formats import CODABLE, FileTensor, find_tensors, zip_crc_fields
 from .lossy_blobs import FileBooks, SkeletonReader, cut_skeleton, lay_out, skeleton_offsets
@@ -66,6 +65,7 @@ from .lossy_chain import chain_files, chain_weights, clear_cache, file_sha256, f
 from .lossy_index import INDEX_FORMAT, MODES, STREAMS, VERSION, is_lossy, load_index, read_index
 from .lossy_tensors import WEIGHTS_ONLY_FACTOR, Decoder, Encoder
 from .lossy_transforms import pair_moments
+from .report import human_bytes
 
 __all__ = [
     "ChainError",
@@ -147,21 +147,36 @@ class LossySummary:
     def line(self) -> str:
         """Return the one-line summary the command line prints."""
         a, b = human_bytes(self.original_bytes), human_bytes(self.compressed_bytes)
-        what = {"compress": f"compressed (lossy {self.mode}) {a} -> {b}",
-                "decompress": f"decompressed (lossy {self.mode}) {b} -> {a}",
-                "verify": f"verified (lossy {self.mode}) {b} ({a} reconstructed, sha256 ok)"}[self.op]
+        what = {
+            "compress": f"compressed (lossy {self.mode}) {a} -> {b}",
+            "decompress": f"decompressed (lossy {self.mode}) {b} -> {a}",
+            "verify": f"verified (lossy {self.mode}) {b} ({a} reconstructed, sha256 ok)",
+        }[self.op]
         errs = ", ".join(f"{printable(k[:-4], 64)} {v:.2e}" for k, v in self.errors.items() if k.endswith("_all"))
         if "weight" in self.errors:
             errs += f" (worst weight tensor {self.errors['weight']:.2e})"
-        return (f"{what} (ratio {self.ratio:.2f}) in {self.seconds:.2f} s; "
-                f"{self.lossy_tensors} tensors lossy" + (f", rel. RMS error {errs}" if errs else "")
-                + (f"; base {printable(self.base)}" if self.base else ""))
+        return (
+            f"{what} (ratio {self.ratio:.2f}) in {self.seconds:.2f} s; "
+            f"{self.lossy_tensors} tensors lossy"
+            + (f", rel. RMS error {errs}" if errs else "")
+            + (f"; base {printable(self.base)}" if self.base else "")
+        )
 
 
 # -- compress -------------------------------------------------------------------------------
-def compress_file(src, dst, *, mode: str = "excp", base=None, max_error: float | None = None, bits: int | None = None,
-                  alpha: float | None = None, beta: float = DEFAULT_BETA, keep_bits: int | None = None,
-                  threads: int | None = None) -> LossySummary:
+def compress_file(
+    src,
+    dst,
+    *,
+    mode: str = "excp",
+    base=None,
+    max_error: float | None = None,
+    bits: int | None = None,
+    alpha: float | None = None,
+    beta: float = DEFAULT_BETA,
+    keep_bits: int | None = None,
+    threads: int | None = None,
+) -> LossySummary:
     """Compress a checkpoint lossily (an explicit opt-in; :func:`checkpoint.compress_file` is exact).
 
     Args:
@@ -202,9 +217,11 @@ def compress_file(src, dst, *, mode: str = "excp", base=None, max_error: float |
     if base is not None:
         base = os.fspath(base)
         if not is_lossy(base):
-            raise CheckpointError(f"base {base} is not a lossy comm_codec file: --base takes the previous "
-                                  "checkpoint's lossy file (residuals are taken against its reconstruction, "
-                                  "so a chain does not drift)")
+            raise CheckpointError(
+                f"base {base} is not a lossy comm_codec file: --base takes the previous "
+                "checkpoint's lossy file (residuals are taken against its reconstruction, "
+                "so a chain does not drift)"
+            )
         bsha = file_sha256(base)
         base_weights = chain_weights(base, bsha, threads)
         base_rec = {"name": os.path.basename(base), "sha256": bsha}
@@ -212,8 +229,10 @@ def compress_file(src, dst, *, mode: str = "excp", base=None, max_error: float |
     try:
         fmt, tensors = find_tensors(m)
         if fmt not in ("safetensors", "torch_zip"):
-            raise CheckpointError(f"{src} is not a safetensors or torch.save checkpoint; lossy modes rewrite "
-                                  "tensors in place and need one (compress other files losslessly)")
+            raise CheckpointError(
+                f"{src} is not a safetensors or torch.save checkpoint; lossy modes rewrite "
+                "tensors in place and need one (compress other files losslessly)"
+            )
         books = FileBooks(threads)
         enc = Encoder(m, books)
         notes = []
@@ -223,13 +242,19 @@ def compress_file(src, dst, *, mode: str = "excp", base=None, max_error: float |
                 _check_same_run(base, base_weights, [p for p, _, _ in pairs])
             alone = [p.name for p, m1, _ in pairs if m1 is None]
             if pairs and len(alone) == len(pairs):
-                rule = (f"residuals pruned below {WEIGHTS_ONLY_FACTOR:g} x median|residual|" if "alpha" in params
-                        else f"residuals pruned within the error budget {params['max_error']:g}")
-                notes.append(f"no Adam state (exp_avg/exp_avg_sq) found: weights-only fallback, {rule}, no moments "
-                             "coded")
+                rule = (
+                    f"residuals pruned below {WEIGHTS_ONLY_FACTOR:g} x median|residual|"
+                    if "alpha" in params
+                    else f"residuals pruned within the error budget {params['max_error']:g}"
+                )
+                notes.append(
+                    f"no Adam state (exp_avg/exp_avg_sq) found: weights-only fallback, {rule}, no moments coded"
+                )
             elif alone and "alpha" in params:
-                notes.append(f"{len(alone)} weights have no Adam state ({', '.join(alone[:3])}"
-                             f"{'...' if len(alone) > 3 else ''}): pruned by magnitude only")
+                notes.append(
+                    f"{len(alone)} weights have no Adam state ({', '.join(alone[:3])}"
+                    f"{'...' if len(alone) > 3 else ''}): pruned by magnitude only"
+                )
             if base is None:
                 notes.append("keyframe: weights stored exactly; later files code residuals against them")
             for w, m1, m2 in pairs:
@@ -255,8 +280,15 @@ def compress_file(src, dst, *, mode: str = "excp", base=None, max_error: float |
             if records[i]["crc_at"]:
                 records[i]["crc32"] = zlib.crc32(v)
         recon_sha = hashlib.sha256()
-        lay_out(m.size, io.BytesIO(skeleton), records, lambda i: [enc.values[i]],
-                {i: r.get("crc32") for i, r in enumerate(records)}, recon_sha.update, src)
+        lay_out(
+            m.size,
+            io.BytesIO(skeleton),
+            records,
+            lambda i: [enc.values[i]],
+            {i: r.get("crc32") for i, r in enumerate(records)},
+            recon_sha.update,
+            src,
+        )
         stream_frames = {}
         for name, parts in enc.streams.items():
             data = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
@@ -264,12 +296,20 @@ def compress_file(src, dst, *, mode: str = "excp", base=None, max_error: float |
                 frame, ids = books.encode(torch.from_numpy(data))
                 stream_frames[name] = (frame, ids[0], data.size)
         index = {
-            "format": INDEX_FORMAT, "version": VERSION, "created_by": created_by(),
-            "mode": mode, "params": params,
+            "format": INDEX_FORMAT,
+            "version": VERSION,
+            "created_by": created_by(),
+            "mode": mode,
+            "params": params,
             "source": {"name": os.path.basename(src), "size": m.size, "sha256": source_sha, "format": fmt},
             "reconstruction": {"size": m.size, "sha256": recon_sha.hexdigest()},
-            "base": base_rec, "notes": notes,
-            "books": {}, "streams": {}, "skeleton": None, "tensors": records, "errors": _worst(records),
+            "base": base_rec,
+            "notes": notes,
+            "books": {},
+            "streams": {},
+            "skeleton": None,
+            "tensors": records,
+            "errors": _worst(records),
         }
         with atomic_output(dst, mode=os.stat(src).st_mode) as out:
             h = hashlib.sha256()
@@ -294,8 +334,12 @@ def compress_file(src, dst, *, mode: str = "excp", base=None, max_error: float |
             for rec, frame in enc.frames:
                 rec.update(offset=put(frame), length=frame.size)
             blob = zstandard.ZstdCompressor(level=9).compress(skeleton)
-            index["skeleton"] = {"offset": put(blob), "length": len(blob), "size": len(skeleton),
-                                 "crc32": zlib.crc32(blob)}
+            index["skeleton"] = {
+                "offset": put(blob),
+                "length": len(blob),
+                "size": len(skeleton),
+                "crc32": zlib.crc32(blob),
+            }
             index["books"] = {bid: b.to_dict() for bid, b in books.books.items()}
             text, trailer = encode_index(index, out.pos, VERSION, LOSSY_MAGIC)
             out.write(text)
@@ -304,16 +348,26 @@ def compress_file(src, dst, *, mode: str = "excp", base=None, max_error: float |
             h.update(trailer)
             total = out.pos
             if not m.unchanged():
-                raise CheckpointError(f"source {src} changed while it was being compressed; compress it again "
-                                      "once it is complete")
+                raise CheckpointError(
+                    f"source {src} changed while it was being compressed; compress it again once it is complete"
+                )
             out.commit()
         if mode == "excp":
             remember(h.hexdigest(), enc.weights)
     finally:
         m.close()
-    summary = LossySummary("compress", mode, m.size, total, time.perf_counter() - started, fmt,
-                           sum(r["coding"] in ("residual", "value", "precision") for r in records),
-                           index["errors"], notes, None if base_rec is None else base_rec["name"])
+    summary = LossySummary(
+        "compress",
+        mode,
+        m.size,
+        total,
+        time.perf_counter() - started,
+        fmt,
+        sum(r["coding"] in ("residual", "value", "precision") for r in records),
+        index["errors"],
+        notes,
+        None if base_rec is None else base_rec["name"],
+    )
     log.debug("%s: %s", src, summary.line())
     return summary
 
@@ -340,8 +394,9 @@ def _check_params(mode, base, max_error, bits, alpha, beta, keep_bits) -> dict:
     if alpha is None and max_error is None:
         max_error = DEFAULT_MAX_ERROR
     for name, value in (("max_error", max_error), ("alpha", alpha), ("beta", beta)):
-        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                      and math.isfinite(value) and value >= 0):
+        if value is not None and not (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+        ):
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     if alpha is not None:
         return {"bits": bits, "alpha": float(alpha), "beta": float(beta)}
@@ -355,19 +410,27 @@ def _check_same_run(base: str, base_weights: dict, params: list[FileTensor]) -> 
         bw = base_weights.get(p.name)
         if bw is None:
             example = shown(next(iter(base_weights), "-"), 200)
-            raise CheckpointError(f"base {base} is not from the same run: it holds no weight {shown(p.name, 200)} "
-                                  f"(it holds {len(base_weights)} weights, e.g. {example})")
+            raise CheckpointError(
+                f"base {base} is not from the same run: it holds no weight {shown(p.name, 200)} "
+                f"(it holds {len(base_weights)} weights, e.g. {example})"
+            )
         shape = list(p.shape) if p.shape is not None else None
-        if str(bw.dtype).replace("torch.", "") != p.dtype or bw.numel() * bw.element_size() != p.nbytes \
-                or (shape is not None and list(bw.shape) != shape):
-            raise CheckpointError(f"base {base} is not from the same run: weight {shown(p.name, 200)} is "
-                                  f"{str(bw.dtype).replace('torch.', '')} with {bw.numel()} elements there, "
-                                  f"{p.dtype} {shape} here")
+        if (
+            str(bw.dtype).replace("torch.", "") != p.dtype
+            or bw.numel() * bw.element_size() != p.nbytes
+            or (shape is not None and list(bw.shape) != shape)
+        ):
+            raise CheckpointError(
+                f"base {base} is not from the same run: weight {shown(p.name, 200)} is "
+                f"{str(bw.dtype).replace('torch.', '')} with {bw.numel()} elements there, "
+                f"{p.dtype} {shape} here"
+            )
     missing = sorted(set(base_weights) - names)
     if missing:
         listed = ", ".join(shown(n, 200) for n in missing[:3]) + ("..." if len(missing) > 3 else "")
-        raise CheckpointError(f"base {base} is not from the same run: it holds weights this checkpoint does "
-                              f"not ({listed})")
+        raise CheckpointError(
+            f"base {base} is not from the same run: it holds weights this checkpoint does not ({listed})"
+        )
 
 
 def _worst(records: list[dict]) -> dict:
@@ -410,8 +473,9 @@ def _restore(src: str, base, threads: int | None, output=None, beside: str | Non
             bpath, bsha = find_base(src, index, base, beside)
             weights = chain_weights(bpath, bsha, threads)
         elif base is not None:
-            log.warning("%s is not a delta (no base); ignoring base %s", printable(src, 4096),
-                        printable(os.fspath(base), 4096))
+            log.warning(
+                "%s is not a delta (no base); ignoring base %s", printable(src, 4096), printable(os.fspath(base), 4096)
+            )
         dec = Decoder(src, m, index, weights, threads)
         records = index["tensors"]
         crcs = {}
@@ -430,8 +494,7 @@ def _restore(src: str, base, threads: int | None, output=None, beside: str | Non
         lay_out(index["reconstruction"]["size"], skeleton, records, dec.pieces, crcs, sink, src)
         skeleton.finish()
         if h.hexdigest() != index["reconstruction"]["sha256"]:
-            fail(src, "the reconstruction's sha256 does not match the one recorded: the file or its chain "
-                      "is corrupted")
+            fail(src, "the reconstruction's sha256 does not match the one recorded: the file or its chain is corrupted")
         return index, m.size
     finally:
         m.close()
@@ -497,8 +560,10 @@ def _check_not_in_chain(src: str, dst: str, base, beside=None) -> None:
         m.close()
     for link in chain_files(src, index, base, beside):
         if os.path.samefile(link, dst):
-            raise CheckpointError(f"output {dst} is {link}, a file of {src}'s chain of bases, which "
-                                  "decompressing it needs; choose another output path (inputs are never modified)")
+            raise CheckpointError(
+                f"output {dst} is {link}, a file of {src}'s chain of bases, which "
+                "decompressing it needs; choose another output path (inputs are never modified)"
+            )
 
 
 def verify_file(src, *, base=None, threads: int | None = None, beside=None) -> LossySummary:
@@ -523,9 +588,18 @@ def verify_file(src, *, base=None, threads: int | None = None, beside=None) -> L
 
 def _summary(op: str, index: dict, size: int, started: float) -> LossySummary:
     recs = index["tensors"]
-    return LossySummary(op, index["mode"], index["source"]["size"], size, time.perf_counter() - started,
-                        index["source"]["format"], sum(r["coding"] in ("residual", "value", "precision") for r in recs),
-                        index["errors"], index["notes"], None if index["base"] is None else index["base"]["name"])
+    return LossySummary(
+        op,
+        index["mode"],
+        index["source"]["size"],
+        size,
+        time.perf_counter() - started,
+        index["source"]["format"],
+        sum(r["coding"] in ("residual", "value", "precision") for r in recs),
+        index["errors"],
+        index["notes"],
+        None if index["base"] is None else index["base"]["name"],
+    )
 
 
 def load(path, *, base=None, map_location="cpu"):
@@ -573,37 +647,49 @@ def describe(path) -> str:
     src, base = index["source"], index["base"]
     # Every string below comes from the file or the user: printable() escapes what could
     # drive the terminal or start a line of its own.
-    params = ", ".join(f"{printable(k, 32)}={v:g}" if isinstance(v, float) else f"{printable(k, 32)}={v}"
-                       for k, v in index["params"].items())
+    params = ", ".join(
+        f"{printable(k, 32)}={v:g}" if isinstance(v, float) else f"{printable(k, 32)}={v}"
+        for k, v in index["params"].items()
+    )
     lines = [
         f"file      {printable(path, 4096)}: LOSSY comm_codec checkpoint v{index['version']} (mode {index['mode']}), {human_bytes(size)}",
         f"params    {params}",
         f"source    {printable(src['name'])}: {src['format']}, {human_bytes(src['size'])}, "
         f"sha256 {printable(src['sha256'])}",
         f"restores  an approximation: sha256 {printable(index['reconstruction']['sha256'])} (not the source's)",
-        "base      " + ("none (keyframe)" if base is None else f"{printable(base['name'])}: sha256 "
-                                                              f"{printable(base['sha256'])} "
-                                                              "(its chain is needed to decompress)"),
+        "base      "
+        + (
+            "none (keyframe)"
+            if base is None
+            else f"{printable(base['name'])}: sha256 {printable(base['sha256'])} (its chain is needed to decompress)"
+        ),
         f"ratio     {src['size'] / max(1, size):.2f} ({human_bytes(src['size'])} -> {human_bytes(size)})",
-        "errors    " + (", ".join(f"{printable(k, 64)}: rel. RMS <= {v:.3e}" for k, v in index["errors"].items())
-                        or "none"),
+        "errors    "
+        + (", ".join(f"{printable(k, 64)}: rel. RMS <= {v:.3e}" for k, v in index["errors"].items()) or "none"),
     ]
     lines += [f"note      {printable(n, 4096)}" for n in index["notes"]]
     budget = index["params"].get("max_error")
     if budget is not None and "weight" in index["errors"]:
         worst = index["errors"]["weight"]
-        lines.append(f"budget    rel. RMS error <= {budget:.3g} on every weight tensor: worst achieved {worst:.3e} "
-                     f"({'within' if worst <= budget else 'OVER'} budget); per tensor below: bits and threshold "
-                     "chosen, error achieved")
+        lines.append(
+            f"budget    rel. RMS error <= {budget:.3g} on every weight tensor: worst achieved {worst:.3e} "
+            f"({'within' if worst <= budget else 'OVER'} budget); per tensor below: bits and threshold "
+            "chosen, error achieved"
+        )
     precision = index["mode"] == "precision"
     if precision:
-        lines.append("bounds    |error| <= bound * |x| for normal x; <= subn.abs (bound times the dtype's smallest "
-                     "normal) for subnormal x, whose relative error can reach 1")
+        lines.append(
+            "bounds    |error| <= bound * |x| for normal x; <= subn.abs (bound times the dtype's smallest "
+            "normal) for subnormal x, whose relative error can reach 1"
+        )
     names = [printable(r["name"]) for r in index["tensors"]]
     width = max([len(n) for n in names] + [6])
-    lines.append(f"{'tensor':<{width}}  {'role':<10} {'dtype':<9} {'coding':<9} {'kept':>7} "
-                 + (f"{'bits':>4} {'threshold':>9} " if budget is not None else "")
-                 + f"{'max|err|':>9} {'relRMS':>9} {'bound':>9}" + (f" {'subn.abs':>9}" if precision else ""))
+    lines.append(
+        f"{'tensor':<{width}}  {'role':<10} {'dtype':<9} {'coding':<9} {'kept':>7} "
+        + (f"{'bits':>4} {'threshold':>9} " if budget is not None else "")
+        + f"{'max|err|':>9} {'relRMS':>9} {'bound':>9}"
+        + (f" {'subn.abs':>9}" if precision else "")
+    )
     for name, r in zip(names, index["tensors"]):
         s = r["stats"]
         kept = "-"
@@ -619,10 +705,15 @@ def describe(path) -> str:
         chosen = ""
         if budget is not None:  # what the budget made the search choose
             bits, threshold = s.get("bits"), s.get("threshold")
-            chosen = (f"{'-' if bits is None else format(bits, 'g'):>4} "
-                      f"{'-' if threshold is None or r['role'] != 'weight' else format(threshold, '9.2e'):>9} ")
-        lines.append(f"{name:<{width}}  {r['role']:<10} {printable(r['dtype'], 64):<9} {r['coding']:<9} {kept:>7} "
-                     + chosen + " ".join(f"{t:>9}" for t in text))
+            chosen = (
+                f"{'-' if bits is None else format(bits, 'g'):>4} "
+                f"{'-' if threshold is None or r['role'] != 'weight' else format(threshold, '9.2e'):>9} "
+            )
+        lines.append(
+            f"{name:<{width}}  {r['role']:<10} {printable(r['dtype'], 64):<9} {r['coding']:<9} {kept:>7} "
+            + chosen
+            + " ".join(f"{t:>9}" for t in text)
+        )
     return "\n".join(lines)
 
 

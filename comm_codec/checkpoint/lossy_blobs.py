@@ -94,8 +94,10 @@ class FileBooks:
                 corrupted.
         """
         p = self.check(frame, dtype, numel, where)
-        return torch.cat([torch.from_numpy(u8) for u8 in self.pieces(frame, ids, p, 0, p.nchunks, where)]
-                         or [torch.zeros(0, dtype=torch.uint8)]).view(dtype)
+        return torch.cat(
+            [torch.from_numpy(u8) for u8 in self.pieces(frame, ids, p, 0, p.nchunks, where)]
+            or [torch.zeros(0, dtype=torch.uint8)]
+        ).view(dtype)
 
     @staticmethod
     def check(frame: np.ndarray, dtype: torch.dtype, numel: int, where: str):
@@ -112,8 +114,10 @@ class FileBooks:
         except FrameError as exc:
             raise CheckpointError(f"{where}: {exc}") from None
         if p.numel != numel or p.chunk_elems != CHUNK or p.spec.dtype != dtype:
-            raise CheckpointError(f"{where}: frame holds {p.numel} {p.spec.name} elements in chunks of "
-                                  f"{p.chunk_elems}, the index says {numel} {spec_for(dtype).name} in chunks of {CHUNK}")
+            raise CheckpointError(
+                f"{where}: frame holds {p.numel} {p.spec.name} elements in chunks of "
+                f"{p.chunk_elems}, the index says {numel} {spec_for(dtype).name} in chunks of {CHUNK}"
+            )
         return p
 
     def pieces(self, frame: np.ndarray, ids: list[str], p, first: int, stop: int, where: str, step: int = PIECE):
@@ -132,7 +136,9 @@ class FileBooks:
         book_ids = np.array([int(b, 16) for b in p.book_ids], dtype=np.uint64)
         words = frame.view(np.uint64) if frame.ctypes.data % 8 == 0 and frame.size % 8 == 0 else None
         if words is None:
-            frame = frame.copy() if frame.size % 8 == 0 else np.concatenate([frame, np.zeros(-frame.size % 8, np.uint8)])
+            frame = (
+                frame.copy() if frame.size % 8 == 0 else np.concatenate([frame, np.zeros(-frame.size % 8, np.uint8)])
+            )
             words = frame.view(np.uint64)
         ends = np.append(p.offsets[1:], p.frame_bytes)
         per = max(1, step // CHUNK)
@@ -140,8 +146,10 @@ class FileBooks:
             c1 = min(stop, c0 + per)
             if p.checksums:
                 for c in range(c0, c1):
-                    if hash_words(words, int(p.offsets[c]) // 8, (int(ends[c]) - int(p.offsets[c])) // 8, c) \
-                            != p.table["checksum"][c]:
+                    if (
+                        hash_words(words, int(p.offsets[c]) // 8, (int(ends[c]) - int(p.offsets[c])) // 8, c)
+                        != p.table["checksum"][c]
+                    ):
                         fail(where, f"chunk {c} of {p.nchunks} is bad: payload checksum mismatch (corrupted data)")
             count = min(p.numel, c1 * CHUNK) - c0 * CHUNK
             hsize = header_size(p.spec.nstreams, c1 - c0)

@@ -142,8 +142,9 @@ def choose(x: np.ndarray, norm: float, budget: float, prune: bool = True, bits=B
     z = _Sorted(x)
     allowed = (budget * norm) ** 2
     if z.n == 0 or z.c2[-1] <= allowed and prune:
-        return Choice(float(np.max(np.abs(z.s))) if z.n else 0.0, min(bits), 0.0,
-                      math.sqrt(z.c2[-1]) / norm if norm else 0.0)
+        return Choice(
+            float(np.max(np.abs(z.s))) if z.n else 0.0, min(bits), 0.0, math.sqrt(z.c2[-1]) / norm if norm else 0.0
+        )
     top = float(max(-z.s[0], z.s[-1]))
     best = None
     for b in bits:
@@ -170,6 +171,7 @@ def choose(x: np.ndarray, norm: float, budget: float, prune: bool = True, bits=B
     if best is not None:
         # Lloyd run to convergence for the choice: the encoder quantizes on these
         # centroids and never sorts the kept values again.
-        best.centroids = np.unique(_lloyd(z, *z.split(best.threshold), (1 << best.bits) - 1, steps=300)[2]
-                                   .astype(np.float32))
+        best.centroids = np.unique(
+            _lloyd(z, *z.split(best.threshold), (1 << best.bits) - 1, steps=300)[2].astype(np.float32)
+        )
     return best

@@ -79,11 +79,15 @@ def find_base(path: str, index: dict, override, beside: str | None = None) -> tu
         raise ChainError(
             f"{path} is a lossy delta against {printable(rec['name'])} (sha256 {printable(rec['sha256'][:16])}...), "
             f"which is missing: no file {printable(cand)}. Decompressing it needs every earlier file of its chain "
-            "back to the keyframe: keep them side by side, or pass the base's path (--base)", cand)
+            "back to the keyframe: keep them side by side, or pass the base's path (--base)",
+            cand,
+        )
     sha = file_sha256(cand)
     if sha != rec["sha256"]:
-        raise CheckpointError(f"wrong base: {printable(cand)} has sha256 {sha[:16]}..., but {path} was compressed "
-                              f"against {printable(rec['name'])} with sha256 {printable(rec['sha256'][:16])}...")
+        raise CheckpointError(
+            f"wrong base: {printable(cand)} has sha256 {sha[:16]}..., but {path} was compressed "
+            f"against {printable(rec['name'])} with sha256 {printable(rec['sha256'][:16])}..."
+        )
     return cand, sha
 
 
@@ -94,10 +98,12 @@ def _base_path(path: str, rec: dict, override, beside: str | None = None) -> str
         return os.fspath(override)
     name = rec["name"]
     if name in ("", ".", "..") or os.path.basename(name) != name or "\0" in name:
-        fail(path, f"records its base as {shown(name, 80)}, which is not a plain file name: the file is "
-                   "corrupted or crafted; pass the base's path yourself (--base)")
-    return os.path.join(os.path.abspath(beside) if beside is not None else os.path.dirname(os.path.abspath(path)),
-                        name)
+        fail(
+            path,
+            f"records its base as {shown(name, 80)}, which is not a plain file name: the file is "
+            "corrupted or crafted; pass the base's path yourself (--base)",
+        )
+    return os.path.join(os.path.abspath(beside) if beside is not None else os.path.dirname(os.path.abspath(path)), name)
 
 
 def chain_files(path: str, index: dict, override, beside: str | None = None) -> list[str]:

@@ -35,28 +35,49 @@ STREAMS = ("weight_mask", "weight_index", "exp_avg_mask", "exp_avg_index", "exp_
 _SHA = Str(length=64)
 _BLOB = {"offset": Int(), "length": Int()}
 # The lossy index (lossy_format.md), as read: every field the readers use.
-_INDEX = Record({
-    "format": OneOf(INDEX_FORMAT), "version": OneOf(VERSION), "mode": OneOf(*MODES),
-    "params": MapOf(Str(32), Num()),
-    "source": Record({"name": Str(), "size": Int(), "sha256": _SHA, "format": OneOf("safetensors", "torch_zip")}),
-    "reconstruction": Record({"size": Int(), "sha256": _SHA}),
-    "base": Nullable(Record({"name": Str(), "sha256": _SHA})),
-    "notes": ListOf(Str(), 64),
-    "books": MapOf(Str(length=16), Anything(dict)),
-    "streams": Record({name: Nullable(Record({**_BLOB, "size": Int(), "book": Str(length=16)}))
-                       for name in STREAMS}),
-    "skeleton": Record({**_BLOB, "size": Int(), "crc32": Int(0, 0xFFFFFFFF)}),
-    "tensors": ListOf(Record({
-        "name": Str(1 << 16), "dtype": Str(64), "shape": Nullable(ListOf(Int(), 64)), "offset": Int(),
-        "nbytes": Int(), "role": OneOf("weight", "exp_avg", "exp_avg_sq", "tensor"),
-        "coding": OneOf("residual", "value", "frame", "precision", "skeleton"), "param": Nullable(Str(1 << 16)),
-        "centroids": Nullable(ListOf(Num(), 255)), "domain": Nullable(OneOf("value", "sqrt")),
-        "kept": Nullable(Int()), "fill": Num(lo=0.0),
-        "frame": Nullable(Record({**_BLOB, "dtype": Str(64), "books": ListOf(Str(length=16), 8)})),
-        "skeleton_offset": Nullable(Int()), "crc_at": ListOf(Int(), 8), "crc32": Int(0, 0xFFFFFFFF),
-        "stats": MapOf(Str(32), Nullable(Num(finite=False)))}, optional=("crc32",))),
-    "errors": MapOf(Str(64), Num(finite=False)),
-}, optional=("created_by",))
+_INDEX = Record(
+    {
+        "format": OneOf(INDEX_FORMAT),
+        "version": OneOf(VERSION),
+        "mode": OneOf(*MODES),
+        "params": MapOf(Str(32), Num()),
+        "source": Record({"name": Str(), "size": Int(), "sha256": _SHA, "format": OneOf("safetensors", "torch_zip")}),
+        "reconstruction": Record({"size": Int(), "sha256": _SHA}),
+        "base": Nullable(Record({"name": Str(), "sha256": _SHA})),
+        "notes": ListOf(Str(), 64),
+        "books": MapOf(Str(length=16), Anything(dict)),
+        "streams": Record(
+            {name: Nullable(Record({**_BLOB, "size": Int(), "book": Str(length=16)})) for name in STREAMS}
+        ),
+        "skeleton": Record({**_BLOB, "size": Int(), "crc32": Int(0, 0xFFFFFFFF)}),
+        "tensors": ListOf(
+            Record(
+                {
+                    "name": Str(1 << 16),
+                    "dtype": Str(64),
+                    "shape": Nullable(ListOf(Int(), 64)),
+                    "offset": Int(),
+                    "nbytes": Int(),
+                    "role": OneOf("weight", "exp_avg", "exp_avg_sq", "tensor"),
+                    "coding": OneOf("residual", "value", "frame", "precision", "skeleton"),
+                    "param": Nullable(Str(1 << 16)),
+                    "centroids": Nullable(ListOf(Num(), 255)),
+                    "domain": Nullable(OneOf("value", "sqrt")),
+                    "kept": Nullable(Int()),
+                    "fill": Num(lo=0.0),
+                    "frame": Nullable(Record({**_BLOB, "dtype": Str(64), "books": ListOf(Str(length=16), 8)})),
+                    "skeleton_offset": Nullable(Int()),
+                    "crc_at": ListOf(Int(), 8),
+                    "crc32": Int(0, 0xFFFFFFFF),
+                    "stats": MapOf(Str(32), Nullable(Num(finite=False))),
+                },
+                optional=("crc32",),
+            )
+        ),
+        "errors": MapOf(Str(64), Num(finite=False)),
+    },
+    optional=("created_by",),
+)
 
 
 def is_lossy(path) -> bool:
@@ -90,8 +111,11 @@ def load_index(m: FileMap) -> dict:
     kind = identify(bytes(m.u8(0, min(8, m.size))))
     if kind != "lossy":
         if kind == "exact":
-            fail(path, "is an exact (lossless) comm_codec checkpoint, not a lossy one; restore it with "
-                       "`comm-codec decompress` or comm_codec.checkpoint.decompress_file")
+            fail(
+                path,
+                "is an exact (lossless) comm_codec checkpoint, not a lossy one; restore it with "
+                "`comm-codec decompress` or comm_codec.checkpoint.decompress_file",
+            )
         fail(path, NOT_OURS)
     return read_container_index(m, LOSSY_MAGIC, VERSION, _check_index, "lossy checkpoint")
 
@@ -134,8 +158,12 @@ def _check_index(index: dict, end: int, path) -> None:
         fail(path, "index: skeleton lies outside the file")
     for name, s in index["streams"].items():
         # A stream holds at most a byte per element of the tensors it serves.
-        if name not in STREAMS or (s is not None and not (_check_blob(s, end) and is_int(s["size"], 0, size)
-                                                          and (s["book"] == "0" * 16 or s["book"] in books))):
+        if name not in STREAMS or (
+            s is not None
+            and not (
+                _check_blob(s, end) and is_int(s["size"], 0, size) and (s["book"] == "0" * 16 or s["book"] in books)
+            )
+        ):
             fail(path, f"index: stream {name!r} is malformed")
     weights = {}  # name -> elements
     for i, r in enumerate(index["tensors"]):
@@ -192,8 +220,13 @@ def _tensor_problem(r: dict, size: int, end: int, skeleton_size: int, books: dic
         if not (_check_blob(f, end) and all(b == "0" * 16 or b in books for b in f["books"])):
             return "its frame lies outside the file or names codebooks the file does not hold"
     elif r["coding"] in ("residual", "value"):
-        if not (isinstance(r["centroids"], list) and len(r["centroids"]) <= 255 and r["domain"] in ("value", "sqrt")
-                and math.isfinite(r["fill"]) and r["fill"] >= 0):
+        if not (
+            isinstance(r["centroids"], list)
+            and len(r["centroids"]) <= 255
+            and r["domain"] in ("value", "sqrt")
+            and math.isfinite(r["fill"])
+            and r["fill"] >= 0
+        ):
             return "its quantization is malformed"
         if r["coding"] == "value":
             if r["role"] not in ("exp_avg", "exp_avg_sq"):

@@ -26,8 +26,18 @@ from .formats import CODABLE, FileTensor
 from .lossy_blobs import CHUNK, PIECE, FileBooks, SkeletonReader
 from .lossy_budget import choose
 from .lossy_index import STREAMS
-from .lossy_transforms import (LOSSY_DTYPES, MANTISSA, PACKED, dequantize, error_stats, fill_value, prunable,
-                               quantize, quantize_with, round_mantissa)
+from .lossy_transforms import (
+    LOSSY_DTYPES,
+    MANTISSA,
+    PACKED,
+    dequantize,
+    error_stats,
+    fill_value,
+    prunable,
+    quantize,
+    quantize_with,
+    round_mantissa,
+)
 
 __all__ = ["Encoder", "Decoder", "check_expansion", "WEIGHTS_ONLY_FACTOR", "MAX_EXPANSION"]
 
@@ -69,9 +79,24 @@ def _as_weight(u8: np.ndarray, dtype: str, shape) -> torch.Tensor:
 
 def _record(t: FileTensor, role: str, coding: str, **extra) -> dict:
     """A tensor's index record, every field at its default but those given."""
-    rec = {"name": t.name, "dtype": t.dtype, "shape": t.shape, "offset": t.offset, "nbytes": t.nbytes,
-           "role": role, "coding": coding, "param": None, "centroids": None, "domain": None, "kept": None,
-           "fill": 0.0, "frame": None, "skeleton_offset": None, "crc_at": [], "stats": {}}
+    rec = {
+        "name": t.name,
+        "dtype": t.dtype,
+        "shape": t.shape,
+        "offset": t.offset,
+        "nbytes": t.nbytes,
+        "role": role,
+        "coding": coding,
+        "param": None,
+        "centroids": None,
+        "domain": None,
+        "kept": None,
+        "fill": 0.0,
+        "frame": None,
+        "skeleton_offset": None,
+        "crc_at": [],
+        "stats": {},
+    }
     rec.update(extra)
     return rec
 
@@ -98,8 +123,13 @@ class Encoder:
         if t.codable and t.nbytes >= MIN_CODED_BYTES:
             tensor = torch.from_numpy(self.m.u8(t.offset, t.nbytes).copy()).view(CODABLE[t.dtype])
             frame, ids = self.books.encode(tensor)
-            rec = _record(t, role, "frame", frame={"dtype": t.dtype, "books": ids}, stats={"max_abs_error": 0.0,
-                                                                                           "rel_rms_error": 0.0})
+            rec = _record(
+                t,
+                role,
+                "frame",
+                frame={"dtype": t.dtype, "books": ids},
+                stats={"max_abs_error": 0.0, "rel_rms_error": 0.0},
+            )
             self.frames.append((rec["frame"], frame))
             self.add(rec, self.m.u8(t.offset, t.nbytes))
         else:
@@ -107,8 +137,9 @@ class Encoder:
             self.add(rec, None)
         return rec
 
-    def param(self, w: FileTensor, m1: FileTensor | None, m2: FileTensor | None, base: torch.Tensor | None,
-              p: dict) -> None:
+    def param(
+        self, w: FileTensor, m1: FileTensor | None, m2: FileTensor | None, base: torch.Tensor | None, p: dict
+    ) -> None:
         """Code one weight (a residual against base, or exactly in a keyframe) and its moments."""
         k = (1 << p["bits"]) - 1
         W = _floats(w, self.m)
@@ -130,8 +161,18 @@ class Encoder:
                 kept, sym, cents, recon_u8, stats = coded
                 self.streams["weight_mask"].append(np.packbits(kept, bitorder="little"))
                 self.streams["weight_index"].append(sym)
-                self.add(_record(w, "weight", "residual", centroids=cents.tolist(), domain="value",
-                                 kept=int(kept.sum()), stats=stats), recon_u8)
+                self.add(
+                    _record(
+                        w,
+                        "weight",
+                        "residual",
+                        centroids=cents.tolist(),
+                        domain="value",
+                        kept=int(kept.sum()),
+                        stats=stats,
+                    ),
+                    recon_u8,
+                )
         self.weights[w.name] = _as_weight(recon_u8, w.dtype, w.shape)
         if m1 is None:
             return
@@ -140,21 +181,34 @@ class Encoder:
         threshold = beta * float(np.mean(np.abs(M), dtype=np.float64)) if n else 0.0
         mask = (np.abs(M) > threshold) & kept
         self.streams["exp_avg_mask"].append(np.packbits(mask[kept], bitorder="little"))
-        for mt, role, x, domain in ((m1, "exp_avg", M, "value"),
-                                    (m2, "exp_avg_sq", _floats(m2, self.m), "sqrt")):
+        for mt, role, x, domain in ((m1, "exp_avg", M, "value"), (m2, "exp_avg_sq", _floats(m2, self.m), "sqrt")):
             sym, cents = quantize(np.sqrt(x[mask]) if domain == "sqrt" else x[mask], k)
             fill = fill_value(x, mask) if role == "exp_avg_sq" else 0.0
             vals = np.full(n, dequantize(np.zeros(1, np.uint8), np.zeros(0, np.float32), domain, fill)[0])
             vals[mask] = dequantize(sym, cents, domain)
             recon_u8 = _cast(vals, mt.dtype)
-            stats = {"threshold": threshold if role == "exp_avg" else None, "bits": p["bits"],
-                     **error_stats(_back(recon_u8, mt.dtype), x)}
+            stats = {
+                "threshold": threshold if role == "exp_avg" else None,
+                "bits": p["bits"],
+                **error_stats(_back(recon_u8, mt.dtype), x),
+            }
             self.streams[f"{role}_index"].append(sym)
-            self.add(_record(mt, role, "value", param=w.name, centroids=cents.tolist(), domain=domain,
-                             kept=int(mask.sum()), fill=fill, stats=stats), recon_u8)
+            self.add(
+                _record(
+                    mt,
+                    role,
+                    "value",
+                    param=w.name,
+                    centroids=cents.tolist(),
+                    domain=domain,
+                    kept=int(mask.sum()),
+                    fill=fill,
+                    stats=stats,
+                ),
+                recon_u8,
+            )
 
-    def _residual(self, w: FileTensor, m2: FileTensor | None, W: np.ndarray, B: np.ndarray, R: np.ndarray,
-                  p: dict):
+    def _residual(self, w: FileTensor, m2: FileTensor | None, W: np.ndarray, B: np.ndarray, R: np.ndarray, p: dict):
         """Prune and quantize a weight's residual: (kept, symbols, centroids, reconstruction, stats).
 
         With ``p["max_error"]`` the threshold and bits come from :func:`.lossy_budget.choose`
@@ -184,7 +238,7 @@ class Encoder:
                 return None
             # The estimate can miss (k-means run shorter, the cast to the weight's dtype):
             # each retry halves the threshold and adds a bit.
-            tries = [(choice.threshold / 2 ** a, min(8, choice.bits + a)) for a in range(_RETRIES)]
+            tries = [(choice.threshold / 2**a, min(8, choice.bits + a)) for a in range(_RETRIES)]
             first = choice.centroids
             extra = {"budget": budget, "bits": None, "est_error": choice.est_error}
         for a, (threshold, bits) in enumerate(tries):
@@ -197,8 +251,12 @@ class Encoder:
             deq[kept] = dequantize(sym, cents, "value")
             recon_u8 = _cast(B + deq, w.dtype)
             qerr = float(np.max(np.abs(R[kept] - deq[kept]))) if sym.size else 0.0
-            stats = {**extra, "threshold": threshold, "bound": max(threshold, qerr),
-                     **error_stats(_back(recon_u8, w.dtype), W)}
+            stats = {
+                **extra,
+                "threshold": threshold,
+                "bound": max(threshold, qerr),
+                **error_stats(_back(recon_u8, w.dtype), W),
+            }
             if budget is None or stats["rel_rms_error"] <= budget:
                 if budget is not None:
                     stats["bits"] = bits
@@ -232,10 +290,14 @@ class Encoder:
         rel = np.abs(recon[normal].astype(np.float64) - orig[normal]) / np.abs(orig[normal])
         bound_rel = 2.0 ** -(min(keep_bits, MANTISSA[t.dtype]) + 1)
         sub_err = np.abs(recon[sub].astype(np.float64) - orig[sub])
-        stats = {"keep_bits": keep_bits, "bound_rel": bound_rel, "max_rel_error": float(rel.max()) if rel.size else 0.0,
-                 "bound_abs_subnormal": bound_rel * tiny,
-                 "max_abs_error_subnormal": float(sub_err.max()) if sub_err.size else 0.0,
-                 **error_stats(np.where(np.isfinite(orig), recon, 0), np.where(np.isfinite(orig), orig, 0))}
+        stats = {
+            "keep_bits": keep_bits,
+            "bound_rel": bound_rel,
+            "max_rel_error": float(rel.max()) if rel.size else 0.0,
+            "bound_abs_subnormal": bound_rel * tiny,
+            "max_abs_error_subnormal": float(sub_err.max()) if sub_err.size else 0.0,
+            **error_stats(np.where(np.isfinite(orig), recon, 0), np.where(np.isfinite(orig), orig, 0)),
+        }
         rec = _record(t, "tensor", "precision", frame={"dtype": packed or t.dtype, "books": ids}, stats=stats)
         self.frames.append((rec["frame"], frame))
         self.add(rec, cut.view(np.uint8))
@@ -261,16 +323,18 @@ class _Stream:
         if start < self._lo or start + count > self._lo + self._data.size:
             c0, c1 = start // CHUNK, -(-(start + count) // CHUNK)
             self._lo = c0 * CHUNK
-            self._data = np.concatenate(list(self.books.pieces(self.frame, self.ids, self.p, c0, c1, self.where,
-                                                               step=(c1 - c0) * CHUNK)) or [np.zeros(0, np.uint8)])
-        return self._data[start - self._lo:start - self._lo + count]
+            self._data = np.concatenate(
+                list(self.books.pieces(self.frame, self.ids, self.p, c0, c1, self.where, step=(c1 - c0) * CHUNK))
+                or [np.zeros(0, np.uint8)]
+            )
+        return self._data[start - self._lo : start - self._lo + count]
 
 
 def _bits(stream: _Stream, bit: int, count: int) -> np.ndarray:
     """``count`` bits of a bit-packed stream (little bit order) from bit ``bit`` on, as bools."""
     lo = bit // 8
     raw = stream.read(lo, -(-(bit + count) // 8) - lo)
-    return np.unpackbits(raw, count=bit - 8 * lo + count, bitorder="little")[bit - 8 * lo:].astype(bool)
+    return np.unpackbits(raw, count=bit - 8 * lo + count, bitorder="little")[bit - 8 * lo :].astype(bool)
 
 
 class Decoder:
@@ -317,8 +381,11 @@ class Decoder:
                 if prev is None:
                     fail(path, f"tensor {printable(r['name'])} is a residual, but its base holds no such weight")
                 if prev.numel() != n:
-                    fail(path, f"tensor {printable(r['name'])} is a residual of {n} elements against a base weight "
-                               f"of {prev.numel()}: the file or its base is corrupted")
+                    fail(
+                        path,
+                        f"tensor {printable(r['name'])} is a residual of {n} elements against a base weight "
+                        f"of {prev.numel()}: the file or its base is corrupted",
+                    )
                 self.at[i] = {"mask": 8 * used["weight_mask"], "index": used["weight_index"]}
                 used["weight_mask"] += -(-n // 8)
                 used["weight_index"] += r["kept"]
@@ -332,8 +399,11 @@ class Decoder:
                 else:
                     m1 = self.first_moment.get(r["param"])
                     if m1 is None or self.records[m1]["kept"] != r["kept"]:
-                        fail(path, f"tensor {printable(r['name'])} comes before its first moment, or keeps "
-                                   "other elements than it: corrupted")
+                        fail(
+                            path,
+                            f"tensor {printable(r['name'])} comes before its first moment, or keeps "
+                            "other elements than it: corrupted",
+                        )
                     self.at[i] = {"index": used["exp_avg_sq_index"]}
                 used[f"{r['role']}_index"] += r["kept"]
             if r["role"] == "weight":
@@ -407,8 +477,11 @@ class Decoder:
             if r["role"] == "weight" and r["coding"] != "skeleton":
                 u8 = np.concatenate(list(self.pieces(i)) or [np.zeros(0, np.uint8)])
                 out[r["name"]] = _as_weight(u8, r["dtype"], r["shape"])
-        small = sorted((r["skeleton_offset"], i) for i, r in enumerate(self.records)
-                       if r["role"] == "weight" and r["coding"] == "skeleton")
+        small = sorted(
+            (r["skeleton_offset"], i)
+            for i, r in enumerate(self.records)
+            if r["role"] == "weight" and r["coding"] == "skeleton"
+        )
         if small:
             skeleton = SkeletonReader(self.path, self.m, self.index)
             for off, i in small:
@@ -416,8 +489,9 @@ class Decoder:
                     fail(self.path, "index: skeleton-coded weights overlap")
                 skeleton.skip(off - skeleton.pos)
                 r = self.records[i]
-                out[r["name"]] = _as_weight(np.frombuffer(skeleton.read(r["nbytes"]), np.uint8).copy(), r["dtype"],
-                                            r["shape"])
+                out[r["name"]] = _as_weight(
+                    np.frombuffer(skeleton.read(r["nbytes"]), np.uint8).copy(), r["dtype"], r["shape"]
+                )
         return out
 
 
@@ -429,9 +503,12 @@ def check_expansion(path: str, file_size: int, index: dict) -> None:
     """
     claimed = index["reconstruction"]["size"]
     if claimed > MAX_EXPANSION * max(file_size, _SMALL_FILE):
-        fail(path, f"claims to restore {claimed} bytes from {file_size}, more than {MAX_EXPANSION} times its size, "
-                   "which no checkpoint but one of nearly all zeros compresses to: corrupted or crafted "
-                   "(a decompression bomb); refused before decoding")
+        fail(
+            path,
+            f"claims to restore {claimed} bytes from {file_size}, more than {MAX_EXPANSION} times its size, "
+            "which no checkpoint but one of nearly all zeros compresses to: corrupted or crafted "
+            "(a decompression bomb); refused before decoding",
+        )
 
 
 def _widen(narrow: np.ndarray, dtype: str, packed: str) -> np.ndarray:

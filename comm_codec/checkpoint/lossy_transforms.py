@@ -16,8 +16,19 @@ import numpy as np
 
 from .formats import FileTensor, storage_keys
 
-__all__ = ["LOSSY_DTYPES", "MANTISSA", "PACKED", "pair_moments", "quantize", "quantize_with", "dequantize", "fill_value", "error_stats",
-           "prunable", "round_mantissa"]
+__all__ = [
+    "LOSSY_DTYPES",
+    "MANTISSA",
+    "PACKED",
+    "pair_moments",
+    "quantize",
+    "quantize_with",
+    "dequantize",
+    "fill_value",
+    "error_stats",
+    "prunable",
+    "round_mantissa",
+]
 
 log = logging.getLogger("comm_codec.checkpoint.lossy")
 
@@ -57,8 +68,9 @@ def pair_moments(path: str, fmt: str, tensors: list[FileTensor]):
                 prefixes.add(hit["prefix"])
                 moments.setdefault((hit["prefix"], int(hit["index"])), {})[hit["moment"]] = t
         keys = storage_keys(path)
-        params = [t for t in floats if not any(p and t.name.startswith(p) for p in prefixes)
-                  and not _ANY_STATE.search(t.name)]
+        params = [
+            t for t in floats if not any(p and t.name.startswith(p) for p in prefixes) and not _ANY_STATE.search(t.name)
+        ]
         params.sort(key=lambda t: (keys.get(t.offset, 1 << 62), t.offset))
         slots = {p.name: {} for p in params}
         for prefix in sorted(prefixes):
@@ -77,8 +89,13 @@ def pair_moments(path: str, fmt: str, tensors: list[FileTensor]):
     for p in params:
         pair = slots[p.name]
         m1, m2 = pair.get("exp_avg"), pair.get("exp_avg_sq")
-        ok = (m1 is not None and m2 is not None and m1.dtype in LOSSY_DTYPES and m2.dtype in LOSSY_DTYPES
-              and m1.nbytes // m1.spec.itemsize == m2.nbytes // m2.spec.itemsize == p.nbytes // p.spec.itemsize)
+        ok = (
+            m1 is not None
+            and m2 is not None
+            and m1.dtype in LOSSY_DTYPES
+            and m2.dtype in LOSSY_DTYPES
+            and m1.nbytes // m1.spec.itemsize == m2.nbytes // m2.spec.itemsize == p.nbytes // p.spec.itemsize
+        )
         out.append((p, m1 if ok else None, m2 if ok else None))
         if ok:
             used.update((id(m1), id(m2)))
@@ -165,8 +182,11 @@ def error_stats(recon: np.ndarray, orig: np.ndarray) -> dict:
     err = np.subtract(recon.ravel(), orig.ravel(), dtype=np.float64)
     wide = orig.ravel().astype(np.float64)
     norm = float(np.sqrt(np.dot(wide, wide)))
-    return {"max_abs_error": float(np.max(np.abs(err))) if err.size else 0.0,
-            "rel_rms_error": float(np.sqrt(np.dot(err, err)) / norm) if norm else 0.0, "norm": norm}
+    return {
+        "max_abs_error": float(np.max(np.abs(err))) if err.size else 0.0,
+        "rel_rms_error": float(np.sqrt(np.dot(err, err)) / norm) if norm else 0.0,
+        "norm": norm,
+    }
 
 
 def prunable(w: FileTensor) -> bool:

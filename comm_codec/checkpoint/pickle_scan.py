@@ -73,14 +73,41 @@ class _TensorRef:
 
 
 _UNKNOWN = object()
-_STORAGE_TYPES = {"BFloat16Storage": "bfloat16", "HalfStorage": "float16", "FloatStorage": "float32",
-                  "DoubleStorage": "float64", "LongStorage": "int64", "IntStorage": "int32",
-                  "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
-                  "BoolStorage": "bool"}
+_STORAGE_TYPES = {
+    "BFloat16Storage": "bfloat16",
+    "HalfStorage": "float16",
+    "FloatStorage": "float32",
+    "DoubleStorage": "float64",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+}
 _REBUILD = {"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3"}
-_PUSH_ARG = {"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT",
-             "STRING", "BINSTRING", "SHORT_BINSTRING", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8",
-             "BYTEARRAY8", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
+_PUSH_ARG = {
+    "INT",
+    "BININT",
+    "BININT1",
+    "BININT2",
+    "LONG",
+    "LONG1",
+    "LONG4",
+    "FLOAT",
+    "BINFLOAT",
+    "STRING",
+    "BINSTRING",
+    "SHORT_BINSTRING",
+    "BINBYTES",
+    "SHORT_BINBYTES",
+    "BINBYTES8",
+    "BYTEARRAY8",
+    "UNICODE",
+    "BINUNICODE",
+    "SHORT_BINUNICODE",
+    "BINUNICODE8",
+}
 _CONSTS = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False, "EMPTY_TUPLE": ()}
 
 
@@ -219,8 +246,15 @@ def scan_torch_pickle(data: bytes, itemsize) -> dict:
 def _persistent(pid, storages):
     # (storage, class, key, location, numel); a legacy file adds view metadata (None
     # unless the tensor is a view of a storage view, which has no layout this reads).
-    if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage" and isinstance(pid[1], _G)
-            and isinstance(pid[2], str) and isinstance(pid[4], int) and (len(pid) == 5 or pid[5] is None)):
+    if not (
+        isinstance(pid, tuple)
+        and len(pid) in (5, 6)
+        and pid[0] == "storage"
+        and isinstance(pid[1], _G)
+        and isinstance(pid[2], str)
+        and isinstance(pid[4], int)
+        and (len(pid) == 5 or pid[5] is None)
+    ):
         return _UNKNOWN
     s = storages.get(pid[2])
     if s is None:
@@ -235,8 +269,14 @@ def _persistent(pid, storages):
 
 
 def _reduce(func, args):
-    if (isinstance(func, _G) and func.module == "torch._utils" and func.name in _REBUILD
-            and isinstance(args, tuple) and args and isinstance(args[0], _Storage)):
+    if (
+        isinstance(func, _G)
+        and func.module == "torch._utils"
+        and func.name in _REBUILD
+        and isinstance(args, tuple)
+        and args
+        and isinstance(args[0], _Storage)
+    ):
         storage = args[0]
         if func.name == "_rebuild_tensor_v3":
             dt = args[-1]
@@ -270,8 +310,9 @@ def _name_storages(root) -> None:
         seen.add(id(obj))
         children = []
         if isinstance(obj, tuple):
-            children = [(v, (str(i), path), depth + 1) for i, v in enumerate(obj)
-                        if isinstance(v, (tuple, _Obj, _TensorRef))]
+            children = [
+                (v, (str(i), path), depth + 1) for i, v in enumerate(obj) if isinstance(v, (tuple, _Obj, _TensorRef))
+            ]
         else:
             for i, item in enumerate(obj.items):
                 if isinstance(item, _Pair):

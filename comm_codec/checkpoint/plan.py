@@ -21,7 +21,16 @@ from ..kernels.layout import MIN_SAVING_SHIFT
 from .files import FileMap
 from .formats import FileTensor
 
-__all__ = ["CHUNK_SIZES", "GROUP_MIN_ROWS", "TRANSFORMS", "BookChooser", "Sample", "make_codec", "plan_bytes", "plan_tensor"]
+__all__ = [
+    "CHUNK_SIZES",
+    "GROUP_MIN_ROWS",
+    "TRANSFORMS",
+    "BookChooser",
+    "Sample",
+    "make_codec",
+    "plan_bytes",
+    "plan_tensor",
+]
 
 # What storing one per-tensor book costs in the (zstd-compressed) index, in bits.
 _BOOK_COST_BITS = 160 * 8
@@ -113,8 +122,11 @@ class _XorTransform(_Transform):
 
     def inverse(self, coded, base, spec):
         ints = _INT_NP[spec.itemsize]
-        np.bitwise_xor(coded.view(ints), base.view(ints) if base.ctypes.data % spec.itemsize == 0
-                       else base.copy().view(ints), out=coded.view(ints))
+        np.bitwise_xor(
+            coded.view(ints),
+            base.view(ints) if base.ctypes.data % spec.itemsize == 0 else base.copy().view(ints),
+            out=coded.view(ints),
+        )
         return coded
 
 
@@ -143,14 +155,23 @@ class Sample:
     every: int = 1
     whole: bool = True
 
-    def xor(self, other: "Sample", spec) -> "Sample":
+    def xor(self, other: Sample, spec) -> Sample:
         """The same chunks XORed with another tensor's (its base), as one contiguous copy."""
         ints = np.dtype(f"u{spec.itemsize}")
-        parts = [np.bitwise_xor(self.bits[a:a + n].view(ints), other.bits[b:b + n].view(ints))
-                 for a, b, n in zip(self.starts, other.starts, self.lengths)]
+        parts = [
+            np.bitwise_xor(self.bits[a : a + n].view(ints), other.bits[b : b + n].view(ints))
+            for a, b, n in zip(self.starts, other.starts, self.lengths)
+        ]
         starts = np.concatenate(([0], np.cumsum(self.lengths)[:-1])).astype(np.int64)
-        return Sample(np.concatenate(parts).view(spec.bits_dtype), starts, self.lengths, self.scale, self.at,
-                      self.every, self.whole)
+        return Sample(
+            np.concatenate(parts).view(spec.bits_dtype),
+            starts,
+            self.lengths,
+            self.scale,
+            self.at,
+            self.every,
+            self.whole,
+        )
 
 
 class BookChooser:
@@ -166,7 +187,7 @@ class BookChooser:
         self._shipped: dict = {}  # (kind, dtype, stream) -> (group, its symbol bits, cut-down groups)
         self._lock = threading.Lock()
 
-    def sample(self, data, spec, offset: int = 0, nbytes: int | None = None, sparse: bool = True) -> "Sample":
+    def sample(self, data, spec, offset: int = 0, nbytes: int | None = None, sparse: bool = True) -> Sample:
         """Return whole chunks spread evenly over a tensor's bytes (all of them for a small one).
 
         Whole chunks, aligned as the encoder cuts them, so each sampled chunk gets the
@@ -183,7 +204,7 @@ class BookChooser:
         """
         if isinstance(data, np.ndarray):
             offset, nbytes = 0, data.size
-            read = lambda a, n: data[a:a + n]  # noqa: E731
+            read = lambda a, n: data[a : a + n]  # noqa: E731
         else:
             read = lambda a, n: data.u8(offset + a, n)  # noqa: E731
         per = self.chunk_elems
@@ -206,18 +227,22 @@ class BookChooser:
         if take == nchunks:  # every chunk: the whole tensor, one read
             # kept for the coder, which reads the same bytes next (a small tensor is one
             # segment): planning reads nothing the coding does not
-            u8 = data.u8(offset, numel * spec.itemsize, keep=True) if isinstance(data, FileMap) else \
-                read(0, numel * spec.itemsize)
+            u8 = (
+                data.u8(offset, numel * spec.itemsize, keep=True)
+                if isinstance(data, FileMap)
+                else read(0, numel * spec.itemsize)
+            )
             if u8.__array_interface__["data"][0] % spec.itemsize:
                 u8 = u8.copy()
             bits = u8.view(spec.bits_dtype)
         else:  # the sampled chunks only, one after the other
-            bits = np.concatenate([read(int(a) * spec.itemsize, int(n) * spec.itemsize)
-                                   for a, n in zip(starts, lengths)]).view(spec.bits_dtype)
+            bits = np.concatenate(
+                [read(int(a) * spec.itemsize, int(n) * spec.itemsize) for a, n in zip(starts, lengths)]
+            ).view(spec.bits_dtype)
             starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
         return Sample(bits, starts, lengths, numel / max(1, counted), at, every, take == nchunks)
 
-    def counts(self, sample: "Sample", spec) -> dict:
+    def counts(self, sample: Sample, spec) -> dict:
         """Return, per chunk size in CHUNK_SIZES, the sampled chunks' symbol counts.
 
         One pass over the sampled 64 Ki pieces (:mod:`comm_codec.kernels.plan`) gives the
@@ -245,8 +270,23 @@ class BookChooser:
         flags = np.empty(ns, dtype=np.bool_)
         rows = np.empty((npieces, ns, 256), dtype=np.int64)
         rows_large = np.empty((-(-npieces // per), ns, 256), dtype=np.int64)
-        _check(_plan.count_chunks(sample.bits, sample.starts, sample.lengths, sample.every, step, _RAW_LOOK_MIN_ELEMS,
-                                  _RAW_LOOK_BITS, spec.exp_shift, per, zeros, flags, rows, rows_large))
+        _check(
+            _plan.count_chunks(
+                sample.bits,
+                sample.starts,
+                sample.lengths,
+                sample.every,
+                step,
+                _RAW_LOOK_MIN_ELEMS,
+                _RAW_LOOK_BITS,
+                spec.exp_shift,
+                per,
+                zeros,
+                flags,
+                rows,
+                rows_large,
+            )
+        )
         z, coded = float(zeros.sum()), flags.tolist()
         if len(rows_large) == npieces:  # one piece a chunk either way (a one-chunk tensor): the same rows
             rows_large = rows
@@ -285,8 +325,9 @@ class BookChooser:
         saved -= (len(group.books) - 1) * _BOOK_COST_BITS
         return (group, saved) if saved > 0 else None
 
-    def choose(self, rows: np.ndarray, scale: float, kind: str, spec, coded=None, *,
-               whole: bool) -> tuple[list, list[str], float]:
+    def choose(
+        self, rows: np.ndarray, scale: float, kind: str, spec, coded=None, *, whole: bool
+    ) -> tuple[list, list[str], float]:
         """Return the books (or groups), their origins and the expected coded bits of the tensor.
 
         Every option is priced chunk by chunk as the encoder codes it: each sampled
@@ -327,23 +368,37 @@ class BookChooser:
             options = [(raw_bits * scale, _RAW_BOOK, "raw")]
             shipped = None if entry is None else self._shipped_option(entry, float(sums[1]), int(sums[3]), whole)
             if shipped is not None:
-                options.append((shipped[0] * scale + self._index_bits(shipped[1]), shipped[1],
-                                f"shipped:{kind}/{spec.name}/{s}"))
+                options.append(
+                    (shipped[0] * scale + self._index_bits(shipped[1]), shipped[1], f"shipped:{kind}/{spec.name}/{s}")
+                )
             # A book of its own costs at least each chunk's entropy (or raw), plus its
             # place in the index when new: skip it when even that cannot beat the best.
             best = min(o[0] for o in options)
             floor = float(sums[2]) * scale
             if floor < best:
-                options += self._own_options(rows, s, colsum, float(sums[4]), raw_bits, scale, spec.name, grouped,
-                                             best, floor, whole)
+                options += self._own_options(
+                    rows, s, colsum, float(sums[4]), raw_bits, scale, spec.name, grouped, best, floor, whole
+                )
             bits, book, origin = min(options, key=lambda o: o[0])
             books.append(book)
             origins.append(origin)
             total += bits
         return books, origins, total
 
-    def _own_options(self, rows: np.ndarray, s: int, colsum: np.ndarray, h: float, raw_bits: float, scale: float,
-                     dtype: str, grouped: bool, best: float, floor: float, whole: bool) -> list:
+    def _own_options(
+        self,
+        rows: np.ndarray,
+        s: int,
+        colsum: np.ndarray,
+        h: float,
+        raw_bits: float,
+        scale: float,
+        dtype: str,
+        grouped: bool,
+        best: float,
+        floor: float,
+        whole: bool,
+    ) -> list:
         """Options of books fitted to the tensor: its own book, a group grown from it, or
         (a stream raw on the whole) a book for the chunks that compress.
 
@@ -393,8 +448,11 @@ class BookChooser:
                 group = self.shipped.group(kind, dtype, stream)
             except ValueError:
                 group = None
-            self._shipped[key] = None if group is None or group.raw else (
-                group, np.ascontiguousarray(group.symbol_bits(), dtype=np.int64), {})
+            self._shipped[key] = (
+                None
+                if group is None or group.raw
+                else (group, np.ascontiguousarray(group.symbol_bits(), dtype=np.int64), {})
+            )
         return self._shipped[key]
 
     def _shipped_option(self, entry, priced: float, used_mask: int, whole: bool):
@@ -429,8 +487,9 @@ class BookChooser:
         members = option.books if isinstance(option, CodebookGroup) else (option,)
         return _BOOK_COST_BITS * sum(b.id not in self.books for b in members)
 
-    def _own(self, c: np.ndarray, n: float, h: float, dtype: str, stream: int,
-             build: bool = True) -> tuple[Codebook, bool] | None:
+    def _own(
+        self, c: np.ndarray, n: float, h: float, dtype: str, stream: int, build: bool = True
+    ) -> tuple[Codebook, bool] | None:
         """A book fitted to these counts, and whether it is new to the file (None: no
         earlier book fits and ``build`` is False).
 
@@ -489,8 +548,9 @@ def make_codec(books, spec, chunk_elems, threads: int = 1) -> Codec:
     return Codec(CodebookSet(keyed), threads=threads, chunk_elems=chunk_elems, split_exponent=False)
 
 
-def plan_tensor(t: FileTensor, src: FileMap, base: FileMap | None, base_tensor: FileTensor | None,
-                 chooser: BookChooser) -> None:
+def plan_tensor(
+    t: FileTensor, src: FileMap, base: FileMap | None, base_tensor: FileTensor | None, chooser: BookChooser
+) -> None:
     """Choose transform, chunk size and books of one tensor of a file from a sample of its chunks.
 
     Args:
@@ -528,8 +588,9 @@ def plan_bytes(t: FileTensor, data: np.ndarray, chooser: BookChooser) -> None:
     _plan_from(t, chooser.sample(data, t.spec), None, None, chooser)
 
 
-def _plan_from(t: FileTensor, sample: Sample, base_sample: Sample | None, base_tensor: FileTensor | None,
-               chooser: BookChooser) -> None:
+def _plan_from(
+    t: FileTensor, sample: Sample, base_sample: Sample | None, base_tensor: FileTensor | None, chooser: BookChooser
+) -> None:
     spec = t.spec
     numel = t.nbytes // spec.itemsize
     candidates = [("none", sample)]
@@ -549,8 +610,10 @@ def _plan_from(t: FileTensor, sample: Sample, base_sample: Sample | None, base_t
         best = cost("none", counts, large)
     else:
         # The transform at the small chunk size, then the large chunks for the winner only.
-        best = min((cost(tr, counts if tr == "none" else chooser.counts(data, spec), small) for tr, data in candidates),
-                   key=lambda c: c[0])
+        best = min(
+            (cost(tr, counts if tr == "none" else chooser.counts(data, spec), small) for tr, data in candidates),
+            key=lambda c: c[0],
+        )
         if numel > small:  # else one chunk either way
             best = min(best, cost(best[1], best[5], large), key=lambda c: c[0])
     _, t.transform, t.chunk_elems, books, origins, _ = best

@@ -66,13 +66,18 @@ class Summary:
     def line(self) -> str:
         """Return the one-line summary the command line prints."""
         a, b = human_bytes(self.original_bytes), human_bytes(self.compressed_bytes)
-        what = {"compress": f"compressed {a} -> {b}", "decompress": f"decompressed {b} -> {a}",
-                "verify": f"verified {b} ({a} original, "
-                          f"{self.digest.split(':')[0] + ' ok' if self.digest else 'digest NOT checked'})"}
+        what = {
+            "compress": f"compressed {a} -> {b}",
+            "decompress": f"decompressed {b} -> {a}",
+            "verify": f"verified {b} ({a} original, "
+            f"{self.digest.split(':')[0] + ' ok' if self.digest else 'digest NOT checked'})",
+        }
         # An empty original has no ratio: the container's header and index are all there is.
         ratio = "empty original, no ratio" if self.original_bytes == 0 else f"ratio {self.ratio:.3f}"
-        return (f"{what[self.op]} ({ratio}) in {self.seconds:.2f} s, "
-                f"{self.gbps:.3f} GB/s (original bytes over this call's wall time, start-up excluded)")
+        return (
+            f"{what[self.op]} ({ratio}) in {self.seconds:.2f} s, "
+            f"{self.gbps:.3f} GB/s (original bytes over this call's wall time, start-up excluded)"
+        )
 
 
 def human_bytes(n: int) -> str:
@@ -103,8 +108,9 @@ class Progress:
             self.last = now
             pct = 100.0 * self.done / max(1, self.total)
             rate = self.done / max(now - self.start, 1e-9) / 1e9
-            sys.stderr.write(f"\r{self.label} {pct:5.1f}% {human_bytes(self.done)} of {human_bytes(self.total)}, "
-                             f"{rate:.3f} GB/s ")
+            sys.stderr.write(
+                f"\r{self.label} {pct:5.1f}% {human_bytes(self.done)} of {human_bytes(self.total)}, {rate:.3f} GB/s "
+            )
             sys.stderr.flush()
 
     def close(self) -> None:

@@ -21,8 +21,7 @@ import math
 from ..core.quoting import shown
 from .errors import CheckpointError
 
-__all__ = ["Int", "Num", "Str", "OneOf", "ListOf", "Row", "MapOf", "Record", "Nullable", "Anything", "check",
-           "MAX_INT"]
+__all__ = ["Int", "Num", "Str", "OneOf", "ListOf", "Row", "MapOf", "Record", "Nullable", "Anything", "check", "MAX_INT"]
 
 MAX_INT = 1 << 62
 # JSON's scalar types, the only ones OneOf can match (and hash: a list or dict cannot be).
@@ -93,12 +92,14 @@ class Str(_Spec):
         self.max_len, self.length = max_len, length
 
     def ok(self, value):
-        return type(value) is str and len(value) <= self.max_len and (self.length is None
-                                                                       or len(value) == self.length)
+        return type(value) is str and len(value) <= self.max_len and (self.length is None or len(value) == self.length)
 
     def check(self, value, where):
-        if not isinstance(value, str) or len(value) > self.max_len or (self.length is not None
-                                                                         and len(value) != self.length):
+        if (
+            not isinstance(value, str)
+            or len(value) > self.max_len
+            or (self.length is not None and len(value) != self.length)
+        ):
             expected = f"a string of {self.length} characters" if self.length else "a string"
             raise _bad(where, expected, value)
 

@@ -39,10 +39,23 @@ from .files import FileMap
 __all__ = ["load_file", "safe_open", "open", "CompressedTensors"]
 
 # safetensors' dtype names -> torch dtype attribute names.
-_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "U16": "uint16", "U32": "uint32",
-              "U64": "uint64"}
+_ST_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+}
 # Largest safetensors header read (safetensors itself refuses more than 100 MB).
 _MAX_HEADER = 100 << 20
 # Decoded opaque segments kept for the next tensor (small tensors share segments).
@@ -87,8 +100,9 @@ def load_file(path, device: str = "cpu") -> dict:
         import torch
 
         return torch.load(io.BytesIO(data), map_location=device, weights_only=True)
-    raise CheckpointError(f"{path} holds a {fmt} file, not safetensors or a torch.save file; "
-                          "restore it with decompress_file")
+    raise CheckpointError(
+        f"{path} holds a {fmt} file, not safetensors or a torch.save file; restore it with decompress_file"
+    )
 
 
 class _Memory:
@@ -101,11 +115,11 @@ class _Memory:
         view = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
         if self._pos + view.size > self._buf.size:  # the index was checked: cannot happen
             raise CheckpointError("restored more bytes than the original had")
-        self._buf[self._pos:self._pos + view.size] = view  # a copy: the restorer reuses its buffers
+        self._buf[self._pos : self._pos + view.size] = view  # a copy: the restorer reuses its buffers
         self._pos += view.size
 
     def array(self) -> np.ndarray:
-        return self._buf[:self._pos]
+        return self._buf[: self._pos]
 
 
 def _tensor(raw: np.ndarray, dtype: str, shape: list, device: str):
@@ -141,9 +155,14 @@ def _header(read, size: int, path: str) -> tuple[list, int]:
             dtype = _ST_DTYPES[info["dtype"]]
             shape = info["shape"]
             begin, end = info["data_offsets"]
-            ok = (all(type(d) is int and 0 <= d < 1 << 62 for d in shape) and len(shape) <= 64
-                  and type(begin) is int and type(end) is int and 0 <= begin <= end <= size - start
-                  and math.prod(shape) * _ITEMSIZE[dtype] == end - begin)
+            ok = (
+                all(type(d) is int and 0 <= d < 1 << 62 for d in shape)
+                and len(shape) <= 64
+                and type(begin) is int
+                and type(end) is int
+                and 0 <= begin <= end <= size - start
+                and math.prod(shape) * _ITEMSIZE[dtype] == end - begin
+            )
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
@@ -153,9 +172,23 @@ def _header(read, size: int, path: str) -> tuple[list, int]:
     return out, start
 
 
-_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
-             "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint16": 2,
-             "uint32": 4, "uint64": 8}
+_ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+}
 
 
 class CompressedTensors:
@@ -176,11 +209,15 @@ class CompressedTensors:
             index = load_index(self._m)
             books = index.pop("_books")
             if index["base"] is not None:
-                raise CheckpointError(f"{self.path} is a delta against {printable(index['base']['name'])}; "
-                                      "restore it with decompress_file(..., base=...) first")
+                raise CheckpointError(
+                    f"{self.path} is a delta against {printable(index['base']['name'])}; "
+                    "restore it with decompress_file(..., base=...) first"
+                )
             if index["source"]["format"] != "safetensors":
-                raise CheckpointError(f"{self.path} holds a {index['source']['format']} file, not safetensors; "
-                                      "load_file reads torch.save files whole")
+                raise CheckpointError(
+                    f"{self.path} holds a {index['source']['format']} file, not safetensors; "
+                    "load_file reads torch.save files whole"
+                )
             self._tensors = index["tensors"]
             attach_codecs(self._tensors, books)
             self._segments = index["segments"]
@@ -217,11 +254,11 @@ class CompressedTensors:
             src_off, src_len, _, _, method, _, _ = self._segments[k]
             lo, hi = max(a, src_off), min(b, src_off + src_len)
             if hi > lo:
-                dst = out[lo - a:hi - a]
+                dst = out[lo - a : hi - a]
                 if method == "frame" and lo == src_off and hi == src_off + src_len:
                     self._decode_frame(k, dst)  # straight into the tensor's bytes
                 else:
-                    dst[:] = self._segment(k)[lo - src_off:hi - src_off]
+                    dst[:] = self._segment(k)[lo - src_off : hi - src_off]
             k += 1
             if src_off + src_len >= b:
                 break
@@ -253,8 +290,10 @@ class CompressedTensors:
         try:
             return t["_codec"].decode_into(self._m.u8(off, length), out, max_output_bytes=src_len)
         except (FrameError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{self.path}: tensor {printable(t['name'])!r}, segment at source bytes "
-                                  f"{src_off}..{src_off + src_len}: {exc}") from None
+            raise CheckpointError(
+                f"{self.path}: tensor {printable(t['name'])!r}, segment at source bytes "
+                f"{src_off}..{src_off + src_len}: {exc}"
+            ) from None
 
     def load_all(self) -> dict:
         """Decode the whole original into one buffer, check its digest, and return every
@@ -274,10 +313,14 @@ class CompressedTensors:
             h = blake3.blake3(max_threads=blake3.blake3.AUTO)
         h.update(data)
         if h.hexdigest() != want:
-            raise CheckpointError(f"{self.path}: restored bytes have {algo} {h.hexdigest()[:16]}..., the original "
-                                  f"had {want[:16]}...: corrupted")
-        return {name: _tensor(data[self._start + a:self._start + b], dtype, shape, self.device)
-                for name, (dtype, shape, a, b) in self._entries.items()}
+            raise CheckpointError(
+                f"{self.path}: restored bytes have {algo} {h.hexdigest()[:16]}..., the original "
+                f"had {want[:16]}...: corrupted"
+            )
+        return {
+            name: _tensor(data[self._start + a : self._start + b], dtype, shape, self.device)
+            for name, (dtype, shape, a, b) in self._entries.items()
+        }
 
     def metadata(self) -> dict | None:
         """Return the header's ``__metadata__`` (str -> str), or None."""

@@ -71,9 +71,13 @@ def kind_of(st: os.stat_result) -> str:
         return "file"
     if stat.S_ISDIR(mode):
         return "dir"
-    for test, name in ((stat.S_ISLNK, "a symlink (never followed)"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device")):
+    for test, name in (
+        (stat.S_ISLNK, "a symlink (never followed)"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
         if test(mode):
             return name
     return "not a regular file"
@@ -176,7 +180,8 @@ class Tree:
                 now = kind_of(st)
                 raise CheckpointError(
                     f"{printable(self.path(entry.rel))} changed while the directory was read: "
-                    f"{'another file' if now == 'file' else now} is there now; run again once nothing writes into it")
+                    f"{'another file' if now == 'file' else now} is there now; run again once nothing writes into it"
+                )
         except BaseException:
             os.close(fd)
             raise
@@ -199,8 +204,10 @@ class Tree:
                 fd = nfd
                 seen = self._dirs.get(done)
                 if seen is not None and _ident(os.fstat(fd)) != seen:
-                    raise CheckpointError(f"{printable(self.path(done))} changed while the directory was read: "
-                                          "another directory is there now; run again once nothing writes into it")
+                    raise CheckpointError(
+                        f"{printable(self.path(done))} changed while the directory was read: "
+                        "another directory is there now; run again once nothing writes into it"
+                    )
         except BaseException:
             os.close(fd)
             raise
@@ -212,9 +219,12 @@ class Tree:
             what = "a symlink (never followed) or no longer a directory"
             with contextlib.suppress(OSError):  # only to name what is there: lstat reads, never follows
                 what = kind_of(os.lstat(self.path(rel)))
-            return CheckpointError(f"{shown} changed while the directory was read: {what} is there now; run "
-                                   "again once nothing writes into it")
+            return CheckpointError(
+                f"{shown} changed while the directory was read: {what} is there now; run "
+                "again once nothing writes into it"
+            )
         if exc.errno == errno.ENOENT:
-            return CheckpointError(f"{shown} was removed while the directory was read; run again once nothing "
-                                   "writes into it")
+            return CheckpointError(
+                f"{shown} was removed while the directory was read; run again once nothing writes into it"
+            )
         return CheckpointError(f"cannot open {shown}: {exc.strerror or exc}")

@@ -205,7 +205,8 @@ def check_same_settings(owner: str, settings: dict, group=None, device=None) -> 
             if theirs.get(name) != first.get(name):
                 raise AgreementError(
                     f"{owner} differs across ranks: {name} is {first.get(name)!r} on rank 0 but "
-                    f"{theirs.get(name)!r} on rank {rank}; give every rank the same settings")
+                    f"{theirs.get(name)!r} on rank {rank}; give every rank the same settings"
+                )
     return [str(entry.get("host", "")) for entry in seen]
 
 
@@ -223,8 +224,7 @@ def peer_json(text: str, what: str):
         CollectiveError: ``"<what> (<reason>)"``: malformed, nested too deeply, or too
             large to parse.
     """
-    return json_loads(text, limit=_MAX_PEER_PARSE,
-                       error=lambda reason: CollectiveError(f"{what} ({reason})"))
+    return json_loads(text, limit=_MAX_PEER_PARSE, error=lambda reason: CollectiveError(f"{what} ({reason})"))
 
 
 def ranks_per_node(hosts: list[str]) -> int:
@@ -258,7 +258,8 @@ def check_same_books(books: CodebookSet, group=None, device=None) -> None:
                 raise AgreementError(
                     f"codebooks differ across ranks: {key} is {mine.get(key, 'missing')} on rank 0 "
                     f"but {theirs.get(key, 'missing')} on rank {rank}; load the same codebook file on "
-                    "every rank or build them with comm_codec.comm.agreement.build_books(profiler, group)")
+                    "every rank or build them with comm_codec.comm.agreement.build_books(profiler, group)"
+                )
     raise AgreementError("codebook set digests differ across ranks")
 
 
@@ -286,8 +287,10 @@ def sum_statistics(stats: ProfileStatistics, group=None, device=None) -> Profile
     keys = sorted(stats.sums)
     seen = gather_texts(";".join("%s/%s" % k for k in keys), group, device)
     if len(set(seen)) != 1:
-        raise AgreementError("ranks observed different tensor kinds/dtypes before building books: "
-                           + " | ".join(f"rank {r}: {s or '(none)'}" for r, s in enumerate(seen)))
+        raise AgreementError(
+            "ranks observed different tensor kinds/dtypes before building books: "
+            + " | ".join(f"rank {r}: {s or '(none)'}" for r, s in enumerate(seen))
+        )
     sums = {}
     for k in keys:
         dist_sum, n_obs, raw = stats.sums[k]
@@ -296,7 +299,7 @@ def sum_statistics(stats: ProfileStatistics, group=None, device=None) -> Profile
         dist.all_reduce(packed, group=group)
         arr = packed.cpu().numpy()
         ns = dist_sum.shape[0]
-        sums[k] = (arr[: ns * 256].reshape(ns, 256), float(arr[ns * 256]), arr[ns * 256 + 1:].reshape(ns, 256))
+        sums[k] = (arr[: ns * 256].reshape(ns, 256), float(arr[ns * 256]), arr[ns * 256 + 1 :].reshape(ns, 256))
     rows = stats.rows
     if stats.rows_wanted:
         share = max(1, -(-stats.max_rows // world))
@@ -323,8 +326,9 @@ def build_books(profiler: WarmupProfiler, group=None, meta: dict | None = None, 
 
 def _gather_chunk_rows(rows: np.ndarray, limit: int, group, device) -> np.ndarray:
     """All ranks' chunk histograms, in rank order (the same array on every rank)."""
-    parts = _gather_uneven(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)), limit,
-                           "{} chunk histograms", group, device)
+    parts = _gather_uneven(
+        torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)), limit, "{} chunk histograms", group, device
+    )
     return np.concatenate([p.numpy() for p in parts])
 
 
@@ -342,8 +346,11 @@ def _gather_uneven(mine: torch.Tensor, limit: int, what: str, group, device) -> 
     lengths = [int(s.item()) for s in sizes]
     bad = [(r, k) for r, k in enumerate(lengths) if not 0 <= k <= limit]
     if bad:
-        raise AgreementError("comm_codec agreement: " + ", ".join(f"rank {r} announced " + what.format(k)
-                                                               for r, k in bad) + f" (at most {limit})")
+        raise AgreementError(
+            "comm_codec agreement: "
+            + ", ".join(f"rank {r} announced " + what.format(k) for r, k in bad)
+            + f" (at most {limit})"
+        )
     longest = max(1, max(lengths))  # never a zero-element collective (gloo rejects them)
     padded = torch.zeros((longest,) + tuple(mine.shape[1:]), dtype=mine.dtype)
     padded[: mine.shape[0]] = mine

@@ -55,9 +55,11 @@ _ROW = 5
 def check_mode(mode) -> str:
     """Return ``mode`` if it is one of :data:`MODES`; raise ValueError naming them if not."""
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(repr(m) for m in MODES)}, got {mode!r} "
-                         "(auto: code only where it measures faster; always: code every step after "
-                         "warmup; never: plain all-reduce, like DDP's default hook)")
+        raise ValueError(
+            f"mode must be one of {', '.join(repr(m) for m in MODES)}, got {mode!r} "
+            "(auto: code only where it measures faster; always: code every step after "
+            "warmup; never: plain all-reduce, like DDP's default hook)"
+        )
     return mode
 
 
@@ -96,15 +98,34 @@ class AutoSwitch:
 
     __slots__ = (
         # what users tune
-        "mode", "probe_steps", "recheck_every", "hysteresis", "clock", "plain_name",
+        "mode",
+        "probe_steps",
+        "recheck_every",
+        "hysteresis",
+        "clock",
+        "plain_name",
         # internal state
-        "_schedule", "_next_probe", "_last_start", "_last_mode", "_samples",
+        "_schedule",
+        "_next_probe",
+        "_last_start",
+        "_last_mode",
+        "_samples",
         # what was decided, and on what
-        "coded", "decision", "switches", "probes",
+        "coded",
+        "decision",
+        "switches",
+        "probes",
     )
 
-    def __init__(self, mode: str = "auto", probe_steps: int = 4, recheck_every: int = 200,
-                 hysteresis: float = 0.05, clock=time.perf_counter, plain_name: str = "plain all-reduce"):
+    def __init__(
+        self,
+        mode: str = "auto",
+        probe_steps: int = 4,
+        recheck_every: int = 200,
+        hysteresis: float = 0.05,
+        clock=time.perf_counter,
+        plain_name: str = "plain all-reduce",
+    ):
         check_mode(mode)
         if not isinstance(probe_steps, int) or probe_steps < 1:
             raise ValueError(f"probe_steps must be an integer >= 1, got {probe_steps!r}")
@@ -178,9 +199,17 @@ class AutoSwitch:
 
     def state_dict(self) -> dict:
         """The decision and counters (for stats and pickling); no clock, no samples."""
-        return {"mode": self.mode, "probe_steps": self.probe_steps, "recheck_every": self.recheck_every,
-                "hysteresis": self.hysteresis, "plain_name": self.plain_name, "coded": self.coded,
-                "decision": self.decision, "switches": self.switches, "probes": self.probes}
+        return {
+            "mode": self.mode,
+            "probe_steps": self.probe_steps,
+            "recheck_every": self.recheck_every,
+            "hysteresis": self.hysteresis,
+            "plain_name": self.plain_name,
+            "coded": self.coded,
+            "decision": self.decision,
+            "switches": self.switches,
+            "probes": self.probes,
+        }
 
     def __getstate__(self):
         state = self.state_dict()
@@ -188,8 +217,13 @@ class AutoSwitch:
         return state
 
     def __setstate__(self, state):
-        self.__init__(state["mode"], state["probe_steps"], state["recheck_every"], state["hysteresis"],
-                      plain_name=state.get("plain_name", "plain all-reduce"))
+        self.__init__(
+            state["mode"],
+            state["probe_steps"],
+            state["recheck_every"],
+            state["hysteresis"],
+            plain_name=state.get("plain_name", "plain all-reduce"),
+        )
         self.coded, self.decision = state["coded"], state["decision"]
         self.switches, self.probes = state["switches"], state["probes"]
         # A resumed run probes at once: its link and load may not be the saved run's.
@@ -201,17 +235,36 @@ class AutoSwitch:
         plain, coded = self._samples[False], self._samples[True]
         self._samples = {True: [], False: []}
         before = self.coded
-        self.decision = agree(plain, coded, step, group, self.hysteresis, incumbent=before, device=device,
-                              recheck_every=self.recheck_every, plain_name=self.plain_name)
+        self.decision = agree(
+            plain,
+            coded,
+            step,
+            group,
+            self.hysteresis,
+            incumbent=before,
+            device=device,
+            recheck_every=self.recheck_every,
+            plain_name=self.plain_name,
+        )
         self.coded = self.decision["coded"]
         if before is not None and self.coded != before:
             self.switches += 1
         self._next_probe = step + self.recheck_every
 
 
-def agree(plain_s: list[float], coded_s: list[float], step: int, group=None, hysteresis: float = 0.05, *,
-          incumbent: bool | None = None, device=None, recheck_every: int | None = None,
-          plain_name: str = "plain all-reduce", unit: str = "ms/step") -> dict:
+def agree(
+    plain_s: list[float],
+    coded_s: list[float],
+    step: int,
+    group=None,
+    hysteresis: float = 0.05,
+    *,
+    incumbent: bool | None = None,
+    device=None,
+    recheck_every: int | None = None,
+    plain_name: str = "plain all-reduce",
+    unit: str = "ms/step",
+) -> dict:
     """Decide from every rank's timings of both modes, the same on every rank (collective).
 
     Each rank's medians go to one all-gather; the slowest rank's median per mode is
@@ -241,13 +294,26 @@ def agree(plain_s: list[float], coded_s: list[float], step: int, group=None, hys
     plain = max(r[2] for r in rows)
     coded = max(r[4] for r in rows)
     choice = decide(incumbent, plain, coded, hysteresis)
-    return {"coded": choice, "step": step, "plain_ms": 1e3 * plain, "coded_ms": 1e3 * coded,
-            "per_rank_ms": [[1e3 * r[2], 1e3 * r[4]] for r in rows],
-            "reason": _reason(choice, plain, coded, incumbent, hysteresis, recheck_every, plain_name, unit)}
+    return {
+        "coded": choice,
+        "step": step,
+        "plain_ms": 1e3 * plain,
+        "coded_ms": 1e3 * coded,
+        "per_rank_ms": [[1e3 * r[2], 1e3 * r[4]] for r in rows],
+        "reason": _reason(choice, plain, coded, incumbent, hysteresis, recheck_every, plain_name, unit),
+    }
 
 
-def _reason(coded: bool, plain_s: float, coded_s: float, before, hysteresis: float, recheck_every,
-            plain_name: str, unit: str = "ms/step") -> str:
+def _reason(
+    coded: bool,
+    plain_s: float,
+    coded_s: float,
+    before,
+    hysteresis: float,
+    recheck_every,
+    plain_name: str,
+    unit: str = "ms/step",
+) -> str:
     if coded:
         words = f"compressing pays here: {1e3 * coded_s:.0f} vs {1e3 * plain_s:.0f} {unit} plain"
     else:
@@ -268,10 +334,14 @@ def check_rows(rows: list[list[float]], step: int) -> None:
     steps = {int(r[0]) for r in rows}
     if len(steps) != 1:
         listing = ", ".join(f"rank {i} at step {int(r[0])}" for i, r in enumerate(rows))
-        raise AgreementError(f"comm_codec auto mode: ranks reached the decision at different steps ({listing}); "
-                           "every rank must run the same steps with the same settings")
+        raise AgreementError(
+            f"comm_codec auto mode: ranks reached the decision at different steps ({listing}); "
+            "every rank must run the same steps with the same settings"
+        )
     for i, r in enumerate(rows):
         if not (r[1] >= 1 and r[3] >= 1 and all(math.isfinite(v) and v > 0 for v in (r[2], r[4]))):
-            raise AgreementError(f"comm_codec auto mode: rank {i} measured no valid step times at step {step} "
-                               f"(plain {r[2]!r} s over {int(r[1])} steps, coded {r[4]!r} s over {int(r[3])}); "
-                               "its clock or its step counter is broken")
+            raise AgreementError(
+                f"comm_codec auto mode: rank {i} measured no valid step times at step {step} "
+                f"(plain {r[2]!r} s over {int(r[1])} steps, coded {r[4]!r} s over {int(r[3])}); "
+                "its clock or its step counter is broken"
+            )

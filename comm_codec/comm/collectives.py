@@ -51,12 +51,12 @@ import torch.distributed as dist
 from ..core.codec import Codec
 from ..core.errors import CollectiveError
 from ..core.frame import FrameError
+from ..core.streams import ACCUMULABLE_DTYPES
 from .agreement import gather_texts
 from .framing import add_into, check_flat, decode_add, decode_part, encode_part, frame_bound, round_into
 from .p2p import recv, reduce, send
 from .stats import CommStats
 from .workspace import Workspace
-from ..core.streams import ACCUMULABLE_DTYPES
 
 # The user's names; the engine's helpers here (pieces, plain_wire_bytes, on_cuda_worker,
 # the piece sizes) are importable but not part of the public surface.
@@ -189,9 +189,19 @@ class _Stage:
 
     __slots__ = ("work", "recv", "splits", "send", "sizes", "p2_bytes")
 
-    def __init__(self, p1: list[torch.Tensor] | None, p2: torch.Tensor | None, error: str | None,
-                 group, rank: int, world: int, device, limits: list[tuple[int, int]],
-                 workspace: Workspace | None = None, slot: int = 0):
+    def __init__(
+        self,
+        p1: list[torch.Tensor] | None,
+        p2: torch.Tensor | None,
+        error: str | None,
+        group,
+        rank: int,
+        world: int,
+        device,
+        limits: list[tuple[int, int]],
+        workspace: Workspace | None = None,
+        slot: int = 0,
+    ):
         empty = torch.empty(0, dtype=torch.uint8, device=device)
         self.p2_bytes = p2.numel() if p2 is not None else 0
         header = torch.zeros(world, 3, dtype=torch.int64)
@@ -212,9 +222,11 @@ class _Stage:
         for r in range(world):
             a, b = int(sizes[r, 0]), int(sizes[r, 1])
             if r != rank and not (0 <= a <= limits[r][0] + _CLAIM_SLACK and 0 <= b <= limits[r][1] + _CLAIM_SLACK):
-                raise CollectiveError(f"compressed collective failed: rank {rank}: rank {r} announced frames of "
-                                      f"{a} and {b} bytes; what it may send here takes at most {limits[r][0]} and "
-                                      f"{limits[r][1]} (+{_CLAIM_SLACK})")
+                raise CollectiveError(
+                    f"compressed collective failed: rank {rank}: rank {r} announced frames of "
+                    f"{a} and {b} bytes; what it may send here takes at most {limits[r][0]} and "
+                    f"{limits[r][1]} (+{_CLAIM_SLACK})"
+                )
         self.sizes = sizes
         send_splits = [0 if d == rank else int(header[d, 0] + header[d, 1]) for d in range(world)]
         self.splits = [0 if r == rank else int(sizes[r, 0] + sizes[r, 1]) for r in range(world)]
@@ -223,8 +235,14 @@ class _Stage:
         workspace = workspace if workspace is not None else Workspace()
         self.send = torch.cat(chunks, out=workspace.take(f"send{slot % 2}", sum(send_splits), torch.uint8, device))
         self.recv = workspace.take(f"recv{slot % 3}", sum(self.splits), torch.uint8, device)
-        self.work = dist.all_to_all_single(self.recv, self.send, output_split_sizes=self.splits,
-                                           input_split_sizes=send_splits, group=group, async_op=True)
+        self.work = dist.all_to_all_single(
+            self.recv,
+            self.send,
+            output_split_sizes=self.splits,
+            input_split_sizes=send_splits,
+            group=group,
+            async_op=True,
+        )
 
     def received(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Wait; return the phase-1 and phase-2 frames by source rank (own slots empty)."""
@@ -278,9 +296,18 @@ def plain_wire_bytes(collective: str, numel: int, itemsize: int, world: int, ran
     raise ValueError(f"unknown collective {collective!r}")
 
 
-def all_reduce(tensor: torch.Tensor, codec: Codec | None = None, group=None, *, average: bool = False,
-               kind: str = "gradient", reduced_kind: str = "reduced_gradient", cast=None,
-               stats: CommStats | None = None, workspace: Workspace | None = None) -> torch.Tensor:
+def all_reduce(
+    tensor: torch.Tensor,
+    codec: Codec | None = None,
+    group=None,
+    *,
+    average: bool = False,
+    kind: str = "gradient",
+    reduced_kind: str = "reduced_gradient",
+    cast=None,
+    stats: CommStats | None = None,
+    workspace: Workspace | None = None,
+) -> torch.Tensor:
     """Sum (or average) a tensor across ranks, in place, sending Huffman-coded frames.
 
     Large tensors go in up to four pieces whose phases overlap: while one stage's
@@ -321,8 +348,7 @@ def all_reduce(tensor: torch.Tensor, codec: Codec | None = None, group=None, *, 
         return tensor
     with stats.timer("comm_seconds"):
         with _failures_as_collective_errors():
-            _StagedAllReduce(flat, codec, group, average, kind, reduced_kind, cast, stats, workspace,
-                             rank, world).run()
+            _StagedAllReduce(flat, codec, group, average, kind, reduced_kind, cast, stats, workspace, rank, world).run()
         stats.add(calls=1)
     return tensor
 
@@ -349,10 +375,18 @@ class _StagedAllReduce:
             p2 = s - 2 if 0 <= s - 2 < count else None
             stage = None
             if p1 is not None or p2 is not None:
-                stage = _Stage(outgoing.pop(p1) if p1 is not None else None,
-                               reduced.pop(p2) if p2 is not None else None,
-                               self.error, self.group, self.rank, self.world, self.flat.device,
-                               self._limits(p1, p2), self.workspace, s)
+                stage = _Stage(
+                    outgoing.pop(p1) if p1 is not None else None,
+                    reduced.pop(p2) if p2 is not None else None,
+                    self.error,
+                    self.group,
+                    self.rank,
+                    self.world,
+                    self.flat.device,
+                    self._limits(p1, p2),
+                    self.workspace,
+                    s,
+                )
                 self._count_sent(p2, stage)
             # while the stage is on the wire:
             if s + 1 < count:
@@ -376,13 +410,15 @@ class _StagedAllReduce:
         and the peer's own reduced shard of piece p2, in the coded dtype."""
         dtype = self.cast or self.flat.dtype
         mine = frame_bound(_width(self.bounds[p1][self.rank]), dtype) if p1 is not None else 0
-        return [(mine, frame_bound(_width(self.bounds[p2][r]), dtype) if p2 is not None else 0)
-                for r in range(self.world)]
+        return [
+            (mine, frame_bound(_width(self.bounds[p2][r]), dtype) if p2 is not None else 0) for r in range(self.world)
+        ]
 
     def _encode_phase1(self, k: int) -> list[torch.Tensor]:
         piece = self.pieces[k]
-        return _encode_each([piece[lo:hi] for lo, hi in self.bounds[k]], self.codec, self.kind, self.cast,
-                            self.stats, self.rank)
+        return _encode_each(
+            [piece[lo:hi] for lo, hi in self.bounds[k]], self.codec, self.kind, self.cast, self.stats, self.rank
+        )
 
     def _count_sent(self, p2, stage: _Stage) -> None:
         """Phase-1 bytes were counted when encoded; here the stage's sizes and phase 2."""
@@ -401,8 +437,9 @@ class _StagedAllReduce:
             return empty
         lo, hi = self.bounds[k][self.rank]
         own = self.pieces[k][lo:hi]
-        acc, failed = _reduce_shard(received, own, self.codec, self.cast, self.stats, self.rank, self.world,
-                                    self.workspace)
+        acc, failed = _reduce_shard(
+            received, own, self.codec, self.cast, self.stats, self.rank, self.world, self.workspace
+        )
         if failed:
             self.error = failed
             return empty
@@ -455,8 +492,18 @@ class _PipelinedPhase:
                 stage = None
                 if k < len(self.bounds):
                     p1, p2 = self._frames(k)
-                    stage = _Stage(p1, p2, self.error, self.group, self.rank, self.world, self.device,
-                                   self._limits(k), self.workspace, k)
+                    stage = _Stage(
+                        p1,
+                        p2,
+                        self.error,
+                        self.group,
+                        self.rank,
+                        self.world,
+                        self.device,
+                        self._limits(k),
+                        self.workspace,
+                        k,
+                    )
                 if flying is not None:
                     received = flying.received()
                     if not self.error:
@@ -497,13 +544,15 @@ class _StagedReduceScatter(_PipelinedPhase):
         self.stats.add(coded_bytes_out=_STAGE_HEADER * (self.world - 1))
         if self.error:  # the stage raises on every rank: nothing worth encoding
             return [torch.empty(0, dtype=torch.uint8, device=self.device)] * self.world, None
-        return _encode_each([row[a:b] for row in self.rows], self.codec, self.kind, self.cast, self.stats,
-                            self.rank), None
+        return _encode_each(
+            [row[a:b] for row in self.rows], self.codec, self.kind, self.cast, self.stats, self.rank
+        ), None
 
     def _finish(self, k: int, phase1, phase2) -> None:
         a, b = self.bounds[k]
-        acc, self.error = _reduce_shard(phase1, self.rows[self.rank][a:b], self.codec, self.cast, self.stats,
-                                        self.rank, self.world, self.workspace)
+        acc, self.error = _reduce_shard(
+            phase1, self.rows[self.rank][a:b], self.codec, self.cast, self.stats, self.rank, self.world, self.workspace
+        )
         if self.error:
             return
         target = self.out[a:b]
@@ -531,8 +580,10 @@ class _StagedAllGather(_PipelinedPhase):
             frame = torch.empty(0, dtype=torch.uint8, device=self.device)
         else:
             frame = encode_part(self.codec, self.flat[a:b], self.kind, None, self.stats)
-        self.stats.add(coded_bytes_in=(self.world - 1) * (b - a) * self.flat.element_size(),
-                       coded_bytes_out=(self.world - 1) * (frame.numel() + _STAGE_HEADER))
+        self.stats.add(
+            coded_bytes_in=(self.world - 1) * (b - a) * self.flat.element_size(),
+            coded_bytes_out=(self.world - 1) * (frame.numel() + _STAGE_HEADER),
+        )
         return None, frame
 
     def _finish(self, k: int, phase1, phase2) -> None:
@@ -545,9 +596,18 @@ class _StagedAllGather(_PipelinedPhase):
             self.error = f"frame from rank {r}: {exc}"
 
 
-def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], codec: Codec | None = None,
-                   group=None, *, average: bool = False, kind: str = "activation", cast=None,
-                   stats: CommStats | None = None, workspace: Workspace | None = None) -> torch.Tensor:
+def reduce_scatter(
+    output: torch.Tensor,
+    input_list: list[torch.Tensor],
+    codec: Codec | None = None,
+    group=None,
+    *,
+    average: bool = False,
+    kind: str = "activation",
+    cast=None,
+    stats: CommStats | None = None,
+    workspace: Workspace | None = None,
+) -> torch.Tensor:
     """Reduce ``input_list[r]`` over all ranks into rank r's ``output``, coded.
 
     Large tensors go in up to four pieces, pipelined as in :func:`all_reduce`: piece
@@ -586,9 +646,16 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], codec: 
     return output
 
 
-def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, codec: Codec | None = None,
-               group=None, *, kind: str = "activation", stats: CommStats | None = None,
-               workspace: Workspace | None = None) -> list[torch.Tensor]:
+def all_gather(
+    tensor_list: list[torch.Tensor],
+    tensor: torch.Tensor,
+    codec: Codec | None = None,
+    group=None,
+    *,
+    kind: str = "activation",
+    stats: CommStats | None = None,
+    workspace: Workspace | None = None,
+) -> list[torch.Tensor]:
     """Gather every rank's ``tensor`` into ``tensor_list``, coded; mirrors dist.all_gather.
 
     Large tensors go in up to four pieces, pipelined: piece k+1 is encoded while piece
@@ -668,8 +735,9 @@ class _RowParallelAllReduce(torch.autograd.Function):
         return grad, None, None, None
 
 
-def row_parallel_all_reduce(x: torch.Tensor, codec: Codec | None = None, group=None,
-                            stats: CommStats | None = None) -> torch.Tensor:
+def row_parallel_all_reduce(
+    x: torch.Tensor, codec: Codec | None = None, group=None, stats: CommStats | None = None
+) -> torch.Tensor:
     """All-reduce a row-parallel linear's partial output, coded, differentiably.
 
     In Megatron-style tensor parallelism the row-parallel layer's forward ends with an

@@ -108,18 +108,27 @@ class CommConfig:
         _int("log_every", self.log_every, 0)
         _int("drift_every", self.drift_every, 0)
         if self.refresh_threshold is not None:
-            if (isinstance(self.refresh_threshold, bool) or not isinstance(self.refresh_threshold, (int, float))
-                    or not self.refresh_threshold > 0):
+            if (
+                isinstance(self.refresh_threshold, bool)
+                or not isinstance(self.refresh_threshold, (int, float))
+                or not self.refresh_threshold > 0
+            ):
                 raise ConfigError("refresh_threshold", self.refresh_threshold, "None or a fraction > 0")
             if not self.drift_every:
-                raise ConfigError("refresh_threshold", self.refresh_threshold,
-                                  "None while drift_every is 0 (refresh_threshold needs drift_every > 0: drift is "
-                                  "what triggers a refresh)")
+                raise ConfigError(
+                    "refresh_threshold",
+                    self.refresh_threshold,
+                    "None while drift_every is 0 (refresh_threshold needs drift_every > 0: drift is "
+                    "what triggers a refresh)",
+                )
         _int("refresh_steps", self.refresh_steps, 1)
         _int("recheck_every", self.recheck_every, 1)
         _int("probe_steps", self.probe_steps, 1)
-        if (isinstance(self.hysteresis, bool) or not isinstance(self.hysteresis, (int, float))
-                or not 0 <= self.hysteresis < 1):
+        if (
+            isinstance(self.hysteresis, bool)
+            or not isinstance(self.hysteresis, (int, float))
+            or not 0 <= self.hysteresis < 1
+        ):
             raise ConfigError("hysteresis", self.hysteresis, "a fraction in [0, 1)")
         books = self.codebooks
         if isinstance(books, (str, os.PathLike)):
@@ -127,9 +136,12 @@ class CommConfig:
         elif books is not None and not isinstance(books, CodebookSet):
             raise TypeError(f"codebooks must be a CodebookSet, a path or None, got {type(books).__name__}")
         if self.codebooks is not None and self.warmup_steps:
-            raise ConfigError("warmup_steps", self.warmup_steps,
-                              "0 when codebooks are given: give either codebooks (fixed books) or "
-                              "warmup_steps > 0 (books built online), not both")
+            raise ConfigError(
+                "warmup_steps",
+                self.warmup_steps,
+                "0 when codebooks are given: give either codebooks (fixed books) or "
+                "warmup_steps > 0 (books built online), not both",
+            )
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:
@@ -138,7 +150,9 @@ class CommConfig:
 
     def shared(self) -> dict:
         """Return the settings that decide which collectives a rank issues (the ranks must agree on them)."""
-        return {name: getattr(self, name) for name in self.fields() if name not in ("codebooks", "threads", "log_every")}
+        return {
+            name: getattr(self, name) for name in self.fields() if name not in ("codebooks", "threads", "log_every")
+        }
 
     def as_dict(self) -> dict:
         """Return the settings as a dict (``codebooks`` as its digest, or None)."""

@@ -69,8 +69,9 @@ class HuffmanState(CodingEngine):
 
     __slots__ = ()
 
-    def __init__(self, process_group=None, codebooks=None, warmup_steps: int = 0, *, config=None, writer=None,
-                 **options):
+    def __init__(
+        self, process_group=None, codebooks=None, warmup_steps: int = 0, *, config=None, writer=None, **options
+    ):
         if codebooks is not None:
             options["codebooks"] = codebooks
         if warmup_steps or config is None:
@@ -98,11 +99,26 @@ def _coded_all_reduce(state: HuffmanState, tensor: torch.Tensor, is_last: bool) 
         dist.all_reduce(tensor, group=group)
 
     def coded(stats):
-        collectives.all_reduce(tensor, state.codec, group, average=True, cast=state.cast_dtype(tensor),
-                               stats=stats, workspace=state.workspace)
+        collectives.all_reduce(
+            tensor,
+            state.codec,
+            group,
+            average=True,
+            cast=state.cast_dtype(tensor),
+            stats=stats,
+            workspace=state.workspace,
+        )
 
-    state.dispatch("all_reduce", tensor, group, numel_per_rank=tensor.numel(), kind="gradient", coded=coded,
-                   plain=plain, reduced_kind="reduced_gradient")
+    state.dispatch(
+        "all_reduce",
+        tensor,
+        group,
+        numel_per_rank=tensor.numel(),
+        kind="gradient",
+        coded=coded,
+        plain=plain,
+        reduced_kind="reduced_gradient",
+    )
     if is_last:
         state.end_step()
     return tensor

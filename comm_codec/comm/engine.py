@@ -111,40 +111,80 @@ class CodingEngine:
 
     __slots__ = (
         # what users tune
-        "config", "process_group", "warmup_steps", "writer",
+        "config",
+        "process_group",
+        "warmup_steps",
+        "writer",
         # what the adapter is
-        "name", "collectives", "log",
+        "name",
+        "collectives",
+        "log",
         # books and the decision
-        "codebooks", "codec", "profiler", "switch", "refresh", "step", "coding", "verified",
+        "codebooks",
+        "codec",
+        "profiler",
+        "switch",
+        "refresh",
+        "step",
+        "coding",
+        "verified",
         # the run (never pickled)
-        "workspace", "_group", "_executor", "_pid", "_checked", "_node_threads", "_drift_sample",
-        "_drift_pending", "_has_book", "_precompiling", "_torch_threads",
+        "workspace",
+        "_group",
+        "_executor",
+        "_pid",
+        "_checked",
+        "_node_threads",
+        "_drift_sample",
+        "_drift_pending",
+        "_has_book",
+        "_precompiling",
+        "_torch_threads",
         # statistics
         "_stats",
     )
 
-    def __init__(self, process_group=None, config: CommConfig | None = None, *, writer=None,
-                 name: str = "comm_codec", plain_name: str = "plain all-reduce",
-                 collectives: tuple[str, ...] = ("all_reduce",), allow_cast: bool = True, logger=None, **options):
+    def __init__(
+        self,
+        process_group=None,
+        config: CommConfig | None = None,
+        *,
+        writer=None,
+        name: str = "comm_codec",
+        plain_name: str = "plain all-reduce",
+        collectives: tuple[str, ...] = ("all_reduce",),
+        allow_cast: bool = True,
+        logger=None,
+        **options,
+    ):
         config = make_config(config, options, name)
         self.log = logger if logger is not None else log
         if config.cast is not None and not allow_cast:
-            raise ConfigError("cast", config.cast, f"None here: {name}'s collectives move weights and gradients "
-                              "that must arrive exactly")
+            raise ConfigError(
+                "cast",
+                config.cast,
+                f"None here: {name}'s collectives move weights and gradients that must arrive exactly",
+            )
         self.config = config
         self.process_group = process_group
         self.warmup_steps = config.warmup_steps if config.mode != "never" else 0
         self.writer = writer
         self.name = name
         self.collectives = tuple(collectives)
-        self.switch = AutoSwitch(config.mode, probe_steps=config.probe_steps, recheck_every=config.recheck_every,
-                                 hysteresis=config.hysteresis, plain_name=plain_name)
+        self.switch = AutoSwitch(
+            config.mode,
+            probe_steps=config.probe_steps,
+            recheck_every=config.recheck_every,
+            hysteresis=config.hysteresis,
+            plain_name=plain_name,
+        )
         self.refresh = BookRefresh(config.drift_every, config.refresh_threshold, config.refresh_steps)
         if config.mode == "never":
             self.codebooks = None
         else:
-            self.codebooks = config.codebooks if config.codebooks is not None or config.warmup_steps \
-                else CodebookSet.default()
+            self.codebooks = (
+                config.codebooks if config.codebooks is not None or config.warmup_steps else CodebookSet.default()
+            )
         self.profiler = WarmupProfiler() if self.warmup_steps else None
         self.step = 0
         self.coding = False
@@ -152,8 +192,14 @@ class CodingEngine:
         self._stats = {c: CommStats() for c in self.collectives}
         self._init_run()
         self.codec = Codec(self.codebooks, threads=self.codec_threads()) if self.codebooks is not None else None
-        self.log.info("%s: mode=%s, warmup_steps=%d, cast=%s, books=%s", name, config.mode, self.warmup_steps,
-                 config.cast, "online" if self.codebooks is None else self.codebooks.digest[:12])
+        self.log.info(
+            "%s: mode=%s, warmup_steps=%d, cast=%s, books=%s",
+            name,
+            config.mode,
+            self.warmup_steps,
+            config.cast,
+            "online" if self.codebooks is None else self.codebooks.digest[:12],
+        )
 
     # the settings, read from the config
     @property
@@ -206,8 +252,9 @@ class CodingEngine:
         """True while the profiler observes what is sent (warmup, or an open refresh window)."""
         return self.profiler is not None and (self.warming_up or self.refresh.refreshing)
 
-    def count_plain(self, collective: str, tensor: torch.Tensor, group, *, record: str | None = None,
-                    dst: int | None = None) -> None:
+    def count_plain(
+        self, collective: str, tensor: torch.Tensor, group, *, record: str | None = None, dst: int | None = None
+    ) -> None:
         """Count a plain call on ``tensor`` over ``group``: its wire bytes go into bytes_in and bytes_out alike.
 
         Args:
@@ -243,9 +290,17 @@ class CodingEngine:
         parts = {name: s.record() for name, s in self._stats.items()}
         total = CommStats.sum(parts.values())
         books = self.codebooks.digest if self.codebooks is not None else None
-        return TrafficStats(**total.as_dict(), steps=self.step, warming_up=self.warming_up, books=books,
-                            drift=self.refresh.drift, refreshes=self.refresh.refreshes, coding=self.coding,
-                            **self.switch.stats(), collectives=parts)
+        return TrafficStats(
+            **total.as_dict(),
+            steps=self.step,
+            warming_up=self.warming_up,
+            books=books,
+            drift=self.refresh.drift,
+            refreshes=self.refresh.refreshes,
+            coding=self.coding,
+            **self.switch.stats(),
+            collectives=parts,
+        )
 
     def reset_stats(self) -> None:
         """Zero the traffic counters (the step count, the books and the decision stay)."""
@@ -317,16 +372,29 @@ class CodingEngine:
             return
         d = self.stats()
         if log_now and agreement.rank_of(self.process_group) == 0:
-            self.log.info("%s step %d (%s): %s", self.name, self.step, "coding" if self.coding else "plain",
-                     traffic_line(d))
+            self.log.info(
+                "%s step %d (%s): %s", self.name, self.step, "coding" if self.coding else "plain", traffic_line(d)
+            )
         if self.writer is not None:
             for key in LOGGED:
                 self.writer.add_scalar(f"comm_codec/{key}", d[key], self.step)
             self.writer.add_scalar("comm_codec/coding", float(self.coding), self.step)
 
-    def dispatch(self, collective: str, tensor: torch.Tensor, group, *, numel_per_rank: int, kind: str, coded, plain,
-                 reduced_kind: str | None = None, record: str | None = None, dst: int | None = None,
-                 allowed: bool = True) -> None:
+    def dispatch(
+        self,
+        collective: str,
+        tensor: torch.Tensor,
+        group,
+        *,
+        numel_per_rank: int,
+        kind: str,
+        coded,
+        plain,
+        reduced_kind: str | None = None,
+        record: str | None = None,
+        dst: int | None = None,
+        allowed: bool = True,
+    ) -> None:
         """Run one collective call: observe, decide, code or send plainly, count.
 
         Every adapter's collectives go through here, so what the profiler observes and
@@ -395,8 +463,11 @@ class CodingEngine:
 
     def codable(self, tensor: torch.Tensor, numel_per_rank: int) -> bool:
         """Whether the coded collectives can take ``tensor`` at all: dtype, device and size."""
-        return (tensor.dtype in CODED_DTYPES and tensor.device.type in ("cpu", "cuda")
-                and numel_per_rank * tensor.element_size() >= self.min_bytes)
+        return (
+            tensor.dtype in CODED_DTYPES
+            and tensor.device.type in ("cpu", "cuda")
+            and numel_per_rank * tensor.element_size() >= self.min_bytes
+        )
 
     def cast_dtype(self, tensor: torch.Tensor):
         """The dtype ``tensor`` is coded in when it is not its own (``cast`` on fp32), else None."""
@@ -429,8 +500,9 @@ class CodingEngine:
         if self._precompiling is not None or self.mode == "never":
             return
         cast = CASTS[self.cast]
-        coded = sorted({cast if cast is not None and d == torch.float32 else d for d in dtypes if d in CODED_DTYPES},
-                       key=str)
+        coded = sorted(
+            {cast if cast is not None and d == torch.float32 else d for d in dtypes if d in CODED_DTYPES}, key=str
+        )
         if not coded:
             return
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="comm_codec_precompile")
@@ -452,12 +524,17 @@ class CodingEngine:
             try:
                 future.result(timeout=2.0)
             except concurrent.futures.TimeoutError:
-                self.log.warning("%s: the first coded step waits for the codec's kernels (%s), compiling for %.0f s "
-                            "so far (numba caches them: `comm-codec precompile` once after installing skips this)",
-                            self.name, names, time.monotonic() - started)
+                self.log.warning(
+                    "%s: the first coded step waits for the codec's kernels (%s), compiling for %.0f s "
+                    "so far (numba caches them: `comm-codec precompile` once after installing skips this)",
+                    self.name,
+                    names,
+                    time.monotonic() - started,
+                )
                 future.result()
-                self.log.warning("%s: the codec's kernels (%s) are ready after %.0f s", self.name, names,
-                            time.monotonic() - started)
+                self.log.warning(
+                    "%s: the codec's kernels (%s) are ready after %.0f s", self.name, names, time.monotonic() - started
+                )
             self._precompiling = None
         self.codec.precompile([self.cast_dtype(tensor) or tensor.dtype])
 
@@ -524,6 +601,7 @@ class CodingEngine:
         Raises:
             What :meth:`begin_step` raises.
         """
+
         def run():
             if end:
                 self.end_step()
@@ -543,8 +621,12 @@ class CodingEngine:
         return {
             "settings": {name: getattr(self.config, name) for name in CommConfig.fields() if name != "codebooks"},
             "warmup_steps": self.warmup_steps,
-            "name": self.name, "collectives": self.collectives, "step": self.step, "coding": self.coding,
-            "switch": self.switch, "refresh": self.refresh,
+            "name": self.name,
+            "collectives": self.collectives,
+            "step": self.step,
+            "coding": self.coding,
+            "switch": self.switch,
+            "refresh": self.refresh,
             "codebooks": self.codebooks.to_dict() if self.codebooks is not None else None,
             # Warmup statistics travel too: a state saved at the end of warmup builds its
             # books from them at the first step after resuming.
@@ -576,8 +658,12 @@ class CodingEngine:
     # -- internal -----------------------------------------------------------------------------
     def _shared_settings(self) -> dict:
         """The settings that change which collectives a rank issues (and the step it is at)."""
-        return {**self.config.shared(), "warmup_steps": self.warmup_steps, "step": self.step,
-                "books": "online" if self.codebooks is None else "fixed"}
+        return {
+            **self.config.shared(),
+            "warmup_steps": self.warmup_steps,
+            "step": self.step,
+            "books": "online" if self.codebooks is None else "fixed",
+        }
 
     def _check_settings(self, group, device) -> None:
         hosts = agreement.check_same_settings(self.name, self._shared_settings(), group, device)
@@ -588,10 +674,12 @@ class CodingEngine:
 
     def _warmup_books(self, group, device) -> CodebookSet:
         if self.profiler is None or not self.profiler.kinds():
-            raise AgreementError(f"{self.name}: warmup ended without observing any tensor of a float dtype; "
-                               "nothing to build books from")
-        return agreement.build_books(self.profiler, group, {"source": f"online {self.name} warmup",
-                                                            "steps": self.warmup_steps}, device)
+            raise AgreementError(
+                f"{self.name}: warmup ended without observing any tensor of a float dtype; nothing to build books from"
+            )
+        return agreement.build_books(
+            self.profiler, group, {"source": f"online {self.name} warmup", "steps": self.warmup_steps}, device
+        )
 
 
 class FutureWork(dist.Work):

@@ -18,8 +18,16 @@ from ..core.streams import spec_for
 from .stats import CommStats
 from .workspace import Workspace
 
-__all__ = ["add_into", "check_flat", "decode_add", "decode_part", "encode_part", "frame_bound", "global_rank",
-           "round_into"]
+__all__ = [
+    "add_into",
+    "check_flat",
+    "decode_add",
+    "decode_part",
+    "encode_part",
+    "frame_bound",
+    "global_rank",
+    "round_into",
+]
 
 
 def check_flat(tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
@@ -76,8 +84,9 @@ def add_into(acc: torch.Tensor, part: torch.Tensor, first: bool, workspace: Work
         acc.add_(wide)
 
 
-def decode_add(codec: Codec, frame: torch.Tensor, numel: int, dtype, acc: torch.Tensor, first: bool,
-                 stats: CommStats) -> None:
+def decode_add(
+    codec: Codec, frame: torch.Tensor, numel: int, dtype, acc: torch.Tensor, first: bool, stats: CommStats
+) -> None:
     """Decode a peer's frame of ``numel`` elements of ``dtype`` and add it into the float32 acc in one pass.
 
     :meth:`Codec.decode_accumulate` gives bit for bit ``acc.add_(decode(frame).float())``
@@ -114,8 +123,7 @@ def frame_bound(numel: int, dtype) -> int:
     """
     spec = spec_for(dtype)
     chunks = -(-numel // 8)
-    return (numel * spec.itemsize + header_size(spec.nstreams, chunks) + 8 * (spec.nstreams + 1) * chunks
-            + numel // 8)
+    return numel * spec.itemsize + header_size(spec.nstreams, chunks) + 8 * (spec.nstreams + 1) * chunks + numel // 8
 
 
 def global_rank(group, rank: int) -> int:

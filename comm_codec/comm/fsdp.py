@@ -114,9 +114,16 @@ class FSDPState(CodingEngine):
     __slots__ = ("overlap", "modules", "_twins", "_saved", "_queued")
 
     def __init__(self, process_group=None, overlap: bool = True, *, config=None, writer=None, **options):
-        super().__init__(process_group, config, writer=writer, name="comm_codec.fsdp",
-                         plain_name="plain reduce-scatter/all-gather", collectives=("reduce_scatter", "all_gather"),
-                         allow_cast=False, **options)
+        super().__init__(
+            process_group,
+            config,
+            writer=writer,
+            name="comm_codec.fsdp",
+            plain_name="plain reduce-scatter/all-gather",
+            collectives=("reduce_scatter", "all_gather"),
+            allow_cast=False,
+            **options,
+        )
         self.overlap = bool(overlap)
         self.modules: list[str] = []
         self._twins: dict[tuple, object] = {}
@@ -148,8 +155,10 @@ class FSDPState(CodingEngine):
         for _, module in modules:
             for group in module._get_fsdp_state()._fsdp_param_groups:
                 pgs += [group._reduce_scatter_process_group, group._all_gather_process_group]
-        mine = sorted({tuple(dist.get_process_group_ranks(pg)) for pg in pgs}
-                      | {tuple(dist.get_process_group_ranks(self.process_group or dist.group.WORLD))})
+        mine = sorted(
+            {tuple(dist.get_process_group_ranks(pg)) for pg in pgs}
+            | {tuple(dist.get_process_group_ranks(self.process_group or dist.group.WORLD))}
+        )
         # Creating a group is collective over the world: every rank creates the union of
         # the groups any rank uses (HSDP: each rank sees only its own shard group), sorted.
         world = dist.group.WORLD
@@ -157,8 +166,12 @@ class FSDPState(CodingEngine):
         union = set()
         for rank, text in enumerate(seen):
             try:
-                union |= {tuple(int(r) for r in ranks)
-                          for ranks in agreement.peer_json(text, f"comm_codec.fsdp: rank {rank} sent a group list that is not JSON")}
+                union |= {
+                    tuple(int(r) for r in ranks)
+                    for ranks in agreement.peer_json(
+                        text, f"comm_codec.fsdp: rank {rank} sent a group list that is not JSON"
+                    )
+                }
             except (ValueError, TypeError):
                 raise AgreementError(f"comm_codec.fsdp: rank {rank} sent a group list that is not JSON") from None
         for ranks in sorted(union):
@@ -176,8 +189,13 @@ class FSDPState(CodingEngine):
                 raise ValueError(f"module {name!r}: FSDP refused a custom collective: {exc}") from exc
             self.modules.append(name)
         self.begin_step()  # the settings check; step 0 codes from the start where books are given
-        log.info("comm_codec.fsdp: %d FSDP modules, mode=%s, warmup_steps=%d, books=%s", len(modules), self.mode,
-                 self.warmup_steps, "online" if self.codebooks is None else self.codebooks.digest[:12])
+        log.info(
+            "comm_codec.fsdp: %d FSDP modules, mode=%s, warmup_steps=%d, books=%s",
+            len(modules),
+            self.mode,
+            self.warmup_steps,
+            "online" if self.codebooks is None else self.codebooks.digest[:12],
+        )
 
     # -- running collectives on the worker --------------------------------------------------------
     def twin(self, group):
@@ -185,8 +203,10 @@ class FSDPState(CodingEngine):
         ranks = tuple(dist.get_process_group_ranks(group))
         twin = self._twins.get(ranks)
         if twin is None:
-            raise RuntimeError(f"comm_codec.fsdp: FSDP called a collective on ranks {list(ranks)}, a group "
-                               "register() did not see; call register() after every fully_shard()")
+            raise RuntimeError(
+                f"comm_codec.fsdp: FSDP called a collective on ranks {list(ranks)}, a group "
+                "register() did not see; call register() after every fully_shard()"
+            )
         return twin
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group, op, name: str) -> None:
@@ -199,13 +219,28 @@ class FSDPState(CodingEngine):
         twin = self.twin(group)
 
         def coded(stats):
-            collectives.reduce_scatter(out, list(inp.view(world, n)), self.codec, twin, average=average,
-                                       kind="gradient", stats=stats, workspace=self.workspace)
+            collectives.reduce_scatter(
+                out,
+                list(inp.view(world, n)),
+                self.codec,
+                twin,
+                average=average,
+                kind="gradient",
+                stats=stats,
+                workspace=self.workspace,
+            )
             if factor is not None:
                 out.mul_(factor)
 
-        self.dispatch("reduce_scatter", inp, twin, numel_per_rank=n, kind="gradient", coded=coded,
-                      plain=lambda: _plain_reduce_scatter(out, inp, twin, op, factor))
+        self.dispatch(
+            "reduce_scatter",
+            inp,
+            twin,
+            numel_per_rank=n,
+            kind="gradient",
+            coded=coded,
+            plain=lambda: _plain_reduce_scatter(out, inp, twin, op, factor),
+        )
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group, name: str) -> None:
         """On the worker: FSDP's all-gather of every rank's ``inp`` into ``out``, coded where it pays."""
@@ -215,10 +250,17 @@ class FSDPState(CodingEngine):
             return
         twin = self.twin(group)
         # (FSDP gathers a module whose parameters mix dtypes as uint8 bytes: sent plainly)
-        self.dispatch("all_gather", inp, twin, numel_per_rank=n, kind="weight",
-                      coded=lambda stats: collectives.all_gather(list(out.view(world, n)), inp, self.codec, twin,
-                                                                 kind="weight", stats=stats, workspace=self.workspace),
-                      plain=lambda: _all_gather_single(out, inp, group=twin))
+        self.dispatch(
+            "all_gather",
+            inp,
+            twin,
+            numel_per_rank=n,
+            kind="weight",
+            coded=lambda stats: collectives.all_gather(
+                list(out.view(world, n)), inp, self.codec, twin, kind="weight", stats=stats, workspace=self.workspace
+            ),
+            plain=lambda: _all_gather_single(out, inp, group=twin),
+        )
 
     # -- steps ------------------------------------------------------------------------------------
     def arm_step_end(self) -> None:
@@ -261,8 +303,7 @@ class HuffmanReduceScatter(_Coded, ReduceScatter):
         name: the module's name, for error messages.
     """
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
-                 async_op: bool = False):
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
         """Reduce row r of ``input_tensor`` over the group into rank r's ``output_tensor``.
 
         Args:
@@ -281,8 +322,9 @@ class HuffmanReduceScatter(_Coded, ReduceScatter):
         """
         self.state.arm_step_end()
         state, name = self.state, self.name
-        return state.call(lambda: state.reduce_scatter(output_tensor, input_tensor, group, op, name),
-                          input_tensor, async_op)
+        return state.call(
+            lambda: state.reduce_scatter(output_tensor, input_tensor, group, op, name), input_tensor, async_op
+        )
 
 
 class HuffmanAllGather(_Coded, AllGather):
@@ -310,12 +352,14 @@ class HuffmanAllGather(_Coded, AllGather):
             CollectiveError: on every rank, if a frame failed to decode on any rank.
         """
         state, name = self.state, self.name
-        return state.call(lambda: state.all_gather(output_tensor, input_tensor, group, name), input_tensor,
-                          async_op or state.overlap)
+        return state.call(
+            lambda: state.all_gather(output_tensor, input_tensor, group, name), input_tensor, async_op or state.overlap
+        )
 
 
-def register(model: nn.Module, *, process_group=None, config=None, overlap: bool = True, writer=None,
-             **options) -> FSDPState:
+def register(
+    model: nn.Module, *, process_group=None, config=None, overlap: bool = True, writer=None, **options
+) -> FSDPState:
     """Code the reduce-scatter and all-gather of every FSDP2 module of a model; return the state.
 
     Call it on every rank after ``fully_shard`` has been applied (to the layers and the
@@ -346,7 +390,9 @@ def register(model: nn.Module, *, process_group=None, config=None, overlap: bool
         RuntimeError: torch.distributed is not initialized.
     """
     if FSDPModule is None:
-        raise RuntimeError(f"comm_codec.fsdp needs torch >= 2.8 (FSDP2 custom collectives); this is {torch.__version__}")
+        raise RuntimeError(
+            f"comm_codec.fsdp needs torch >= 2.8 (FSDP2 custom collectives); this is {torch.__version__}"
+        )
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("torch.distributed is not initialized: call init_process_group before register()")
     modules = _fsdp_modules(model)
@@ -370,29 +416,39 @@ def _fsdp_modules(model) -> list[tuple[str, nn.Module]]:
     for name, module in model.named_modules():
         label = name or "<root>"
         if isinstance(module, FullyShardedDataParallel):
-            raise TypeError(f"module {label!r} is an FSDP1 FullyShardedDataParallel; comm_codec.fsdp codes FSDP2 "
-                            "(torch.distributed.fsdp.fully_shard) collectives only: shard it with fully_shard")
+            raise TypeError(
+                f"module {label!r} is an FSDP1 FullyShardedDataParallel; comm_codec.fsdp codes FSDP2 "
+                "(torch.distributed.fsdp.fully_shard) collectives only: shard it with fully_shard"
+            )
         if isinstance(module, DistributedDataParallel):
-            raise TypeError(f"module {label!r} is a DistributedDataParallel; for DDP use "
-                            "ddp_model.register_comm_hook(comm_codec.ddp.HuffmanState(...), huffman_hook)")
+            raise TypeError(
+                f"module {label!r} is a DistributedDataParallel; for DDP use "
+                "ddp_model.register_comm_hook(comm_codec.ddp.HuffmanState(...), huffman_hook)"
+            )
         if isinstance(module, FSDPModule):
             found.append((label, module))
     if not found:
-        raise TypeError(f"{type(model).__name__} has no FSDP2 module: apply torch.distributed.fsdp.fully_shard "
-                        "to its layers and to the model itself, then call compress()")
+        raise TypeError(
+            f"{type(model).__name__} has no FSDP2 module: apply torch.distributed.fsdp.fully_shard "
+            "to its layers and to the model itself, then call compress()"
+        )
     for label, module in found:
         groups = module._get_fsdp_state()._fsdp_param_groups
         if len(groups) > 1:
-            raise ValueError(f"module {label!r} holds {len(groups)} FSDP parameter groups (shard_placement_fn "
-                             "with several meshes); FSDP2 takes one custom collective per module: apply "
-                             "fully_shard to the parameters of each mesh in a module of their own")
+            raise ValueError(
+                f"module {label!r} holds {len(groups)} FSDP parameter groups (shard_placement_fn "
+                "with several meshes); FSDP2 takes one custom collective per module: apply "
+                "fully_shard to the parameters of each mesh in a module of their own"
+            )
         for group in groups:
             dtypes = {fp.sharded_param.dtype for fp in group.fsdp_params if fp.sharded_param.requires_grad}
             if len(dtypes) > 1:
                 names = ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
-                raise ValueError(f"module {label!r} has trainable parameters of mixed dtypes ({names}); FSDP2 "
-                                 "reduce-scatters one dtype per module: cast them to one dtype, or shard the odd "
-                                 "ones in a module of their own")
+                raise ValueError(
+                    f"module {label!r} has trainable parameters of mixed dtypes ({names}); FSDP2 "
+                    "reduce-scatters one dtype per module: cast them to one dtype, or shard the odd "
+                    "ones in a module of their own"
+                )
     return found
 
 
@@ -400,8 +456,10 @@ def _check_sizes(name: str, what: str, inp: torch.Tensor, out: torch.Tensor, wor
     """Refuse buffers FSDP could not have meant: W x n elements on one side, n on the other."""
     full = inp if what == "reduce-scatter" else out
     if full.numel() != world * n or inp.dtype != out.dtype:
-        raise ValueError(f"module {name!r}: {what} of {inp.numel()} {inp.dtype} elements into {out.numel()} "
-                         f"{out.dtype}, expected {world} x {n} of one dtype")
+        raise ValueError(
+            f"module {name!r}: {what} of {inp.numel()} {inp.dtype} elements into {out.numel()} "
+            f"{out.dtype}, expected {world} x {n} of one dtype"
+        )
 
 
 def _division(op, name: str) -> tuple[bool, float | None]:
@@ -418,8 +476,9 @@ def _division(op, name: str) -> tuple[bool, float | None]:
         if not isinstance(factor, float):
             raise ValueError(f"module {name!r}: PREMUL_SUM without a scalar factor ({factor!r})")
         return False, factor
-    raise ValueError(f"module {name!r}: FSDP asked for a {kind} reduce-scatter; comm_codec reduces sums only "
-                     "(AVG, SUM, PREMUL_SUM)")
+    raise ValueError(
+        f"module {name!r}: FSDP asked for a {kind} reduce-scatter; comm_codec reduces sums only (AVG, SUM, PREMUL_SUM)"
+    )
 
 
 def _plain_reduce_scatter(out, inp, group, op, factor) -> None:

@@ -18,8 +18,15 @@ from .workspace import Workspace
 __all__ = ["send", "recv", "reduce"]
 
 
-def send(tensor: torch.Tensor, dst: int, codec: Codec | None = None, group=None, *, kind: str = "activation",
-         stats: CommStats | None = None) -> None:
+def send(
+    tensor: torch.Tensor,
+    dst: int,
+    codec: Codec | None = None,
+    group=None,
+    *,
+    kind: str = "activation",
+    stats: CommStats | None = None,
+) -> None:
     """Send a tensor to rank ``dst`` as a coded frame (its size first); pair with :func:`recv`.
 
     Args:
@@ -36,8 +43,9 @@ def send(tensor: torch.Tensor, dst: int, codec: Codec | None = None, group=None,
     stats.add(coded_bytes_in=tensor.numel() * tensor.element_size(), coded_bytes_out=frame.numel() + 8, calls=1)
 
 
-def recv(tensor: torch.Tensor, src: int, codec: Codec | None = None, group=None, *,
-         stats: CommStats | None = None) -> torch.Tensor:
+def recv(
+    tensor: torch.Tensor, src: int, codec: Codec | None = None, group=None, *, stats: CommStats | None = None
+) -> torch.Tensor:
     """Receive a frame sent by :func:`send` from rank ``src`` and decode it into ``tensor``.
 
     Args:
@@ -67,8 +75,9 @@ def _recv_frame(numel: int, dtype, src: int, group, device) -> torch.Tensor:
     dist.recv(size, peer, group=group)
     limit = frame_bound(numel, dtype)
     if not 0 < int(size) <= limit:  # never allocate what a peer claims
-        raise FrameError(f"peer {src} announced a frame of {int(size)} bytes; a frame of {numel} "
-                         f"{dtype} elements takes 1..{limit}")
+        raise FrameError(
+            f"peer {src} announced a frame of {int(size)} bytes; a frame of {numel} {dtype} elements takes 1..{limit}"
+        )
     frame = torch.empty(int(size), dtype=torch.uint8, device=device)
     dist.recv(frame, peer, group=group)
     sent = Codec.frame_parameters(frame).dtype
@@ -77,8 +86,17 @@ def _recv_frame(numel: int, dtype, src: int, group, device) -> torch.Tensor:
     return frame
 
 
-def reduce(tensor: torch.Tensor, dst: int, codec: Codec | None = None, group=None, *, cast=None,
-           kind: str = "gradient", stats: CommStats | None = None, workspace: Workspace | None = None) -> None:
+def reduce(
+    tensor: torch.Tensor,
+    dst: int,
+    codec: Codec | None = None,
+    group=None,
+    *,
+    cast=None,
+    kind: str = "gradient",
+    stats: CommStats | None = None,
+    workspace: Workspace | None = None,
+) -> None:
     """Sum ``tensor`` over the group into rank ``dst``'s copy, every other rank sending one coded frame.
 
     The owner adds every rank's tensor in rank order in float32 (peers' frames decoded

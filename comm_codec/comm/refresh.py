@@ -43,16 +43,22 @@ class BookRefresh:
 
     __slots__ = (
         # what users tune
-        "drift_every", "refresh_threshold", "refresh_steps",
+        "drift_every",
+        "refresh_threshold",
+        "refresh_steps",
         # the refresh window, and what was measured
-        "until", "drift", "refreshes",
+        "until",
+        "drift",
+        "refreshes",
     )
 
     def __init__(self, drift_every: int = 0, refresh_threshold: float | None = None, refresh_steps: int = 3):
         if not isinstance(drift_every, int) or drift_every < 0:
             raise ValueError(f"drift_every must be an integer >= 0 (0 = off), got {drift_every!r}")
         if refresh_threshold is not None and not (refresh_threshold > 0 and drift_every):
-            raise ValueError("refresh_threshold must be > 0 and needs drift_every > 0 (drift is what triggers a refresh)")
+            raise ValueError(
+                "refresh_threshold must be > 0 and needs drift_every > 0 (drift is what triggers a refresh)"
+            )
         if not isinstance(refresh_steps, int) or refresh_steps < 1:
             raise ValueError(f"refresh_steps must be an integer >= 1, got {refresh_steps!r}")
         self.drift_every = drift_every
@@ -100,8 +106,13 @@ class BookRefresh:
         if self.refresh_threshold is not None:
             loss = max_over_ranks(loss, group, device)
             if loss > self.refresh_threshold and self.until is None:
-                log.info("comm_codec: books lose %.2f%% (> %.2f%%) at step %d; re-profiling for %d steps",
-                         100 * loss, 100 * self.refresh_threshold, step, self.refresh_steps)
+                log.info(
+                    "comm_codec: books lose %.2f%% (> %.2f%%) at step %d; re-profiling for %d steps",
+                    100 * loss,
+                    100 * self.refresh_threshold,
+                    step,
+                    self.refresh_steps,
+                )
                 self.until = step + self.refresh_steps
                 opened = True
         self.drift = loss

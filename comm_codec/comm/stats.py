@@ -85,7 +85,7 @@ class CollectiveStats(_Record):
     comm_seconds: float = 0.0
 
     @classmethod
-    def of(cls, counts: dict) -> "CollectiveStats":
+    def of(cls, counts: dict) -> CollectiveStats:
         """Make the record from :class:`CommStats` counters (the totals and ratios derived)."""
         d = CommStats._derived({name: counts[name] for name in CommStats._FIELDS})
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(CollectiveStats)})
@@ -156,8 +156,16 @@ class CommStats:
             tensors too small to pay).
     """
 
-    _FIELDS = ("coded_bytes_in", "coded_bytes_out", "plain_bytes", "encode_seconds", "decode_seconds",
-               "comm_seconds", "calls", "raw_calls")
+    _FIELDS = (
+        "coded_bytes_in",
+        "coded_bytes_out",
+        "plain_bytes",
+        "encode_seconds",
+        "decode_seconds",
+        "comm_seconds",
+        "calls",
+        "raw_calls",
+    )
     _FLOATS = ("encode_seconds", "decode_seconds", "comm_seconds")
 
     def __init__(self):
@@ -194,7 +202,7 @@ class CommStats:
         def __exit__(self, *exc):
             self.stats.add(**{self.field: time.perf_counter() - self.start})
 
-    def timer(self, field: str) -> "CommStats._Timer":
+    def timer(self, field: str) -> CommStats._Timer:
         """Return a context manager that adds its elapsed seconds to ``field``."""
         return CommStats._Timer(self, field)
 
@@ -242,6 +250,8 @@ class CommStats:
 
 def traffic_line(stats) -> str:
     """Return the fields of :data:`LOGGED` as one line, the same for every integration's log."""
-    return (f"ratio={stats['ratio']:.3f} coded_ratio={stats['coded_ratio']:.3f} "
-            f"bytes_saved={stats['bytes_saved']} bytes_in={stats['bytes_in']} bytes_out={stats['bytes_out']} "
-            f"calls={stats['calls']} raw_calls={stats['raw_calls']} codec_seconds={stats['codec_seconds']:.2f}")
+    return (
+        f"ratio={stats['ratio']:.3f} coded_ratio={stats['coded_ratio']:.3f} "
+        f"bytes_saved={stats['bytes_saved']} bytes_in={stats['bytes_in']} bytes_out={stats['bytes_out']} "
+        f"calls={stats['calls']} raw_calls={stats['raw_calls']} codec_seconds={stats['codec_seconds']:.2f}"
+    )

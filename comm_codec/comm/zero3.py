@@ -51,8 +51,11 @@ log = logging.getLogger(__name__)
 SEAMS = {
     ("runtime.zero.partition_parameters", None, "_dist_allgather_fn"): ["input_tensor", "output_tensor", "group"],
     ("runtime.zero.stage3", None, "reduce_scatter_coalesced"): ["tensors", "group"],
-    ("runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"):
-        ["self", "params_to_reduce", "communication_data_type"],
+    ("runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"): [
+        "self",
+        "params_to_reduce",
+        "communication_data_type",
+    ],
 }
 # The parameters of the per-parameter closure Init gives every ZeRO-3 parameter.
 FETCH_PARAMETERS = ["params", "safe_mode", "quantize"]
@@ -110,9 +113,9 @@ def install_dispatchers() -> None:
             return
         pp = importlib.import_module("deepspeed.runtime.zero.partition_parameters")
         s3 = importlib.import_module("deepspeed.runtime.zero.stage3")
-        _original["all_gather"] = getattr(pp, "_dist_allgather_fn")
+        _original["all_gather"] = pp._dist_allgather_fn
         _original["reduce_scatter"] = s3.reduce_scatter_coalesced
-        setattr(pp, "_dist_allgather_fn", _dispatch_all_gather)
+        pp._dist_allgather_fn = _dispatch_all_gather
         s3.reduce_scatter_coalesced = _dispatch_reduce_scatter
 
 
@@ -124,9 +127,11 @@ def check_fetch(param) -> None:
     """
     params = seam_parameters(getattr(param, "all_gather_coalesced", None))
     if params != FETCH_PARAMETERS:
-        raise RuntimeError(f"DeepSpeed's ZeRO-3 parameters no longer fetch through all_gather_coalesced"
-                           f"({', '.join(FETCH_PARAMETERS)}) (found {params}); comm_codec.deepspeed cannot "
-                           "install safely into it")
+        raise RuntimeError(
+            f"DeepSpeed's ZeRO-3 parameters no longer fetch through all_gather_coalesced"
+            f"({', '.join(FETCH_PARAMETERS)}) (found {params}); comm_codec.deepspeed cannot "
+            "install safely into it"
+        )
 
 
 class _Marked:
@@ -167,11 +172,15 @@ class Zero3Seams:
         params = [p for p in engine.module.parameters() if hasattr(p, "ds_id")]
         for p in params[:1]:
             check_fetch(p)
-        groups = {tuple(dist.get_process_group_ranks(g)) for g in
-                  [opt.dp_process_group] + [p.ds_process_group for p in params]}
+        groups = {
+            tuple(dist.get_process_group_ranks(g))
+            for g in [opt.dp_process_group] + [p.ds_process_group for p in params]
+        }
         if len(groups) != 1:
-            raise ValueError(f"comm_codec.deepspeed: ZeRO-3 partitions over several groups {sorted(groups)}; "
-                             "it codes one data-parallel group over the whole world")
+            raise ValueError(
+                f"comm_codec.deepspeed: ZeRO-3 partitions over several groups {sorted(groups)}; "
+                "it codes one data-parallel group over the whole world"
+            )
         self.ranks = groups.pop()
         # Creating a group is collective: here, where every rank installs. The twin takes
         # the world group's timeout (DeepSpeed's own groups are made with 30 minutes).
@@ -210,8 +219,10 @@ class Zero3Seams:
     def _twin_of(self, group):
         ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
         if ranks != self.ranks:
-            raise RuntimeError(f"comm_codec.deepspeed: ZeRO-3 called a collective on ranks {list(ranks)}, not "
-                               f"the data-parallel group {list(self.ranks)} the plugin installed over")
+            raise RuntimeError(
+                f"comm_codec.deepspeed: ZeRO-3 called a collective on ranks {list(ranks)}, not "
+                f"the data-parallel group {list(self.ranks)} the plugin installed over"
+            )
         return self.twin
 
     # -- the collectives ------------------------------------------------------------------
@@ -225,17 +236,31 @@ class Zero3Seams:
         twin = self._twin_of(group)
         world, n = len(self.ranks), input_tensor.numel()
         if output_tensor.numel() != world * n or output_tensor.dtype != input_tensor.dtype:
-            raise ValueError(f"comm_codec.deepspeed: all-gather of {n} {input_tensor.dtype} elements into "
-                             f"{output_tensor.numel()} {output_tensor.dtype}, expected {world} x {n} of one dtype")
+            raise ValueError(
+                f"comm_codec.deepspeed: all-gather of {n} {input_tensor.dtype} elements into "
+                f"{output_tensor.numel()} {output_tensor.dtype}, expected {world} x {n} of one dtype"
+            )
         coder = self.coder
 
         def run():
-            coder.dispatch("all_gather", input_tensor, twin, numel_per_rank=n, kind="weight",
-                           allowed="weight" in self.kinds,
-                           coded=lambda stats: collectives.all_gather(
-                               list(output_tensor.view(world, n)), input_tensor, coder.codec, twin, kind="weight",
-                               stats=stats, workspace=coder.workspace),
-                           plain=lambda: _all_gather_single(output_tensor, input_tensor, group=twin))
+            coder.dispatch(
+                "all_gather",
+                input_tensor,
+                twin,
+                numel_per_rank=n,
+                kind="weight",
+                allowed="weight" in self.kinds,
+                coded=lambda stats: collectives.all_gather(
+                    list(output_tensor.view(world, n)),
+                    input_tensor,
+                    coder.codec,
+                    twin,
+                    kind="weight",
+                    stats=stats,
+                    workspace=coder.workspace,
+                ),
+                plain=lambda: _all_gather_single(output_tensor, input_tensor, group=twin),
+            )
 
         return coder.call(run, input_tensor, async_op=True)
 
@@ -257,8 +282,8 @@ class Zero3Seams:
         for t, size in zip(tensors, sizes):
             flat = t.reshape(-1)
             for r in range(world):
-                part = flat[r * size:(r + 1) * size]
-                rows[r, offset:offset + part.numel()] = part
+                part = flat[r * size : (r + 1) * size]
+                rows[r, offset : offset + part.numel()] = part
             offset += size
         out = torch.empty(width, dtype=dtype, device=rows.device)
         coder = self.coder
@@ -268,11 +293,25 @@ class Zero3Seams:
             _reduce_scatter_single(out, rows.view(-1), group=twin)
 
         def run():
-            coder.dispatch("reduce_scatter", rows, twin, numel_per_rank=width, kind="gradient",
-                           allowed="gradient" in self.kinds, plain=plain,
-                           coded=lambda stats: collectives.reduce_scatter(
-                               out, list(rows), coder.codec, twin, average=True, kind="gradient", stats=stats,
-                               workspace=coder.workspace))
+            coder.dispatch(
+                "reduce_scatter",
+                rows,
+                twin,
+                numel_per_rank=width,
+                kind="gradient",
+                allowed="gradient" in self.kinds,
+                plain=plain,
+                coded=lambda stats: collectives.reduce_scatter(
+                    out,
+                    list(rows),
+                    coder.codec,
+                    twin,
+                    average=True,
+                    kind="gradient",
+                    stats=stats,
+                    workspace=coder.workspace,
+                ),
+            )
 
         coder.call(run, rows, async_op=False)
         self.coder.keep_torch_threads()

@@ -142,8 +142,10 @@ def loads(text, *, error, limit: int = DEFAULT_LIMIT, parse_int=None, parse_cons
     need = estimate(raw)
     cap = min(limit, budget.total)
     if need > cap:
-        raise error(f"{len(raw)} bytes of JSON that could take {need >> 20} MiB of memory to parse, more than "
-                    f"the {cap >> 20} MiB allowed: corrupted or not written by comm_codec")
+        raise error(
+            f"{len(raw)} bytes of JSON that could take {need >> 20} MiB of memory to parse, more than "
+            f"the {cap >> 20} MiB allowed: corrupted or not written by comm_codec"
+        )
     kwargs = {k: v for k, v in (("parse_int", parse_int), ("parse_constant", parse_constant)) if v is not None}
     budget.acquire(need)
     try:

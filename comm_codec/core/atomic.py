@@ -53,7 +53,7 @@ def _fit(name: str, room: int) -> str:
     if len(raw) <= room:
         return name
     # A character cut in two is dropped (errors="ignore"): a temp name need not be exact.
-    return raw[:max(0, room)].decode("utf-8", "ignore")
+    return raw[: max(0, room)].decode("utf-8", "ignore")
 
 
 def temp_prefix(name: str, pid: int | None = None) -> str:

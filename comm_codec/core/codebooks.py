@@ -71,10 +71,10 @@ MAX_FILE_BYTES = 64 << 20
 _MAX_DIGITS = 30
 # What parsing a codebook file may hold (core._json.estimate): the shipped 1 MB set needs ~40 MB.
 _MAX_PARSE_BYTES = 256 << 20
-_default_cache: "CodebookSet | None" = None
+_default_cache: CodebookSet | None = None
 
 
-def as_codebook_set(books) -> "CodebookSet":
+def as_codebook_set(books) -> CodebookSet:
     """Return books as a :class:`CodebookSet`: a set itself, a path to a saved one, or None.
 
     Every API that takes books (the codec, the hooks, the cost functions) accepts the
@@ -95,13 +95,13 @@ def as_codebook_set(books) -> "CodebookSet":
         return CodebookSet.default()
     if isinstance(books, (str, os.PathLike)):
         if not os.path.isfile(books):
-            raise CodebookError(f"codebooks={os.fspath(books)!r}: no such file; allowed: a CodebookSet, the path "
-                                "of a file saved by CodebookSet.save, or None")
+            raise CodebookError(
+                f"codebooks={os.fspath(books)!r}: no such file; allowed: a CodebookSet, the path "
+                "of a file saved by CodebookSet.save, or None"
+            )
         return CodebookSet.load(books)
     if not isinstance(books, CodebookSet):
-        raise TypeError(
-            f"codebooks must be a CodebookSet, a path to a saved one, or None, got {type(books).__name__}"
-        )
+        raise TypeError(f"codebooks must be a CodebookSet, a path to a saved one, or None, got {type(books).__name__}")
     return books
 
 
@@ -200,7 +200,7 @@ class CodebookGroup:
         return {"group": self.id, "books": [b.to_dict() for b in self.books]}
 
     @classmethod
-    def from_dict(cls, entry: dict) -> "CodebookGroup":
+    def from_dict(cls, entry: dict) -> CodebookGroup:
         """Rebuild a group from :meth:`to_dict` output (checks the group id).
 
         Raises:
@@ -343,7 +343,7 @@ class CodebookSet:
             h.update(("%s/%s/%d=%s;" % (*key, self._groups[key].id)).encode())
         return h.hexdigest()
 
-    def __or__(self, other: "CodebookSet") -> "CodebookSet":
+    def __or__(self, other: CodebookSet) -> CodebookSet:
         """Return a set with other's books added, other winning where both have a key."""
         if not isinstance(other, CodebookSet):
             return NotImplemented
@@ -389,7 +389,7 @@ class CodebookSet:
         atomic_write(os.fspath(path), json.dumps(self.to_dict(), indent=1, sort_keys=False, allow_nan=False) + "\n")
 
     @classmethod
-    def from_dict(cls, data: dict, source: str = "<dict>") -> "CodebookSet":
+    def from_dict(cls, data: dict, source: str = "<dict>") -> CodebookSet:
         """Rebuild a set from :meth:`to_dict` output.
 
         Args:
@@ -425,11 +425,13 @@ class CodebookSet:
                 if "books" in entry and data["version"] < 2:
                     raise CodebookError("groups of books need codebook file version 2")
                 books[key] = CodebookGroup.from_dict(entry)
-                stats[key] = {k: v for k, v in entry.items()
-                              if k not in ("kind", "dtype", "stream", "book", "books", "group")}
+                stats[key] = {
+                    k: v for k, v in entry.items() if k not in ("kind", "dtype", "stream", "book", "books", "group")
+                }
             except (KeyError, TypeError, AttributeError) as exc:
-                raise CodebookError(f"{source}: book entry {i} is malformed ({type(exc).__name__}: "
-                                    f"{printable(str(exc), 80)})") from None
+                raise CodebookError(
+                    f"{source}: book entry {i} is malformed ({type(exc).__name__}: {printable(str(exc), 80)})"
+                ) from None
             except CodebookError as exc:
                 where = "/".join(printable(entry.get(k), 20) for k in ("kind", "dtype", "stream"))
                 raise CodebookError(f"{source}: book entry {i} ({where}): {exc}") from None
@@ -440,7 +442,7 @@ class CodebookSet:
             raise CodebookError(f"{source}: {exc}") from None
 
     @classmethod
-    def load(cls, path) -> "CodebookSet":
+    def load(cls, path) -> CodebookSet:
         """Read a set written by :meth:`save`.
 
         Args:
@@ -457,14 +459,15 @@ class CodebookSet:
         path = os.fspath(path)
         raw = _read_book_file(path)
         try:
-            data = json_loads(raw, limit=_MAX_PARSE_BYTES, parse_constant=_no_constant, parse_int=_small_int,
-                               error=CodebookError)
+            data = json_loads(
+                raw, limit=_MAX_PARSE_BYTES, parse_constant=_no_constant, parse_int=_small_int, error=CodebookError
+            )
         except CodebookError as exc:
             raise CodebookError(f"{path}: not a valid codebook file ({exc})") from None
         return cls.from_dict(data, source=path)
 
     @classmethod
-    def default(cls) -> "CodebookSet":
+    def default(cls) -> CodebookSet:
         """Return the books shipped with the package (``codebooks/default.json``).
 
         Returns:

@@ -36,11 +36,14 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 # kernels.jit imports numba first and turns a bad numba setting (NUMBA_NUM_THREADS) into one clear error
 from ..kernels import jit  # noqa: F401  (isort: skip)
+import numba  # noqa: E402 - after the kernels: see above
+
 from ..kernels.decode import decode_range
 from ..kernels.encode import encode_frame, encode_frame_into, encode_range, frame_room, plan_range
 from ..kernels.layout import STATUS_MESSAGES
@@ -53,7 +56,8 @@ from .parallel import run_ranges, thread_count
 from .streams import StreamSpec, as_bits, is_accumulable, spec_for
 from .tables import KernelTables, TablesCache, encode_tables
 
-import numba  # noqa: E402 - after the kernels: see above
+if TYPE_CHECKING:  # annotations only: torch is imported where a tensor is first used
+    import torch
 
 __all__ = ["Codec", "DEFAULT_CHUNK_ELEMS", "DECODE_CACHE_SIZE"]
 
@@ -117,11 +121,15 @@ def _raise_on_status(status: np.ndarray, nchunks: int) -> None:
 def _check_accumulable(params, acc, device) -> None:
     """Raise unless a frame of these parameters can be added into acc (see Codec.decode_accumulate)."""
     if not is_accumulable(params.spec):
-        raise TypeError(f"decode_accumulate adds bfloat16, float16 or float32 frames; this one holds {params.spec.dtype}")
+        raise TypeError(
+            f"decode_accumulate adds bfloat16, float16 or float32 frames; this one holds {params.spec.dtype}"
+        )
     if acc.numel() != params.numel:
         raise ValueError(f"acc has {acc.numel()} elements, the frame holds {params.numel}")
     if acc.requires_grad:
-        raise ValueError("acc requires grad: decode_accumulate writes into it behind autograd's back; pass acc.detach()")
+        raise ValueError(
+            "acc requires grad: decode_accumulate writes into it behind autograd's back; pass acc.detach()"
+        )
     if acc.device != device or not acc.is_contiguous():
         where = "CPU" if device.type == "cpu" else str(device)
         raise ValueError(f"acc must be a contiguous {where} tensor (on the frame's device), got one on {acc.device}")
@@ -205,7 +213,7 @@ class Codec:
         self.decode_cache = TablesCache(DECODE_CACHE_SIZE)
 
     # -- encode -------------------------------------------------------------------------
-    def encode(self, tensor, kind: str = "gradient") -> "torch.Tensor":
+    def encode(self, tensor, kind: str = "gradient") -> torch.Tensor:
         """Encode a tensor into a frame.
 
         Args:
@@ -281,8 +289,24 @@ class Codec:
         threads = _threads_for(nchunks, numel * spec.itemsize, self.threads)
         with _precompile.first_use("encode", spec):
             if nchunks:
-                run_ranges(plan_range, nchunks, threads, lambda lo, hi: (
-                    bits, *args, tables.enc_len, tables.nbooks, tables.raw, cflags, refs, books, sizes, lo, hi))
+                run_ranges(
+                    plan_range,
+                    nchunks,
+                    threads,
+                    lambda lo, hi: (
+                        bits,
+                        *args,
+                        tables.enc_len,
+                        tables.nbooks,
+                        tables.raw,
+                        cflags,
+                        refs,
+                        books,
+                        sizes,
+                        lo,
+                        hi,
+                    ),
+                )
             counts = _frame.chunk_counts(numel, self.chunk_elems, nchunks)
             lengths = _frame.payload_bytes(cflags.astype(np.int64), sizes, counts)
             hsize = _frame.header_size(ns, nchunks)
@@ -292,9 +316,29 @@ class Codec:
             out64 = out8.view(np.uint64)
             checksums = np.zeros(nchunks, dtype=np.uint32)
             if nchunks:
-                run_ranges(encode_range, nchunks, threads, lambda lo, hi: (
-                    bits, *args, tables.enc_code, tables.enc_len, *tables.pairs, cflags, refs, books, sizes,
-                    offsets, out8, out64, checksums, self.checksum, lo, hi))
+                run_ranges(
+                    encode_range,
+                    nchunks,
+                    threads,
+                    lambda lo, hi: (
+                        bits,
+                        *args,
+                        tables.enc_code,
+                        tables.enc_len,
+                        *tables.pairs,
+                        cflags,
+                        refs,
+                        books,
+                        sizes,
+                        offsets,
+                        out8,
+                        out64,
+                        checksums,
+                        self.checksum,
+                        lo,
+                        hi,
+                    ),
+                )
         table = np.zeros(nchunks, dtype=_frame.table_dtype(ns))
         table["cflags"], table["ref"], table["books"], table["checksum"] = cflags, refs, books, checksums
         table["sizes"] = sizes
@@ -317,9 +361,10 @@ class Codec:
         if head is None:  # write_header's bytes: the kernel fills in numel, nchunks and the version
             ns = spec.nstreams
             buf = np.zeros(_frame.header_size(ns, 1), dtype=np.uint8)
-            _frame.write_header(buf, spec, 0, self.chunk_elems, self._flags(tables), tables.ids,
-                                np.zeros(1, _frame.table_dtype(ns)))
-            head = buf[:_frame.HEADER_BYTES + 8 * ns].copy()
+            _frame.write_header(
+                buf, spec, 0, self.chunk_elems, self._flags(tables), tables.ids, np.zeros(1, _frame.table_dtype(ns))
+            )
+            head = buf[: _frame.HEADER_BYTES + 8 * ns].copy()
             tables.pairs  # noqa: B018 - built outside the first-use timing below
             with _precompile.first_use("encode", spec):
                 out = self._write_frame(bits, spec, tables, head)
@@ -329,8 +374,20 @@ class Codec:
 
     def _write_frame(self, bits: np.ndarray, spec, tables: KernelTables, head: np.ndarray) -> np.ndarray:
         version = _frame.VERSION_SPLIT if tables.split else _frame.VERSION
-        args = (bits, self.chunk_elems, spec.exp_shift, tables.split, tables.enc_code, tables.enc_len, tables.nbooks,
-                tables.raw, *tables.pairs, head, version, self.checksum)
+        args = (
+            bits,
+            self.chunk_elems,
+            spec.exp_shift,
+            tables.split,
+            tables.enc_code,
+            tables.enc_len,
+            tables.nbooks,
+            tables.raw,
+            *tables.pairs,
+            head,
+            version,
+            self.checksum,
+        )
         room = frame_room(bits.size, self.chunk_elems, spec.nstreams, head.size)
         if room < POOL_MIN_BYTES:
             return encode_frame(*args)
@@ -342,7 +399,7 @@ class Codec:
         return front(out8, pos) if 2 * pos >= room else out8[:pos].copy()
 
     # -- decode -------------------------------------------------------------------------
-    def decode(self, frame, out=None, max_output_bytes: int | None = None) -> "torch.Tensor":
+    def decode(self, frame, out=None, max_output_bytes: int | None = None) -> torch.Tensor:
         """Decode a frame back into the elements of the tensor it was made from, bit for bit.
 
         A frame records the dtype and the number of elements, not the shape: the result
@@ -416,8 +473,10 @@ class Codec:
         if not isinstance(out, np.ndarray):
             raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
         if out.nbytes != params.numel * params.spec.itemsize:
-            raise ValueError(f"out has {out.nbytes} bytes, the frame holds {params.numel * params.spec.itemsize} "
-                             f"({params.numel} x {params.spec.name})")
+            raise ValueError(
+                f"out has {out.nbytes} bytes, the frame holds {params.numel * params.spec.itemsize} "
+                f"({params.numel} x {params.spec.name})"
+            )
         if params.nchunks:
             self._decode_bits(buf, params, tables, _as_bits_array(out, params.spec))
         return out
@@ -429,12 +488,16 @@ class Codec:
         # One thread: the kernel orders the chunks itself (no host work for a small frame).
         order = _chunk_order(args[10]) if threads > 1 else _NO_ORDER
         with _precompile.first_use("decode", params.spec):
-            run_ranges(decode_range, params.nchunks, threads,
-                       lambda lo, hi: (*args, bits, status, order, lo, hi, _NO_ACC, False, False))
+            run_ranges(
+                decode_range,
+                params.nchunks,
+                threads,
+                lambda lo, hi: (*args, bits, status, order, lo, hi, _NO_ACC, False, False),
+            )
         if status.any():
             _raise_on_status(status, params.nchunks)
 
-    def decode_accumulate(self, frame, acc, *, add: bool = True) -> "torch.Tensor":
+    def decode_accumulate(self, frame, acc, *, add: bool = True) -> torch.Tensor:
         """Decode a frame and add its values into a float32 tensor, in one pass.
 
         ``acc[i] += float32(decoded[i])`` element by element (``add=False``: ``acc[i] =
@@ -497,8 +560,12 @@ class Codec:
         threads = _threads_for(params.nchunks, params.numel * spec.itemsize, self.threads)
         order = _chunk_order(args[10]) if threads > 1 else _NO_ORDER
         with _precompile.first_use("decode_accumulate", spec):
-            run_ranges(decode_range, params.nchunks, threads,
-                       lambda lo, hi: (*args, proto, status, order, lo, hi, accu, half, bool(add)))
+            run_ranges(
+                decode_range,
+                params.nchunks,
+                threads,
+                lambda lo, hi: (*args, proto, status, order, lo, hi, accu, half, bool(add)),
+            )
         _raise_on_status(status, params.nchunks)
         return acc
 
@@ -509,12 +576,26 @@ class Codec:
             buf = buf.copy()  # a frame sliced out of a larger buffer; kernels read words
         table = params.table
         ns = params.spec.nstreams
-        return tuple(_read_only(a) if isinstance(a, np.ndarray) else a for a in (
-            buf, buf.view(np.uint64), params.numel, params.chunk_elems, params.spec.exp_shift, params.split, tables.dec,
-            tables.multi, np.ascontiguousarray(table["cflags"]), np.ascontiguousarray(table["ref"]),
-            np.ascontiguousarray(table["books"]), np.ascontiguousarray(table["sizes"]).reshape(params.nchunks, ns),
-            params.offsets, np.ascontiguousarray(table["checksum"]), params.checksums,
-        ))
+        return tuple(
+            _read_only(a) if isinstance(a, np.ndarray) else a
+            for a in (
+                buf,
+                buf.view(np.uint64),
+                params.numel,
+                params.chunk_elems,
+                params.spec.exp_shift,
+                params.split,
+                tables.dec,
+                tables.multi,
+                np.ascontiguousarray(table["cflags"]),
+                np.ascontiguousarray(table["ref"]),
+                np.ascontiguousarray(table["books"]),
+                np.ascontiguousarray(table["sizes"]).reshape(params.nchunks, ns),
+                params.offsets,
+                np.ascontiguousarray(table["checksum"]),
+                params.checksums,
+            )
+        )
 
     # -- ahead of time ---------------------------------------------------------------------
     def precompile(self, dtypes=None) -> dict:
@@ -610,7 +691,7 @@ class Codec:
             ) from None
 
     @staticmethod
-    def _check_out(out, params, device) -> "torch.Tensor":
+    def _check_out(out, params, device) -> torch.Tensor:
         import torch
 
         if not isinstance(out, torch.Tensor):
@@ -632,7 +713,7 @@ class Codec:
         return out
 
     # -- GPU ------------------------------------------------------------------------------
-    def encode_cuda(self, tensor, kind: str = "gradient") -> "torch.Tensor":
+    def encode_cuda(self, tensor, kind: str = "gradient") -> torch.Tensor:
         """Encode with the numba.cuda kernels: a CUDA tensor, or a CPU one under the simulator.
 
         The frame's bytes equal :meth:`encode`'s on the CPU. :meth:`encode` calls this
@@ -660,10 +741,11 @@ class Codec:
         tables = self._encode_tables(kind, spec)
         from . import gpu as _gpu
 
-        return _gpu.encode_frame(tensor, spec, tables, self._device_tables(tables, tensor.device),
-                                  self.chunk_elems, self.checksum)
+        return _gpu.encode_frame(
+            tensor, spec, tables, self._device_tables(tables, tensor.device), self.chunk_elems, self.checksum
+        )
 
-    def decode_cuda(self, frame, out=None, max_output_bytes: int | None = None) -> "torch.Tensor":
+    def decode_cuda(self, frame, out=None, max_output_bytes: int | None = None) -> torch.Tensor:
         """Decode with the numba.cuda kernels: a frame on a CUDA device, or a CPU one under the simulator.
 
         :meth:`decode` calls this for CUDA frames; see :meth:`encode_cuda` for the
@@ -699,5 +781,7 @@ class Codec:
         return dev
 
     def __repr__(self) -> str:
-        return (f"Codec(codebooks={self.codebooks!r}, threads={self.threads}, chunk_elems={self.chunk_elems}, "
-                f"split_exponent={self.split_exponent})")
+        return (
+            f"Codec(codebooks={self.codebooks!r}, threads={self.threads}, chunk_elems={self.chunk_elems}, "
+            f"split_exponent={self.split_exponent})"
+        )

@@ -8,8 +8,17 @@ line before it imports anything heavy, can raise and catch them.
 
 from __future__ import annotations
 
-__all__ = ["CommCodecError", "FrameError", "CodebookError", "CheckpointError", "ChainError", "CollectiveError",
-           "AgreementError", "ConfigError", "LinkShapingError"]
+__all__ = [
+    "CommCodecError",
+    "FrameError",
+    "CodebookError",
+    "CheckpointError",
+    "ChainError",
+    "CollectiveError",
+    "AgreementError",
+    "ConfigError",
+    "LinkShapingError",
+]
 
 
 class CommCodecError(Exception):
@@ -66,7 +75,16 @@ class LinkShapingError(CommCodecError, RuntimeError):
     """A benchmark's shaped link cannot be made: not root, no iproute2, a namespace taken, tc failing."""
 
 
-for _cls in (CommCodecError, FrameError, CodebookError, CheckpointError, ChainError, CollectiveError,
-             AgreementError, ConfigError, LinkShapingError):
+for _cls in (
+    CommCodecError,
+    FrameError,
+    CodebookError,
+    CheckpointError,
+    ChainError,
+    CollectiveError,
+    AgreementError,
+    ConfigError,
+    LinkShapingError,
+):
     _cls.__module__ = "comm_codec"  # shown (and caught) as comm_codec.FrameError etc.
 del _cls

@@ -92,7 +92,7 @@ def pad8(n):
     return (n + 7) & ~7
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def table_dtype(nstreams: int) -> np.dtype:
     """Return the numpy structured dtype of one chunk-table entry."""
     return np.dtype(
@@ -201,8 +201,7 @@ def get_frame_parameters(frame) -> FrameParameters:
     if magic != MAGIC:
         _fail(f"not a comm_codec frame: magic {bytes(buf[:4])!r}, expected {MAGIC!r}")
     if version not in READ_VERSIONS:
-        _fail(f"unsupported frame version {version}; this build reads versions "
-              + ", ".join(map(str, READ_VERSIONS)))
+        _fail(f"unsupported frame version {version}; this build reads versions " + ", ".join(map(str, READ_VERSIONS)))
     spec = _streams.spec_for_code(code)
     if spec is None:
         _fail(f"unknown dtype code {code} in frame header")
@@ -216,8 +215,10 @@ def get_frame_parameters(frame) -> FrameParameters:
             _fail(f"frame says its {spec.name} exponents are split, but {spec.name} has no bits under its exponent")
         split = spec.split_bits
     if (version == VERSION_SPLIT) != bool(split):
-        _fail(f"frame version {version} {'with' if split else 'without'} the split-exponent flag: version "
-              f"{VERSION_SPLIT} frames, and only they, split exponents")
+        _fail(
+            f"frame version {version} {'with' if split else 'without'} the split-exponent flag: version "
+            f"{VERSION_SPLIT} frames, and only they, split exponents"
+        )
     if numel and not 0 < chunk_elems <= MAX_CHUNK_ELEMS:
         _fail(f"frame chunk_elems {chunk_elems} is outside 1..{MAX_CHUNK_ELEMS}")
     expected_chunks = -(-numel // chunk_elems) if numel else 0
@@ -232,8 +233,10 @@ def get_frame_parameters(frame) -> FrameParameters:
         _fail("frame header is corrupted (CRC-32 mismatch)")
     ids = struct.unpack_from(f"<{ns}Q", buf, HEADER_BYTES)
     if split and not ids[0]:
-        _fail("frame says its exponents are split, but its stream 0 is stored raw (book id 0): an encoder "
-              "splits only a coded stream 0")
+        _fail(
+            "frame says its exponents are split, but its stream 0 is stored raw (book id 0): an encoder "
+            "splits only a coded stream 0"
+        )
     tdt = table_dtype(ns)
     table = buf[HEADER_BYTES + 8 * ns : crc_pos].view(tdt)
     offsets, total = _payload_layout(buf, table, spec, numel, chunk_elems, ids, hsize, version)
@@ -289,8 +292,22 @@ def _payload_layout(buf, table, spec, numel, chunk_elems, ids, hsize, version):
         return np.zeros(0, dtype=np.int64), hsize
     offsets = np.empty(nchunks, dtype=np.int64)
     first = np.empty((_fp.CHECKS, MAX_STREAMS), dtype=np.int64)
-    total = int(_fp.payload_layout(buf, HEADER_BYTES + 8 * ns, table.itemsize, nchunks, ns, numel, chunk_elems,
-                                   _stream_books(ids), version, hsize, offsets, first))
+    total = int(
+        _fp.payload_layout(
+            buf,
+            HEADER_BYTES + 8 * ns,
+            table.itemsize,
+            nchunks,
+            ns,
+            numel,
+            chunk_elems,
+            _stream_books(ids),
+            version,
+            hsize,
+            offsets,
+            first,
+        )
+    )
     if total < 0:  # our own arguments: a bug, not a bad frame
         raise RuntimeError("the frame layout kernel refused its arguments")
     if (first < nchunks).any():

@@ -34,10 +34,20 @@ import numpy as np
 import torch
 from numba import cuda
 
-from . import frame as _frame
-from ..kernels.cuda import (CRC_SEGMENT, DECODE_THREADS, MAX_STREAMS, PLAN_THREADS, SIMULATOR, crc_combine,
-                            crc_segments, decode_kernel, encode_kernel, plan_kernel)
+from ..kernels.cuda import (
+    CRC_SEGMENT,
+    DECODE_THREADS,
+    MAX_STREAMS,
+    PLAN_THREADS,
+    SIMULATOR,
+    crc_combine,
+    crc_segments,
+    decode_kernel,
+    encode_kernel,
+    plan_kernel,
+)
 from ..kernels.layout import UNSIGNED_BITS
+from . import frame as _frame
 
 __all__ = ["Launch", "DeviceTables", "encode_frame", "decode_frame", "header_crc", "read_header", "frame_parameters"]
 
@@ -141,8 +151,9 @@ def _bits_of(tensor: torch.Tensor, spec) -> torch.Tensor:
     return flat.view(_TORCH_INT[spec.itemsize])
 
 
-def encode_frame(tensor: torch.Tensor, spec, tables, dev_tables: DeviceTables, chunk_elems: int,
-                 checksum: bool) -> torch.Tensor:
+def encode_frame(
+    tensor: torch.Tensor, spec, tables, dev_tables: DeviceTables, chunk_elems: int, checksum: bool
+) -> torch.Tensor:
     """Encode a tensor into a frame on its device, the same bytes as the CPU encoder.
 
     Args:
@@ -167,9 +178,22 @@ def encode_frame(tensor: torch.Tensor, spec, tables, dev_tables: DeviceTables, c
     bits = launch.array(bits_t, UNSIGNED_BITS[width])
     plan_t = torch.empty((nchunks, 3 + ns), dtype=torch.int32, device=tensor.device)
     if nchunks:
-        launch(plan_kernel, nchunks, PLAN_THREADS, bits, numel, chunk_elems, width, ra, spec.exp_shift, tables.split,
-               launch.array(dev_tables.enc_len), launch.array(dev_tables.nbooks), launch.array(dev_tables.raw),
-               launch.array(plan_t, np.uint32))
+        launch(
+            plan_kernel,
+            nchunks,
+            PLAN_THREADS,
+            bits,
+            numel,
+            chunk_elems,
+            width,
+            ra,
+            spec.exp_shift,
+            tables.split,
+            launch.array(dev_tables.enc_len),
+            launch.array(dev_tables.nbooks),
+            launch.array(dev_tables.raw),
+            launch.array(plan_t, np.uint32),
+        )
     # The one synchronisation: the frame's length depends on every chunk's plan.
     plan = plan_t.cpu().numpy().view(np.uint32)
     cflags = plan[:, 0].astype(np.uint8)
@@ -192,10 +216,27 @@ def encode_frame(tensor: torch.Tensor, spec, tables, dev_tables: DeviceTables, c
     out8 = launch.array(out)
     out64 = launch.array(out.view(torch.int64), np.uint64)
     table_pos = _frame.HEADER_BYTES + 8 * ns
-    launch(encode_kernel, nchunks, PLAN_THREADS, bits, numel, chunk_elems, width, ra, spec.exp_shift, tables.split,
-           launch.array(dev_tables.enc_code, np.uint32), launch.array(dev_tables.enc_len),
-           launch.array(plan_t, np.uint32), launch.array(launch.put(offsets)), out8, out64,
-           table_pos, table.dtype.itemsize, checksum)
+    launch(
+        encode_kernel,
+        nchunks,
+        PLAN_THREADS,
+        bits,
+        numel,
+        chunk_elems,
+        width,
+        ra,
+        spec.exp_shift,
+        tables.split,
+        launch.array(dev_tables.enc_code, np.uint32),
+        launch.array(dev_tables.enc_len),
+        launch.array(plan_t, np.uint32),
+        launch.array(launch.put(offsets)),
+        out8,
+        out64,
+        table_pos,
+        table.dtype.itemsize,
+        checksum,
+    )
     if checksum:  # the header CRC covers the checksums just written
         header_crc(launch, out, hsize - 8, dev_tables)
     return out
@@ -211,10 +252,28 @@ def header_crc(launch: Launch, buf: torch.Tensor, crc_end: int, dev_tables: Devi
     nseg = crc_end // CRC_SEGMENT
     seg_crcs = torch.empty(max(nseg, 1), dtype=torch.int64, device=buf.device)
     buf8 = launch.array(buf)
-    launch(crc_segments, -(-nseg // 128), 128, buf8, CRC_SEGMENT, nseg,
-           launch.array(dev_tables.crc_table, np.uint32), launch.array(seg_crcs))
-    launch(crc_combine, 1, 1, buf8, CRC_SEGMENT, nseg, crc_end, launch.array(seg_crcs),
-           launch.array(dev_tables.crc_shift, np.uint32), launch.array(dev_tables.crc_table, np.uint32))
+    launch(
+        crc_segments,
+        -(-nseg // 128),
+        128,
+        buf8,
+        CRC_SEGMENT,
+        nseg,
+        launch.array(dev_tables.crc_table, np.uint32),
+        launch.array(seg_crcs),
+    )
+    launch(
+        crc_combine,
+        1,
+        1,
+        buf8,
+        CRC_SEGMENT,
+        nseg,
+        crc_end,
+        launch.array(seg_crcs),
+        launch.array(dev_tables.crc_shift, np.uint32),
+        launch.array(dev_tables.crc_table, np.uint32),
+    )
 
 
 def read_header(frame: torch.Tensor) -> np.ndarray:
@@ -273,11 +332,30 @@ def decode_frame(frame: torch.Tensor, params, dev_tables: DeviceTables, result: 
     offsets = launch.put(params.offsets)
     status = torch.zeros(nchunks, dtype=torch.int32, device=frame.device)
     out_bits = _bits_of(result, spec)
-    launch(decode_kernel, nchunks, DECODE_THREADS, launch.array(frame), launch.array(frame.view(torch.int64),
-           np.uint64), frame.numel(), params.numel, params.chunk_elems, spec.itemsize, 1 if spec.rotate else 0,
-           spec.exp_shift, params.split, launch.array(dev_tables.dec, np.uint16), launch.array(cflags), launch.array(refs),
-           launch.array(books), launch.array(sizes, np.uint32), launch.array(offsets), launch.array(checks, np.uint32),
-           params.checksums, launch.array(out_bits, UNSIGNED_BITS[spec.itemsize]), launch.array(status))
+    launch(
+        decode_kernel,
+        nchunks,
+        DECODE_THREADS,
+        launch.array(frame),
+        launch.array(frame.view(torch.int64), np.uint64),
+        frame.numel(),
+        params.numel,
+        params.chunk_elems,
+        spec.itemsize,
+        1 if spec.rotate else 0,
+        spec.exp_shift,
+        params.split,
+        launch.array(dev_tables.dec, np.uint16),
+        launch.array(cflags),
+        launch.array(refs),
+        launch.array(books),
+        launch.array(sizes, np.uint32),
+        launch.array(offsets),
+        launch.array(checks, np.uint32),
+        params.checksums,
+        launch.array(out_bits, UNSIGNED_BITS[spec.itemsize]),
+        launch.array(status),
+    )
     return status.cpu().numpy()
 
 

@@ -156,7 +156,7 @@ class Codebook:
 
     # -- construction -------------------------------------------------------------
     @classmethod
-    def from_counts(cls, counts, raw_threshold: float | None = RAW_THRESHOLD_BITS) -> "Codebook":
+    def from_counts(cls, counts, raw_threshold: float | None = RAW_THRESHOLD_BITS) -> Codebook:
         """Build the optimal length-limited book for a symbol distribution.
 
         Args:
@@ -192,7 +192,7 @@ class Codebook:
         return book
 
     @classmethod
-    def raw_book(cls) -> "Codebook":
+    def raw_book(cls) -> Codebook:
         """Return the book that stores its stream uncoded (8 bits per symbol)."""
         return cls(None, raw=True)
 
@@ -278,7 +278,7 @@ class Codebook:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Codebook":
+    def from_dict(cls, data: dict) -> Codebook:
         """Rebuild a book from :meth:`to_dict` output, checking format, Kraft and id.
 
         Args:
@@ -301,9 +301,7 @@ class Codebook:
             book = cls.raw_book()
         else:
             if data.get("max_length", MAX_CODE_LENGTH) != MAX_CODE_LENGTH:
-                raise CodebookError(
-                    f"codebook max_length {shown(data.get('max_length'))} is not {MAX_CODE_LENGTH}"
-                )
+                raise CodebookError(f"codebook max_length {shown(data.get('max_length'))} is not {MAX_CODE_LENGTH}")
             rows = data.get("lengths")
             if not isinstance(rows, list) or not all(isinstance(r, str) for r in rows):
                 raise CodebookError("codebook 'lengths' must be a list of hex strings")
@@ -314,8 +312,9 @@ class Codebook:
             digits = _HEX_IN[np.minimum(chars, 255)]  # 255 (and beyond) is no digit
             bad = np.flatnonzero(digits == 255)
             if bad.size:
-                raise CodebookError(f"codebook 'lengths' is not hexadecimal: {text[int(bad[0])]!r} "
-                                    f"at digit {int(bad[0])}")
+                raise CodebookError(
+                    f"codebook 'lengths' is not hexadecimal: {text[int(bad[0])]!r} at digit {int(bad[0])}"
+                )
             lengths = digits.astype(np.int64)
             esc = data.get("escape_length", 0)
             if not isinstance(esc, int) or isinstance(esc, bool):
@@ -467,4 +466,3 @@ def optimal_lengths(counts) -> np.ndarray:
         heapq.heappush(heap, (wa + wb, tie, a + b))
         tie += 1
     return lengths
-

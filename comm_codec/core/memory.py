@@ -12,8 +12,12 @@ import os
 import sys
 import threading
 import weakref
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # annotations only: torch is imported where a tensor is first used
+    import torch
 
 __all__ = ["torch_threads_kept", "OutputPool", "output_pool", "empty_output", "empty_bytes", "front", "POOL_MIN_BYTES"]
 
@@ -76,7 +80,7 @@ def _fresh_block(nbytes: int) -> np.ndarray:
     """A new uint8 block, 64-byte aligned, its whole huge pages advised when it is a fresh mapping."""
     raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
     skip = -raw.ctypes.data % _ALIGN
-    block = raw[skip:skip + nbytes]
+    block = raw[skip : skip + nbytes]
     if _madvise is not None and nbytes >= _HUGE_MIN_BYTES:
         ptr = block.ctypes.data
         lo = -(-ptr // _HUGE_PAGE) * _HUGE_PAGE

@@ -33,15 +33,18 @@ import contextlib
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
+from numba.core import event as _event  # noqa: E402 - after kernels.jit (see above)
 
 from ..kernels import jit as _jit  # first: it names a bad NUMBA_* setting in its error
 from ..kernels.histogram import chunk_histograms, huffman_costs
 from .huffman import Codebook
 from .streams import SUPPORTED_NAMES, as_bits, is_accumulable, spec_for
 
-from numba.core import event as _event  # noqa: E402 - after kernels.jit (see above)
+if TYPE_CHECKING:  # annotations only: torch is imported where a tensor is first used
+    import torch
 
 __all__ = ["precompile", "is_precompiled", "first_use", "cache_location", "NOTICE_AFTER"]
 
@@ -53,12 +56,14 @@ _done: set = set()  # (bits dtype, profiler) that precompile() has run in this p
 _used: set = set()  # (operation, bits dtype) whose kernels this process has loaded
 
 if not _jit.CACHING:
-    log.warning("numba has no writable cache directory (HOME, the package directory and NUMBA_CACHE_DIR are not "
-                "writable): kernels are compiled in memory by every process; set NUMBA_CACHE_DIR to a writable "
-                "directory to cache them")
+    log.warning(
+        "numba has no writable cache directory (HOME, the package directory and NUMBA_CACHE_DIR are not "
+        "writable): kernels are compiled in memory by every process; set NUMBA_CACHE_DIR to a writable "
+        "directory to cache them"
+    )
 
 
-def _sample(dtype) -> "torch.Tensor":
+def _sample(dtype) -> torch.Tensor:
     """A small tensor that takes every planning path: dense, masked and all-zero chunks."""
     import torch
 
@@ -70,7 +75,7 @@ def _sample(dtype) -> "torch.Tensor":
     else:
         x = x.to(dtype)
     x[1024:2048] = 0
-    x[2048:2048 + 1024:3] = 0
+    x[2048 : 2048 + 1024 : 3] = 0
     return x
 
 
@@ -109,12 +114,20 @@ def first_use(operation: str, spec):
     compiled = [n for n, v in _jit.compile_counts().items() if v > before.get(n, 0)]
     width = f"{spec.itemsize}-byte" + (" float" if spec.rotate else " integer")
     if compiled:
-        log.info("%s of %s compiled comm_codec's %s kernels (%s) in %.1f s, once: numba caches them in %s "
-                 "(Codec.precompile() or the command line's precompile command does this ahead of time)",
-                 operation, spec.name, width, ", ".join(compiled), seconds, cache_location())
+        log.info(
+            "%s of %s compiled comm_codec's %s kernels (%s) in %.1f s, once: numba caches them in %s "
+            "(Codec.precompile() or the command line's precompile command does this ahead of time)",
+            operation,
+            spec.name,
+            width,
+            ", ".join(compiled),
+            seconds,
+            cache_location(),
+        )
     else:
-        log.debug("%s of %s loaded comm_codec's %s kernels from numba's cache in %.2f s", operation, spec.name,
-                  width, seconds)
+        log.debug(
+            "%s of %s loaded comm_codec's %s kernels from numba's cache in %.2f s", operation, spec.name, width, seconds
+        )
 
 
 def _profile_kernels(x) -> None:
@@ -278,9 +291,16 @@ class _CompileNotice(_event.Listener):
             why, after = "first use on this machine (not in numba's cache)", f"then cached in {_jit.cache_location()}"
         else:
             why, after = "no writable cache (set NUMBA_CACHE_DIR)", "compiled again by every process"
-        _notice_log.warning("comm_codec is compiling its numba kernels (%s for %s), %s: usually %s per element type on "
-                     "2 cores, %s; run `comm-codec precompile` once after installing (or Codec.precompile()) to do "
-                     "this ahead of time", name, what, why, USUAL_SECONDS, after)
+        _notice_log.warning(
+            "comm_codec is compiling its numba kernels (%s for %s), %s: usually %s per element type on "
+            "2 cores, %s; run `comm-codec precompile` once after installing (or Codec.precompile()) to do "
+            "this ahead of time",
+            name,
+            what,
+            why,
+            USUAL_SECONDS,
+            after,
+        )
 
 
 _event.register("numba:compile", _CompileNotice())

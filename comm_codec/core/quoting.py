@@ -62,7 +62,7 @@ def shown(value, limit: int = 60) -> str:
         if isinstance(v, _Text):
             text = v.text
         elif isinstance(v, str):
-            text = repr(v[:limit + 1])
+            text = repr(v[: limit + 1])
         elif isinstance(v, bool) or v is None or isinstance(v, float):
             text = repr(v)
         elif isinstance(v, int):

@@ -36,10 +36,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..kernels.layout import bits_dtype
+
+if TYPE_CHECKING:  # annotations only: torch is imported where a tensor is first used
+    import torch
 
 __all__ = [
     "ACCUMULABLE_DTYPES",
@@ -159,9 +163,7 @@ def spec_for(dtype) -> StreamSpec:
     else:
         spec = None
     if spec is None:
-        raise TypeError(
-            f"comm_codec cannot code dtype {dtype}; supported dtypes are {_supported_names()}"
-        )
+        raise TypeError(f"comm_codec cannot code dtype {dtype}; supported dtypes are {_supported_names()}")
     return spec
 
 
@@ -227,13 +229,10 @@ def split(tensor) -> list[np.ndarray]:
     bits = bits.view(np.dtype(f"u{spec.itemsize}"))
     width = 8 * spec.itemsize
     rot = _rotl(bits, width) if spec.rotate else bits
-    return [
-        ((rot >> (8 * (spec.itemsize - 1 - s))) & 0xFF).astype(np.uint8)
-        for s in range(spec.nstreams)
-    ]
+    return [((rot >> (8 * (spec.itemsize - 1 - s))) & 0xFF).astype(np.uint8) for s in range(spec.nstreams)]
 
 
-def join(streams: list[np.ndarray], dtype) -> "torch.Tensor":
+def join(streams: list[np.ndarray], dtype) -> torch.Tensor:
     """Join byte streams made by :func:`split` back into a 1-D tensor.
 
     Args:

@@ -45,8 +45,19 @@ class KernelTables:
             whoever copies the tables to a device.
     """
 
-    __slots__ = ("ids", "nbooks", "enc_code", "enc_len", "dec", "raw", "split", "on_device", "_multi", "_pairs",
-                 "_limits")
+    __slots__ = (
+        "ids",
+        "nbooks",
+        "enc_code",
+        "enc_len",
+        "dec",
+        "raw",
+        "split",
+        "on_device",
+        "_multi",
+        "_pairs",
+        "_limits",
+    )
 
     def __init__(self, groups: list[CodebookGroup], split: int = 0):
         ns = len(groups)
@@ -110,8 +121,7 @@ class KernelTables:
             if np.any(k >= n):
                 bad = int(np.nonzero(k >= n)[0][0])
                 raise FrameError(
-                    f"chunk {bad} says stream {s} was coded with book {int(k[bad])} of its group, "
-                    f"which holds {int(n)}"
+                    f"chunk {bad} says stream {s} was coded with book {int(k[bad])} of its group, which holds {int(n)}"
                 )
 
 

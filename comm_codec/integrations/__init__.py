@@ -63,8 +63,10 @@ def register(model: nn.Module, **state_kwargs):
 
     if fsdp.FSDPModule is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules()):
         return fsdp.register(model, **state_kwargs)
-    raise TypeError(f"comm_codec can code the traffic of a DistributedDataParallel, FSDP2 or DeepSpeed model; "
-                    f"got a {type(model).__name__} (is the run launched on more than one process?)")
+    raise TypeError(
+        f"comm_codec can code the traffic of a DistributedDataParallel, FSDP2 or DeepSpeed model; "
+        f"got a {type(model).__name__} (is the run launched on more than one process?)"
+    )
 
 
 def _is_deepspeed_engine(model) -> bool:

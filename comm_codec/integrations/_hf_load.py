@@ -36,8 +36,9 @@ def _shard_names(folder: str) -> list:
     if not os.path.isfile(index):
         if os.path.isfile(os.path.join(folder, _SINGLE + SUFFIX)) or os.path.isfile(os.path.join(folder, _SINGLE)):
             return [_SINGLE]
-        raise CheckpointError(f"{folder} holds neither {_SINGLE}{SUFFIX} nor {_INDEX}: not a compressed "
-                              "Hugging Face model directory")
+        raise CheckpointError(
+            f"{folder} holds neither {_SINGLE}{SUFFIX} nor {_INDEX}: not a compressed Hugging Face model directory"
+        )
     if os.path.getsize(index) > _MAX_INDEX_BYTES:
         raise CheckpointError(f"{index} is larger than {_MAX_INDEX_BYTES} bytes: not a shard index")
     with open(index, encoding="utf-8") as fh:

@@ -36,7 +36,6 @@ __all__ = ["CommCodecCallback", "from_pretrained", "load_state_dict"]
 log = logging.getLogger(__name__)
 
 
-
 class CommCodecCallback(TrainerCallback):
     """Register comm_codec on the Trainer's wrapped model when training starts.
 
@@ -82,5 +81,7 @@ def _wrapped(model):
     for owner in gc.get_objects():  # once per training run: tens of milliseconds
         if isinstance(owner, wrappers) and owner.module is model:
             return owner
-    raise RuntimeError("CommCodecCallback: the Trainer's model is wrapped neither in DistributedDataParallel "
-                       f"nor in FSDP2 nor DeepSpeed ({type(model).__name__}); launch with torchrun or accelerate launch")
+    raise RuntimeError(
+        "CommCodecCallback: the Trainer's model is wrapped neither in DistributedDataParallel "
+        f"nor in FSDP2 nor DeepSpeed ({type(model).__name__}); launch with torchrun or accelerate launch"
+    )

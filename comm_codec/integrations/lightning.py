@@ -58,8 +58,10 @@ class CommCodecCallback(Callback):
             self.state = register_state(trainer.strategy.model, **self.state_kwargs)
         except RuntimeError as exc:
             if "once" in str(exc):  # DDP keeps one comm hook
-                raise RuntimeError("CommCodecCallback: the DDP model has a comm hook already (DDPStrategy("
-                                   "ddp_comm_hook=...) on CUDA?); use one of the two") from exc
+                raise RuntimeError(
+                    "CommCodecCallback: the DDP model has a comm hook already (DDPStrategy("
+                    "ddp_comm_hook=...) on CUDA?); use one of the two"
+                ) from exc
             raise
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

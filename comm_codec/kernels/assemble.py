@@ -83,10 +83,12 @@ def _store_block(typingctx, a0, a1, a2, a3, add, dst, i):
             row = builder.load(builder.inttoptr(addrs[s], raw.as_pointer()), align=1)
             return row if width == 1 else builder.zext(row, vec)
 
-        one = builder.insert_element(ir.Constant(vec, None), builder.trunc(add_value, lane),
-                                     ir.Constant(ir.IntType(32), 0))
-        addv = builder.shuffle_vector(one, ir.Constant(vec, None), ir.Constant(ir.VectorType(ir.IntType(32), n),
-                                                                                [0] * n))
+        one = builder.insert_element(
+            ir.Constant(vec, None), builder.trunc(add_value, lane), ir.Constant(ir.IntType(32), 0)
+        )
+        addv = builder.shuffle_vector(
+            one, ir.Constant(vec, None), ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n)
+        )
         x = builder.add(stream(0), addv)
         if width > 1:
             x = builder.and_(x, splat(255))
@@ -107,6 +109,7 @@ def _store_block(typingctx, a0, a1, a2, a3, add, dst, i):
 def _store_fence(typingctx):
     """Order this thread's streaming stores before its later stores: a full fence (mfence
     on x86, which drains them as sfence does), once a chunk."""
+
     def codegen(context, builder, signature, args):
         builder.fence("seq_cst")
         return context.get_dummy_value()

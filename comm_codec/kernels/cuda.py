@@ -49,12 +49,38 @@ from numba import cuda, int32, int64, uint16, uint64
 
 # The CPU kernels' constants: the same statuses (the codec maps both through
 # layout.STATUS_MESSAGES), chunk flags, lane layout and checksum chains, by construction.
-from .layout import (CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, DEC_ENTRIES, HASH_MUL, HASH_SEED, LANE_HEADER, LANES,
-                     MAX_STREAMS, MIN_SAVING_SHIFT, STATUS_BAD_CODE, STATUS_BOOK, STATUS_CHECKSUM, STATUS_MASK_COUNT,
-                     STATUS_OK, STATUS_OVERRUN, STATUS_SIZE)
+from .layout import (
+    CHUNK_MASK,
+    CHUNK_RAW0,
+    CHUNK_ZERO,
+    DEC_ENTRIES,
+    HASH_MUL,
+    HASH_SEED,
+    LANE_HEADER,
+    LANES,
+    MAX_STREAMS,
+    MIN_SAVING_SHIFT,
+    STATUS_BAD_CODE,
+    STATUS_BOOK,
+    STATUS_CHECKSUM,
+    STATUS_MASK_COUNT,
+    STATUS_OK,
+    STATUS_OVERRUN,
+    STATUS_SIZE,
+)
 
-__all__ = ["SIMULATOR", "PLAN_THREADS", "DECODE_THREADS", "CRC_SEGMENT", "MAX_STREAMS", "plan_kernel",
-           "encode_kernel", "crc_segments", "crc_combine", "decode_kernel"]
+__all__ = [
+    "SIMULATOR",
+    "PLAN_THREADS",
+    "DECODE_THREADS",
+    "CRC_SEGMENT",
+    "MAX_STREAMS",
+    "plan_kernel",
+    "encode_kernel",
+    "crc_segments",
+    "crc_combine",
+    "decode_kernel",
+]
 
 # True when NUMBA_ENABLE_CUDASIM=1 was set before numba was imported (tests, CI).
 SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
@@ -265,8 +291,7 @@ def plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, split, enc_len, nboo
         cuda.syncthreads()
         sub = _sub_for(s, exp_shift, ref)
         for k in range(nb):
-            l0, l1, l2, l3 = _thread_lane_bits(bits, a, b, j0, use_mask, enc_len, s, k, width, ra, sub,
-                                               b1, b2, b3)
+            l0, l1, l2, l3 = _thread_lane_bits(bits, a, b, j0, use_mask, enc_len, s, k, width, ra, sub, b1, b2, b3)
             cuda.atomic.add(lanes, (k, 0), l0)
             cuda.atomic.add(lanes, (k, 1), l1)
             cuda.atomic.add(lanes, (k, 2), l2)
@@ -298,8 +323,24 @@ def plan_kernel(bits, n, chunk_elems, width, ra, exp_shift, split, enc_len, nboo
 
 # -- encode -------------------------------------------------------------------------------
 @cuda.jit
-def encode_kernel(bits, n, chunk_elems, width, ra, exp_shift, split, enc_code, enc_len, plan, offsets,
-                   out8, out64, table_pos, entry_bytes, do_checksum):
+def encode_kernel(
+    bits,
+    n,
+    chunk_elems,
+    width,
+    ra,
+    exp_shift,
+    split,
+    enc_code,
+    enc_len,
+    plan,
+    offsets,
+    out8,
+    out64,
+    table_pos,
+    entry_bytes,
+    do_checksum,
+):
     """Write chunk blockIdx.x's payload at offsets[c] and its checksum into the chunk table.
 
     enc_code and enc_len are [ns, nbooks_max, 256]; each coded stream s uses book
@@ -370,8 +411,9 @@ def encode_kernel(bits, n, chunk_elems, width, ra, exp_shift, split, enc_code, e
                     out8[pos + k] = 0
             else:
                 # Pass 1: this thread's bits per lane; zero the lane words for the ORs.
-                l0, l1, l2, l3 = _thread_lane_bits(bits, a, b, j0, use_mask, enc_len, s, book, width, ra,
-                                                   sub, b1, b2, b3)
+                l0, l1, l2, l3 = _thread_lane_bits(
+                    bits, a, b, j0, use_mask, enc_len, s, book, width, ra, sub, b1, b2, b3
+                )
                 lane_bits[t, 0] = l0
                 lane_bits[t, 1] = l1
                 lane_bits[t, 2] = l2
@@ -515,13 +557,33 @@ def _peek(words, base, nwords, pos):
 
 @cuda.jit(device=True)
 def _lane_u32(frame8, at):
-    return (int64(frame8[at]) | (int64(frame8[at + 1]) << 8) | (int64(frame8[at + 2]) << 16)
-            | (int64(frame8[at + 3]) << 24))
+    return (
+        int64(frame8[at]) | (int64(frame8[at + 1]) << 8) | (int64(frame8[at + 2]) << 16) | (int64(frame8[at + 3]) << 24)
+    )
 
 
 @cuda.jit
-def decode_kernel(frame8, frame64, nbytes, numel, chunk_elems, width, ra, exp_shift, split, dec_tables,
-                   cflags, refs, books, sizes, offsets, checksums, do_checksum, out, status):
+def decode_kernel(
+    frame8,
+    frame64,
+    nbytes,
+    numel,
+    chunk_elems,
+    width,
+    ra,
+    exp_shift,
+    split,
+    dec_tables,
+    cflags,
+    refs,
+    books,
+    sizes,
+    offsets,
+    checksums,
+    do_checksum,
+    out,
+    status,
+):
     """Decode chunk blockIdx.x into out (element bits); status[c] = 0 or a layout.STATUS_* code.
 
     dec_tables is uint16[ns, nbooks_max, 4096]; coded stream s of chunk c was coded with

@@ -24,14 +24,26 @@ import numpy as np
 from .assemble import LINE_BYTES, STREAM_MIN_BYTES, assemble, assemble_masked
 from .intrinsics import address, as_f32, f32_bits
 from .jit import entry, inline, jit
+
 # numba's on-disk cache keys the kernels below on this file alone, and they hold their
 # own compiled copy of decode_lanes: any change to lanes.py (its code, not only its
 # table layout) must come with a change to this file, or a cached decode_chunks goes on
 # running the old lanes (with new tables, reading them the old way). So a cached
 # decode kernel is only as new as this file.
 from .lanes import decode_lanes
-from .layout import (CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, HASH_STATE, LANE_HEADER, STATUS_BOOK, STATUS_CHECKSUM,
-                     STATUS_MASK_COUNT, STATUS_OK, STATUS_SIZE)
+from .layout import (
+    CHUNK_MASK,
+    CHUNK_RAW0,
+    CHUNK_ZERO,
+    HASH_STATE,
+    LANE_HEADER,
+    STATUS_BOOK,
+    STATUS_CHECKSUM,
+    STATUS_MASK_COUNT,
+    STATUS_OK,
+    STATUS_SIZE,
+)
+
 # As for lanes.py: plane.py's code is compiled into the kernels below, keyed on this file.
 from .plane import or_plane, plane_bytes
 from .symbols import element_layout, hash_finish, hash_start
@@ -40,8 +52,9 @@ __all__ = ["decode_range", "decode_chunks", "decode_chunks_serial", "decode_accu
 
 
 @jit
-def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_shift, split, dec_tables, multi, out,
-                  hs, streaming):
+def _decode_chunk(
+    frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_shift, split, dec_tables, multi, out, hs, streaming
+):
     """Decode one chunk's payload at pos into out (count elements); return a status.
 
     Coded streams are decoded into byte rows of a scratch array; raw streams are read
@@ -62,8 +75,21 @@ def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_
         if k >= dec_tables.shape[1]:  # the Python layer checks it against the group; trust nothing
             return STATUS_BOOK
         pf = address(out)  # nothing to prefetch: the output is what the lanes write
-        return decode_lanes(frame8, frame64, pos, np.int64(sizes_c[0]), count, dec_tables[0, k], multi[0, k],
-                            out.view(np.uint8), pf, pf, pf, pf, hs)
+        return decode_lanes(
+            frame8,
+            frame64,
+            pos,
+            np.int64(sizes_c[0]),
+            count,
+            dec_tables[0, k],
+            multi[0, k],
+            out.view(np.uint8),
+            pf,
+            pf,
+            pf,
+            pf,
+            hs,
+        )
     mpos = pos
     present = count
     if flags & CHUNK_MASK:
@@ -103,7 +129,7 @@ def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_
         if flags & (CHUNK_RAW0 << s):
             if size != present:
                 return STATUS_MASK_COUNT if flags & CHUNK_MASK else STATUS_SIZE
-            view = frame8[pos:pos + present + 1]  # decode_chunks checked the chunk's end
+            view = frame8[pos : pos + present + 1]  # decode_chunks checked the chunk's end
             if s == 0:
                 v0 = view
             elif s == 1:
@@ -122,8 +148,21 @@ def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_
                 if lanes < LANE_HEADER:
                     return STATUS_SIZE
                 pf_in -= size - lanes  # the plane too: it is read right after the lanes
-            st = decode_lanes(frame8, frame64, pos, lanes, present, dec_tables[s, k], multi[s, k], rows[s],
-                              pf_in, pf_end, pf_out, pf_out_end, hs)
+            st = decode_lanes(
+                frame8,
+                frame64,
+                pos,
+                lanes,
+                present,
+                dec_tables[s, k],
+                multi[s, k],
+                rows[s],
+                pf_in,
+                pf_end,
+                pf_out,
+                pf_out_end,
+                hs,
+            )
             if st != STATUS_OK:
                 return st
             if lanes != size:
@@ -139,8 +178,26 @@ def _decode_chunk(frame8, frame64, pos, count, flags, ref, chosen, sizes_c, exp_
 
 
 @jit
-def _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs, books, sizes,
-                offsets, checksums, do_checksum, out, streaming):
+def _decode_one(
+    c,
+    frame8,
+    frame64,
+    numel,
+    chunk_elems,
+    exp_shift,
+    split,
+    dec_tables,
+    multi,
+    cflags,
+    refs,
+    books,
+    sizes,
+    offsets,
+    checksums,
+    do_checksum,
+    out,
+    streaming,
+):
     """Decode chunk c into out (its count elements); return its status."""
     lo = c * chunk_elems
     count = min(numel, lo + chunk_elems) - lo
@@ -155,8 +212,23 @@ def _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, split, dec_ta
     # of its own is bound by the multiplications' latency); unchecked, nothing is hashed.
     hs = np.empty(HASH_STATE, dtype=np.uint64)
     hash_start(hs, pos // 8, length // 8 if do_checksum else 0, c)
-    st = _decode_chunk(frame8, frame64, pos, count, flags, np.int64(refs[c]), np.int64(books[c]),
-                       sizes[c], exp_shift, split, dec_tables, multi, out, hs, streaming)
+    st = _decode_chunk(
+        frame8,
+        frame64,
+        pos,
+        count,
+        flags,
+        np.int64(refs[c]),
+        np.int64(books[c]),
+        sizes[c],
+        exp_shift,
+        split,
+        dec_tables,
+        multi,
+        out,
+        hs,
+        streaming,
+    )
     if do_checksum and hash_finish(frame64, hs, pos // 8, length // 8) != checksums[c]:
         st = STATUS_CHECKSUM
     return st
@@ -184,8 +256,31 @@ def _chunk_order(books, n):
 
 
 @entry
-def decode_range(frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs, books, sizes,
-                 offsets, checksums, do_checksum, out, status, order, i0, i1, acc, half, add):
+def decode_range(
+    frame8,
+    frame64,
+    numel,
+    chunk_elems,
+    exp_shift,
+    split,
+    dec_tables,
+    multi,
+    cflags,
+    refs,
+    books,
+    sizes,
+    offsets,
+    checksums,
+    do_checksum,
+    out,
+    status,
+    order,
+    i0,
+    i1,
+    acc,
+    half,
+    add,
+):
     """Decode chunks order[i0:i1] into out, or add them into acc; status[c] gets a code per chunk (0 = ok).
 
     The one decode kernel: every decode (one thread or many, plain or added into
@@ -233,8 +328,26 @@ def decode_range(frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tabl
         # One call of the chunk decoder, for both uses: each call site with other argument
         # types (a literal False) would compile all of it again.
         dst = out[lo:hi] if plain else np.empty(hi - lo, dtype=out.dtype)
-        st = _decode_one(c, frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs,
-                         books, sizes, offsets, checksums, do_checksum, dst, streaming and plain)
+        st = _decode_one(
+            c,
+            frame8,
+            frame64,
+            numel,
+            chunk_elems,
+            exp_shift,
+            split,
+            dec_tables,
+            multi,
+            cflags,
+            refs,
+            books,
+            sizes,
+            offsets,
+            checksums,
+            do_checksum,
+            dst,
+            streaming and plain,
+        )
         status[c] = st
         if not plain and st == STATUS_OK and hi <= acc.size:
             _accumulate(dst, acc[lo:hi], half, add)
@@ -244,15 +357,55 @@ _NO_ORDER = np.zeros(0, dtype=np.int64)
 _NO_ACC = np.zeros(0, dtype=np.uint32)
 
 
-def decode_chunks(frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs, books, sizes,
-                  offsets, checksums, do_checksum, out, status):
+def decode_chunks(
+    frame8,
+    frame64,
+    numel,
+    chunk_elems,
+    exp_shift,
+    split,
+    dec_tables,
+    multi,
+    cflags,
+    refs,
+    books,
+    sizes,
+    offsets,
+    checksums,
+    do_checksum,
+    out,
+    status,
+):
     """Decode every chunk into out on the calling thread; status[c] gets a code per chunk (0 = ok).
 
     :func:`decode_range` over all chunks (arguments as there); the Python layer shares
     the chunks among threads by calling that kernel on ranges.
     """
-    decode_range(frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs, books, sizes,
-                 offsets, checksums, do_checksum, out, status, _NO_ORDER, 0, 0, _NO_ACC, False, False)
+    decode_range(
+        frame8,
+        frame64,
+        numel,
+        chunk_elems,
+        exp_shift,
+        split,
+        dec_tables,
+        multi,
+        cflags,
+        refs,
+        books,
+        sizes,
+        offsets,
+        checksums,
+        do_checksum,
+        out,
+        status,
+        _NO_ORDER,
+        0,
+        0,
+        _NO_ACC,
+        False,
+        False,
+    )
 
 
 decode_chunks_serial = decode_chunks
@@ -329,12 +482,55 @@ def _accumulate(bits, acc, half, add):
                 acc[i] = np.uint32(bits[i]) << np.uint32(16)
 
 
-def decode_accumulate_chunks(frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs,
-                             books, sizes, offsets, checksums, do_checksum, proto, half, acc, add, status):
+def decode_accumulate_chunks(
+    frame8,
+    frame64,
+    numel,
+    chunk_elems,
+    exp_shift,
+    split,
+    dec_tables,
+    multi,
+    cflags,
+    refs,
+    books,
+    sizes,
+    offsets,
+    checksums,
+    do_checksum,
+    proto,
+    half,
+    acc,
+    add,
+    status,
+):
     """Decode every chunk and add its elements, widened to float32, into acc (or assign them).
 
     :func:`decode_range` over all chunks, with ``proto`` (an empty array of the element
     bits' type, uint16 or uint32) for its ``out``.
     """
-    decode_range(frame8, frame64, numel, chunk_elems, exp_shift, split, dec_tables, multi, cflags, refs, books, sizes,
-                 offsets, checksums, do_checksum, proto, status, _NO_ORDER, 0, 0, acc, half, add)
+    decode_range(
+        frame8,
+        frame64,
+        numel,
+        chunk_elems,
+        exp_shift,
+        split,
+        dec_tables,
+        multi,
+        cflags,
+        refs,
+        books,
+        sizes,
+        offsets,
+        checksums,
+        do_checksum,
+        proto,
+        status,
+        _NO_ORDER,
+        0,
+        0,
+        acc,
+        half,
+        add,
+    )

@@ -19,8 +19,17 @@ import numpy as np
 from .jit import entry
 from .layout import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, MAX_STREAMS
 
-__all__ = ["CHECKS", "CHECK_V1_BOOK", "CHECK_BOOK_UNCODED", "CHECK_FLAGS", "CHECK_ZERO_PAYLOAD",
-           "CHECK_NO_BOOK", "CHECK_SIZE", "CHECK_RAW_SIZE", "payload_layout"]
+__all__ = [
+    "CHECKS",
+    "CHECK_V1_BOOK",
+    "CHECK_BOOK_UNCODED",
+    "CHECK_FLAGS",
+    "CHECK_ZERO_PAYLOAD",
+    "CHECK_NO_BOOK",
+    "CHECK_SIZE",
+    "CHECK_RAW_SIZE",
+    "payload_layout",
+]
 
 # What each row of ``first`` records: the first chunk that ...
 CHECK_V1_BOOK = 0  # names a book in a version-1 frame
@@ -34,8 +43,20 @@ CHECKS = 7
 
 
 @entry
-def payload_layout(buf, table_pos, entry_bytes, nchunks, nstreams, numel, chunk_elems, stream_books, version,
-                   header_bytes, offsets, first):
+def payload_layout(
+    buf,
+    table_pos,
+    entry_bytes,
+    nchunks,
+    nstreams,
+    numel,
+    chunk_elems,
+    stream_books,
+    version,
+    header_bytes,
+    offsets,
+    first,
+):
     """Check a frame's chunk table and compute each chunk's payload offset.
 
     Args:
@@ -56,9 +77,19 @@ def payload_layout(buf, table_pos, entry_bytes, nchunks, nstreams, numel, chunk_
         The frame length the table describes (header plus payloads), or -1 when the
         arguments themselves are out of range (nothing checked).
     """
-    if (nstreams < 1 or nstreams > MAX_STREAMS or stream_books.size != nstreams or offsets.size != nchunks
-            or first.shape[0] != CHECKS or first.shape[1] != MAX_STREAMS or entry_bytes < 8 + 4 * nstreams
-            or table_pos < 0 or table_pos + nchunks * entry_bytes > buf.size or chunk_elems < 1 or nchunks < 0):
+    if (
+        nstreams < 1
+        or nstreams > MAX_STREAMS
+        or stream_books.size != nstreams
+        or offsets.size != nchunks
+        or first.shape[0] != CHECKS
+        or first.shape[1] != MAX_STREAMS
+        or entry_bytes < 8 + 4 * nstreams
+        or table_pos < 0
+        or table_pos + nchunks * entry_bytes > buf.size
+        or chunk_elems < 1
+        or nchunks < 0
+    ):
         return np.int64(-1)
     first[:, :] = nchunks
     known = CHUNK_MASK | CHUNK_ZERO
@@ -90,8 +121,12 @@ def payload_layout(buf, table_pos, entry_bytes, nchunks, nstreams, numel, chunk_
         total_size = np.int64(0)
         for s in range(nstreams):
             q = p + 8 + 4 * s
-            size = (np.int64(buf[q]) | (np.int64(buf[q + 1]) << 8) | (np.int64(buf[q + 2]) << 16)
-                    | (np.int64(buf[q + 3]) << 24))
+            size = (
+                np.int64(buf[q])
+                | (np.int64(buf[q + 1]) << 8)
+                | (np.int64(buf[q + 2]) << 16)
+                | (np.int64(buf[q + 3]) << 24)
+            )
             total_size += size
             length += (size + 7) & ~7
             raw = (flags & (CHUNK_RAW0 << s)) != 0

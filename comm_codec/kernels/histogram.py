@@ -34,10 +34,10 @@ def _hist4(src, lo, a1, a2, a3, a4, sh, top, ra, mask, hist):
     Four separate tables advanced in lockstep: consecutive increments of one counter
     would each wait for the last (exponent bytes repeat).
     """
-    v0 = src[lo:lo + a1]
-    v1 = src[lo + a1:lo + a2]
-    v2 = src[lo + a2:lo + a3]
-    v3 = src[lo + a3:lo + a4]
+    v0 = src[lo : lo + a1]
+    v1 = src[lo + a1 : lo + a2]
+    v2 = src[lo + a2 : lo + a3]
+    v3 = src[lo + a3 : lo + a4]
     h0 = np.zeros(256, dtype=np.int32)
     h1 = np.zeros(256, dtype=np.int32)
     h2 = np.zeros(256, dtype=np.int32)
@@ -64,10 +64,10 @@ def _hist4_0(src, lo, a1, a2, a3, a4, hist):
     """:func:`_hist4` for stream 0, its layout all constants (a function of its own, so
     that the compiler cannot merge it with the general one: merged, the shifts were
     run-time values again)."""
-    v0 = src[lo:lo + a1]
-    v1 = src[lo + a1:lo + a2]
-    v2 = src[lo + a2:lo + a3]
-    v3 = src[lo + a3:lo + a4]
+    v0 = src[lo : lo + a1]
+    v1 = src[lo + a1 : lo + a2]
+    v2 = src[lo + a2 : lo + a3]
+    v3 = src[lo + a3 : lo + a4]
     h0 = np.zeros(256, dtype=np.int32)
     h1 = np.zeros(256, dtype=np.int32)
     h2 = np.zeros(256, dtype=np.int32)

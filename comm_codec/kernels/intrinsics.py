@@ -12,15 +12,31 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["prefetch", "prefetch_at", "address", "load64", "load16", "load8", "store8_at", "store64_at", "store64",
-           "as_f32", "f32_bits"]
+__all__ = [
+    "prefetch",
+    "prefetch_at",
+    "address",
+    "load64",
+    "load16",
+    "load8",
+    "store8_at",
+    "store64_at",
+    "store64",
+    "as_f32",
+    "f32_bits",
+]
 
 
 def _prefetch_call(builder, ptr, write):
-    fn = builder.module.declare_intrinsic("llvm.prefetch", fnty=ir.FunctionType(
-        ir.VoidType(), [ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(32), ir.IntType(32)]))
-    builder.call(fn, [ptr, ir.Constant(ir.IntType(32), write), ir.Constant(ir.IntType(32), 2),
-                      ir.Constant(ir.IntType(32), 1)])
+    fn = builder.module.declare_intrinsic(
+        "llvm.prefetch",
+        fnty=ir.FunctionType(
+            ir.VoidType(), [ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(32), ir.IntType(32)]
+        ),
+    )
+    builder.call(
+        fn, [ptr, ir.Constant(ir.IntType(32), write), ir.Constant(ir.IntType(32), 2), ir.Constant(ir.IntType(32), 1)]
+    )
 
 
 @intrinsic
@@ -87,6 +103,7 @@ load8 = _raw_load(8)
 @intrinsic
 def store64_at(typingctx, addr, value):
     """Store the 8 bytes of value at address addr (any alignment)."""
+
     def codegen(context, builder, signature, args):
         ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
         builder.store(args[1], ptr, align=1)
@@ -98,6 +115,7 @@ def store64_at(typingctx, addr, value):
 @intrinsic
 def store8_at(typingctx, addr, value):
     """Store the low byte of value at address addr."""
+
     def codegen(context, builder, signature, args):
         ptr = builder.inttoptr(args[0], ir.IntType(8).as_pointer())
         builder.store(builder.trunc(args[1], ir.IntType(8)), ptr, align=1)

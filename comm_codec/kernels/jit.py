@@ -25,14 +25,16 @@ before it waits (numba's compile events).
 
 from __future__ import annotations
 
-
 try:
     import numba
 except ValueError as _exc:  # numba's own check of its environment, e.g. NUMBA_NUM_THREADS=0
-    raise ValueError(f"numba cannot start: {_exc} (check the NUMBA_* environment variables: "
-                     "NUMBA_NUM_THREADS must be a positive integer, or unset)") from None
+    raise ValueError(
+        f"numba cannot start: {_exc} (check the NUMBA_* environment variables: "
+        "NUMBA_NUM_THREADS must be a positive integer, or unset)"
+    ) from None
 
 __all__ = ["FLAGS", "OVERLOAD_OPTIONS", "CACHING", "jit", "inline", "entry", "compile_counts", "cache_location"]
+
 
 def _caching_works() -> bool:
     """Whether numba can cache functions of this package (a writable cache location exists).
@@ -41,6 +43,7 @@ def _caching_works() -> bool:
     cache directory) when a ``cache=True`` function is decorated, and raises if none is
     writable. The kernels live beside this module, so one probe here answers for all.
     """
+
     def probe():  # pragma: no cover - never called, only decorated
         return 0
 

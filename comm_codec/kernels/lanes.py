@@ -30,8 +30,17 @@ from numba.cpython.unsafe.numbers import leading_zeros
 
 from .intrinsics import address, load16, load64, prefetch_at, store8_at, store64_at
 from .jit import entry, inline, jit
-from .layout import (DEC_ENTRIES, HASH_MUL, LANE_HEADER, LANES, STATUS_BAD_CODE, STATUS_BOOK, STATUS_OK,
-                     STATUS_OVERRUN, STATUS_SIZE)
+from .layout import (
+    DEC_ENTRIES,
+    HASH_MUL,
+    LANE_HEADER,
+    LANES,
+    STATUS_BAD_CODE,
+    STATUS_BOOK,
+    STATUS_OK,
+    STATUS_OVERRUN,
+    STATUS_SIZE,
+)
 
 __all__ = ["MULTI_BITS", "multi_tables", "decode_lanes"]
 
@@ -51,8 +60,12 @@ _ONE = np.uint64(1)
 
 @jit
 def _get_u32(buf8, pos):
-    return (np.int64(buf8[pos]) | (np.int64(buf8[pos + 1]) << 8)
-            | (np.int64(buf8[pos + 2]) << 16) | (np.int64(buf8[pos + 3]) << 24))
+    return (
+        np.int64(buf8[pos])
+        | (np.int64(buf8[pos + 1]) << 8)
+        | (np.int64(buf8[pos + 2]) << 16)
+        | (np.int64(buf8[pos + 3]) << 24)
+    )
 
 
 @inline
@@ -126,7 +139,7 @@ def _lane_rest(wa, nwords, pos, mt, dt, d, i, end):
     """
     while i + 20 <= end:  # 3 steps of up to 6 symbols, each writing 8 bytes
         b = _peek_at(wa, nwords, pos)
-        for r in range(3):
+        for _r in range(3):
             e = load64(mt + 8 * np.int64(b & _MULTI_MASK))
             n = np.int64(1)
             if e != _U64_0:
@@ -239,8 +252,29 @@ def _round(q0, q1, q2, q3, a0, a1, a2, a3, mt):
 
 
 @inline
-def _rounds(n, q0, q1, q2, q3, a0, a1, a2, a3, mt, hp, h0, h1, h2, h3, pf_in, pf_in_end, pf_out, pf_out_end,
-            hashing, prefetching):
+def _rounds(
+    n,
+    q0,
+    q1,
+    q2,
+    q3,
+    a0,
+    a1,
+    a2,
+    a3,
+    mt,
+    hp,
+    h0,
+    h1,
+    h2,
+    h3,
+    pf_in,
+    pf_in_end,
+    pf_out,
+    pf_out_end,
+    hashing,
+    prefetching,
+):
     """Up to n rounds (:func:`_round`), ending after one where a lane stalled.
 
     hashing: each round also takes the checksum quad at hp into the chains h0..h3;
@@ -449,8 +483,10 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
     stalls = np.int64(0)  # round-ending stalls, to tell escape-heavy lanes
     prefetching = pf_in < pf_in_end or pf_out < pf_out_end
     while True:
-        rounds = min(min((d0 + e0 - a0 - 2) // 24, (d0 + e1 - a1 - 2) // 24),
-                     min((d0 + e2 - a2 - 2) // 24, (d0 + e3 - a3 - 2) // 24))
+        rounds = min(
+            min((d0 + e0 - a0 - 2) // 24, (d0 + e1 - a1 - 2) // 24),
+            min((d0 + e2 - a2 - 2) // 24, (d0 + e3 - a3 - 2) // 24),
+        )
         rounds = min(rounds, (lim - max(max(q0, q1), max(q2, q3))) // 48)
         if rounds <= 0:
             break
@@ -459,8 +495,9 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
             # symbols a lane on such data; counted from lane 0's output, not per round:
             # a counter in the rounds cost 3 %): a stalled lane idles for the rest of its
             # round, so the lanes go on with a branch per step instead.
-            q0, q1, q2, q3, a0, a1, a2, a3 = _escape_heavy_rounds(q0, q1, q2, q3, a0, a1, a2, a3, d0 + e0, d0 + e1,
-                                                                  d0 + e2, d0 + e3, lim, mt, dt)
+            q0, q1, q2, q3, a0, a1, a2, a3 = _escape_heavy_rounds(
+                q0, q1, q2, q3, a0, a1, a2, a3, d0 + e0, d0 + e1, d0 + e2, d0 + e3, lim, mt, dt
+            )
             break
         # Rounds that also hash a quad of the checksum while quads are left, then
         # plain ones; each kind with prefetches only where there is something to
@@ -469,20 +506,100 @@ def decode_lanes(frame8, frame64, pos, size, count, dec, multi, dst, pf_in, pf_i
         hashed = min(rounds, (hp_end - hp) // 32)
         if prefetching:
             (q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3, hp, h0, h1, h2, h3, pf_in, pf_out) = _rounds(
-                hashed, q0, q1, q2, q3, a0, a1, a2, a3, mt, hp, h0, h1, h2, h3, pf_in, pf_in_end, pf_out,
-                pf_out_end, True, True)
+                hashed,
+                q0,
+                q1,
+                q2,
+                q3,
+                a0,
+                a1,
+                a2,
+                a3,
+                mt,
+                hp,
+                h0,
+                h1,
+                h2,
+                h3,
+                pf_in,
+                pf_in_end,
+                pf_out,
+                pf_out_end,
+                True,
+                True,
+            )
             if t0 != _U64_0 and t1 != _U64_0 and t2 != _U64_0 and t3 != _U64_0:
                 (q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3, hp, h0, h1, h2, h3, pf_in, pf_out) = _rounds(
-                    rounds - hashed, q0, q1, q2, q3, a0, a1, a2, a3, mt, hp, h0, h1, h2, h3, pf_in, pf_in_end,
-                    pf_out, pf_out_end, False, True)
+                    rounds - hashed,
+                    q0,
+                    q1,
+                    q2,
+                    q3,
+                    a0,
+                    a1,
+                    a2,
+                    a3,
+                    mt,
+                    hp,
+                    h0,
+                    h1,
+                    h2,
+                    h3,
+                    pf_in,
+                    pf_in_end,
+                    pf_out,
+                    pf_out_end,
+                    False,
+                    True,
+                )
         else:
             (q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3, hp, h0, h1, h2, h3, pf_in, pf_out) = _rounds(
-                hashed, q0, q1, q2, q3, a0, a1, a2, a3, mt, hp, h0, h1, h2, h3, pf_in, pf_in_end, pf_out,
-                pf_out_end, True, False)
+                hashed,
+                q0,
+                q1,
+                q2,
+                q3,
+                a0,
+                a1,
+                a2,
+                a3,
+                mt,
+                hp,
+                h0,
+                h1,
+                h2,
+                h3,
+                pf_in,
+                pf_in_end,
+                pf_out,
+                pf_out_end,
+                True,
+                False,
+            )
             if t0 != _U64_0 and t1 != _U64_0 and t2 != _U64_0 and t3 != _U64_0:
                 (q0, q1, q2, q3, a0, a1, a2, a3, t0, t1, t2, t3, hp, h0, h1, h2, h3, pf_in, pf_out) = _rounds(
-                    rounds - hashed, q0, q1, q2, q3, a0, a1, a2, a3, mt, hp, h0, h1, h2, h3, pf_in, pf_in_end,
-                    pf_out, pf_out_end, False, False)
+                    rounds - hashed,
+                    q0,
+                    q1,
+                    q2,
+                    q3,
+                    a0,
+                    a1,
+                    a2,
+                    a3,
+                    mt,
+                    hp,
+                    h0,
+                    h1,
+                    h2,
+                    h3,
+                    pf_in,
+                    pf_in_end,
+                    pf_out,
+                    pf_out_end,
+                    False,
+                    False,
+                )
         # A lane on an escape (or no code): decode that symbol alone. The rounds left
         # q <= lim and the lane's output 2 slots short of its end at least.
         ln0 = _escape_step(q0, a0, dt) if t0 == _U64_0 else -1

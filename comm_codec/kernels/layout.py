@@ -103,7 +103,7 @@ STATUS_MESSAGES = {
     STATUS_SIZE: "stream size does not match its element count (corrupted data)",
     STATUS_BOOK: "names a book that its stream's group does not hold (corrupted data)",
     STATUS_BAD_ARGS: "arguments out of range (a piece outside the bits, a stream out of range, a step < 1 "
-                     "or shapes that disagree)",
+    "or shapes that disagree)",
 }
 
 # Element bits of a rotated (IEEE) type, by element width in bytes.

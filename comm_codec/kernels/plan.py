@@ -29,8 +29,16 @@ from .jit import entry, inline, jit
 from .layout import MIN_SAVING_SHIFT, STATUS_BAD_ARGS, STATUS_OK
 from .symbols import count_zeros, element_layout, symbol, symbol0
 
-__all__ = ["count_pieces", "chunk_refs", "chunk_rows", "count_chunks", "chunks_alike", "price_stream", "STATUS_OK",
-           "STATUS_BAD_ARGS"]
+__all__ = [
+    "count_pieces",
+    "chunk_refs",
+    "chunk_rows",
+    "count_chunks",
+    "chunks_alike",
+    "price_stream",
+    "STATUS_OK",
+    "STATUS_BAD_ARGS",
+]
 
 
 @inline
@@ -71,9 +79,9 @@ def _count_stream0(piece, out):
     """
     q = piece.size // 4
     v0 = piece[:q]
-    v1 = piece[q:2 * q]
-    v2 = piece[2 * q:3 * q]
-    v3 = piece[3 * q:]
+    v1 = piece[q : 2 * q]
+    v2 = piece[2 * q : 3 * q]
+    v3 = piece[3 * q :]
     h0 = np.zeros(256, dtype=np.int32)
     h1 = np.zeros(256, dtype=np.int32)
     h2 = np.zeros(256, dtype=np.int32)
@@ -220,8 +228,16 @@ def count_pieces(bits, starts, lengths, every, step, min_elems, limit, hist, zer
 def _pieces_ok(bits, starts, lengths, every, step, hist, zeros, coded):
     width, _, _ = element_layout(bits)
     npieces = starts.size
-    return not (every < 1 or step < 1 or hist.shape[0] != npieces or hist.shape[1] != width or hist.shape[2] != 256
-                or zeros.size != npieces or coded.size != width or not _check_pieces(bits, starts, lengths))
+    return not (
+        every < 1
+        or step < 1
+        or hist.shape[0] != npieces
+        or hist.shape[1] != width
+        or hist.shape[2] != 256
+        or zeros.size != npieces
+        or coded.size != width
+        or not _check_pieces(bits, starts, lengths)
+    )
 
 
 @jit
@@ -233,7 +249,7 @@ def _count_pieces(bits, starts, lengths, every, step, min_elems, limit, hist, ze
     # stream of 4-byte elements touches every cache line, as a full pass does.
     seen = np.zeros(npieces, dtype=np.int64)  # all-zero elements among those looked at
     for k in range(npieces):
-        piece = bits[starts[k]:starts[k] + lengths[k]]
+        piece = bits[starts[k] : starts[k] + lengths[k]]
         zeros[k] = _count(piece, 0, every, hist[k, 0])
         if step == 1:
             for s in range(1, width):
@@ -263,7 +279,7 @@ def _count_pieces(bits, starts, lengths, every, step, min_elems, limit, hist, ze
                 coded[s] = True
         if coded[s] and step > 1:
             for k in range(npieces):
-                piece = bits[starts[k]:starts[k] + lengths[k]]
+                piece = bits[starts[k] : starts[k] + lengths[k]]
                 _count(piece, s, every, hist[k, s])
 
 
@@ -354,9 +370,17 @@ def chunk_rows(hist, zeros, lengths, refs, per, exp_shift, counted, rows):
     """
     npieces, ns = hist.shape[0], hist.shape[1]
     nchunks = rows.shape[0]
-    if (per < 1 or hist.shape[2] != 256 or zeros.size != npieces or lengths.size != npieces
-            or refs.size != nchunks or nchunks != (npieces + per - 1) // per or counted.size != ns
-            or rows.shape[1] != ns or rows.shape[2] != 256):
+    if (
+        per < 1
+        or hist.shape[2] != 256
+        or zeros.size != npieces
+        or lengths.size != npieces
+        or refs.size != nchunks
+        or nchunks != (npieces + per - 1) // per
+        or counted.size != ns
+        or rows.shape[1] != ns
+        or rows.shape[2] != 256
+    ):
         return STATUS_BAD_ARGS
     for c in range(nchunks):
         if refs[c] < 0 or refs[c] > 255:
@@ -416,9 +440,15 @@ def count_chunks(bits, starts, lengths, every, step, min_elems, limit, exp_shift
         STATUS_OK, or STATUS_BAD_ARGS (nothing written).
     """
     npieces, ns = starts.size, coded.size
-    if (per < 1 or rows.shape[0] != npieces or rows.shape[1] != ns or rows.shape[2] != 256
-            or rows_large.shape[0] != (npieces + per - 1) // per or rows_large.shape[1] != ns
-            or rows_large.shape[2] != 256):
+    if (
+        per < 1
+        or rows.shape[0] != npieces
+        or rows.shape[1] != ns
+        or rows.shape[2] != 256
+        or rows_large.shape[0] != (npieces + per - 1) // per
+        or rows_large.shape[1] != ns
+        or rows_large.shape[2] != 256
+    ):
         return STATUS_BAD_ARGS
     hist = np.empty((npieces, ns, 256), dtype=np.int64)
     if not _pieces_ok(bits, starts, lengths, every, step, hist, zeros, coded):
@@ -454,8 +484,13 @@ def chunks_alike(rows, rows_large, per, spread):
     """
     npieces, ns = rows.shape[0], rows.shape[1]
     nlarge = rows_large.shape[0]
-    if per < 1 or nlarge != (npieces + per - 1) // per or rows_large.shape[1] != ns or rows.shape[2] != 256 \
-            or rows_large.shape[2] != 256:
+    if (
+        per < 1
+        or nlarge != (npieces + per - 1) // per
+        or rows_large.shape[1] != ns
+        or rows.shape[2] != 256
+        or rows_large.shape[2] != 256
+    ):
         return -1
     for c in range(nlarge):
         for s in range(ns):
@@ -506,8 +541,15 @@ def price_stream(rows, s, book_bits, floor, colsum, out):
     """
     nchunks = rows.shape[0]
     nbooks = book_bits.shape[0]
-    if (s < 0 or s >= rows.shape[1] or rows.shape[2] != 256 or book_bits.shape[1] != 256 or nbooks > 62
-            or colsum.size != 256 or out.size != 5):
+    if (
+        s < 0
+        or s >= rows.shape[1]
+        or rows.shape[2] != 256
+        or book_bits.shape[1] != 256
+        or nbooks > 62
+        or colsum.size != 256
+        or out.size != 5
+    ):
         return STATUS_BAD_ARGS
     colsum[:] = 0
     symbols = 0.0

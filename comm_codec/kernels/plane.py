@@ -46,8 +46,12 @@ _U64_0 = np.uint64(0)
 
 def _masks(k):
     """_plane_masks' values as Python ints (for the vector code's constants)."""
-    return (((1 << k) - 1) * 0x0101010101010101, ((1 << 2 * k) - 1) * 0x0001000100010001,
-            ((1 << 4 * k) - 1) * 0x0000000100000001, (1 << 8 * k) - 1)
+    return (
+        ((1 << k) - 1) * 0x0101010101010101,
+        ((1 << 2 * k) - 1) * 0x0001000100010001,
+        ((1 << 4 * k) - 1) * 0x0000000100000001,
+        (1 << 8 * k) - 1,
+    )
 
 
 _V4 = ir.VectorType(ir.IntType(64), 4)
@@ -77,8 +81,9 @@ def _spread32(typingctx, row, plane, k):
     def codegen(context, builder, signature, args):
         row_addr, plane_addr, _ = args
         src = builder.load(builder.inttoptr(plane_addr, _V16.as_pointer()), align=1)
-        words = builder.bitcast(builder.shuffle_vector(src, ir.Constant(_V16, None), ir.Constant(_lanes(32), picks)),
-                                _V4)
+        words = builder.bitcast(
+            builder.shuffle_vector(src, ir.Constant(_V16, None), ir.Constant(_lanes(32), picks)), _V4
+        )
         y = builder.and_(builder.or_(words, builder.shl(words, _splat(32 - 4 * kk))), _splat(m3))
         y = builder.and_(builder.or_(y, builder.shl(y, _splat(16 - 2 * kk))), _splat(m2))
         y = builder.and_(builder.or_(y, builder.shl(y, _splat(8 - kk))), _splat(m1))

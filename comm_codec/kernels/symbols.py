@@ -15,8 +15,19 @@ from numba.extending import overload
 from .jit import OVERLOAD_OPTIONS, inline, jit
 from .layout import HASH_MUL, HASH_SEED
 
-__all__ = ["element_layout", "stream_params", "symbol", "symbol0", "symbols0", "rotated", "chunk_ref", "count_zeros",
-           "hash_start", "hash_finish", "hash_words"]
+__all__ = [
+    "element_layout",
+    "stream_params",
+    "symbol",
+    "symbol0",
+    "symbols0",
+    "rotated",
+    "chunk_ref",
+    "count_zeros",
+    "hash_start",
+    "hash_finish",
+    "hash_words",
+]
 
 
 def element_layout(bits):
@@ -94,6 +105,7 @@ def symbols0(view, sub, out):
 def _ol_symbols0(view, sub, out):
     width = view.dtype.bitwidth // 8
     if view.dtype.signed or width == 1:
+
         def impl_bytes(view, sub, out):
             for i in range(view.size):
                 out[i] = (symbol0(view[i]) - sub) & 255
@@ -108,16 +120,16 @@ def _ol_symbols0(view, sub, out):
     def impl(view, sub, out):
         n = view.size
         q = n // per
-        words = view[:per * q].view(np.uint64)
+        words = view[: per * q].view(np.uint64)
         minus = (np.uint64(sub) << shift) * ones
         if per == 4:
-            dst4 = out[:4 * q].view(np.uint32)
+            dst4 = out[: 4 * q].view(np.uint32)
             for k in range(q):
                 y = (((words[k] | signs) - minus) >> shift) & field  # the 4 symbols in the words' low bytes
                 y = (y | (y >> np.uint64(8))) & np.uint64(0x0000FFFF0000FFFF)
                 dst4[k] = np.uint32((y | (y >> np.uint64(16))) & np.uint64(0xFFFFFFFF))
         else:
-            dst2 = out[:2 * q].view(np.uint16)
+            dst2 = out[: 2 * q].view(np.uint16)
             for k in range(q):
                 y = (((words[k] | signs) - minus) >> shift) & field
                 dst2[k] = np.uint16((y | (y >> np.uint64(24))) & np.uint64(0xFFFF))
@@ -207,9 +219,9 @@ def hash_words(words, start, nwords, seed):
     is bound by the multiply's latency. The 64-bit result is folded to 32 bits.
     """
     base = HASH_SEED ^ np.uint64(seed)
-    view = words[start:start + nwords]
+    view = words[start : start + nwords]
     h0, h1, h2, h3 = _quads(view, base, base ^ np.uint64(1), base ^ np.uint64(2), base ^ np.uint64(3))
-    return _fold(view[4 * (view.size // 4):], h0, h1, h2, h3)
+    return _fold(view[4 * (view.size // 4) :], h0, h1, h2, h3)
 
 
 @jit
@@ -235,6 +247,7 @@ def hash_finish(words, hs, start, nwords):
     """:func:`hash_words` of words[start:start+nwords] from hs, whose chains have taken the
     quads before word hs[4] (:func:`hash_start`): the quads left, the last words, folded."""
     end4 = start + 4 * (nwords // 4)
-    h0, h1, h2, h3 = _quads(words[np.int64(hs[4]):end4], np.uint64(hs[0]), np.uint64(hs[1]), np.uint64(hs[2]),
-                            np.uint64(hs[3]))
-    return _fold(words[end4:start + nwords], h0, h1, h2, h3)
+    h0, h1, h2, h3 = _quads(
+        words[np.int64(hs[4]) : end4], np.uint64(hs[0]), np.uint64(hs[1]), np.uint64(hs[2]), np.uint64(hs[3])
+    )
+    return _fold(words[end4 : start + nwords], h0, h1, h2, h3)

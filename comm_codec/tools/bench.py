@@ -124,22 +124,41 @@ def _parse_args(argv):
     p.add_argument("--synthetic-mb", type=float, help="synthetic tensor size, MiB (32; quick 4)")
     p.add_argument("--bz2-mb", type=float, help="bz2 sample size, MiB (8; quick 1)")
     p.add_argument("--chunk-elems", type=int, default=DEFAULT_CHUNK_ELEMS, help="comm_codec chunk size")
-    p.add_argument("--skip-real", action="store_true",
-                   help="no TinyLM tensors, and no pretrained model unless --pretrained names one")
-    p.add_argument("--model", action="append", default=[], metavar="PATH",
-                   help="also bench the weights of this safetensors (or torch state-dict) file, as bf16 and fp32, "
-                        "with the shipped books (repeatable)")
-    p.add_argument("--pretrained", default=None, metavar="NAMES",
-                   help="comma-separated packaged pretrained models (comm_codec.tools.pretrained: minilm, efficientnet); "
-                        "minilm adds its gradients (default: minilm; 'none' for none)")
-    p.add_argument("--grad-steps", type=int, help="MiniLM fine-tuning steps for gradients; books from the first "
-                                                  "half (6; quick 2)")
+    p.add_argument(
+        "--skip-real",
+        action="store_true",
+        help="no TinyLM tensors, and no pretrained model unless --pretrained names one",
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="also bench the weights of this safetensors (or torch state-dict) file, as bf16 and fp32, "
+        "with the shipped books (repeatable)",
+    )
+    p.add_argument(
+        "--pretrained",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated packaged pretrained models (comm_codec.tools.pretrained: minilm, efficientnet); "
+        "minilm adds its gradients (default: minilm; 'none' for none)",
+    )
+    p.add_argument(
+        "--grad-steps", type=int, help="MiniLM fine-tuning steps for gradients; books from the first half (6; quick 2)"
+    )
     p.add_argument("--skip-synthetic", action="store_true", help="no synthetic tensors")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = p.parse_args(argv)
     quick = args.quick
-    defaults = {"steps": 8 if quick else 30, "repeat": 1 if quick else 5, "bulk_mb": 4 if quick else 32,
-                "synthetic_mb": 4 if quick else 32, "bz2_mb": 1 if quick else 8, "grad_steps": 2 if quick else 6}
+    defaults = {
+        "steps": 8 if quick else 30,
+        "repeat": 1 if quick else 5,
+        "bulk_mb": 4 if quick else 32,
+        "synthetic_mb": 4 if quick else 32,
+        "bz2_mb": 1 if quick else 8,
+        "grad_steps": 2 if quick else 6,
+    }
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -177,8 +196,11 @@ def run(argv=None, extra=None) -> int:
         0 (a missed target is a result, not a failure).
     """
     args = _parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     started = time.perf_counter()
     env = _environment()
     log.info("environment: %s", env)
@@ -199,8 +221,15 @@ def run(argv=None, extra=None) -> int:
         t0 = time.perf_counter()
         rows += bound_rows(ds, args.chunk_elems)
         bulk = ds.make_bulk()
-        log.info("%s %s: %d buckets, %.1f MB eval, %.1f MB bulk, bounds %.1f s", ds.name, ds.spec_name,
-                 len(ds.buckets), ds.nbytes / 1e6, tensor_bytes(bulk) / 1e6, time.perf_counter() - t0)
+        log.info(
+            "%s %s: %d buckets, %.1f MB eval, %.1f MB bulk, bounds %.1f s",
+            ds.name,
+            ds.spec_name,
+            len(ds.buckets),
+            ds.nbytes / 1e6,
+            tensor_bytes(bulk) / 1e6,
+            time.perf_counter() - t0,
+        )
         rows += measure(ds, codecs, bulk, args)
         del bulk
     checks = evaluate_targets(rows)
@@ -210,25 +239,37 @@ def run(argv=None, extra=None) -> int:
     print(f"comm_codec codec benchmark ({'quick' if args.quick else 'default'} mode, {elapsed:.0f} s)")
     print("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
     print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
-    print(f"throughput inputs: {args.bulk_mb:g} MiB per real dataset (its evaluation buckets concatenated, "
-          f"tiled where shorter, cut to size), the whole {args.synthetic_mb:g} MiB synthetic tensor; best of {args.repeat}"
-          f"{' after a warmup call' if args.warmup else ', no warmup'}")
+    print(
+        f"throughput inputs: {args.bulk_mb:g} MiB per real dataset (its evaluation buckets concatenated, "
+        f"tiled where shorter, cut to size), the whole {args.synthetic_mb:g} MiB synthetic tensor; best of {args.repeat}"
+        f"{' after a warmup call' if args.warmup else ', no warmup'}"
+    )
     for line in DEFINITIONS:
         print("  * " + line)
     contended = [r for r in rows if r.get("cpu_share_1t") is not None and r["cpu_share_1t"] < BUSY_SHARE]
     env["loadavg_at_end"] = _loadavg()
-    print(f"machine load (1-min average): {env['loadavg_at_start']} at start, {env['loadavg_at_end']} at end, "
-          f"{os.cpu_count()} cores")
+    print(
+        f"machine load (1-min average): {env['loadavg_at_start']} at start, {env['loadavg_at_end']} at end, "
+        f"{os.cpu_count()} cores"
+    )
     if contended:
-        print(f"WARNING: {len(contended)} of the timed rows ran on a contended CPU (a best one-thread call got "
-              f"< {BUSY_SHARE:.0%} of a core): other processes were running; their GB/s understate the codecs.")
+        print(
+            f"WARNING: {len(contended)} of the timed rows ran on a contended CPU (a best one-thread call got "
+            f"< {BUSY_SHARE:.0%} of a core): other processes were running; their GB/s understate the codecs."
+        )
     print()
     print(format_table(rows))
     print()
     print(format_targets(checks))
     if args.json:
-        doc = {"environment": env, "settings": settings, "definitions": list(DEFINITIONS),
-               "elapsed_s": elapsed, "rows": rows, "targets": checks}
+        doc = {
+            "environment": env,
+            "settings": settings,
+            "definitions": list(DEFINITIONS),
+            "elapsed_s": elapsed,
+            "rows": rows,
+            "targets": checks,
+        }
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(doc, fh, indent=1, default=str)
             fh.write("\n")
@@ -238,4 +279,3 @@ def run(argv=None, extra=None) -> int:
 
 if __name__ == "__main__":  # python -m comm_codec.tools.bench
     sys.exit(run())
-

@@ -75,9 +75,19 @@ def bound_rows(ds: Dataset, chunk_elems: int) -> list:
     chunk = sum(_chunk_huffman_bits(b, chunk_elems) for b in ds.buckets)
     rows = []
     for codec, bits in (("bound:shannon", shannon), ("bound:chunk-huffman", chunk)):
-        rows.append({"dataset": ds.name, "dtype": ds.spec_name, "kind": ds.kind, "codec": codec,
-                     "ratio": raw_bits / bits if bits else math.inf, "eval_bytes": ds.nbytes,
-                     "exact": None, "enc_gbps": {}, "dec_gbps": {}, "notes": [], "error": None})
+        rows.append(
+            {
+                "dataset": ds.name,
+                "dtype": ds.spec_name,
+                "kind": ds.kind,
+                "codec": codec,
+                "ratio": raw_bits / bits if bits else math.inf,
+                "eval_bytes": ds.nbytes,
+                "exact": None,
+                "enc_gbps": {},
+                "dec_gbps": {},
+                "notes": [],
+                "error": None,
+            }
+        )
     return rows
-
-

@@ -24,8 +24,17 @@ from ..core.codebooks import CodebookSet
 from ..core.codec import Codec
 from .bench_data import MIB, Dataset
 
-__all__ = ["Comparator", "Unsupported", "CommCodec", "Zstd", "Bz2", "ZipNN", "as_u8",
-           "comparators", "threads_available"]
+__all__ = [
+    "Comparator",
+    "Unsupported",
+    "CommCodec",
+    "Zstd",
+    "Bz2",
+    "ZipNN",
+    "as_u8",
+    "comparators",
+    "threads_available",
+]
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +127,10 @@ class Zstd(Comparator):
         import zstandard
 
         self.name = f"zstd-{level}"
-        self.compressors = {1: zstandard.ZstdCompressor(level=level, threads=0),
-                            2: zstandard.ZstdCompressor(level=level, threads=2)}
+        self.compressors = {
+            1: zstandard.ZstdCompressor(level=level, threads=0),
+            2: zstandard.ZstdCompressor(level=level, threads=2),
+        }
         self.decompressor = zstandard.ZstdDecompressor()
 
     def encode(self, x, threads):
@@ -203,8 +214,14 @@ def threads_available() -> tuple:
 
 def comparators(chunk_elems: int, bz2_mb: float) -> list:
     """Every comparator, in table order; zipnn is left out (with a warning) when it is not installed."""
-    found = [CommCodec(False, chunk_elems), CommCodec(False, chunk_elems, single=True), CommCodec(True, chunk_elems),
-             Zstd(1), Zstd(3), Bz2(bz2_mb)]
+    found = [
+        CommCodec(False, chunk_elems),
+        CommCodec(False, chunk_elems, single=True),
+        CommCodec(True, chunk_elems),
+        Zstd(1),
+        Zstd(3),
+        Bz2(bz2_mb),
+    ]
     try:
         found.append(ZipNN())
     except ImportError as exc:

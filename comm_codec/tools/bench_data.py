@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import os
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -85,16 +85,21 @@ def _train(dtype: torch.dtype, steps: int, batch: int, seed: int, corpus: bytes)
         with torch.no_grad():
             out["gradient"].append(torch.cat([p.grad.reshape(-1) for p in params]))
             out["weight"].append(torch.cat([p.reshape(-1) for p in params]))
-            moments = [optimizer.state[p][k].reshape(-1) for k in ("exp_avg", "exp_avg_sq")
-                       for p in params if k in optimizer.state.get(p, {})]
+            moments = [
+                optimizer.state[p][k].reshape(-1)
+                for k in ("exp_avg", "exp_avg_sq")
+                for p in params
+                if k in optimizer.state.get(p, {})
+            ]
             out["optimizer_state"].append(torch.cat(moments) if moments else None)
             out["activation"].append(torch.cat([a.reshape(-1) for _, a in sorted(acts.items())]).to(dtype))
         log.debug("%s step %d loss %.4f", dtype, step, loss)
 
     data = batches(corpus, batch, model.seq_len, seed=seed)
     losses = train_steps(model, opt, data, steps, on_step=on_step)
-    log.info("trained TinyLM %s: %d steps, loss %.3f -> %.3f", str(dtype).replace("torch.", ""), steps,
-             losses[0], losses[-1])
+    log.info(
+        "trained TinyLM %s: %d steps, loss %.3f -> %.3f", str(dtype).replace("torch.", ""), steps, losses[0], losses[-1]
+    )
     return out
 
 
@@ -117,11 +122,16 @@ def tinylm_datasets(args) -> list:
             books = prof.build(meta={"source": f"comm_codec.tools.bench TinyLM {tag} steps 0-{split_at - 1}"})
             for kind, steps in per_kind.items():
                 evaluation = [t for t in steps[split_at:] if t is not None]
-                datasets.append(Dataset(
-                    name=f"lm-{tag}/{kind}", kind=kind, buckets=evaluation, books=books,
-                    book_note=f"book: steps 0-{split_at - 1}, eval {split_at}-{args.steps - 1}",
-                    make_bulk=_tiled(evaluation, int(args.bulk_mb * MIB)),
-                ))
+                datasets.append(
+                    Dataset(
+                        name=f"lm-{tag}/{kind}",
+                        kind=kind,
+                        buckets=evaluation,
+                        books=books,
+                        book_note=f"book: steps 0-{split_at - 1}, eval {split_at}-{args.steps - 1}",
+                        make_bulk=_tiled(evaluation, int(args.bulk_mb * MIB)),
+                    )
+                )
     finally:
         torch.set_num_threads(previous_threads)
     return datasets
@@ -137,10 +147,16 @@ def _weight_datasets(name: str, tensors: dict, args) -> list:
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         flat = _flat(t.to(dtype) for t in tensors.values())
         buckets = list(flat.chunk(4))  # ~ a checkpoint's shards; each coded on its own
-        datasets.append(Dataset(
-            name=f"{name}/weight", kind="weight", buckets=buckets, books=CodebookSet.default(),
-            book_note="book: shipped defaults", make_bulk=_tiled(buckets, int(args.bulk_mb * MIB)),
-        ))
+        datasets.append(
+            Dataset(
+                name=f"{name}/weight",
+                kind="weight",
+                buckets=buckets,
+                books=CodebookSet.default(),
+                book_note="book: shipped defaults",
+                make_bulk=_tiled(buckets, int(args.bulk_mb * MIB)),
+            )
+        )
     return datasets
 
 
@@ -163,10 +179,16 @@ def pretrained_datasets(args) -> list:
         # model that most of its bytes are, and that the shipped books were not built on.
         table = weights["embeddings.word_embeddings.weight"].to(torch.float16).reshape(-1)
         buckets = list(table.chunk(4))
-        datasets.append(Dataset(
-            name="minilm/word-embeddings", kind="weight", buckets=buckets, books=CodebookSet.default(),
-            book_note="book: shipped defaults; 30522 x 384 table", make_bulk=_tiled(buckets, int(args.bulk_mb * MIB)),
-        ))
+        datasets.append(
+            Dataset(
+                name="minilm/word-embeddings",
+                kind="weight",
+                buckets=buckets,
+                books=CodebookSet.default(),
+                book_note="book: shipped defaults; 30522 x 384 table",
+                make_bulk=_tiled(buckets, int(args.bulk_mb * MIB)),
+            )
+        )
         if args.grad_steps < 2:
             continue
         split_at = args.grad_steps // 2
@@ -182,13 +204,20 @@ def pretrained_datasets(args) -> list:
                 prof = WarmupProfiler(args.chunk_elems)
                 for t in buckets[:split_at]:
                     prof.observe(t, "gradient")
-                books = prof.build(meta={"source": f"comm_codec.tools.bench MiniLM {tag} {label} steps 0-{split_at - 1}"})
+                books = prof.build(
+                    meta={"source": f"comm_codec.tools.bench MiniLM {tag} {label} steps 0-{split_at - 1}"}
+                )
                 evaluation = buckets[split_at:]
-                datasets.append(Dataset(
-                    name=f"minilm/{label}", kind="gradient", buckets=evaluation, books=books,
-                    book_note=f"book: steps 0-{split_at - 1}, eval {split_at}-{args.grad_steps - 1}",
-                    make_bulk=_tiled(evaluation, int(args.bulk_mb * MIB)),
-                ))
+                datasets.append(
+                    Dataset(
+                        name=f"minilm/{label}",
+                        kind="gradient",
+                        buckets=evaluation,
+                        books=books,
+                        book_note=f"book: steps 0-{split_at - 1}, eval {split_at}-{args.grad_steps - 1}",
+                        make_bulk=_tiled(evaluation, int(args.bulk_mb * MIB)),
+                    )
+                )
         log.info("pretrained %s ready", name)
     for path in args.model:
         datasets += _file_datasets(path, args)
@@ -216,16 +245,23 @@ def _file_datasets(path: str, args) -> list:
         found = [("weight", t) for t in pretrained.load_weights(path).values()]
     found = [(kind, t) for kind, t in found if t.is_floating_point() and t.numel() and t.dtype in ACCUMULABLE_DTYPES]
     if not found:
-        raise ValueError(f"--model {path}: no floating-point tensors found (of "
-                         f"{', '.join(sorted(spec_for(d).name for d in ACCUMULABLE_DTYPES))})")
+        raise ValueError(
+            f"--model {path}: no floating-point tensors found (of "
+            f"{', '.join(sorted(spec_for(d).name for d in ACCUMULABLE_DTYPES))})"
+        )
     datasets = []
     for kind, dtype in sorted({(k, t.dtype) for k, t in found}, key=str):
         buckets = list(_flat(t for k, t in found if k == kind and t.dtype == dtype).chunk(4))
-        datasets.append(Dataset(
-            name=f"{label}/{kind}", kind=kind, buckets=buckets, books=CodebookSet.default(),
-            book_note="book: shipped defaults; the file's own dtype",
-            make_bulk=_tiled(buckets, int(args.bulk_mb * MIB)),
-        ))
+        datasets.append(
+            Dataset(
+                name=f"{label}/{kind}",
+                kind=kind,
+                buckets=buckets,
+                books=CodebookSet.default(),
+                book_note="book: shipped defaults; the file's own dtype",
+                make_bulk=_tiled(buckets, int(args.bulk_mb * MIB)),
+            )
+        )
     weights = {str(i): t for i, (kind, t) in enumerate(found) if kind == "weight"}
     if weights:
         own = {t.dtype for t in weights.values()}
@@ -250,8 +286,11 @@ def _synthetic(dtype: torch.dtype, numel: int, seed: int) -> torch.Tensor:
 
 def synthetic_datasets(args) -> list:
     recipes = (
-        ("synth/normal", torch.bfloat16), ("synth/normal", torch.float16), ("synth/normal", torch.float32),
-        ("synth/normal-scaled", torch.float8_e4m3fn), ("synth/normal-scaled", torch.float8_e5m2),
+        ("synth/normal", torch.bfloat16),
+        ("synth/normal", torch.float16),
+        ("synth/normal", torch.float32),
+        ("synth/normal-scaled", torch.float8_e4m3fn),
+        ("synth/normal-scaled", torch.float8_e5m2),
         ("synth/normal-q127", torch.int8),
     )
     datasets = []
@@ -263,10 +302,14 @@ def synthetic_datasets(args) -> list:
         books = prof.build(meta={"source": "comm_codec.tools.bench synthetic"})
         data = _synthetic(dtype, numel, seed=args.seed + 2000)
         buckets = list(data.chunk(4))
-        datasets.append(Dataset(
-            name=name, kind="gradient", buckets=buckets, books=books,
-            book_note="book: other seed", make_bulk=lambda data=data: data,
-        ))
+        datasets.append(
+            Dataset(
+                name=name,
+                kind="gradient",
+                buckets=buckets,
+                books=books,
+                book_note="book: other seed",
+                make_bulk=lambda data=data: data,
+            )
+        )
     return datasets
-
-

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -63,10 +63,24 @@ def _timed(comp: Comparator, fn: Callable, t: torch.Tensor, prepare: bool):
 
 def _ratio_row(ds: Dataset, comp: Comparator) -> dict:
     """Set comp up for ds and code every evaluation bucket on its own: the row, without speeds."""
-    row = {"dataset": ds.name, "dtype": ds.spec_name, "kind": ds.kind, "codec": comp.name,
-           "ratio": None, "exact": None, "input_unchanged": None, "enc_gbps": {}, "dec_gbps": {},
-           "ratio_bulk": None, "eval_bytes": None, "bulk_bytes": None, "cpu_share_1t": None, "cpu_share_2t": None,
-           "notes": [], "error": None}
+    row = {
+        "dataset": ds.name,
+        "dtype": ds.spec_name,
+        "kind": ds.kind,
+        "codec": comp.name,
+        "ratio": None,
+        "exact": None,
+        "input_unchanged": None,
+        "enc_gbps": {},
+        "dec_gbps": {},
+        "ratio_bulk": None,
+        "eval_bytes": None,
+        "bulk_bytes": None,
+        "cpu_share_1t": None,
+        "cpu_share_2t": None,
+        "notes": [],
+        "error": None,
+    }
     try:
         comp.setup(ds)
     except Unsupported as exc:
@@ -202,14 +216,18 @@ def measure(ds: Dataset, comparators: list, bulk: torch.Tensor, args) -> list:
         t1 = time.perf_counter()
         row = _ratio_row(ds, comp)
         rows.append(row)
-        log.info("  %-19s ratio %s exact %s  %.1f s", comp.name,
-                 "-" if row["ratio"] is None else f"{row['ratio']:.3f}", row["exact"], time.perf_counter() - t1)
+        log.info(
+            "  %-19s ratio %s exact %s  %.1f s",
+            comp.name,
+            "-" if row["ratio"] is None else f"{row['ratio']:.3f}",
+            row["exact"],
+            time.perf_counter() - t1,
+        )
         if row["ratio"] is not None and not row["error"] and row.pop("timed", True):
             timed.append((comp, row))
     t1 = time.perf_counter()
     _throughput(ds, timed, bulk, args)
-    log.info("  throughput of %d codecs, %d alternating rounds: %.1f s", len(timed), args.repeat,
-             time.perf_counter() - t1)
+    log.info(
+        "  throughput of %d codecs, %d alternating rounds: %.1f s", len(timed), args.repeat, time.perf_counter() - t1
+    )
     return rows
-
-

@@ -43,8 +43,7 @@ def _used_threads(args) -> int | None:
         return None
     cores = _cores()
     if args.threads > cores:
-        log.warning("--threads %d is more than the %d cores this process may use; using %d", args.threads, cores,
-                    cores)
+        log.warning("--threads %d is more than the %d cores this process may use; using %d", args.threads, cores, cores)
         return cores
     return args.threads
 
@@ -97,10 +96,11 @@ def _default_name(src: str, op: str) -> str:
     if op == "compress":
         return src.rstrip("/") + SUFFIX
     stem = src.rstrip("/")
-    if not stem.endswith(SUFFIX) or not os.path.basename(stem)[:-len(SUFFIX)]:
-        raise ValueError(f"cannot tell where to decompress {src}: its name does not end in {SUFFIX}; "
-                         "give DST (or - for stdout)")
-    return stem[:-len(SUFFIX)]
+    if not stem.endswith(SUFFIX) or not os.path.basename(stem)[: -len(SUFFIX)]:
+        raise ValueError(
+            f"cannot tell where to decompress {src}: its name does not end in {SUFFIX}; give DST (or - for stdout)"
+        )
+    return stem[: -len(SUFFIX)]
 
 
 def _pairs(args, op: str) -> list[tuple[str, str]]:
@@ -113,8 +113,10 @@ def _pairs(args, op: str) -> list[tuple[str, str]]:
             raise ValueError("--base applies to one input; give the files one call each")
         return [(p, _default_name(p, op)) for p in paths]
     if len(paths) > 2:
-        raise ValueError(f"{op} takes SRC [DST]; for several inputs pass -m (each FILE to "
-                         f"{'FILE.cckp' if op == 'compress' else 'FILE without .cckp'})")
+        raise ValueError(
+            f"{op} takes SRC [DST]; for several inputs pass -m (each FILE to "
+            f"{'FILE.cckp' if op == 'compress' else 'FILE without .cckp'})"
+        )
     return [(paths[0], paths[1] if len(paths) == 2 else _default_name(paths[0], op))]
 
 
@@ -186,26 +188,37 @@ def _print_file(args):
 # -- the commands ---------------------------------------------------------------------------
 def _cmd_compress(args) -> int:
     if args.lossy is None:
-        used = [f"--{n.replace('_', '-')}" for n in ("max_error", "bits", "alpha", "beta", "keep_bits")
-                if getattr(args, n) is not None]
+        used = [
+            f"--{n.replace('_', '-')}"
+            for n in ("max_error", "bits", "alpha", "beta", "keep_bits")
+            if getattr(args, n) is not None
+        ]
         if used:
-            raise ValueError(f"{', '.join(used)} only apply to lossy compression; add --lossy excp "
-                             "(or --lossy precision for --keep-bits)")
+            raise ValueError(
+                f"{', '.join(used)} only apply to lossy compression; add --lossy excp "
+                "(or --lossy precision for --keep-bits)"
+            )
         if args.base is not None and _is_lossy(args.base):
-            raise ValueError(f"base {args.base} is a lossy file; an exact delta needs the previous checkpoint's "
-                             "original or its exact compressed file (or use --lossy excp to continue the lossy "
-                             "chain)")
+            raise ValueError(
+                f"base {args.base} is a lossy file; an exact delta needs the previous checkpoint's "
+                "original or its exact compressed file (or use --lossy excp to continue the lossy "
+                "chain)"
+            )
     else:
         if args.codebooks is not None:
             raise ValueError("--codebooks applies to exact compression; the lossy modes use the shipped books")
         if args.lossy == "excp" and args.keep_bits is not None:
-            raise ValueError("--keep-bits applies to --lossy precision; excp takes --max-error (or --alpha), "
-                             "--bits and --beta")
+            raise ValueError(
+                "--keep-bits applies to --lossy precision; excp takes --max-error (or --alpha), --bits and --beta"
+            )
         if args.max_error is not None and args.alpha is not None:
             raise ValueError("give --max-error (an error budget) or --alpha (ExCP's pruning rule), not both")
         if args.lossy == "precision":
-            extra = [f"--{n.replace('_', '-')}" for n in ("max_error", "bits", "alpha", "beta")
-                     if getattr(args, n) is not None]
+            extra = [
+                f"--{n.replace('_', '-')}"
+                for n in ("max_error", "bits", "alpha", "beta")
+                if getattr(args, n) is not None
+            ]
             if extra:
                 raise ValueError(f"{', '.join(extra)} apply to --lossy excp; precision takes --keep-bits")
             if args.keep_bits is None:
@@ -228,27 +241,51 @@ def _compress_one(args, src: str, dst: str, books) -> None:
         from ..checkpoint import directory
 
         if args.lossy is not None or dst == "-":
-            raise ValueError(f"{src} is a directory: it compresses into a directory, exactly "
-                             "(--lossy and - apply to single files; --base takes the previous directory)")
+            raise ValueError(
+                f"{src} is a directory: it compresses into a directory, exactly "
+                "(--lossy and - apply to single files; --base takes the previous directory)"
+            )
         _refuse_existing(dst, args.force)
-        summary = directory.compress_dir(src, dst, threads=_used_threads(args), force=args.force,
-                                         progress=_progress(args), on_file=_print_file(args), codebooks=books,
-                                         base=args.base)
+        summary = directory.compress_dir(
+            src,
+            dst,
+            threads=_used_threads(args),
+            force=args.force,
+            progress=_progress(args),
+            on_file=_print_file(args),
+            codebooks=books,
+            base=args.base,
+        )
         _say(args, summary.line())
         return
     _refuse_existing(dst, args.force)
     _refuse_terminal(dst, "compressed data")
     with _local_input(src, dst) as path, _local_output(dst) as out:
         if args.lossy is None:
-            summary = checkpoint.compress_file(path, out, base=args.base, threads=_used_threads(args),
-                                               codebooks=books, progress=_progress(args), force=True)
+            summary = checkpoint.compress_file(
+                path,
+                out,
+                base=args.base,
+                threads=_used_threads(args),
+                codebooks=books,
+                progress=_progress(args),
+                force=True,
+            )
         else:
             from ..checkpoint import lossy
 
             summary = lossy.compress_file(
-                path, out, mode=args.lossy, base=args.base, max_error=args.max_error, bits=args.bits,
-                alpha=args.alpha, beta=lossy.DEFAULT_BETA if args.beta is None else args.beta,
-                keep_bits=args.keep_bits, threads=_used_threads(args))
+                path,
+                out,
+                mode=args.lossy,
+                base=args.base,
+                max_error=args.max_error,
+                bits=args.bits,
+                alpha=args.alpha,
+                beta=lossy.DEFAULT_BETA if args.beta is None else args.beta,
+                keep_bits=args.keep_bits,
+                threads=_used_threads(args),
+            )
     # lossy notes (keyframe, fallbacks) were logged by comm_codec.checkpoint.lossy
     _say(args, summary.line(), to_stderr=dst == "-")
     if getattr(summary, "note", None):
@@ -270,8 +307,15 @@ def _decompress_one(args, src: str, dst: str) -> None:
         if dst == "-":
             raise ValueError(f"{src} is a directory: it decompresses into a directory, not to stdout")
         _refuse_existing(dst, args.force)
-        summary = directory.decompress_dir(src, dst, threads=_used_threads(args), force=args.force,
-                                           progress=_progress(args), on_file=_print_file(args), base=args.base)
+        summary = directory.decompress_dir(
+            src,
+            dst,
+            threads=_used_threads(args),
+            force=args.force,
+            progress=_progress(args),
+            on_file=_print_file(args),
+            base=args.base,
+        )
         _say(args, summary.line())
         return
     _refuse_existing(dst, args.force)
@@ -283,16 +327,19 @@ def _decompress_one(args, src: str, dst: str) -> None:
 
             with _local_output(dst) as out:
                 # A stream has no directory: its base is looked for in the working directory.
-                summary = lossy.decompress_file(path, out, base=args.base, threads=threads,
-                                                beside=os.getcwd() if src == "-" else None)
+                summary = lossy.decompress_file(
+                    path, out, base=args.base, threads=threads, beside=os.getcwd() if src == "-" else None
+                )
         elif dst == "-":
             # Streamed: the bytes reach stdout as they are decoded, in order.
-            summary = checkpoint.decompress_file(path, sys.stdout.buffer, base=args.base, threads=threads,
-                                                 progress=_progress(args), force=True)
+            summary = checkpoint.decompress_file(
+                path, sys.stdout.buffer, base=args.base, threads=threads, progress=_progress(args), force=True
+            )
             sys.stdout.buffer.flush()
         else:
-            summary = checkpoint.decompress_file(path, dst, base=args.base, threads=threads,
-                                                 progress=_progress(args), force=True)
+            summary = checkpoint.decompress_file(
+                path, dst, base=args.base, threads=threads, progress=_progress(args), force=True
+            )
     _say(args, summary.line(), to_stderr=dst == "-")
 
 
@@ -308,22 +355,34 @@ def _cmd_verify(args) -> int:
         if file != "-" and os.path.isdir(file):
             from ..checkpoint import directory
 
-            _say(args, directory.verify_dir(file, threads=_used_threads(args), progress=_progress(args),
-                                            on_file=_print_file(args)).line())
+            _say(
+                args,
+                directory.verify_dir(
+                    file, threads=_used_threads(args), progress=_progress(args), on_file=_print_file(args)
+                ).line(),
+            )
             continue
         with _local_input(file, "-") as path:
             if _is_lossy(path):
                 from ..checkpoint import lossy
 
-                _say(args, lossy.verify_file(path, base=args.base, threads=_used_threads(args),
-                                             beside=os.getcwd() if file == "-" else None).line())
+                _say(
+                    args,
+                    lossy.verify_file(
+                        path, base=args.base, threads=_used_threads(args), beside=os.getcwd() if file == "-" else None
+                    ).line(),
+                )
                 continue
-            summary = checkpoint.verify_file(path, base=args.base, threads=_used_threads(args),
-                                             progress=_progress(args))
+            summary = checkpoint.verify_file(
+                path, base=args.base, threads=_used_threads(args), progress=_progress(args)
+            )
         _say(args, summary.line())
         if summary.digest is None:
-            _say(args, "note: a delta checkpoint's restored bytes can only be checked against its original's "
-                       "digest with --base; every frame and segment checksum was checked")
+            _say(
+                args,
+                "note: a delta checkpoint's restored bytes can only be checked against its original's "
+                "digest with --base; every frame and segment checksum was checked",
+            )
     return 0
 
 
@@ -352,6 +411,7 @@ def _cmd_ls(args) -> int:
 
 def _int_in(flag: str, lo: int, hi: int):
     """An argparse type: an integer from lo to hi, or a one-line error naming the flag."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -360,6 +420,7 @@ def _int_in(flag: str, lo: int, hi: int):
         if not lo <= value <= hi:
             raise argparse.ArgumentTypeError(f"{flag} takes an integer from {lo} to {hi}, got {text!r}")
         return value
+
     return parse
 
 
@@ -373,72 +434,123 @@ def _nonneg(text: str) -> float:
     return value
 
 
-_STREAMS = ("SRC or DST may be - for stdin or stdout. A stream is spooled to a temp file first (the "
-            "container is read by offset), in the output's directory or, when the output is stdout, in "
-            "$TMPDIR: memory stays bounded, that disk holds one copy. Writing to a terminal is refused.")
+_STREAMS = (
+    "SRC or DST may be - for stdin or stdout. A stream is spooled to a temp file first (the "
+    "container is read by offset), in the output's directory or, when the output is stdout, in "
+    "$TMPDIR: memory stays bounded, that disk holds one copy. Writing to a terminal is refused."
+)
 
 
 def _quiet_and_progress(p) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress and no summary lines (errors still print)")
-    p.add_argument("--progress", action="store_true",
-                   help="show the progress line on stderr even when it is not a terminal (default: only on one)")
+    p.add_argument(
+        "--progress",
+        action="store_true",
+        help="show the progress line on stderr even when it is not a terminal (default: only on one)",
+    )
 
 
 def register(subparsers) -> None:
     """Add the checkpoint subcommands to the ``comm-codec`` parser."""
-    threads = dict(type=_threads, default=None, metavar="N",
-                   help="worker threads (default: all cores, at most NUMBA_NUM_THREADS); for a directory, "
-                        "files coded at once")
+    threads = dict(
+        type=_threads,
+        default=None,
+        metavar="N",
+        help="worker threads (default: all cores, at most NUMBA_NUM_THREADS); for a directory, files coded at once",
+    )
     p = subparsers.add_parser(
         "compress",
         usage="comm-codec compress [options] SRC [DST]\n       comm-codec compress [options] -m FILE...",
         help="compress a checkpoint (safetensors, torch .pt/.bin, any file, or a directory) losslessly",
         description="Compress a checkpoint file; decompress restores it byte for byte. DST defaults to SRC.cckp "
-                    "(-m: every argument is an input, each to FILE.cckp; stops at the first that fails). The "
-                    "output is written atomically (a hidden temp file, renamed when complete; removed on error, "
-                    "Ctrl-C, SIGTERM or SIGHUP; one left by SIGKILL is removed by the next run into that "
-                    "directory), keeps the source's permission bits, and the source is only read. The "
-                    "summary's GB/s is the original size over this call's wall time (not the process "
-                    "start-up). A directory SRC (sharded safetensors with their index JSON, a "
-                    "torch.distributed.checkpoint directory, any tree) is mirrored into the directory DST: "
-                    "each safetensors, torch or .distcp file F becomes F.cckp, every other file is copied, "
-                    "symlinks and special files are skipped (never followed), files are coded in parallel up "
-                    "to --threads, one line per file. " + _STREAMS,
-        epilog="Sizes print in decimal units (kB, MB, GB: 1e3, 1e6, 1e9 bytes), as GB/s.")
-    p.add_argument("paths", nargs="+", metavar="SRC",
-                   help="checkpoint file or directory, then the compressed file or directory to write "
-                        "(default SRC.cckp)")
-    p.add_argument("-m", "--multiple", action="store_true",
-                   help="every argument is an input, each written to FILE.cckp")
-    p.add_argument("--base", metavar="PREV",
-                   help="previous checkpoint: its original file or the .cckp compressed from it; code tensors "
-                        "as deltas against it (decompression will need it); with --lossy excp, the previous "
-                        "*lossy* file")
-    p.add_argument("--codebooks", metavar="BOOKS.json",
-                   help="books to weigh against per-tensor books (from `comm-codec profile`; default: the "
-                        "shipped books)")
+        "(-m: every argument is an input, each to FILE.cckp; stops at the first that fails). The "
+        "output is written atomically (a hidden temp file, renamed when complete; removed on error, "
+        "Ctrl-C, SIGTERM or SIGHUP; one left by SIGKILL is removed by the next run into that "
+        "directory), keeps the source's permission bits, and the source is only read. The "
+        "summary's GB/s is the original size over this call's wall time (not the process "
+        "start-up). A directory SRC (sharded safetensors with their index JSON, a "
+        "torch.distributed.checkpoint directory, any tree) is mirrored into the directory DST: "
+        "each safetensors, torch or .distcp file F becomes F.cckp, every other file is copied, "
+        "symlinks and special files are skipped (never followed), files are coded in parallel up "
+        "to --threads, one line per file. " + _STREAMS,
+        epilog="Sizes print in decimal units (kB, MB, GB: 1e3, 1e6, 1e9 bytes), as GB/s.",
+    )
+    p.add_argument(
+        "paths",
+        nargs="+",
+        metavar="SRC",
+        help="checkpoint file or directory, then the compressed file or directory to write (default SRC.cckp)",
+    )
+    p.add_argument(
+        "-m", "--multiple", action="store_true", help="every argument is an input, each written to FILE.cckp"
+    )
+    p.add_argument(
+        "--base",
+        metavar="PREV",
+        help="previous checkpoint: its original file or the .cckp compressed from it; code tensors "
+        "as deltas against it (decompression will need it); with --lossy excp, the previous "
+        "*lossy* file",
+    )
+    p.add_argument(
+        "--codebooks",
+        metavar="BOOKS.json",
+        help="books to weigh against per-tensor books (from `comm-codec profile`; default: the shipped books)",
+    )
     p.add_argument("--threads", **threads)
-    p.add_argument("--force", action="store_true",
-                   help="replace DST if it exists; for a directory, write into it (default: refuse)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace DST if it exists; for a directory, write into it (default: refuse)",
+    )
     _quiet_and_progress(p)
     lossy = p.add_argument_group(
-        "lossy (opt-in; decompression then restores an approximation, never the original bytes)")
-    lossy.add_argument("--lossy", choices=("excp", "precision"), default=None,
-                       help="excp: a checkpoint series with Adam state, ExCP-style (residuals and moments "
-                            "pruned and quantized; first file without --base); precision: round mantissas")
-    lossy.add_argument("--max-error", type=_nonneg, default=None, metavar="E",
-                       help="excp: the relative RMS error ||W'-W||/||W|| each weight tensor of a delta may have; "
-                            "thresholds and bits are chosen per tensor to fit it (default 3.5e-3)")
-    lossy.add_argument("--bits", type=_int_in("--bits", 1, 8), default=None, metavar="B",
-                       help="excp: quantization bits of the moments (and with --alpha of the residuals), "
-                            "2^B-1 centroids plus zero (default 3; with --alpha 4)")
-    lossy.add_argument("--alpha", type=_nonneg, default=None, metavar="A",
-                       help="excp: ExCP's pruning rule instead of --max-error: weight pruning strength, "
-                            "relative to sqrt(mean exp_avg_sq) (e.g. 5e-4)")
-    lossy.add_argument("--beta", type=_nonneg, default=None, metavar="B",
-                       help="excp: moment pruning threshold in units of mean |exp_avg| (default 2)")
-    lossy.add_argument("--keep-bits", type=_int_in("--keep-bits", 0, 23), default=None, metavar="K",
-                       help="precision: mantissa bits to keep (bf16 has 7, fp16 10, fp32 23)")
+        "lossy (opt-in; decompression then restores an approximation, never the original bytes)"
+    )
+    lossy.add_argument(
+        "--lossy",
+        choices=("excp", "precision"),
+        default=None,
+        help="excp: a checkpoint series with Adam state, ExCP-style (residuals and moments "
+        "pruned and quantized; first file without --base); precision: round mantissas",
+    )
+    lossy.add_argument(
+        "--max-error",
+        type=_nonneg,
+        default=None,
+        metavar="E",
+        help="excp: the relative RMS error ||W'-W||/||W|| each weight tensor of a delta may have; "
+        "thresholds and bits are chosen per tensor to fit it (default 3.5e-3)",
+    )
+    lossy.add_argument(
+        "--bits",
+        type=_int_in("--bits", 1, 8),
+        default=None,
+        metavar="B",
+        help="excp: quantization bits of the moments (and with --alpha of the residuals), "
+        "2^B-1 centroids plus zero (default 3; with --alpha 4)",
+    )
+    lossy.add_argument(
+        "--alpha",
+        type=_nonneg,
+        default=None,
+        metavar="A",
+        help="excp: ExCP's pruning rule instead of --max-error: weight pruning strength, "
+        "relative to sqrt(mean exp_avg_sq) (e.g. 5e-4)",
+    )
+    lossy.add_argument(
+        "--beta",
+        type=_nonneg,
+        default=None,
+        metavar="B",
+        help="excp: moment pruning threshold in units of mean |exp_avg| (default 2)",
+    )
+    lossy.add_argument(
+        "--keep-bits",
+        type=_int_in("--keep-bits", 0, 23),
+        default=None,
+        metavar="K",
+        help="precision: mantissa bits to keep (bf16 has 7, fp16 10, fp32 23)",
+    )
     p.set_defaults(func=_cmd_compress)
 
     p = subparsers.add_parser(
@@ -446,43 +558,63 @@ def register(subparsers) -> None:
         usage="comm-codec decompress [options] SRC [DST]\n       comm-codec decompress [options] -m FILE.cckp...",
         help="restore a compressed checkpoint (file or directory), byte for byte",
         description="Restore the original checkpoint; its digest (BLAKE3; sha256 for files written before) is "
-                    "checked before the output file appears (when DST is stdout the bytes stream out as they "
-                    "are decoded, and a mismatch fails at the end). DST defaults to SRC without its .cckp "
-                    "suffix (a name without it is refused: give DST). A directory written by `compress DIR` "
-                    "is restored into the directory DST. " + _STREAMS)
-    p.add_argument("paths", nargs="+", metavar="SRC",
-                   help="compressed file or directory, then where to write the original (default: SRC "
-                        "without .cckp)")
-    p.add_argument("-m", "--multiple", action="store_true",
-                   help="every argument is an input FILE.cckp, each written to FILE")
-    p.add_argument("--base", metavar="PREV", help="the base it was compressed against (its original file or the "
-                                                  ".cckp compressed from it; for a lossy file, its base lossy "
-                                                  "file if not beside it)")
+        "checked before the output file appears (when DST is stdout the bytes stream out as they "
+        "are decoded, and a mismatch fails at the end). DST defaults to SRC without its .cckp "
+        "suffix (a name without it is refused: give DST). A directory written by `compress DIR` "
+        "is restored into the directory DST. " + _STREAMS,
+    )
+    p.add_argument(
+        "paths",
+        nargs="+",
+        metavar="SRC",
+        help="compressed file or directory, then where to write the original (default: SRC without .cckp)",
+    )
+    p.add_argument(
+        "-m", "--multiple", action="store_true", help="every argument is an input FILE.cckp, each written to FILE"
+    )
+    p.add_argument(
+        "--base",
+        metavar="PREV",
+        help="the base it was compressed against (its original file or the "
+        ".cckp compressed from it; for a lossy file, its base lossy "
+        "file if not beside it)",
+    )
     p.add_argument("--threads", **threads)
-    p.add_argument("--force", action="store_true",
-                   help="replace DST if it exists; for a directory, write into it (default: refuse)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace DST if it exists; for a directory, write into it (default: refuse)",
+    )
     _quiet_and_progress(p)
     p.set_defaults(func=_cmd_decompress)
 
     p = subparsers.add_parser(
-        "verify", help="check a compressed checkpoint (or directory) without writing anything",
+        "verify",
+        help="check a compressed checkpoint (or directory) without writing anything",
         description="Decode FILE and check every checksum (index, segments, frames) and, when the original "
-                    "can be rebuilt (no base needed, or --base given), the digest of the restored bytes. "
-                    "Nothing is written. A directory: every .cckp file in it, one line each. "
-                    "Exit status 0 if it is intact, 2 if not.")
+        "can be rebuilt (no base needed, or --base given), the digest of the restored bytes. "
+        "Nothing is written. A directory: every .cckp file in it, one line each. "
+        "Exit status 0 if it is intact, 2 if not.",
+    )
     p.add_argument("files", nargs="+", metavar="FILE", help="compressed checkpoints or directories (- for stdin)")
-    p.add_argument("--base", metavar="PREV", help="the base it was compressed against (its original file or the "
-                                                  ".cckp compressed from it), to check the restored bytes' digest")
+    p.add_argument(
+        "--base",
+        metavar="PREV",
+        help="the base it was compressed against (its original file or the "
+        ".cckp compressed from it), to check the restored bytes' digest",
+    )
     p.add_argument("--threads", **threads)
     _quiet_and_progress(p)
     p.set_defaults(func=_cmd_verify)
 
     p = subparsers.add_parser(
-        "ls", help="list a compressed checkpoint's tensors, dtypes, ratios and books",
+        "ls",
+        help="list a compressed checkpoint's tensors, dtypes, ratios and books",
         description="Print FILE's index as a table: source, base, ratio, and per tensor its dtype, shape, "
-                    "kind, coding, chunk size, ratio and books (a shipped book or group by its name, "
-                    "kind/dtype/stream; for a lossy file: mode, parameters and the error achieved per tensor). "
-                    "A directory: one row per file, how it is stored and its ratio. Reads only the index; see "
-                    "verify to check the data.")
+        "kind, coding, chunk size, ratio and books (a shipped book or group by its name, "
+        "kind/dtype/stream; for a lossy file: mode, parameters and the error achieved per tensor). "
+        "A directory: one row per file, how it is stored and its ratio. Reads only the index; see "
+        "verify to check the data.",
+    )
     p.add_argument("files", nargs="+", metavar="FILE", help="compressed checkpoints or directories")
     p.set_defaults(func=_cmd_ls)

@@ -64,8 +64,10 @@ def _cmd_inspect(args) -> int:
     if p.split:
         print(f"exponents   split: stream 0 codes the exponent alone, the {p.split} bits under it raw")
     flags = p.table["cflags"].astype(int)
-    print(f"            {int((flags & CHUNK_ZERO).astype(bool).sum())} all-zero, "
-          f"{int((flags & CHUNK_MASK).astype(bool).sum())} zero-masked")
+    print(
+        f"            {int((flags & CHUNK_ZERO).astype(bool).sum())} all-zero, "
+        f"{int((flags & CHUNK_MASK).astype(bool).sum())} zero-masked"
+    )
     for s, book in enumerate(p.book_ids):
         nraw = int(((flags & (CHUNK_RAW0 << s)) != 0).sum())
         print(f"stream {s}    book {book if int(book, 16) else 'raw'}, {nraw} of {p.nchunks} chunks raw")
@@ -93,8 +95,10 @@ def _frame_head(fh, path: str, head_bytes: int, header_size):
         raise FrameError(f"{path}: frame too short: {len(head)} bytes, a header alone is {head_bytes}")
     hsize = header_size(head[6], int.from_bytes(head[20:24], "little"))
     if hsize > min(size, _MAX_FRAME_HEAD):
-        raise CheckpointError(f"{path}: frame header and chunk table of {hsize} bytes, but the file has {size} "
-                              f"(inspect reads at most {_MAX_FRAME_HEAD}): truncated or corrupted")
+        raise CheckpointError(
+            f"{path}: frame header and chunk table of {hsize} bytes, but the file has {size} "
+            f"(inspect reads at most {_MAX_FRAME_HEAD}): truncated or corrupted"
+        )
     # Mapped, never read as a whole: the checks touch the header and table pages only, and
     # compare the size the table declares with the file's.
     return np.frombuffer(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
@@ -116,15 +120,17 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("inspect", help="show the header of a frame file, or list a compressed (exact or lossy) checkpoint",
-                       description="Describe a comm_codec file without decoding it: a codec frame's header "
-                                   "(dtype, elements, chunks, books), or a compressed checkpoint's table of "
-                                   "tensors, dtypes, ratios and books (as `comm-codec ls`). Reads only FILE.")
+    p = sub.add_parser(
+        "inspect",
+        help="show the header of a frame file, or list a compressed (exact or lossy) checkpoint",
+        description="Describe a comm_codec file without decoding it: a codec frame's header "
+        "(dtype, elements, chunks, books), or a compressed checkpoint's table of "
+        "tensors, dtypes, ratios and books (as `comm-codec ls`). Reads only FILE.",
+    )
     p.add_argument("file", help="a frame file, or a file written by `comm-codec compress`")
     p.set_defaults(func=_cmd_inspect)
 
-    p = sub.add_parser("bench", help="codec benchmark against zstd, bz2 and zipnn (see --help)",
-                       add_help=False)
+    p = sub.add_parser("bench", help="codec benchmark against zstd, bz2 and zipnn (see --help)", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
 
@@ -169,8 +175,11 @@ def main(argv=None) -> int:
         parser.subcommands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "bench":
         args.rest = [*extra, *args.rest]
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     previous = _on_termination()
     try:
         # numba first, through the modules that set its flags: a bad NUMBA_* setting is then
@@ -258,6 +267,7 @@ def _on_termination() -> dict:
     cannot be caught: the temp file it leaves (``.DST.comm_codec-tmp.HOST.PID.*.tmp``) is
     removed by the next run that writes into the same directory, once that PID is gone.
     """
+
     def handler(signum, frame):
         from ..checkpoint.files import remove_live_temps
 

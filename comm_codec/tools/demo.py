@@ -85,8 +85,15 @@ def train(config: TrainConfig, group=None) -> dict:
     model = TinyLM().to(config.torch_dtype)
     ddp = DistributedDataParallel(model, process_group=group)
     warmup = 0 if config.codebooks else config.warmup_steps
-    state = HuffmanState(group, codebooks=config.codebooks, warmup_steps=warmup, cast=config.cast,
-                         threads=config.threads, log_every=0, mode=config.mode)
+    state = HuffmanState(
+        group,
+        codebooks=config.codebooks,
+        warmup_steps=warmup,
+        cast=config.cast,
+        threads=config.threads,
+        log_every=0,
+        mode=config.mode,
+    )
     ddp.register_comm_hook(state, huffman_hook)
     opt = torch.optim.AdamW(ddp.parameters(), lr=LEARNING_RATE)
     data = batches(load_corpus(), config.batch, model.seq_len, seed=config.seed, rank=rank, world_size=world)
@@ -122,28 +129,42 @@ def train(config: TrainConfig, group=None) -> dict:
         if main:
             step_saved = saved - saved_before
             ratio = f"{plain_step / (plain_step - step_saved):.2f}x" if phase == "compressed" else "-"
-            print(f"{step:5d}  {mean_loss:7.4f}  {phase:<10}  {ratio:>6}  {saved / _MB:8.2f}  {step_ms:7.0f}",
-                  flush=True)
+            print(
+                f"{step:5d}  {mean_loss:7.4f}  {phase:<10}  {ratio:>6}  {saved / _MB:8.2f}  {step_ms:7.0f}", flush=True
+            )
         saved_before = saved
     wall = time.perf_counter() - start
 
     d = state.stats()
     # With mode="auto" the run decided itself: report that decision, not a second measurement.
     auto = d["decision"] if config.mode == "auto" and d["decision"] is not None else _auto_verdict(model, state, group)
-    totals = torch.tensor([d["coded_bytes_in"], d["coded_bytes_out"], d["encode_seconds"], d["decode_seconds"]],
-                          dtype=torch.float64)
+    totals = torch.tensor(
+        [d["coded_bytes_in"], d["coded_bytes_out"], d["encode_seconds"], d["decode_seconds"]], dtype=torch.float64
+    )
     dist.all_reduce(totals, group=group)
     identical, digest = _same_parameters(model, group)
     plain_total = plain_step * config.steps
     summary = {
-        "world_size": world, "steps": config.steps, "warmup_steps": warmup, "losses": losses,
-        "plain_bytes": plain_total, "sent_bytes": plain_total - saved,
-        "coded_bytes_in": totals[0].item(), "coded_bytes_out": totals[1].item(),
-        "coded_ratio": totals[0].item() / totals[1].item() if totals[1].item() else 1.0, "mode": config.mode,
-        "ratio": plain_total / (plain_total - saved), "bytes_saved": saved,
-        "encode_seconds": totals[2].item() / world, "decode_seconds": totals[3].item() / world,
-        "identical": identical, "param_digest": digest, "books": state.codebooks.digest,
-        "seconds": wall, "auto": auto, "coded_steps": coded_steps,
+        "world_size": world,
+        "steps": config.steps,
+        "warmup_steps": warmup,
+        "losses": losses,
+        "plain_bytes": plain_total,
+        "sent_bytes": plain_total - saved,
+        "coded_bytes_in": totals[0].item(),
+        "coded_bytes_out": totals[1].item(),
+        "coded_ratio": totals[0].item() / totals[1].item() if totals[1].item() else 1.0,
+        "mode": config.mode,
+        "ratio": plain_total / (plain_total - saved),
+        "bytes_saved": saved,
+        "encode_seconds": totals[2].item() / world,
+        "decode_seconds": totals[3].item() / world,
+        "identical": identical,
+        "param_digest": digest,
+        "books": state.codebooks.digest,
+        "seconds": wall,
+        "auto": auto,
+        "coded_steps": coded_steps,
     }
     if main:
         if config.save_codebooks:
@@ -198,13 +219,17 @@ def _same_parameters(model: torch.nn.Module, group) -> tuple[bool, str]:
 
 def _print_header(config: TrainConfig, params: int, world: int, warmup: int) -> None:
     cast = ", cast to bf16 for the wire (lossy)" if config.cast and config.dtype == "fp32" else ""
-    print(f"comm_codec: TinyLM ({params / 1e3:.0f}K parameters, {config.dtype}) on {world} processes "
-          f"({dist.get_backend()}), {config.batch} x 128 bytes of Python stdlib source per rank and step")
+    print(
+        f"comm_codec: TinyLM ({params / 1e3:.0f}K parameters, {config.dtype}) on {world} processes "
+        f"({dist.get_backend()}), {config.batch} x 128 bytes of Python stdlib source per rank and step"
+    )
     if config.codebooks:
         print(f"gradients: DDP + huffman_hook, coded from step 1 with the books in {config.codebooks}{cast}")
     else:
-        print(f"gradients: DDP + huffman_hook; steps 1-{warmup} all-reduce plainly while the books are "
-              f"profiled, then every bucket is Huffman-coded{cast}")
+        print(
+            f"gradients: DDP + huffman_hook; steps 1-{warmup} all-reduce plainly while the books are "
+            f"profiled, then every bucket is Huffman-coded{cast}"
+        )
     sys.stdout.flush()
 
 
@@ -214,11 +239,17 @@ def _print_summary(s: dict, config: TrainConfig) -> None:
     coded_ratio = s["coded_ratio"]
     ok = "bit-identical" if s["identical"] else "DIFFERENT (bug)"
     rows = [
-        ("steps", f"{s['steps']} ({s['warmup_steps']} warmup + {coded} compressed"
-                  + (f" + {plain} plain" if plain else "") + f"), {s['seconds']:.1f} s"),
+        (
+            "steps",
+            f"{s['steps']} ({s['warmup_steps']} warmup + {coded} compressed"
+            + (f" + {plain} plain" if plain else "")
+            + f"), {s['seconds']:.1f} s",
+        ),
         ("loss", f"{s['losses'][0]:.4f} -> {s['losses'][-1]:.4f} (mean over ranks)"),
-        ("gradient traffic", f"{s['plain_bytes'] / _MB:.2f} MB with a plain all-reduce, "
-                             f"{s['sent_bytes'] / _MB:.2f} MB sent (all ranks)"),
+        (
+            "gradient traffic",
+            f"{s['plain_bytes'] / _MB:.2f} MB with a plain all-reduce, {s['sent_bytes'] / _MB:.2f} MB sent (all ranks)",
+        ),
         ("ratio", f"{s['ratio']:.3f}x overall, {coded_ratio:.3f}x on compressed buckets"),
         ("saved", f"{s['bytes_saved'] / _MB:.2f} MB"),
         ("codec time", f"encode {s['encode_seconds']:.2f} s, decode {s['decode_seconds']:.2f} s per rank"),
@@ -230,11 +261,15 @@ def _print_summary(s: dict, config: TrainConfig) -> None:
         print(f"{name:<17} {value}")
     auto = s["auto"]
     if s["mode"] == "auto":
-        print(f"{'mode=auto':<17} this run decided: {auto['reason']} ({coded} of "
-              f"{s['steps'] - s['warmup_steps']} steps after warmup coded)")
+        print(
+            f"{'mode=auto':<17} this run decided: {auto['reason']} ({coded} of "
+            f"{s['steps'] - s['warmup_steps']} steps after warmup coded)"
+        )
     else:
-        print(f"{'mode=auto':<17} {auto['reason']}, so the default mode would "
-              f"{'code' if auto['coded'] else 'send plainly'} on this link (one step's gradients all-reduced 4 "
-              f"times each way, slowest rank); this run used mode={s['mode']}"
-              + (", to show the bytes saved" if s["mode"] == "always" else ""))
+        print(
+            f"{'mode=auto':<17} {auto['reason']}, so the default mode would "
+            f"{'code' if auto['coded'] else 'send plainly'} on this link (one step's gradients all-reduced 4 "
+            f"times each way, slowest rank); this run used mode={s['mode']}"
+            + (", to show the bytes saved" if s["mode"] == "always" else "")
+        )
     sys.stdout.flush()

@@ -24,13 +24,18 @@ __all__ = ["register"]
 
 def register(sub) -> None:
     """Add the ``demo`` subcommand to the ``comm-codec`` subparsers."""
-    p = sub.add_parser("demo", help="train a small transformer on 2 CPU processes with compressed gradients",
-                       description="Train comm_codec's TinyLM with DDP on CPU processes (gloo, 127.0.0.1), "
-                                   "gradients all-reduced by huffman_hook, and show what crossed the wire.")
+    p = sub.add_parser(
+        "demo",
+        help="train a small transformer on 2 CPU processes with compressed gradients",
+        description="Train comm_codec's TinyLM with DDP on CPU processes (gloo, 127.0.0.1), "
+        "gradients all-reduced by huffman_hook, and show what crossed the wire.",
+    )
     p.add_argument("--world-size", type=int, default=2, help="processes to spawn (default: 2)")
     add_training_arguments(p)
     p.add_argument("--port", type=int, default=0, help="TCP port of the rendezvous (default: 0, a free one)")
-    p.add_argument("--fsdp", action="store_true", help="shard TinyLM with FSDP2 and code its reduce-scatters and all-gathers")
+    p.add_argument(
+        "--fsdp", action="store_true", help="shard TinyLM with FSDP2 and code its reduce-scatters and all-gathers"
+    )
     p.set_defaults(func=_cmd_demo)
 
 

@@ -27,8 +27,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .train_config import LEARNING_RATE, TrainConfig, add_training_arguments
 from .procs import spawn_ranks
+from .train_config import LEARNING_RATE, TrainConfig, add_training_arguments
 
 __all__ = ["train_fsdp", "add_arguments", "run", "main"]
 
@@ -71,14 +71,23 @@ def train_fsdp(config: TrainConfig, group=None) -> dict:
         fully_shard(block)
     fully_shard(model)
     warmup = 0 if config.codebooks else config.warmup_steps
-    state = compress(model, process_group=group, codebooks=config.codebooks, warmup_steps=warmup, mode=config.mode,
-                     threads=config.threads, log_every=0)
+    state = compress(
+        model,
+        process_group=group,
+        codebooks=config.codebooks,
+        warmup_steps=warmup,
+        mode=config.mode,
+        threads=config.threads,
+        log_every=0,
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     data = batches(load_corpus(), config.batch, model.seq_len, seed=config.seed, rank=rank, world_size=world)
     if main:
-        print(f"comm_codec: TinyLM ({params / 1e3:.0f}K parameters, {config.dtype}) sharded with FSDP2 over {world} "
-              f"processes ({dist.get_backend()}); steps 1-{warmup} use FSDP's own collectives while the books are "
-              "profiled, then every reduce-scatter and all-gather is Huffman-coded")
+        print(
+            f"comm_codec: TinyLM ({params / 1e3:.0f}K parameters, {config.dtype}) sharded with FSDP2 over {world} "
+            f"processes ({dist.get_backend()}); steps 1-{warmup} use FSDP's own collectives while the books are "
+            "profiled, then every reduce-scatter and all-gather is Huffman-coded"
+        )
         print()
         print(" step     loss  phase       reduce-scatter  all-gather  step ms")
         sys.stdout.flush()
@@ -103,17 +112,28 @@ def train_fsdp(config: TrainConfig, group=None) -> dict:
         before = now
     wall = time.perf_counter() - start
     d = state.stats()
-    totals = torch.tensor([d["bytes_in"], d["bytes_out"], d["encode_seconds"], d["decode_seconds"]],
-                          dtype=torch.float64)
+    totals = torch.tensor(
+        [d["bytes_in"], d["bytes_out"], d["encode_seconds"], d["decode_seconds"]], dtype=torch.float64
+    )
     dist.all_reduce(totals, group=group)
     identical, digest = _same_full_parameters(model, group)
     summary = {
-        "world_size": world, "steps": config.steps, "warmup_steps": warmup, "losses": losses, "seconds": wall,
-        "bytes_in": totals[0].item(), "bytes_out": totals[1].item(),
+        "world_size": world,
+        "steps": config.steps,
+        "warmup_steps": warmup,
+        "losses": losses,
+        "seconds": wall,
+        "bytes_in": totals[0].item(),
+        "bytes_out": totals[1].item(),
         "ratio": totals[0].item() / totals[1].item() if totals[1].item() else 1.0,
-        "reduce_scatter_ratio": d["reduce_scatter"]["ratio"], "all_gather_ratio": d["all_gather"]["ratio"],
-        "encode_seconds": totals[2].item() / world, "decode_seconds": totals[3].item() / world,
-        "identical": identical, "param_digest": digest, "books": d["books"], "coded_steps": coded_steps,
+        "reduce_scatter_ratio": d["reduce_scatter"]["ratio"],
+        "all_gather_ratio": d["all_gather"]["ratio"],
+        "encode_seconds": totals[2].item() / world,
+        "decode_seconds": totals[3].item() / world,
+        "identical": identical,
+        "param_digest": digest,
+        "books": d["books"],
+        "coded_steps": coded_steps,
     }
     if main:
         if config.save_codebooks:
@@ -146,14 +166,24 @@ def _print_summary(s: dict) -> None:
     ok = "bit-identical" if s["identical"] else "DIFFERENT (bug)"
     plain = s["steps"] - s["warmup_steps"] - s["coded_steps"]
     rows = [
-        ("steps", f"{s['steps']} ({s['warmup_steps']} warmup + {s['coded_steps']} coded"
-                  + (f" + {plain} plain" if plain else "") + f"), {s['seconds']:.1f} s"),
+        (
+            "steps",
+            f"{s['steps']} ({s['warmup_steps']} warmup + {s['coded_steps']} coded"
+            + (f" + {plain} plain" if plain else "")
+            + f"), {s['seconds']:.1f} s",
+        ),
         ("loss", f"{s['losses'][0]:.4f} -> {s['losses'][-1]:.4f} (mean over ranks)"),
-        ("coded traffic", f"{s['bytes_in'] / _MB:.2f} MB with FSDP's collectives, {s['bytes_out'] / _MB:.2f} MB "
-                          "sent (all ranks, coded steps)"),
+        (
+            "coded traffic",
+            f"{s['bytes_in'] / _MB:.2f} MB with FSDP's collectives, {s['bytes_out'] / _MB:.2f} MB "
+            "sent (all ranks, coded steps)",
+        ),
         ("saved", f"{(s['bytes_in'] - s['bytes_out']) / _MB:.2f} MB"),
-        ("ratio", f"{s['ratio']:.3f}x (reduce-scatter {s['reduce_scatter_ratio']:.3f}x, all-gather "
-                  f"{s['all_gather_ratio']:.3f}x)"),
+        (
+            "ratio",
+            f"{s['ratio']:.3f}x (reduce-scatter {s['reduce_scatter_ratio']:.3f}x, all-gather "
+            f"{s['all_gather_ratio']:.3f}x)",
+        ),
         ("codec time", f"encode {s['encode_seconds']:.2f} s, decode {s['decode_seconds']:.2f} s per rank"),
         ("books", (s["books"] or "-")[:16]),
         ("parameters", f"{ok} full parameters on all {s['world_size']} ranks (sha256 {s['param_digest'][:16]})"),
@@ -176,8 +206,14 @@ def run(args: argparse.Namespace) -> int:
     prog = "comm-codec demo --fsdp"
     try:
         config = TrainConfig.from_args(args)
-        return spawn_ranks(train_fsdp, config, args.world_size, port=getattr(args, "port", 0),
-                           verbose=getattr(args, "verbose", False), prog=prog)
+        return spawn_ranks(
+            train_fsdp,
+            config,
+            args.world_size,
+            port=getattr(args, "port", 0),
+            verbose=getattr(args, "verbose", False),
+            prog=prog,
+        )
     except ValueError as exc:  # (bad options: raised before any rank is spawned)
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

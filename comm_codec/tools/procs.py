@@ -40,8 +40,11 @@ def _worker(rank: int, world: int, port: int, train_fn, config: TrainConfig, log
     import torch
     import torch.distributed as dist
 
-    logging.basicConfig(level=log_level if rank == 0 else max(log_level, logging.WARNING),
-                        format=f"%(levelname)s rank {rank} %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=log_level if rank == 0 else max(log_level, logging.WARNING),
+        format=f"%(levelname)s rank {rank} %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     torch.set_num_threads(config.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -50,8 +53,15 @@ def _worker(rank: int, world: int, port: int, train_fn, config: TrainConfig, log
         dist.destroy_process_group()
 
 
-def spawn_ranks(train_fn, config: TrainConfig, world_size: int, *, port: int = 0, verbose: bool = False,
-                prog: str = "comm-codec demo") -> int:
+def spawn_ranks(
+    train_fn,
+    config: TrainConfig,
+    world_size: int,
+    *,
+    port: int = 0,
+    verbose: bool = False,
+    prog: str = "comm-codec demo",
+) -> int:
     """Spawn ``world_size`` gloo ranks on 127.0.0.1 that each run ``train_fn(config)``.
 
     A rank that raises or dies is reported in one line on stderr (the traceback with -v).
@@ -108,15 +118,23 @@ def _torchrun_parser(description: str, never: str) -> argparse.ArgumentParser:
     """The demos' training options and those a torchrun script adds to them."""
     parser = argparse.ArgumentParser(description=description)
     add_training_arguments(parser)
-    parser.add_argument("--codebooks", metavar="PATH",
-                        help="code every step with these books (from --save-codebooks or "
-                             "comm-codec profile) instead of building them in a warmup")
+    parser.add_argument(
+        "--codebooks",
+        metavar="PATH",
+        help="code every step with these books (from --save-codebooks or "
+        "comm-codec profile) instead of building them in a warmup",
+    )
     parser.add_argument("--save-codebooks", metavar="PATH", help="rank 0 saves the books used to PATH")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch and numba threads per process (default: cores / local processes)")
-    parser.add_argument("--mode", choices=("auto", "always", "never"), default="auto",
-                        help="auto: code only where it measures faster (default); always: code every step "
-                             f"after warmup; never: {never}")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch and numba threads per process (default: cores / local processes)"
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="auto: code only where it measures faster (default); always: code every step "
+        f"after warmup; never: {never}",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     return parser
 
@@ -149,8 +167,11 @@ def torchrun_main(train_fn, argv=None, *, description: str, prog: str, launcher:
     import torch.distributed as dist
 
     rank = int(os.environ["RANK"])
-    logging.basicConfig(level=logging.DEBUG if args.verbose else (logging.INFO if rank == 0 else logging.WARNING),
-                        format=f"%(levelname)s rank {rank} %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else (logging.INFO if rank == 0 else logging.WARNING),
+        format=f"%(levelname)s rank {rank} %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     threads = min(args.threads or _local_share(), int(os.environ["NUMBA_NUM_THREADS"]))  # the codec's limit
     try:
         config = TrainConfig.from_args(args, threads=threads)

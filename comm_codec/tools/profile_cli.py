@@ -61,8 +61,10 @@ def _cmd_profile(args) -> int:
         prof = SteppedProfiler(args.steps, args.holdout, max_books=args.max_books)
         func(prof, args.steps + args.holdout)
         if prof.current < args.steps:
-            raise ValueError(f"--entry ran {prof.current} steps (called prof.step() {prof.current} times); "
-                             f"expected {args.steps + args.holdout}")
+            raise ValueError(
+                f"--entry ran {prof.current} steps (called prof.step() {prof.current} times); "
+                f"expected {args.steps + args.holdout}"
+            )
         heldout = prof.heldout
     else:
         prof = profile_checkpoint(args.checkpoint, WarmupProfiler(max_books=args.max_books))
@@ -118,19 +120,31 @@ Example entry: launch_scripts/profile_entry_example.py.
 
 def register(sub) -> None:
     """Add the ``profile`` subcommand to the CLI's subparsers."""
-    p = sub.add_parser("profile", help="build codebooks from a training run (--entry) or a checkpoint",
-                       description="Build codebooks from a training run or a checkpoint.",
-                       epilog=_ENTRY_CONTRACT, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--entry", metavar="MODULE:FUNCTION",
-                   help="training code called as function(prof, steps); see the contract below")
+    p = sub.add_parser(
+        "profile",
+        help="build codebooks from a training run (--entry) or a checkpoint",
+        description="Build codebooks from a training run or a checkpoint.",
+        epilog=_ENTRY_CONTRACT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--entry",
+        metavar="MODULE:FUNCTION",
+        help="training code called as function(prof, steps); see the contract below",
+    )
     p.add_argument("--checkpoint", metavar="FILE", help="a safetensors or torch file to profile")
     p.add_argument("--steps", type=int, default=5, help="steps that build the books, with --entry (default: 5)")
-    p.add_argument("--holdout", type=int, default=0,
-                   help="later steps that score the books, with --entry (default: 0)")
+    p.add_argument("--holdout", type=int, default=0, help="later steps that score the books, with --entry (default: 0)")
     p.add_argument("--out", default="codebooks.json", help="where to write the books (default: codebooks.json)")
-    p.add_argument("--max-books", type=int, default=8,
-                   help="largest group of books per stream, each chunk coded with its best; 1 = single books "
-                        "(default: 8)")
-    p.add_argument("--plot", help="also draw each book's code lengths over its averaged distribution "
-                                  "into this PNG (needs matplotlib: the 'plot' extra)")
+    p.add_argument(
+        "--max-books",
+        type=int,
+        default=8,
+        help="largest group of books per stream, each chunk coded with its best; 1 = single books (default: 8)",
+    )
+    p.add_argument(
+        "--plot",
+        help="also draw each book's code lengths over its averaged distribution "
+        "into this PNG (needs matplotlib: the 'plot' extra)",
+    )
     p.set_defaults(func=_cmd_profile)

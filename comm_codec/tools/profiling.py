@@ -19,9 +19,9 @@ import os
 import numpy as np
 import torch
 
+from ..books.profiler import WarmupProfiler, book_cost, stream_counts
 from ..core.codebooks import CodebookSet
 from ..core.quoting import printable
-from ..books.profiler import WarmupProfiler, book_cost, stream_counts
 from ..core.streams import SUPPORTED_DTYPES, spec_for
 
 __all__ = ["SteppedProfiler", "report", "checkpoint_tensors", "profile_checkpoint", "plot_books"]
@@ -77,17 +77,23 @@ def report(books: CodebookSet, heldout: dict | None = None) -> str:
     Returns:
         The report.
     """
-    lines = [f"{'kind':<17}{'dtype':<9}{'stream':>6}{'entropy':>9}{'bits':>8}{'ratio':>8}{'books':>6}"
-             f"{'chunk bits: 1 book':>19}{'group':>7}{'optimal':>9}  id"]
+    lines = [
+        f"{'kind':<17}{'dtype':<9}{'stream':>6}{'entropy':>9}{'bits':>8}{'ratio':>8}{'books':>6}"
+        f"{'chunk bits: 1 book':>19}{'group':>7}{'optimal':>9}  id"
+    ]
     for key, group in books.groups():
         st = books.stats(key)
         h, e = st.get("entropy_bits"), st.get("expected_bits")
         ratio = 8.0 / e if e else float("nan")
-        chunk = "".join(f"{st[k]:>{w}.3f}" if k in st else f"{'-':>{w}}" for k, w in (
-            ("chunk_bits_one_book", 19), ("chunk_bits_group", 7), ("chunk_bits_optimal", 9)))
-        lines.append(f"{key[0]:<17}{key[1]:<9}{key[2]:>6}{h if h is not None else float('nan'):>9.3f}"
-                     f"{e if e is not None else 8.0:>8.3f}{ratio:>8.3f}{len(group):>6}{chunk}"
-                     f"  {'raw' if group.raw else group.id}")
+        chunk = "".join(
+            f"{st[k]:>{w}.3f}" if k in st else f"{'-':>{w}}"
+            for k, w in (("chunk_bits_one_book", 19), ("chunk_bits_group", 7), ("chunk_bits_optimal", 9))
+        )
+        lines.append(
+            f"{key[0]:<17}{key[1]:<9}{key[2]:>6}{h if h is not None else float('nan'):>9.3f}"
+            f"{e if e is not None else 8.0:>8.3f}{ratio:>8.3f}{len(group):>6}{chunk}"
+            f"  {'raw' if group.raw else group.id}"
+        )
     if heldout:
         lines.append("")
         lines.append("held-out steps (books built from earlier steps; each group's first book, whole steps):")
@@ -98,8 +104,10 @@ def report(books: CodebookSet, heldout: dict | None = None) -> str:
                 f, o, h = book_cost(books, kind, dtype, counts)
                 fixed, optimal, shannon = fixed + f, optimal + o, shannon + h
             if optimal:
-                lines.append(f"{kind:<17}{dtype:<9}{len(steps):>6}{fixed:>14.0f}"
-                             f"{100 * (fixed / optimal - 1):>+16.2f}%{100 * (fixed / shannon - 1):>+11.2f}%")
+                lines.append(
+                    f"{kind:<17}{dtype:<9}{len(steps):>6}{fixed:>14.0f}"
+                    f"{100 * (fixed / optimal - 1):>+16.2f}%{100 * (fixed / shannon - 1):>+11.2f}%"
+                )
     return "\n".join(lines)
 
 
@@ -121,7 +129,7 @@ def plot_books(books: CodebookSet, path: str, prof: WarmupProfiler | None = None
     fig, axes = plt.subplots(len(coded), 1, figsize=(8, 1.6 * len(coded) + 1), squeeze=False)
     for ax, (key, book) in zip(axes[:, 0], coded):
         bits = book.symbol_bits()
-        ax.bar(np.arange(256), 2.0 ** -bits, width=1.0, color="tab:blue", label="2^-code length")
+        ax.bar(np.arange(256), 2.0**-bits, width=1.0, color="tab:blue", label="2^-code length")
         dist = prof.distribution(key[0], key[1]) if prof is not None else None
         if dist is not None:
             p = np.where(dist[key[2]] > 0, dist[key[2]], np.nan)
@@ -186,7 +194,7 @@ def profile_checkpoint(path: str, prof: WarmupProfiler | None = None) -> WarmupP
     """
     prof = prof or WarmupProfiler()
     n = 0
-    for name, kind, tensor in checkpoint_tensors(path):
+    for _name, kind, tensor in checkpoint_tensors(path):
         if tensor.dtype not in SUPPORTED_DTYPES or tensor.numel() == 0:
             continue
         prof.observe(tensor, kind)

@@ -31,8 +31,8 @@ import logging
 import math
 import os
 import sysconfig
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -45,9 +45,7 @@ _log = logging.getLogger(__name__)
 # Directory names pruned from the stdlib walk: third-party code varies between
 # machines, and test suites are large, repetitive and sometimes absent in slim
 # Python builds -- either would break byte-identical corpora.
-_EXCLUDED_DIRS = frozenset(
-    {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
-)
+_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"})
 
 # Standard deviation of the GPT-2 weight initialisation (Radford et al., 2019).
 _INIT_STD = 0.02
@@ -58,7 +56,7 @@ _INIT_STD = 0.02
 # ---------------------------------------------------------------------------
 
 
-def _stdlib_sources(root: Path) -> List[Path]:
+def _stdlib_sources(root: Path) -> list[Path]:
     """Return the stdlib ``.py`` files under ``root``, sorted by relative POSIX path."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -137,9 +135,7 @@ class _CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(c, dim=2)
         # [b, t, c] -> [b, heads, t, head_dim]
         q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -216,9 +212,7 @@ class TinyLM(nn.Module):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if d_model % n_heads:
-            raise ValueError(
-                f"n_heads={n_heads} must divide d_model={d_model} so every head has the same width"
-            )
+            raise ValueError(f"n_heads={n_heads} must divide d_model={d_model} so every head has the same width")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
 
@@ -296,7 +290,7 @@ def batches(
     seed: int = 0,
     rank: int = 0,
     world_size: int = 1,
-) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield an endless stream of ``(inputs, targets)`` byte windows from ``corpus``.
 
     Each epoch the corpus is cut into non-overlapping windows of
@@ -345,7 +339,7 @@ def batches(
 
 def _batch_stream(
     corpus: bytes, batch_size: int, span: int, n_windows: int, seed: int, rank: int, world_size: int
-) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
     gen = torch.Generator().manual_seed(seed)
     within = torch.arange(span)
@@ -364,10 +358,10 @@ def _batch_stream(
 def train_steps(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    data_iter: Iterator[Tuple[torch.Tensor, torch.Tensor]],
+    data_iter: Iterator[tuple[torch.Tensor, torch.Tensor]],
     steps: int,
-    on_step: Optional[Callable[[int, nn.Module, torch.optim.Optimizer, float], None]] = None,
-) -> List[float]:
+    on_step: Callable[[int, nn.Module, torch.optim.Optimizer, float], None] | None = None,
+) -> list[float]:
     """Run ``steps`` optimisation steps, calling ``on_step`` while gradients are live.
 
     Each step does ``zero_grad``, ``model.loss(x, y)``, ``backward``, then

@@ -58,7 +58,8 @@ class TrainConfig:
         if self.codebooks is None and not 0 < self.warmup_steps < self.steps:
             raise ValueError(
                 f"--warmup-steps must be in 1..{self.steps - 1} (below --steps {self.steps}) so that "
-                f"books are built and then used; got {self.warmup_steps}")
+                f"books are built and then used; got {self.warmup_steps}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.batch < 1:
@@ -78,7 +79,7 @@ class TrainConfig:
         return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.dtype]
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, **overrides) -> "TrainConfig":
+    def from_args(cls, args: argparse.Namespace, **overrides) -> TrainConfig:
         """Build a config from the options :func:`add_training_arguments` defines."""
         fields = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in vars(args).items() if k in fields}
@@ -90,12 +91,17 @@ class TrainConfig:
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options the demos and ``launch_scripts/train_ddp.py`` / ``train_fsdp.py`` share."""
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps (default: 40)")
-    parser.add_argument("--warmup-steps", type=int, default=5,
-                        help="plain all-reduce steps that profile the books (default: 5)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
-                        help="model and gradient dtype (default: bf16)")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=5, help="plain all-reduce steps that profile the books (default: 5)"
+    )
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="bf16", help="model and gradient dtype (default: bf16)"
+    )
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step (default: 8)")
-    parser.add_argument("--cast", choices=("none", "bf16"), default="none",
-                        help="bf16: cast fp32 gradients to bf16 before coding (lossy; no effect on "
-                             "--dtype bf16) (default: none)")
+    parser.add_argument(
+        "--cast",
+        choices=("none", "bf16"),
+        default="none",
+        help="bf16: cast fp32 gradients to bf16 before coding (lossy; no effect on --dtype bf16) (default: none)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and data order (default: 0)")

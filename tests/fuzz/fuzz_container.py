@@ -42,8 +42,16 @@ def _seed(name):
         w = torch.randn(20000, generator=g) * 0.02
         save_file({"w": w.bfloat16(), "v": w, "i": torch.arange(3000)}, f"{_DIR}/m.safetensors")
         ck.compress_file(f"{_DIR}/m.safetensors", f"{_DIR}/m.cckp", threads=1)
-        torch.save({"model": {"w": w}, "optimizer": {"state": {0: {"exp_avg": w * 0.1, "exp_avg_sq": w * w}},
-                                                     "param_groups": [{"params": [0]}]}}, f"{_DIR}/a.pt")
+        torch.save(
+            {
+                "model": {"w": w},
+                "optimizer": {
+                    "state": {0: {"exp_avg": w * 0.1, "exp_avg_sq": w * w}},
+                    "param_groups": [{"params": [0]}],
+                },
+            },
+            f"{_DIR}/a.pt",
+        )
         lossy.compress_file(f"{_DIR}/a.pt", f"{_DIR}/a.ccl", threads=1)
         for n in ("m.cckp", "a.ccl"):
             _SEEDS[n] = open(f"{_DIR}/{n}", "rb").read()
@@ -51,8 +59,14 @@ def _seed(name):
 
 
 def _read_all(path):
-    for call in (lambda: ck.read_index(path), lambda: ck.describe(path), lambda: ck.verify_file(path, threads=1),
-                 lambda: lossy.read_index(path), lambda: lossy.describe(path), lambda: lossy.verify_file(path)):
+    for call in (
+        lambda: ck.read_index(path),
+        lambda: ck.describe(path),
+        lambda: ck.verify_file(path, threads=1),
+        lambda: lossy.read_index(path),
+        lambda: lossy.describe(path),
+        lambda: lossy.verify_file(path),
+    ):
         try:
             call()
         except (ck.CheckpointError, OSError):
@@ -75,7 +89,7 @@ def TestOneInput(data: bytes):
             segs = c.index["segments"]
             k = rest[0] % len(segs) if rest else 0
             seg = segs[k]
-            payload = (rest[1:] * (1 + seg[3] // max(1, len(rest) - 1)))[:seg[3]] if len(rest) > 1 else b""
+            payload = (rest[1:] * (1 + seg[3] // max(1, len(rest) - 1)))[: seg[3]] if len(rest) > 1 else b""
             if len(payload) == seg[3]:
                 c.put_segment(k, payload)
             blob = c.seal()

@@ -41,8 +41,13 @@ _ROOT = tempfile.mkdtemp(prefix="cc-fuzz-dcp-")
 _GOOD = os.path.join(_ROOT, "good")
 _WORK = os.path.join(_ROOT, "work")
 torch.manual_seed(0)
-_SD = {"w": (torch.randn(200, 100) * 0.02).to(torch.bfloat16), "b": torch.randn(64), "n": torch.arange(100),
-       "m": torch.arange(20) % 2 == 0, "step": 5}
+_SD = {
+    "w": (torch.randn(200, 100) * 0.02).to(torch.bfloat16),
+    "b": torch.randn(64),
+    "n": torch.arange(100),
+    "m": torch.arange(20) % 2 == 0,
+    "step": 5,
+}
 dcp.save(_SD, storage_writer=ccd.Writer(_GOOD))
 _TRAILER = struct.Struct("<8sQQII")
 
@@ -71,9 +76,9 @@ def TestOneInput(data: bytes):
     else:
         with open(distcp, "rb") as fh:
             good = fh.read()
-        _, offset, length, _, _ = _TRAILER.unpack(good[-_TRAILER.size:])
+        _, offset, length, _, _ = _TRAILER.unpack(good[-_TRAILER.size :])
         with open(distcp, "wb") as fh:  # new items before the real (resealed) book table
-            fh.write(_reseal(body[:offset] + good[len(body[:offset]):offset], good[offset:offset + length]))
+            fh.write(_reseal(body[:offset] + good[len(body[:offset]) : offset], good[offset : offset + length]))
     before = set(os.listdir(_ROOT))
     for call in (lambda: ccd.load(_target(), _WORK), lambda: ccd.Reader(_WORK).verify()):
         try:
@@ -90,7 +95,7 @@ def _write_seeds(folder: str) -> None:
         metadata = fh.read()
     with open(os.path.join(_GOOD, "__0_0.distcp"), "rb") as fh:
         data = fh.read()
-    offset = _TRAILER.unpack(data[-_TRAILER.size:])[1]
+    offset = _TRAILER.unpack(data[-_TRAILER.size :])[1]
     for mode, body in enumerate((metadata, data, data[:offset])):
         with open(os.path.join(folder, f"seed{mode}"), "wb") as fh:
             fh.write(bytes([mode]) + body)

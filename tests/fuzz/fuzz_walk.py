@@ -20,8 +20,9 @@ import atheris
 
 import comm_codec.core.codec  # noqa: F401  (numba kernels uninstrumented: numba cannot compile atheris's hooks)
 
-with atheris.instrument_imports(include=["comm_codec.checkpoint.walk", "comm_codec.checkpoint.directory",
-                                         "comm_codec.checkpoint.files"]):
+with atheris.instrument_imports(
+    include=["comm_codec.checkpoint.walk", "comm_codec.checkpoint.directory", "comm_codec.checkpoint.files"]
+):
     from comm_codec.checkpoint import directory, walk
     from comm_codec.checkpoint.errors import CheckpointError
     from comm_codec.checkpoint.files import temp_name
@@ -31,8 +32,18 @@ _SECRET = b"SECRET-never-read-through-a-link"
 os.makedirs(f"{_DIR}/outside", exist_ok=True)
 with open(f"{_DIR}/outside/secret", "wb") as _fh:
     _fh.write(_SECRET)
-_NAMES = ["a", "b.safetensors", "c.pt", "d.distcp", ".metadata", "e.json", temp_name("f", 999_999_999) + "abcdefgh.tmp",
-          "\x1b[2J", "g h", "sub"]
+_NAMES = [
+    "a",
+    "b.safetensors",
+    "c.pt",
+    "d.distcp",
+    ".metadata",
+    "e.json",
+    temp_name("f", 999_999_999) + "abcdefgh.tmp",
+    "\x1b[2J",
+    "g h",
+    "sub",
+]
 _SAFETENSORS = b"\x10\x00\x00\x00\x00\x00\x00\x00" + b'{"__metadata__":{}}'[:16]
 
 
@@ -95,6 +106,7 @@ def _swapper(fdp, src, entries):
                 fh.write(b"another file")
         else:
             os.mkdir(path)
+
     return hook, done
 
 
