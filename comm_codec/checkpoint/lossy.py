@@ -273,12 +273,12 @@ def compress_file(
                 r["crc_at"] = crcs.get(r["offset"], [])
         skeleton_offsets(records)
         skeleton = cut_skeleton(m.u8, m.size, records)
-        source_sha = hashlib.sha256(m.u8(0, m.size)).hexdigest() if m.size else hashlib.sha256().hexdigest()
+        source_sha = hashlib.sha256(m.u8(0, m.size).data).hexdigest() if m.size else hashlib.sha256().hexdigest()
         # Each rewritten tensor's zip CRC is recorded: a reader writes it into the local
         # header, which comes before the tensor's bytes, before it decodes them.
         for i, v in enc.values.items():
             if records[i]["crc_at"]:
-                records[i]["crc32"] = zlib.crc32(v)
+                records[i]["crc32"] = zlib.crc32(v.data)
         recon_sha = hashlib.sha256()
         lay_out(
             m.size,
@@ -295,7 +295,7 @@ def compress_file(
             if data.size:
                 frame, ids = books.encode(torch.from_numpy(data))
                 stream_frames[name] = (frame, ids[0], data.size)
-        index = {
+        index: dict = {
             "format": INDEX_FORMAT,
             "version": VERSION,
             "created_by": created_by(),
@@ -436,7 +436,7 @@ def _check_same_run(base: str, base_weights: dict, params: list[FileTensor]) -> 
 def _worst(records: list[dict]) -> dict:
     """Per role, the worst tensor's relative RMS error and (``<role>_all``) all tensors'."""
     worst: dict = {}
-    sums = collections.defaultdict(lambda: [0.0, 0.0])
+    sums: collections.defaultdict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
     for r in records:
         if r["coding"] in ("residual", "value", "precision"):
             s = r["stats"]
