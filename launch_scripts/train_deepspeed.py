@@ -150,7 +150,7 @@ def train(cfg: dict, args, rank: int, world: int) -> dict:
         if rank == 0 and (step + 1) % max(1, args.steps // 5) == 0:
             log.info("step %d loss %.4f (%.0f ms)", step + 1, losses[-1], 1e3 * times[-1])
     plugin = cfg.get("comm_codec", {}).get("enabled", False)
-    stats = ccds.stats(engine) if plugin else None
+    stats = ccds.stats(engine).as_dict() if plugin else None
     if stats:
         # Per-rank counts differ (each rank codes other shards); the wire carries them all.
         total = torch.tensor([stats["bytes_in"], stats["bytes_out"]], dtype=torch.float64)

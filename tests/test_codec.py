@@ -523,7 +523,7 @@ def test_codec_takes_a_path_to_books(tmp_path, default_books):
     for arg in (path, str(path)):
         c = cc.Codec(arg, chunk_elems=64)
         assert c.codebooks == default_books
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(cc.CodebookError, match="no such file"):
         cc.Codec(tmp_path / "missing.json")
     with pytest.raises(TypeError, match="codebooks must be a CodebookSet, a path to a saved one, or None, got dict"):
         cc.Codec({})

@@ -22,6 +22,7 @@ from ._dcp_file import DATA_SUFFIX, DataFile
 from ._dcp_items import ZSTD_DESCRIPTOR
 from ._dcp_metadata import METADATA_NAME, read_metadata
 from .dcp import FRAME_DESCRIPTOR, PACK_DESCRIPTOR, Reader
+from .errors import CheckpointError
 
 __all__ = ["describe_dcp", "describe_dcp_file", "is_dcp_dir", "is_dcp_file", "verify_dcp"]
 
@@ -103,6 +104,13 @@ def verify_dcp(path, codebooks=None) -> str:
     """
     path = os.fspath(path)
     counts = Reader(path, codebooks=codebooks).verify()
+    if counts["frames"] + counts["packs"] + counts["crc"] == 0:
+        # A plain torch DCP directory: nothing in it carries a check, and a verify that checked
+        # nothing must not look like one that passed.
+        raise CheckpointError(
+            f"{printable(path)} holds no compressed file (.cckp) and no comm_codec.dcp data file, so there is "
+            f"nothing to verify ({counts['unchecked']} plain DCP items); compress it with 'comm-codec compress DIR OUT'"
+        )
     return (
         f"verified {printable(path)}: {counts['files']} data files, {counts['frames']} frames, {counts['packs']} "
         f"pack frames, {counts['crc']} items by CRC-32, {counts['unchecked']} items with no checksum "

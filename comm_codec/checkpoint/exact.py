@@ -194,7 +194,7 @@ def _encode_job(job: _Job, src: FileMap, base: FileMap | None, tensors: list[Fil
     raw, buf = src.take_kept(job.src_offset, job.length), None
     if raw is None:
         buf = buffers.take(job.length)
-        raw = src.read_into(job.src_offset, buf[: job.length])
+        raw = src.read_into(job.src_offset, buf[:job.length])
     return (*_code_segment(job, raw, base, tensors), raw, buf)
 
 
@@ -260,9 +260,8 @@ def _base_file(base, scratch_dir: str | None, threads: int):
         if is_checkpoint(base):
             index = read_index(base)
             if index["base"] is not None:
-                raise CheckpointError(
-                    f"base {base} is itself a delta checkpoint; give the original file (decompress it first)"
-                )
+                raise CheckpointError(f"base {base} is itself a delta checkpoint; give the original file "
+                                      "(decompress it first)")
             if scratch_dir is None:
                 m = _CompressedBase(base, threads)
             else:
@@ -339,9 +338,8 @@ class _CompressedBase:
 
     def _segment(self, k: int) -> np.ndarray:
         if k not in self._kept:
-            data, _ = _decode_segment(
-                self._index["segments"][k], self._m, None, self._index["tensors"], self.path, Buffers(0, PIECE_BYTES)
-            )
+            data, _ = _decode_segment(self._index["segments"][k], self._m, None, self._index["tensors"], self.path,
+                                      Buffers(0, PIECE_BYTES))
             self._kept[k] = np.array(np.frombuffer(data, dtype=np.uint8))  # a copy: the buffer is not pooled
             while len(self._kept) > self._KEEP:
                 self._kept.popitem(last=False)
@@ -357,7 +355,7 @@ class _CompressedBase:
                 seg_off, seg_len = self._index["segments"][k][:2]
                 data = self._segment(k)
                 n = min(seg_off + seg_len, end) - pos
-                out[pos - offset : pos - offset + n] = data[pos - seg_off : pos - seg_off + n]
+                out[pos - offset:pos - offset + n] = data[pos - seg_off:pos - seg_off + n]
                 pos += n
         return out
 
@@ -382,15 +380,8 @@ def _base_matches(tensors: list[FileTensor], bm: FileMap | None) -> dict:
     out = {}
     for t in tensors:
         bt = by_name.get(t.name)
-        if (
-            t.codable
-            and t.nbytes >= MIN_CODED_BYTES
-            and bt is not None
-            and bt.codable
-            and bt.dtype == t.dtype
-            and bt.nbytes == t.nbytes
-            and (t.shape is None or bt.shape is None or bt.shape == t.shape)
-        ):
+        if (t.codable and t.nbytes >= MIN_CODED_BYTES and bt is not None and bt.codable and bt.dtype == t.dtype
+                and bt.nbytes == t.nbytes and (t.shape is None or bt.shape is None or bt.shape == t.shape)):
             out[t.name] = bt
     return out
 
@@ -400,9 +391,8 @@ def _mode(path: str) -> int:
     return stat_of(path).st_mode & 0o777
 
 
-def compress_file(
-    src, dst, *, base=None, threads: int | None = None, codebooks=None, progress: bool | None = None, force: bool = True
-) -> Summary:
+def compress_file(src, dst, *, base=None, threads: int | None = None, codebooks=None,
+                  progress: bool | None = None, force: bool = True) -> Summary:
     """Compress a checkpoint file losslessly.
 
     Args:
@@ -442,10 +432,8 @@ def compress_file(
         kind = identify(bytes(m.u8(0, min(8, m.size))))
         # A whole container (its magic at both ends), not bytes that merely start alike.
         if kind in ("exact", "lossy") and m.size >= 40 and bytes(m.u8(m.size - 8, 8)) == bytes(m.u8(0, 8)):
-            raise CheckpointError(
-                f"{src} is already a {'lossy ' if kind == 'lossy' else ''}comm_codec checkpoint; "
-                "compressing it again would only make it larger (decompress it first)"
-            )
+            raise CheckpointError(f"{src} is already a {'lossy ' if kind == 'lossy' else ''}comm_codec checkpoint; "
+                                  "compressing it again would only make it larger (decompress it first)")
         with _base_file(base, os.path.dirname(os.path.abspath(dst)), threads) as (bm, base_sha):
             fmt, tensors, note = find_tensors_noted(m)
             matches = _base_matches(tensors, bm)
@@ -453,8 +441,7 @@ def compress_file(
                 raise CheckpointError(
                     f"base {os.fspath(base)} shares no tensor with {src} (none has the same name, dtype and "
                     "size), so it cannot make the file smaller and would only be needed to restore it; "
-                    "compress without --base, or give the previous checkpoint of the same model"
-                )
+                    "compress without --base, or give the previous checkpoint of the same model")
             chooser = BookChooser(CodebookSet.default() if codebooks is None else codebooks)
 
             def plan(t: FileTensor) -> None:
@@ -468,13 +455,8 @@ def compress_file(
                 budget = Budget(_IN_FLIGHT_BYTES)
                 buffers = Buffers(_IN_FLIGHT_BYTES, PIECE_BYTES)
                 batches = batched(_jobs(m.size, tensors, plan, m), _batch_bytes(threads), _BATCH_JOBS)
-                work = ordered_map(
-                    lambda b: [_encode_job(j, m, bm, tensors, buffers) for j in b],
-                    batches,
-                    threads,
-                    budget,
-                    lambda b: sum(j.length for j in b),
-                )
+                work = ordered_map(lambda b: [_encode_job(j, m, bm, tensors, buffers) for j in b], batches, threads,
+                                   budget, lambda b: sum(j.length for j in b))
                 with contextlib.closing(work):
                     for job, (method, payload, crc, raw, buf) in unbatched(work):
                         offset = out.pos
@@ -487,20 +469,13 @@ def compress_file(
                         meter.update(job.length)
                 meter.close()
                 index = {
-                    "format": INDEX_FORMAT,
-                    "version": VERSION,
+                    "format": INDEX_FORMAT, "version": VERSION,
                     "created_by": created_by(),
-                    "source": {
-                        "name": os.path.basename(src),
-                        "size": m.size,
-                        h.name: h.hexdigest(),
-                        "format": fmt,
-                        **({"note": note} if note else {}),
-                    },
+                    "source": {"name": os.path.basename(src), "size": m.size, h.name: h.hexdigest(), "format": fmt,
+                               **({"note": note} if note else {})},
                     # A base no tensor was coded against is not recorded: the file stands alone.
-                    "base": None
-                    if not any(t.transform != "none" for t in tensors)
-                    else {"name": os.path.basename(os.fspath(base)), "size": bm.size, WRITE_DIGEST: base_sha()},
+                    "base": None if not any(t.transform != "none" for t in tensors) else {
+                        "name": os.path.basename(os.fspath(base)), "size": bm.size, WRITE_DIGEST: base_sha()},
                     "books": chooser.books,
                     **({"groups": chooser.groups} if chooser.groups else {}),
                     "tensors": [t.record() for t in tensors],
@@ -512,34 +487,21 @@ def compress_file(
                 total = out.pos
                 for mp, what in ((m, "source"), (bm, "base")):
                     if mp is not None and not mp.unchanged():
-                        raise CheckpointError(
-                            f"{what} {mp.path} changed while it was being compressed; "
-                            "compress it again once it is complete"
-                        )
+                        raise CheckpointError(f"{what} {mp.path} changed while it was being compressed; "
+                                              "compress it again once it is complete")
                 out.commit()
     finally:
         m.close()
-    summary = Summary(
-        "compress",
-        m.size,
-        total,
-        time.perf_counter() - started,
-        threads,
-        fmt,
-        len(tensors),
-        sum(t.coding == "frame" for t in tensors),
-        sum(t.transform != "none" for t in tensors),
-        digest=f"{h.name}:{index['source'][h.name]}",
-        note=note,
-    )
+    summary = Summary("compress", m.size, total, time.perf_counter() - started, threads, fmt, len(tensors),
+                      sum(t.coding == "frame" for t in tensors), sum(t.transform != "none" for t in tensors),
+                      digest=f"{h.name}:{index['source'][h.name]}", note=note)
     log.debug("%s: %s", src, summary.line())
     return summary
 
 
 # -- decompress -----------------------------------------------------------------------------
-def _restore(
-    path: str, sink, base, threads: int, progress: bool | None, op: str, scratch: str | None = None
-) -> Summary:
+def _restore(path: str, sink, base, threads: int, progress: bool | None, op: str,
+             scratch: str | None = None) -> Summary:
     """Decode every segment in order into ``sink`` (None: decode and check only).
 
     ``scratch``: the directory a compressed base may be restored into (the output's);
@@ -553,25 +515,20 @@ def _restore(
         tensors = index["tensors"]
         need = index["base"]
         if need is None and base is not None:
-            log.warning(
-                "%s was compressed without a base; ignoring base %s",
-                printable(path, 4096),
-                printable(os.fspath(base), 4096),
-            )
+            log.warning("%s was compressed without a base; ignoring base %s", printable(path, 4096),
+                        printable(os.fspath(base), 4096))
             base = None
         if need is not None and base is None and sink is not None:
             raise CheckpointError(
                 f"{path} was compressed against base {printable(need['name'])} ({_shown(need)}); "
-                "pass that original file, or the compressed file made from it, as base (--base)"
-            )
+                "pass that original file, or the compressed file made from it, as base (--base)")
         with _base_file(base if need is not None else None, scratch, threads) as (bm, base_sha):
             if bm is not None:
                 name, want = recorded_digest(need)
                 if bm.size != need["size"] or base_sha(name) != want:
                     raise CheckpointError(
                         f"wrong base: {base} has {name} {base_sha(name)[:16]}... ({bm.size} bytes), but {path} was "
-                        f"compressed against {printable(need['name'])} with {name} {want[:16]}... ({need['size']} bytes)"
-                    )
+                        f"compressed against {printable(need['name'])} with {name} {want[:16]}... ({need['size']} bytes)")
             attach_codecs(tensors, books)
             checked = bm is not None or need is None
             size = index["source"]["size"]
@@ -583,18 +540,10 @@ def _restore(
                 _check_digest(path, index, h)
     finally:
         m.close()
-    return Summary(
-        op,
-        index["source"]["size"],
-        m.size,
-        time.perf_counter() - started,
-        threads,
-        index["source"]["format"],
-        len(tensors),
-        sum(t["coding"] == "frame" for t in tensors),
-        sum(t["transform"] != "none" for t in tensors),
-        digest=f"{h.name}:{index['source'][h.name]}" if checked else None,
-    )
+    return Summary(op, index["source"]["size"], m.size, time.perf_counter() - started, threads,
+                   index["source"]["format"], len(tensors), sum(t["coding"] == "frame" for t in tensors),
+                   sum(t["transform"] != "none" for t in tensors),
+                   digest=f"{h.name}:{index['source'][h.name]}" if checked else None)
 
 
 def attach_codecs(tensors: list, books: dict) -> None:
@@ -612,18 +561,16 @@ def attach_codecs(tensors: list, books: dict) -> None:
             key = (spec.name, tuple(t["books"]))
             if key not in codecs:
                 # Frames carry their chunk size; the codec's own is not used to decode.
-                codecs[key] = make_codec(
-                    [books.get(b) or Codebook.raw_book() for b in t["books"]], spec, CHUNK_SIZES[0]
-                )
+                codecs[key] = make_codec([books.get(b) or Codebook.raw_book() for b in t["books"]], spec,
+                                         CHUNK_SIZES[0])
             t["_codec"] = codecs[key]
 
 
 def _check_digest(path: str, index: dict, h: DigestStream) -> None:
     want = index["source"][h.name]
     if h.hexdigest() != want:
-        raise CheckpointError(
-            f"{path}: restored bytes have {h.name} {h.hexdigest()[:16]}..., the original had {want[:16]}...: corrupted"
-        )
+        raise CheckpointError(f"{path}: restored bytes have {h.name} {h.hexdigest()[:16]}..., the "
+                              f"original had {want[:16]}...: corrupted")
 
 
 def _segment_cost(seg) -> int:
@@ -663,15 +610,8 @@ def _decode_all(m: FileMap, index: dict, bm, sink, threads: int, progress: bool 
     meter = Progress(label, index["source"]["size"], progress)
     workers = threads - 1 if positional and threads > 1 else threads
     batches = batched(_read_ahead(index["segments"], m), _batch_bytes(threads), _BATCH_JOBS, lambda seg: seg[1])
-    work = ordered_map(
-        lambda b: [decode(seg) for seg in b],
-        batches,
-        workers,
-        budget,
-        lambda b: sum(_segment_cost(seg) for seg in b),
-        inline=threads == 1,
-        idle=h.help,
-    )
+    work = ordered_map(lambda b: [decode(seg) for seg in b], batches, workers, budget,
+                       lambda b: sum(_segment_cost(seg) for seg in b), inline=threads == 1, idle=h.help)
     with contextlib.closing(work), contextlib.closing(h):
         for seg, (data, buf) in unbatched(work):
             if data is not None:
@@ -739,9 +679,8 @@ def _decode_segment(seg, m: FileMap, bm: FileMap | None, tensors, path, buffers:
     return restored, buf
 
 
-def decompress_file(
-    src, dst, *, base=None, threads: int | None = None, progress: bool | None = None, force: bool = True
-) -> Summary:
+def decompress_file(src, dst, *, base=None, threads: int | None = None, progress: bool | None = None,
+                    force: bool = True) -> Summary:
     """Restore the original checkpoint, byte for byte, from a compressed file.
 
     Args:
@@ -768,9 +707,8 @@ def decompress_file(
     """
     if hasattr(dst, "write"):
         # A compressed base goes to the temp directory: a stream has no directory of its own.
-        return _restore(
-            os.fspath(src), dst, base, _threads(threads, _size(src)), progress, "decompress", tempfile.gettempdir()
-        )
+        return _restore(os.fspath(src), dst, base, _threads(threads, _size(src)), progress, "decompress",
+                        tempfile.gettempdir())
     src, dst = os.fspath(src), os.fspath(dst)
     if not force and os.path.lexists(dst):
         raise FileExistsError(17, f"{dst} exists; pass force=True to replace it", dst)
@@ -811,8 +749,8 @@ def describe(path) -> str:
     lines = [
         f"file      {printable(path, 4096)}: comm_codec checkpoint v{index['version']}, {human_bytes(size)}",
         f"source    {printable(src['name'])}: {src['format']}, {human_bytes(src['size'])}, {_shown(src, 64)}",
-        "base      "
-        + ("none" if base is None else f"{printable(base['name'])}: {human_bytes(base['size'])}, {_shown(base, 64)}"),
+        "base      " + ("none" if base is None else
+                        f"{printable(base['name'])}: {human_bytes(base['size'])}, {_shown(base, 64)}"),
         f"ratio     {ratio} ({human_bytes(src['size'])} -> {human_bytes(size)}); "
         f"{len(index['tensors'])} tensors, {sum(t['coding'] == 'frame' for t in index['tensors'])} coded, "
         f"{sum(t['transform'] != 'none' for t in index['tensors'])} as deltas",
@@ -821,19 +759,16 @@ def describe(path) -> str:
         lines.append(f"note      {printable(src['note'], 400)}")
     nentries = sum(len(t.get("entries") or [None]) for t in index["tensors"])
     if nentries != len(index["tensors"]):
-        lines.append(
-            f"entries   {nentries} entries on {len(index['tensors'])} storages "
-            "(views and tied weights share one; each is listed)"
-        )
+        lines.append(f"entries   {nentries} entries on {len(index['tensors'])} storages "
+                     "(views and tied weights share one; each is listed)")
     origin = {bid: e["origin"] for bid, e in index["books"].items()}
     own = sum(o == "tensor" for o in origin.values())
     lines.append(f"books     {own} per-tensor, {len(origin) - own} shipped")
     names = [printable(t["name"]) for t in index["tensors"]]
     shared = [printable(e[0]) for t in index["tensors"] for e in (t.get("entries") or [])[1:]]
     width = max([len(n) for n in names + shared] + [6])
-    lines.append(
-        f"{'tensor':<{width}}  {'dtype':<13} {'shape':<16} {'kind':<15} {'coding':<10} {'chunk':>6} {'ratio':>6}  books"
-    )
+    lines.append(f"{'tensor':<{width}}  {'dtype':<13} {'shape':<16} {'kind':<15} {'coding':<10} {'chunk':>6} "
+                 f"{'ratio':>6}  books")
     for i, (name, t) in enumerate(zip(names, index["tensors"])):
         shape = "-" if t["shape"] is None else "x".join(map(str, t["shape"])) or "scalar"
         if t["coding"] == "frame":
@@ -843,23 +778,17 @@ def describe(path) -> str:
         else:
             ratio, how, bk = "-", "opaque", "zstd"
         chunk = f"{t['chunk_elems'] >> 10}Ki" if t.get("chunk_elems") else "-"
-        lines.append(
-            f"{name:<{width}}  {printable(t['dtype'], 64):<13} {shape:<16} {printable(t['kind'], 64):<15} "
-            f"{how:<10} {chunk:>6} {ratio:>6}  {bk}"
-        )
+        lines.append(f"{name:<{width}}  {printable(t['dtype'], 64):<13} {shape:<16} {printable(t['kind'], 64):<15} "
+                     f"{how:<10} {chunk:>6} {ratio:>6}  {bk}")
         for entry, eshape in (t.get("entries") or [])[1:]:
             eshape = "-" if eshape is None else "x".join(map(str, eshape)) or "scalar"
-            lines.append(
-                f"{printable(entry):<{width}}  {printable(t['dtype'], 64):<13} {eshape:<16} "
-                f"shares the storage of {name}"
-            )
+            lines.append(f"{printable(entry):<{width}}  {printable(t['dtype'], 64):<13} {eshape:<16} "
+                         f"shares the storage of {name}")
     opaque_in = sum(s[1] for s in index["segments"] if s[6] < 0)
     opaque_out = sum(s[3] for s in index["segments"] if s[6] < 0)
     other = f"{opaque_in / max(1, opaque_out):.3f}" if opaque_in else "-"
-    lines.append(
-        f"{'(other bytes)':<{width}}  {'-':<13} {'-':<16} {'-':<15} {'opaque':<10} {'-':>6} "
-        f"{other:>6}  zstd/stored, {human_bytes(opaque_in)}"
-    )
+    lines.append(f"{'(other bytes)':<{width}}  {'-':<13} {'-':<16} {'-':<15} {'opaque':<10} {'-':>6} "
+                 f"{other:>6}  zstd/stored, {human_bytes(opaque_in)}")
     return "\n".join(lines)
 
 
@@ -872,7 +801,7 @@ def _book_label(book: str, groups: dict, origin: dict) -> str:
     where = str(origin.get(members[0], ""))
     count = f" x{len(members)}" if book in groups else ""
     if where.startswith("shipped:"):
-        return f"shipped {printable(where[len('shipped:') :], 64)}{count}"
+        return f"shipped {printable(where[len('shipped:'):], 64)}{count}"
     return f"own{count}"
 
 
@@ -921,7 +850,8 @@ def load(path, *, base=None, threads: int | None = None, map_location="cpu"):
 
         return st_load(buf.getvalue())
     if fmt not in ("torch_zip", "torch_legacy"):
-        raise CheckpointError(f"{path} holds a {fmt} file, not a torch or safetensors checkpoint; use decompress_file")
+        raise CheckpointError(f"{path} holds a {fmt} file, not a torch or safetensors checkpoint; "
+                              "use decompress_file")
     import torch
 
     buf.seek(0)

@@ -91,17 +91,8 @@ from .stats import LOGGED, TrafficStats
 from .zero3 import SEAMS as ZERO3_SEAMS
 from .zero3 import Zero3Seams, seam_parameters
 
-__all__ = [
-    "CommCodecConfig",
-    "DEEPSPEED_ONLY",
-    "DeepSpeedState",
-    "SUPPORTED_DEEPSPEED",
-    "initialize",
-    "install",
-    "parse_config",
-    "register",
-    "stats",
-]
+__all__ = ["CommCodecConfig", "DEEPSPEED_ONLY", "DeepSpeedState", "SUPPORTED_DEEPSPEED", "initialize", "install",
+           "parse_config", "register", "stats"]
 
 # Inside DeepSpeed, the plugin's lines go where DeepSpeed's own go (shown at INFO by default).
 ds_logger = deepspeed.utils.logger
@@ -117,20 +108,10 @@ _STAGES = (0, 1, 2, 3)
 # The DeepSpeed methods replaced, with the parameters their 0.19 bodies (copied below) take.
 _SEAMS = {
     ("runtime.engine", "DeepSpeedEngine", "allreduce_bucket"): ["self", "bucket", "dp_group", "dp_world_size"],
-    ("runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "allreduce_bucket"): [
-        "self",
-        "bucket",
-        "communication_data_type",
-        "rank",
-        "log",
-        "divide",
-        "process_group",
-    ],
-    ("runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "gradient_reduction_w_predivide"): [
-        "self",
-        "tensor",
-        "communication_data_type",
-    ],
+    ("runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "allreduce_bucket"):
+        ["self", "bucket", "communication_data_type", "rank", "log", "divide", "process_group"],
+    ("runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "gradient_reduction_w_predivide"):
+        ["self", "tensor", "communication_data_type"],
 }
 
 
@@ -176,11 +157,8 @@ class CommCodecConfig:
 
 def _section_error(key: str, problem: str) -> ConfigError:
     exc = ConfigError(f"{SECTION}.{key}" if key else SECTION, None, problem)
-    exc.args = (
-        f'invalid "{SECTION}" section in the DeepSpeed config: '
-        + (f"{SECTION}.{key}: " if key else f"{SECTION}: ")
-        + problem,
-    )
+    exc.args = (f"invalid \"{SECTION}\" section in the DeepSpeed config: "
+                + (f"{SECTION}.{key}: " if key else f"{SECTION}: ") + problem,)
     return exc
 
 
@@ -206,12 +184,8 @@ def _parse_section(section: dict) -> CommCodecConfig:
             raise _section_error("kinds", f"{_json(kinds)}; allowed: a non-empty list of {list(_SUPPORTED_KINDS)}")
         for kind in kinds:
             if kind not in _SUPPORTED_KINDS:
-                what = (
-                    "is not coded by the DeepSpeed plugin (it codes gradient reduction and ZeRO-3 parameter "
-                    "all-gathers)"
-                    if kind in KINDS
-                    else "is an unknown tensor kind"
-                )
+                what = ("is not coded by the DeepSpeed plugin (it codes gradient reduction and ZeRO-3 parameter "
+                        "all-gathers)" if kind in KINDS else "is an unknown tensor kind")
                 raise _section_error("kinds", f"{kind!r} {what}; allowed: {list(_SUPPORTED_KINDS)}")
         own["kinds"] = tuple(kinds)
     settings = {key: value for key, value in section.items() if key not in DEEPSPEED_ONLY}
@@ -219,31 +193,23 @@ def _parse_section(section: dict) -> CommCodecConfig:
     warmup = settings.get("warmup_steps", 0)
     if source == "online":
         if warmup == 0:
-            raise _section_error(
-                "", 'codebooks "online" needs warmup_steps >= 1 (the steps whose statistics build the books)'
-            )
+            raise _section_error("", "codebooks \"online\" needs warmup_steps >= 1 (the steps whose statistics "
+                                 "build the books)")
     elif source is not None and warmup:
-        raise _section_error(
-            "warmup_steps",
-            f"warmup_steps builds the books online, but codebooks is {source!r}: "
-            'drop codebooks (or set it to "online") to build them, or set warmup_steps to 0',
-        )
+        raise _section_error("warmup_steps", f"warmup_steps builds the books online, but codebooks is {source!r}: "
+                             "drop codebooks (or set it to \"online\") to build them, or set warmup_steps to 0")
     elif source not in (None, "default"):
         if not isinstance(source, str):
-            raise _section_error(
-                "codebooks",
-                f'{_json(source)}; allowed: "default", "online" or the path of a file saved by CodebookSet.save',
-            )
+            raise _section_error("codebooks", f"{_json(source)}; allowed: \"default\", \"online\" or the path "
+                                 "of a file saved by CodebookSet.save")
         settings["codebooks"] = source
     try:
         config = CommConfig(**settings)
     except ConfigError as exc:
         raise _section_error(exc.key, f"{_json(exc.value)}; allowed: {exc.allowed}") from None
     except CodebookError as exc:
-        raise CodebookError(
-            f'invalid "{SECTION}" section in the DeepSpeed config: {SECTION}.codebooks: '
-            f"cannot load codebook file {source!r}: {exc}"
-        ) from None
+        raise CodebookError(f"invalid \"{SECTION}\" section in the DeepSpeed config: {SECTION}.codebooks: "
+                            f"cannot load codebook file {source!r}: {exc}") from None
     if source is None:
         source = "online" if config.warmup_steps else "default"
     return CommCodecConfig(config=config, codebooks=source, **own)
@@ -315,7 +281,8 @@ def _check_version() -> None:
 
 def _unsupported(feature: str, fix: str) -> ConfigError:
     exc = ConfigError(SECTION, None, "a supported setup")
-    exc.args = (f'comm_codec.deepspeed does not support {feature}; {fix}, or set "{SECTION}": {{"enabled": false}}',)
+    exc.args = (f"comm_codec.deepspeed does not support {feature}; {fix}, "
+                f"or set \"{SECTION}\": {{\"enabled\": false}}",)
     return exc
 
 
@@ -347,46 +314,32 @@ def check_zero(zero: dict, section: CommCodecConfig) -> int:
     """
     stage = zero.get("stage", 0)
     if stage not in _STAGES:
-        raise _unsupported(
-            f"ZeRO stage {stage!r} (zero_optimization.stage; allowed: 0, 1, 2, 3)", "use ZeRO stage 0, 1, 2 or 3"
-        )
+        raise _unsupported(f"ZeRO stage {stage!r} (zero_optimization.stage; allowed: 0, 1, 2, 3)",
+                           "use ZeRO stage 0, 1, 2 or 3")
     for key, (default, what) in _ZERO_REFUSED.items():
         if zero.get(key, default) != default:
-            raise _unsupported(
-                f"{what} (zero_optimization.{key}: {zero[key]!r}; allowed with comm_codec: {json.dumps(default)})",
-                f"set zero_optimization.{key} to {json.dumps(default)}",
-            )
+            raise _unsupported(f"{what} (zero_optimization.{key}: {zero[key]!r}; allowed with comm_codec: "
+                               f"{json.dumps(default)})", f"set zero_optimization.{key} to {json.dumps(default)}")
     if stage == 3 and zero.get("reduce_scatter", True) is not True:
-        raise _unsupported(
-            "all-reduced ZeRO-3 gradients (zero_optimization.reduce_scatter: false; allowed at stage 3: true)",
-            "set zero_optimization.reduce_scatter to true",
-        )
+        raise _unsupported("all-reduced ZeRO-3 gradients (zero_optimization.reduce_scatter: false; allowed at "
+                           "stage 3: true)", "set zero_optimization.reduce_scatter to true")
     for key in ("offload_optimizer", "offload_param"):
         offload = zero.get(key) or {}
         device = offload.get("device", "none") if isinstance(offload, dict) else offload
         if device not in ("none", "cpu", None):
-            raise _unsupported(
-                f'offload to {device!r} (zero_optimization.{key}.device; allowed: "cpu", "none")', 'offload to "cpu"'
-            )
+            raise _unsupported(f"offload to {device!r} (zero_optimization.{key}.device; allowed: \"cpu\", "
+                               "\"none\")", "offload to \"cpu\"")
         if key == "offload_param" and device == "cpu" and stage != 3:
-            raise _unsupported(
-                f"offload_param at ZeRO stage {stage} (zero_optimization.offload_param; "
-                "DeepSpeed offloads parameters at stage 3 only)",
-                "remove offload_param",
-            )
+            raise _unsupported(f"offload_param at ZeRO stage {stage} (zero_optimization.offload_param; "
+                               "DeepSpeed offloads parameters at stage 3 only)", "remove offload_param")
     allowed = list(_STAGE_KINDS[stage])
     for kind in section.kinds or ():
         if kind not in allowed:
-            raise _section_error(
-                "kinds",
-                f"{kind!r} (parameter all-gathers) is coded at ZeRO stage 3 only; allowed at stage {stage}: {allowed}",
-            )
+            raise _section_error("kinds", f"{kind!r} (parameter all-gathers) is coded at ZeRO stage 3 only; "
+                                 f"allowed at stage {stage}: {allowed}")
     if stage == 3 and section.cast is not None:
-        raise _section_error(
-            "cast",
-            f"{section.cast!r} at ZeRO stage 3, where weights and gradients must "
-            "arrive exactly; allowed at stage 3: null",
-        )
+        raise _section_error("cast", f"{section.cast!r} at ZeRO stage 3, where weights and gradients must "
+                             "arrive exactly; allowed at stage 3: null")
     return stage
 
 
@@ -395,17 +348,14 @@ def _check_config(config: dict, section: CommCodecConfig, model=None) -> None:
     check_zero(_zero_section(config), section)
     opt_type = str((config.get("optimizer") or {}).get("type", "")).lower().replace("_", "")
     if "onebit" in opt_type or "zeroone" in opt_type:
-        raise _unsupported(
-            f"1-bit optimizers (optimizer.type {config['optimizer']['type']!r}: they compress gradients themselves)",
-            "use a standard optimizer",
-        )
+        raise _unsupported(f"1-bit optimizers (optimizer.type {config['optimizer']['type']!r}: they "
+                           "compress gradients themselves)", "use a standard optimizer")
     if model is not None:
         from deepspeed.pipe import PipelineModule
 
         if isinstance(model, PipelineModule):
-            raise _unsupported(
-                "the pipeline engine (model is a PipelineModule)", "train a plain torch.nn.Module with ZeRO 0-3"
-            )
+            raise _unsupported("the pipeline engine (model is a PipelineModule)",
+                               "train a plain torch.nn.Module with ZeRO 0-3")
 
 
 def _check_engine(engine) -> None:
@@ -423,25 +373,18 @@ def _check_engine(engine) -> None:
         raise _unsupported("the hybrid engine (hybrid_engine.enabled)", "disable hybrid_engine")
     stage = engine.zero_optimization_stage()
     if get_accelerator().device_name() != "cpu":
-        raise _unsupported(
-            f"the {get_accelerator().device_name()} accelerator yet (the codec codes CPU buffers)",
-            "train on CPU with gloo",
-        )
+        raise _unsupported(f"the {get_accelerator().device_name()} accelerator yet (the codec codes CPU "
+                           "buffers)", "train on CPU with gloo")
     name = type(engine.optimizer).__name__.lower() + " " + str(engine.optimizer_name()).lower()
     if "onebit" in name or "zeroone" in name:
         raise _unsupported("1-bit optimizers", "use a standard optimizer")
     expected = (DeepSpeedZeroOptimizer_Stage3,) if stage == 3 else (DeepSpeedZeroOptimizer, BF16_Optimizer)
     if stage > 0 and not isinstance(engine.optimizer, expected):
-        raise _unsupported(
-            f"the ZeRO optimizer {type(engine.optimizer).__name__}",
-            f"use DeepSpeed's ZeRO {'3' if stage == 3 else '1/2'} optimizer",
-        )
+        raise _unsupported(f"the ZeRO optimizer {type(engine.optimizer).__name__}",
+                           f"use DeepSpeed's ZeRO {'3' if stage == 3 else '1/2'} optimizer")
     if stage == 3 and (not engine.optimizer.reduce_scatter or engine.optimizer.all2all_process_group is not None):
-        raise _unsupported(
-            "this ZeRO-3 gradient reduction (zero_optimization.reduce_scatter must be true, "
-            "zero_quantized_gradients false)",
-            "use the default reduce-scatter",
-        )
+        raise _unsupported("this ZeRO-3 gradient reduction (zero_optimization.reduce_scatter must be true, "
+                           "zero_quantized_gradients false)", "use the default reduce-scatter")
     if type(engine.optimizer).__name__.startswith("ZenFlow") or engine._config.zero_config.zenflow is not None:
         raise _unsupported("ZenFlow (zero_optimization.zenflow)", "disable zenflow")
     if engine.has_moe_layers:
@@ -451,26 +394,15 @@ def _check_engine(engine) -> None:
     if not engine.enable_backward_allreduce:
         raise _unsupported("engines without backward all-reduce", "leave gradient reduction to DeepSpeed")
     world = dist.get_world_size()
-    if (
-        engine.mpu is not None
-        or getattr(engine, "sequence_parallel_size", 1) != 1
-        or dist.get_world_size(engine.data_parallel_group) != world
-    ):
-        raise _unsupported(
-            "model, tensor or sequence parallelism (the data-parallel group must be the whole world)",
-            "use pure data parallelism",
-        )
-    sparse = [
-        n
-        for n, m in engine.module.named_modules()
-        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
-    ]
+    if (engine.mpu is not None or getattr(engine, "sequence_parallel_size", 1) != 1
+            or dist.get_world_size(engine.data_parallel_group) != world):
+        raise _unsupported("model, tensor or sequence parallelism (the data-parallel group must be the "
+                           "whole world)", "use pure data parallelism")
+    sparse = [n for n, m in engine.module.named_modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
     if sparse:
-        raise _unsupported(
-            f"sparse embedding gradients (module {sparse[0]!r} has sparse=True; DeepSpeed "
-            "all-gathers those outside the coded reduction)",
-            "use sparse=False",
-        )
+        raise _unsupported(f"sparse embedding gradients (module {sparse[0]!r} has sparse=True; DeepSpeed "
+                           "all-gathers those outside the coded reduction)", "use sparse=False")
 
 
 # -- the plugin ---------------------------------------------------------------------------
@@ -492,22 +424,15 @@ class DeepSpeedState:
         self.kinds = tuple(config.kinds or _STAGE_KINDS[stage])
         if config.codebooks != "online":
             books = config.config.codebooks
-            _check_books(
-                books if books is not None else CodebookSet.default(),
-                config.codebooks,
-                _coded_dtypes(engine, stage, self.kinds),
-            )
+            _check_books(books if books is not None else CodebookSet.default(), config.codebooks,
+                         _coded_dtypes(engine, stage, self.kinds))
         zero3 = stage == 3
         try:
             self.coder = CodingEngine(
-                engine.data_parallel_group,
-                config.config,
-                name="comm_codec.deepspeed",
-                allow_cast=not zero3,
+                engine.data_parallel_group, config.config, name="comm_codec.deepspeed", allow_cast=not zero3,
                 logger=ds_logger,
                 plain_name="plain reduce-scatter/all-gather" if zero3 else "plain all-reduce",
-                collectives=("reduce_scatter", "all_gather") if zero3 else ("all_reduce",),
-            )
+                collectives=("reduce_scatter", "all_gather") if zero3 else ("all_reduce",))
         except ConfigError as exc:
             raise _section_error(exc.key, f"{_json(exc.value)}; allowed: {exc.allowed}") from None
         # Creating a group is collective: here, where every rank installs.
@@ -556,48 +481,23 @@ class DeepSpeedState:
                 self._step_open = True
                 coder.begin_step()
             if dst is None:
-
                 def plain():
                     ds_dist.all_reduce(tensor, group=group)
 
                 def coded(stats):
-                    collectives.all_reduce(
-                        tensor,
-                        coder.codec,
-                        group,
-                        cast=coder.cast_dtype(tensor),
-                        stats=stats,
-                        workspace=coder.workspace,
-                    )
+                    collectives.all_reduce(tensor, coder.codec, group, cast=coder.cast_dtype(tensor), stats=stats,
+                                           workspace=coder.workspace)
             else:
-
                 def plain():
                     ds_dist.reduce(tensor, ds_dist.get_global_rank(group, dst), group=group)
 
                 def coded(stats):
-                    collectives.reduce(
-                        tensor,
-                        dst,
-                        coder.codec,
-                        group,
-                        cast=coder.cast_dtype(tensor),
-                        stats=stats,
-                        workspace=coder.workspace,
-                    )
-
-            coder.dispatch(
-                "all_reduce" if dst is None else "reduce",
-                tensor,
-                group,
-                numel_per_rank=tensor.numel(),
-                kind="gradient",
-                coded=coded,
-                plain=plain,
-                record="all_reduce",
-                dst=dst,
-                reduced_kind="reduced_gradient" if dst is None else None,
-                allowed=tensor.device.type == "cpu",
-            )
+                    collectives.reduce(tensor, dst, coder.codec, group, cast=coder.cast_dtype(tensor), stats=stats,
+                                       workspace=coder.workspace)
+            coder.dispatch("all_reduce" if dst is None else "reduce", tensor, group, numel_per_rank=tensor.numel(),
+                           kind="gradient", coded=coded, plain=plain, record="all_reduce", dst=dst,
+                           reduced_kind="reduced_gradient" if dst is None else None,
+                           allowed=tensor.device.type == "cpu")
         finally:
             coder.keep_torch_threads()
 
@@ -610,16 +510,11 @@ class DeepSpeedState:
         self._step_open = False
         engine = self.engine
         monitor = getattr(engine, "monitor", None)
-        if (
-            self.config.monitor
-            and monitor is not None
-            and monitor.enabled
-            and self.config.log_every
-            and coder.step % self.config.log_every == 0
-            and engine.global_rank == 0
-        ):
+        if (self.config.monitor and monitor is not None and monitor.enabled and self.config.log_every
+                and coder.step % self.config.log_every == 0 and engine.global_rank == 0):
             d = coder.stats()
-            monitor.write_events([(f"comm_codec/{key}", d[key], engine.global_samples) for key in LOGGED])
+            monitor.write_events([(f"comm_codec/{key}", d[key], engine.global_samples)
+                                  for key in LOGGED])
 
 
 # -- the replaced DeepSpeed methods (0.19 bodies; only the collective differs) ------------
@@ -639,16 +534,15 @@ def _engine_allreduce_bucket(plugin, engine, bucket, dp_group, dp_world_size=Non
         if engine.gradient_predivide_factor() != dp_world_size:
             tensor_to_allreduce.mul_(engine.gradient_predivide_factor() / dp_world_size)
     else:
-        tensor_to_allreduce.mul_(1.0 / dp_world_size)
+        tensor_to_allreduce.mul_(1. / dp_world_size)
         plugin.reduce(tensor_to_allreduce, dp_group)
     if engine.communication_data_type != tensor.dtype and tensor is not tensor_to_allreduce:
         tensor.copy_(tensor_to_allreduce)
     return tensor
 
 
-def _zero_allreduce_bucket(
-    plugin, opt, bucket, communication_data_type, rank=None, log=None, divide=True, process_group=None
-):
+def _zero_allreduce_bucket(plugin, opt, bucket, communication_data_type, rank=None, log=None, divide=True,
+                           process_group=None):
     from deepspeed.runtime.zero import stage_1_and_2
 
     tensor = opt.flatten(bucket)
@@ -678,12 +572,11 @@ def _zero_gradient_reduction_w_predivide(plugin, opt, tensor, communication_data
         plugin.reduce(tensor_to_allreduce, opt.dp_process_group)
     elif opt.postscale_gradients:
         if opt.gradient_predivide_factor != 1.0:
-            tensor_to_allreduce.mul_(1.0 / opt.gradient_predivide_factor)
+            tensor_to_allreduce.mul_(1. / opt.gradient_predivide_factor)
         plugin.reduce(tensor_to_allreduce, opt.dp_process_group)
         if opt.gradient_predivide_factor != dp_world_size:
-            tensor_to_allreduce.mul_(
-                opt.gradient_predivide_factor / (dp_world_size / float(opt.sequence_parallel_size))
-            )
+            tensor_to_allreduce.mul_(opt.gradient_predivide_factor /
+                                     (dp_world_size / float(opt.sequence_parallel_size)))
     else:
         tensor_to_allreduce.div_(dp_world_size / float(opt.sequence_parallel_size))
         plugin.reduce(tensor_to_allreduce, opt.dp_process_group)
@@ -709,12 +602,9 @@ def _check_books(books: CodebookSet, source: str, wanted: dict) -> None:
                 books.group(kind, dtype, 0)
             except ValueError:
                 name = str(dtype).replace("torch.", "")
-                raise _section_error(
-                    "codebooks",
-                    f"the books {source!r} hold no {kind!r} book for {name} (this engine sends "
-                    f"{kind}s as {name}; the books hold {', '.join(held)}); allowed: books profiled "
-                    f'on {name} {kind}s, "default" or "online" (with warmup_steps)',
-                ) from None
+                raise _section_error("codebooks", f"the books {source!r} hold no {kind!r} book for {name} (this engine sends "
+                                 f"{kind}s as {name}; the books hold {', '.join(held)}); allowed: books profiled "
+                                 f"on {name} {kind}s, \"default\" or \"online\" (with warmup_steps)") from None
 
 
 def _wrap_step(plugin, step):
@@ -757,11 +647,8 @@ def install(engine, config=None) -> DeepSpeedState:
     else:
         section = parse_config(config)
     if section is None or not section.enabled:
-        raise _section_error(
-            "",
-            f'the DeepSpeed config has no enabled "{SECTION}" section; add '
-            f'"{SECTION}": {{"enabled": true}} or pass config=',
-        )
+        raise _section_error("", f"the DeepSpeed config has no enabled \"{SECTION}\" section; add "
+                             f"\"{SECTION}\": {{\"enabled\": true}} or pass config=")
     _check_engine(engine)
     raw = engine.config if isinstance(engine.config, dict) else engine._config._param_dict
     stage = check_zero(_zero_section(raw) | {"stage": engine.zero_optimization_stage()}, section)
@@ -773,28 +660,19 @@ def install(engine, config=None) -> DeepSpeedState:
     if isinstance(engine.optimizer, DeepSpeedZeroOptimizer) and stage < 3:
         opt = engine.optimizer
         plugin.patch(opt, "allreduce_bucket", functools.partial(_zero_allreduce_bucket, plugin, opt))
-        plugin.patch(
-            opt, "gradient_reduction_w_predivide", functools.partial(_zero_gradient_reduction_w_predivide, plugin, opt)
-        )
+        plugin.patch(opt, "gradient_reduction_w_predivide",
+                     functools.partial(_zero_gradient_reduction_w_predivide, plugin, opt))
     plugin.patch(engine, "step", _wrap_step(plugin, engine.step))
     engine._comm_codec = plugin
     if engine.global_rank == 0:
-        ds_logger.info(
-            "comm_codec installed: ZeRO stage %d, %s, books %s, warmup %d, cast %s, mode %s, coding %s",
-            stage,
-            type(engine.optimizer).__name__,
-            section.codebooks,
-            section.warmup_steps,
-            section.cast,
-            section.mode,
-            "/".join(plugin.kinds),
-        )
+        ds_logger.info("comm_codec installed: ZeRO stage %d, %s, books %s, warmup %d, cast %s, mode %s, coding %s",
+                 stage, type(engine.optimizer).__name__, section.codebooks, section.warmup_steps, section.cast,
+                 section.mode, "/".join(plugin.kinds))
     return plugin
 
 
-def register(
-    engine, *, config: CommConfig | None = None, kinds=None, monitor: bool = True, **options
-) -> DeepSpeedState:
+def register(engine, *, config: CommConfig | None = None, kinds=None, monitor: bool = True,
+             **options) -> DeepSpeedState:
     """Code the gradient reduction (and ZeRO-3's parameter fetch) of a DeepSpeed engine; return its state.
 
     The same keywords as ``HuffmanState`` and ``comm_codec.fsdp.register``, plus the
@@ -889,10 +767,8 @@ def stats(engine) -> TrafficStats:
     if plugin is None and getattr(engine, "_comm_codec_disabled", False):
         return _disabled_stats()
     if plugin is None:
-        raise ValueError(
-            "this engine has no comm_codec plugin; build it with comm_codec.deepspeed.initialize "
-            'and an enabled "comm_codec" config section, or call comm_codec.deepspeed.install'
-        )
+        raise ValueError("this engine has no comm_codec plugin; build it with comm_codec.deepspeed.initialize "
+                         "and an enabled \"comm_codec\" config section, or call comm_codec.deepspeed.install")
     return plugin.stats()
 
 

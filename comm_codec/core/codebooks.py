@@ -94,7 +94,7 @@ def as_codebook_set(books) -> CodebookSet:
     if books is None:
         return CodebookSet.default()
     if isinstance(books, (str, os.PathLike)):
-        if not os.path.isfile(books):
+        if not os.path.exists(books):  # a FIFO or device goes on to the loader, which refuses it by name
             raise CodebookError(
                 f"codebooks={os.fspath(books)!r}: no such file; allowed: a CodebookSet, the path "
                 "of a file saved by CodebookSet.save, or None"

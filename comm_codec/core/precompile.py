@@ -36,9 +36,12 @@ import time
 from typing import TYPE_CHECKING
 
 import numpy as np
-from numba.core import event as _event  # noqa: E402 - after kernels.jit (see above)
 
 from ..kernels import jit as _jit  # first: it names a bad NUMBA_* setting in its error
+
+# isort: split
+from numba.core import event as _event  # after kernels.jit (see above)
+
 from ..kernels.histogram import chunk_histograms, huffman_costs
 from .huffman import Codebook
 from .streams import SUPPORTED_NAMES, as_bits, is_accumulable, spec_for

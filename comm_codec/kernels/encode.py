@@ -48,18 +48,7 @@ from .layout import CHUNK_MASK, CHUNK_RAW0, CHUNK_ZERO, LANE_HEADER, LANES, MIN_
 from .plane import plane_bytes, write_plane
 from .symbols import chunk_ref, count_zeros, element_layout, hash_words, stream_params, symbol, symbols0
 
-__all__ = [
-    "plan_range",
-    "encode_range",
-    "plan_chunks",
-    "encode_chunks",
-    "encode_frame",
-    "encode_frame_into",
-    "frame_room",
-    "pair_tables",
-    "PAIR_ENTRIES",
-    "PAIR_SLOW",
-]
+__all__ = ["plan_range", "encode_range", "plan_chunks", "encode_chunks", "encode_frame", "encode_frame_into", "frame_room", "pair_tables", "PAIR_ENTRIES", "PAIR_SLOW"]
 
 _U64_0 = np.uint64(0)
 # Flags passed to helpers as typed values, not literals: numba compiles a helper again
@@ -223,7 +212,8 @@ def _plan_chunk(bits, lo, hi, c, exp_shift, split, enc_len, nbooks, raw_stream, 
     seg0 = np.int64(0)
     k0 = 0
     if early:
-        seg0, k0 = _size_stream(bits, lo, hi, first, exp_shift, split, ref, enc_len[first], nbooks[first], hist, priced)
+        seg0, k0 = _size_stream(bits, lo, hi, first, exp_shift, split, ref, enc_len[first], nbooks[first], hist,
+                                priced)
     width, _, _ = element_layout(bits)
     byte0 = hist[0, 0] + hist[1, 0] + hist[2, 0] + hist[3, 0] if early else np.int64(-1)
     if byte0 == 0 or (byte0 > 0 and width == 1):
@@ -291,28 +281,14 @@ def plan_range(bits, chunk_elems, exp_shift, split, enc_len, nbooks, raw_stream,
     n = bits.size
     for c in range(max(0, c0), min(c1, cflags.size)):
         lo = c * chunk_elems
-        _plan_chunk(
-            bits,
-            lo,
-            min(n, lo + chunk_elems),
-            c,
-            exp_shift,
-            split,
-            enc_len,
-            nbooks,
-            raw_stream,
-            cflags,
-            refs,
-            books,
-            sizes,
-        )
+        _plan_chunk(bits, lo, min(n, lo + chunk_elems), c, exp_shift, split, enc_len, nbooks, raw_stream, cflags, refs,
+                    books, sizes)
 
 
 def plan_chunks(bits, chunk_elems, exp_shift, split, enc_len, nbooks, raw_stream, cflags, refs, books, sizes):
     """Plan every chunk on the calling thread: :func:`plan_range` over all of them."""
-    plan_range(
-        bits, chunk_elems, exp_shift, split, enc_len, nbooks, raw_stream, cflags, refs, books, sizes, 0, cflags.size
-    )
+    plan_range(bits, chunk_elems, exp_shift, split, enc_len, nbooks, raw_stream, cflags, refs, books, sizes, 0,
+               cflags.size)
 
 
 @inline
@@ -348,7 +324,8 @@ def _pack(view, sh, sub, top, ra, mask, codes, lens, out64, w, wlimit):
         l0 = np.int64(lens[s0])
         l01 = l0 + np.int64(lens[s1])
         ln = l01 + np.int64(lens[s2])
-        code = np.uint64(codes[s0]) | (np.uint64(codes[s1]) << np.uint64(l0)) | (np.uint64(codes[s2]) << np.uint64(l01))
+        code = (np.uint64(codes[s0]) | (np.uint64(codes[s1]) << np.uint64(l0))
+                | (np.uint64(codes[s2]) << np.uint64(l01)))
         total += ln
         acc |= code << np.uint64(nb)
         nb += ln
@@ -389,8 +366,8 @@ def pair_tables(enc_code, enc_len, pair_code, pair_len):
         for b in range(256):
             lb = np.int64(lens[b])
             cb = np.uint64(codes[b])
-            pc = pair_code[k, 256 * b : 256 * (b + 1)]
-            pl = pair_len[k, 256 * b : 256 * (b + 1)]
+            pc = pair_code[k, 256 * b:256 * (b + 1)]
+            pl = pair_len[k, 256 * b:256 * (b + 1)]
             for a in range(256):
                 la = np.int64(lens[a])
                 fits = la + lb <= 32
@@ -462,11 +439,8 @@ def _pack_pairs(sym, n, codes, lens, pair_code, pair_len, out8, pos, tail, limit
         if ln > _STEP_BITS:
             p, acc, nb = _pack_singles(sym, 6 * k, 6 * k + 6, codes, lens, out8, p, acc, nb)
             continue
-        code = (
-            np.uint64(pair_code[i0])
-            | (np.uint64(pair_code[i1]) << np.uint64(l0))
-            | (np.uint64(pair_code[i2]) << np.uint64(l01))
-        )
+        code = (np.uint64(pair_code[i0]) | (np.uint64(pair_code[i1]) << np.uint64(l0))
+                | (np.uint64(pair_code[i2]) << np.uint64(l01)))
         acc |= code << np.uint64(nb)
         nb += ln
         store64(out8, p, acc)
@@ -523,25 +497,23 @@ def _raw_bytes(src, s, sub, dst):
     q = 0
     if ra == 1 and width == 2:  # stream 1: the low byte, rotated left by one (the sign to bit 0)
         q = n // 4
-        words = src[: 4 * q].view(np.uint64)
-        d4 = dst[: 4 * q].view(np.uint32)
+        words = src[:4 * q].view(np.uint64)
+        d4 = dst[:4 * q].view(np.uint32)
         for k in range(q):
             x = words[k]
-            y = ((x << np.uint64(1)) & np.uint64(0x00FE00FE00FE00FE)) | (
-                (x >> np.uint64(15)) & np.uint64(0x0001000100010001)
-            )
+            y = ((x << np.uint64(1)) & np.uint64(0x00FE00FE00FE00FE)) | ((x >> np.uint64(15))
+                                                                        & np.uint64(0x0001000100010001))
             y = (y | (y >> np.uint64(8))) & np.uint64(0x0000FFFF0000FFFF)
             d4[k] = np.uint32((y | (y >> np.uint64(16))) & np.uint64(0xFFFFFFFF))
     elif ra == 1 and width == 4:
         q = n // 2
-        words = src[: 2 * q].view(np.uint64)
-        d2 = dst[: 2 * q].view(np.uint16)
+        words = src[:2 * q].view(np.uint64)
+        d2 = dst[:2 * q].view(np.uint16)
         if s == 3:  # the low byte, rotated
             for k in range(q):
                 x = words[k]
-                y = ((x << np.uint64(1)) & np.uint64(0x000000FE000000FE)) | (
-                    (x >> np.uint64(31)) & np.uint64(0x0000000100000001)
-                )
+                y = ((x << np.uint64(1)) & np.uint64(0x000000FE000000FE)) | ((x >> np.uint64(31))
+                                                                            & np.uint64(0x0000000100000001))
                 d2[k] = np.uint16((y | (y >> np.uint64(24))) & np.uint64(0xFFFF))
         else:  # a middle byte: one bit lower in the element than in the rotated element
             shift = np.uint64(sh - 1)
@@ -558,7 +530,7 @@ def _write_raw(src, s, exp_shift, ref, out8, pos, size):
     """Write stream s of src uncoded at pos, zero-padded to 8 bytes."""
     _, sub, _, _, _ = stream_params(src, s, exp_shift, ref)
     count = src.size
-    dst = out8[pos : pos + ((size + 7) & ~7)]
+    dst = out8[pos:pos + ((size + 7) & ~7)]
     _raw_bytes(src, s, sub, dst)
     for k in range(count, dst.size):
         dst[k] = 0
@@ -574,18 +546,17 @@ def _lane_symbols(view, sub, sym):
 @overload(_lane_symbols, jit_options=OVERLOAD_OPTIONS)
 def _ol_lane_symbols(view, sub, sym):
     if view.dtype.signed and view.dtype.bitwidth == 8:
-
         def impl_bytes(view, sub, sym):
             if sub == 0:
                 return view.view(np.uint8)
             symbols0(view, sub, sym)
-            return sym[: view.size]
+            return sym[:view.size]
 
         return impl_bytes
 
     def impl(view, sub, sym):
         symbols0(view, sub, sym)
-        return sym[: view.size]
+        return sym[:view.size]
 
     return impl
 
@@ -624,10 +595,10 @@ def _write_segment(src, s, exp_shift, split, ref, codes, lens, pair_code, pair_l
         for k in range(LANES):
             if wpos >= limit:
                 return -1, byte0
-            view = src[k * count // LANES : (k + 1) * count // LANES]
-            lane = _lane_symbols(view, sub, sym[k * count // LANES :] if split else sym)
+            view = src[k * count // LANES: (k + 1) * count // LANES]
+            lane = _lane_symbols(view, sub, sym[k * count // LANES:] if split else sym)
             if zeros0:
-                byte0 += _count_value(lane[: view.size], (-sub) & 255)  # the symbol of byte 0
+                byte0 += _count_value(lane[:view.size], (-sub) & 255)  # the symbol of byte 0
             bits = _pack_pairs(lane, view.size, codes, lens, pair_code, pair_len, out8, wpos, tail, limit)
             if bits < 0:
                 return -1, byte0
@@ -647,7 +618,7 @@ def _write_segment(src, s, exp_shift, split, ref, codes, lens, pair_code, pair_l
     else:
         wlimit = (limit + 7) // 8
         for k in range(LANES):
-            view = src[k * count // LANES : (k + 1) * count // LANES]
+            view = src[k * count // LANES: (k + 1) * count // LANES]
             bits = _pack(view, sh, sub, top, ra, mask, codes, lens, out64, wpos // 8, wlimit)
             if bits < 0:
                 return -1, byte0
@@ -658,16 +629,15 @@ def _write_segment(src, s, exp_shift, split, ref, codes, lens, pair_code, pair_l
 
 
 @jit
-def _encode_chunk(
-    src, c, flags, ref, chosen, sizes, pos, exp_shift, split, enc_code, enc_len, pair_code, pair_len, out8, out64
-):
+def _encode_chunk(src, c, flags, ref, chosen, sizes, pos, exp_shift, split, enc_code, enc_len, pair_code, pair_len,
+                  out8, out64):
     """Write one chunk's payload from byte pos; return the end position."""
     if flags & CHUNK_ZERO:
         return pos
     if flags & CHUNK_MASK:
         pos = _write_mask(src, out8, pos)
         kept = np.empty(src.size, dtype=src.dtype)
-        src = kept[: _compact(src, kept)]
+        src = kept[:_compact(src, kept)]
     for s in range(enc_len.shape[0]):
         size = np.int64(sizes[c, s])
         if flags & (CHUNK_RAW0 << s):
@@ -675,48 +645,15 @@ def _encode_chunk(
         else:
             k = (chosen >> (4 * s)) & 15
             kp = k if s == 0 else 0  # pair tables are stream 0's
-            _write_segment(
-                src,
-                s,
-                exp_shift,
-                split,
-                ref,
-                enc_code[s, k],
-                enc_len[s, k],
-                pair_code[kp],
-                pair_len[kp],
-                out8,
-                out64,
-                pos,
-                pos + size,
-                _NO,
-            )
+            _write_segment(src, s, exp_shift, split, ref, enc_code[s, k], enc_len[s, k], pair_code[kp], pair_len[kp],
+                           out8, out64, pos, pos + size, _NO)
         pos += (size + 7) & ~7
     return pos
 
 
 @entry
-def encode_range(
-    bits,
-    chunk_elems,
-    exp_shift,
-    split,
-    enc_code,
-    enc_len,
-    pair_code,
-    pair_len,
-    cflags,
-    refs,
-    books,
-    sizes,
-    offsets,
-    out8,
-    out64,
-    checksums,
-    do_checksum,
-    c0,
-    c1,
-):
+def encode_range(bits, chunk_elems, exp_shift, split, enc_code, enc_len, pair_code, pair_len, cflags, refs, books,
+                 sizes, offsets, out8, out64, checksums, do_checksum, c0, c1):
     """Write chunk c0..c1-1's payload at its offset (as planned by :func:`plan_chunks`).
 
     Args:
@@ -735,68 +672,17 @@ def encode_range(
     for c in range(max(0, c0), min(c1, cflags.size)):
         lo = c * chunk_elems
         hi = min(n, lo + chunk_elems)
-        end = _encode_chunk(
-            bits[lo:hi],
-            c,
-            cflags[c],
-            np.int64(refs[c]),
-            np.int64(books[c]),
-            sizes,
-            offsets[c],
-            exp_shift,
-            split,
-            enc_code,
-            enc_len,
-            pair_code,
-            pair_len,
-            out8,
-            out64,
-        )
+        end = _encode_chunk(bits[lo:hi], c, cflags[c], np.int64(refs[c]), np.int64(books[c]), sizes,
+                            offsets[c], exp_shift, split, enc_code, enc_len, pair_code, pair_len, out8, out64)
         start = offsets[c] // 8
         checksums[c] = hash_words(out64, start, end // 8 - start, c) if do_checksum else 0
 
 
-def encode_chunks(
-    bits,
-    chunk_elems,
-    exp_shift,
-    split,
-    enc_code,
-    enc_len,
-    pair_code,
-    pair_len,
-    cflags,
-    refs,
-    books,
-    sizes,
-    offsets,
-    out8,
-    out64,
-    checksums,
-    do_checksum,
-):
+def encode_chunks(bits, chunk_elems, exp_shift, split, enc_code, enc_len, pair_code, pair_len, cflags, refs, books,
+                  sizes, offsets, out8, out64, checksums, do_checksum):
     """Write every chunk's payload on the calling thread: :func:`encode_range` over all of them."""
-    encode_range(
-        bits,
-        chunk_elems,
-        exp_shift,
-        split,
-        enc_code,
-        enc_len,
-        pair_code,
-        pair_len,
-        cflags,
-        refs,
-        books,
-        sizes,
-        offsets,
-        out8,
-        out64,
-        checksums,
-        do_checksum,
-        0,
-        cflags.size,
-    )
+    encode_range(bits, chunk_elems, exp_shift, split, enc_code, enc_len, pair_code, pair_len, cflags, refs, books, sizes,
+                 offsets, out8, out64, checksums, do_checksum, 0, cflags.size)
 
 
 def _crc_table() -> np.ndarray:
@@ -826,27 +712,8 @@ def _crc32(data):
 
 
 @jit
-def _write_chunk(
-    bits,
-    lo,
-    hi,
-    c,
-    exp_shift,
-    split,
-    enc_code,
-    enc_len,
-    nbooks,
-    raw_stream,
-    pair_code,
-    pair_len,
-    cflags,
-    refs,
-    books,
-    sizes,
-    out8,
-    out64,
-    pos,
-):
+def _write_chunk(bits, lo, hi, c, exp_shift, split, enc_code, enc_len, nbooks, raw_stream, pair_code, pair_len, cflags,
+                 refs, books, sizes, out8, out64, pos):
     """Write chunk c, elements bits[lo:hi], at pos, with its entry of the plan; return the end.
 
     The same decisions and bytes as :func:`_plan_chunk` then :func:`_encode_chunk`,
@@ -878,22 +745,8 @@ def _write_chunk(
         sz, sn = _sample_zeros(bits, lo, hi)
         direct = 4 * sz * zero_cost <= 3 * sn
     if direct:
-        seg0, byte0 = _write_segment(
-            src,
-            0,
-            exp_shift,
-            split,
-            ref,
-            enc_code[0, 0],
-            enc_len[0, 0],
-            pair_code[0],
-            pair_len[0],
-            out8,
-            out64,
-            pos,
-            pos + count,
-            _YES,
-        )
+        seg0, byte0 = _write_segment(src, 0, exp_shift, split, ref, enc_code[0, 0], enc_len[0, 0], pair_code[0],
+                                     pair_len[0], out8, out64, pos, pos + count, _YES)
         width, _, _ = element_layout(src)
         if seg0 >= 0 and (byte0 == 0 or width == 1):
             zeros = byte0  # an all-zero element's bytes are all 0 (and it is that byte alone)
@@ -902,23 +755,8 @@ def _write_chunk(
         direct = zeros < count and not _mask_pays(zeros, count, zero_cost)
     if not direct:
         _plan_chunk(bits, lo, hi, c, exp_shift, split, enc_len, nbooks, raw_stream, cflags, refs, books, sizes)
-        return _encode_chunk(
-            bits[lo:hi],
-            c,
-            cflags[c],
-            np.int64(refs[c]),
-            np.int64(books[c]),
-            sizes,
-            pos,
-            exp_shift,
-            split,
-            enc_code,
-            enc_len,
-            pair_code,
-            pair_len,
-            out8,
-            out64,
-        )
+        return _encode_chunk(bits[lo:hi], c, cflags[c], np.int64(refs[c]), np.int64(books[c]), sizes, pos, exp_shift,
+                             split, enc_code, enc_len, pair_code, pair_len, out8, out64)
     refs[c] = ref
     books[c] = 0
     flags = 0
@@ -927,22 +765,8 @@ def _write_chunk(
         if raw_stream[s]:
             seg = -1
         elif s > 0:
-            seg, _ = _write_segment(
-                src,
-                s,
-                exp_shift,
-                split,
-                ref,
-                enc_code[s, 0],
-                enc_len[s, 0],
-                pair_code[0],
-                pair_len[0],
-                out8,
-                out64,
-                pos,
-                pos + count,
-                _NO,
-            )
+            seg, _ = _write_segment(src, s, exp_shift, split, ref, enc_code[s, 0], enc_len[s, 0], pair_code[0],
+                                    pair_len[0], out8, out64, pos, pos + count, _NO)
         if seg < 0 or seg > count - _min_saving(s, count):
             flags |= CHUNK_RAW0 << s
             seg = count
@@ -967,21 +791,8 @@ def frame_room(n, chunk_elems, ns, head_bytes):
     return room
 
 
-def encode_frame(
-    bits,
-    chunk_elems,
-    exp_shift,
-    split,
-    enc_code,
-    enc_len,
-    nbooks,
-    raw_stream,
-    pair_code,
-    pair_len,
-    head,
-    version_books,
-    do_checksum,
-):
+def encode_frame(bits, chunk_elems, exp_shift, split, enc_code, enc_len, nbooks, raw_stream, pair_code, pair_len, head,
+                 version_books, do_checksum):
     """Plan and write a whole frame in one call, without threads; return it.
 
     :func:`encode_frame_into` into an array of its own (a Python function: a kernel of
@@ -994,44 +805,16 @@ def encode_frame(
     """
     room = frame_room(bits.size, chunk_elems, enc_len.shape[0], head.size)
     out8 = np.empty((room + 7) // 8, dtype=np.uint64).view(np.uint8)[:room]  # 8-byte aligned
-    pos = encode_frame_into(
-        bits,
-        chunk_elems,
-        exp_shift,
-        split,
-        enc_code,
-        enc_len,
-        nbooks,
-        raw_stream,
-        pair_code,
-        pair_len,
-        head,
-        version_books,
-        do_checksum,
-        out8,
-    )
+    pos = encode_frame_into(bits, chunk_elems, exp_shift, split, enc_code, enc_len, nbooks, raw_stream, pair_code,
+                            pair_len, head, version_books, do_checksum, out8)
     # The frame is the front of the room; a frame under half of it (zeros) gets an array
     # of its own, so that it never holds more than twice its size.
     return out8[:pos] if 2 * pos >= room else out8[:pos].copy()
 
 
 @entry
-def encode_frame_into(
-    bits,
-    chunk_elems,
-    exp_shift,
-    split,
-    enc_code,
-    enc_len,
-    nbooks,
-    raw_stream,
-    pair_code,
-    pair_len,
-    head,
-    version_books,
-    do_checksum,
-    out8,
-):
+def encode_frame_into(bits, chunk_elems, exp_shift, split, enc_code, enc_len, nbooks, raw_stream, pair_code, pair_len,
+                      head, version_books, do_checksum, out8):
     """Plan and write a whole frame into out8 in one call, without threads; return its size.
 
     The same bytes as :func:`plan_chunks`, :func:`encode_chunks` and the frame header
@@ -1070,8 +853,8 @@ def encode_frame_into(
     sizes = np.zeros((nchunks, ns), dtype=np.uint32)
     entry_bytes = (8 + 4 * ns + 7) & ~7
     pos = head.size + nchunks * entry_bytes + 8  # the first payload
-    out64 = out8[: out8.size // 8 * 8].view(np.uint64)
-    out8[: head.size] = head
+    out64 = out8[:out8.size // 8 * 8].view(np.uint64)
+    out8[:head.size] = head
     for k in range(8):
         out8[_NUMEL_AT + k] = (n >> (8 * k)) & 255
     _put_u32(out8, _NCHUNKS_AT, nchunks)
@@ -1080,27 +863,8 @@ def encode_frame_into(
     for c in range(nchunks):
         lo = c * chunk_elems
         start = pos
-        pos = _write_chunk(
-            bits,
-            lo,
-            min(n, lo + chunk_elems),
-            c,
-            exp_shift,
-            split,
-            enc_code,
-            enc_len,
-            nbooks,
-            raw_stream,
-            pair_code,
-            pair_len,
-            cflags,
-            refs,
-            books,
-            sizes,
-            out8,
-            out64,
-            pos,
-        )
+        pos = _write_chunk(bits, lo, min(n, lo + chunk_elems), c, exp_shift, split, enc_code, enc_len, nbooks,
+                           raw_stream, pair_code, pair_len, cflags, refs, books, sizes, out8, out64, pos)
         checksum = hash_words(out64, start // 8, (pos - start) // 8, c) if do_checksum else np.uint32(0)
         named |= books[c] != 0
         out8[at] = cflags[c]
