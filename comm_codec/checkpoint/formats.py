@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CODABLE",
     "CODABLE_NAMES",
+    "ST_DTYPES",
     "FileTensor",
     "find_tensors",
     "find_tensors_noted",
@@ -198,7 +199,7 @@ def _opaque_note(fmt: str, tensors: list[FileTensor], size: int) -> str | None:
     )
 
 
-_ST_DTYPES = {
+ST_DTYPES = {
     "F64": "float64",
     "F32": "float32",
     "F16": "float16",
@@ -239,7 +240,7 @@ def _safetensors_tensors(m: FileMap) -> list[FileTensor]:
             and all(isinstance(d, int) and d >= 0 for d in shape)
         ):
             raise ValueError(f"tensor {name!r}: malformed entry")
-        dtype = _ST_DTYPES.get(info["dtype"], str(info["dtype"]))
+        dtype = ST_DTYPES.get(info["dtype"], str(info["dtype"]))
         # Exact integers: a shape whose product wraps int64 must not pass for the size. A
         # shape no reader could take (dims past 2^62, 64+ dims) is not recorded at all.
         if len(shape) > 64 or any(d > 1 << 62 for d in shape) or math.prod(shape) > 1 << 62:

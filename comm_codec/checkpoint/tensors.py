@@ -35,27 +35,10 @@ from .container import parse_json, zstd_bounded
 from .errors import CheckpointError
 from .exact_index import load_index
 from .files import FileMap
+from .formats import ST_DTYPES  # safetensors' dtype names -> torch dtype attribute names
 
 __all__ = ["load_file", "safe_open", "open", "CompressedTensors"]
 
-# safetensors' dtype names -> torch dtype attribute names.
-_ST_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "U16": "uint16",
-    "U32": "uint32",
-    "U64": "uint64",
-}
 # Largest safetensors header read (safetensors itself refuses more than 100 MB).
 _MAX_HEADER = 100 << 20
 # Decoded opaque segments kept for the next tensor (small tensors share segments).
@@ -152,7 +135,7 @@ def _header(read, size: int, path: str) -> tuple[list, int]:
         if name == "__metadata__":
             continue
         try:
-            dtype = _ST_DTYPES[info["dtype"]]
+            dtype = ST_DTYPES[info["dtype"]]
             shape = info["shape"]
             begin, end = info["data_offsets"]
             ok = (
