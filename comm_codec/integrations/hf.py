@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import warnings
 
 from transformers import TrainerCallback
 
@@ -78,8 +79,13 @@ def _wrapped(model):
         return model
     ds_engine = sys.modules.get("deepspeed.runtime.engine")
     wrappers = (DistributedDataParallel,) + ((ds_engine.DeepSpeedEngine,) if ds_engine is not None else ())
-    for owner in gc.get_objects():  # once per training run: tens of milliseconds
-        if isinstance(owner, wrappers) and owner.module is model:
+    with warnings.catch_warnings():
+        # isinstance() on every live object touches deprecated module proxies (torch's
+        # ``reduce_op``), whose FutureWarning would otherwise reach the user's log.
+        warnings.simplefilter("ignore", FutureWarning)
+        owners = [o for o in gc.get_objects() if isinstance(o, wrappers)]  # once per run: tens of ms
+    for owner in owners:
+        if owner.module is model:
             return owner
     raise RuntimeError(
         "CommCodecCallback: the Trainer's model is wrapped neither in DistributedDataParallel "
