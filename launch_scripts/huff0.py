@@ -237,6 +237,32 @@ def _datasets(names: list) -> list:
     return out
 
 
+def self_test(lib: str | None = None) -> None:
+    """Round-trip a single-symbol, a raw and a skewed block through the built library.
+
+    Raises:
+        AssertionError: the library does not give back what it was given, or accepts sizes
+            that do not describe its payload.
+    """
+    coder = Huff0(lib)
+    g = np.random.default_rng(0)
+    parts = [
+        np.full(BLOCK, 7, np.uint8),  # one symbol: huff0 stores one byte
+        g.integers(0, 256, BLOCK, dtype=np.uint8),  # incompressible: stored raw
+        (120 + g.geometric(0.5, 3 * BLOCK + 123)).astype(np.uint8),
+    ]
+    data = np.concatenate(parts)
+    payload, sizes = coder.compress(data)
+    assert sizes[0] == 1 and sizes[1] == BLOCK and payload.size < data.size, sizes
+    assert np.array_equal(coder.decompress(payload, sizes, data.size), data)
+    try:
+        coder.decompress(payload[:-1], sizes, data.size)
+    except ValueError as exc:
+        assert "do not describe" in str(exc), exc
+    else:
+        raise AssertionError("a truncated payload was accepted")
+
+
 def main(argv=None) -> int:
     """Time huff0 against the codec on exponent streams; print a table (symbols per second)."""
     parser = argparse.ArgumentParser(prog="python launch_scripts/huff0.py", description=main.__doc__)
@@ -245,8 +271,17 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--lib", default=None, help="the built huff0 library (default: %(default)s -> " + default_path() + ")"
     )
+    parser.add_argument("--self-test", action="store_true", help="check the built library's round trip, then exit")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    if args.self_test:
+        try:
+            self_test(args.lib)
+        except (FileNotFoundError, OSError) as exc:
+            print(f"huff0: {exc}", file=sys.stderr)
+            return 2
+        print("huff0: the library round-trips")
+        return 0
     from comm_codec.tools.pretrained import MODELS, model_path
 
     models = [m for m in args.models.split(",") if m]
