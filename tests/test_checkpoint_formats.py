@@ -73,6 +73,7 @@ def _tensor_items(root) -> int:
     return sum(len(v.chunks) for v in md.state_dict_metadata.values() if isinstance(v, TensorStorageMetadata))
 
 
+@pytest.mark.slow
 def test_distcp_every_tensor_of_every_record_is_found_and_coded(small_dcp, tmp_path):
     files = sorted(small_dcp.glob("*.distcp"))
     found = 0
@@ -237,6 +238,7 @@ def hf_model(tmp_path_factory):
     return src, root / "packed"
 
 
+@pytest.mark.slow
 def test_load_file_and_lazy_open_are_bit_exact_against_safetensors(hf_model):
     from safetensors.torch import load_file as st_load_file
 

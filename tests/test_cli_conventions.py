@@ -249,6 +249,7 @@ def test_ls_lists_every_entry_and_which_share_a_storage(tmp_path, capsys):
     assert _bytes(tmp_path / "back.pt") == _bytes(tmp_path / "lstm.pt")
 
 
+@pytest.mark.slow
 def test_the_program_sets_numba_up_without_blas_and_leaves_scipy_importable(tmp_path):
     """The command line keeps numba from importing scipy.linalg to look for BLAS (no kernel
     does linear algebra); scipy.linalg still imports afterwards, the kernels still run, and

@@ -608,6 +608,7 @@ def test_short_codes_at_lane_ends_round_trip(chunk_elems, n, spread, seed, maske
 
 
 # -- recycled output memory (kernels.output_pool) ----------------------------------------------
+@pytest.mark.slow
 def test_output_memory_returns_to_the_pool_only_when_no_tensor_uses_it():
     import gc
 

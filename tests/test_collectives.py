@@ -124,6 +124,7 @@ def _w_all_reduce(rank, world, dtype_name, average):
         [(w, f"world{w}") for w in (2, 3)],
     ),
 )
+@pytest.mark.slow
 def test_all_reduce_bit_exact_rank_order(world, dtype_name, average):
     results = dist_utils.run(_w_all_reduce, world, dtype_name, average)
     itemsize = FLOATS[dtype_name].itemsize
@@ -238,6 +239,7 @@ def _w_all_gather(rank, world):
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+@pytest.mark.slow
 def test_all_gather_bit_exact_every_dtype(world):
     for s in dist_utils.run(_w_all_gather, world):
         assert s["bytes_in"] > 0 and s["bytes_out"] > 0
@@ -462,6 +464,7 @@ def _w_send_recv_subgroup(rank, world):
     return None
 
 
+@pytest.mark.slow
 def test_send_recv_ranks_are_group_ranks():
     results = dist_utils.run(_w_send_recv_subgroup, 3, timeout=30)
     assert results[1] is None, f"send to group rank 1 failed: {results[1]}"
@@ -507,6 +510,7 @@ def _w_row_parallel(rank, world):
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+@pytest.mark.slow
 def test_row_parallel_all_reduce_forward_sum_backward_identity(world):
     results = dist_utils.run(_w_row_parallel, world)
     assert len({r["y"] for r in results}) == 1
@@ -648,6 +652,7 @@ def test_a_peer_announcing_an_impossible_size_fails_every_honest_rank_in_time(cl
 
 
 @pytest.mark.unit
+@pytest.mark.slow
 def test_a_first_coded_call_that_waits_for_kernels_says_so(monkeypatch, caplog):
     """A compile still running when the first coded call comes: silent for 2 s, then a WARNING
     that names the dtypes and how long it has run, then one when they are ready."""

@@ -739,6 +739,7 @@ def test_cuda_kernels_in_simulator():
     assert " passed" in stdout and "skipped" not in stdout, tail
 
 
+@pytest.mark.slow
 def test_bench_gpu_says_clearly_when_there_is_no_gpu():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the benchmark would run")

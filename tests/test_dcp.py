@@ -533,6 +533,7 @@ def saved_on_two(tmp_path_factory):
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_fsdp2_save_async_save_and_load_on_two_ranks(saved_on_two):
     _, results = saved_on_two
     assert all(off_thread for _, off_thread in results)  # async_save coded on DCP's thread

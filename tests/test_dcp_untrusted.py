@@ -182,6 +182,7 @@ def test_a_value_pickle_over_the_bound_is_refused(tmp_path, plain_dir):
     _fails_fast(lambda: ccd.load(_target(plain_dir[1]), d), "more than the", seconds=3.0)
 
 
+@pytest.mark.slow
 def test_a_value_pickle_at_the_bound_loads_in_bounded_time(tmp_path, plain_dir):
     d = _copy(plain_dir[0], tmp_path)
     cr.point_value_at(d, "meta", cr.stored_torch_record(cr.slow_pickle(_dcp_items.MAX_VALUE_PICKLE - 100)))

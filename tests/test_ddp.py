@@ -850,6 +850,7 @@ def _w_demo(rank, world):
     return train(TrainConfig(steps=4, warmup_steps=2))
 
 
+@pytest.mark.slow
 def test_demo_codes_always_and_says_what_auto_would_decide():
     results = dist_utils.run(_w_demo, 2, timeout=60)
     for s in results:

@@ -500,6 +500,7 @@ def test_stats_of_an_engine_without_plugin():
         ccds.stats(nn.Linear(2, 2))
 
 
+@pytest.mark.slow
 def test_without_deepspeed_comm_codec_imports_and_the_plugin_says_how_to_install():
     code = (
         "import sys; sys.modules['deepspeed'] = None\n"

@@ -325,6 +325,7 @@ def _tensor(dtype, n, seed, zero_frac, scale):
     chunk_elems=st.sampled_from([8, 64, 1024]),
     checksum=st.booleans(),
 )
+@pytest.mark.slow
 def test_naive_decoder_reads_codec_frames(default_books, dtype, n, seed, zero_frac, scale, chunk_elems, checksum):
     x = _tensor(dtype, n, seed, zero_frac, scale)
     kind = "gradient"

@@ -568,6 +568,7 @@ def test_auto_mode_switches_mid_run_on_every_rank_at_the_same_step(world, refres
         assert len(set(results[0]["books"])) >= 3
 
 
+@pytest.mark.slow
 def test_drift_refresh_swaps_books_on_every_rank():
     for r in dist_utils.run(_w_refresh, 2):
         assert r["refreshes"] >= 1 and r["drift"] is not None and r["drift"] > 0
@@ -593,6 +594,7 @@ def _w_demo(rank, world):
     return train_fsdp(TrainConfig(steps=4, warmup_steps=2))
 
 
+@pytest.mark.slow
 def test_demo_trains_and_reports():
     results = dist_utils.run(_w_demo, 2, timeout=120)
     for s in results:

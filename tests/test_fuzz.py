@@ -259,6 +259,7 @@ def test_random_bytes(data):
     seed=st.integers(0, 2**32 - 1),
     consistent=st.booleans(),
 )
+@pytest.mark.slow
 def test_structured_random_frames(dtype, numel, chunk_elems, checksum, entries, ids, seed, consistent):
     # A frame with a valid header and CRC, a chunk table whose sizes add up, book ids the
     # codec holds, and random payload bytes. With `consistent`, mask popcounts match raw

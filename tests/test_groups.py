@@ -233,6 +233,7 @@ def test_profiler_argument_errors():
 @given(
     st.lists(st.lists(st.integers(0, 10**6), min_size=256, max_size=256), min_size=1, max_size=4), st.integers(0, 255)
 )
+@pytest.mark.slow
 def test_huffman_costs_match_the_textbook_code(rows, sparse):
     from comm_codec.kernels.histogram import huffman_costs
 
@@ -252,6 +253,7 @@ def test_huffman_costs_match_the_textbook_code(rows, sparse):
         assert out[r] == want
 
 
+@pytest.mark.slow
 def test_cpu_kernel_checks_book_indices_without_the_host(bf16_case):
     # decode_chunks called with a book index the Python layer never checked (past every
     # table): that chunk reports a status, the others decode (numba does not bound-check).

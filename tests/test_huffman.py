@@ -59,6 +59,7 @@ def test_from_counts_is_a_complete_prefix_code_within_the_limit(name):
 
 @settings(max_examples=60)
 @given(st.lists(st.integers(0, 10**6), min_size=256, max_size=256).filter(lambda c: sum(c) > 0))
+@pytest.mark.slow
 def test_from_counts_properties_hold_for_any_counts(counts):
     book = cc.Codebook.from_counts(counts, raw_threshold=None)
     assert int(book.lengths.max()) <= 12 and book.escape_length <= 12
@@ -120,6 +121,7 @@ def test_determinism_same_counts_same_id():
     assert json.dumps(a.to_dict()) == json.dumps(b.to_dict())
 
 
+@pytest.mark.slow
 def test_determinism_across_processes():
     # Another interpreter (another hash seed) must build the byte-identical book.
     counts = [int(x) for x in (DISTRIBUTIONS["power_law"] * 1e6)]
@@ -154,6 +156,7 @@ def _optimal_cost(weights) -> float:
     st.integers(0, 255),
     st.integers(0, 3000),
 )
+@pytest.mark.slow
 def test_optimal_when_the_length_limit_does_not_bind(counts, peak, extra):
     # Every symbol >= 1/(256*24 + 3000) > 2^-13: nothing is escaped; when the unlimited
     # optimum fits in 12 bits, the book must cost exactly the optimum.
@@ -170,6 +173,7 @@ def test_optimal_when_the_length_limit_does_not_bind(counts, peak, extra):
 
 @settings(max_examples=40)
 @given(st.lists(st.integers(0, 5000), min_size=256, max_size=256).filter(lambda c: sum(c) > 0))
+@pytest.mark.slow
 def test_never_worse_than_optimal_plus_escape_floor(counts):
     # With escapes and the length limit in play the book may lose, but never more than the
     # cost of keeping the escape (weight 2^-20) and the 12-bit limit allows: bounded by the
@@ -205,6 +209,7 @@ def test_entropy_and_optimal_lengths_match_naive():
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(1, 1 << 30) | st.integers(1, 4), min_size=1, max_size=257), st.integers(9, 12))
+@pytest.mark.slow
 def test_package_merge_kernel_matches_textbook_package_merge(weights, limit):
     # The kernel keeps only leaf/package flags per level; the reference carries every
     # item's leaves. Small weights force ties, where the tie-breaking must agree too.
@@ -257,6 +262,7 @@ def _naive_tables(lengths, escape_length):
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(0, 1 << 20), min_size=256, max_size=256), st.booleans(), st.integers(0, 3))
+@pytest.mark.slow
 def test_every_table_entry_matches_the_textbook_codes(counts, escapes, drop):
     # Escapes (rare symbols), codes short and long, and books whose code is incomplete
     # (some codes dropped): every one of the 4096 decode slots and 256 encode entries.

@@ -465,6 +465,7 @@ def _fail_listing(title: str, bad: list[str]) -> None:
         pytest.fail(f"{len(bad)} {title}:\n  " + "\n  ".join(sorted(bad, key=_sort_key)), pytrace=False)
 
 
+@pytest.mark.slow
 def test_the_checker_sees_every_layer(package):
     layers = {layer_of(package, m) for m in package.modules}
     assert {

@@ -35,6 +35,7 @@ def test_set_verbosity_shows_the_codec_is_on_and_none_takes_it_back(capsys, quie
         cc.set_verbosity("loud")
 
 
+@pytest.mark.slow
 def test_the_environment_variable_switches_it_on_at_import():
     code = "import comm_codec.ddp as d; d.HuffmanState(mode='never')"
     env = {"COMM_CODEC_VERBOSITY": "info", "PATH": "/usr/bin:/bin"}

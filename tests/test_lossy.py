@@ -77,6 +77,7 @@ def _compress_chain(files, folder, **kw):
 
 
 # -- ExCP chains ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_torch_chain_reconstructs_within_recorded_bounds(series, tmp_path):
     packed = _compress_chain(series, tmp_path)
     for src, ccl in zip(series, packed):
@@ -147,6 +148,7 @@ def test_safetensors_chain_of_five_does_not_drift(tmp_path):
 
 
 @pytest.mark.cli
+@pytest.mark.slow
 def test_metadata_round_trip_and_inspect(series, tmp_path):
     packed = _compress_chain(series[:2], tmp_path, bits=3, alpha=2e-3, beta=1.5)
     index = lossy.read_index(packed[1])

@@ -161,6 +161,7 @@ def test_search_matches_kmeans_on_the_kept_values():
 
 
 @pytest.mark.cli
+@pytest.mark.slow
 def test_cli_max_error_round_trip_and_inspect(tmp_path):
     states = _series(2)
     for k, state in enumerate(states):

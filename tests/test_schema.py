@@ -69,6 +69,7 @@ def _passes(spec, value) -> bool:
 
 @settings(max_examples=400, deadline=None)
 @given(value=_JSON, k=st.integers(0, len(_SPECS) - 1))
+@pytest.mark.slow
 def test_the_fast_walk_passes_nothing_the_naming_walk_refuses(value, k):
     spec = _SPECS[k]
     if spec.ok(value):

@@ -69,6 +69,7 @@ def _selected(result: subprocess.CompletedProcess) -> str:
     return result.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_a_tests_own_tier_replaces_its_modules(tree):
     # every test asserts its own markers; -m selects on the same markers
     assert _selected(_pytest(tree)).startswith("5 passed")

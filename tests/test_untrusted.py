@@ -437,6 +437,7 @@ def _paths(obj, prefix=()):
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(data=st.data())
+@pytest.mark.slow
 def test_any_resealed_index_edit_is_refused_cleanly_or_restores_exactly(corpus, tmp_path_factory, data):
     work = tmp_path_factory.mktemp("hyp")
     name = data.draw(st.sampled_from(["m.cckp", "a.ccl"]))

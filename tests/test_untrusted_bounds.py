@@ -89,6 +89,7 @@ def test_atomic_write_leaves_nothing_on_error(tmp_path):
 
 # -- numba without a writable cache ----------------------------------------------------------
 @pytest.mark.cli
+@pytest.mark.slow
 def test_every_command_works_without_a_writable_numba_cache(tmp_path):
     """A copy of the package where no cache can be written, even by root: ``__pycache__`` is a
     file beside every module, HOME and NUMBA_CACHE_DIR lie under /dev/null."""
@@ -245,6 +246,7 @@ def _peak_mb(op, path, out, threads):
     return {int(row[1]): (row[0], float(row[2]), row[3] if len(row) > 3 else "") for row in rows}
 
 
+@pytest.mark.slow
 def test_memory_in_flight_is_bounded_whatever_the_threads(tmp_path):
     base, chunk = _coded_tensor_file(tmp_path)
     _zero_segments_file(base, tmp_path / "z.cckp", 12, chunk)  # 768 MiB claimed in ~30 kB
@@ -259,6 +261,7 @@ def test_memory_in_flight_is_bounded_whatever_the_threads(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if atomic.TEMP_MARK in n]
 
 
+@pytest.mark.slow
 def test_a_bomb_fails_before_a_byte_is_written(tmp_path):
     base, chunk = _coded_tensor_file(tmp_path)
     _zero_segments_file(base, tmp_path / "z.cckp", 6, chunk)  # 384 MiB, digest wrong
@@ -298,6 +301,7 @@ print([p for p in written if not p.startswith(("/dev/", "/proc/")) and "__pycach
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.slow
 def test_verify_with_a_compressed_base_writes_nothing(tmp_path, threads):
     w = _weights(300_000)
     save_file({"w": w, "v": _weights(7000, torch.float32)}, tmp_path / "a.safetensors")
@@ -354,6 +358,7 @@ def _bzip2_member_zip(name: str, inflated: bytes, claimed: int) -> bytes:
     return bytes(raw)
 
 
+@pytest.mark.slow
 def test_members_and_headers_that_inflate_are_not_inflated(tmp_path):
     import bz2
 

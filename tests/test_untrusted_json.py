@@ -62,6 +62,7 @@ def test_the_estimate_bounds_what_the_parse_holds(shape):
     assert _json.estimate(text) >= peak + len(text), (shape, _json.estimate(text), peak)
 
 
+@pytest.mark.slow
 def test_an_astral_pad_is_refused_before_parsing():
     text = ('{"pad":"\U0001f600' + "a" * (64 << 20) + '"}').encode()
     start = time.perf_counter()
@@ -218,6 +219,7 @@ _PICKLING_COLLECTIVES = {
 }
 
 
+@pytest.mark.slow
 def test_nothing_between_ranks_is_a_pickle():
     """Finding 7: the package, its demos and its launch scripts call no collective that
     unpickles what a peer sends (a peer's ``__reduce__`` would run on every rank)."""

@@ -133,6 +133,7 @@ def test_a_gigabyte_claim_is_streamed_in_bounded_memory(precision_file, tmp_path
     assert after == sorted(before + ["cases.json", "r.json"]), after  # no bad.out, no temp file
 
 
+@pytest.mark.slow
 def test_claims_beyond_what_the_file_holds_fail_before_a_byte_is_written(precision_file, tmp_path):
     _, ccl = precision_file
     # 1 GiB in ~100 kB, and 40 GiB in ~4 MB: all-zero chunks, far past the expansion limit.
@@ -200,6 +201,7 @@ def _printed_bounds(text: str) -> dict:
 
 
 @pytest.mark.parametrize("keep", [2, 9])
+@pytest.mark.slow
 def test_inspect_prints_bounds_that_hold_for_subnormals(tmp_path, keep):
     # Every fp16 and bf16 subnormal (repeated to the 4 kB a tensor needs to be cut), and every
     # 61st fp32 one with its largest (test_rounding_meets_the_subnormal_bound_for_every_pattern

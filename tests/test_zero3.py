@@ -224,6 +224,7 @@ def z3_more():
 # ZeRO-3: bit-identical to the rank-order reference, gathered bits are the owners'
 # ----------------------------------------------------------------------------------------
 @needs_deepspeed
+@pytest.mark.slow
 def test_zero3_losses_and_parameters_bit_identical_to_rank_order_reference(z3):
     for rank, res in enumerate(z3):
         ref_losses, ref_params, _ = res["reference"]
