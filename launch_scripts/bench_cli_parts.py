@@ -32,7 +32,7 @@ import time
 
 _IMPORTS = (
     "import comm_codec.tools.cli as c, comm_codec.core.precompile; c._numba_without_blas(); "
-    "c._numba_without_extensions(); import comm_codec.checkpoint.exact"
+    "c._numba_without_extensions(); c._numba_cache_loads_without_setup(); import comm_codec.checkpoint.exact"
 )
 _LOADS = (
     _IMPORTS

@@ -274,3 +274,38 @@ def test_the_program_sets_numba_up_without_blas_and_leaves_scipy_importable(tmp_
     back = tmp_path / "a.out"
     assert cli.main(["decompress", str(tmp_path / "a.cckp"), str(back), "-q"]) == 0
     assert back.read_bytes() == (tmp_path / "a.bin").read_bytes()
+
+
+def test_the_program_loads_cached_kernels_without_numbas_setup_and_still_compiles(tmp_path):
+    """The command line loads kernels from numba's cache without numba's typing and lowering
+    set-up (none of it is used by cached machine code); a function compiled afterwards
+    still gets all of it, from numba's compiler."""
+    code = (
+        "import sys\n"
+        "import numpy as np\n"
+        "from comm_codec.tools import cli\n"
+        "cli._numba_without_blas()\n"
+        "cli._numba_without_extensions()\n"
+        "cli._numba_cache_loads_without_setup()\n"
+        "cli._numba_cache_loads_without_setup()\n"  # twice: patched once
+        f"assert cli.main(['compress', '-q', {str(tmp_path / 'a.bin')!r}, {str(tmp_path / 'a.cckp')!r}]) == 0\n"
+        f"assert cli.main(['decompress', '-q', {str(tmp_path / 'a.cckp')!r}, {str(tmp_path / 'a.out')!r}]) == 0\n"
+        "assert 'numba.typed.typeddict' not in sys.modules and 'numba.np.random.generator_core' not in sys.modules\n"
+        "import numba\n"
+        "@numba.njit\n"
+        "def f(n):\n"
+        "    d = {}\n"
+        "    a = np.sort(np.random.random(n))\n"
+        "    for i in range(n):\n"
+        "        d[i] = a[i]\n"
+        "    return len(d), a[0] <= a[-1]\n"
+        "assert f(10) == (10, True)\n"
+        "print('OK')\n"
+    )
+    (tmp_path / "a.bin").write_bytes(os.urandom(1000) * 20)
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "OK" in done.stdout
+    assert (tmp_path / "a.out").read_bytes() == (tmp_path / "a.bin").read_bytes()

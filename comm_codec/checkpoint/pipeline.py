@@ -13,7 +13,6 @@ import collections
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import numba
 import numpy as np
 
 __all__ = ["Budget", "Buffers", "batched", "ordered_map", "unbatched"]
@@ -67,7 +66,7 @@ def ordered_map(fn, jobs, threads: int, budget: Budget, cost, inline: bool | Non
     pending = collections.deque()
     it = iter(jobs)
     held = []  # a job the budget did not grant yet
-    ex = ThreadPoolExecutor(threads, thread_name_prefix="comm_codec-ckpt", initializer=_one_kernel_thread)
+    ex = ThreadPoolExecutor(threads, thread_name_prefix="comm_codec-ckpt")
 
     def admit():
         while len(pending) < 2 * threads + 2:
@@ -132,12 +131,6 @@ def unbatched(work):
     """
     for batch, results in work:
         yield from zip(batch, results)
-
-
-def _one_kernel_thread() -> None:
-    """Each worker codes its segment on one thread (the codecs of the checkpoint path are
-    made with ``threads=1``): set once here, not before and after every segment."""
-    numba.set_num_threads(1)
 
 
 class Buffers:

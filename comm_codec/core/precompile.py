@@ -13,12 +13,15 @@ fraction of a second. So:
   it will code, so that a caller can keep compile or cache-load time out of its first
   measured encode and decode (the DDP hook's ``encode_seconds``);
 * whichever call compiles first logs it once, with its duration (:func:`first_use`);
-* and before that, a compile is said while it starts: when one of this package's kernels
-  is still compiling :data:`NOTICE_AFTER` seconds after it started, one WARNING line
-  (logger ``comm_codec.compile``, which a default Python setup prints to stderr) says
-  what compiles, why, how long it usually takes and how to avoid it, once per wait.
+* and before that, a compile is said before it is waited for: when numba takes its
+  compiler lock for one of this package's kernels whose signature is neither loaded nor
+  in numba's cache index, one WARNING line (logger ``comm_codec.compile``, which a
+  default Python setup prints to stderr) says what compiles, why, how long it usually
+  takes and how to avoid it, once per wait. numba's own set-up before its compile event
+  takes seconds on a first use, so the line comes at the lock, not at that event (which
+  still says, :data:`NOTICE_AFTER` seconds in, a compile the index did not foresee).
   Every path (codec, command line, hooks, DeepSpeed, DCP, the demo) gets it, since it
-  listens to numba's own compile events instead of wrapping call sites.
+  listens to numba's own events instead of wrapping call sites.
 
 Where the cache goes: numba writes beside the package (``__pycache__``) when it can, and
 otherwise (a read-only site-packages) under the user's cache directory; set
@@ -31,6 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import pickle
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -223,7 +228,8 @@ def is_precompiled(dtype, profiler: bool = False) -> bool:
     return (bits, True) in _done or (not profiler and (bits, False) in _done)
 
 
-# A compile still running after this many seconds gets its line (see the module's docstring).
+# A compile that was not foreseen (see _CacheLookup) and is still running after this many
+# seconds gets its line (see the module's docstring).
 NOTICE_AFTER = 1.0
 # Compiles closer than this to the previous one's end belong to the same wait (one first
 # use compiles several kernels one after the other): no second line for them.
@@ -235,8 +241,14 @@ _PACKAGE = __name__.split(".")[0] + "."
 _ELEMENTS = {"uint16": "bf16/fp16", "uint32": "fp32", "uint8": "fp8", "int8": "int8/uint8"}
 
 
-def _element_type(args) -> str:
+# Kernels that build a book's tables: their arrays are code lengths and tables, not elements.
+_TABLE_KERNELS = frozenset({"canonical_tables", "pair_tables", "package_merge", "multi_tables"})
+
+
+def _element_type(name: str, args) -> str:
     """The element type a compile is for, as the notice names it: its first element array's."""
+    if name in _TABLE_KERNELS:
+        return "codebook tables"
     for a in args:
         dtype = getattr(a, "dtype", None)
         if dtype is not None and getattr(a, "ndim", 0) == 1 and str(dtype) in _ELEMENTS:
@@ -267,7 +279,8 @@ class _CompileNotice(_event.Listener):
         with self._lock:
             if self._said_at is not None and time.monotonic() - self._last_end < _SAME_WAIT:
                 return  # the wait already said
-        timer = threading.Timer(NOTICE_AFTER, self._say, (disp.py_func.__name__, _element_type(ev.data["args"])))
+        name = disp.py_func.__name__
+        timer = threading.Timer(NOTICE_AFTER, self._say, (name, _element_type(name, ev.data["args"])))
         timer.daemon = True
         self._local.timer = timer
         timer.start()
@@ -290,6 +303,8 @@ class _CompileNotice(_event.Listener):
             if self._said_at is not None and now - self._last_end < _SAME_WAIT + NOTICE_AFTER:
                 return
             self._said_at = now
+            # The wait starts now: a compile event that follows (the one foreseen) is part of it.
+            self._last_end = max(self._last_end, now)
         if _jit.CACHING:
             why, after = "first use on this machine (not in numba's cache)", f"then cached in {_jit.cache_location()}"
         else:
@@ -306,4 +321,79 @@ class _CompileNotice(_event.Listener):
         )
 
 
-_event.register("numba:compile", _CompileNotice())
+def _dispatcher_and_signature(frame):
+    """The numba dispatcher and signature whose ``compile`` took the compiler lock, or None.
+
+    numba's compiler-lock event carries no data; the dispatcher's ``compile(sig)`` is a few
+    frames up (the lock's ``acquire``, the ``ExitStack`` that enters it). Other holders of
+    the lock (cfunc, the CUDA target's helpers) have no such frame and give None.
+    """
+    from numba.core.dispatcher import Dispatcher
+
+    for _ in range(12):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "compile":
+            disp, sig = frame.f_locals.get("self"), frame.f_locals.get("sig")
+            if isinstance(disp, Dispatcher) and sig is not None:
+                return disp, sig
+        frame = frame.f_back
+    return None
+
+
+def _foreseen_compile(disp, sig) -> bool:
+    """Whether calling ``disp`` with ``sig`` will compile: neither in memory nor in numba's
+    on-disk cache index (an index numba finds stale, its source changed, counts as empty).
+
+    Reads only the cache's index (a small pickle), as numba does next; the slow part that
+    follows it, numba's target set-up, is the wait this lets the line come before.
+    """
+    from numba.core import sigutils
+
+    try:
+        args, _ = sigutils.normalize_signature(sig)
+        if disp.overloads.get(tuple(args)) is not None:
+            return False
+        cache_file = getattr(getattr(disp, "_cache", None), "_cache_file", None)
+        if cache_file is None:  # numba's NullCache: no caching, every process compiles
+            return True
+        return not any(key[0] == sig for key in cache_file._load_index())  # numba keeps no public name for it
+    # A numba whose internals differ, or an index it could not read either: leave it to the
+    # compile event's timer.
+    except (AttributeError, TypeError, ValueError, OSError, EOFError, ImportError, pickle.UnpicklingError):
+        return False
+
+
+class _CacheLookup(_event.Listener):
+    """numba's compiler-lock events -> the notice before the wait, when the cache lacks the kernel.
+
+    The lock is taken before numba looks in its cache and sets up its target (seconds on a
+    first use in a process), long before its compile event: the kernel's cache index says
+    here whether this is a compile or a cache load.
+    """
+
+    def __init__(self, notice: _CompileNotice):
+        self._notice = notice
+        self._local = threading.local()
+
+    def on_start(self, ev):
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        if depth:
+            return  # a helper typed inside an outer compile: the outer one decided
+        found = _dispatcher_and_signature(sys._getframe(1))
+        if found is None:
+            return
+        disp, sig = found
+        module = getattr(getattr(disp, "py_func", None), "__module__", "") or ""
+        if module.startswith(_PACKAGE) and _foreseen_compile(disp, sig):
+            name = disp.py_func.__name__
+            self._notice._say(name, _element_type(name, sig))
+
+    def on_end(self, ev):
+        self._local.depth = max(0, getattr(self._local, "depth", 1) - 1)
+
+
+_NOTICE = _CompileNotice()
+_event.register("numba:compile", _NOTICE)
+_event.register("numba:compiler_lock", _CacheLookup(_NOTICE))

@@ -188,6 +188,7 @@ def main(argv=None) -> int:
 
         _numba_without_blas()
         _numba_without_extensions()
+        _numba_cache_loads_without_setup()
 
         return int(args.func(args) or 0)
     except BrokenPipeError:
@@ -256,6 +257,38 @@ def _numba_without_extensions() -> None:
     except ImportError:  # pragma: no cover - numba itself broken: the command's own import says so
         return
     entrypoints._already_initialized = True  # numba keeps no public switch for it
+
+
+def _numba_cache_loads_without_setup() -> None:
+    """Load cached kernels without numba's typing and lowering set-up, which they do not use.
+
+    Before every cache load numba refreshes its CPU target: it imports and registers the
+    implementations of everything numba can compile (~70 modules: typed containers,
+    numpy's random and linear algebra, cffi, ...) and types every ``@overload`` known so
+    far, which was the largest part of a ``compress`` call's kernel loads. Loading machine
+    code from the cache needs only numba's runtime (NRT: the allocator the kernels call),
+    which this keeps. A kernel that has to be compiled after all goes through numba's
+    compiler, which refreshes the target itself. Only this process's command line does
+    this; importing comm_codec changes nothing.
+    """
+    try:
+        from numba.core import caching
+        from numba.core.registry import cpu_target
+        from numba.core.runtime import rtsys
+    except ImportError:  # pragma: no cover - numba itself broken: the command's own import says so
+        return
+    load = caching.Cache.load_overload
+    if getattr(load, "_comm_codec", False):
+        return
+
+    def load_overload(self, sig, target_context):
+        if target_context is not cpu_target.target_context or not hasattr(self, "_load_overload"):
+            return load(self, sig, target_context)  # another target, or a numba without it: as numba does
+        rtsys.initialize(target_context)
+        return self._load_overload(sig, target_context)  # numba keeps no public name for it
+
+    load_overload._comm_codec = True  # type: ignore[attr-defined]
+    caching.Cache.load_overload = load_overload  # type: ignore[method-assign]
 
 
 def _on_termination() -> dict:
