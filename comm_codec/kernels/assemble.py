@@ -9,9 +9,9 @@ stream.
 
 **Streaming stores.** A large output is written with non-temporal stores, 64 bytes at a
 time (:func:`_store_block`, in LLVM's vector IR): a plain store first reads the line it
-writes (read for ownership), so a decode moved the output through memory twice. On this
-machine, 88 MB of fp32 elements assembled from cache-resident rows took 9.4 ms with
-plain vector stores and 4.6 ms with streaming ones. The lines then bypass the caches,
+writes (read for ownership), so a decode moved the output through memory twice;
+streaming stores about halve the time to assemble a large fp32 output from cache-resident
+rows (``launch_scripts/bench_decode.py`` measures it). The lines then bypass the caches,
 which only pays when the output would not stay there anyway, so the decoder asks for it
 only past :data:`STREAM_MIN_BYTES` of output (see :mod:`comm_codec.kernels.decode`), and
 only where the chunk's output is 64-byte aligned (the codec's outputs are; a user's

@@ -144,10 +144,10 @@ def console_main() -> int:
     """The ``comm-codec`` program (and ``python -m comm_codec``): :func:`main` on this
     process's arguments, then a quick exit.
 
-    A process that has loaded numba's registries spent ~0.3 s of its exit collecting
-    garbage among their objects (a 6.7 MB ``compress`` took 1.15 s, 0.85 s of it the
-    command). Frozen (``gc.freeze``), the objects alive at the end are not scanned again,
-    and the exit takes ~0.05 s. By then every output is committed and the command's
+    A process that has loaded numba's registries spends a large part of its exit (about
+    a quarter of a small file's ``compress``) collecting garbage among their objects.
+    Frozen (``gc.freeze``), the objects alive at the end are not scanned again, and the
+    exit is short. By then every output is committed and the command's
     threads are done; shutdown (atexit, flushing the streams) runs as usual.
 
     Returns:
@@ -227,8 +227,8 @@ def _numba_without_blas() -> None:
 
     numba registers numpy's linear algebra when the first kernel of a process is loaded
     from its cache, and looks for BLAS by importing scipy.linalg: where scipy is
-    installed that import was ~0.3 s of a 1.1 s ``compress`` of a 6.7 MB file (import
-    and first call). With scipy.linalg refused for that one import, numba records that
+    installed that import (and its first call) was about a quarter of a small file's
+    ``compress``. With scipy.linalg refused for that one import, numba records that
     it has no BLAS and goes on; scipy.linalg imports as usual afterwards. Only this
     process's command line does this; importing comm_codec changes nothing.
     """
@@ -248,7 +248,8 @@ def _numba_without_extensions() -> None:
     """Skip numba's search for third-party extensions (``numba_extensions`` entry points).
 
     numba runs it at the first kernel a process loads: it reads the entry points of every
-    installed distribution, ~0.1 s of a ``compress`` in an environment of ML packages, and
+    installed distribution, a noticeable part of a small ``compress`` in an environment of
+    ML packages, and
     the command's kernels use no extension. Only this process's command line skips it;
     importing comm_codec changes nothing.
     """
