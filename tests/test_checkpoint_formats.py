@@ -316,6 +316,76 @@ def test_loaders_refuse_crafted_inputs(hf_model, tmp_path):
         tensors.load_file(tmp_path / "flip.cckp")
 
 
+def test_load_file_checks_the_whole_file_digest_as_well_as_the_frames(tmp_path):
+    """Every segment's own check passes, only the recorded digest of the original is wrong:
+    load_file (safetensors and torch.save originals, small files on one thread and large ones
+    on several) refuses it, naming the digest; the same file with its digest intact loads."""
+    from safetensors.torch import save_file
+
+    from comm_codec.checkpoint import tensors
+
+    from crafted import Container
+
+    gen = torch.Generator().manual_seed(3)
+    sd = {"w": torch.randn(96, 64, generator=gen), "b": torch.randn(64, generator=gen).to(torch.bfloat16)}
+    big = {"e": torch.randn(3 << 20, generator=gen)}  # 12 MiB: restored by several threads where there are cores
+    for name, state, save in (
+        ("s.safetensors", sd, save_file),
+        ("t.pt", sd, torch.save),
+        ("big.safetensors", big, save_file),
+    ):
+        src, packed = tmp_path / name, tmp_path / (name + ".cckp")
+        save(state, src)
+        checkpoint.compress_file(src, packed, progress=False)
+        got = tensors.load_file(packed)
+        assert list(got) == list(state)
+        for k in state:
+            assert got[k].dtype == state[k].dtype and torch.equal(got[k].view(torch.uint8), state[k].view(torch.uint8))
+        c = Container.read(packed)
+        digest = c.index["source"]["blake3"]
+        c.index["source"]["blake3"] = digest[:-1] + ("0" if digest[-1] != "0" else "1")
+        c.write(tmp_path / "lie.cckp")
+        with pytest.raises(checkpoint.CheckpointError, match="blake3 .* corrupted"):
+            tensors.load_file(tmp_path / "lie.cckp")
+
+
+def test_from_pretrained_refuses_a_shard_whose_digest_is_wrong(hf_model, tmp_path):
+    """The digests are checked while transformers builds the model: a wrong one still
+    fails the call (and load_state_dict), whichever shard it is."""
+    import shutil
+
+    from transformers import AutoModel
+
+    from comm_codec.integrations.hf import from_pretrained, load_state_dict
+
+    from crafted import Container
+
+    _, packed = hf_model
+    bad = tmp_path / "bad"
+    shutil.copytree(packed, bad)
+    c = Container.read(bad / "model-00002-of-00003.safetensors.cckp")
+    digest = c.index["source"]["blake3"]
+    c.index["source"]["blake3"] = digest[::-1] if digest[::-1] != digest else "0" * len(digest)
+    c.write(bad / "model-00002-of-00003.safetensors.cckp")
+    with pytest.raises(checkpoint.CheckpointError, match="model-00002-of-00003.*blake3 .* corrupted"):
+        from_pretrained(AutoModel, bad)
+    with pytest.raises(checkpoint.CheckpointError, match="model-00002-of-00003.*blake3 .* corrupted"):
+        load_state_dict(bad)
+
+
+def test_load_file_of_a_delta_asks_for_its_base(tmp_path):
+    from safetensors.torch import save_file
+
+    from comm_codec.checkpoint import tensors
+
+    a = {"w": torch.randn(128, 64)}
+    save_file(a, tmp_path / "a.safetensors")
+    save_file({"w": a["w"] + 1e-3}, tmp_path / "b.safetensors")
+    checkpoint.compress_file(tmp_path / "b.safetensors", tmp_path / "b.cckp", base=tmp_path / "a.safetensors")
+    with pytest.raises(checkpoint.CheckpointError, match="is a delta against .*decompress_file"):
+        tensors.load_file(tmp_path / "b.cckp")
+
+
 # -- directory deltas -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hf_steps(tmp_path_factory):

@@ -59,10 +59,8 @@ def test_temp_file_is_never_written_through_a_planted_symlink(tmp_path, monkeypa
     victim = tmp_path / "victim"
     victim.write_bytes(b"keep me")
     out = tmp_path / "books.json"
-    import tempfile
-
     names = iter(["0badf00d", "c0ffee00", "0badf00d", "c0ffee01"])
-    monkeypatch.setattr(tempfile, "_get_candidate_names", lambda: names)  # mkstemp's random names
+    monkeypatch.setattr(atomic, "_random_chars", lambda: next(names))  # the temp names' random part
     planted = tmp_path / f"{atomic.temp_prefix(out.name)}0badf00d.tmp"
     planted.symlink_to(victim)
     atomic.atomic_write(out, b"{}")
@@ -76,6 +74,7 @@ def test_temp_file_is_never_written_through_a_planted_symlink(tmp_path, monkeypa
     planted.symlink_to(victim)
     ck.compress_file(src, dst)
     assert victim.read_bytes() == b"keep me" and not dst.is_symlink()
+    assert next(names, None) is None, "every planted name was tried, and another one after it"
 
 
 def test_atomic_write_leaves_nothing_on_error(tmp_path):

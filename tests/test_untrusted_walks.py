@@ -180,16 +180,16 @@ def test_the_walk_reads_the_file_it_opened_not_the_name(tree, tmp_path, monkeypa
     """Once open, a file renamed away and replaced by a link is still the one read (one open per file)."""
     src, secret = tree
     opened = []
-    real_open = walk.Tree.open
+    real_open = walk.Tree.open_stat  # what the directory functions open files with (open calls it too)
 
     def open_then_swap(self, entry):
-        fh = real_open(self, entry)
+        got = real_open(self, entry)
         if entry.rel == "m.safetensors":
             _swap_for_link(src / "m.safetensors", secret / "key")()
             opened.append(entry.rel)
-        return fh
+        return got
 
-    monkeypatch.setattr(walk.Tree, "open", open_then_swap)
+    monkeypatch.setattr(walk.Tree, "open_stat", open_then_swap)
     original = (src / "m.safetensors").read_bytes()
     directory.compress_dir(src, tmp_path / "out", threads=1)
     assert opened

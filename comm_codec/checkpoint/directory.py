@@ -220,14 +220,14 @@ class _Made:
                 os.rmdir(path)
 
 
-def _copy(fh, dst: str, force: bool) -> None:
-    """Copy one open regular file atomically (temp file, fsync, rename), keeping its permission bits."""
+def _copy(fh, st: os.stat_result, dst: str) -> None:
+    """Copy one open regular file (``st`` its fstat) atomically (temp file, fsync, rename),
+    keeping its permission bits."""
     from .files import atomic_output
 
-    if not force and os.path.lexists(dst):
-        raise FileExistsError(17, f"{dst} exists; pass --force to replace it", dst)
-    with atomic_output(dst, mode=os.fstat(fh.fileno()).st_mode & 0o777) as out:
-        out.copy_from(fh.fileno())
+    with atomic_output(dst, mode=st.st_mode & 0o777) as out:
+        if st.st_size:  # an empty file: nothing to copy (one system call per file less)
+            out.copy_from(fh.fileno())
         out.commit()
 
 
@@ -250,20 +250,40 @@ def _meter(progress: bool | None, at_once: int) -> bool | None:
 
 
 def _map_files(jobs: list, at_once: int, on_file) -> list:
-    """Run the per-file jobs (callables returning a FileResult), ``at_once`` at a time, in
-    order of the list; report each as it finishes. The first failure cancels those not started."""
+    """Run the per-file jobs, ``at_once`` at a time, in order of the list; report each as it
+    finishes. The first failure cancels those not started.
+
+    Args:
+        jobs: (callable returning a FileResult, the file's size) pairs.
+
+    Small files go to a worker together (up to :data:`_BATCH_FILES` of them, or
+    :data:`_BATCH_BYTES`): copying an empty file costs less than handing a job to a
+    thread and back.
+    """
     results: list = [None] * len(jobs)
     lock = threading.Lock()
 
-    def run(i):
-        result = jobs[i]()
-        results[i] = result
-        if on_file is not None:
-            with lock:
-                on_file(result)
+    def run(lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            result = jobs[i][0]()
+            results[i] = result
+            if on_file is not None:
+                with lock:
+                    on_file(result)
 
+    if at_once == 1:
+        run(0, len(jobs))
+        return results
+    batches, lo, size = [], 0, 0
+    for i, (_, nbytes) in enumerate(jobs):
+        if i > lo and (size + nbytes > _BATCH_BYTES or i - lo >= _BATCH_FILES):
+            batches.append((lo, i))
+            lo, size = i, 0
+        size += nbytes
+    if lo < len(jobs):
+        batches.append((lo, len(jobs)))
     with concurrent.futures.ThreadPoolExecutor(max_workers=at_once) as pool:
-        futures = [pool.submit(run, i) for i in range(len(jobs))]
+        futures = [pool.submit(run, lo, hi) for lo, hi in batches]
         try:
             for f in concurrent.futures.as_completed(futures):
                 f.result()
@@ -274,15 +294,21 @@ def _map_files(jobs: list, at_once: int, on_file) -> list:
     return results
 
 
+# Files handed to a worker at once: up to this many, or until they hold this many bytes
+# (a larger file goes alone, and files in parallel).
+_BATCH_FILES = 64
+_BATCH_BYTES = 1 << 20
+
+
 def _tree_jobs(src: str, entries: list, dst: str | None, made: _Made | None, make_job) -> tuple[list, list]:
-    """Make the mirror's directories under dst; return (a job per file, skipped results)."""
+    """Make the mirror's directories under dst; return (a (job, size) pair per file, skipped results)."""
     jobs, skipped = [], []
     for entry in entries:
         if entry.kind == "dir":
             if made is not None:
                 made.mkdir(os.path.join(dst, entry.rel))
         elif entry.kind == "file":
-            jobs.append(make_job(entry))
+            jobs.append((make_job(entry), entry.size))
         else:
             log.warning("skipping %s: %s", printable(os.path.join(src, entry.rel)), entry.kind)
             skipped.append(FileResult(entry.rel, "skipped", note=entry.kind))
@@ -355,9 +381,13 @@ def compress_dir(
         def make_job(entry):
             def job() -> FileResult:
                 rel, path = entry.rel, os.path.join(src, entry.rel)
-                with tree.open(entry) as fh:
-                    if not _is_checkpoint_head(rel, os.pread(fh.fileno(), 9, 0)):
-                        return _copied(rel, fh, os.path.join(dst, rel), force, made, "copied (not a checkpoint file)")
+                fh, st = tree.open_stat(entry)
+                with fh:
+                    head = os.pread(fh.fileno(), 9, 0) if st.st_size else b""  # (no read of an empty file)
+                    if not _is_checkpoint_head(rel, head):
+                        return _copied(
+                            rel, fh, st, os.path.join(dst, rel), force, made, "copied (not a checkpoint file)"
+                        )
                     out = os.path.join(dst, rel + SUFFIX)
                     existed = os.path.lexists(out)
                     partner = _partner(base, rel)
@@ -378,7 +408,7 @@ def compress_dir(
 
             return job
 
-        outputs = [os.path.join(dst, rel + tail) for rel in files for tail in ("", SUFFIX)]
+        outputs = [rel + tail for rel in files for tail in ("", SUFFIX)]
         return _run_tree("compress", src, dst, entries, outputs, made, make_job, at_once, on_file, started)
 
 
@@ -423,13 +453,15 @@ def _compress_against(compress_file, path, out, partner, threads, codebooks, pro
     return compress_file(path, out, threads=threads, codebooks=codebooks, progress=progress, force=force), ""
 
 
-def _copied(rel: str, fh, out: str, force: bool, made, note: str = "") -> FileResult:
-    """Copy a file that is not coded, recording it among the outputs a failed run removes."""
+def _copied(rel: str, fh, st: os.stat_result, out: str, force: bool, made, note: str = "") -> FileResult:
+    """Copy a file that is not coded (``st``: its fstat), recording it among the outputs a
+    failed run removes."""
     existed = os.path.lexists(out)
-    _copy(fh, out, force)
+    if existed and not force:
+        raise FileExistsError(17, f"{out} exists; pass --force to replace it", out)
+    _copy(fh, st, out)
     made.file(out, existed)
-    size = os.fstat(fh.fileno()).st_size
-    return FileResult(rel, "copied", size, size, note)
+    return FileResult(rel, "copied", st.st_size, st.st_size, note)
 
 
 def _run_tree(
@@ -438,7 +470,8 @@ def _run_tree(
     """Make the output tree, run every file's job, and undo what was made if any fails.
 
     Stale temp files of dead runs are swept once per output folder, never one of
-    ``outputs`` (what this run writes or copies: a file of the tree may look like a temp).
+    ``outputs`` (what this run writes or copies, relative to dst: a file of the tree may look
+    like a temp).
     """
     from .files import sweep_scope
 
@@ -491,9 +524,10 @@ def decompress_dir(
         def make_job(entry):
             def job() -> FileResult:
                 rel, path = entry.rel, os.path.join(src, entry.rel)
-                with tree.open(entry) as fh:
+                fh, st = tree.open_stat(entry)
+                with fh:
                     if not rel.endswith(SUFFIX):
-                        return _copied(rel, fh, os.path.join(dst, rel), force, made)
+                        return _copied(rel, fh, st, os.path.join(dst, rel), force, made)
                     out = os.path.join(dst, rel[: -len(SUFFIX)])
                     existed = os.path.lexists(out)
                     with pinned(path, fh):
@@ -511,7 +545,7 @@ def decompress_dir(
 
             return job
 
-        outputs = [os.path.join(dst, rel[: -len(SUFFIX)] if rel.endswith(SUFFIX) else rel) for rel in files]
+        outputs = [rel[: -len(SUFFIX)] if rel.endswith(SUFFIX) else rel for rel in files]
         return _run_tree("decompress", src, dst, entries, outputs, made, make_job, at_once, on_file, started)
 
 

@@ -438,11 +438,15 @@ class AtomicFile:
     def __init__(self, path: str, mode: int | None = None, release_in_background: bool = False):
         self.path = path
         self._release_in_background = release_in_background
-        self._folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(self._folder):
+        self.committed = False
+        where = os.path.abspath(path)
+        self._folder = os.path.dirname(where)
+        self._scope = _scope_of(self._folder)
+        # Within a run's scope its folders were made or listed: no check per file.
+        if self._scope is None and not os.path.isdir(self._folder):
             raise FileNotFoundError(2, "No such directory", self._folder)
-        self._scope = _sweep_before_writing(self._folder)
-        fd, self.tmp = create_temp(path)  # O_EXCL | O_NOFOLLOW, beside path
+        _sweep_before_writing(self._folder, self._scope)
+        fd, self.tmp = create_temp(where)  # O_EXCL | O_NOFOLLOW, beside path
         track_temp(self.tmp)
         mask = umask() if self._scope is None else self._scope.umask
         os.fchmod(fd, (0o666 if mode is None else mode & 0o777) & ~mask)
@@ -582,6 +586,7 @@ class AtomicFile:
                     threading.Thread(target=os.close, args=(replaced,), name="comm_codec-release", daemon=True).start()
         except OSError as exc:
             raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
+        self.committed = True
         untrack_temp(self.tmp)
         _fsync_folder_after(self._folder, self._scope)
 
@@ -672,9 +677,10 @@ class _SweepScope:
     def __init__(self, root: str, outputs):
         self.root = os.path.abspath(root)
         self.keep: dict = {}  # folder -> names the run writes there
-        for path in outputs:
-            folder, name = os.path.split(os.path.abspath(path))
-            self.keep.setdefault(folder, set()).add(name)
+        for rel in outputs:  # plain names joined by os.sep: no abspath needed per output
+            sub, _, name = rel.rpartition(os.sep)
+            self.keep.setdefault(sub, set()).add(name)
+        self.keep = {os.path.join(self.root, sub) if sub else self.root: names for sub, names in self.keep.items()}
         self.swept: set = set()
         self.renamed: set = set()  # folders whose renames are made durable when the run ends
         self.umask = umask()  # read once per run: /proc/self/status is an open and a read per file
@@ -704,8 +710,8 @@ def sweep_scope(root: str, outputs):
 
     Args:
         root: the output tree's root.
-        outputs: every path the run may write or copy (absolute or relative to the
-            working directory).
+        outputs: every path the run may write or copy, relative to ``root`` (plain names
+            joined by ``os.sep``, as :class:`.walk.Tree` lists them).
     """
     scope = _SweepScope(root, outputs)
     with _SCOPES_LOCK:
@@ -743,15 +749,13 @@ def _fsync_folder_after(folder: str, scope) -> None:
             scope.renamed.add(folder)
 
 
-def _sweep_before_writing(folder: str):
-    """Sweep ``folder`` as the run writing it says (see :func:`sweep_scope`), else every time;
-    return the run's scope (None outside one)."""
-    scope = _scope_of(folder)
+def _sweep_before_writing(folder: str, scope) -> None:
+    """Sweep ``folder`` as the run writing it (``scope``, from :func:`_scope_of`) says (see
+    :func:`sweep_scope`), else every time."""
     if scope is None:
         sweep_stale_temps(folder)
     else:
         scope.sweep(folder)
-    return scope
 
 
 def _alive(pid: int) -> bool:
@@ -775,7 +779,7 @@ def atomic_output(path: str, mode: int | None = None, release_in_background: boo
     try:
         yield out
     finally:
-        if os.path.exists(out.tmp):  # not committed: an exception is unwinding
+        if not out.committed:  # an exception is unwinding
             out.abort()
 
 

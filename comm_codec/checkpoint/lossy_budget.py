@@ -58,10 +58,16 @@ class _Sorted:
 
     def __init__(self, x: np.ndarray):
         # sorted in float32 (the residual's own precision, half the time of float64)
-        self.s = np.sort(x.astype(np.float32).reshape(-1)).astype(np.float64)
-        self.n = self.s.size
-        self.c1 = np.concatenate(([0.0], np.cumsum(self.s)))
-        self.c2 = np.concatenate(([0.0], np.cumsum(self.s * self.s)))
+        self.s = np.sort(x.astype(np.float32, copy=False).reshape(-1)).astype(np.float64)
+        self.n = n = self.s.size
+        # prefix sums written in place (no concatenated copies of n-element arrays)
+        self.c1 = np.empty(n + 1)
+        self.c1[0] = 0.0
+        np.cumsum(self.s, out=self.c1[1:])
+        self.c2 = np.empty(n + 1)
+        self.c2[0] = 0.0
+        np.square(self.s, out=self.c2[1:])
+        np.cumsum(self.c2[1:], out=self.c2[1:])
 
     def split(self, t: float) -> tuple[int, int]:
         """The pruned run [i, j) of ``|x| <= t`` (empty for t < 0)."""
@@ -93,7 +99,7 @@ def _lloyd(z: _Sorted, i: int, j: int, k: int, steps: int = _LLOYD_STEPS) -> tup
         cnt = e[1:] - e[:-1]
         s1 = vsum(z.c1, run1, e[1:]) - vsum(z.c1, run1, e[:-1])
         new = np.where(cnt > 0, s1 / np.maximum(cnt, 1), c)
-        if np.array_equal(new, c):
+        if not (new != c).any():  # converged (array_equal's checks cost more than this)
             break
         c = new
     r = np.searchsorted(z.s, (c[1:] + c[:-1]) / 2, side="right")

@@ -232,7 +232,8 @@ class Encoder:
         else:
             if not (np.isfinite(W).all() and np.isfinite(R).all()):
                 return None  # a relative error of a tensor holding Inf or NaN is not defined
-            norm = float(np.sqrt(np.sum(W.astype(np.float64) ** 2)))
+            # float64 per element, no float64 copy of W (and no BLAS threads: see error_stats)
+            norm = math.sqrt(float(np.einsum("i,i->", W.ravel(), W.ravel(), dtype=np.float64)))
             choice = choose(R, norm, budget, prunable(w))
             if choice is None:
                 return None

@@ -23,18 +23,22 @@ The whole-file digest is checked by :func:`load_file`, not by a lazy ``get_tenso
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import os
 import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from ..core.frame import FrameError
+from ..core.parallel import run_ranges, thread_count
 from ..core.quoting import printable
 from .container import parse_json, zstd_bounded
 from .errors import CheckpointError
 from .exact_index import load_index
-from .files import FileMap
+from .files import FileMap, new_hasher, recorded_digest
 from .formats import ST_DTYPES  # safetensors' dtype names -> torch dtype attribute names
 
 __all__ = ["load_file", "safe_open", "open", "CompressedTensors"]
@@ -63,46 +67,172 @@ def load_file(path, device: str = "cpu") -> dict:
         CheckpointError: corrupted, a delta (it needs its base: use decompress_file), or
             the original is neither safetensors nor a torch.save file.
     """
-    from .exact import decompress_file
-    from .exact_index import read_index
+    tensors, check = load_file_check_later(path, device)
+    check()
+    return tensors
 
+
+def load_file_check_later(path, device: str = "cpu") -> tuple[dict, Callable[[], None]]:
+    """:func:`load_file`, the whole-file digest hashed on a thread while the caller goes on.
+
+    Every segment's own check (frame checksums, CRC-32s) has passed when this returns;
+    the digest of the whole restored original is computed in the background. Call
+    ``check()`` before the tensors (or anything made from them) leave your hands: it
+    waits for the digest and raises if it is wrong. The tensors must not be written to
+    before then. :func:`comm_codec.integrations.hf.from_pretrained` builds the model
+    meanwhile, so the digest costs no time on a core that would otherwise wait.
+
+    Args:
+        path, device: as :func:`load_file`.
+
+    Returns:
+        (``{name: tensor}``, ``check``). An original that is a ``torch.save`` file is
+        checked before it is parsed (``check`` then does nothing).
+
+    Raises:
+        CheckpointError: as :func:`load_file` (``check()`` raises it for the digest).
+    """
     path = os.fspath(path)
-    source = read_index(path)["source"]
-    fmt = source["format"]
-    if fmt == "safetensors":
-        # Every segment decoded in order straight into one buffer (no pipeline, no copy),
-        # then the buffer's digest checked: the tensors are views of it.
-        with CompressedTensors(path, device=device) as f:
-            return f.load_all()
-    sink = _Memory(source["size"])
-    decompress_file(path, sink, progress=False)  # streamed in order; the digest checked after the last byte
-    data = sink.array()
-    if fmt in ("torch_zip", "torch_legacy"):
-        import io
+    m = FileMap(path)
+    try:
+        index = load_index(m)  # read once: the restore and the tensors share it
+        fmt = index["source"]["format"]
+        if fmt not in ("safetensors", "torch_zip", "torch_legacy"):
+            raise CheckpointError(
+                f"{path} holds a {fmt} file, not safetensors or a torch.save file; restore it with decompress_file"
+            )
+        if fmt == "safetensors":
+            f = CompressedTensors._opened(path, m, index, device)
+            m = None  # f owns it now
+            with f:
+                data = _restore_in_memory(f._m, index)
+                tensors = f._views(data)
+            return tensors, _check_in_background(path, index["source"], data)
+        data = _restore_in_memory(m, index)
+    finally:
+        if m is not None:
+            m.close()
+    _check_digest(path, index["source"], data)  # before torch parses a byte of it
+    import io
 
-        import torch
+    import torch
 
-        return torch.load(io.BytesIO(data), map_location=device, weights_only=True)
-    raise CheckpointError(
-        f"{path} holds a {fmt} file, not safetensors or a torch.save file; restore it with decompress_file"
-    )
+    return torch.load(io.BytesIO(data), map_location=device, weights_only=True), lambda: None
 
 
-class _Memory:
-    """A binary "file" for :func:`~.exact.decompress_file`: the restored bytes, in order, in one array."""
+def _refuse_delta(path: str, index: dict) -> None:
+    if index["base"] is not None:
+        raise CheckpointError(
+            f"{path} is a delta against {printable(index['base']['name'])}; "
+            "restore it with decompress_file(..., base=...) first"
+        )
 
-    def __init__(self, size: int):
-        self._buf, self._pos = np.empty(size, dtype=np.uint8), 0
 
-    def write(self, data) -> None:
-        view = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-        if self._pos + view.size > self._buf.size:  # the index was checked: cannot happen
-            raise CheckpointError("restored more bytes than the original had")
-        self._buf[self._pos : self._pos + view.size] = view  # a copy: the restorer reuses its buffers
-        self._pos += view.size
+def _restore_in_memory(m: FileMap, index: dict, threads: int | None = None) -> np.ndarray:
+    """Restore a standalone compressed file's original into one new array (its digest is
+    not checked here: :func:`_check_digest`).
 
-    def array(self) -> np.ndarray:
-        return self._buf[: self._pos]
+    Each segment is decoded straight into its place in the array (no buffer in between),
+    several segments at once on worker threads.
+
+    Args:
+        m: the compressed file.
+        index: its index, from :func:`~.exact_index.load_index` (books under ``"_books"``).
+        threads: worker threads; None: one per core (at most numba's thread count), one for
+            a file under :data:`~.exact.SMALL_FILE_BYTES`.
+
+    Returns:
+        The original's bytes (``index["source"]["size"]`` of them).
+
+    Raises:
+        CheckpointError: a delta, or a segment corrupted.
+    """
+    from .exact import attach_codecs
+
+    _refuse_delta(m.path, index)
+    size = index["source"]["size"]
+    threads = _restore_threads(size) if threads is None else threads
+    tensors = index["tensors"]
+    if any("_codec" not in t for t in tensors if t["coding"] == "frame"):
+        attach_codecs(tensors, index["_books"])
+    data = np.empty(size, dtype=np.uint8)
+    segments = index["segments"]
+    # One contiguous run of segments per thread, of about equal source bytes: one hand-over
+    # each way per thread (on a busy machine every hand-over waits for a core).
+    ends = list(itertools.accumulate(seg[1] for seg in segments))
+    bounds = [0] + [bisect.bisect_left(ends, size * k // threads) for k in range(1, threads)] + [len(segments)]
+
+    def restore(lo: int, hi: int) -> None:
+        for k in range(bounds[lo], bounds[hi]):
+            seg = segments[k]
+            _restore_segment(m, seg, tensors, data[seg[0] : seg[0] + seg[1]])
+
+    run_ranges(restore, threads, threads, lambda lo, hi: (lo, hi))
+    return data
+
+
+def _restore_threads(size: int) -> int:
+    from .exact import SMALL_FILE_BYTES
+
+    if size < SMALL_FILE_BYTES:
+        return 1
+    return max(1, min(os.cpu_count() or 1, thread_count(None)))
+
+
+def _restore_segment(m: FileMap, seg, tensors: list, out: np.ndarray) -> None:
+    """Restore one segment of a standalone file into ``out`` (its source bytes' place)."""
+    src_off, src_len, off, length, method, crc, ti = seg
+    where = f"{m.path}: segment at source bytes {src_off}..{src_off + src_len}"
+    if method == "frame":
+        t = tensors[ti]
+        if t["transform"] != "none":  # a delta's transform: refused before (no base)
+            raise CheckpointError(f"{where} needs the base it was compressed against")
+        try:
+            t["_codec"].decode_into(m.u8(off, length), out, max_output_bytes=src_len)
+        except (FrameError, TypeError, ValueError) as exc:
+            raise CheckpointError(
+                f"{m.path}: tensor {printable(t['name'])!r}, segment at source bytes "
+                f"{src_off}..{src_off + src_len}: {exc}"
+            ) from None
+        return
+    if method == "stored":
+        if length != src_len:  # the index was checked: cannot happen
+            raise CheckpointError(f"{where} holds {length} bytes, expected {src_len}")
+        m.read_into(off, out)
+        if zlib.crc32(out) != crc:
+            raise CheckpointError(f"{where} is corrupted (CRC-32 mismatch)")
+        return
+    payload = bytes(m.u8(off, length))
+    if zlib.crc32(payload) != crc:
+        raise CheckpointError(f"{where} is corrupted (CRC-32 mismatch)")
+    raw = zstd_bounded(payload, src_len, m.path, where)
+    if len(raw) != src_len:
+        raise CheckpointError(f"{where} decoded to {len(raw)} bytes, expected {src_len}")
+    out[:] = np.frombuffer(raw, dtype=np.uint8)
+
+
+def _check_digest(path: str, source: dict, data: np.ndarray) -> None:
+    """Raise CheckpointError unless ``data`` has the digest the index records for the original."""
+    algo, want = recorded_digest(source)
+    h = new_hasher(algo)
+    if algo == "blake3" and data.size >= 1 << 20:
+        import blake3  # one buffer, hashed on every core
+
+        h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    h.update(data)
+    if h.hexdigest() != want:
+        raise CheckpointError(
+            f"{path}: restored bytes have {algo} {h.hexdigest()[:16]}..., the original had {want[:16]}...: corrupted"
+        )
+
+
+def _check_in_background(path: str, source: dict, data: np.ndarray) -> Callable[[], None]:
+    """Start :func:`_check_digest` on a thread (hashing releases the GIL); return the wait
+    for it, which raises what it raised."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="comm_codec-digest")
+    done = pool.submit(_check_digest, path, source, data)
+    pool.shutdown(wait=False)
+    return done.result
 
 
 def _tensor(raw: np.ndarray, dtype: str, shape: list, device: str):
@@ -184,29 +314,39 @@ class CompressedTensors:
     def __init__(self, path, framework: str = "pt", device: str = "cpu"):
         if framework not in ("pt", "torch"):
             raise ValueError(f"framework must be 'pt', got {framework!r}")
+        path = os.fspath(path)
+        m = FileMap(path)
+        try:
+            index = load_index(m)
+        except BaseException:
+            m.close()
+            raise
+        self._setup(path, m, index, device)
+
+    @classmethod
+    def _opened(cls, path: str, m: FileMap, index: dict, device: str) -> CompressedTensors:
+        """The file ``m`` whose index was read (by :func:`load_file`): not read again."""
+        self = cls.__new__(cls)
+        self._setup(path, m, index, device)
+        return self
+
+    def _setup(self, path: str, m: FileMap, index: dict, device: str) -> None:
         from .exact import attach_codecs
 
-        self.path, self.device = os.fspath(path), device
-        self._m = FileMap(self.path)
+        self.path, self.device, self._m = path, device, m
         try:
-            index = load_index(self._m)
-            books = index.pop("_books")
-            if index["base"] is not None:
-                raise CheckpointError(
-                    f"{self.path} is a delta against {printable(index['base']['name'])}; "
-                    "restore it with decompress_file(..., base=...) first"
-                )
+            _refuse_delta(self.path, index)
             if index["source"]["format"] != "safetensors":
                 raise CheckpointError(
                     f"{self.path} holds a {index['source']['format']} file, not safetensors; "
                     "load_file reads torch.save files whole"
                 )
+            self._index = index
             self._tensors = index["tensors"]
-            attach_codecs(self._tensors, books)
+            attach_codecs(self._tensors, index["_books"])
             self._segments = index["segments"]
             self._starts = [s[0] for s in self._segments]
             self._size = index["source"]["size"]
-            self._source = index["source"]
             self._kept: dict = {}
             entries, self._start = _header(self._read, self._size, self.path)
             self._entries = dict(entries)
@@ -285,21 +425,12 @@ class CompressedTensors:
         Raises:
             CheckpointError: corrupted (a segment, a frame, or the digest of the whole).
         """
-        from .files import new_hasher, recorded_digest
+        data = _restore_in_memory(self._m, self._index)
+        _check_digest(self.path, self._index["source"], data)
+        return self._views(data)
 
-        data = self._read(0, self._size)
-        algo, want = recorded_digest(self._source)
-        h = new_hasher(algo)
-        if algo == "blake3" and data.size >= 1 << 20:
-            import blake3  # one buffer, hashed on every core
-
-            h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-        h.update(data)
-        if h.hexdigest() != want:
-            raise CheckpointError(
-                f"{self.path}: restored bytes have {algo} {h.hexdigest()[:16]}..., the original "
-                f"had {want[:16]}...: corrupted"
-            )
+    def _views(self, data: np.ndarray) -> dict:
+        """Every tensor of the restored original ``data``, as views of it."""
         return {
             name: _tensor(data[self._start + a : self._start + b], dtype, shape, self.device)
             for name, (dtype, shape, a, b) in self._entries.items()

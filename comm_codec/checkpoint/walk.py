@@ -164,16 +164,31 @@ class Tree:
             CheckpointError: the entry is now a symlink, a FIFO or anything but that same
                 file, or is gone (the tree changed while it was read).
         """
+        fh, _ = self.open_stat(entry)
+        return fh
+
+    def open_stat(self, entry: Entry) -> tuple:
+        """:meth:`open`, and the opened file's ``os.fstat`` (the check's own: no second call).
+
+        Returns:
+            (binary file object, its ``os.stat_result``).
+
+        Raises:
+            CheckpointError: as :meth:`open`.
+        """
         if before_open is not None:
             before_open(entry.rel)
         parent, name = os.path.split(entry.rel)
-        dfd = self._open_dir(parent)
+        # A file of the root goes through the root's own descriptor, held since the walk
+        # (no dup, no close); a deeper one through its directory, reached afresh.
+        dfd = self._fd if not parent else self._open_dir(parent)
         try:
             fd = os.open(name, _FILE_FLAGS, dir_fd=dfd)
         except OSError as exc:
             raise self._changed(entry.rel, exc) from None
         finally:
-            os.close(dfd)
+            if parent:
+                os.close(dfd)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or _ident(st) != entry.ident:
@@ -185,7 +200,7 @@ class Tree:
         except BaseException:
             os.close(fd)
             raise
-        return os.fdopen(fd, "rb")
+        return os.fdopen(fd, "rb"), st
 
     def _open_dir(self, rel: str) -> int:
         """A descriptor of directory ``rel``, reached from the root one component at a time."""

@@ -19,7 +19,6 @@ import contextlib
 import os
 import re
 import socket
-import tempfile
 
 __all__ = ["TEMP_MARK", "NAME_MAX", "host_name", "temp_prefix", "create_temp", "atomic_write", "umask"]
 
@@ -27,7 +26,7 @@ __all__ = ["TEMP_MARK", "NAME_MAX", "host_name", "temp_prefix", "create_temp", "
 TEMP_MARK = "comm_codec-tmp"
 # Bytes in one directory entry's name (Linux, macOS and the usual file systems).
 NAME_MAX = 255
-# What create_temp adds after the prefix: mkstemp's 8 random characters and ".tmp".
+# What create_temp adds after the prefix: 8 random hex digits and ".tmp".
 _RANDOM_CHARS = 8
 _SUFFIX = ".tmp"
 
@@ -70,25 +69,44 @@ def temp_prefix(name: str, pid: int | None = None) -> str:
 def create_temp(path, mode: int = 0o600) -> tuple[int, str]:
     """Create a new, empty temp file for output ``path`` in the same directory.
 
-    ``tempfile.mkstemp`` makes it: ``O_CREAT | O_EXCL | O_NOFOLLOW`` (never an existing
-    file, never through a symlink; a taken name is retried with other random digits),
-    then it gets ``mode`` less the umask.
+    Created as ``tempfile.mkstemp`` creates its files: ``O_CREAT | O_EXCL | O_NOFOLLOW``
+    (never an existing file, never through a symlink; a taken name is retried with other
+    random characters), then it gets ``mode`` less the umask. Made here rather than by
+    mkstemp, whose argument handling cost a tree of many small files more than the
+    file's own system calls.
 
     Returns:
-        (file descriptor open for writing, the temp file's path).
+        (file descriptor open for reading and writing, the temp file's path).
 
     Raises:
         OSError: the directory cannot be written (the error names ``path``).
     """
     path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(os.path.basename(path)), suffix=_SUFFIX, dir=folder)
-    except OSError as exc:  # name the file the user asked for, not our temp file
-        raise type(exc)(exc.errno, exc.strerror, path) from None
+    folder, name = os.path.split(os.path.abspath(path))
+    prefix = os.path.join(folder, temp_prefix(name))
+    for _ in range(_TRIES):
+        tmp = f"{prefix}{_random_chars()}{_SUFFIX}"
+        try:
+            fd = os.open(tmp, _TEMP_FLAGS, 0o600)
+            break
+        except FileExistsError:
+            continue  # a name taken (ours or planted): another one
+        except OSError as exc:  # name the file the user asked for, not our temp file
+            raise type(exc)(exc.errno, exc.strerror, path) from None
+    else:
+        raise FileExistsError(17, f"no free temp file name after {_TRIES} tries", path)
     if mode != 0o600:
         os.fchmod(fd, mode & ~umask())
     return fd, tmp
+
+
+def _random_chars() -> str:
+    """The random part of a temp name: _RANDOM_CHARS hex digits."""
+    return os.urandom(_RANDOM_CHARS // 2).hex()
+
+
+_TEMP_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_TRIES = 100  # random names tried before giving up (mkstemp tries 10 000; a clash is 2**-32)
 
 
 def umask() -> int:

@@ -3,9 +3,11 @@
 A directory written by ``comm-codec compress MODEL_DIR OUT`` holds the model's
 ``config.json`` (and tokenizer files) as they were, and each safetensors shard as
 ``<shard>.cckp`` beside the shard index (``model.safetensors.index.json``). This reads
-the shards in memory (:func:`comm_codec.checkpoint.tensors.load_file`: each shard's
-digest is checked before its tensors are used) and hands the state dict to the model
-class's own ``from_pretrained``; no file is written anywhere::
+the shards in memory (:func:`comm_codec.checkpoint.tensors.load_file`) and hands the
+state dict to the model class's own ``from_pretrained``; no file is written anywhere.
+Every frame and segment is checked as it is decoded; each shard's whole-file digest is
+hashed on another thread while transformers builds the model, and the model is returned
+only once every digest matched::
 
     from transformers import AutoModel
     from comm_codec.integrations.hf import from_pretrained
@@ -15,12 +17,13 @@ class's own ``from_pretrained``; no file is written anywhere::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
 from ..checkpoint.directory import SUFFIX
 from ..checkpoint.errors import CheckpointError
-from ..checkpoint.tensors import load_file
+from ..checkpoint.tensors import load_file_check_later
 
 __all__ = ["from_pretrained", "load_state_dict"]
 
@@ -71,19 +74,36 @@ def load_state_dict(folder, device: str = "cpu") -> dict:
         CheckpointError: not a model directory, a shard missing or corrupted, or a shard
             name in the index that is not a file of the directory.
     """
-    folder = os.fspath(folder)
-    state: dict = {}
-    for name in _shard_names(folder):
-        path = os.path.join(folder, name)
-        if os.path.isfile(path + SUFFIX) and not os.path.islink(path + SUFFIX):
-            state.update(load_file(path + SUFFIX, device=device))
-        elif os.path.isfile(path) and not os.path.islink(path):
-            from safetensors.torch import load_file as st_load_file
-
-            state.update(st_load_file(path, device=device))
-        else:
-            raise CheckpointError(f"{folder}: shard {name} is missing (neither {name}{SUFFIX} nor {name})")
+    state, checks = _state_check_later(os.fspath(folder), device)
+    for check in checks:
+        check()
     return state
+
+
+def _state_check_later(folder: str, device: str) -> tuple[dict, list]:
+    """Return the state dict and the digest checks still running (see
+    :func:`~comm_codec.checkpoint.tensors.load_file_check_later`)."""
+    state: dict = {}
+    checks = []
+    try:
+        for name in _shard_names(folder):
+            path = os.path.join(folder, name)
+            if os.path.isfile(path + SUFFIX) and not os.path.islink(path + SUFFIX):
+                tensors, check = load_file_check_later(path + SUFFIX, device=device)
+                state.update(tensors)
+                checks.append(check)
+            elif os.path.isfile(path) and not os.path.islink(path):
+                from safetensors.torch import load_file as st_load_file
+
+                state.update(st_load_file(path, device=device))
+            else:
+                raise CheckpointError(f"{folder}: shard {name} is missing (neither {name}{SUFFIX} nor {name})")
+    except BaseException:
+        for check in checks:  # no digest thread is left running behind an error
+            with contextlib.suppress(CheckpointError):
+                check()
+        raise
+    return state, checks
 
 
 def from_pretrained(model_class, folder, device: str = "cpu", **kwargs):
@@ -106,9 +126,16 @@ def from_pretrained(model_class, folder, device: str = "cpu", **kwargs):
 
     folder = os.fspath(folder)
     config = kwargs.pop("config", None) or AutoConfig.from_pretrained(folder)
-    state = load_state_dict(folder, device=device)
-    if hasattr(model_class, "_model_mapping"):  # AutoModel...: the class its config names
-        from transformers.models.auto.auto_factory import _get_model_class
+    state, checks = _state_check_later(folder, device)
+    try:
+        if hasattr(model_class, "_model_mapping"):  # AutoModel...: the class its config names
+            from transformers.models.auto.auto_factory import _get_model_class
 
-        model_class = _get_model_class(config, model_class._model_mapping)
-    return model_class.from_pretrained(None, config=config, state_dict=state, **kwargs)
+            model_class = _get_model_class(config, model_class._model_mapping)
+        # The digests are hashed meanwhile: transformers takes the tensors as they are
+        # (they become the parameters) and writes none of them.
+        model = model_class.from_pretrained(None, config=config, state_dict=state, **kwargs)
+    finally:
+        for check in checks:  # raises CheckpointError for a shard whose digest is wrong
+            check()
+    return model
