@@ -231,25 +231,30 @@ def test_every_python_fence_is_found_with_a_known_prelude():
 
 
 @pytest.fixture(scope="session")
-def torch_extensions(tmp_path_factory):
-    """One build of DeepSpeed's C++ op per session, in a directory of its own (a build killed
-    half way leaves a lock that a later run in the same directory would wait on forever)."""
-    return tmp_path_factory.mktemp("torch_extensions")
+def torch_extensions():
+    """DeepSpeed's CPU comm op, built once before any rank needs it, in the directory the
+    DeepSpeed tests share (test_deepspeed.torch_extensions_env: stale locks are cleared)."""
+    from test_deepspeed import torch_extensions_env
+
+    with torch_extensions_env() as env:
+        yield env["TORCH_EXTENSIONS_DIR"]
 
 
 @pytest.mark.parametrize("code,ranks,prelude", _snippets())
-def test_snippet_runs(code, ranks, prelude, tmp_path, torch_extensions):
+def test_snippet_runs(code, ranks, prelude, tmp_path, request):
     script = tmp_path / "snippet.py"
-    script.write_text(textwrap.dedent(PRELUDES.get(prelude, "")) + "\n" + code, encoding="utf-8")
+    source = textwrap.dedent(PRELUDES.get(prelude, "")) + "\n" + code
+    script.write_text(source, encoding="utf-8")
     env = dict(
         os.environ,
         HF_HUB_OFFLINE="1",
         OMP_NUM_THREADS="1",
         DS_ACCELERATOR="cpu",
-        TORCH_EXTENSIONS_DIR=str(torch_extensions),
         PYTHONPATH=str(ROOT),
         TOKENIZERS_PARALLELISM="false",
     )
+    if "deepspeed" in source:  # built here once, not by each snippet's ranks racing for it
+        env["TORCH_EXTENSIONS_DIR"] = request.getfixturevalue("torch_extensions")
     if ranks == 1:
         argv = [sys.executable, str(script)]
     else:

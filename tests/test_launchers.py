@@ -96,6 +96,10 @@ def test_run_fsdp_on_two_nodes_with_a_static_master(env):
 
 @pytest.mark.parametrize("stage", [3])
 def test_run_deepspeed_on_two_nodes(env, stage):
+    from test_deepspeed import torch_extensions_env
+
+    with torch_extensions_env() as built:  # built once here, not by both "nodes" racing for it
+        env.update(built)
     out = _two_nodes(
         "run_deepspeed.sh",
         ["--rdzv-endpoint", f"127.0.0.1:{_free_port()}"],
