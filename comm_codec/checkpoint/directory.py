@@ -43,6 +43,7 @@ from collections.abc import Callable
 
 from ..core.quoting import printable
 from .errors import CheckpointError
+from .report import SizesRecord
 from .walk import Tree
 
 __all__ = [
@@ -96,8 +97,11 @@ class FileResult:
 
 
 @dataclasses.dataclass
-class DirSummary:
+class DirSummary(SizesRecord):
     """What one compress_dir, decompress_dir or verify_dir call did.
+
+    ``bytes_in`` (``original_bytes``), ``bytes_out`` (``stored_bytes``), ``bytes_saved``
+    and ``as_dict()`` as for :class:`~comm_codec.checkpoint.Summary`.
 
     Attributes:
         op: "compress", "decompress" or "verify".
@@ -110,6 +114,8 @@ class DirSummary:
     files: list
     seconds: float
     threads: int
+
+    _STORED = "stored_bytes"
 
     def _count(self, action: str) -> int:
         return sum(f.action == action for f in self.files)
@@ -317,7 +323,8 @@ def compress_dir(
             replaced; nothing else there is touched). Default: refuse an existing dst.
         progress: each file's progress line on stderr (None: only on a terminal).
         on_file: called with each file's :class:`FileResult` as it finishes (one at a time).
-        codebooks: a :class:`~comm_codec.CodebookSet` to weigh against per-tensor books.
+        codebooks: the books to weigh against per-tensor books: a
+            :class:`~comm_codec.CodebookSet`, the path of a saved one, or None (the shipped books).
         base: the previous checkpoint's directory (original, or its compressed mirror):
             each checkpoint file is coded as a delta against the file of the same
             relative path there (``compress_file(base=...)``); a file with no partner,
@@ -329,6 +336,7 @@ def compress_dir(
     Raises:
         NotADirectoryError: src (or base) is not a directory.
         FileExistsError: dst exists and force is False.
+        CodebookError: codebooks is a missing or invalid file.
         CheckpointError: dst inside src (or src inside dst), a ``.cckp`` file in src, or
             a file failed (the files and directories this call made are removed).
     """
@@ -338,6 +346,10 @@ def compress_dir(
     src, dst = os.fspath(src), os.fspath(dst)
     base = _base_dir(base)
     started = time.perf_counter()
+    if codebooks is not None:
+        from ..core.codebooks import as_codebook_set
+
+        codebooks = as_codebook_set(codebooks)  # loaded once, and refused before dst is made
     _check_trees(src, dst, force)
     tree, entries = _entries(src)
     with tree:

@@ -392,7 +392,7 @@ def _mode(path: str) -> int:
 
 
 def compress_file(src, dst, *, base=None, threads: int | None = None, codebooks=None,
-                  progress: bool | None = None, force: bool = True) -> Summary:
+                  progress: bool | None = None, force: bool = False) -> Summary:
     """Compress a checkpoint file losslessly.
 
     Args:
@@ -404,11 +404,13 @@ def compress_file(src, dst, *, base=None, threads: int | None = None, codebooks=
             it when that is smaller. Decompression then needs the same base.
         threads: worker threads (default: the CPU count, at most NUMBA_NUM_THREADS; 1 for
             a file under :data:`SMALL_FILE_BYTES`).
-        codebooks: the books to weigh against per-tensor books (default: shipped books).
+        codebooks: the books to weigh against per-tensor books: a
+            :class:`~comm_codec.CodebookSet`, the path of a saved one, or None (the
+            shipped books).
         progress: progress line on stderr; None: only when stderr is a terminal.
-        force: replace an existing dst (the default, as ``open(dst, "wb")``); False
-            refuses any existing dst, a dangling symlink included, as the command line
-            does without ``--force``.
+        force: replace an existing dst. Default: refuse any existing dst, a dangling
+            symlink included, as the command line does without ``--force`` and as
+            :func:`compress_dir` does.
 
     Returns:
         A :class:`Summary`.
@@ -417,6 +419,7 @@ def compress_file(src, dst, *, base=None, threads: int | None = None, codebooks=
         FileNotFoundError, PermissionError, IsADirectoryError: src or base unreadable.
         FileExistsError: dst exists and force is False.
         CheckpointError: dst is src or base, dst cannot be written (full disk...).
+        CodebookError: codebooks is a missing or invalid file.
         ValueError: threads out of range.
     """
     src, dst = os.fspath(src), os.fspath(dst)
@@ -680,7 +683,7 @@ def _decode_segment(seg, m: FileMap, bm: FileMap | None, tensors, path, buffers:
 
 
 def decompress_file(src, dst, *, base=None, threads: int | None = None, progress: bool | None = None,
-                    force: bool = True) -> Summary:
+                    force: bool = False) -> Summary:
     """Restore the original checkpoint, byte for byte, from a compressed file.
 
     Args:
@@ -694,7 +697,8 @@ def decompress_file(src, dst, *, base=None, threads: int | None = None, progress
         threads: worker threads (default: the CPU count, at most NUMBA_NUM_THREADS; 1 for
             a compressed file under :data:`SMALL_FILE_BYTES`).
         progress: progress line on stderr; None: only when stderr is a terminal.
-        force: replace an existing dst (the default); False refuses any existing dst.
+        force: replace an existing dst. Default: refuse any existing dst (a file
+            object is always written to).
 
     Returns:
         A :class:`Summary`.

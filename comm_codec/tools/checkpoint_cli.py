@@ -277,7 +277,7 @@ def _compress_one(args, src: str, dst: str, books) -> None:
             summary = lossy.compress_file(
                 path,
                 out,
-                mode=args.lossy,
+                method=args.lossy,
                 base=args.base,
                 max_error=args.max_error,
                 bits=args.bits,
@@ -285,6 +285,7 @@ def _compress_one(args, src: str, dst: str, books) -> None:
                 beta=lossy.DEFAULT_BETA if args.beta is None else args.beta,
                 keep_bits=args.keep_bits,
                 threads=_used_threads(args),
+                force=True,  # refused above without --force; "-" writes a temp file made for it
             )
     # lossy notes (keyframe, fallbacks) were logged by comm_codec.checkpoint.lossy
     _say(args, summary.line(), to_stderr=dst == "-")
@@ -328,7 +329,7 @@ def _decompress_one(args, src: str, dst: str) -> None:
             with _local_output(dst) as out:
                 # A stream has no directory: its base is looked for in the working directory.
                 summary = lossy.decompress_file(
-                    path, out, base=args.base, threads=threads, beside=os.getcwd() if src == "-" else None
+                    path, out, base=args.base, threads=threads, beside=os.getcwd() if src == "-" else None, force=True
                 )
         elif dst == "-":
             # Streamed: the bytes reach stdout as they are decoded, in order.
