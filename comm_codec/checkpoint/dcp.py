@@ -277,7 +277,9 @@ class Writer(FileSystemWriter):
             raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
         if overwrite is not None:
             if force and not overwrite:
-                raise ValueError("force=True and overwrite=False disagree: overwrite is FileSystemWriter's name for force")
+                raise ValueError(
+                    "force=True and overwrite=False disagree: overwrite is FileSystemWriter's name for force"
+                )
             force = bool(overwrite)
         if kind_of is not None and not callable(kind_of):
             raise TypeError(f"kind_of must be a callable fqn -> kind, got {kind_of!r}")
@@ -302,8 +304,9 @@ class Writer(FileSystemWriter):
         if not self.overwrite:
             self.fs.mkdir(self.path)
             if self._metadata_exists():
-                raise FileExistsError(17, f"{self.path} holds a checkpoint already; pass force=True to replace it",
-                                      os.fspath(self.path))
+                raise FileExistsError(
+                    17, f"{self.path} holds a checkpoint already; pass force=True to replace it", os.fspath(self.path)
+                )
         with warnings.catch_warnings():
             # FileSystemWriter warns that its overwrite default will change; force=True was asked for.
             warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
@@ -383,7 +386,9 @@ class Writer(FileSystemWriter):
             fh.write(table)
             fh.write(TRAILER.pack(TRAILER_MAGIC, out.pos, len(table), zlib.crc32(table), 0))
             fh.commit()
-        self._counts.add_file(out, out.pos + len(table) + TRAILER.size, sum(i.type != WriteItemType.BYTE_IO for i in items))
+        self._counts.add_file(
+            out, out.pos + len(table) + TRAILER.size, sum(i.type != WriteItemType.BYTE_IO for i in items)
+        )
         log.info(
             "%s: %d items, tensors of codec dtypes %d -> %d bytes (%d tensors planned, %d taking an earlier "
             "tensor's plan)",

@@ -518,7 +518,9 @@ def _crc32(pieces) -> int:
     return crc
 
 
-def decompress_file(src, dst, *, base=None, threads: int | None = None, beside=None, force: bool = False) -> LossySummary:
+def decompress_file(
+    src, dst, *, base=None, threads: int | None = None, beside=None, force: bool = False
+) -> LossySummary:
     """Write the reconstructed checkpoint, in the source's format, from a lossy file.
 
     Args:
