@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 
+from .comm._deepspeed_log import watch as _watch_deepspeed
 from .core.errors import (
     AgreementError,
     ChainError,
@@ -36,6 +37,7 @@ from .core.logs import set_verbosity, verbosity_from_env
 from .core.version import __version__
 
 verbosity_from_env()
+_watch_deepspeed()  # a ds_config "comm_codec" section that nothing installs says so (stdlib only until DeepSpeed loads)
 
 __all__ = [
     "Codec",

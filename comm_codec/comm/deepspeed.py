@@ -97,6 +97,7 @@ from ._deepspeed_config import (
     check_zero,
     parse_config,
 )
+from ._deepspeed_log import PluginLog, watch
 from .config import CommConfig, make_config
 from .engine import CODED_DTYPES, CodingEngine
 from .stats import LOGGED, TrafficStats
@@ -115,8 +116,11 @@ __all__ = [
     "stats",
 ]
 
-# Inside DeepSpeed, the plugin's lines go where DeepSpeed's own go (shown at INFO by default).
+# Inside DeepSpeed, the plugin's lines go where DeepSpeed's own go (shown from the ds_config's
+# "log_level"), or to comm_codec's verbosity switch where DeepSpeed's level hides them.
 ds_logger = deepspeed.utils.logger
+plugin_log = PluginLog(ds_logger)
+watch()  # an engine built without the plugin warns at its first backward when its config has a section
 
 SUPPORTED_DEEPSPEED = "0.19"  # the major.minor whose reduction methods the plugin copies
 
@@ -194,7 +198,7 @@ class DeepSpeedState:
                 config.config,
                 name="comm_codec.deepspeed",
                 allow_cast=not zero3,
-                logger=ds_logger,
+                logger=plugin_log,
                 plain_name="plain reduce-scatter/all-gather" if zero3 else "plain all-reduce",
                 collectives=("reduce_scatter", "all_gather") if zero3 else ("all_reduce",),
             )
@@ -469,7 +473,7 @@ def install(engine, config=None) -> DeepSpeedState:
     plugin.patch(engine, "step", _wrap_step(plugin, engine.step))
     engine._comm_codec = plugin
     if engine.global_rank == 0:
-        ds_logger.info(
+        plugin_log.info(
             "comm_codec installed: ZeRO stage %d, %s, books %s, warmup %d, cast %s, mode %s, coding %s",
             stage,
             type(engine.optimizer).__name__,

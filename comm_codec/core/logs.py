@@ -8,8 +8,9 @@ which the user did not ask for. To see the INFO lines::
     COMM_CODEC_VERBOSITY=info torchrun ... train.py       # or, in the script:
     import comm_codec; comm_codec.set_verbosity("info")
 
-Inside DeepSpeed the plugin logs through DeepSpeed's own logger, whose INFO lines show
-by default. The library never calls ``logging.basicConfig``: the switch gives the
+Inside DeepSpeed the plugin logs through DeepSpeed's own logger, so its lines show beside
+DeepSpeed's when the ds_config's ``"log_level"`` is "info"; where DeepSpeed's level hides
+them, this switch shows them (:mod:`comm_codec.comm._deepspeed_log`). The library never calls ``logging.basicConfig``: the switch gives the
 ``comm_codec`` logger one stderr handler and a level, and ``set_verbosity(None)`` takes
 them away again.
 """
