@@ -123,7 +123,7 @@ def _ours(lines, level=None):
 
 
 def test_a_section_nobody_installs_warns_once_on_rank_0(silent_run):
-    from comm_codec.comm._deepspeed_log import SILENT_SECTION
+    from comm_codec.core.logs import SILENT_SECTION
 
     assert silent_run[0]["deepspeed_first"] is False  # the hook went in as DeepSpeed loaded
     ds0, _ = silent_run[0]["plain"]
@@ -134,7 +134,7 @@ def test_a_section_nobody_installs_warns_once_on_rank_0(silent_run):
 
 @pytest.mark.parametrize("case", ["plain_off", "plain_none", "plugin", "plugin_verbose", "plugin_ds_info"])
 def test_no_warning_where_the_section_is_installed_disabled_or_absent(silent_run, case):
-    from comm_codec.comm._deepspeed_log import SILENT_SECTION
+    from comm_codec.core.logs import SILENT_SECTION
 
     for res in silent_run:
         ds, ours = res[case]

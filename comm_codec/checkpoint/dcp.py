@@ -115,6 +115,7 @@ from ._dcp_items import (
     zstd_decode,
 )
 from ._dcp_metadata import MAX_METADATA_BYTES, METADATA_NAME, read_metadata
+from ._dcp_stats import Counts
 from .files import atomic_output
 from .formats import FileTensor
 from .plan import CHUNK_SIZES, BookChooser, make_codec, plan_bytes
@@ -175,26 +176,6 @@ def kind_of(fqn: str) -> str:
 _default_kind_of = kind_of  # Writer's parameter of the same name shadows it there
 
 
-class _Counts:
-    """What a Writer or Reader did on this rank, for its ``stats()``."""
-
-    def __init__(self):
-        self.bytes_in = self.bytes_out = self.tensors = self.coded = 0
-        self.seconds = 0.0
-
-    def add_file(self, out: _FileOut, size: int, tensors: int) -> None:
-        self.bytes_in += out.raw + sum(length for length, _ in out.checksums.values())
-        self.bytes_out += size
-        self.tensors += tensors
-        self.coded += sum(
-            (r.storage_data.transform_descriptors or [None])[0] in (FRAME_DESCRIPTOR, PACK_DESCRIPTOR)
-            for r in out.results
-        )
-
-    def summary(self, op: str, threads: int) -> Summary:
-        return Summary(op, self.bytes_in, self.bytes_out, self.seconds, threads, "dcp", self.tensors, self.coded)
-
-
 def _as_u8(t: torch.Tensor) -> np.ndarray:
     """The bytes of a contiguous CPU tensor, without a copy."""
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
@@ -236,9 +217,6 @@ class Writer(FileSystemWriter):
         _extensions: DCP stream extensions: refused (frames are compressed already).
         serialization_format: only ``SerializationFormat.TORCH_SAVE`` (how items that
             are not frames are stored).
-
-    After a save, :meth:`stats` returns this rank's figures (a
-    :class:`~comm_codec.checkpoint.Summary` with ``op="save"``).
 
     Raises:
         TypeError: ``kind_of`` is not callable.
@@ -294,7 +272,7 @@ class Writer(FileSystemWriter):
         )
         self.codebooks = as_codebook_set(codebooks)
         self.kind_of = _default_kind_of if kind_of is None else kind_of
-        self._counts = _Counts()
+        self._counts = Counts((FRAME_DESCRIPTOR, PACK_DESCRIPTOR))
         self.coding_threads = min(thread_count, numba.config.NUMBA_NUM_THREADS)
         self._shipped_codec = None  # for the packs of tensors too small to plan; made on first use
         self._threaded: dict = {}  # a planned codec's id -> the same books on coding_threads threads
@@ -313,15 +291,7 @@ class Writer(FileSystemWriter):
             return super().prepare_local_plan(plan)
 
     def stats(self) -> Summary:
-        """Return what this writer's saves did on this rank.
-
-        Returns:
-            A :class:`~comm_codec.checkpoint.Summary` with ``op="save"``, ``format="dcp"``:
-            ``bytes_in`` (``original_bytes``) the items' bytes as ``FileSystemWriter`` would
-            store them uncompressed, ``bytes_out`` (``compressed_bytes``) the data files
-            written, ``tensors`` tensor items, ``coded`` those stored as frames, ``seconds``
-            the time in :meth:`write_data`.
-        """
+        """Return what this writer's saves did on this rank (a Summary, ``op="save"``: :mod:`._dcp_stats`)."""
         return self._counts.summary("save", self.coding_threads)
 
     def write_data(self, plan, planner) -> Future:
@@ -386,9 +356,8 @@ class Writer(FileSystemWriter):
             fh.write(table)
             fh.write(TRAILER.pack(TRAILER_MAGIC, out.pos, len(table), zlib.crc32(table), 0))
             fh.commit()
-        self._counts.add_file(
-            out, out.pos + len(table) + TRAILER.size, sum(i.type != WriteItemType.BYTE_IO for i in items)
-        )
+        tensors = sum(i.type != WriteItemType.BYTE_IO for i in items)
+        self._counts.add_file(out.raw, out.checksums, out.results, out.pos + len(table) + TRAILER.size, tensors)
         log.info(
             "%s: %d items, tensors of codec dtypes %d -> %d bytes (%d tensors planned, %d taking an earlier "
             "tensor's plan)",
@@ -548,9 +517,6 @@ class Reader(FileSystemReader):
             checking that ``torch.load(weights_only=True)`` accepts them. Only for
             directories you wrote yourself.
 
-    After a load, :meth:`stats` returns this rank's figures (a
-    :class:`~comm_codec.checkpoint.Summary` with ``op="load"``).
-
     Raises:
         CodebookError: bad ``codebooks`` (a missing or invalid file, or another type).
     """
@@ -563,7 +529,7 @@ class Reader(FileSystemReader):
         self._codecs: dict = {}  # (dtype name, book ids) -> Codec
         self._last_pack = None  # ((path, offset, length), its decoded elements)
         self._preread = None  # metadata that load() read and checked, handed to DCP's first read_metadata
-        self._counts = _Counts()
+        self._counts = Counts((FRAME_DESCRIPTOR, PACK_DESCRIPTOR))
 
     # No **kwargs: DCP then reads the global .metadata only, never a rank's own.
     def read_metadata(self) -> Metadata:
@@ -623,7 +589,7 @@ class Reader(FileSystemReader):
                 for req, info in sorted(reqs, key=lambda r: r[1].offset):
                     try:
                         self._read_item(data, req, info, planner)
-                        self._count(req, info, seen)
+                        self._counts.add_read(req, info, seen, self._chunks, req.type == LoadItemType.BYTE_IO)
                     except CheckpointError:
                         raise
                     except (
@@ -648,29 +614,8 @@ class Reader(FileSystemReader):
         return fut
 
     def stats(self) -> Summary:
-        """Return what this reader's loads did on this rank.
-
-        Returns:
-            A :class:`~comm_codec.checkpoint.Summary` with ``op="load"``, ``format="dcp"``:
-            ``bytes_in`` (``original_bytes``) the bytes restored into the state dict,
-            ``bytes_out`` (``compressed_bytes``) the stored records they came from (a
-            pack frame counted once), ``tensors`` tensor reads, ``coded`` those read from
-            frames, ``seconds`` the time in :meth:`read_data`.
-        """
+        """Return what this reader's loads did on this rank (a Summary, ``op="load"``: :mod:`._dcp_stats`)."""
         return self._counts.summary("load", 1)
-
-    def _count(self, req, info, seen: set) -> None:
-        if (info.relative_path, info.offset) not in seen:
-            seen.add((info.relative_path, info.offset))
-            self._counts.bytes_out += info.length
-        if req.type == LoadItemType.BYTE_IO:
-            self._counts.bytes_in += info.length
-            return
-        dtype = self._chunks[(req.storage_index.fqn, tuple(req.storage_index.offset or ()))][0]
-        self._counts.bytes_in += math.prod(req.lengths) * dtype.itemsize
-        self._counts.tensors += 1
-        descriptors = getattr(info, "transform_descriptors", None) or [None]
-        self._counts.coded += descriptors[0] in (FRAME_DESCRIPTOR, PACK_DESCRIPTOR)
 
     def verify(self) -> dict:
         """Check every data file the metadata names, without a state dict to load into.

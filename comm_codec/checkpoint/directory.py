@@ -318,7 +318,7 @@ def compress_dir(
         src: the directory (a sharded HF model, a DCP checkpoint, any tree).
         dst: the mirror to write: ``F`` becomes ``F.cckp`` for each checkpoint file
             (:func:`is_checkpoint_file`), other files keep their names and bytes.
-        threads: worker threads in all; files are coded in parallel up to this many.
+        threads: CPU threads that code, in all; files are coded in parallel up to this many.
         force: write into an existing directory dst (files of the same names are
             replaced; nothing else there is touched). Default: refuse an existing dst.
         progress: each file's progress line on stderr (None: only on a terminal).

@@ -402,7 +402,7 @@ def compress_file(src, dst, *, base=None, threads: int | None = None, codebooks=
         base: the *original* file of a previous checkpoint (or a standalone compressed
             one): tensors with the same name, dtype and size are coded as the XOR with
             it when that is smaller. Decompression then needs the same base.
-        threads: worker threads (default: the CPU count, at most NUMBA_NUM_THREADS; 1 for
+        threads: CPU threads that code (default: the CPU count, at most NUMBA_NUM_THREADS; 1 for
             a file under :data:`SMALL_FILE_BYTES`).
         codebooks: the books to weigh against per-tensor books: a
             :class:`~comm_codec.CodebookSet`, the path of a saved one, or None (the
@@ -694,7 +694,7 @@ def decompress_file(src, dst, *, base=None, threads: int | None = None, progress
             digest is checked (a mismatch still raises, after the last byte).
         base: the base the file was compressed against (the original file, or a
             standalone compressed one); required for delta files, refused if different.
-        threads: worker threads (default: the CPU count, at most NUMBA_NUM_THREADS; 1 for
+        threads: CPU threads that decode (default: the CPU count, at most NUMBA_NUM_THREADS; 1 for
             a compressed file under :data:`SMALL_FILE_BYTES`).
         progress: progress line on stderr; None: only when stderr is a terminal.
         force: replace an existing dst. Default: refuse any existing dst (a file
@@ -818,7 +818,7 @@ def save(state_dict, path, *, base=None, threads: int | None = None) -> Summary:
             so keep to tensors, containers and plain values).
         path: the compressed file.
         base: a previous checkpoint's original file (or standalone compressed file).
-        threads: worker threads.
+        threads: CPU threads that code (as for :func:`compress_file`).
 
     Returns:
         The compression :class:`Summary`.

@@ -19,11 +19,28 @@ from ..core.codebooks import KINDS
 from ..core.errors import CodebookError, ConfigError
 from .config import CommConfig
 
+__all__ = [
+    "SECTION",
+    "STAGE_KINDS",
+    "DEEPSPEED_ONLY",
+    "CommCodecConfig",
+    "parse_config",
+    "parse_section",
+    "section_error",
+    "json_text",
+    "load_config_file",
+    "check_zero",
+    "check_config",
+    "check_engine",
+    "unsupported",
+    "zero_section",
+]
+
 SECTION = "comm_codec"
 
 # The traffic each ZeRO stage codes, by codebook kind: gradient reduction at every stage,
 # the parameter all-gathers at stage 3.
-_STAGE_KINDS = {0: ("gradient",), 1: ("gradient",), 2: ("gradient",), 3: ("gradient", "weight")}
+STAGE_KINDS = {0: ("gradient",), 1: ("gradient",), 2: ("gradient",), 3: ("gradient", "weight")}
 _SUPPORTED_KINDS = ("gradient", "weight")
 _STAGES = (0, 1, 2, 3)
 
@@ -68,7 +85,7 @@ class CommCodecConfig:
         raise AttributeError(name)
 
 
-def _section_error(key: str, problem: str) -> ConfigError:
+def section_error(key: str, problem: str) -> ConfigError:
     exc = ConfigError(f"{SECTION}.{key}" if key else SECTION, None, problem)
     exc.args = (
         f'invalid "{SECTION}" section in the DeepSpeed config: '
@@ -78,26 +95,26 @@ def _section_error(key: str, problem: str) -> ConfigError:
     return exc
 
 
-def _json(value) -> str:
+def json_text(value) -> str:
     try:
         return json.dumps(value)
     except (TypeError, ValueError):
         return repr(value)
 
 
-def _parse_section(section: dict) -> CommCodecConfig:
+def parse_section(section: dict) -> CommCodecConfig:
     allowed = (*CommConfig.fields(), *DEEPSPEED_ONLY)
     for key in section:
         if key not in allowed:
-            raise _section_error(key, f"unknown key; allowed keys: {', '.join(allowed)}")
+            raise section_error(key, f"unknown key; allowed keys: {', '.join(allowed)}")
     own = {key: section[key] for key in DEEPSPEED_ONLY if key in section}
     for key in ("enabled", "monitor"):
         if key in own and not isinstance(own[key], bool):
-            raise _section_error(key, f"{_json(own[key])}; allowed: true or false")
+            raise section_error(key, f"{json_text(own[key])}; allowed: true or false")
     kinds = own.get("kinds")
     if kinds is not None:
         if not isinstance(kinds, list) or not kinds:
-            raise _section_error("kinds", f"{_json(kinds)}; allowed: a non-empty list of {list(_SUPPORTED_KINDS)}")
+            raise section_error("kinds", f"{json_text(kinds)}; allowed: a non-empty list of {list(_SUPPORTED_KINDS)}")
         for kind in kinds:
             if kind not in _SUPPORTED_KINDS:
                 what = (
@@ -106,33 +123,33 @@ def _parse_section(section: dict) -> CommCodecConfig:
                     if kind in KINDS
                     else "is an unknown tensor kind"
                 )
-                raise _section_error("kinds", f"{kind!r} {what}; allowed: {list(_SUPPORTED_KINDS)}")
+                raise section_error("kinds", f"{kind!r} {what}; allowed: {list(_SUPPORTED_KINDS)}")
         own["kinds"] = tuple(kinds)
     settings = {key: value for key, value in section.items() if key not in DEEPSPEED_ONLY}
     source = settings.pop("codebooks", None)
     warmup = settings.get("warmup_steps", 0)
     if source == "online":
         if warmup == 0:
-            raise _section_error(
+            raise section_error(
                 "", 'codebooks "online" needs warmup_steps >= 1 (the steps whose statistics build the books)'
             )
     elif source is not None and warmup:
-        raise _section_error(
+        raise section_error(
             "warmup_steps",
             f"warmup_steps builds the books online, but codebooks is {source!r}: "
             'drop codebooks (or set it to "online") to build them, or set warmup_steps to 0',
         )
     elif source not in (None, "default"):
         if not isinstance(source, str):
-            raise _section_error(
+            raise section_error(
                 "codebooks",
-                f'{_json(source)}; allowed: "default", "online" or the path of a file saved by CodebookSet.save',
+                f'{json_text(source)}; allowed: "default", "online" or the path of a file saved by CodebookSet.save',
             )
         settings["codebooks"] = source
     try:
         config = CommConfig(**settings)
     except ConfigError as exc:
-        raise _section_error(exc.key, f"{_json(exc.value)}; allowed: {exc.allowed}") from None
+        raise section_error(exc.key, f"{json_text(exc.value)}; allowed: {exc.allowed}") from None
     except CodebookError as exc:
         raise CodebookError(
             f'invalid "{SECTION}" section in the DeepSpeed config: {SECTION}.codebooks: '
@@ -162,18 +179,18 @@ def parse_config(config) -> CommCodecConfig | None:
     if isinstance(config, CommCodecConfig):
         return config
     if isinstance(config, (str, os.PathLike)):
-        config = _load_config_file(config)
+        config = load_config_file(config)
     if not isinstance(config, dict):
         raise TypeError(f"config must be a dict or a path, got {type(config).__name__}")
     section = config.get(SECTION)
     if section is None:
         return None
     if not isinstance(section, dict):
-        raise _section_error("", f"{_json(section)}; allowed: an object (must be an object of settings)")
-    return _parse_section(section)
+        raise section_error("", f"{json_text(section)}; allowed: an object (must be an object of settings)")
+    return parse_section(section)
 
 
-def _load_config_file(path) -> dict:
+def load_config_file(path) -> dict:
     import hjson  # a DeepSpeed dependency; DeepSpeed reads config files with it
 
     with open(path, encoding="utf-8") as fh:
@@ -185,7 +202,7 @@ def _load_config_file(path) -> dict:
 
 
 # -- scope checks -------------------------------------------------------------------------
-def _unsupported(feature: str, fix: str) -> ConfigError:
+def unsupported(feature: str, fix: str) -> ConfigError:
     exc = ConfigError(SECTION, None, "a supported setup")
     exc.args = (f'comm_codec.deepspeed does not support {feature}; {fix}, or set "{SECTION}": {{"enabled": false}}',)
     return exc
@@ -203,7 +220,7 @@ _ZERO_REFUSED = {
 }
 
 
-def _zero_section(config: dict) -> dict:
+def zero_section(config: dict) -> dict:
     zero = config.get("zero_optimization") or {}
     return zero if isinstance(zero, dict) else {}
 
@@ -219,17 +236,17 @@ def check_zero(zero: dict, section: CommCodecConfig) -> int:
     """
     stage = zero.get("stage", 0)
     if stage not in _STAGES:
-        raise _unsupported(
+        raise unsupported(
             f"ZeRO stage {stage!r} (zero_optimization.stage; allowed: 0, 1, 2, 3)", "use ZeRO stage 0, 1, 2 or 3"
         )
     for key, (default, what) in _ZERO_REFUSED.items():
         if zero.get(key, default) != default:
-            raise _unsupported(
+            raise unsupported(
                 f"{what} (zero_optimization.{key}: {zero[key]!r}; allowed with comm_codec: {json.dumps(default)})",
                 f"set zero_optimization.{key} to {json.dumps(default)}",
             )
     if stage == 3 and zero.get("reduce_scatter", True) is not True:
-        raise _unsupported(
+        raise unsupported(
             "all-reduced ZeRO-3 gradients (zero_optimization.reduce_scatter: false; allowed at stage 3: true)",
             "set zero_optimization.reduce_scatter to true",
         )
@@ -237,24 +254,24 @@ def check_zero(zero: dict, section: CommCodecConfig) -> int:
         offload = zero.get(key) or {}
         device = offload.get("device", "none") if isinstance(offload, dict) else offload
         if device not in ("none", "cpu", None):
-            raise _unsupported(
+            raise unsupported(
                 f'offload to {device!r} (zero_optimization.{key}.device; allowed: "cpu", "none")', 'offload to "cpu"'
             )
         if key == "offload_param" and device == "cpu" and stage != 3:
-            raise _unsupported(
+            raise unsupported(
                 f"offload_param at ZeRO stage {stage} (zero_optimization.offload_param; "
                 "DeepSpeed offloads parameters at stage 3 only)",
                 "remove offload_param",
             )
-    allowed = list(_STAGE_KINDS[stage])
+    allowed = list(STAGE_KINDS[stage])
     for kind in section.kinds or ():
         if kind not in allowed:
-            raise _section_error(
+            raise section_error(
                 "kinds",
                 f"{kind!r} (parameter all-gathers) is coded at ZeRO stage 3 only; allowed at stage {stage}: {allowed}",
             )
     if stage == 3 and section.cast is not None:
-        raise _section_error(
+        raise section_error(
             "cast",
             f"{section.cast!r} at ZeRO stage 3, where weights and gradients must "
             "arrive exactly; allowed at stage 3: null",
@@ -262,12 +279,12 @@ def check_zero(zero: dict, section: CommCodecConfig) -> int:
     return stage
 
 
-def _check_config(config: dict, section: CommCodecConfig, model=None) -> None:
+def check_config(config: dict, section: CommCodecConfig, model=None) -> None:
     """Refuse, before an engine is built, what the config or model already shows."""
-    check_zero(_zero_section(config), section)
+    check_zero(zero_section(config), section)
     opt_type = str((config.get("optimizer") or {}).get("type", "")).lower().replace("_", "")
     if "onebit" in opt_type or "zeroone" in opt_type:
-        raise _unsupported(
+        raise unsupported(
             f"1-bit optimizers (optimizer.type {config['optimizer']['type']!r}: they compress gradients themselves)",
             "use a standard optimizer",
         )
@@ -275,12 +292,12 @@ def _check_config(config: dict, section: CommCodecConfig, model=None) -> None:
         from deepspeed.pipe import PipelineModule
 
         if isinstance(model, PipelineModule):
-            raise _unsupported(
+            raise unsupported(
                 "the pipeline engine (model is a PipelineModule)", "train a plain torch.nn.Module with ZeRO 0-3"
             )
 
 
-def _check_engine(engine) -> None:
+def check_engine(engine) -> None:
     """Refuse engines whose gradient reduction does not go through the seams."""
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
@@ -290,45 +307,45 @@ def _check_engine(engine) -> None:
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     if isinstance(engine, PipelineEngine):
-        raise _unsupported("the pipeline engine", "train a plain torch.nn.Module with ZeRO 0-3")
+        raise unsupported("the pipeline engine", "train a plain torch.nn.Module with ZeRO 0-3")
     if isinstance(engine, DeepSpeedHybridEngine):
-        raise _unsupported("the hybrid engine (hybrid_engine.enabled)", "disable hybrid_engine")
+        raise unsupported("the hybrid engine (hybrid_engine.enabled)", "disable hybrid_engine")
     stage = engine.zero_optimization_stage()
     if get_accelerator().device_name() != "cpu":
-        raise _unsupported(
+        raise unsupported(
             f"the {get_accelerator().device_name()} accelerator yet (the codec codes CPU buffers)",
             "train on CPU with gloo",
         )
     name = type(engine.optimizer).__name__.lower() + " " + str(engine.optimizer_name()).lower()
     if "onebit" in name or "zeroone" in name:
-        raise _unsupported("1-bit optimizers", "use a standard optimizer")
+        raise unsupported("1-bit optimizers", "use a standard optimizer")
     expected = (DeepSpeedZeroOptimizer_Stage3,) if stage == 3 else (DeepSpeedZeroOptimizer, BF16_Optimizer)
     if stage > 0 and not isinstance(engine.optimizer, expected):
-        raise _unsupported(
+        raise unsupported(
             f"the ZeRO optimizer {type(engine.optimizer).__name__}",
             f"use DeepSpeed's ZeRO {'3' if stage == 3 else '1/2'} optimizer",
         )
     if stage == 3 and (not engine.optimizer.reduce_scatter or engine.optimizer.all2all_process_group is not None):
-        raise _unsupported(
+        raise unsupported(
             "this ZeRO-3 gradient reduction (zero_optimization.reduce_scatter must be true, "
             "zero_quantized_gradients false)",
             "use the default reduce-scatter",
         )
     if type(engine.optimizer).__name__.startswith("ZenFlow") or engine._config.zero_config.zenflow is not None:
-        raise _unsupported("ZenFlow (zero_optimization.zenflow)", "disable zenflow")
+        raise unsupported("ZenFlow (zero_optimization.zenflow)", "disable zenflow")
     if engine.has_moe_layers:
-        raise _unsupported("mixture-of-experts layers (expert-parallel groups)", "train without MoE")
+        raise unsupported("mixture-of-experts layers (expert-parallel groups)", "train without MoE")
     if engine.is_deepcompile_enabled():
-        raise _unsupported("DeepCompile (compile.deepcompile)", "disable deepcompile")
+        raise unsupported("DeepCompile (compile.deepcompile)", "disable deepcompile")
     if not engine.enable_backward_allreduce:
-        raise _unsupported("engines without backward all-reduce", "leave gradient reduction to DeepSpeed")
+        raise unsupported("engines without backward all-reduce", "leave gradient reduction to DeepSpeed")
     world = dist.get_world_size()
     if (
         engine.mpu is not None
         or getattr(engine, "sequence_parallel_size", 1) != 1
         or dist.get_world_size(engine.data_parallel_group) != world
     ):
-        raise _unsupported(
+        raise unsupported(
             "model, tensor or sequence parallelism (the data-parallel group must be the whole world)",
             "use pure data parallelism",
         )
@@ -338,7 +355,7 @@ def _check_engine(engine) -> None:
         if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
     ]
     if sparse:
-        raise _unsupported(
+        raise unsupported(
             f"sparse embedding gradients (module {sparse[0]!r} has sparse=True; DeepSpeed "
             "all-gathers those outside the coded reduction)",
             "use sparse=False",

@@ -81,23 +81,24 @@ import torch
 
 from ..core.codebooks import CodebookSet
 from ..core.errors import ConfigError
+from ..core.logs import watch_deepspeed
 from . import collectives
 from ._deepspeed_config import (
-    _STAGE_KINDS,
     DEEPSPEED_ONLY,
     SECTION,
+    STAGE_KINDS,
     CommCodecConfig,
-    _check_config,
-    _check_engine,
-    _json,
-    _load_config_file,
-    _parse_section,
-    _section_error,
-    _zero_section,
+    check_config,
+    check_engine,
     check_zero,
+    json_text,
+    load_config_file,
     parse_config,
+    parse_section,
+    section_error,
+    zero_section,
 )
-from ._deepspeed_log import PluginLog, watch
+from ._deepspeed_log import PluginLog
 from .config import CommConfig, make_config
 from .engine import CODED_DTYPES, CodingEngine
 from .stats import LOGGED, TrafficStats
@@ -120,7 +121,7 @@ __all__ = [
 # "log_level"), or to comm_codec's verbosity switch where DeepSpeed's level hides them.
 ds_logger = deepspeed.utils.logger
 plugin_log = PluginLog(ds_logger)
-watch()  # an engine built without the plugin warns at its first backward when its config has a section
+watch_deepspeed()  # an engine built without the plugin warns at its first backward when its config has a section
 
 SUPPORTED_DEEPSPEED = "0.19"  # the major.minor whose reduction methods the plugin copies
 
@@ -183,7 +184,7 @@ class DeepSpeedState:
 
     def __init__(self, engine, config: CommCodecConfig, stage: int):
         self.stage = stage
-        self.kinds = tuple(config.kinds or _STAGE_KINDS[stage])
+        self.kinds = tuple(config.kinds or STAGE_KINDS[stage])
         if config.codebooks != "online":
             books = config.config.codebooks
             _check_books(
@@ -203,7 +204,7 @@ class DeepSpeedState:
                 collectives=("reduce_scatter", "all_gather") if zero3 else ("all_reduce",),
             )
         except ConfigError as exc:
-            raise _section_error(exc.key, f"{_json(exc.value)}; allowed: {exc.allowed}") from None
+            raise section_error(exc.key, f"{json_text(exc.value)}; allowed: {exc.allowed}") from None
         # Creating a group is collective: here, where every rank installs.
         self.zero3 = Zero3Seams(self.coder, engine, self.kinds) if zero3 else None
         if not zero3:
@@ -403,7 +404,7 @@ def _check_books(books: CodebookSet, source: str, wanted: dict) -> None:
                 books.group(kind, dtype, 0)
             except ValueError:
                 name = str(dtype).replace("torch.", "")
-                raise _section_error(
+                raise section_error(
                     "codebooks",
                     f"the books {source!r} hold no {kind!r} book for {name} (this engine sends "
                     f"{kind}s as {name}; the books hold {', '.join(held)}); allowed: books profiled "
@@ -451,14 +452,14 @@ def install(engine, config=None) -> DeepSpeedState:
     else:
         section = parse_config(config)
     if section is None or not section.enabled:
-        raise _section_error(
+        raise section_error(
             "",
             f'the DeepSpeed config has no enabled "{SECTION}" section; add '
             f'"{SECTION}": {{"enabled": true}} or pass config=',
         )
-    _check_engine(engine)
+    check_engine(engine)
     raw = engine.config if isinstance(engine.config, dict) else engine._config._param_dict
-    stage = check_zero(_zero_section(raw) | {"stage": engine.zero_optimization_stage()}, section)
+    stage = check_zero(zero_section(raw) | {"stage": engine.zero_optimization_stage()}, section)
     plugin = DeepSpeedState(engine, section, stage)
     plugin.coder.start_precompile({p.dtype for p in engine.module.parameters()} | {engine.communication_data_type})
     plugin.patch(engine, "allreduce_bucket", functools.partial(_engine_allreduce_bucket, plugin, engine))
@@ -529,7 +530,7 @@ def _source(config: CommConfig) -> str:
 def _kinds(kinds):
     if kinds is None:
         return None
-    parsed = _parse_section({"kinds": list(kinds)})
+    parsed = parse_section({"kinds": list(kinds)})
     return parsed.kinds
 
 
@@ -552,12 +553,12 @@ def initialize(*args, **kwargs):
     if config is None and getattr(ds_args, "deepspeed_config", None) is not None:
         config = ds_args.deepspeed_config
     if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
-        config = _load_config_file(config)
+        config = load_config_file(config)
     section = None
     if isinstance(config, dict):
         section = parse_config(config)
         if section is not None and section.enabled:
-            _check_config(config, section, params.get("model"))
+            check_config(config, section, params.get("model"))
     result = deepspeed.initialize(*args, **kwargs)
     engine = result[0]
     if section is None:  # a config DeepSpeed read itself (base64...): look at what it parsed
