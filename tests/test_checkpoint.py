@@ -47,8 +47,8 @@ def _weights(*shape, dtype=torch.float32, scale=0.02) -> torch.Tensor:
 def _round_trip(src, tmp_path, base=None, threads=1, name="x"):
     """Compress and decompress src; assert the same sha256; return (summary, compressed path)."""
     packed, restored = tmp_path / f"{name}.cckp", tmp_path / f"{name}.out"
-    summary = ck.compress_file(src, packed, base=base, threads=threads)
-    ck.decompress_file(packed, restored, base=base, threads=threads)
+    summary = ck.compress_file(src, packed, base=base, threads=threads, force=True)  # called again on the same names
+    ck.decompress_file(packed, restored, base=base, threads=threads, force=True)
     assert _sha(restored) == _sha(src)
     return summary, packed
 

@@ -71,7 +71,7 @@ def _compress_chain(files, folder, **kw):
     out = []
     for k, src in enumerate(files):
         dst = folder / f"{src.stem}.ccl"
-        lossy.compress_file(src, dst, base=None if k == 0 else out[-1], **kw)
+        lossy.compress_file(src, dst, base=None if k == 0 else out[-1], force=True, **kw)
         out.append(dst)
     return out
 
