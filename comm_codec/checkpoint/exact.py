@@ -423,13 +423,13 @@ def compress_file(src, dst, *, base=None, threads: int | None = None, codebooks=
         ValueError: threads out of range.
     """
     src, dst = os.fspath(src), os.fspath(dst)
-    if not force and os.path.lexists(dst):
-        raise FileExistsError(17, f"{dst} exists; pass force=True to replace it", dst)
     threads = _threads(threads, _size(src))
     if codebooks is not None:
         codebooks = as_codebook_set(codebooks)
     started = time.perf_counter()
     check_paths(src, dst, None if base is None else os.fspath(base))
+    if not force and os.path.lexists(dst):  # after check_paths: dst is src, or a directory, say so first
+        raise FileExistsError(17, f"{dst} exists; pass force=True to replace it", dst)
     m = FileMap(src)
     try:
         kind = identify(bytes(m.u8(0, min(8, m.size))))
@@ -714,10 +714,10 @@ def decompress_file(src, dst, *, base=None, threads: int | None = None, progress
         return _restore(os.fspath(src), dst, base, _threads(threads, _size(src)), progress, "decompress",
                         tempfile.gettempdir())
     src, dst = os.fspath(src), os.fspath(dst)
-    if not force and os.path.lexists(dst):
-        raise FileExistsError(17, f"{dst} exists; pass force=True to replace it", dst)
     threads = _threads(threads, _size(src))
     check_paths(src, dst, None if base is None else os.fspath(base))
+    if not force and os.path.lexists(dst):
+        raise FileExistsError(17, f"{dst} exists; pass force=True to replace it", dst)
     with atomic_output(dst, mode=_mode(src), release_in_background=threads > 1) as out:
         summary = _restore(src, out, base, threads, progress, "decompress", os.path.dirname(os.path.abspath(dst)))
         out.commit()

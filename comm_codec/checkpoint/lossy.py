@@ -222,8 +222,8 @@ def compress_file(
     src, dst = os.fspath(src), os.fspath(dst)
     mode = method  # the file format's name for it
     params = _check_params(mode, base, max_error, bits, alpha, beta, keep_bits)
-    _refuse_existing(dst, force)
     check_paths(src, dst, None if base is None else os.fspath(base))
+    _refuse_existing(dst, force)
     base_rec, base_weights = None, None
     if base is not None:
         base = os.fspath(base)
@@ -546,9 +546,9 @@ def decompress_file(
     """
     started = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
-    _refuse_existing(dst, force)
     check_paths(src, dst, None if base is None else os.fspath(base))
     _check_not_in_chain(src, dst, base, beside)
+    _refuse_existing(dst, force)
     out = None
 
     def output(piece) -> None:
