@@ -289,7 +289,9 @@ def _run_file_to_file(src: Path, base: Path | None, work: Path, dtype: str, repe
     repeat = _enough(repeat, lambda: ck.compress_file(src, packed, base=base, threads=1, progress=False, force=True))
     fns = {}
     for th in (1, 2):
-        fns[("cc", "enc", th)] = lambda th=th: ck.compress_file(src, packed, base=base, threads=th, progress=False, force=True)
+        fns[("cc", "enc", th)] = lambda th=th: ck.compress_file(
+            src, packed, base=base, threads=th, progress=False, force=True
+        )
     try:
         zn = _ZipNN(dtype)
     except ImportError:

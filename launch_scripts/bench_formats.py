@@ -65,8 +65,13 @@ def bench(path: str, dtype: str, repeat: int, work: str) -> dict:
     ck.decompress_file(packed, restored, threads=1, progress=False, force=True)
     zn_enc()
     zn_dec()
-    enc = _best({"cc": lambda: ck.compress_file(path, packed, threads=1, progress=False, force=True), "zn": zn_enc}, repeat)
-    dec = _best({"cc": lambda: ck.decompress_file(packed, restored, threads=1, progress=False, force=True), "zn": zn_dec}, repeat)
+    enc = _best(
+        {"cc": lambda: ck.compress_file(path, packed, threads=1, progress=False, force=True), "zn": zn_enc}, repeat
+    )
+    dec = _best(
+        {"cc": lambda: ck.decompress_file(packed, restored, threads=1, progress=False, force=True), "zn": zn_dec},
+        repeat,
+    )
     with open(path, "rb") as a, open(restored, "rb") as b, open(zrestored, "rb") as c:
         orig = a.read()
         exact, zexact = orig == b.read(), orig == c.read()
