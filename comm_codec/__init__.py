@@ -32,10 +32,11 @@ from .core.errors import (
     ConfigError,
     FrameError,
 )
-from .core.logs import set_verbosity, verbosity_from_env
+from .core.logs import set_verbosity, verbosity_from_env, watch_deepspeed
 from .core.version import __version__
 
 verbosity_from_env()
+watch_deepspeed()  # a ds_config "comm_codec" section that nothing installs says so (stdlib only until DeepSpeed loads)
 
 __all__ = [
     "Codec",

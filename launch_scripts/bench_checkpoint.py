@@ -284,12 +284,14 @@ def _run_file_to_file(src: Path, base: Path | None, work: Path, dtype: str, repe
     """comm_codec and zipnn file to file, timed alternately at 1 and 2 threads: two rows."""
     packed, restored = work / "packed.cckp", work / "restored"
     zpacked, zrestored = work / "zipnn.packed", work / "zipnn.restored"
-    ck.compress_file(src, packed, base=base, threads=1)  # warm the kernels and page cache
-    ck.decompress_file(packed, restored, base=base, threads=1)
-    repeat = _enough(repeat, lambda: ck.compress_file(src, packed, base=base, threads=1, progress=False))
+    ck.compress_file(src, packed, base=base, threads=1, force=True)  # warm the kernels and page cache
+    ck.decompress_file(packed, restored, base=base, threads=1, force=True)
+    repeat = _enough(repeat, lambda: ck.compress_file(src, packed, base=base, threads=1, progress=False, force=True))
     fns = {}
     for th in (1, 2):
-        fns[("cc", "enc", th)] = lambda th=th: ck.compress_file(src, packed, base=base, threads=th, progress=False)
+        fns[("cc", "enc", th)] = lambda th=th: ck.compress_file(
+            src, packed, base=base, threads=th, progress=False, force=True
+        )
     try:
         zn = _ZipNN(dtype)
     except ImportError:
@@ -301,7 +303,7 @@ def _run_file_to_file(src: Path, base: Path | None, work: Path, dtype: str, repe
     fns = {}
     for th in (1, 2):
         fns[("cc", "dec", th)] = lambda th=th: ck.decompress_file(
-            packed, restored, base=base, threads=th, progress=False
+            packed, restored, base=base, threads=th, progress=False, force=True
         )
     if zn is not None:
         for th in zn.dec_threads:
@@ -349,7 +351,7 @@ def _run_file_to_file(src: Path, base: Path | None, work: Path, dtype: str, repe
 def _run_comm_codec(src: Path, base: Path | None, work: Path, repeat: int) -> dict:
     """comm_codec alone (one compress call): its ratio and index."""
     packed = work / "packed.cckp"
-    summary = ck.compress_file(src, packed, base=base, threads=1, progress=False)
+    summary = ck.compress_file(src, packed, base=base, threads=1, progress=False, force=True)
     row = {"codec": "comm_codec", "ratio": summary.ratio, "index": ck.read_index(packed)}
     packed.unlink()
     return row
@@ -479,8 +481,8 @@ import os, tempfile, numpy as np
 from safetensors.numpy import save_file
 with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(dst))) as tmp:
     save_file({"w": np.random.default_rng(0).standard_normal(1 << 18).astype(np.float32)}, tmp + "/w.st")
-    ck.compress_file(tmp + "/w.st", tmp + "/w.cckp", threads=threads, progress=False)
-    ck.decompress_file(tmp + "/w.cckp", tmp + "/w.out", threads=threads, progress=False)
+    ck.compress_file(tmp + "/w.st", tmp + "/w.cckp", threads=threads, progress=False, force=True)
+    ck.decompress_file(tmp + "/w.cckp", tmp + "/w.out", threads=threads, progress=False, force=True)
 warm = rss_kb()
 # The previous run's output goes first: freeing it is no part of this run's work (and a run
 # of several threads frees a replaced file after it returns, one thread inside the call).
@@ -491,7 +493,7 @@ def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 c0, start = cpu(), time.perf_counter()
-s = (ck.compress_file if op == "compress" else ck.decompress_file)(src, dst, threads=threads, progress=False)
+s = (ck.compress_file if op == "compress" else ck.decompress_file)(src, dst, threads=threads, progress=False, force=True)
 wall = time.perf_counter() - start
 print(json.dumps({"idle_kb": idle, "warm_kb": warm, "peak_kb": hwm_kb(), "seconds": wall, "cores": (cpu() - c0) / wall,
                   "ratio": s.ratio, "bytes": s.original_bytes}))

@@ -39,9 +39,9 @@ _LOADS = (
     + """
 import sys, time
 from comm_codec.checkpoint import exact
-t = time.perf_counter(); exact.compress_file(sys.argv[1], sys.argv[2], threads=1, progress=False)
+t = time.perf_counter(); exact.compress_file(sys.argv[1], sys.argv[2], threads=1, progress=False, force=True)
 first = time.perf_counter() - t
-t = time.perf_counter(); exact.compress_file(sys.argv[1], sys.argv[2], threads=1, progress=False)
+t = time.perf_counter(); exact.compress_file(sys.argv[1], sys.argv[2], threads=1, progress=False, force=True)
 print(first, time.perf_counter() - t)
 """
 )

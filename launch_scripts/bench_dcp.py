@@ -131,7 +131,7 @@ def _storage(arm: str, path: str, reading: bool):
     if arm == "comm_codec":
         import comm_codec.dcp as ccd
 
-        return ccd.Reader(path) if reading else ccd.Writer(path)
+        return ccd.Reader(path) if reading else ccd.Writer(path, force=True)  # each repeat saves over the last
     if reading:
         return FileSystemReader(path)
     if arm == "zstd":

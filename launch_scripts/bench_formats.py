@@ -61,12 +61,17 @@ def bench(path: str, dtype: str, repeat: int, work: str) -> dict:
         with open(zpacked, "rb") as fh:
             _write(zrestored, zn.decompress(fh.read())[:size])
 
-    s = ck.compress_file(path, packed, threads=1, progress=False)  # warm: kernels, page cache
-    ck.decompress_file(packed, restored, threads=1, progress=False)
+    s = ck.compress_file(path, packed, threads=1, progress=False, force=True)  # warm: kernels, page cache
+    ck.decompress_file(packed, restored, threads=1, progress=False, force=True)
     zn_enc()
     zn_dec()
-    enc = _best({"cc": lambda: ck.compress_file(path, packed, threads=1, progress=False), "zn": zn_enc}, repeat)
-    dec = _best({"cc": lambda: ck.decompress_file(packed, restored, threads=1, progress=False), "zn": zn_dec}, repeat)
+    enc = _best(
+        {"cc": lambda: ck.compress_file(path, packed, threads=1, progress=False, force=True), "zn": zn_enc}, repeat
+    )
+    dec = _best(
+        {"cc": lambda: ck.decompress_file(packed, restored, threads=1, progress=False, force=True), "zn": zn_dec},
+        repeat,
+    )
     with open(path, "rb") as a, open(restored, "rb") as b, open(zrestored, "rb") as c:
         orig = a.read()
         exact, zexact = orig == b.read(), orig == c.read()
@@ -109,7 +114,7 @@ def delta(prev: str, nxt: str, work: str) -> None:
         stored += f.stored_bytes
         if f.action == "compressed":
             one = os.path.join(work, "one.cckp")
-            per_file += ck.compress_file(b, one, base=a, threads=1, progress=False).compressed_bytes
+            per_file += ck.compress_file(b, one, base=a, threads=1, progress=False, force=True).compressed_bytes
             os.unlink(one)
             with open(a, "rb") as fh:
                 base = fh.read()

@@ -111,7 +111,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         st, pt = checkpoint_inputs(tmp)
         for src, name in ((st, "golden_safetensors.cckp"), (pt, "golden_pt.cckp")):
-            checkpoint.compress_file(src, os.path.join(OUT, name), threads=1, progress=False)
+            checkpoint.compress_file(src, os.path.join(OUT, name), threads=1, progress=False, force=True)
     print("wrote", sorted(os.listdir(OUT)))
     return 0
 

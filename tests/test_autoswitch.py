@@ -10,6 +10,7 @@ import math
 
 import pytest
 
+import comm_codec as cc
 from comm_codec.comm import autoswitch
 from comm_codec.comm.autoswitch import AutoSwitch, decide
 from comm_codec.ddp import HuffmanState
@@ -103,13 +104,13 @@ def test_always_and_never_do_not_measure():
 
 
 def test_invalid_mode_names_the_allowed_ones():
-    with pytest.raises(ValueError, match="mode must be one of 'auto', 'always', 'never', got 'sometimes'"):
+    with pytest.raises(cc.ConfigError, match=r"mode='sometimes'; allowed: 'auto', 'always', 'never'"):
         AutoSwitch("sometimes")
     with pytest.raises(ValueError, match=r"mode='ALWAYS'; allowed: 'auto', 'always', 'never'"):
         HuffmanState(mode="ALWAYS")
     with pytest.raises(ValueError, match="recheck_every=0; allowed: an integer >= 1"):
         HuffmanState(recheck_every=0)
-    with pytest.raises(ValueError, match="hysteresis must be a fraction in"):
+    with pytest.raises(cc.ConfigError, match=r"hysteresis=1.5; allowed: a fraction in \[0, 1\)"):
         AutoSwitch(hysteresis=1.5)
 
 

@@ -47,8 +47,8 @@ def _weights(*shape, dtype=torch.float32, scale=0.02) -> torch.Tensor:
 def _round_trip(src, tmp_path, base=None, threads=1, name="x"):
     """Compress and decompress src; assert the same sha256; return (summary, compressed path)."""
     packed, restored = tmp_path / f"{name}.cckp", tmp_path / f"{name}.out"
-    summary = ck.compress_file(src, packed, base=base, threads=threads)
-    ck.decompress_file(packed, restored, base=base, threads=threads)
+    summary = ck.compress_file(src, packed, base=base, threads=threads, force=True)  # called again on the same names
+    ck.decompress_file(packed, restored, base=base, threads=threads, force=True)
     assert _sha(restored) == _sha(src)
     return summary, packed
 
@@ -230,9 +230,9 @@ def test_default_threads_follow_the_file_size(tmp_path, monkeypatch):
     packed = tmp_path / "small.cckp"
     summaries = [
         ck.compress_file(small, packed),
-        ck.compress_file(small, packed, threads=2),
+        ck.compress_file(small, packed, threads=2, force=True),
         ck.decompress_file(packed, tmp_path / "small.out"),
-        ck.decompress_file(packed, tmp_path / "small.out", threads=2),
+        ck.decompress_file(packed, tmp_path / "small.out", threads=2, force=True),
         ck.verify_file(packed),
     ]
     assert large.threads == 2
@@ -267,7 +267,7 @@ def test_container_is_the_same_bytes_at_any_thread_count(tmp_path):
         packed = []
         for threads in (1, 2, 3, 1, 2):
             out = tmp_path / f"{threads}.{len(packed)}.cckp"
-            summary = ck.compress_file(src, out, base=base, threads=threads, progress=False)
+            summary = ck.compress_file(src, out, base=base, threads=threads, progress=False, force=True)
             assert summary.threads == threads and summary.coded == 11  # the biases go with the bytes around them
             packed.append(out.read_bytes())
         assert all(p == packed[0] for p in packed[1:])
@@ -275,7 +275,7 @@ def test_container_is_the_same_bytes_at_any_thread_count(tmp_path):
         assert len(index["books"]) >= 3  # books built (and some reused) in file order
         if base is not None:
             assert any(t["transform"] == "xor" for t in index["tensors"])
-        ck.decompress_file(out, tmp_path / "out", base=base, threads=2, progress=False)
+        ck.decompress_file(out, tmp_path / "out", base=base, threads=2, progress=False, force=True)
         assert _sha(tmp_path / "out") == _sha(src)
 
 
@@ -570,7 +570,7 @@ def test_restored_output_is_checked_for_room_not_allocated(tmp_path, monkeypatch
 
     monkeypatch.setattr(os, "posix_fallocate", refuse)
     for threads in (1, 2):
-        ck.decompress_file(tmp_path / "c.cckp", tmp_path / "c.out", threads=threads)
+        ck.decompress_file(tmp_path / "c.cckp", tmp_path / "c.out", threads=threads, force=True)
         assert (tmp_path / "c.out").read_bytes() == (tmp_path / "c.pt").read_bytes()
 
 
@@ -997,8 +997,8 @@ def test_a_replaced_output_is_released_after_the_call_and_links_are_left_alone(t
     save_file({"w": torch.randn(1 << 16).to(torch.bfloat16)}, src)
     packed, out = tmp_path / "w.cckp", tmp_path / "w.out"
     for _ in range(2):  # the second round replaces both outputs
-        ck.compress_file(src, packed, threads=2)
-        ck.decompress_file(packed, out, threads=2)
+        ck.compress_file(src, packed, threads=2, force=True)
+        ck.decompress_file(packed, out, threads=2, force=True)
         assert out.read_bytes() == src.read_bytes()
     other = tmp_path / "other"
     os.link(out, other)  # the replaced file keeps a name: it is not ours to hold

@@ -25,8 +25,8 @@ pytestmark = pytest.mark.unit
 def _roundtrip(src, tmp_path, name="x"):
     """Compress and restore src; return the summary and the index; assert the bytes came back."""
     packed, out = tmp_path / f"{name}.cckp", tmp_path / f"{name}.out"
-    s = checkpoint.compress_file(src, packed, progress=False)
-    checkpoint.decompress_file(packed, out, progress=False)
+    s = checkpoint.compress_file(src, packed, progress=False, force=True)
+    checkpoint.decompress_file(packed, out, progress=False, force=True)
     with open(src, "rb") as fh:
         assert out.read_bytes() == fh.read()
     checkpoint.verify_file(packed)

@@ -119,8 +119,8 @@ def test_codebooks_base_of_a_compressed_file_usage_errors_and_sizes(files, capsy
 def test_the_api_refuses_an_existing_output_when_force_is_false(files):
     ck.compress_file("a.safetensors", "x.cckp")
     with pytest.raises(FileExistsError, match="x.cckp exists"):
-        ck.compress_file("a.safetensors", "x.cckp", force=False)
-    ck.compress_file("a.safetensors", "x.cckp")  # the default replaces it, as open(dst, "wb")
+        ck.compress_file("a.safetensors", "x.cckp")  # the default refuses it, as the command line does
+    ck.compress_file("a.safetensors", "x.cckp", force=True)
     with open("out", "wb") as fh:
         fh.write(b"keep")
     with pytest.raises(FileExistsError, match="out exists"):

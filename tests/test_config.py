@@ -100,3 +100,38 @@ def test_a_missing_codebook_file_is_a_codebook_error_everywhere(tmp_path):
 def test_fsdp2_refuses_cast_naming_the_key():
     with pytest.raises(cc.ConfigError, match="cast='bf16'; allowed: None here"):
         FSDPState(cast="bf16")
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("mode", "sometimes"),
+        ("probe_steps", 0),
+        ("recheck_every", True),
+        ("hysteresis", 1.0),
+        ("drift_every", -1),
+        ("refresh_threshold", 0.0),
+        ("refresh_steps", 0),
+    ],
+)
+def test_the_parts_that_take_a_few_settings_validate_them_as_the_config_does(key, value):
+    from comm_codec.comm.autoswitch import AutoSwitch
+    from comm_codec.comm.refresh import BookRefresh
+
+    part = AutoSwitch if key in ("mode", "probe_steps", "recheck_every", "hysteresis") else BookRefresh
+    extra = {"drift_every": 1} if key == "refresh_threshold" else {}
+    with pytest.raises(cc.ConfigError) as by_config:
+        CommConfig(**{key: value}, **extra)
+    with pytest.raises(cc.ConfigError) as by_part:
+        part(**{key: value}, **extra)
+    assert str(by_part.value) == str(by_config.value)
+
+
+def test_a_refresh_threshold_without_drift_is_refused_alike():
+    from comm_codec.comm.refresh import BookRefresh
+
+    with pytest.raises(cc.ConfigError) as by_config:
+        CommConfig(refresh_threshold=0.1)
+    with pytest.raises(cc.ConfigError) as by_part:
+        BookRefresh(refresh_threshold=0.1)
+    assert str(by_part.value) == str(by_config.value)

@@ -253,7 +253,7 @@ def test_symlinks_planted_at_the_metadata_names_are_not_followed(tmp_path):
     for name in (".metadata", ".metadata.tmp"):
         os.symlink(victim, d / name)
     sd = {"w": torch.randn(10)}
-    dcp.save(sd, storage_writer=ccd.Writer(d))
+    dcp.save(sd, storage_writer=ccd.Writer(d, force=True))  # .metadata "exists" (the link's target)
     assert victim.read_bytes() == b"keep me" and not os.path.islink(d / ".metadata")
     out = _target(sd)
     ccd.load(out, d)

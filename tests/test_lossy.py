@@ -71,7 +71,7 @@ def _compress_chain(files, folder, **kw):
     out = []
     for k, src in enumerate(files):
         dst = folder / f"{src.stem}.ccl"
-        lossy.compress_file(src, dst, base=None if k == 0 else out[-1], **kw)
+        lossy.compress_file(src, dst, base=None if k == 0 else out[-1], force=True, **kw)
         out.append(dst)
     return out
 
@@ -259,7 +259,7 @@ def test_precision_mode_bounds(tmp_path, keep):
         "small": torch.randn(10, generator=g),
     }
     save_file(tensors, tmp_path / "p.safetensors")
-    s = lossy.compress_file(tmp_path / "p.safetensors", tmp_path / "p.ccl", mode="precision", keep_bits=keep)
+    s = lossy.compress_file(tmp_path / "p.safetensors", tmp_path / "p.ccl", method="precision", keep_bits=keep)
     lossy.decompress_file(tmp_path / "p.ccl", tmp_path / "p.out")
     out = load_file(tmp_path / "p.out")
     recs = _records(tmp_path / "p.ccl")
@@ -283,7 +283,7 @@ def test_precision_mode_bounds(tmp_path, keep):
 
 
 def test_precision_mode_torch_zip_and_refusals(series, tmp_path):
-    lossy.compress_file(series[0], tmp_path / "p.ccl", mode="precision", keep_bits=7)
+    lossy.compress_file(series[0], tmp_path / "p.ccl", method="precision", keep_bits=7)
     lossy.decompress_file(tmp_path / "p.ccl", tmp_path / "p.pt")
     sd, orig = torch.load(tmp_path / "p.pt", weights_only=True), torch.load(series[0], weights_only=True)
     w, o = sd["model"]["tok_emb.weight"], orig["model"]["tok_emb.weight"]
@@ -291,12 +291,12 @@ def test_precision_mode_torch_zip_and_refusals(series, tmp_path):
     loaded = lossy.load(tmp_path / "p.ccl")
     assert torch.equal(loaded["model"]["tok_emb.weight"], w)
     with pytest.raises(ValueError, match="keep_bits"):
-        lossy.compress_file(series[0], tmp_path / "x.ccl", mode="precision")
+        lossy.compress_file(series[0], tmp_path / "x.ccl", method="precision")
     with pytest.raises(ValueError, match="single checkpoints"):
-        lossy.compress_file(series[1], tmp_path / "x.ccl", mode="precision", keep_bits=3, base=tmp_path / "p.ccl")
+        lossy.compress_file(series[1], tmp_path / "x.ccl", method="precision", keep_bits=3, base=tmp_path / "p.ccl")
     (tmp_path / "t.txt").write_text("not a checkpoint")
     with pytest.raises(ck.CheckpointError, match="not a safetensors or torch.save checkpoint"):
-        lossy.compress_file(tmp_path / "t.txt", tmp_path / "x.ccl", mode="precision", keep_bits=3)
+        lossy.compress_file(tmp_path / "t.txt", tmp_path / "x.ccl", method="precision", keep_bits=3)
 
 
 def test_quantizer_is_lloyd_optimal_and_rounding_matches_torch():

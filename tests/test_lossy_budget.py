@@ -57,7 +57,7 @@ def _chain(tmp_path, states, **kw):
         src = tmp_path / f"s{k}.safetensors"
         save_file(state, src)
         dst = tmp_path / f"s{k}.ccl"
-        lossy.compress_file(src, dst, base=files[-1][1] if files else None, **kw)
+        lossy.compress_file(src, dst, base=files[-1][1] if files else None, force=True, **kw)
         files.append((src, dst))
     return files
 

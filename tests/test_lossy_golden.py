@@ -75,7 +75,7 @@ def _write(folder: str) -> None:
     for name, state in zip(FILES, series()):
         src = os.path.join(folder, name + ".src.safetensors")
         save_file(state, src)
-        lossy.compress_file(src, os.path.join(folder, name), base=prev, alpha=lossy.DEFAULT_ALPHA)
+        lossy.compress_file(src, os.path.join(folder, name), base=prev, alpha=lossy.DEFAULT_ALPHA, force=True)
         prev = os.path.join(folder, name)
 
 

@@ -159,7 +159,7 @@ def _coded_tensor_file(tmp_path):
     """A real exact checkpoint of one bf16 tensor coded as frames; return (path, chunk_elems)."""
     src = tmp_path / "m.safetensors"
     save_file({"w": _weights(1 << 20)}, src)
-    ck.compress_file(src, tmp_path / "m.cckp", threads=1)
+    ck.compress_file(src, tmp_path / "m.cckp", threads=1, force=True)
     c = crafted.Container.read(tmp_path / "m.cckp")
     (t,) = [t for t in c.index["tensors"] if t["coding"] == "frame"]
     return tmp_path / "m.cckp", t["chunk_elems"]

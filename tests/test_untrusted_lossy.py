@@ -63,9 +63,9 @@ def precision_file(tmp_path_factory):
     d = tmp_path_factory.mktemp("lossy")
     src = d / "p.safetensors"
     save_file({"w": torch.zeros(4096), "pad": torch.randn(100_000, generator=_GEN)}, src)
-    lossy.compress_file(src, d / "p.ccl", mode="precision", keep_bits=23)
+    lossy.compress_file(src, d / "p.ccl", method="precision", keep_bits=23)
     save_file({"w": torch.zeros(4096)}, d / "small.safetensors")
-    lossy.compress_file(d / "small.safetensors", d / "small.ccl", mode="precision", keep_bits=23)
+    lossy.compress_file(d / "small.safetensors", d / "small.ccl", method="precision", keep_bits=23)
     return src, d / "p.ccl"
 
 
@@ -213,7 +213,7 @@ def test_inspect_prints_bounds_that_hold_for_subnormals(tmp_path, keep):
         tensors[dtype] = torch.from_numpy(bits.view(np.int32 if bits.itemsize == 4 else np.int16)).view(_TORCH[dtype])
     tensors["normal"] = torch.randn(8192, generator=_GEN).to(torch.float16)
     save_file(tensors, tmp_path / "s.safetensors")
-    lossy.compress_file(tmp_path / "s.safetensors", tmp_path / "s.ccl", mode="precision", keep_bits=keep)
+    lossy.compress_file(tmp_path / "s.safetensors", tmp_path / "s.ccl", method="precision", keep_bits=keep)
     lossy.decompress_file(tmp_path / "s.ccl", tmp_path / "s.out")
     out = load_file(tmp_path / "s.out")
     r = run_cli("inspect", tmp_path / "s.ccl")

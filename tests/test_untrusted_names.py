@@ -70,7 +70,7 @@ def corpus(tmp_path_factory):
     ck.compress_file(d / "m.safetensors", d / "m.cckp")
     lossy.compress_file(d / "a.pt", d / "key0.ccl")
     lossy.compress_file(d / "b.pt", d / "link1.ccl", base=d / "key0.ccl")
-    lossy.compress_file(d / "m.safetensors", d / "p.ccl", mode="precision", keep_bits=23)
+    lossy.compress_file(d / "m.safetensors", d / "p.ccl", method="precision", keep_bits=23)
     lossy.clear_cache()
     return d
 

@@ -66,6 +66,8 @@ import math
 import os
 import pickle
 import re
+import time
+import warnings
 import zlib
 
 import numba
@@ -113,9 +115,11 @@ from ._dcp_items import (
     zstd_decode,
 )
 from ._dcp_metadata import MAX_METADATA_BYTES, METADATA_NAME, read_metadata
+from ._dcp_stats import Counts
 from .files import atomic_output
 from .formats import FileTensor
 from .plan import CHUNK_SIZES, BookChooser, make_codec, plan_bytes
+from .report import Summary
 
 __all__ = ["FRAME_DESCRIPTOR", "MAX_METADATA_BYTES", "PACK_DESCRIPTOR", "Reader", "Writer", "kind_of", "load"]
 
@@ -169,6 +173,9 @@ def kind_of(fqn: str) -> str:
     return "optimizer_state" if _OPTIMIZER_NAME.search(fqn) else "weight"
 
 
+_default_kind_of = kind_of  # Writer's parameter of the same name shadows it there
+
+
 def _as_u8(t: torch.Tensor) -> np.ndarray:
     """The bytes of a contiguous CPU tensor, without a copy."""
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
@@ -193,7 +200,7 @@ class Writer(FileSystemWriter):
         path: the checkpoint directory (created if missing).
         codebooks: the shipped books tensors are weighed against (a
             :class:`CodebookSet`, a path to one, or None for the default set).
-        kind: ``fqn -> kind`` choosing those books per tensor; default :func:`kind_of`.
+        kind_of: ``fqn -> kind`` choosing those books per tensor; default :func:`kind_of`.
         single_file_per_rank: one data file per rank (default), or one per item.
         sync_files: fsync the metadata (as FileSystemWriter); data files are always
             fsynced before their rename.
@@ -203,15 +210,19 @@ class Writer(FileSystemWriter):
             tensors are coded where they are).
         cache_staged_state_dict: keep the CPU copy that ``async_save`` stages into,
             for the next save (as FileSystemWriter).
-        overwrite: allow writing over an existing checkpoint (as FileSystemWriter).
+        force: write over an existing checkpoint in path. Default: refuse one
+            (:class:`FileExistsError`), as every comm_codec writer does.
+        overwrite: FileSystemWriter's name for ``force``, kept so that a
+            ``FileSystemWriter(...)`` call works unchanged (give one or the other).
         _extensions: DCP stream extensions: refused (frames are compressed already).
         serialization_format: only ``SerializationFormat.TORCH_SAVE`` (how items that
             are not frames are stored).
 
     Raises:
-        TypeError, FileNotFoundError, CodebookError: bad ``codebooks`` (see
-            :func:`comm_codec.core.codebooks.as_codebook_set`).
-        ValueError: ``thread_count`` under 1, extensions, another serialization format.
+        TypeError: ``kind_of`` is not callable.
+        CodebookError: bad ``codebooks`` (a missing or invalid file, or another type).
+        ValueError: ``thread_count`` under 1, extensions, another serialization format,
+            ``force`` and ``overwrite`` that disagree.
     """
 
     def __init__(
@@ -219,13 +230,14 @@ class Writer(FileSystemWriter):
         path,
         *,
         codebooks=None,
-        kind=None,
+        kind_of=None,
         single_file_per_rank: bool = True,
         sync_files: bool = True,
         thread_count: int = 1,
         per_thread_copy_ahead: int = 10_000_000,
         cache_staged_state_dict: bool = False,
-        overwrite: bool = True,
+        force: bool = False,
+        overwrite: bool | None = None,
         _extensions=None,
         serialization_format=SerializationFormat.TORCH_SAVE,
     ):
@@ -241,28 +253,56 @@ class Writer(FileSystemWriter):
             )
         if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
+        if overwrite is not None:
+            if force and not overwrite:
+                raise ValueError(
+                    "force=True and overwrite=False disagree: overwrite is FileSystemWriter's name for force"
+                )
+            force = bool(overwrite)
+        if kind_of is not None and not callable(kind_of):
+            raise TypeError(f"kind_of must be a callable fqn -> kind, got {kind_of!r}")
         super().__init__(
             path,
             single_file_per_rank=single_file_per_rank,
             sync_files=sync_files,
             thread_count=1,
             per_thread_copy_ahead=per_thread_copy_ahead,
-            overwrite=overwrite,
+            overwrite=force,
             cache_staged_state_dict=cache_staged_state_dict,
         )
         self.codebooks = as_codebook_set(codebooks)
-        self.kind = kind_of if kind is None else kind
+        self.kind_of = _default_kind_of if kind_of is None else kind_of
+        self._counts = Counts((FRAME_DESCRIPTOR, PACK_DESCRIPTOR))
         self.coding_threads = min(thread_count, numba.config.NUMBA_NUM_THREADS)
         self._shipped_codec = None  # for the packs of tensors too small to plan; made on first use
         self._threaded: dict = {}  # a planned codec's id -> the same books on coding_threads threads
 
+    def prepare_local_plan(self, plan):
+        """Refuse a directory that holds a checkpoint already unless ``force`` (FileSystemWriter's check, our error)."""
+        if not self.overwrite:
+            self.fs.mkdir(self.path)
+            if self._metadata_exists():
+                raise FileExistsError(
+                    17, f"{self.path} holds a checkpoint already; pass force=True to replace it", os.fspath(self.path)
+                )
+        with warnings.catch_warnings():
+            # FileSystemWriter warns that its overwrite default will change; force=True was asked for.
+            warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+            return super().prepare_local_plan(plan)
+
+    def stats(self) -> Summary:
+        """Return what this writer's saves did on this rank (a Summary, ``op="save"``: :mod:`._dcp_stats`)."""
+        return self._counts.summary("save", self.coding_threads)
+
     def write_data(self, plan, planner) -> Future:
         """Write this rank's items into ``<prefix>0.distcp`` (or one file per item); return their records."""
+        started = time.perf_counter()
         files = [plan.items] if self.single_file_per_rank else [[item] for item in plan.items]
         results: list = []
         for n, items in enumerate(files):
             name = f"{plan.storage_data.prefix}{n}{DATA_SUFFIX}"
             results += self._write_file(os.path.join(os.fspath(self.path), name), name, items, planner)
+        self._counts.seconds += time.perf_counter() - started
         fut: Future = Future()
         fut.set_result(results)
         return fut
@@ -316,6 +356,8 @@ class Writer(FileSystemWriter):
             fh.write(table)
             fh.write(TRAILER.pack(TRAILER_MAGIC, out.pos, len(table), zlib.crc32(table), 0))
             fh.commit()
+        tensors = sum(i.type != WriteItemType.BYTE_IO for i in items)
+        self._counts.add_file(out.raw, out.checksums, out.results, out.pos + len(table) + TRAILER.size, tensors)
         log.info(
             "%s: %d items, tensors of codec dtypes %d -> %d bytes (%d tensors planned, %d taking an earlier "
             "tensor's plan)",
@@ -330,7 +372,7 @@ class Writer(FileSystemWriter):
 
     def _pack(self, out: _FileOut, item, tensor: torch.Tensor) -> None:
         """Add a small tensor to the pack of its dtype and kind (written when full or at the end)."""
-        key = (tensor.dtype, self.kind(item.index.fqn))
+        key = (tensor.dtype, self.kind_of(item.index.fqn))
         if key in out.packs and out.pack_elems[key] + tensor.numel() > _PACK_MAX_ELEMS:
             self._flush_pack(out, key)
         out.packs.setdefault(key, []).append((item, tensor.reshape(-1)))
@@ -373,7 +415,7 @@ class Writer(FileSystemWriter):
             shape=list(tensor.shape),
             offset=0,
             nbytes=u8.size,
-            kind=self.kind(fqn),
+            kind=self.kind_of(fqn),
             codable=True,
         )
         plan_bytes(planned, u8, out.chooser)
@@ -476,7 +518,7 @@ class Reader(FileSystemReader):
             directories you wrote yourself.
 
     Raises:
-        TypeError, FileNotFoundError, CodebookError: bad ``codebooks``.
+        CodebookError: bad ``codebooks`` (a missing or invalid file, or another type).
     """
 
     def __init__(self, path, *, codebooks=None, trusted: bool = False):
@@ -487,6 +529,7 @@ class Reader(FileSystemReader):
         self._codecs: dict = {}  # (dtype name, book ids) -> Codec
         self._last_pack = None  # ((path, offset, length), its decoded elements)
         self._preread = None  # metadata that load() read and checked, handed to DCP's first read_metadata
+        self._counts = Counts((FRAME_DESCRIPTOR, PACK_DESCRIPTOR))
 
     # No **kwargs: DCP then reads the global .metadata only, never a rank's own.
     def read_metadata(self) -> Metadata:
@@ -523,6 +566,7 @@ class Reader(FileSystemReader):
             CheckpointError: a file missing, truncated or tampered; a frame that does not
                 hold what the metadata says; books the reader does not have.
         """
+        started = time.perf_counter()
         per_file: dict = {}
         for req in plan.items:
             info = self.storage_data.get(req.storage_index)
@@ -540,10 +584,12 @@ class Reader(FileSystemReader):
                 raise CheckpointError(f"{path}: no such file (the checkpoint's metadata names it)") from None
             except OSError as exc:
                 raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+            seen: set = set()
             try:
                 for req, info in sorted(reqs, key=lambda r: r[1].offset):
                     try:
                         self._read_item(data, req, info, planner)
+                        self._counts.add_read(req, info, seen, self._chunks, req.type == LoadItemType.BYTE_IO)
                     except CheckpointError:
                         raise
                     except (
@@ -562,9 +608,14 @@ class Reader(FileSystemReader):
             finally:
                 data.close()
                 self._last_pack = None
+        self._counts.seconds += time.perf_counter() - started
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+    def stats(self) -> Summary:
+        """Return what this reader's loads did on this rank (a Summary, ``op="load"``: :mod:`._dcp_stats`)."""
+        return self._counts.summary("load", 1)
 
     def verify(self) -> dict:
         """Check every data file the metadata names, without a state dict to load into.
@@ -806,7 +857,7 @@ class Reader(FileSystemReader):
         return tensor
 
 
-def load(state_dict: dict, path, *, process_group=None, planner=None, codebooks=None, trusted: bool = False) -> None:
+def load(state_dict: dict, path, *, process_group=None, planner=None, codebooks=None, trusted: bool = False) -> Summary:
     """``dcp.load`` from a :class:`Reader` of path, raising its CheckpointError itself.
 
     ``dcp.load`` wraps what a storage reader raises in DCP's ``CheckpointException``
@@ -819,6 +870,9 @@ def load(state_dict: dict, path, *, process_group=None, planner=None, codebooks=
         process_group, planner: as for ``dcp.load``.
         codebooks, trusted: as for :class:`Reader`.
 
+    Returns:
+        This rank's figures: :meth:`Reader.stats`.
+
     Raises:
         CheckpointError: the directory is missing, foreign, truncated or tampered, or
             lacks an entry the state dict asks for.
@@ -828,6 +882,7 @@ def load(state_dict: dict, path, *, process_group=None, planner=None, codebooks=
     reader._preread = read_metadata(reader.path)  # checked once, before DCP plans; DCP's own read gets it
     try:
         dcp_load(state_dict, storage_reader=reader, process_group=process_group, planner=planner)
+        return reader.stats()
     except CheckpointException as exc:
         for rank in sorted(exc.failures):
             error = exc.failures[rank][0]

@@ -43,6 +43,7 @@ from collections.abc import Callable
 
 from ..core.quoting import printable
 from .errors import CheckpointError
+from .report import SizesRecord
 from .walk import Tree
 
 __all__ = [
@@ -96,8 +97,11 @@ class FileResult:
 
 
 @dataclasses.dataclass
-class DirSummary:
+class DirSummary(SizesRecord):
     """What one compress_dir, decompress_dir or verify_dir call did.
+
+    ``bytes_in`` (``original_bytes``), ``bytes_out`` (``stored_bytes``), ``bytes_saved``
+    and ``as_dict()`` as for :class:`~comm_codec.checkpoint.Summary`.
 
     Attributes:
         op: "compress", "decompress" or "verify".
@@ -110,6 +114,8 @@ class DirSummary:
     files: list
     seconds: float
     threads: int
+
+    _STORED = "stored_bytes"
 
     def _count(self, action: str) -> int:
         return sum(f.action == action for f in self.files)
@@ -338,12 +344,13 @@ def compress_dir(
         src: the directory (a sharded HF model, a DCP checkpoint, any tree).
         dst: the mirror to write: ``F`` becomes ``F.cckp`` for each checkpoint file
             (:func:`is_checkpoint_file`), other files keep their names and bytes.
-        threads: worker threads in all; files are coded in parallel up to this many.
+        threads: CPU threads that code, in all; files are coded in parallel up to this many.
         force: write into an existing directory dst (files of the same names are
             replaced; nothing else there is touched). Default: refuse an existing dst.
         progress: each file's progress line on stderr (None: only on a terminal).
         on_file: called with each file's :class:`FileResult` as it finishes (one at a time).
-        codebooks: a :class:`~comm_codec.CodebookSet` to weigh against per-tensor books.
+        codebooks: the books to weigh against per-tensor books: a
+            :class:`~comm_codec.CodebookSet`, the path of a saved one, or None (the shipped books).
         base: the previous checkpoint's directory (original, or its compressed mirror):
             each checkpoint file is coded as a delta against the file of the same
             relative path there (``compress_file(base=...)``); a file with no partner,
@@ -355,6 +362,7 @@ def compress_dir(
     Raises:
         NotADirectoryError: src (or base) is not a directory.
         FileExistsError: dst exists and force is False.
+        CodebookError: codebooks is a missing or invalid file.
         CheckpointError: dst inside src (or src inside dst), a ``.cckp`` file in src, or
             a file failed (the files and directories this call made are removed).
     """
@@ -364,6 +372,10 @@ def compress_dir(
     src, dst = os.fspath(src), os.fspath(dst)
     base = _base_dir(base)
     started = time.perf_counter()
+    if codebooks is not None:
+        from ..core.codebooks import as_codebook_set
+
+        codebooks = as_codebook_set(codebooks)  # loaded once, and refused before dst is made
     _check_trees(src, dst, force)
     tree, entries = _entries(src)
     with tree:

@@ -392,7 +392,7 @@ def _mode(path: str) -> int:
 
 
 def compress_file(src, dst, *, base=None, threads: int | None = None, codebooks=None,
-                  progress: bool | None = None, force: bool = True) -> Summary:
+                  progress: bool | None = None, force: bool = False) -> Summary:
     """Compress a checkpoint file losslessly.
 
     Args:
@@ -402,13 +402,15 @@ def compress_file(src, dst, *, base=None, threads: int | None = None, codebooks=
         base: the *original* file of a previous checkpoint (or a standalone compressed
             one): tensors with the same name, dtype and size are coded as the XOR with
             it when that is smaller. Decompression then needs the same base.
-        threads: worker threads (default: the CPU count, at most NUMBA_NUM_THREADS; 1 for
+        threads: CPU threads that code (default: the CPU count, at most NUMBA_NUM_THREADS; 1 for
             a file under :data:`SMALL_FILE_BYTES`).
-        codebooks: the books to weigh against per-tensor books (default: shipped books).
+        codebooks: the books to weigh against per-tensor books: a
+            :class:`~comm_codec.CodebookSet`, the path of a saved one, or None (the
+            shipped books).
         progress: progress line on stderr; None: only when stderr is a terminal.
-        force: replace an existing dst (the default, as ``open(dst, "wb")``); False
-            refuses any existing dst, a dangling symlink included, as the command line
-            does without ``--force``.
+        force: replace an existing dst. Default: refuse any existing dst, a dangling
+            symlink included, as the command line does without ``--force`` and as
+            :func:`compress_dir` does.
 
     Returns:
         A :class:`Summary`.
@@ -417,16 +419,17 @@ def compress_file(src, dst, *, base=None, threads: int | None = None, codebooks=
         FileNotFoundError, PermissionError, IsADirectoryError: src or base unreadable.
         FileExistsError: dst exists and force is False.
         CheckpointError: dst is src or base, dst cannot be written (full disk...).
+        CodebookError: codebooks is a missing or invalid file.
         ValueError: threads out of range.
     """
     src, dst = os.fspath(src), os.fspath(dst)
-    if not force and os.path.lexists(dst):
-        raise FileExistsError(17, f"{dst} exists; pass force=True to replace it", dst)
     threads = _threads(threads, _size(src))
     if codebooks is not None:
         codebooks = as_codebook_set(codebooks)
     started = time.perf_counter()
     check_paths(src, dst, None if base is None else os.fspath(base))
+    if not force and os.path.lexists(dst):  # after check_paths: dst is src, or a directory, say so first
+        raise FileExistsError(17, f"{dst} exists; pass force=True to replace it", dst)
     m = FileMap(src)
     try:
         kind = identify(bytes(m.u8(0, min(8, m.size))))
@@ -680,7 +683,7 @@ def _decode_segment(seg, m: FileMap, bm: FileMap | None, tensors, path, buffers:
 
 
 def decompress_file(src, dst, *, base=None, threads: int | None = None, progress: bool | None = None,
-                    force: bool = True) -> Summary:
+                    force: bool = False) -> Summary:
     """Restore the original checkpoint, byte for byte, from a compressed file.
 
     Args:
@@ -691,10 +694,11 @@ def decompress_file(src, dst, *, base=None, threads: int | None = None, progress
             digest is checked (a mismatch still raises, after the last byte).
         base: the base the file was compressed against (the original file, or a
             standalone compressed one); required for delta files, refused if different.
-        threads: worker threads (default: the CPU count, at most NUMBA_NUM_THREADS; 1 for
+        threads: CPU threads that decode (default: the CPU count, at most NUMBA_NUM_THREADS; 1 for
             a compressed file under :data:`SMALL_FILE_BYTES`).
         progress: progress line on stderr; None: only when stderr is a terminal.
-        force: replace an existing dst (the default); False refuses any existing dst.
+        force: replace an existing dst. Default: refuse any existing dst (a file
+            object is always written to).
 
     Returns:
         A :class:`Summary`.
@@ -710,10 +714,10 @@ def decompress_file(src, dst, *, base=None, threads: int | None = None, progress
         return _restore(os.fspath(src), dst, base, _threads(threads, _size(src)), progress, "decompress",
                         tempfile.gettempdir())
     src, dst = os.fspath(src), os.fspath(dst)
-    if not force and os.path.lexists(dst):
-        raise FileExistsError(17, f"{dst} exists; pass force=True to replace it", dst)
     threads = _threads(threads, _size(src))
     check_paths(src, dst, None if base is None else os.fspath(base))
+    if not force and os.path.lexists(dst):
+        raise FileExistsError(17, f"{dst} exists; pass force=True to replace it", dst)
     with atomic_output(dst, mode=_mode(src), release_in_background=threads > 1) as out:
         summary = _restore(src, out, base, threads, progress, "decompress", os.path.dirname(os.path.abspath(dst)))
         out.commit()
@@ -814,7 +818,7 @@ def save(state_dict, path, *, base=None, threads: int | None = None) -> Summary:
             so keep to tensors, containers and plain values).
         path: the compressed file.
         base: a previous checkpoint's original file (or standalone compressed file).
-        threads: worker threads.
+        threads: CPU threads that code (as for :func:`compress_file`).
 
     Returns:
         The compression :class:`Summary`.

@@ -16,7 +16,7 @@ Example::
     >>> s = lossy.compress_file("step00070.pt", "step00070.ccl", base="step00060.ccl")  # doctest: +SKIP
     >>> s = lossy.compress_file("step00080.pt", "step00080.ccl", base="step00070.ccl", max_error=1e-3)  # doctest: +SKIP
     >>> lossy.decompress_file("step00070.ccl", "step00070.recon.pt")           # doctest: +SKIP
-    >>> lossy.compress_file("w.safetensors", "w.ccl", mode="precision", keep_bits=7)  # doctest: +SKIP
+    >>> lossy.compress_file("w.safetensors", "w.ccl", method="precision", keep_bits=7)  # doctest: +SKIP
 
 ``excp`` (a checkpoint holding weights and AdamW state) codes each weight's residual
 against the *reconstructed* previous checkpoint (closed loop: a chain never drifts),
@@ -65,7 +65,10 @@ from .lossy_chain import chain_files, chain_weights, clear_cache, file_sha256, f
 from .lossy_index import INDEX_FORMAT, MODES, STREAMS, VERSION, is_lossy, load_index, read_index
 from .lossy_tensors import WEIGHTS_ONLY_FACTOR, Decoder, Encoder
 from .lossy_transforms import pair_moments
-from .report import human_bytes
+from .report import SizesRecord, human_bytes
+
+# The lossy methods (``compress_file(method=...)``); a file records its method as "mode".
+METHODS = MODES
 
 __all__ = [
     "ChainError",
@@ -78,7 +81,7 @@ __all__ = [
     "describe",
     "is_lossy",
     "clear_cache",
-    "MODES",
+    "METHODS",
     "VERSION",
     "DEFAULT_MAX_ERROR",
     "DEFAULT_MOMENT_BITS",
@@ -112,12 +115,15 @@ DEFAULT_MOMENT_BITS = 3
 
 # -- results --------------------------------------------------------------------------------
 @dataclasses.dataclass
-class LossySummary:
+class LossySummary(SizesRecord):
     """What one lossy compress, decompress or verify call did.
+
+    ``bytes_in``, ``bytes_out``, ``bytes_saved`` and ``as_dict()`` as for
+    :class:`~comm_codec.checkpoint.Summary`.
 
     Attributes:
         op: "compress", "decompress" or "verify".
-        mode: "excp" or "precision".
+        method: "excp" or "precision" (the ``method=`` of :func:`compress_file`).
         original_bytes: size of the source checkpoint.
         compressed_bytes: size of the lossy file.
         seconds: wall time of the call.
@@ -130,7 +136,7 @@ class LossySummary:
     """
 
     op: str
-    mode: str
+    method: str
     original_bytes: int
     compressed_bytes: int
     seconds: float
@@ -148,9 +154,9 @@ class LossySummary:
         """Return the one-line summary the command line prints."""
         a, b = human_bytes(self.original_bytes), human_bytes(self.compressed_bytes)
         what = {
-            "compress": f"compressed (lossy {self.mode}) {a} -> {b}",
-            "decompress": f"decompressed (lossy {self.mode}) {b} -> {a}",
-            "verify": f"verified (lossy {self.mode}) {b} ({a} reconstructed, sha256 ok)",
+            "compress": f"compressed (lossy {self.method}) {a} -> {b}",
+            "decompress": f"decompressed (lossy {self.method}) {b} -> {a}",
+            "verify": f"verified (lossy {self.method}) {b} ({a} reconstructed, sha256 ok)",
         }[self.op]
         errs = ", ".join(f"{printable(k[:-4], 64)} {v:.2e}" for k, v in self.errors.items() if k.endswith("_all"))
         if "weight" in self.errors:
@@ -168,7 +174,7 @@ def compress_file(
     src,
     dst,
     *,
-    mode: str = "excp",
+    method: str = "excp",
     base=None,
     max_error: float | None = None,
     bits: int | None = None,
@@ -176,14 +182,15 @@ def compress_file(
     beta: float = DEFAULT_BETA,
     keep_bits: int | None = None,
     threads: int | None = None,
+    force: bool = False,
 ) -> LossySummary:
     """Compress a checkpoint lossily (an explicit opt-in; :func:`checkpoint.compress_file` is exact).
 
     Args:
         src: a safetensors file or a ``torch.save`` zip; only read.
         dst: the lossy file, written atomically.
-        mode: "excp" (pruned residuals and moments, quantized) or "precision"
-            (mantissa rounding).
+        method: "excp" (pruned residuals and moments, quantized) or "precision"
+            (mantissa rounding); the file records it as its ``mode``.
         base: excp only: the previous checkpoint's *lossy* file; None makes a keyframe.
         max_error: excp: the relative RMS error ‖Ŵ−W‖/‖W‖ every weight tensor of a delta
             may have (default :data:`DEFAULT_MAX_ERROR` unless ``alpha`` is given). Each
@@ -197,13 +204,15 @@ def compress_file(
             to sqrt(mean exp_avg_sq).
         beta: excp: moment pruning threshold, in units of mean |exp_avg|.
         keep_bits: precision: mantissa bits kept (0..23; dtypes with fewer keep all).
-        threads: numba threads for coding (default: numba's setting).
+        threads: CPU threads that code (default: numba's setting).
+        force: replace an existing dst (default: refuse it, as :func:`checkpoint.compress_file`).
 
     Returns:
         A :class:`LossySummary`.
 
     Raises:
-        ValueError: bad mode or parameters.
+        ValueError: bad method or parameters.
+        FileExistsError: dst exists and force is False.
         CheckpointError: the source is not a torch or safetensors checkpoint; the base
             is not a lossy excp file, is from another run (tensor names or shapes
             differ), or its chain is incomplete (:class:`ChainError`); dst unwritable.
@@ -211,8 +220,10 @@ def compress_file(
     """
     started = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
+    mode = method  # the file format's name for it
     params = _check_params(mode, base, max_error, bits, alpha, beta, keep_bits)
     check_paths(src, dst, None if base is None else os.fspath(base))
+    _refuse_existing(dst, force)
     base_rec, base_weights = None, None
     if base is not None:
         base = os.fspath(base)
@@ -373,8 +384,8 @@ def compress_file(
 
 
 def _check_params(mode, base, max_error, bits, alpha, beta, keep_bits) -> dict:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {mode!r}")
     if mode == "precision":
         if base is not None:
             raise ValueError("precision mode codes single checkpoints; --base is for --lossy excp")
@@ -507,7 +518,9 @@ def _crc32(pieces) -> int:
     return crc
 
 
-def decompress_file(src, dst, *, base=None, threads: int | None = None, beside=None) -> LossySummary:
+def decompress_file(
+    src, dst, *, base=None, threads: int | None = None, beside=None, force: bool = False
+) -> LossySummary:
     """Write the reconstructed checkpoint, in the source's format, from a lossy file.
 
     Args:
@@ -518,14 +531,16 @@ def decompress_file(src, dst, *, base=None, threads: int | None = None, beside=N
             holds.
         base: the base lossy file, if not beside src under the name it records; earlier
             links of the chain are looked for beside each file.
-        threads: numba threads for decoding.
+        threads: CPU threads that decode (default: numba's setting).
         beside: the directory src's own base is looked for in (default: src's): the
             command line gives the working directory for a file read from stdin.
+        force: replace an existing dst (default: refuse it).
 
     Returns:
         A :class:`LossySummary`.
 
     Raises:
+        FileExistsError: dst exists and force is False.
         ChainError: a base of the chain is missing (names the file looked for).
         CheckpointError: src is not a lossy file, is corrupted, or a base is wrong.
     """
@@ -533,6 +548,7 @@ def decompress_file(src, dst, *, base=None, threads: int | None = None, beside=N
     src, dst = os.fspath(src), os.fspath(dst)
     check_paths(src, dst, None if base is None else os.fspath(base))
     _check_not_in_chain(src, dst, base, beside)
+    _refuse_existing(dst, force)
     out = None
 
     def output(piece) -> None:
@@ -547,6 +563,11 @@ def decompress_file(src, dst, *, base=None, threads: int | None = None, beside=N
             out = stack.enter_context(atomic_output(dst, mode=os.stat(src).st_mode))
         out.commit()
     return _summary("decompress", index, size, started)
+
+
+def _refuse_existing(dst: str, force: bool) -> None:
+    if not force and os.path.lexists(dst):
+        raise FileExistsError(17, f"{dst} exists; pass force=True to replace it", dst)
 
 
 def _check_not_in_chain(src: str, dst: str, base, beside=None) -> None:

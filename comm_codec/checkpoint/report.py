@@ -11,20 +11,67 @@ import dataclasses
 import sys
 import time
 
-__all__ = ["Summary", "human_bytes", "Progress"]
+__all__ = ["Summary", "SizesRecord", "human_bytes", "Progress"]
+
+
+class SizesRecord:
+    """The traffic record's names over a checkpoint summary's sizes, and ``as_dict()``.
+
+    Mixed into :class:`Summary`, :class:`~comm_codec.checkpoint.lossy.LossySummary` and
+    :class:`~comm_codec.checkpoint.directory.DirSummary` (dataclasses with
+    ``original_bytes`` and the stored size under :attr:`_STORED`), so that what means the
+    same as in :class:`comm_codec.comm.stats.TrafficStats` reads under the same name.
+    """
+
+    _STORED = "compressed_bytes"
+
+    @property
+    def bytes_in(self) -> int:
+        """The uncompressed bytes (``original_bytes``)."""
+        return self.original_bytes  # type: ignore[attr-defined]
+
+    @property
+    def bytes_out(self) -> int:
+        """The stored bytes (the compressed file or files)."""
+        return getattr(self, self._STORED)
+
+    @property
+    def bytes_saved(self) -> int:
+        return self.bytes_in - self.bytes_out
+
+    def as_dict(self) -> dict:
+        """Return the fields and the derived figures (``bytes_in``, ``bytes_out``,
+        ``bytes_saved``, ``ratio``) as a plain dict, for JSON and loggers."""
+        d = dataclasses.asdict(self)  # type: ignore[call-overload]
+        d.update(
+            original_bytes=self.bytes_in,
+            bytes_in=self.bytes_in,
+            bytes_out=self.bytes_out,
+            bytes_saved=self.bytes_saved,
+            ratio=self.ratio,  # type: ignore[attr-defined]
+        )
+        return d
 
 
 @dataclasses.dataclass
-class Summary:
-    """What one compress, decompress or verify call did.
+class Summary(SizesRecord):
+    """What one compress, decompress or verify call did, or a DCP Writer's saves / Reader's loads.
+
+    The checkpoint sibling of the traffic record (:class:`comm_codec.comm.stats.TrafficStats`):
+    the fields that mean the same thing there read under the same names, ``bytes_in``
+    (uncompressed: ``original_bytes``), ``bytes_out`` (stored: ``compressed_bytes``),
+    ``bytes_saved`` and ``ratio`` (:class:`SizesRecord`); :meth:`as_dict` gives them all
+    as a plain dict.
 
     Attributes:
-        op: "compress", "decompress" or "verify".
+        op: "compress", "decompress" or "verify"; "save" (:meth:`comm_codec.dcp.Writer.stats`)
+            or "load" (:meth:`comm_codec.dcp.Reader.stats`).
         original_bytes: size of the uncompressed checkpoint.
         compressed_bytes: size of the compressed file.
         seconds: wall time of the call.
         threads: worker threads used.
-        format: the source's format ("safetensors", "torch_zip", "distcp", "torch_legacy", "generic").
+        format: the source's format ("safetensors", "torch_zip", "distcp", "torch_legacy",
+            "generic"; "dcp" for a DCP Writer or Reader).
         tensors: tensors found; coded: those coded with frames; delta: those XOR-coded.
         note: for a compress whose tensors all stay opaque, one line: why, and what
             would help (None otherwise).
@@ -71,6 +118,8 @@ class Summary:
             "decompress": f"decompressed {b} -> {a}",
             "verify": f"verified {b} ({a} original, "
             f"{self.digest.split(':')[0] + ' ok' if self.digest else 'digest NOT checked'})",
+            "save": f"saved {a} -> {b} (DCP, {self.coded} of {self.tensors} tensors coded)",
+            "load": f"loaded {b} -> {a} (DCP, {self.coded} of {self.tensors} tensors coded)",
         }
         # An empty original has no ratio: the container's header and index are all there is.
         ratio = "empty original, no ratio" if self.original_bytes == 0 else f"ratio {self.ratio:.3f}"

@@ -41,25 +41,20 @@ import time
 
 from ..core.errors import AgreementError
 from .agreement import gather_rows
+from .config import MODES, check
 
 __all__ = ["MODES", "AutoSwitch", "agree", "check_mode", "check_rows", "decide"]
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "always", "never")
 # One row per rank in the agreement: step, plain steps timed, plain median (s), coded
 # steps timed, coded median (s).
 _ROW = 5
 
 
 def check_mode(mode) -> str:
-    """Return ``mode`` if it is one of :data:`MODES`; raise ValueError naming them if not."""
-    if mode not in MODES:
-        raise ValueError(
-            f"mode must be one of {', '.join(repr(m) for m in MODES)}, got {mode!r} "
-            "(auto: code only where it measures faster; always: code every step after "
-            "warmup; never: plain all-reduce, like DDP's default hook)"
-        )
+    """Return ``mode`` if it is one of :data:`MODES`; raise ConfigError naming them if not."""
+    check(mode=mode)
     return mode
 
 
@@ -93,7 +88,7 @@ class AutoSwitch:
             hook's "plain all-reduce"; FSDP2's "plain reduce-scatter/all-gather").
 
     Raises:
-        ValueError: an unknown mode, or out-of-range numbers.
+        ConfigError: an unknown mode, or out-of-range numbers (CommConfig's rules, :func:`~comm_codec.comm.config.check`).
     """
 
     __slots__ = (
@@ -126,13 +121,7 @@ class AutoSwitch:
         clock=time.perf_counter,
         plain_name: str = "plain all-reduce",
     ):
-        check_mode(mode)
-        if not isinstance(probe_steps, int) or probe_steps < 1:
-            raise ValueError(f"probe_steps must be an integer >= 1, got {probe_steps!r}")
-        if not isinstance(recheck_every, int) or recheck_every < 1:
-            raise ValueError(f"recheck_every must be an integer >= 1 (steps between probes), got {recheck_every!r}")
-        if not isinstance(hysteresis, (int, float)) or not 0.0 <= hysteresis < 1.0:
-            raise ValueError(f"hysteresis must be a fraction in [0, 1), got {hysteresis!r}")
+        check(mode=mode, probe_steps=probe_steps, recheck_every=recheck_every, hysteresis=hysteresis)
         self.mode = mode
         self.probe_steps = probe_steps
         self.recheck_every = recheck_every

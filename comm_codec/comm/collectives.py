@@ -32,6 +32,10 @@ decoded (and, for a reduce-scatter, summed) while piece k+1 is, with the same
 workspace, the same error flags and the same rank-order sum (FSDP2 hands them a
 module's whole shard at once: :mod:`comm_codec.fsdp`).
 
+``kind=`` picks the books a tensor is weighed against, with one default per family: the
+collectives that sum (all_reduce, reduce, reduce_scatter) default to "gradient", those
+that move data unchanged (all_gather, send) to "activation"; recv reads it from the frame.
+
 A frame that comes from a peer is never trusted with an allocation: it is decoded into
 a buffer of the size the receiver expects, and refused if its header says otherwise.
 
@@ -320,7 +324,10 @@ def all_reduce(
         codec: the :class:`Codec` (same books on every rank); None uses default books.
         group: the process group (default: the world).
         average: divide the sum by the group size (as DDP's default hook does).
-        kind: codebook kind for the input shards.
+        kind: codebook kind for the input shards. Every collective that sums
+            (all_reduce, reduce, reduce_scatter) defaults to "gradient"; every one that
+            moves data unchanged (all_gather, send) to "activation". A frame carries its
+            books, so a wrong kind costs bytes, never correctness.
         reduced_kind: codebook kind for the reduced shards.
         cast: a dtype (e.g. torch.bfloat16) the shards are cast to before coding —
             lossy, for users who accept bf16 communication; None is lossless.
@@ -603,7 +610,7 @@ def reduce_scatter(
     group=None,
     *,
     average: bool = False,
-    kind: str = "activation",
+    kind: str = "gradient",
     cast=None,
     stats: CommStats | None = None,
     workspace: Workspace | None = None,
@@ -617,7 +624,8 @@ def reduce_scatter(
     Args:
         output: contiguous tensor, same numel and dtype as each input; overwritten.
         input_list: one tensor per rank (all the same numel and dtype).
-        codec, group, kind, cast, stats, workspace: as for :func:`all_reduce`.
+        codec, group, kind, cast, stats, workspace: as for :func:`all_reduce` (``kind``
+            defaults to "gradient", as for every collective that sums).
         average: divide by the group size.
 
     Returns:

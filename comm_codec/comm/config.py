@@ -27,7 +27,7 @@ import numba
 from ..core.codebooks import CodebookSet, as_codebook_set
 from ..core.errors import ConfigError
 
-__all__ = ["CommConfig", "CASTS", "MODES", "make_config"]
+__all__ = ["CommConfig", "CASTS", "MODES", "check", "make_config"]
 
 # mode=: code only where it measures faster, code every step after warmup, never code.
 MODES = ("auto", "always", "never")
@@ -38,6 +38,74 @@ CASTS = (None, "bf16", "bfloat16")
 def _int(key: str, value, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ConfigError(key, value, f"an integer >= {minimum}")
+
+
+def _fraction(key: str, value, allowed: str, ok) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        raise ConfigError(key, value, allowed)
+
+
+def _check_threads(value) -> None:
+    if value is not None:
+        top = numba.config.NUMBA_NUM_THREADS
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= top:
+            raise ConfigError("threads", value, f"None or an integer in 1..{top} (NUMBA_NUM_THREADS)")
+
+
+def _check_mode(value) -> None:
+    if value not in MODES:
+        raise ConfigError("mode", value, ", ".join(repr(m) for m in MODES))
+
+
+def _check_cast(value) -> None:
+    if value not in CASTS:
+        raise ConfigError("cast", value, "None (lossless) or 'bf16'")
+
+
+def _check_threshold(value) -> None:
+    if value is not None:
+        _fraction("refresh_threshold", value, "None or a fraction > 0", lambda v: v > 0)
+
+
+# One check per setting that stands alone: CommConfig runs them all, and the parts of the
+# engine that take a few settings (AutoSwitch, BookRefresh) run theirs through check().
+_CHECKS = {
+    "warmup_steps": lambda v: _int("warmup_steps", v, 0),
+    "mode": _check_mode,
+    "cast": _check_cast,
+    "min_bytes": lambda v: _int("min_bytes", v, 0),
+    "threads": _check_threads,
+    "log_every": lambda v: _int("log_every", v, 0),
+    "drift_every": lambda v: _int("drift_every", v, 0),
+    "refresh_threshold": _check_threshold,
+    "refresh_steps": lambda v: _int("refresh_steps", v, 1),
+    "recheck_every": lambda v: _int("recheck_every", v, 1),
+    "probe_steps": lambda v: _int("probe_steps", v, 1),
+    "hysteresis": lambda v: _fraction("hysteresis", v, "a fraction in [0, 1)", lambda x: 0 <= x < 1),
+}
+
+
+def check(**settings) -> None:
+    """Validate settings of :class:`CommConfig` by name, as CommConfig does (one place for every rule).
+
+    Args:
+        **settings: some of CommConfig's fields (``codebooks`` excepted).
+
+    Raises:
+        ConfigError: a value out of range or of the wrong type; ``refresh_threshold``
+            without ``drift_every`` when both are given.
+        TypeError: a name that is not a setting.
+    """
+    for key, value in settings.items():
+        if key not in _CHECKS:
+            raise TypeError(f"{key!r} is not a comm_codec setting; allowed: {', '.join(_CHECKS)}")
+        _CHECKS[key](value)
+    if settings.get("refresh_threshold") is not None and "drift_every" in settings and not settings["drift_every"]:
+        raise ConfigError(
+            "refresh_threshold",
+            settings["refresh_threshold"],
+            "None while drift_every is 0 (refresh_threshold needs drift_every > 0: drift is what triggers a refresh)",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,41 +163,7 @@ class CommConfig:
     hysteresis: float = field(default=0.05)
 
     def __post_init__(self):
-        _int("warmup_steps", self.warmup_steps, 0)
-        if self.mode not in MODES:
-            raise ConfigError("mode", self.mode, ", ".join(repr(m) for m in MODES))
-        if self.cast not in CASTS:
-            raise ConfigError("cast", self.cast, "None (lossless) or 'bf16'")
-        _int("min_bytes", self.min_bytes, 0)
-        if self.threads is not None:
-            top = numba.config.NUMBA_NUM_THREADS
-            if not isinstance(self.threads, int) or isinstance(self.threads, bool) or not 1 <= self.threads <= top:
-                raise ConfigError("threads", self.threads, f"None or an integer in 1..{top} (NUMBA_NUM_THREADS)")
-        _int("log_every", self.log_every, 0)
-        _int("drift_every", self.drift_every, 0)
-        if self.refresh_threshold is not None:
-            if (
-                isinstance(self.refresh_threshold, bool)
-                or not isinstance(self.refresh_threshold, (int, float))
-                or not self.refresh_threshold > 0
-            ):
-                raise ConfigError("refresh_threshold", self.refresh_threshold, "None or a fraction > 0")
-            if not self.drift_every:
-                raise ConfigError(
-                    "refresh_threshold",
-                    self.refresh_threshold,
-                    "None while drift_every is 0 (refresh_threshold needs drift_every > 0: drift is "
-                    "what triggers a refresh)",
-                )
-        _int("refresh_steps", self.refresh_steps, 1)
-        _int("recheck_every", self.recheck_every, 1)
-        _int("probe_steps", self.probe_steps, 1)
-        if (
-            isinstance(self.hysteresis, bool)
-            or not isinstance(self.hysteresis, (int, float))
-            or not 0 <= self.hysteresis < 1
-        ):
-            raise ConfigError("hysteresis", self.hysteresis, "a fraction in [0, 1)")
+        check(**{name: getattr(self, name) for name in _CHECKS})
         books = self.codebooks
         if isinstance(books, (str, os.PathLike)):
             object.__setattr__(self, "codebooks", as_codebook_set(books))

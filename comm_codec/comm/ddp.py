@@ -65,6 +65,9 @@ class HuffmanState(CodingEngine):
         ConfigError: a bad setting; the message names the key, the value and what is allowed.
         CodebookError: ``codebooks`` names a missing or malformed file.
         TypeError: codebooks of the wrong type, or an unknown option.
+
+    The hook raises :class:`~comm_codec.AgreementError` (on every rank alike) when the
+    ranks' settings or books differ, or they disagree at auto's decision.
     """
 
     __slots__ = ()

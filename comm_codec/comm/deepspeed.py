@@ -64,10 +64,8 @@ the same on every rank.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
-import json
 import os
 
 try:
@@ -80,180 +78,71 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the ext
     ) from _exc
 
 import torch
-import torch.distributed as dist
 
-from ..core.codebooks import KINDS, CodebookSet
-from ..core.errors import CodebookError, ConfigError
+from ..core.codebooks import CodebookSet
+from ..core.errors import ConfigError
+from ..core.logs import watch_deepspeed
 from . import collectives
+from ._deepspeed_config import (
+    DEEPSPEED_ONLY,
+    SECTION,
+    STAGE_KINDS,
+    CommCodecConfig,
+    check_config,
+    check_engine,
+    check_zero,
+    json_text,
+    load_config_file,
+    parse_config,
+    parse_section,
+    section_error,
+    zero_section,
+)
+from ._deepspeed_log import PluginLog
 from .config import CommConfig, make_config
 from .engine import CODED_DTYPES, CodingEngine
 from .stats import LOGGED, TrafficStats
 from .zero3 import SEAMS as ZERO3_SEAMS
 from .zero3 import Zero3Seams, seam_parameters
 
-__all__ = ["CommCodecConfig", "DEEPSPEED_ONLY", "DeepSpeedState", "SUPPORTED_DEEPSPEED", "initialize", "install",
-           "parse_config", "register", "stats"]
+__all__ = [
+    "CommCodecConfig",
+    "DEEPSPEED_ONLY",
+    "DeepSpeedState",
+    "SUPPORTED_DEEPSPEED",
+    "initialize",
+    "install",
+    "parse_config",
+    "register",
+    "stats",
+]
 
-# Inside DeepSpeed, the plugin's lines go where DeepSpeed's own go (shown at INFO by default).
+# Inside DeepSpeed, the plugin's lines go where DeepSpeed's own go (shown from the ds_config's
+# "log_level"), or to comm_codec's verbosity switch where DeepSpeed's level hides them.
 ds_logger = deepspeed.utils.logger
+plugin_log = PluginLog(ds_logger)
+watch_deepspeed()  # an engine built without the plugin warns at its first backward when its config has a section
 
 SUPPORTED_DEEPSPEED = "0.19"  # the major.minor whose reduction methods the plugin copies
-SECTION = "comm_codec"
 
-# The traffic each ZeRO stage codes, by codebook kind: gradient reduction at every stage,
-# the parameter all-gathers at stage 3.
-_STAGE_KINDS = {0: ("gradient",), 1: ("gradient",), 2: ("gradient",), 3: ("gradient", "weight")}
-_SUPPORTED_KINDS = ("gradient", "weight")
-_STAGES = (0, 1, 2, 3)
 # The DeepSpeed methods replaced, with the parameters their 0.19 bodies (copied below) take.
 _SEAMS = {
     ("runtime.engine", "DeepSpeedEngine", "allreduce_bucket"): ["self", "bucket", "dp_group", "dp_world_size"],
-    ("runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "allreduce_bucket"):
-        ["self", "bucket", "communication_data_type", "rank", "log", "divide", "process_group"],
-    ("runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "gradient_reduction_w_predivide"):
-        ["self", "tensor", "communication_data_type"],
+    ("runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "allreduce_bucket"): [
+        "self",
+        "bucket",
+        "communication_data_type",
+        "rank",
+        "log",
+        "divide",
+        "process_group",
+    ],
+    ("runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "gradient_reduction_w_predivide"): [
+        "self",
+        "tensor",
+        "communication_data_type",
+    ],
 }
-
-
-# -- configuration ------------------------------------------------------------------------
-# The section's keys that are not CommConfig settings: the plugin's own.
-DEEPSPEED_ONLY = ("enabled", "kinds", "monitor")
-
-
-@dataclasses.dataclass(frozen=True)
-class CommCodecConfig:
-    """The ``"comm_codec"`` section of a DeepSpeed config, parsed.
-
-    Its keys are the :class:`~comm_codec.comm.config.CommConfig` settings (the same as
-    ``HuffmanState``'s and ``comm_codec.fsdp.register``'s, validated there) plus the
-    DeepSpeed-only keys of :data:`DEEPSPEED_ONLY`; any other key is refused.
-
-    Attributes:
-        config: the coding settings.
-        codebooks: ``"default"`` (the shipped books), ``"online"`` (built from the first
-            ``warmup_steps`` steps), or the path of a saved :class:`CodebookSet`; unset in
-            the file: ``"online"`` when ``warmup_steps`` > 0, else ``"default"``.
-        enabled: install the codec (a present section defaults to true).
-        kinds: the traffic to code, by codebook kind: ``"gradient"`` (gradient reduction,
-            every stage), ``"weight"`` (the parameter all-gathers of ZeRO stage 3); None:
-            everything the stage moves.
-        monitor: also write comm_codec/* scalars to DeepSpeed's monitor (TensorBoard,
-            W&B, CSV) when one is enabled in the config.
-
-    Every other setting reads through to ``config`` (``section.mode``, ``section.cast``...).
-    """
-
-    config: CommConfig
-    codebooks: str = "default"
-    enabled: bool = True
-    kinds: tuple[str, ...] | None = None
-    monitor: bool = True
-
-    def __getattr__(self, name):
-        if name in CommConfig.fields():
-            return getattr(self.config, name)
-        raise AttributeError(name)
-
-
-def _section_error(key: str, problem: str) -> ConfigError:
-    exc = ConfigError(f"{SECTION}.{key}" if key else SECTION, None, problem)
-    exc.args = (f"invalid \"{SECTION}\" section in the DeepSpeed config: "
-                + (f"{SECTION}.{key}: " if key else f"{SECTION}: ") + problem,)
-    return exc
-
-
-def _json(value) -> str:
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return repr(value)
-
-
-def _parse_section(section: dict) -> CommCodecConfig:
-    allowed = (*CommConfig.fields(), *DEEPSPEED_ONLY)
-    for key in section:
-        if key not in allowed:
-            raise _section_error(key, f"unknown key; allowed keys: {', '.join(allowed)}")
-    own = {key: section[key] for key in DEEPSPEED_ONLY if key in section}
-    for key in ("enabled", "monitor"):
-        if key in own and not isinstance(own[key], bool):
-            raise _section_error(key, f"{_json(own[key])}; allowed: true or false")
-    kinds = own.get("kinds")
-    if kinds is not None:
-        if not isinstance(kinds, list) or not kinds:
-            raise _section_error("kinds", f"{_json(kinds)}; allowed: a non-empty list of {list(_SUPPORTED_KINDS)}")
-        for kind in kinds:
-            if kind not in _SUPPORTED_KINDS:
-                what = ("is not coded by the DeepSpeed plugin (it codes gradient reduction and ZeRO-3 parameter "
-                        "all-gathers)" if kind in KINDS else "is an unknown tensor kind")
-                raise _section_error("kinds", f"{kind!r} {what}; allowed: {list(_SUPPORTED_KINDS)}")
-        own["kinds"] = tuple(kinds)
-    settings = {key: value for key, value in section.items() if key not in DEEPSPEED_ONLY}
-    source = settings.pop("codebooks", None)
-    warmup = settings.get("warmup_steps", 0)
-    if source == "online":
-        if warmup == 0:
-            raise _section_error("", "codebooks \"online\" needs warmup_steps >= 1 (the steps whose statistics "
-                                 "build the books)")
-    elif source is not None and warmup:
-        raise _section_error("warmup_steps", f"warmup_steps builds the books online, but codebooks is {source!r}: "
-                             "drop codebooks (or set it to \"online\") to build them, or set warmup_steps to 0")
-    elif source not in (None, "default"):
-        if not isinstance(source, str):
-            raise _section_error("codebooks", f"{_json(source)}; allowed: \"default\", \"online\" or the path "
-                                 "of a file saved by CodebookSet.save")
-        settings["codebooks"] = source
-    try:
-        config = CommConfig(**settings)
-    except ConfigError as exc:
-        raise _section_error(exc.key, f"{_json(exc.value)}; allowed: {exc.allowed}") from None
-    except CodebookError as exc:
-        raise CodebookError(f"invalid \"{SECTION}\" section in the DeepSpeed config: {SECTION}.codebooks: "
-                            f"cannot load codebook file {source!r}: {exc}") from None
-    if source is None:
-        source = "online" if config.warmup_steps else "default"
-    return CommCodecConfig(config=config, codebooks=source, **own)
-
-
-def parse_config(config) -> CommCodecConfig | None:
-    """Validate the ``"comm_codec"`` section of a DeepSpeed config.
-
-    Args:
-        config: a whole DeepSpeed config (dict, or path of a JSON/HJSON file), or a
-            :class:`CommCodecConfig`.
-
-    Returns:
-        The validated section, or None when the config has none.
-
-    Raises:
-        ConfigError: an unknown key or a bad value; the message names the key
-            (``comm_codec.cast``...), the value and what is allowed.
-        CodebookError: a codebook file that is missing or not a codebook set.
-        FileNotFoundError: the config file does not exist.
-    """
-    if isinstance(config, CommCodecConfig):
-        return config
-    if isinstance(config, (str, os.PathLike)):
-        config = _load_config_file(config)
-    if not isinstance(config, dict):
-        raise TypeError(f"config must be a dict or a path, got {type(config).__name__}")
-    section = config.get(SECTION)
-    if section is None:
-        return None
-    if not isinstance(section, dict):
-        raise _section_error("", f"{_json(section)}; allowed: an object (must be an object of settings)")
-    return _parse_section(section)
-
-
-def _load_config_file(path) -> dict:
-    import hjson  # a DeepSpeed dependency; DeepSpeed reads config files with it
-
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return hjson.loads(text)
 
 
 # -- scope checks -------------------------------------------------------------------------
@@ -279,132 +168,6 @@ def _check_version() -> None:
             )
 
 
-def _unsupported(feature: str, fix: str) -> ConfigError:
-    exc = ConfigError(SECTION, None, "a supported setup")
-    exc.args = (f"comm_codec.deepspeed does not support {feature}; {fix}, "
-                f"or set \"{SECTION}\": {{\"enabled\": false}}",)
-    return exc
-
-
-# ZeRO settings that take the traffic off the seams (ZeRO++'s lossy paths, fetching by
-# all-reduce, all-reduced ZeRO-3 gradients): key -> (the value DeepSpeed defaults to,
-# what that setting does instead).
-_ZERO_REFUSED = {
-    "zero_quantized_weights": (False, "ZeRO++ quantized weights (lossy int8 all-gathers in place of the coded ones)"),
-    "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized frozen weights (lossy int8 all-gathers)"),
-    "zero_quantized_gradients": (False, "ZeRO++ quantized gradients (a lossy all-to-all reduction)"),
-    "zero_hpz_partition_size": (1, "ZeRO++ hierarchical partitions (secondary weight copies gathered per node)"),
-    "stage3_use_all_reduce_for_fetch_params": (False, "parameter fetch by all-reduce"),
-}
-
-
-def _zero_section(config: dict) -> dict:
-    zero = config.get("zero_optimization") or {}
-    return zero if isinstance(zero, dict) else {}
-
-
-def check_zero(zero: dict, section: CommCodecConfig) -> int:
-    """Refuse the ZeRO settings and "comm_codec" values the plugin does not cover; return the stage.
-
-    Every message names the key and the values allowed, and every rank raises it alike
-    (the config is the same everywhere), before the first step.
-
-    Raises:
-        ValueError: an unsupported stage, ZeRO++ option, offload device, kind or cast.
-    """
-    stage = zero.get("stage", 0)
-    if stage not in _STAGES:
-        raise _unsupported(f"ZeRO stage {stage!r} (zero_optimization.stage; allowed: 0, 1, 2, 3)",
-                           "use ZeRO stage 0, 1, 2 or 3")
-    for key, (default, what) in _ZERO_REFUSED.items():
-        if zero.get(key, default) != default:
-            raise _unsupported(f"{what} (zero_optimization.{key}: {zero[key]!r}; allowed with comm_codec: "
-                               f"{json.dumps(default)})", f"set zero_optimization.{key} to {json.dumps(default)}")
-    if stage == 3 and zero.get("reduce_scatter", True) is not True:
-        raise _unsupported("all-reduced ZeRO-3 gradients (zero_optimization.reduce_scatter: false; allowed at "
-                           "stage 3: true)", "set zero_optimization.reduce_scatter to true")
-    for key in ("offload_optimizer", "offload_param"):
-        offload = zero.get(key) or {}
-        device = offload.get("device", "none") if isinstance(offload, dict) else offload
-        if device not in ("none", "cpu", None):
-            raise _unsupported(f"offload to {device!r} (zero_optimization.{key}.device; allowed: \"cpu\", "
-                               "\"none\")", "offload to \"cpu\"")
-        if key == "offload_param" and device == "cpu" and stage != 3:
-            raise _unsupported(f"offload_param at ZeRO stage {stage} (zero_optimization.offload_param; "
-                               "DeepSpeed offloads parameters at stage 3 only)", "remove offload_param")
-    allowed = list(_STAGE_KINDS[stage])
-    for kind in section.kinds or ():
-        if kind not in allowed:
-            raise _section_error("kinds", f"{kind!r} (parameter all-gathers) is coded at ZeRO stage 3 only; "
-                                 f"allowed at stage {stage}: {allowed}")
-    if stage == 3 and section.cast is not None:
-        raise _section_error("cast", f"{section.cast!r} at ZeRO stage 3, where weights and gradients must "
-                             "arrive exactly; allowed at stage 3: null")
-    return stage
-
-
-def _check_config(config: dict, section: CommCodecConfig, model=None) -> None:
-    """Refuse, before an engine is built, what the config or model already shows."""
-    check_zero(_zero_section(config), section)
-    opt_type = str((config.get("optimizer") or {}).get("type", "")).lower().replace("_", "")
-    if "onebit" in opt_type or "zeroone" in opt_type:
-        raise _unsupported(f"1-bit optimizers (optimizer.type {config['optimizer']['type']!r}: they "
-                           "compress gradients themselves)", "use a standard optimizer")
-    if model is not None:
-        from deepspeed.pipe import PipelineModule
-
-        if isinstance(model, PipelineModule):
-            raise _unsupported("the pipeline engine (model is a PipelineModule)",
-                               "train a plain torch.nn.Module with ZeRO 0-3")
-
-
-def _check_engine(engine) -> None:
-    """Refuse engines whose gradient reduction does not go through the seams."""
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    if isinstance(engine, PipelineEngine):
-        raise _unsupported("the pipeline engine", "train a plain torch.nn.Module with ZeRO 0-3")
-    if isinstance(engine, DeepSpeedHybridEngine):
-        raise _unsupported("the hybrid engine (hybrid_engine.enabled)", "disable hybrid_engine")
-    stage = engine.zero_optimization_stage()
-    if get_accelerator().device_name() != "cpu":
-        raise _unsupported(f"the {get_accelerator().device_name()} accelerator yet (the codec codes CPU "
-                           "buffers)", "train on CPU with gloo")
-    name = type(engine.optimizer).__name__.lower() + " " + str(engine.optimizer_name()).lower()
-    if "onebit" in name or "zeroone" in name:
-        raise _unsupported("1-bit optimizers", "use a standard optimizer")
-    expected = (DeepSpeedZeroOptimizer_Stage3,) if stage == 3 else (DeepSpeedZeroOptimizer, BF16_Optimizer)
-    if stage > 0 and not isinstance(engine.optimizer, expected):
-        raise _unsupported(f"the ZeRO optimizer {type(engine.optimizer).__name__}",
-                           f"use DeepSpeed's ZeRO {'3' if stage == 3 else '1/2'} optimizer")
-    if stage == 3 and (not engine.optimizer.reduce_scatter or engine.optimizer.all2all_process_group is not None):
-        raise _unsupported("this ZeRO-3 gradient reduction (zero_optimization.reduce_scatter must be true, "
-                           "zero_quantized_gradients false)", "use the default reduce-scatter")
-    if type(engine.optimizer).__name__.startswith("ZenFlow") or engine._config.zero_config.zenflow is not None:
-        raise _unsupported("ZenFlow (zero_optimization.zenflow)", "disable zenflow")
-    if engine.has_moe_layers:
-        raise _unsupported("mixture-of-experts layers (expert-parallel groups)", "train without MoE")
-    if engine.is_deepcompile_enabled():
-        raise _unsupported("DeepCompile (compile.deepcompile)", "disable deepcompile")
-    if not engine.enable_backward_allreduce:
-        raise _unsupported("engines without backward all-reduce", "leave gradient reduction to DeepSpeed")
-    world = dist.get_world_size()
-    if (engine.mpu is not None or getattr(engine, "sequence_parallel_size", 1) != 1
-            or dist.get_world_size(engine.data_parallel_group) != world):
-        raise _unsupported("model, tensor or sequence parallelism (the data-parallel group must be the "
-                           "whole world)", "use pure data parallelism")
-    sparse = [n for n, m in engine.module.named_modules()
-              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
-    if sparse:
-        raise _unsupported(f"sparse embedding gradients (module {sparse[0]!r} has sparse=True; DeepSpeed "
-                           "all-gathers those outside the coded reduction)", "use sparse=False")
-
-
 # -- the plugin ---------------------------------------------------------------------------
 class DeepSpeedState:
     """The codec installed in one DeepSpeed engine: what :func:`register` returns.
@@ -421,20 +184,27 @@ class DeepSpeedState:
 
     def __init__(self, engine, config: CommCodecConfig, stage: int):
         self.stage = stage
-        self.kinds = tuple(config.kinds or _STAGE_KINDS[stage])
+        self.kinds = tuple(config.kinds or STAGE_KINDS[stage])
         if config.codebooks != "online":
             books = config.config.codebooks
-            _check_books(books if books is not None else CodebookSet.default(), config.codebooks,
-                         _coded_dtypes(engine, stage, self.kinds))
+            _check_books(
+                books if books is not None else CodebookSet.default(),
+                config.codebooks,
+                _coded_dtypes(engine, stage, self.kinds),
+            )
         zero3 = stage == 3
         try:
             self.coder = CodingEngine(
-                engine.data_parallel_group, config.config, name="comm_codec.deepspeed", allow_cast=not zero3,
-                logger=ds_logger,
+                engine.data_parallel_group,
+                config.config,
+                name="comm_codec.deepspeed",
+                allow_cast=not zero3,
+                logger=plugin_log,
                 plain_name="plain reduce-scatter/all-gather" if zero3 else "plain all-reduce",
-                collectives=("reduce_scatter", "all_gather") if zero3 else ("all_reduce",))
+                collectives=("reduce_scatter", "all_gather") if zero3 else ("all_reduce",),
+            )
         except ConfigError as exc:
-            raise _section_error(exc.key, f"{_json(exc.value)}; allowed: {exc.allowed}") from None
+            raise section_error(exc.key, f"{json_text(exc.value)}; allowed: {exc.allowed}") from None
         # Creating a group is collective: here, where every rank installs.
         self.zero3 = Zero3Seams(self.coder, engine, self.kinds) if zero3 else None
         if not zero3:
@@ -481,23 +251,48 @@ class DeepSpeedState:
                 self._step_open = True
                 coder.begin_step()
             if dst is None:
+
                 def plain():
                     ds_dist.all_reduce(tensor, group=group)
 
                 def coded(stats):
-                    collectives.all_reduce(tensor, coder.codec, group, cast=coder.cast_dtype(tensor), stats=stats,
-                                           workspace=coder.workspace)
+                    collectives.all_reduce(
+                        tensor,
+                        coder.codec,
+                        group,
+                        cast=coder.cast_dtype(tensor),
+                        stats=stats,
+                        workspace=coder.workspace,
+                    )
             else:
+
                 def plain():
                     ds_dist.reduce(tensor, ds_dist.get_global_rank(group, dst), group=group)
 
                 def coded(stats):
-                    collectives.reduce(tensor, dst, coder.codec, group, cast=coder.cast_dtype(tensor), stats=stats,
-                                       workspace=coder.workspace)
-            coder.dispatch("all_reduce" if dst is None else "reduce", tensor, group, numel_per_rank=tensor.numel(),
-                           kind="gradient", coded=coded, plain=plain, record="all_reduce", dst=dst,
-                           reduced_kind="reduced_gradient" if dst is None else None,
-                           allowed=tensor.device.type == "cpu")
+                    collectives.reduce(
+                        tensor,
+                        dst,
+                        coder.codec,
+                        group,
+                        cast=coder.cast_dtype(tensor),
+                        stats=stats,
+                        workspace=coder.workspace,
+                    )
+
+            coder.dispatch(
+                "all_reduce" if dst is None else "reduce",
+                tensor,
+                group,
+                numel_per_rank=tensor.numel(),
+                kind="gradient",
+                coded=coded,
+                plain=plain,
+                record="all_reduce",
+                dst=dst,
+                reduced_kind="reduced_gradient" if dst is None else None,
+                allowed=tensor.device.type == "cpu",
+            )
         finally:
             coder.keep_torch_threads()
 
@@ -510,11 +305,16 @@ class DeepSpeedState:
         self._step_open = False
         engine = self.engine
         monitor = getattr(engine, "monitor", None)
-        if (self.config.monitor and monitor is not None and monitor.enabled and self.config.log_every
-                and coder.step % self.config.log_every == 0 and engine.global_rank == 0):
+        if (
+            self.config.monitor
+            and monitor is not None
+            and monitor.enabled
+            and self.config.log_every
+            and coder.step % self.config.log_every == 0
+            and engine.global_rank == 0
+        ):
             d = coder.stats()
-            monitor.write_events([(f"comm_codec/{key}", d[key], engine.global_samples)
-                                  for key in LOGGED])
+            monitor.write_events([(f"comm_codec/{key}", d[key], engine.global_samples) for key in LOGGED])
 
 
 # -- the replaced DeepSpeed methods (0.19 bodies; only the collective differs) ------------
@@ -534,15 +334,16 @@ def _engine_allreduce_bucket(plugin, engine, bucket, dp_group, dp_world_size=Non
         if engine.gradient_predivide_factor() != dp_world_size:
             tensor_to_allreduce.mul_(engine.gradient_predivide_factor() / dp_world_size)
     else:
-        tensor_to_allreduce.mul_(1. / dp_world_size)
+        tensor_to_allreduce.mul_(1.0 / dp_world_size)
         plugin.reduce(tensor_to_allreduce, dp_group)
     if engine.communication_data_type != tensor.dtype and tensor is not tensor_to_allreduce:
         tensor.copy_(tensor_to_allreduce)
     return tensor
 
 
-def _zero_allreduce_bucket(plugin, opt, bucket, communication_data_type, rank=None, log=None, divide=True,
-                           process_group=None):
+def _zero_allreduce_bucket(
+    plugin, opt, bucket, communication_data_type, rank=None, log=None, divide=True, process_group=None
+):
     from deepspeed.runtime.zero import stage_1_and_2
 
     tensor = opt.flatten(bucket)
@@ -572,11 +373,12 @@ def _zero_gradient_reduction_w_predivide(plugin, opt, tensor, communication_data
         plugin.reduce(tensor_to_allreduce, opt.dp_process_group)
     elif opt.postscale_gradients:
         if opt.gradient_predivide_factor != 1.0:
-            tensor_to_allreduce.mul_(1. / opt.gradient_predivide_factor)
+            tensor_to_allreduce.mul_(1.0 / opt.gradient_predivide_factor)
         plugin.reduce(tensor_to_allreduce, opt.dp_process_group)
         if opt.gradient_predivide_factor != dp_world_size:
-            tensor_to_allreduce.mul_(opt.gradient_predivide_factor /
-                                     (dp_world_size / float(opt.sequence_parallel_size)))
+            tensor_to_allreduce.mul_(
+                opt.gradient_predivide_factor / (dp_world_size / float(opt.sequence_parallel_size))
+            )
     else:
         tensor_to_allreduce.div_(dp_world_size / float(opt.sequence_parallel_size))
         plugin.reduce(tensor_to_allreduce, opt.dp_process_group)
@@ -602,9 +404,12 @@ def _check_books(books: CodebookSet, source: str, wanted: dict) -> None:
                 books.group(kind, dtype, 0)
             except ValueError:
                 name = str(dtype).replace("torch.", "")
-                raise _section_error("codebooks", f"the books {source!r} hold no {kind!r} book for {name} (this engine sends "
-                                 f"{kind}s as {name}; the books hold {', '.join(held)}); allowed: books profiled "
-                                 f"on {name} {kind}s, \"default\" or \"online\" (with warmup_steps)") from None
+                raise section_error(
+                    "codebooks",
+                    f"the books {source!r} hold no {kind!r} book for {name} (this engine sends "
+                    f"{kind}s as {name}; the books hold {', '.join(held)}); allowed: books profiled "
+                    f'on {name} {kind}s, "default" or "online" (with warmup_steps)',
+                ) from None
 
 
 def _wrap_step(plugin, step):
@@ -647,11 +452,14 @@ def install(engine, config=None) -> DeepSpeedState:
     else:
         section = parse_config(config)
     if section is None or not section.enabled:
-        raise _section_error("", f"the DeepSpeed config has no enabled \"{SECTION}\" section; add "
-                             f"\"{SECTION}\": {{\"enabled\": true}} or pass config=")
-    _check_engine(engine)
+        raise section_error(
+            "",
+            f'the DeepSpeed config has no enabled "{SECTION}" section; add '
+            f'"{SECTION}": {{"enabled": true}} or pass config=',
+        )
+    check_engine(engine)
     raw = engine.config if isinstance(engine.config, dict) else engine._config._param_dict
-    stage = check_zero(_zero_section(raw) | {"stage": engine.zero_optimization_stage()}, section)
+    stage = check_zero(zero_section(raw) | {"stage": engine.zero_optimization_stage()}, section)
     plugin = DeepSpeedState(engine, section, stage)
     plugin.coder.start_precompile({p.dtype for p in engine.module.parameters()} | {engine.communication_data_type})
     plugin.patch(engine, "allreduce_bucket", functools.partial(_engine_allreduce_bucket, plugin, engine))
@@ -660,19 +468,28 @@ def install(engine, config=None) -> DeepSpeedState:
     if isinstance(engine.optimizer, DeepSpeedZeroOptimizer) and stage < 3:
         opt = engine.optimizer
         plugin.patch(opt, "allreduce_bucket", functools.partial(_zero_allreduce_bucket, plugin, opt))
-        plugin.patch(opt, "gradient_reduction_w_predivide",
-                     functools.partial(_zero_gradient_reduction_w_predivide, plugin, opt))
+        plugin.patch(
+            opt, "gradient_reduction_w_predivide", functools.partial(_zero_gradient_reduction_w_predivide, plugin, opt)
+        )
     plugin.patch(engine, "step", _wrap_step(plugin, engine.step))
     engine._comm_codec = plugin
     if engine.global_rank == 0:
-        ds_logger.info("comm_codec installed: ZeRO stage %d, %s, books %s, warmup %d, cast %s, mode %s, coding %s",
-                 stage, type(engine.optimizer).__name__, section.codebooks, section.warmup_steps, section.cast,
-                 section.mode, "/".join(plugin.kinds))
+        plugin_log.info(
+            "comm_codec installed: ZeRO stage %d, %s, books %s, warmup %d, cast %s, mode %s, coding %s",
+            stage,
+            type(engine.optimizer).__name__,
+            section.codebooks,
+            section.warmup_steps,
+            section.cast,
+            section.mode,
+            "/".join(plugin.kinds),
+        )
     return plugin
 
 
-def register(engine, *, config: CommConfig | None = None, kinds=None, monitor: bool = True,
-             **options) -> DeepSpeedState:
+def register(
+    engine, *, config: CommConfig | None = None, kinds=None, monitor: bool = True, **options
+) -> DeepSpeedState:
     """Code the gradient reduction (and ZeRO-3's parameter fetch) of a DeepSpeed engine; return its state.
 
     The same keywords as ``HuffmanState`` and ``comm_codec.fsdp.register``, plus the
@@ -713,7 +530,7 @@ def _source(config: CommConfig) -> str:
 def _kinds(kinds):
     if kinds is None:
         return None
-    parsed = _parse_section({"kinds": list(kinds)})
+    parsed = parse_section({"kinds": list(kinds)})
     return parsed.kinds
 
 
@@ -736,12 +553,12 @@ def initialize(*args, **kwargs):
     if config is None and getattr(ds_args, "deepspeed_config", None) is not None:
         config = ds_args.deepspeed_config
     if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
-        config = _load_config_file(config)
+        config = load_config_file(config)
     section = None
     if isinstance(config, dict):
         section = parse_config(config)
         if section is not None and section.enabled:
-            _check_config(config, section, params.get("model"))
+            check_config(config, section, params.get("model"))
     result = deepspeed.initialize(*args, **kwargs)
     engine = result[0]
     if section is None:  # a config DeepSpeed read itself (base64...): look at what it parsed
@@ -767,8 +584,10 @@ def stats(engine) -> TrafficStats:
     if plugin is None and getattr(engine, "_comm_codec_disabled", False):
         return _disabled_stats()
     if plugin is None:
-        raise ValueError("this engine has no comm_codec plugin; build it with comm_codec.deepspeed.initialize "
-                         "and an enabled \"comm_codec\" config section, or call comm_codec.deepspeed.install")
+        raise ValueError(
+            "this engine has no comm_codec plugin; build it with comm_codec.deepspeed.initialize "
+            'and an enabled "comm_codec" config section, or call comm_codec.deepspeed.install'
+        )
     return plugin.stats()
 
 

@@ -331,8 +331,9 @@ class CodingEngine:
             Whether this step's collectives code.
 
         Raises:
-            ValueError: at the first step, on every rank, if the ranks' settings differ.
-            RuntimeError: ranks hold different books, or disagree at a decision.
+            AgreementError: on every rank alike: at the first step if the ranks'
+                settings differ; whenever they hold different books or disagree at a
+                decision.
         """
         group = self.group()
         device = agreement.collective_device(group, like)

@@ -21,6 +21,7 @@ import torch
 from ..books.profiler import WarmupProfiler, coding_cost
 from ..core.codebooks import CodebookSet
 from .agreement import build_books, max_over_ranks
+from .config import check
 
 __all__ = ["BookRefresh"]
 
@@ -37,8 +38,8 @@ class BookRefresh:
         refresh_steps: steps profiled in a refresh window.
 
     Raises:
-        ValueError: a negative ``drift_every``, a threshold that is not positive or has no
-            drift measurement to trigger it, ``refresh_steps`` < 1.
+        ConfigError: a negative ``drift_every``, a threshold that is not positive or has no
+            drift measurement to trigger it, ``refresh_steps`` < 1 (CommConfig's rules).
     """
 
     __slots__ = (
@@ -53,14 +54,7 @@ class BookRefresh:
     )
 
     def __init__(self, drift_every: int = 0, refresh_threshold: float | None = None, refresh_steps: int = 3):
-        if not isinstance(drift_every, int) or drift_every < 0:
-            raise ValueError(f"drift_every must be an integer >= 0 (0 = off), got {drift_every!r}")
-        if refresh_threshold is not None and not (refresh_threshold > 0 and drift_every):
-            raise ValueError(
-                "refresh_threshold must be > 0 and needs drift_every > 0 (drift is what triggers a refresh)"
-            )
-        if not isinstance(refresh_steps, int) or refresh_steps < 1:
-            raise ValueError(f"refresh_steps must be an integer >= 1, got {refresh_steps!r}")
+        check(drift_every=drift_every, refresh_threshold=refresh_threshold, refresh_steps=refresh_steps)
         self.drift_every = drift_every
         self.refresh_threshold = refresh_threshold
         self.refresh_steps = refresh_steps

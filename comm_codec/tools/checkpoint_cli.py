@@ -234,6 +234,22 @@ def _cmd_compress(args) -> int:
     return 0
 
 
+def _run_tree(args, run, src: str, dst: str, **options) -> None:
+    """Compress or decompress a directory (``run``) with the command line's options; print its summary."""
+    _refuse_existing(dst, args.force)
+    summary = run(
+        src,
+        dst,
+        threads=_used_threads(args),
+        force=args.force,
+        progress=_progress(args),
+        on_file=_print_file(args),
+        base=args.base,
+        **options,
+    )
+    _say(args, summary.line())
+
+
 def _compress_one(args, src: str, dst: str, books) -> None:
     from ..checkpoint import exact as checkpoint
 
@@ -245,18 +261,7 @@ def _compress_one(args, src: str, dst: str, books) -> None:
                 f"{src} is a directory: it compresses into a directory, exactly "
                 "(--lossy and - apply to single files; --base takes the previous directory)"
             )
-        _refuse_existing(dst, args.force)
-        summary = directory.compress_dir(
-            src,
-            dst,
-            threads=_used_threads(args),
-            force=args.force,
-            progress=_progress(args),
-            on_file=_print_file(args),
-            codebooks=books,
-            base=args.base,
-        )
-        _say(args, summary.line())
+        _run_tree(args, directory.compress_dir, src, dst, codebooks=books)
         return
     _refuse_existing(dst, args.force)
     _refuse_terminal(dst, "compressed data")
@@ -277,7 +282,7 @@ def _compress_one(args, src: str, dst: str, books) -> None:
             summary = lossy.compress_file(
                 path,
                 out,
-                mode=args.lossy,
+                method=args.lossy,
                 base=args.base,
                 max_error=args.max_error,
                 bits=args.bits,
@@ -285,6 +290,7 @@ def _compress_one(args, src: str, dst: str, books) -> None:
                 beta=lossy.DEFAULT_BETA if args.beta is None else args.beta,
                 keep_bits=args.keep_bits,
                 threads=_used_threads(args),
+                force=True,  # refused above without --force; "-" writes a temp file made for it
             )
     # lossy notes (keyframe, fallbacks) were logged by comm_codec.checkpoint.lossy
     _say(args, summary.line(), to_stderr=dst == "-")
@@ -306,17 +312,7 @@ def _decompress_one(args, src: str, dst: str) -> None:
 
         if dst == "-":
             raise ValueError(f"{src} is a directory: it decompresses into a directory, not to stdout")
-        _refuse_existing(dst, args.force)
-        summary = directory.decompress_dir(
-            src,
-            dst,
-            threads=_used_threads(args),
-            force=args.force,
-            progress=_progress(args),
-            on_file=_print_file(args),
-            base=args.base,
-        )
-        _say(args, summary.line())
+        _run_tree(args, directory.decompress_dir, src, dst)
         return
     _refuse_existing(dst, args.force)
     _refuse_terminal(dst, "a decompressed checkpoint")
@@ -328,7 +324,7 @@ def _decompress_one(args, src: str, dst: str) -> None:
             with _local_output(dst) as out:
                 # A stream has no directory: its base is looked for in the working directory.
                 summary = lossy.decompress_file(
-                    path, out, base=args.base, threads=threads, beside=os.getcwd() if src == "-" else None
+                    path, out, base=args.base, threads=threads, beside=os.getcwd() if src == "-" else None, force=True
                 )
         elif dst == "-":
             # Streamed: the bytes reach stdout as they are decoded, in order.
@@ -450,6 +446,13 @@ def _quiet_and_progress(p) -> None:
     )
 
 
+def _paths_and_base(p, *, paths: str, multiple: str, base: str) -> None:
+    """The positional paths, ``-m`` and ``--base`` that compress and decompress share (their helps differ)."""
+    p.add_argument("paths", nargs="+", metavar="SRC", help=paths)
+    p.add_argument("-m", "--multiple", action="store_true", help=multiple)
+    p.add_argument("--base", metavar="PREV", help=base)
+
+
 def register(subparsers) -> None:
     """Add the checkpoint subcommands to the ``comm-codec`` parser."""
     threads = dict(
@@ -475,19 +478,11 @@ def register(subparsers) -> None:
         "to --threads, one line per file. " + _STREAMS,
         epilog="Sizes print in decimal units (kB, MB, GB: 1e3, 1e6, 1e9 bytes), as GB/s.",
     )
-    p.add_argument(
-        "paths",
-        nargs="+",
-        metavar="SRC",
-        help="checkpoint file or directory, then the compressed file or directory to write (default SRC.cckp)",
-    )
-    p.add_argument(
-        "-m", "--multiple", action="store_true", help="every argument is an input, each written to FILE.cckp"
-    )
-    p.add_argument(
-        "--base",
-        metavar="PREV",
-        help="previous checkpoint: its original file or the .cckp compressed from it; code tensors "
+    _paths_and_base(
+        p,
+        paths="checkpoint file or directory, then the compressed file or directory to write (default SRC.cckp)",
+        multiple="every argument is an input, each written to FILE.cckp",
+        base="previous checkpoint: its original file or the .cckp compressed from it; code tensors "
         "as deltas against it (decompression will need it); with --lossy excp, the previous "
         "*lossy* file",
     )
@@ -563,19 +558,11 @@ def register(subparsers) -> None:
         "suffix (a name without it is refused: give DST). A directory written by `compress DIR` "
         "is restored into the directory DST. " + _STREAMS,
     )
-    p.add_argument(
-        "paths",
-        nargs="+",
-        metavar="SRC",
-        help="compressed file or directory, then where to write the original (default: SRC without .cckp)",
-    )
-    p.add_argument(
-        "-m", "--multiple", action="store_true", help="every argument is an input FILE.cckp, each written to FILE"
-    )
-    p.add_argument(
-        "--base",
-        metavar="PREV",
-        help="the base it was compressed against (its original file or the "
+    _paths_and_base(
+        p,
+        paths="compressed file or directory, then where to write the original (default: SRC without .cckp)",
+        multiple="every argument is an input FILE.cckp, each written to FILE",
+        base="the base it was compressed against (its original file or the "
         ".cckp compressed from it; for a lossy file, its base lossy "
         "file if not beside it)",
     )
