@@ -986,11 +986,16 @@ def _w_pair_all_reduce_bits(rank, world, numels):
 
 
 def test_pair_all_reduce_is_gloos_all_reduce_of_scaled_buckets_bit_for_bit():
-    """Odd and even lengths; every corner of bf16 against every other, and random bits."""
-    results = dist_utils.run(_w_pair_all_reduce_bits, 2, [(1 << 15) + 1, 1 << 16])
+    """Odd and even lengths, one segment and several (the last one short); every corner of
+    bf16 against every other, and random bits."""
+    from comm_codec.comm._premul import SEGMENT_ELEMS
+
+    results = dist_utils.run(_w_pair_all_reduce_bits, 2, [(1 << 15) + 1, 1 << 16, 2 * SEGMENT_ELEMS + 5])
     for rank, r in enumerate(results):
         for case in r:
-            assert case["n"] == 0, f"rank {rank}: {case['n']} elements differ from the built-in's, first {case['differ']}"
+            assert case["n"] == 0, (
+                f"rank {rank}: {case['n']} elements differ from the built-in's, first {case['differ']}"
+            )
     assert [c["digest"] for c in results[0]] == [c["digest"] for c in results[1]]
 
 

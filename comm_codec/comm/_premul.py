@@ -63,10 +63,12 @@ def fused_pair(tensor: torch.Tensor, group) -> bool:
 def pair_all_reduce(tensor: torch.Tensor, group, workspace: Workspace) -> torch.Tensor:
     """All-reduce a bf16 bucket over two ranks as DDP's built-in all-reduce does, scaling fused into the sum.
 
-    Rank 0 sums the first half, rank 1 the second (split as :func:`torch.chunk` would not
-    matter: every element is summed once, by one rank, and both ranks end with the same
-    bits). Blocking; run it where collectives on ``group`` are issued in the same order on
-    both ranks (the engine's worker).
+    Rank 0 sums the first half, rank 1 the second; every element is summed once, by one
+    rank, and both ranks end with the same bits. The halves travel in segments of
+    :data:`SEGMENT_ELEMS`, all posted at once: a segment is summed as soon as it has
+    arrived and sent back while the next ones are still on the wire, as gloo's ring
+    all-reduce pipelines its own. Blocking; run it where collectives on ``group`` are
+    issued in the same order on both ranks (the engine's worker).
 
     Args:
         tensor: the bucket, contiguous bf16 on the CPU, at least 2 elements (see :func:`fused_pair`).
@@ -82,17 +84,29 @@ def pair_all_reduce(tensor: torch.Tensor, group, workspace: Workspace) -> torch.
     half = flat.numel() // 2
     own, other = (flat[:half], flat[half:]) if rank == 0 else (flat[half:], flat[:half])
     received = workspace.take("premul_peer", own.numel(), torch.bfloat16, "cpu")
-    works = [dist.isend(other, peer, group=group), dist.irecv(received, peer, group=group)]
-    for work in works:
-        work.wait()
-    status = premul_sum_bf16(
-        own.view(torch.int16).numpy().view(np.uint16),
-        received.view(torch.int16).numpy().view(np.uint16),
-        np.float32(ddp_scale(2)),
-    )
-    if status:  # pragma: no cover - the workspace is never shorter than the half it holds
-        raise CollectiveError("premul_sum_bf16: the received half is shorter than this rank's")
-    works = [dist.isend(own, peer, group=group), dist.irecv(other, peer, group=group)]
-    for work in works:
+    own_bits = own.view(torch.int16).numpy().view(np.uint16)
+    received_bits = received.view(torch.int16).numpy().view(np.uint16)
+    scale = np.float32(ddp_scale(2))
+    # Segment i of this rank's half is segment i of the peer's "other" part: the same
+    # bounds on both ranks, tags telling the segments and the two directions apart.
+    mine, theirs = _segments(own.numel()), _segments(other.numel())
+    sends = [dist.isend(other[a:b], peer, group=group, tag=2 * i) for i, (a, b) in enumerate(theirs)]
+    recvs = [dist.irecv(received[a:b], peer, group=group, tag=2 * i) for i, (a, b) in enumerate(mine)]
+    back = []
+    for i, (a, b) in enumerate(mine):
+        recvs[i].wait()
+        if premul_sum_bf16(own_bits[a:b], received_bits[a:b], scale):  # pragma: no cover - equal lengths
+            raise CollectiveError("premul_sum_bf16: the received segment is shorter than this rank's")
+        back.append(dist.isend(own[a:b], peer, group=group, tag=2 * i + 1))
+    back += [dist.irecv(other[a:b], peer, group=group, tag=2 * i + 1) for i, (a, b) in enumerate(theirs)]
+    for work in sends + back:
         work.wait()
     return tensor
+
+
+# Elements per segment of :func:`pair_all_reduce` (2 MiB of bf16).
+SEGMENT_ELEMS = 1 << 20
+
+
+def _segments(numel: int) -> list[tuple[int, int]]:
+    return [(a, min(a + SEGMENT_ELEMS, numel)) for a in range(0, numel, SEGMENT_ELEMS)]
