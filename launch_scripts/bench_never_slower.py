@@ -16,6 +16,11 @@ a ratio to DDP without a hook:
 
 Links: Gbit/s, loopback shaped with tbf inside a network namespace (root and iproute2;
 the namespace holds only 127.0.0.1 and is deleted afterwards), 0 = unshaped loopback.
+``--collective N`` times only the all-reduce of one bf16 bucket of N elements instead
+(no model): gloo's all-reduce alone (DDP's cost: it scales in its bucket copy), a
+multiply pass then gloo's all-reduce (what a hook pays without the fused sum), and the
+hook's fused pair sum; wall time of the slowest rank and CPU time per rank.
+
 ``--profile`` adds, per link, where the ``auto`` arm's hook spends its time per step
 (on the training thread and on the engine's worker) and what the pass it no longer
 makes would cost (a multiply of every gradient by 1/W).
@@ -174,6 +179,59 @@ def _run_link(rate, work, arms, baseline, args, rank) -> dict:
     return link
 
 
+def _collective(rate, numel: int, rounds: int, rank: int) -> dict:
+    """Wall (slowest rank) and CPU ms of one bucket's plain all-reduce, three ways, alternating."""
+    from comm_codec.comm._premul import pair_all_reduce, scale_like_ddp
+    from comm_codec.comm.workspace import Workspace
+
+    sweep._shape(rate, rank)
+    g = torch.Generator().manual_seed(rank)
+    src = (torch.randn(numel, generator=g) * 1e-3).bfloat16()
+    bucket, workspace = src.clone(), Workspace()
+    ways = {
+        "gloo all-reduce (DDP built-in)": lambda: dist.all_reduce(bucket),
+        "multiply pass + gloo all-reduce": lambda: (scale_like_ddp(bucket, 2), dist.all_reduce(bucket)),
+        "fused pair sum (the hook)": lambda: pair_all_reduce(bucket, None, workspace),
+    }
+    names = list(ways)
+    samples = {name: [] for name in names}
+    for r in range(rounds + 1):  # round 0 warms up
+        for name in names[r % 3 :] + names[: r % 3]:
+            bucket.copy_(src)
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            ways[name]()
+            mine = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
+            every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(every, mine)
+            if r:
+                samples[name].append(torch.stack(every))
+    rows = {}
+    for name in names:
+        per = torch.stack(samples[name])
+        rows[name] = {
+            "ms": 1e3 * statistics.median(per[:, :, 0].max(1).values.tolist()),
+            "cpu_ms": 1e3 * statistics.median(per[:, :, 1].mean(1).tolist()),
+        }
+    return {"rate_gbit": rate, "numel": numel, "rows": rows}
+
+
+def _print_collective(link: dict, rounds: int) -> None:
+    rows = link["rows"]
+    base = next(iter(rows.values()))
+    print(
+        f"\nall-reduce of {link['numel']} bf16 elements, 2 ranks, {sweep._link_label(link['rate_gbit'])}: "
+        f"{rounds} alternating rounds, load {sweep._loadavg()}"
+    )
+    print(f"  {'way':<34}{'ms':>9}{'x gloo':>9}{'CPU ms':>9}{'x gloo':>9}")
+    for name, row in rows.items():
+        print(
+            f"  {name:<34}{row['ms']:>9.1f}{row['ms'] / base['ms']:>8.3f}x{row['cpu_ms']:>9.1f}"
+            f"{row['cpu_ms'] / base['cpu_ms']:>8.3f}x"
+        )
+    sys.stdout.flush()
+
+
 def _rank_main(rank: int, world: int, port: int, args, out_path: str) -> None:
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     dist.init_process_group(
@@ -184,6 +242,15 @@ def _rank_main(rank: int, world: int, port: int, args, out_path: str) -> None:
         timeout=datetime.timedelta(seconds=300),
     )
     try:
+        if args.collective:
+            links = [_collective(rate, args.collective, args.rounds, rank) for rate in args.link_list]
+            if rank == 0:
+                for link in links:
+                    _print_collective(link, args.rounds)
+                with open(out_path, "w") as fh:
+                    json.dump({"collective": links}, fh)
+            sweep._shape(0, rank)
+            return
         work = sweep._Workload(args.model, torch.bfloat16, args.batch, args.seq, rank, world)
         baseline = sweep._load_baseline(args.baseline) if args.baseline else None
         arms = [a for a in args.arm_list if a != "base" or baseline is not None]
@@ -246,6 +313,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--collective", type=int, metavar="N", help="time one N-element bucket's all-reduce only")
     parser.add_argument("--profile", action="store_true", help="time the plain path's parts (auto arm)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--netns", default="cc-never-slower", help="network namespace name")
