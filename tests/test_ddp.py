@@ -1072,7 +1072,7 @@ def test_plain_path_is_ddp_builtin_all_reduce_bit_for_bit(dtype_name, mode, worl
     results = dist_utils.run(_w_plain_equals_builtin, world, dtype_name, mode, steps, ddp_kw)
     for rank, r in enumerate(results):
         assert r["hook"]["coded_calls"] == 0
-        assert r["hook"]["fused"] == (dtype_name == "bf16" and world == 2)
+        assert r["hook"]["fused"] == (dtype_name == "bf16" and world == 2 and mode != "warmup")
         assert r["hook"]["grads"] == r["builtin"]["grads"], f"rank {rank}: gradients differ from DDP's built-in"
         assert r["hook"]["weights"] == r["builtin"]["weights"], f"rank {rank}: weights differ"
         assert r["hook"]["weights"] == results[0]["hook"]["weights"]

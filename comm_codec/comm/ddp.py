@@ -94,7 +94,9 @@ def _plain_all_reduce(state: HuffmanState, tensor: torch.Tensor) -> torch.future
     calling thread. The future holds the bucket (or a list holding it).
     """
     group = state.process_group
-    if fused_pair(tensor, group):
+    # While the profiler observes (warmup), buckets stay on the calling thread's path: the
+    # profiler is fed from one thread at a time.
+    if not state.profiling and fused_pair(tensor, group):
         fut = _on_worker(state, lambda: pair_all_reduce(tensor, state.group(), state.workspace), tensor)
     else:
         scale_like_ddp(tensor, dist.get_world_size(group))
