@@ -947,3 +947,134 @@ def test_stats_count_every_call_plain_and_coded(mode, warmup):
             assert s["calls"] > 0 and s["raw_calls"] > 0  # the warmup steps are plain, and counted
             assert 1.0 < s["ratio"] < s["coded_ratio"]
             assert s["ratio"] == pytest.approx(s["bytes_in"] / s["bytes_out"])
+
+
+# ----------------------------------------------------------------------------------------
+# 9. The plain path is DDP's built-in all-reduce (no hook registered), bit for bit
+# ----------------------------------------------------------------------------------------
+# bf16 bit patterns whose scaling or sum is a corner: zeros of both signs, infinities,
+# NaNs (quiet, signalling, negative), subnormals, the largest finite values, one.
+_CORNERS = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7F81, 0x0001, 0x8001, 0x007F]
+_CORNERS += [0x0080, 0x0081, 0x00FF, 0x0100, 0x7F7F, 0xFF7F, 0x3F80, 0xBF80]
+
+
+def _w_pair_all_reduce_bits(rank, world, numels):
+    """Crafted bf16 buckets through the fused pair all-reduce and through DDP's built-in
+    arithmetic (a multiply by 1/W, then gloo's all-reduce); return where they differ."""
+    from comm_codec.comm._premul import fused_pair, pair_all_reduce, scale_like_ddp
+    from comm_codec.comm.workspace import Workspace
+
+    corners = torch.tensor(_CORNERS, dtype=torch.int32).to(torch.int16)
+    k = corners.numel()
+    out = []
+    for i, n in enumerate(numels):
+        g = torch.Generator().manual_seed(31 * i + rank)
+        bits = torch.randint(-(1 << 15), 1 << 15, (n,), generator=g, dtype=torch.int32).to(torch.int16)
+        # every corner meets every corner of the peer, then random bit patterns (NaNs,
+        # subnormals and all), then gradient-like values of mixed scale
+        bits[: k * k] = corners.repeat_interleave(k) if rank == 0 else corners.repeat(k)
+        like = (torch.randn(n // 2, generator=g) * torch.logspace(-30, 3, n // 2)).bfloat16()
+        bits[n - n // 2 :] = like.view(torch.int16)
+        x = bits.view(torch.bfloat16)
+        assert fused_pair(x, None)
+        builtin = x.clone()
+        scale_like_ddp(builtin, world)
+        dist.all_reduce(builtin)
+        fused = pair_all_reduce(x.clone(), None, Workspace())
+        differ = (int_view(builtin) != int_view(fused)).nonzero().reshape(-1)
+        out.append({"differ": differ[:5].tolist(), "n": int(differ.numel()), "digest": _digest(fused)})
+    return out
+
+
+def test_pair_all_reduce_is_gloos_all_reduce_of_scaled_buckets_bit_for_bit():
+    """Odd and even lengths, one segment and several (the last one short); every corner of
+    bf16 against every other, and random bits."""
+    from comm_codec.comm._premul import SEGMENT_ELEMS
+
+    results = dist_utils.run(_w_pair_all_reduce_bits, 2, [(1 << 15) + 1, 1 << 16, 2 * SEGMENT_ELEMS + 5])
+    for rank, r in enumerate(results):
+        for case in r:
+            assert case["n"] == 0, (
+                f"rank {rank}: {case['n']} elements differ from the built-in's, first {case['differ']}"
+            )
+    assert [c["digest"] for c in results[0]] == [c["digest"] for c in results[1]]
+
+
+class _Wide(nn.Module):
+    """A bf16-sized MLP whose buckets are large enough for the fused plain path and small enough not to be."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(64, 256)
+        self.fc2 = nn.Linear(256, 256)
+        self.fc3 = nn.Linear(256, 8)
+
+    def forward(self, x):
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def _w_plain_equals_builtin(rank, world, dtype_name, mode, steps, ddp_kw):
+    """Train DDP without a hook and DDP with huffman_hook sending plainly, same weights and
+    batches; return each step's gradient digests and the final weights' of both."""
+    dtype = DTYPES[dtype_name]
+    runs = {}
+    for arm in ("builtin", "hook"):
+        torch.manual_seed(0)
+        model = _Wide().to(dtype)
+        ddp = DDP(model, **ddp_kw)
+        state = None
+        if arm == "hook":
+            # auto after a plain decision; never; or always while its warmup steps are plain
+            kw = {"auto": {"mode": "auto"}, "never": {"mode": "never"}, "warmup": {"mode": "always"}}[mode]
+            state = HuffmanState(warmup_steps=steps if mode == "warmup" else 0, min_bytes=0, log_every=0, **kw)
+            if mode == "auto":
+                state.switch.coded, state.switch._next_probe = False, 10**9  # decided: plain
+            ddp.register_comm_hook(state, huffman_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+        grads = []
+        for step in range(steps):
+            g = torch.Generator().manual_seed(7919 * step + 104729 * rank + 1)
+            x = torch.randn(16, 64, generator=g).to(dtype)
+            y = torch.randn(16, 8, generator=g)
+            opt.zero_grad(set_to_none=True)
+            _loss(ddp(x), y).backward()
+            grads.append(_digest(_flat_grads(model)))
+            opt.step()
+        runs[arm] = {
+            "grads": grads,
+            "weights": _digest(torch.cat([p.detach().reshape(-1) for p in model.parameters()])),
+            "coded_calls": state.stats()["calls"] if state is not None else 0,
+            # the fused pair sum received a peer's half into the workspace
+            "fused": state is not None and any(key[0] == "premul_peer" for key in state.workspace._buffers),
+        }
+        if state is not None:
+            state.shutdown()
+    return runs
+
+
+@pytest.mark.parametrize(
+    "dtype_name,mode,world",
+    [
+        ("bf16", "auto", 2),
+        ("bf16", "never", 2),
+        pytest.param("bf16", "warmup", 2, marks=pytest.mark.slow),
+        pytest.param("fp32", "never", 2, marks=pytest.mark.slow),
+        pytest.param("bf16", "never", 3, marks=pytest.mark.slow),
+        pytest.param("fp32", "auto", 3, marks=pytest.mark.slow),
+    ],
+)
+def test_plain_path_is_ddp_builtin_all_reduce_bit_for_bit(dtype_name, mode, world):
+    """When the hook sends plainly (auto decided so, never, warmup steps), every step's
+    gradients and the weights after training are DDP's without a hook, bit for bit:
+    buckets of 64 KiB and more through the fused pair sum (2 ranks, bf16), smaller ones
+    and other world sizes through a multiply by 1/W (DDP's, not a divide) and gloo."""
+    steps = 4
+    ddp_kw = {"bucket_cap_mb": 0.1}  # fc2's bucket is fused, fc1's and fc3's are not
+    results = dist_utils.run(_w_plain_equals_builtin, world, dtype_name, mode, steps, ddp_kw)
+    for rank, r in enumerate(results):
+        assert r["hook"]["coded_calls"] == 0
+        assert r["hook"]["fused"] == (dtype_name == "bf16" and world == 2 and mode != "warmup")
+        assert r["hook"]["grads"] == r["builtin"]["grads"], f"rank {rank}: gradients differ from DDP's built-in"
+        assert r["hook"]["weights"] == r["builtin"]["weights"], f"rank {rank}: weights differ"
+        assert r["hook"]["weights"] == results[0]["hook"]["weights"]
+    assert len(set(results[0]["builtin"]["grads"])) == steps

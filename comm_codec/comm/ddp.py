@@ -8,8 +8,8 @@ Usage, like PyTorch's own hooks::
     ...
     state.stats()   # {"bytes_in": ..., "bytes_out": ..., "ratio": ..., "decision": ..., ...}
 
-During the first ``warmup_steps`` backward passes the hook all-reduces plainly (exactly
-as DDP's default hook: divide by the world size, then sum) while a
+During the first ``warmup_steps`` backward passes the hook all-reduces plainly (bit for
+bit DDP's built-in all-reduce: scale by ``1 / world_size``, then sum) while a
 :class:`~comm_codec.books.profiler.WarmupProfiler` observes the gradient buckets and their
 averages. Then every rank builds the books from the statistics summed over all ranks —
 identical by construction, and checked by digest — and the hook can code: the two-phase
@@ -22,10 +22,14 @@ Whether it codes is ``mode``'s business: ``"always"`` codes every step after war
 ``"never"`` is DDP's default hook, and ``"auto"`` (the default) lets a
 :class:`~comm_codec.comm.autoswitch.AutoSwitch` time plain and coded steps on this run and
 code only where that is faster, agreed across ranks and re-checked every
-``recheck_every`` steps. A plain step is exactly the default hook, issued on the
-calling thread; a coded bucket runs on one worker thread per state, in bucket order,
-so it overlaps with the rest of the backward pass as DDP's own all-reduce does (the
-numba kernels and gloo release the GIL).
+``recheck_every`` steps. A plain step gives the bits of DDP's built-in all-reduce (no
+hook registered) at its cost: DDP scales gradients while copying them into a bucket only
+when no hook is registered, so the hook must scale them itself, and with two gloo ranks
+and bf16 buckets it folds that scaling into the sum instead of a pass of its own
+(:mod:`comm_codec.comm._premul`). A coded bucket, and a plain one summed that way, runs
+on one worker thread per state, in bucket order, so it overlaps with the rest of the
+backward pass as DDP's own all-reduce does (the numba kernels and gloo release the
+GIL); other plain buckets go to the backend's all-reduce from the calling thread.
 
 Books, warmup, the decision, the worker, statistics and every cross-rank check are the
 :class:`~comm_codec.comm.engine.CodingEngine`'s, which :class:`HuffmanState` is; this
@@ -38,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
+from ._premul import fused_pair, pair_all_reduce, scale_like_ddp
 from .engine import CodingEngine
 
 __all__ = ["HuffmanState", "huffman_hook"]
@@ -85,10 +90,20 @@ class HuffmanState(CodingEngine):
 
 
 def _plain_all_reduce(state: HuffmanState, tensor: torch.Tensor) -> torch.futures.Future:
-    """DDP's default hook: divide, then sum (so plain steps equal the default's)."""
+    """DDP's built-in all-reduce, bit for bit: scale by 1 / W as its reducer does, then sum.
+
+    With two gloo ranks and a bf16 bucket the scaling is folded into the sum, on the
+    engine's worker and its twin group; otherwise the backend's all-reduce runs from the
+    calling thread. The future holds the bucket (or a list holding it).
+    """
     group = state.process_group
-    tensor.div_(dist.get_world_size(group))
-    fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+    # While the profiler observes (warmup), buckets stay on the calling thread's path: the
+    # profiler is fed from one thread at a time.
+    if not state.profiling and fused_pair(tensor, group):
+        fut = _on_worker(state, lambda: pair_all_reduce(tensor, state.group(), state.workspace), tensor)
+    else:
+        scale_like_ddp(tensor, dist.get_world_size(group))
+        fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
     state.count_plain("all_reduce", tensor, group)
     return fut
 
@@ -98,8 +113,11 @@ def _coded_all_reduce(state: HuffmanState, tensor: torch.Tensor, is_last: bool) 
     group = state.group()
 
     def plain():
-        tensor.div_(dist.get_world_size(group))
-        dist.all_reduce(tensor, group=group)
+        if fused_pair(tensor, group):
+            pair_all_reduce(tensor, group, state.workspace)
+        else:
+            scale_like_ddp(tensor, dist.get_world_size(group))
+            dist.all_reduce(tensor, group=group)
 
     def coded(stats):
         collectives.all_reduce(
@@ -127,6 +145,30 @@ def _coded_all_reduce(state: HuffmanState, tensor: torch.Tensor, is_last: bool) 
     return tensor
 
 
+def _on_worker(state: HuffmanState, fn, tensor: torch.Tensor) -> torch.futures.Future:
+    """Run ``fn`` on the engine's worker, after the buckets before it; a torch future of its result.
+
+    Collectives issued from two threads could interleave differently on each rank, so
+    every bucket that the worker handles goes through it, in bucket order. The outcome,
+    tensor or exception, is passed on as a value and raised in a .then callback: DDP then
+    reports the exception itself, not a failed cast to Tensor.
+    """
+    outcome = torch.futures.Future()
+
+    def done(cf):
+        exc = cf.exception()
+        outcome.set_result(exc if exc is not None else cf.result())
+
+    def unwrap(f):
+        value = f.value()
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+    state.submit(fn, like=tensor).add_done_callback(done)
+    return outcome.then(unwrap)
+
+
 def huffman_hook(state: "HuffmanState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """All-reduce a gradient bucket with Huffman-coded frames; the DDP comm-hook contract.
 
@@ -151,7 +193,8 @@ def huffman_hook(state: "HuffmanState", bucket: dist.GradBucket) -> torch.future
         state.observe(tensor, "gradient")
 
         def after(f, last=is_last):
-            result = f.value()[0]
+            result = f.value()
+            result = result[0] if isinstance(result, list) else result
             state.observe(result, "reduced_gradient")
             if last:
                 state.end_step()
@@ -159,21 +202,4 @@ def huffman_hook(state: "HuffmanState", bucket: dist.GradBucket) -> torch.future
 
         return _plain_all_reduce(state, tensor).then(after)
 
-    # Coded buckets run on the engine's one worker thread, in bucket order: collectives
-    # issued from two threads could interleave differently on each rank. The worker's
-    # outcome, tensor or exception, is passed on as a value and raised in a .then
-    # callback: DDP then reports the exception itself, not a failed cast to Tensor.
-    outcome = torch.futures.Future()
-
-    def done(cf):
-        exc = cf.exception()
-        outcome.set_result(exc if exc is not None else cf.result())
-
-    def unwrap(f):
-        value = f.value()
-        if isinstance(value, BaseException):
-            raise value
-        return value
-
-    state.submit(lambda: _coded_all_reduce(state, tensor, is_last), like=tensor).add_done_callback(done)
-    return outcome.then(unwrap)
+    return _on_worker(state, lambda: _coded_all_reduce(state, tensor, is_last), tensor)

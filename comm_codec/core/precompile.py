@@ -48,6 +48,7 @@ from ..kernels import jit as _jit  # first: it names a bad NUMBA_* setting in it
 from numba.core import event as _event  # after kernels.jit (see above)
 
 from ..kernels.histogram import chunk_histograms, huffman_costs
+from ..kernels.premul import premul_sum_bf16
 from .huffman import Codebook
 from .streams import SUPPORTED_NAMES, as_bits, is_accumulable, spec_for
 
@@ -206,6 +207,9 @@ def precompile(codec, dtypes=None, profiler: bool = False) -> dict:
                     raise RuntimeError(f"precompile round trip of {spec.name} is not bit-exact")  # pragma: no cover
                 if is_accumulable(spec):  # the all-reduce's decode-and-add
                     codec.decode_accumulate(frame, torch.zeros(x.numel(), dtype=torch.float32))
+                if spec.dtype == torch.bfloat16:  # the DDP hook's plain pair sum
+                    one = np.zeros(1, dtype=np.uint16)
+                    premul_sum_bf16(one, one.copy(), np.float32(0.5))
                 if profiler:
                     with first_use("profiling", spec):
                         _profile_kernels(x)
