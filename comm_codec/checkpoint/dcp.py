@@ -867,8 +867,10 @@ def load(state_dict: dict, path, *, process_group=None, planner=None, codebooks=
     Args:
         state_dict: as for ``dcp.load``: tensors allocated where they are to be loaded.
         path: the checkpoint directory.
-        process_group, planner: as for ``dcp.load``.
-        codebooks, trusted: as for :class:`Reader`.
+        process_group: as for ``dcp.load``.
+        planner: as for ``dcp.load``.
+        codebooks: as for :class:`Reader`.
+        trusted: as for :class:`Reader`.
 
     Returns:
         This rank's figures: :meth:`Reader.stats`.

@@ -276,8 +276,10 @@ def plain_wire_bytes(collective: str, numel: int, itemsize: int, world: int, ran
     Args:
         collective: "all_reduce" (``numel``: the buffer), "reduce_scatter" (the input
             of W rows), "all_gather" (this rank's shard) or "reduce" (the buffer, to ``dst``).
-        numel, itemsize: the tensor's elements and element size.
-        world, rank: the group's size and this rank in it.
+        numel: the tensor's elements and element size.
+        itemsize: the tensor's elements and element size.
+        world: the group's size and this rank in it.
+        rank: the group's size and this rank in it.
         dst: the destination of a "reduce".
 
     Returns:
@@ -624,8 +626,12 @@ def reduce_scatter(
     Args:
         output: contiguous tensor, same numel and dtype as each input; overwritten.
         input_list: one tensor per rank (all the same numel and dtype).
-        codec, group, kind, cast, stats, workspace: as for :func:`all_reduce` (``kind``
-            defaults to "gradient", as for every collective that sums).
+        codec: as for :func:`all_reduce`.
+        group: as for :func:`all_reduce`.
+        kind: as for :func:`all_reduce`; defaults to "gradient", as for every collective that sums.
+        cast: as for :func:`all_reduce`.
+        stats: as for :func:`all_reduce`.
+        workspace: as for :func:`all_reduce`.
         average: divide by the group size.
 
     Returns:
@@ -673,7 +679,11 @@ def all_gather(
     Args:
         tensor_list: one output tensor per rank (same numel and dtype as ``tensor``).
         tensor: this rank's contribution.
-        codec, group, kind, stats, workspace: as for :func:`all_reduce`.
+        codec: as for :func:`all_reduce`.
+        group: as for :func:`all_reduce`.
+        kind: as for :func:`all_reduce`.
+        stats: as for :func:`all_reduce`.
+        workspace: as for :func:`all_reduce`.
 
     Returns:
         ``tensor_list``, filled bit-exactly.
@@ -754,7 +764,9 @@ def row_parallel_all_reduce(
 
     Args:
         x: this rank's partial output.
-        codec, group, stats: as for :func:`all_reduce`.
+        codec: as for :func:`all_reduce`.
+        group: as for :func:`all_reduce`.
+        stats: as for :func:`all_reduce`.
 
     Returns:
         The sum over ranks, with autograd passing the gradient through unchanged.

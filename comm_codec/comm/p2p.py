@@ -32,7 +32,10 @@ def send(
     Args:
         tensor: the tensor to send.
         dst: destination rank (in ``group``).
-        codec, group, kind, stats: as for :func:`all_reduce`.
+        codec: as for :func:`all_reduce`.
+        group: as for :func:`all_reduce`.
+        kind: as for :func:`all_reduce`.
+        stats: as for :func:`all_reduce`.
     """
     codec = codec or Codec()
     stats = stats if stats is not None else CommStats()
@@ -51,7 +54,9 @@ def recv(
     Args:
         tensor: contiguous output of the sent tensor's dtype and numel.
         src: source rank.
-        codec, group, stats: as for :func:`all_reduce`.
+        codec: as for :func:`all_reduce`.
+        group: as for :func:`all_reduce`.
+        stats: as for :func:`all_reduce`.
 
     Returns:
         ``tensor``.
@@ -107,7 +112,11 @@ def reduce(
     Args:
         tensor: contiguous bf16, fp16 or fp32 tensor, summed in place on ``dst``.
         dst: the destination rank (in ``group``).
-        codec, group, kind, stats, workspace: as for :func:`all_reduce`.
+        codec: as for :func:`all_reduce`.
+        group: as for :func:`all_reduce`.
+        kind: as for :func:`all_reduce`.
+        stats: as for :func:`all_reduce`.
+        workspace: as for :func:`all_reduce`.
         cast: a narrower dtype to code fp32 in (lossy), or None.
 
     Raises:
