@@ -702,14 +702,17 @@ def test_outputs_keep_the_inputs_permission_bits(tmp_path):
 
 
 def test_an_unwritable_output_directory_is_named_by_its_output(tmp_path, monkeypatch):
-    import tempfile
+    from comm_codec.core import atomic
 
     torch.save(_state_dict(), tmp_path / "c.pt")
+    real_open = os.open
 
-    def denied(prefix="", suffix="", dir=None):
-        raise PermissionError(13, "Permission denied", os.path.join(dir, prefix + "x1y2" + suffix))
+    def denied(path, flags, *args, **kwargs):  # the temp file's create, as in a read-only directory
+        if flags & os.O_CREAT and flags & os.O_EXCL:
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, flags, *args, **kwargs)
 
-    monkeypatch.setattr(tempfile, "mkstemp", denied)
+    monkeypatch.setattr(atomic.os, "open", denied)
     with pytest.raises(PermissionError) as info:
         ck.compress_file(tmp_path / "c.pt", tmp_path / "c.cckp")
     assert info.value.filename == str(tmp_path / "c.cckp")

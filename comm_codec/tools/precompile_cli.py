@@ -85,10 +85,10 @@ def precompile_checkpoint() -> float:
         sd["opt"] = {"exp_avg": torch.randn(70000) * 1e-3, "exp_avg_sq": torch.rand(70000) * 1e-6}
         torch.save(sd, new)
         for threads in (1, 2):
-            exact.compress_file(base, base + ".cc", threads=threads, progress=False)
-            exact.compress_file(new, new + ".cc", base=base, threads=threads, progress=False)
-            exact.decompress_file(base + ".cc", base + ".out", threads=threads, progress=False)
-            exact.decompress_file(new + ".cc", new + ".out", base=base, threads=threads, progress=False)
+            exact.compress_file(base, base + ".cc", threads=threads, progress=False, force=True)
+            exact.compress_file(new, new + ".cc", base=base, threads=threads, progress=False, force=True)
+            exact.decompress_file(base + ".cc", base + ".out", threads=threads, progress=False, force=True)
+            exact.decompress_file(new + ".cc", new + ".out", base=base, threads=threads, progress=False, force=True)
         lossy.compress_file(new, new + ".ccl")
         lossy.decompress_file(new + ".ccl", new + ".lossy.pt")
     return time.perf_counter() - start
