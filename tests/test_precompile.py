@@ -64,12 +64,12 @@ _EVERY_PATH = textwrap.dedent("""
     from safetensors.torch import save_file
     save_file({k: v.contiguous() for k, v in sd.items()}, f"{d}/c.safetensors")
     for threads in (1, 2):
-        checkpoint.compress_file(f"{d}/a.pt", f"{d}/a.cc", threads=threads)
-        checkpoint.decompress_file(f"{d}/a.cc", f"{d}/a.out", threads=threads)
-        checkpoint.compress_file(f"{d}/b.pt", f"{d}/b.cc", base=f"{d}/a.pt", threads=threads)
-        checkpoint.decompress_file(f"{d}/b.cc", f"{d}/b.out", base=f"{d}/a.pt", threads=threads)
-        checkpoint.compress_file(f"{d}/c.safetensors", f"{d}/c.cc", threads=threads)
-        checkpoint.decompress_file(f"{d}/c.cc", f"{d}/c.out", threads=threads)
+        checkpoint.compress_file(f"{d}/a.pt", f"{d}/a.cc", threads=threads, force=True)
+        checkpoint.decompress_file(f"{d}/a.cc", f"{d}/a.out", threads=threads, force=True)
+        checkpoint.compress_file(f"{d}/b.pt", f"{d}/b.cc", base=f"{d}/a.pt", threads=threads, force=True)
+        checkpoint.decompress_file(f"{d}/b.cc", f"{d}/b.out", base=f"{d}/a.pt", threads=threads, force=True)
+        checkpoint.compress_file(f"{d}/c.safetensors", f"{d}/c.cc", threads=threads, force=True)
+        checkpoint.decompress_file(f"{d}/c.cc", f"{d}/c.out", threads=threads, force=True)
     lossy.compress_file(f"{d}/b.pt", f"{d}/b.ccl")
     lossy.decompress_file(f"{d}/b.ccl", f"{d}/b.lossy.pt")
 
