@@ -493,12 +493,8 @@ def _profile_step(cfg: _Config) -> list[dict]:
 
 
 # -- the ranks --------------------------------------------------------------------------------
-def _rank_main(rank: int, world: int, port: int, args, out_path: str) -> None:
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"%(levelname)s rank {rank} %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def init_rank(rank: int, world: int, port: int) -> None:
+    """This rank's share of the cores for torch, and its gloo group on 127.0.0.1:port."""
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     dist.init_process_group(
         "gloo",
@@ -507,6 +503,15 @@ def _rank_main(rank: int, world: int, port: int, args, out_path: str) -> None:
         world_size=world,
         timeout=datetime.timedelta(seconds=300),
     )
+
+
+def _rank_main(rank: int, world: int, port: int, args, out_path: str) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(levelname)s rank {rank} %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    init_rank(rank, world, port)
     try:
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
         work = _Workload(args.model_name, dtype, args.batch, args.seq, rank, world)

